@@ -1,0 +1,54 @@
+"""kvservice client SDK: sync and asyncio clients, regions, layouts, hashing, typed results."""
+
+from ._aio import AsyncClient
+from ._client import Client
+from ._errors import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVClientError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    ServerError,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
+from ._layout import Layout
+from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, shm_region
+from ._types import MatchResult, PrefixMatch, RegisteredBuffers, TransferStatus
+from .hashing import page_hashes, tokens_to_u32le
+
+__all__ = [
+    "Aborted",
+    "AlreadyExists",
+    "AsyncClient",
+    "AuxSpec",
+    "Client",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "KVClientError",
+    "Layout",
+    "MatchResult",
+    "NotFound",
+    "PermissionDenied",
+    "PrefixMatch",
+    "Region",
+    "RegisteredBuffers",
+    "ResourceExhausted",
+    "ServerError",
+    "ShmKVPool",
+    "TransferStatus",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "cuda_region",
+    "page_hashes",
+    "shm_region",
+    "tokens_to_u32le",
+]
+__version__ = "0.1.0"

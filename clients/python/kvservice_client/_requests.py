@@ -1,0 +1,132 @@
+"""Request builders shared by the sync and asyncio clients (one place converts Python -> proto)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ._layout import Layout
+from ._proto import common_pb2, kvservice_pb2
+from ._regions import AuxSpec, Region
+from .hashing import tokens_to_u32le
+
+__all__ = ["SESSION_METADATA_KEY"]
+
+SESSION_METADATA_KEY = "kvservice-session"
+_PATHS = {"auto": 0, "direct": 1, "packed": 2}
+
+TokensLike = Sequence[int] | np.ndarray | bytes
+HashesLike = Sequence[int] | np.ndarray
+
+
+def _key(tokens: TokensLike | None, hashes: HashesLike | None) -> dict[str, object]:
+    if (tokens is None) == (hashes is None):
+        raise ValueError("give exactly one of tokens or hashes")
+    if tokens is not None:
+        return {"tokens": common_pb2.TokenIds(u32le=tokens_to_u32le(tokens))}
+    return {"hashes": common_pb2.PageHashes(hashes=[int(h) for h in np.asarray(hashes, dtype=np.uint64)])}
+
+
+def _aux(aux: Mapping[str, Iterable[int]] | None) -> list[common_pb2.AuxRows]:
+    return [common_pb2.AuxRows(name=n, rows=list(map(int, rows))) for n, rows in (aux or {}).items()]
+
+
+def _idx(values: Iterable[int] | np.ndarray) -> list[int]:
+    return np.asarray(values, dtype=np.int64).tolist() if not isinstance(values, list) else values
+
+
+def register(
+    layout: Layout, k_regions: Sequence[Region], v_regions: Sequence[Region], aux: Sequence[AuxSpec], engine_id: str
+) -> kvservice_pb2.RegisterBuffersRequest:
+    return kvservice_pb2.RegisterBuffersRequest(
+        layout=layout.to_proto(),
+        k_regions=[r.to_proto() for r in k_regions],
+        v_regions=[r.to_proto() for r in v_regions],
+        aux_regions=[a.to_proto() for a in aux],
+        engine_id=engine_id,
+    )
+
+
+def match(
+    tokens: TokensLike | None,
+    hashes: HashesLike | None,
+    page_size: int,
+    buffer_set_ids: Sequence[str],
+    dp_rank: int | None,
+    scores_only: bool,
+    lease_ttl_ms: int,
+) -> kvservice_pb2.MatchPrefixRequest:
+    return kvservice_pb2.MatchPrefixRequest(
+        page_size=page_size,
+        buffer_set_ids=list(buffer_set_ids),
+        has_dp_rank=dp_rank is not None,
+        dp_rank=dp_rank or 0,
+        scores_only=scores_only,
+        lease_ttl_ms=lease_ttl_ms,
+        **_key(tokens, hashes),  # type: ignore[arg-type]
+    )
+
+
+def publish(
+    buffer_set_id: str,
+    page_indices: Iterable[int] | np.ndarray,
+    tokens: TokensLike | None,
+    hashes: HashesLike | None,
+    priority: int,
+) -> kvservice_pb2.PublishPagesRequest:
+    return kvservice_pb2.PublishPagesRequest(
+        buffer_set_id=buffer_set_id, page_indices=_idx(page_indices), priority=priority, **_key(tokens, hashes)  # type: ignore[arg-type]
+    )
+
+
+def expect(
+    transfer_id: str,
+    buffer_set_id: str,
+    prefix_pages: int,
+    dst_page_indices: Iterable[int] | np.ndarray,
+    expected_senders: int,
+    deadline_ms: int,
+    aux: Mapping[str, Iterable[int]] | None,
+    publish_tokens: TokensLike | None,
+    prefix_page_indices: Iterable[int] | np.ndarray,
+) -> kvservice_pb2.ExpectDeltaRequest:
+    req = kvservice_pb2.ExpectDeltaRequest(
+        transfer_id=transfer_id,
+        buffer_set_id=buffer_set_id,
+        prefix_pages=prefix_pages,
+        dst_page_indices=_idx(dst_page_indices),
+        expected_senders=expected_senders,
+        deadline_ms=deadline_ms,
+        aux=_aux(aux),
+        prefix_page_indices=_idx(prefix_page_indices),
+    )
+    if publish_tokens is not None:
+        req.publish_tokens.u32le = tokens_to_u32le(publish_tokens)
+    return req
+
+
+def send(
+    transfer_id: str,
+    buffer_set_id: str,
+    src_page_indices: Iterable[int] | np.ndarray,
+    chunk_offset: int,
+    last_chunk: bool,
+    peer_address: str,
+    aux: Mapping[str, Iterable[int]] | None,
+    deadline_ms: int,
+    path: str,
+) -> kvservice_pb2.SendDeltaRequest:
+    if path not in _PATHS:
+        raise ValueError(f"path must be one of {sorted(_PATHS)}")
+    return kvservice_pb2.SendDeltaRequest(
+        transfer_id=transfer_id,
+        buffer_set_id=buffer_set_id,
+        chunk_offset=chunk_offset,
+        src_page_indices=_idx(src_page_indices),
+        last_chunk=last_chunk,
+        peer_address=peer_address,
+        aux=_aux(aux),
+        deadline_ms=deadline_ms,
+        path=_PATHS[path],  # type: ignore[arg-type]
+    )

@@ -1,0 +1,148 @@
+"""CUDA IPC through the driver API (ctypes on libcuda), without cupy or torch internals.
+
+CUDA IPC exports whole allocations. A tensor inside a larger PyTorch caching-allocator block is
+therefore exported as (handle of the block, offset of the tensor in it); the importer opens the
+block once and adds the offset. Note: allocations made with expandable segments
+(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) cannot be exported this way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+from typing import Any
+
+__all__ = ["CudaIpcExport", "close_handle", "device_uuid", "export_pointer", "open_handle"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; ``result`` is the CUresult."""
+
+    def __init__(self, call: str, result: int) -> None:
+        name = ctypes.c_char_p()
+        lib = _lib
+        if lib is not None:
+            lib.cuGetErrorName(result, ctypes.byref(name))
+        text = name.value.decode() if name.value else str(result)
+        super().__init__(f"{call} failed: {text}")
+        self.result = result
+
+
+def _driver() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            res = lib.cuInit(0)
+            if res != 0:
+                raise CudaError("cuInit", res)
+            _lib = lib
+        return _lib
+
+
+def _check(call: str, result: int) -> None:
+    if result != 0:
+        raise CudaError(call, result)
+
+
+def device_uuid(ordinal: int) -> str:
+    """'GPU-xxxxxxxx-...' of the device with this ordinal in this process."""
+    lib = _driver()
+    dev = ctypes.c_int()
+    _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
+    uuid = _Uuid()
+    _check("cuDeviceGetUuid", lib.cuDeviceGetUuid(ctypes.byref(uuid), dev))
+    h = bytes(uuid.bytes).hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _ordinal_of(uuid: str) -> int:
+    lib = _driver()
+    count = ctypes.c_int()
+    _check("cuDeviceGetCount", lib.cuDeviceGetCount(ctypes.byref(count)))
+    for i in range(count.value):
+        if device_uuid(i) == uuid:
+            return i
+    raise LookupError(f"no visible CUDA device has uuid {uuid}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaIpcExport:
+    """What an importer needs: the block's handle, the pointer's offset in it, sizes, device."""
+
+    handle: bytes
+    offset: int
+    allocation_size: int
+    device_index: int
+    device_uuid: str
+
+
+def export_pointer(ptr: int, device_index: int) -> CudaIpcExport:
+    """Export the allocation containing device pointer ``ptr`` (current context must own it)."""
+    lib = _driver()
+    base = ctypes.c_uint64()
+    size = ctypes.c_size_t()
+    _check(
+        "cuMemGetAddressRange",
+        lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
+    )
+    handle = _Handle()
+    _check("cuIpcGetMemHandle", lib.cuIpcGetMemHandle(ctypes.byref(handle), base))
+    return CudaIpcExport(
+        handle=bytes(handle.reserved),
+        offset=ptr - base.value,
+        allocation_size=size.value,
+        device_index=device_index,
+        device_uuid=device_uuid(device_index),
+    )
+
+
+def open_handle(handle: bytes, device_uuid_or_index: str | int) -> tuple[int, int]:
+    """Open an exported allocation in this process; returns (base pointer, device ordinal).
+
+    Makes the device's primary context current on the calling thread (the one torch uses).
+    """
+    if len(handle) != 64:
+        raise ValueError(f"handle must be 64 bytes, got {len(handle)}")
+    lib = _driver()
+    ordinal = (
+        _ordinal_of(device_uuid_or_index)
+        if isinstance(device_uuid_or_index, str)
+        else device_uuid_or_index
+    )
+    dev = ctypes.c_int()
+    _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
+    ctx = ctypes.c_void_p()
+    _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+    h = _Handle()
+    h.reserved = handle
+    ptr = ctypes.c_uint64()
+    # 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    _check("cuIpcOpenMemHandle", lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1)))
+    return ptr.value, ordinal
+
+
+def close_handle(base: int) -> None:
+    _check("cuIpcCloseMemHandle", _driver().cuIpcCloseMemHandle(ctypes.c_uint64(base)))
+
+
+def tensor_export(tensor: Any) -> CudaIpcExport:
+    """Export a CUDA torch tensor (any offset inside its caching-allocator block)."""
+    if not tensor.is_cuda:
+        raise ValueError("tensor must live on a CUDA device")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    return export_pointer(tensor.data_ptr(), tensor.device.index or 0)

@@ -1,0 +1,165 @@
+"""Service configuration: one frozen dataclass, filled from (highest first) command-line flags,
+``KVSERVICE_*`` environment variables, an optional YAML file and the defaults below, validated
+once at start with messages that name the option.
+
+Every field's ``metadata["help"]`` is its documentation; flags are ``--field-name`` and
+environment variables ``KVSERVICE_FIELD_NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["Config", "ConfigError", "load_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration option is invalid; the message names the option."""
+
+
+def _opt(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    uds_path: str = _opt(
+        f"/tmp/kvservice-{os.getuid()}.sock",
+        "Unix domain socket the engine API listens on ('' disables it).",
+    )
+    uds_mode: str = _opt("0600", "File mode of the Unix socket, octal.")
+    tcp_address: str = _opt("", "Optional TCP listen address, host:port (port 0 picks one).")
+    advertise_address: str = _opt(
+        "", "Address peers use to reach this service (default: the TCP address, else the UDS)."
+    )
+    service_name: str = _opt("", "Label of this service in logs and stats (default: hostname).")
+    grace_period_s: float = _opt(10.0, "On SIGTERM, seconds in-flight work may take to finish.")
+    default_deadline_ms: int = _opt(30_000, "Transfer deadline when a call gives none.")
+    max_deadline_ms: int = _opt(600_000, "Largest deadline a call may ask for.")
+    hash_seed: int = _opt(0, "Seed of the canonical page hash (XXH3-64); must match clients.")
+    max_lease_ttl_ms: int = _opt(600_000, "Largest lease a MatchPrefix call may ask for.")
+    session_grace_s: float = _opt(
+        0.0, "Seconds a session's resources outlive its stream before they are released."
+    )
+    max_message_mb: int = _opt(64, "Largest gRPC message, MiB.")
+    metrics_port: int = _opt(0, "Prometheus metrics port (0: off; -1: pick a free one).")
+    log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR.")
+    log_format: str = _opt("json", "'json' (one object per line) or 'text'.")
+
+    def validate(self) -> Config:
+        """Return self if every option is valid, else raise ConfigError naming the option."""
+        if not self.uds_path and not self.tcp_address:
+            raise ConfigError("uds_path/tcp_address: at least one listen address is required")
+        try:
+            mode = int(self.uds_mode, 8)
+        except ValueError:
+            raise ConfigError(f"uds_mode: {self.uds_mode!r} is not an octal file mode") from None
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"uds_mode: {self.uds_mode!r} is outside 0000..0777")
+        if self.tcp_address:
+            host, sep, port = self.tcp_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"tcp_address: {self.tcp_address!r} is not host:port")
+        if self.grace_period_s < 0:
+            raise ConfigError("grace_period_s: must be >= 0")
+        if not 0 < self.default_deadline_ms <= self.max_deadline_ms:
+            raise ConfigError("default_deadline_ms: must be > 0 and <= max_deadline_ms")
+        if not 0 <= self.hash_seed < 2**64:
+            raise ConfigError("hash_seed: must fit in an unsigned 64-bit integer")
+        if self.max_lease_ttl_ms <= 0:
+            raise ConfigError("max_lease_ttl_ms: must be > 0")
+        if self.session_grace_s < 0:
+            raise ConfigError("session_grace_s: must be >= 0")
+        if not 1 <= self.max_message_mb <= 2047:
+            raise ConfigError("max_message_mb: must be in 1..2047")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port: must be -1, 0 or a port number")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level: {self.log_level!r} is not DEBUG/INFO/WARNING/ERROR")
+        if self.log_format not in ("json", "text"):
+            raise ConfigError(f"log_format: {self.log_format!r} is not 'json' or 'text'")
+        return self
+
+    @property
+    def uds_mode_int(self) -> int:
+        return int(self.uds_mode, 8)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    kind = type(_FIELDS[name].default)
+    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+        return raw
+    text = str(raw).strip()
+    try:
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind is int:
+            return int(text, 0)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
+    return text
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--option-name`` flag per config field (all default to 'not given')."""
+    parser.add_argument("--config", help="YAML file with options (keys as in KVSERVICE_*).")
+    for name, field in _FIELDS.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, help=field.metadata["help"]
+        )
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    yaml_path: str | None = None,
+) -> Config:
+    """Merge defaults < YAML < environment < flags and validate."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    yaml_path = yaml_path or environ.get("KVSERVICE_CONFIG") or None
+    if yaml_path:
+        try:
+            loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config: cannot read {yaml_path}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {yaml_path} must hold a mapping of options")
+        for key, raw in loaded.items():
+            name = str(key).replace("-", "_")
+            if name not in _FIELDS:
+                raise ConfigError(f"{key}: unknown option in {yaml_path}")
+            values[name] = _coerce(name, raw)
+    for key, raw in environ.items():
+        if key.startswith("KVSERVICE_") and key != "KVSERVICE_CONFIG":
+            name = key[len("KVSERVICE_") :].lower()
+            if name not in _FIELDS:
+                raise ConfigError(f"{key}: unknown environment option")
+            values[name] = _coerce(name, raw)
+    for name, raw in (flags or {}).items():
+        if raw is not None and name in _FIELDS:
+            values[name] = _coerce(name, raw)
+    return Config(**values).validate()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(prog="kvservice serve")
+    add_flags(parser)
+    ns = parser.parse_args(argv)
+    return load_config(vars(ns), yaml_path=ns.config)
