@@ -126,7 +126,7 @@ class ShmKVPool:
 
     @classmethod
     def attach(cls, name: str, layout: Layout, aux: dict[str, tuple[int, int]] | None = None) -> ShmKVPool:
-        shm = shared_memory.SharedMemory(name=name, create=False)
+        shm = _attach_untracked(name)
         return cls(layout, shm, aux or {}, owner=False)
 
     def _view(self, offset: int, size: int, row: int) -> np.ndarray:
@@ -187,3 +187,19 @@ def _pool_bytes(layout: Layout, aux: dict[str, tuple[int, int]]) -> int:
     for row_bytes, rows in aux.values():
         pos = _align(pos + row_bytes * rows)
     return max(pos, 1)
+
+
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
+    """Attach without Python's resource tracker adopting the object.
+
+    NOTE: before Python 3.13 attaching registers the segment with the resource tracker, which
+    unlinks it when the *attaching* process exits and so destroys the owner's pool.
+    """
+    try:
+        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
+    except TypeError:
+        from multiprocessing import resource_tracker
+
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return shm

@@ -1,0 +1,164 @@
+"""Importing engine memory into the service: POSIX shared memory and CUDA IPC.
+
+A :class:`MappedRegion` is a window ``[address, address + size)`` into memory another process
+owns, plus a uint8 torch view of it. Mappings are reference-counted per source object (one
+mmap per shm name, one ``cuIpcOpenMemHandle`` per exported allocation) because an engine usually
+exports many regions out of one object, and CUDA refuses to open the same handle twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import re
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument, KVServiceError, Unimplemented, translate_os_error
+
+__all__ = ["MappedRegion", "MemoryImporter"]
+
+_SHM_NAME = re.compile(r"^/?[A-Za-z0-9_.\-]{1,240}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MappedRegion:
+    """An imported region. ``tensor`` is a flat uint8 view of exactly ``size`` bytes."""
+
+    address: int
+    size: int
+    mem_kind: str  # "DRAM" or "VRAM"
+    device: int
+    tensor: torch.Tensor
+    source: str  # key of the mapping it lives in
+
+    def pages(self, page_bytes: int) -> torch.Tensor:
+        """The region as ``[num_pages, page_bytes]`` uint8."""
+        return self.tensor.view(-1, page_bytes)
+
+
+class _CudaArray:
+    """Minimal __cuda_array_interface__ owner so torch can view imported VRAM without copying."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class MemoryImporter:
+    """Opens and closes engine memory; thread-safe; one instance per service."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, list[Any]] = {}  # key -> [refcount, backing, base_ptr, length]
+
+    def import_region(self, field: str, region: Any) -> MappedRegion:
+        """Map one ``common_pb2.Region``; raises InvalidArgument naming ``field``."""
+        which = region.WhichOneof("memory")
+        if which == "shm":
+            return self._import_shm(field, region.shm.name, region.shm.offset, region.size_bytes)
+        if which == "cuda_ipc":
+            return self._import_cuda(field, region.cuda_ipc, region.size_bytes)
+        raise InvalidArgument(f"{field}.memory", "one of shm or cuda_ipc is required")
+
+    def _import_shm(self, field: str, name: str, offset: int, size: int) -> MappedRegion:
+        if not _SHM_NAME.match(name):
+            raise InvalidArgument(f"{field}.shm.name", f"{name!r} is not a POSIX shared-memory name")
+        if offset % 64:
+            raise InvalidArgument(f"{field}.shm.offset", "must be a multiple of 64 bytes")
+        key = "shm:" + name.lstrip("/")
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is None:
+                path = "/dev/shm/" + name.lstrip("/")
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                except OSError as exc:
+                    raise translate_os_error(f"{field}.shm.name", exc) from None
+                try:
+                    length = os.fstat(fd).st_size
+                    if length == 0:
+                        raise InvalidArgument(f"{field}.shm.name", f"{name!r} is empty")
+                    mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                except OSError as exc:
+                    raise translate_os_error(f"{field}.shm.name", exc) from None
+                finally:
+                    os.close(fd)
+                arr = np.frombuffer(mm, dtype=np.uint8)
+                entry = [0, (mm, arr), arr.ctypes.data, length]
+                self._maps[key] = entry
+            _, (_, arr), base, length = entry
+            if offset + size > length:
+                if entry[0] == 0:
+                    self._close_locked(key)
+                raise InvalidArgument(
+                    f"{field}.size_bytes", f"offset {offset} + size {size} exceeds {name!r} ({length} bytes)"
+                )
+            entry[0] += 1
+        view = torch.from_numpy(arr[offset : offset + size])
+        return MappedRegion(base + offset, size, "DRAM", 0, view, key)
+
+    def _import_cuda(self, field: str, ipc: Any, size: int) -> MappedRegion:
+        if not torch.cuda.is_available():
+            raise Unimplemented(f"{field}.cuda_ipc: this service runs without CUDA; register shm regions")
+        from kvservice_client import cuda_ipc
+
+        if len(ipc.handle) != 64:
+            raise InvalidArgument(f"{field}.cuda_ipc.handle", f"must be 64 bytes, got {len(ipc.handle)}")
+        if ipc.offset + size > ipc.allocation_size:
+            raise InvalidArgument(
+                f"{field}.size_bytes",
+                f"offset {ipc.offset} + size {size} exceeds the allocation ({ipc.allocation_size} bytes)",
+            )
+        key = "cuda:" + ipc.handle.hex()
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is None:
+                try:
+                    base, ordinal = cuda_ipc.open_handle(ipc.handle, ipc.device_uuid or ipc.device_index)
+                except (cuda_ipc.CudaError, LookupError, ValueError, OSError) as exc:
+                    raise InvalidArgument(f"{field}.cuda_ipc", f"cannot open handle: {exc}") from None
+                entry = [0, ordinal, base, ipc.allocation_size]
+                self._maps[key] = entry
+            entry[0] += 1
+            _, ordinal, base, _ = entry
+        view = torch.as_tensor(_CudaArray(base + ipc.offset, size), device=f"cuda:{ordinal}")
+        return MappedRegion(base + ipc.offset, size, "VRAM", ordinal, view, key)
+
+    def release(self, region: MappedRegion) -> None:
+        """Drop one reference; the mapping closes with its last region."""
+        with self._lock:
+            entry = self._maps.get(region.source)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] <= 0:
+                self._close_locked(region.source)
+
+    def _close_locked(self, key: str) -> None:
+        entry = self._maps.pop(key)
+        if key.startswith("shm:"):
+            # NOTE: the mmap is unmapped when its last view (numpy array / torch tensor) is
+            # collected; closing it explicitly would fail while a region object is alive.
+            return
+        else:
+            from kvservice_client import cuda_ipc
+
+            try:
+                cuda_ipc.close_handle(entry[2])
+            except cuda_ipc.CudaError as exc:
+                raise KVServiceError(f"closing CUDA IPC mapping: {exc}") from None
+
+    @property
+    def open_mappings(self) -> int:
+        with self._lock:
+            return len(self._maps)

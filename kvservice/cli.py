@@ -1,0 +1,49 @@
+"""Command line: ``kvservice serve [flags]`` (also ``python -m kvservice``) and ``kvservice demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from .config import ConfigError, add_flags, load_config
+from .log import setup_logging
+
+__all__ = ["main"]
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:  # uvloop is a dependency; keep running where it cannot be installed
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvservice", description="KV-cache transfer service")
+    sub = parser.add_subparsers(dest="command")
+    serve_p = sub.add_parser("serve", help="run the service (default)")
+    add_flags(serve_p)
+    demo_p = sub.add_parser("demo", help="multi-turn transfer demo: two services, two engines, shm")
+    demo_p.add_argument("--turns", type=int, default=4)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv.insert(0, "serve")
+    ns = parser.parse_args(argv)
+    if ns.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(turns=ns.turns)
+    try:
+        config = load_config(vars(ns), yaml_path=ns.config)
+    except ConfigError as exc:
+        print(f"kvservice: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    from .server import serve
+
+    _run(serve(config))
+    return 0

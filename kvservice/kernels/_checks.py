@@ -1,0 +1,102 @@
+"""Argument checks shared by every pack/unpack backend: a bad call raises and changes nothing.
+
+All page checks are vectorised (one min/max/unique over the array), never a loop per page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgument
+from ._regions import KVRegions, packed_nbytes
+
+__all__ = ["CopyArgs", "check_copy"]
+
+PageIndices = torch.Tensor | np.ndarray | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyArgs:
+    """A checked pack/unpack call. ``staging`` is a 1-D uint8 view of exactly the packed bytes."""
+
+    pages: torch.Tensor  # int64 [n] on the regions' device, selection order
+    staging: torch.Tensor
+    head_start: int
+    num_heads: int
+    num_slices: int
+
+
+def _pages_to_tensor(pages: PageIndices, regions: KVRegions, unique: bool) -> torch.Tensor:
+    ndim = pages.ndim if isinstance(pages, (torch.Tensor, np.ndarray)) else np.ndim(pages)
+    if ndim != 1:
+        raise InvalidArgument("pages", f"must be 1-D, got {ndim}-D")
+    if isinstance(pages, torch.Tensor):
+        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
+            raise InvalidArgument("pages", f"must be integers, got {pages.dtype}")
+        t = pages.reshape(-1).to(device=regions.device, dtype=torch.int64)
+    else:
+        a = np.asarray(pages)
+        if a.size and not np.issubdtype(a.dtype, np.integer):
+            raise InvalidArgument("pages", f"must be integers, got {a.dtype}")
+        t = torch.from_numpy(a.reshape(-1).astype(np.int64)).to(regions.device)
+    if t.numel():
+        lo, hi = torch.aminmax(t)
+        if int(lo) < 0 or int(hi) >= regions.num_pages:
+            raise InvalidArgument(
+                "pages", f"indices must be in [0, {regions.num_pages}), got [{int(lo)}, {int(hi)}]"
+            )
+        if unique and torch.unique(t).numel() != t.numel():
+            raise InvalidArgument("pages", "destination pages must be distinct")
+    return t.contiguous()
+
+
+def _staging_bytes(staging: torch.Tensor, regions: KVRegions, nbytes: int) -> torch.Tensor:
+    if not staging.is_contiguous():
+        raise InvalidArgument("staging", "must be contiguous")
+    dev = staging.device
+    ok = dev == regions.device or (
+        regions.device.type == "cuda" and dev.type == "cpu" and staging.is_pinned()
+    )
+    if not ok:
+        raise InvalidArgument("staging", f"on {dev}; regions are on {regions.device} (host staging must be pinned)")
+    flat = staging.reshape(-1).view(torch.uint8)
+    if flat.numel() < nbytes:
+        raise InvalidArgument("staging", f"{flat.numel()} bytes, need {nbytes}")
+    return flat[:nbytes]
+
+
+def check_copy(
+    regions: KVRegions,
+    pages: PageIndices,
+    staging: torch.Tensor | None,
+    head_start: int,
+    num_heads: int | None,
+    num_slices: int,
+    *,
+    to_staging: bool,
+) -> CopyArgs:
+    """Check a pack (``to_staging``) or unpack call; allocate the staging of a pack if None.
+
+    Heads ``[head_start, head_start + num_slices * num_heads)`` must lie in the local heads;
+    unpack's pages must be distinct (two writes to one page would race).
+    """
+    nh = regions.num_heads - head_start if num_heads is None else num_heads
+    if num_slices < 1:
+        raise InvalidArgument("num_slices", f"must be >= 1, got {num_slices}")
+    if head_start < 0 or nh < 1 or head_start + num_slices * nh > regions.num_heads:
+        raise InvalidArgument(
+            "head_start",
+            f"heads [{head_start}, {head_start + num_slices * nh}) not within the "
+            f"{regions.num_heads} local heads",
+        )
+    idx = _pages_to_tensor(pages, regions, unique=not to_staging)
+    nbytes = packed_nbytes(regions, idx.numel(), nh, num_slices)
+    if staging is None:
+        if not to_staging:
+            raise InvalidArgument("staging", "required for unpack")
+        staging = torch.empty(nbytes, dtype=torch.uint8, device=regions.device)
+    return CopyArgs(idx, _staging_bytes(staging, regions, nbytes), head_start, nh, num_slices)

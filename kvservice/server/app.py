@@ -1,0 +1,126 @@
+"""Building and running the gRPC server.
+
+``build_server(config)`` returns a started-ready ``App`` bound to its addresses (tests bind TCP
+port 0 or a temporary UDS and run it in-process); ``serve(config)`` runs one until SIGTERM or
+SIGINT, then drains: health turns NOT_SERVING, new transfers are refused, in-flight ones get up
+to ``grace_period_s`` to finish, and the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import stat
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvservice_client._client import channel_options
+from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc
+
+from ..config import Config
+from ..errors import InvalidArgument
+from ..node import Node
+from .servicer import KVServiceServicer
+
+__all__ = ["App", "build_server", "serve"]
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = kvservice_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
+
+
+@dataclasses.dataclass
+class App:
+    """A built server: ``server`` (grpc.aio), the ``node``, and where it listens."""
+
+    server: grpc.aio.Server
+    node: Node
+    health: health.HealthServicer
+    uds_path: str
+    tcp_port: int
+
+    @property
+    def address(self) -> str:
+        """Address engines should use (the UDS when there is one)."""
+        return f"unix:{self.uds_path}" if self.uds_path else f"127.0.0.1:{self.tcp_port}"
+
+    @property
+    def peer_address(self) -> str:
+        cfg = self.node.config
+        if cfg.advertise_address:
+            return cfg.advertise_address
+        if self.tcp_port:
+            host = cfg.tcp_address.rpartition(":")[0]
+            return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.tcp_port}"
+        return self.address
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.uds_path:
+            os.chmod(self.uds_path, self.node.config.uds_mode_int)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvservice serving", extra={"address": self.address, "peer_address": self.peer_address})
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain (bounded by ``grace_s``, default the config's) and stop."""
+        grace = self.node.config.grace_period_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        await self.node.drain(grace)
+        await self.server.stop(min(grace, 1.0))
+        self.node.close()
+        if self.uds_path and os.path.exists(self.uds_path):
+            os.unlink(self.uds_path)
+        log.info("kvservice stopped")
+
+
+def build_server(config: Config) -> App:
+    """Create the server and bind its ports (call ``await app.start()`` next)."""
+    node = Node(config)
+    server = grpc.aio.server(options=channel_options(config.max_message_mb))
+    kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    uds_path = config.uds_path
+    if uds_path:
+        _clear_stale_socket(uds_path)
+        if not server.add_insecure_port(f"unix:{uds_path}"):
+            raise InvalidArgument("uds_path", f"cannot listen on {uds_path}")
+    tcp_port = 0
+    if config.tcp_address:
+        tcp_port = server.add_insecure_port(config.tcp_address)
+        if not tcp_port:
+            raise InvalidArgument("tcp_address", f"cannot listen on {config.tcp_address}")
+    return App(server, node, health_servicer, uds_path, tcp_port)
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a socket left by a dead instance; refuse to clobber anything else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidArgument("uds_path", f"{path} exists and is not a socket")
+    os.unlink(path)
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGTERM/SIGINT, then drain and stop."""
+    app = build_server(config)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"kvservice listening on {app.address} (peers: {app.peer_address})", flush=True)
+    await stop.wait()
+    log.info("signal received; draining", extra={"grace_s": config.grace_period_s})
+    await app.stop()

@@ -1,0 +1,51 @@
+"""Configuration: precedence, validation messages naming the option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvservice.config import ConfigError, load_config
+
+
+def test_defaults_are_valid() -> None:
+    """The defaults validate on their own."""
+    cfg = load_config({}, environ={})
+    assert cfg.uds_mode_int == 0o600 and cfg.uds_path
+
+
+def test_precedence_flags_over_env_over_yaml(tmp_path: Path) -> None:
+    """Flags beat KVSERVICE_* variables, which beat the YAML file."""
+    y = tmp_path / "c.yaml"
+    y.write_text("grace_period_s: 3\nhash_seed: 7\nlog_format: text\n")
+    env = {"KVSERVICE_HASH_SEED": "9", "KVSERVICE_LOG_FORMAT": "json"}
+    cfg = load_config({"log_format": "text"}, environ=env, yaml_path=str(y))
+    assert (cfg.grace_period_s, cfg.hash_seed, cfg.log_format) == (3.0, 9, "text")
+
+
+@pytest.mark.parametrize(
+    ("env", "option"),
+    [
+        ({"KVSERVICE_UDS_MODE": "999"}, "uds_mode"),
+        ({"KVSERVICE_TCP_ADDRESS": "nohost"}, "tcp_address"),
+        ({"KVSERVICE_GRACE_PERIOD_S": "-1"}, "grace_period_s"),
+        ({"KVSERVICE_GRACE_PERIOD_S": "soon"}, "grace_period_s"),
+        ({"KVSERVICE_DEFAULT_DEADLINE_MS": "0"}, "default_deadline_ms"),
+        ({"KVSERVICE_LOG_LEVEL": "LOUD"}, "log_level"),
+        ({"KVSERVICE_NOPE": "1"}, "KVSERVICE_NOPE"),
+        ({"KVSERVICE_UDS_PATH": "", "KVSERVICE_TCP_ADDRESS": ""}, "uds_path"),
+    ],
+)
+def test_invalid_option_is_named(env: dict[str, str], option: str) -> None:
+    """Each invalid option fails validation with a message that starts with its name."""
+    with pytest.raises(ConfigError, match=f"^{option}"):
+        load_config({}, environ=env)
+
+
+def test_yaml_unknown_key_is_named(tmp_path: Path) -> None:
+    """An unknown key in the YAML file is reported by name."""
+    y = tmp_path / "c.yaml"
+    y.write_text("bogus_option: 1\n")
+    with pytest.raises(ConfigError, match="bogus_option"):
+        load_config({}, environ={}, yaml_path=str(y))
