@@ -1,0 +1,79 @@
+"""Pack/unpack of KV pages through a contiguous, destination-major staging buffer.
+
+``pack`` gathers the selected pages (and optionally a head slice) of every layer's K and V
+(MHA) or latent (MLA) into staging; ``unpack`` scatters such a buffer into destination pages
+at a head offset. The staging layout is drawn in ``_regions``; mixed-TP head routing lives in
+``heads``. Backends: Triton on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``), the
+torch reference (``reference``) on CPU. Both raise :class:`~kvservice.errors.InvalidArgument`
+for a bad call and then change nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from . import reference
+from ._checks import PageIndices
+from ._regions import KVRegions, packed_nbytes
+from .heads import HeadRoute, plan_heads
+
+__all__ = ["Backend", "HeadRoute", "KVRegions", "pack", "packed_nbytes", "plan_heads", "unpack"]
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def _use_triton(regions: KVRegions, backend: Backend) -> bool:
+    if backend != "auto":
+        return backend == "triton"
+    return regions.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pack(
+    regions: KVRegions,
+    pages: PageIndices,
+    out: torch.Tensor | None = None,
+    *,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    num_slices: int = 1,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Gather ``pages`` (selection order) of every region into staging; return the packed bytes.
+
+    Slice ``s`` holds local heads ``head_start + s*num_heads + [0, num_heads)`` (``num_heads``
+    defaults to every head from ``head_start``). ``out`` (allocated on the regions' device if
+    None; pinned host memory allowed for CUDA regions) needs ``packed_nbytes(...)`` bytes;
+    the returned uint8 view is exactly that long. On CUDA the copy is asynchronous on the
+    current stream.
+    """
+    if _use_triton(regions, backend):
+        from . import _triton
+
+        return _triton.pack(regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
+    return reference.pack(regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
+
+
+def unpack(
+    regions: KVRegions,
+    staging: torch.Tensor,
+    pages: PageIndices,
+    *,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    num_slices: int = 1,
+    backend: Backend = "auto",
+) -> None:
+    """Scatter packed ``staging`` into distinct destination ``pages`` at local head ``head_start``.
+
+    Inverse of :func:`pack` with the same arguments; only heads
+    ``[head_start, head_start + num_slices*num_heads)`` of the named pages change.
+    """
+    if _use_triton(regions, backend):
+        from . import _triton
+
+        _triton.unpack(regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
+        return
+    reference.unpack(regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices)

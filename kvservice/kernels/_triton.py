@@ -1,0 +1,170 @@
+"""Triton pack/unpack: one launch moves the selected pages of every layer's K and V.
+
+Staging layout: see ``_regions``. Each program copies ``BLOCK_C`` row chunks of
+``ROW_BLOCK`` words of one (slice, region) segment; a token row of the slice
+(``ROW_WORDS`` words) is ``ROW_WORDS // ROW_BLOCK`` chunks::
+
+    segment words:  c = (i * PAGE_SIZE + t) * KCH + k        i page, t token, k chunk of the row
+    region word:    pages[i]*page_stride + t*token_stride + head_offset + s*slice_head_stride
+                    + k*ROW_BLOCK + w                       w < ROW_BLOCK (contiguous)
+    staging word:   s*slice_stride + region_offset + r*region_stride + c*ROW_BLOCK + w
+
+Bytes are moved as the widest word (8/4/2/1 bytes) that divides every address and stride,
+so the dtype never matters. Region base addresses come from an int64 pointer table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import CopyArgs, PageIndices, check_copy
+from ._regions import KVRegions
+
+__all__ = ["pack", "unpack"]
+
+_WORDS = {8: (torch.int64, tl.int64), 4: (torch.int32, tl.int32), 2: (torch.int16, tl.int16), 1: (torch.uint8, tl.uint8)}
+_BLOCK_WORDS = 2048  # words per program: 16 KiB with int64 words
+_MAX_ROW_BLOCK = 64
+
+
+@triton.jit
+def _copy_pages_kernel(
+    table_ptr,  # *int64 [regions]: base byte address of each region of this launch
+    staging_ptr,  # *WORD: first word of the call's staging bytes
+    pages_ptr,  # *int64 [n_pages]: region page of the i-th selected page (selection order)
+    n_chunks,  # row chunks per (slice, region) segment: n_pages * PAGE_SIZE * KCH
+    page_stride,  # words between consecutive pages of a region
+    token_stride,  # words between consecutive tokens of a page (all local heads)
+    head_offset,  # words from a token's start to slice 0's first head
+    slice_head_stride,  # words between the first heads of consecutive slices
+    slice_stride,  # staging words between consecutive slices
+    region_stride,  # staging words between consecutive regions' segments
+    region_offset,  # staging words before this launch's first segment
+    WORD: tl.constexpr,  # element type moved: int64 / int32 / int16 / uint8
+    PAGE_SIZE: tl.constexpr,  # tokens per page
+    KCH: tl.constexpr,  # chunks per token row (ROW_WORDS // ROW_BLOCK)
+    ROW_BLOCK: tl.constexpr,  # contiguous words per chunk (a power of two)
+    BLOCK_C: tl.constexpr,  # chunks per program (a power of two)
+    ALIGNED: tl.constexpr,  # every address and stride is a multiple of 16 bytes
+    TO_STAGING: tl.constexpr,  # True: pack (regions -> staging); False: unpack
+):
+    pid = tl.program_id(0).to(tl.int64)
+    region = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2).to(tl.int64)
+
+    c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = tl.arange(0, ROW_BLOCK)
+    mask_c = c < n_chunks
+    mask = mask_c[:, None] & (w[None, :] < ROW_BLOCK)
+
+    i = c // (PAGE_SIZE * KCH)
+    t = (c // KCH) % PAGE_SIZE
+    k = c % KCH
+    page = tl.load(pages_ptr + i, mask=mask_c, other=0)
+    row = page * page_stride + t * token_stride + head_offset + s * slice_head_stride + k * ROW_BLOCK
+
+    base = tl.load(table_ptr + region).to(tl.pointer_type(WORD))
+    reg_ptrs = base + (row[:, None] + w[None, :])
+    stg_ptrs = staging_ptr + (s * slice_stride + region_offset + region * region_stride) + (
+        c[:, None] * ROW_BLOCK + w[None, :]
+    )
+    if ALIGNED:
+        # NOTE: the host checked 16-byte alignment; the table hides it from the compiler.
+        reg_ptrs = tl.max_contiguous(tl.multiple_of(reg_ptrs, [1, 16]), [1, ROW_BLOCK])
+        stg_ptrs = tl.max_contiguous(tl.multiple_of(stg_ptrs, [1, 16]), [1, ROW_BLOCK])
+    if TO_STAGING:
+        tl.store(stg_ptrs, tl.load(reg_ptrs, mask=mask), mask=mask)
+    else:
+        tl.store(reg_ptrs, tl.load(stg_ptrs, mask=mask), mask=mask)
+
+
+def _pow2_divisor(x: int, cap: int) -> int:
+    d = 1
+    while d < cap and x % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: int, num_warps: int) -> None:
+    n, h, ps = args.pages.numel(), args.num_heads, regions.page_size
+    if n == 0:
+        return
+    hbs = [regions.head_bytes_k] + ([regions.head_bytes_v] if regions.v else [])
+    staging_addr = args.staging.data_ptr()
+    word = min(8, regions.min_alignment, _pow2_divisor(staging_addr, 8), *(_pow2_divisor(hb, 8) for hb in hbs))
+    seg_bytes = [n * ps * h * hb for hb in hbs]
+    slice_bytes = regions.num_layers * sum(seg_bytes)
+    if len(hbs) == 1 or hbs[0] == hbs[1]:
+        launches = [("all" if regions.v else "k", hbs[0], seg_bytes[0], 0)]
+    else:  # K and V rows differ in width: one launch each, segments interleaved by layer
+        launches = [("k", hbs[0], sum(seg_bytes), 0), ("v", hbs[1], sum(seg_bytes), seg_bytes[0])]
+    torch_word, tl_word = _WORDS[word]
+    staging = args.staging.view(torch_word)
+    for table, hb, region_stride, region_offset in launches:
+        ptrs = regions.pointer_tables[table]
+        row_words = h * hb // word
+        row_block = _pow2_divisor(row_words, _MAX_ROW_BLOCK)
+        kch = row_words // row_block
+        block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n * ps * kch)))
+        n_chunks = n * ps * kch
+        strides_bytes = (ps * regions.num_heads * hb, regions.num_heads * hb, args.head_start * hb, h * hb)
+        aligned = (
+            word * row_block >= 16
+            and regions.min_alignment == 16
+            and staging_addr % 16 == 0
+            and all(b % 16 == 0 for b in (*strides_bytes, slice_bytes, region_stride, region_offset))
+        )
+        grid = (triton.cdiv(n_chunks, block_c), ptrs.numel(), args.num_slices)
+        _copy_pages_kernel[grid](
+            ptrs,
+            staging,
+            args.pages,
+            n_chunks,
+            *(b // word for b in strides_bytes),
+            slice_bytes // word,
+            region_stride // word,
+            region_offset // word,
+            WORD=tl_word,
+            PAGE_SIZE=ps,
+            KCH=kch,
+            ROW_BLOCK=row_block,
+            BLOCK_C=block_c,
+            ALIGNED=aligned,
+            TO_STAGING=to_staging,
+            num_warps=num_warps,
+        )
+
+
+def pack(
+    regions: KVRegions,
+    pages: PageIndices,
+    out: torch.Tensor | None = None,
+    *,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    num_slices: int = 1,
+    block_words: int = _BLOCK_WORDS,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Triton version of :func:`kvservice.kernels.reference.pack` (same contract, async on CUDA)."""
+    args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True)
+    _launch(regions, args, True, block_words, num_warps)
+    return args.staging
+
+
+def unpack(
+    regions: KVRegions,
+    staging: torch.Tensor,
+    pages: PageIndices,
+    *,
+    head_start: int = 0,
+    num_heads: int | None = None,
+    num_slices: int = 1,
+    block_words: int = _BLOCK_WORDS,
+    num_warps: int = 4,
+) -> None:
+    """Triton version of :func:`kvservice.kernels.reference.unpack` (same contract, async on CUDA)."""
+    args = check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False)
+    _launch(regions, args, False, block_words, num_warps)

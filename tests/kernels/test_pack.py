@@ -1,0 +1,137 @@
+"""Triton pack/unpack (interpreted on CPU) against the torch reference on awkward shapes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvservice import kernels
+from kvservice.errors import InvalidArgument
+from kvservice.kernels import _triton, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="no GPU and no TRITON_INTERPRET"
+)
+FP8 = getattr(torch, "float8_e4m3fn", torch.uint8)
+
+# (layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, head_start, num_heads, num_slices)
+SHAPES = [
+    pytest.param(2, 11, 16, 2, 128, None, torch.bfloat16, 0, None, 1, id="mha-ps16-hd128-bf16"),
+    pytest.param(1, 7, 1, 2, 64, None, torch.float32, 0, None, 1, id="mha-ps1-hd64-fp32"),
+    pytest.param(1, 5, 64, 1, 64, None, FP8, 0, None, 1, id="mha-ps64-hd64-fp8"),
+    pytest.param(2, 9, 16, 1, 576, 0, torch.bfloat16, 0, None, 1, id="mla-hd576-bf16"),
+    pytest.param(1, 9, 4, 1, 576, 0, FP8, 0, None, 1, id="mla-hd576-fp8"),
+    pytest.param(2, 9, 4, 8, 16, None, torch.float16, 2, 2, 1, id="slice-2of8-fp16"),
+    pytest.param(1, 9, 4, 8, 16, None, torch.float16, 0, 4, 2, id="slices-8to2x4"),
+    pytest.param(1, 9, 4, 8, 16, None, torch.float32, 0, 2, 4, id="slices-8to4x2"),
+    pytest.param(1, 9, 4, 2, 8, None, torch.bfloat16, 0, 1, 2, id="slices-2to1x2"),
+    pytest.param(2, 7, 3, 3, 3, None, FP8, 1, 2, 1, id="odd-bytes-hd3-fp8"),
+    pytest.param(2, 7, 4, 2, 6, 4, torch.float16, 0, None, 1, id="kv-widths-differ"),
+]
+
+
+def _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype):  # type: ignore[no-untyped-def]
+    return dict(layers=layers, num_pages=num_pages, page_size=page_size, heads=heads, head_dim=head_dim,
+                head_dim_v=head_dim_v, dtype=dtype, device=DEVICE)
+
+
+def _pages(num_pages: int, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(num_pages)[:n]
+
+
+@needs_triton
+@pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
+def test_pack_matches_reference(make_pool, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns):  # type: ignore[no-untyped-def]
+    """Triton pack writes exactly the bytes the reference writes, for an odd scattered selection."""
+    src = make_pool(**_pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype))
+    pages = _pages(num_pages, num_pages // 2 + 1, 0)
+    want = reference.pack(src, pages, head_start=hs, num_heads=nh, num_slices=ns)
+    got = _triton.pack(src, pages, head_start=hs, num_heads=nh, num_slices=ns)
+    assert got.numel() == kernels.packed_nbytes(src, len(pages), nh or heads - hs, ns)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@needs_triton
+@pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
+def test_unpack_matches_reference_and_spares_canaries(make_pool, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns):  # type: ignore[no-untyped-def]
+    """Triton unpack equals reference unpack; pages and heads outside the call are untouched."""
+    kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype)
+    src, dst = make_pool(**kw), make_pool(**kw)
+    pages_src, pages_dst = _pages(num_pages, num_pages // 2 + 1, 1), _pages(num_pages, num_pages // 2 + 1, 2)
+    staging = reference.pack(src, pages_src, head_start=hs, num_heads=nh, num_slices=ns)
+    before = snapshot(dst)
+    _triton.unpack(dst, staging, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
+    got = snapshot(dst)
+    # Reference on a fresh copy of the original destination.
+    ref_dst = make_pool(**kw)
+    for t, b in zip(ref_dst.regions, before):
+        t.reshape(-1).view(torch.uint8).copy_(b.reshape(-1).to(t.device))
+    reference.unpack(ref_dst, staging, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
+    he = hs + ns * (nh or heads - hs)
+    outside = np.setdiff1d(np.arange(num_pages), pages_dst)
+    for g, w, b, s in zip(got, snapshot(ref_dst), before, snapshot(src)):
+        assert torch.equal(g, w)
+        assert torch.equal(g[outside], b[outside])  # canary pages
+        assert torch.equal(g[pages_dst][:, :, :hs], b[pages_dst][:, :, :hs])  # heads below the slice
+        assert torch.equal(g[pages_dst][:, :, he:], b[pages_dst][:, :, he:])  # heads above the slice
+        assert torch.equal(g[pages_dst][:, :, hs:he], s[pages_src][:, :, hs:he])  # pack∘unpack = id
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_empty_selection_is_a_no_op(make_pool, snapshot, backend):  # type: ignore[no-untyped-def]
+    """Zero pages pack to zero bytes and unpack changes nothing."""
+    pool = make_pool(device=DEVICE)
+    before = snapshot(pool)
+    out = kernels.pack(pool, np.array([], dtype=np.int64), backend=backend)
+    assert out.numel() == 0
+    kernels.unpack(pool, out, [], backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(pages=[0, 9]), "pages"),
+        (dict(pages=[-1]), "pages"),
+        (dict(pages=[1.5]), "pages"),
+        (dict(pages=[[1]]), "pages"),
+        (dict(pages=[1, 1]), "pages"),
+        (dict(pages=[1], head_start=1, num_heads=2), "head_start"),
+        (dict(pages=[1], num_slices=0), "num_slices"),
+        (dict(pages=[1, 2], staging_bytes=10), "staging"),
+    ],
+)
+def test_bad_calls_raise_and_change_nothing(make_pool, snapshot, kwargs, field):  # type: ignore[no-untyped-def]
+    """Out-of-range/duplicate pages, bad head ranges and short staging raise InvalidArgument."""
+    pool = make_pool(num_pages=9, device=DEVICE)
+    before = snapshot(pool)
+    staging = torch.zeros(kwargs.pop("staging_bytes", 1 << 16), dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(InvalidArgument) as exc:
+        kernels.unpack(pool, staging, backend="torch", **kwargs)
+    assert exc.value.field == field
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+
+
+def test_regions_reject_wrong_sizes() -> None:
+    """KVRegions.create names the region whose byte size does not match the geometry."""
+    k = [torch.zeros(8, 2, 4), torch.zeros(9, 2, 4)]
+    with pytest.raises(InvalidArgument) as exc:
+        kernels.KVRegions.create(k, None, page_size=4, num_heads=2, head_dim_k=4)
+    assert exc.value.field == "regions.k[1]"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pack_into_pinned_host_staging(make_pool) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU the kernel writes straight into pinned host staging and reads back from it."""
+    src = make_pool(layers=3, num_pages=64, page_size=16, heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    pages = _pages(64, 33, 3)
+    nbytes = kernels.packed_nbytes(src, 33, 4, 2)
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    _triton.pack(src, pages, host, num_heads=4, num_slices=2)
+    torch.cuda.synchronize()
+    assert torch.equal(host, reference.pack(src, pages, num_heads=4, num_slices=2).cpu())
