@@ -50,7 +50,8 @@ from typing import Literal
 
 import numpy as np
 
-from ..errors import DeadlineExceeded, TransportError
+from ..errors import DeadlineExceeded, InvalidArgument, TransportError
+from .descriptors import ListGeometry
 
 __all__ = [
     "LocalDescList",
@@ -60,6 +61,7 @@ __all__ = [
     "Transport",
     "XferHandle",
     "XferState",
+    "check_write",
 ]
 
 MemKind = Literal["DRAM", "VRAM"]
@@ -107,6 +109,30 @@ class XferHandle:
     peer: str
     descriptors: int
     nbytes: int
+
+
+def check_write(
+    local: ListGeometry, local_idx: np.ndarray, remote: ListGeometry, remote_idx: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Validate a ``write``'s index arrays; return them as int32 and the byte count.
+
+    Shared by the implementations so both reject the same calls with the same errors.
+    """
+    out = []
+    for name, geo, idx in (("local_idx", local, local_idx), ("remote_idx", remote, remote_idx)):
+        arr = np.asarray(idx)
+        if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+            raise InvalidArgument(name, "must be a non-empty 1-D integer array")
+        if arr.min() < 0 or arr.max() >= geo.count:
+            raise InvalidArgument(name, f"indices must be in 0..{geo.count - 1}")
+        out.append(arr.astype(np.int32, copy=False))
+    li, ri = out
+    if li.size != ri.size:
+        raise InvalidArgument("remote_idx", f"length {ri.size} differs from local_idx length {li.size}")
+    lens = local.select(li.astype(np.int64))[:, 1]
+    if not np.array_equal(lens, remote.select(ri.astype(np.int64))[:, 1]):
+        raise InvalidArgument("remote_idx", "element lengths differ between local and remote")
+    return li, ri, int(lens.sum())
 
 
 class Transport(abc.ABC):
@@ -216,7 +242,9 @@ class Transport(abc.ABC):
             self.remove_peer(handle.peer)
             state = await self._poll_until(handle, time.monotonic() + timeout_s)
         if state == "PROC":
-            raise TransportError(f"transfer {handle.id} to {handle.peer} did not settle; memory must stay registered")
+            raise TransportError(
+                f"transfer {handle.id} to {handle.peer} did not settle; memory must stay registered"
+            )
         self.release(handle)
         return state
 
