@@ -52,8 +52,12 @@ def pack(
     if _use_triton(regions, backend):
         from . import _triton
 
-        return _triton.pack(regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
-    return reference.pack(regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
+        return _triton.pack(
+            regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+        )
+    return reference.pack(
+        regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+    )
 
 
 def unpack(
@@ -74,6 +78,10 @@ def unpack(
     if _use_triton(regions, backend):
         from . import _triton
 
-        _triton.unpack(regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
+        _triton.unpack(
+            regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+        )
         return
-    reference.unpack(regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices)
+    reference.unpack(
+        regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+    )

@@ -31,27 +31,26 @@ class CopyArgs:
 
 
 def _pages_to_tensor(pages: PageIndices, regions: KVRegions, unique: bool) -> torch.Tensor:
+    """Check on whichever side the indices live (host indices: no device sync), then move."""
     ndim = pages.ndim if isinstance(pages, (torch.Tensor, np.ndarray)) else np.ndim(pages)
     if ndim != 1:
         raise InvalidArgument("pages", f"must be 1-D, got {ndim}-D")
     if isinstance(pages, torch.Tensor):
         if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
             raise InvalidArgument("pages", f"must be integers, got {pages.dtype}")
-        t = pages.reshape(-1).to(device=regions.device, dtype=torch.int64)
+        t = pages.to(torch.int64)
     else:
         a = np.asarray(pages)
         if a.size and not np.issubdtype(a.dtype, np.integer):
             raise InvalidArgument("pages", f"must be integers, got {a.dtype}")
-        t = torch.from_numpy(a.reshape(-1).astype(np.int64)).to(regions.device)
+        t = torch.from_numpy(a.astype(np.int64))
     if t.numel():
-        lo, hi = torch.aminmax(t)
-        if int(lo) < 0 or int(hi) >= regions.num_pages:
-            raise InvalidArgument(
-                "pages", f"indices must be in [0, {regions.num_pages}), got [{int(lo)}, {int(hi)}]"
-            )
+        lo, hi = (int(x) for x in torch.aminmax(t))
+        if lo < 0 or hi >= regions.num_pages:
+            raise InvalidArgument("pages", f"indices must be in [0, {regions.num_pages}), got [{lo}, {hi}]")
         if unique and torch.unique(t).numel() != t.numel():
             raise InvalidArgument("pages", "destination pages must be distinct")
-    return t.contiguous()
+    return t.to(regions.device).contiguous()
 
 
 def _staging_bytes(staging: torch.Tensor, regions: KVRegions, nbytes: int) -> torch.Tensor:
@@ -62,7 +61,9 @@ def _staging_bytes(staging: torch.Tensor, regions: KVRegions, nbytes: int) -> to
         regions.device.type == "cuda" and dev.type == "cpu" and staging.is_pinned()
     )
     if not ok:
-        raise InvalidArgument("staging", f"on {dev}; regions are on {regions.device} (host staging must be pinned)")
+        raise InvalidArgument(
+            "staging", f"on {dev}; regions are on {regions.device} (host staging must be pinned)"
+        )
     flat = staging.reshape(-1).view(torch.uint8)
     if flat.numel() < nbytes:
         raise InvalidArgument("staging", f"{flat.numel()} bytes, need {nbytes}")

@@ -109,11 +109,12 @@ class KVRegions:
         """Regions in staging order: K0, V0, K1, V1, ... (MHA) or K0, K1, ... (MLA)."""
         if not self.v:
             return self.k
-        return tuple(t for pair in zip(self.k, self.v) for t in pair)
+        return tuple(t for pair in zip(self.k, self.v, strict=True) for t in pair)
 
     @functools.cached_property
     def pointer_tables(self) -> dict[str, torch.Tensor]:
         """int64 base addresses on the regions' device: 'all' (staging order), 'k', 'v'."""
+
         def table(ts: Sequence[torch.Tensor]) -> torch.Tensor:
             return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=self.device)
 

@@ -24,7 +24,12 @@ from ._regions import KVRegions
 
 __all__ = ["pack", "unpack"]
 
-_WORDS = {8: (torch.int64, tl.int64), 4: (torch.int32, tl.int32), 2: (torch.int16, tl.int16), 1: (torch.uint8, tl.uint8)}
+_WORDS = {
+    8: (torch.int64, tl.int64),
+    4: (torch.int32, tl.int32),
+    2: (torch.int16, tl.int16),
+    1: (torch.uint8, tl.uint8),
+}
 _BLOCK_WORDS = 2048  # words per program: 16 KiB with int64 words
 _MAX_ROW_BLOCK = 64
 
@@ -67,8 +72,10 @@ def _copy_pages_kernel(
 
     base = tl.load(table_ptr + region).to(tl.pointer_type(WORD))
     reg_ptrs = base + (row[:, None] + w[None, :])
-    stg_ptrs = staging_ptr + (s * slice_stride + region_offset + region * region_stride) + (
-        c[:, None] * ROW_BLOCK + w[None, :]
+    stg_ptrs = (
+        staging_ptr
+        + (s * slice_stride + region_offset + region * region_stride)
+        + (c[:, None] * ROW_BLOCK + w[None, :])
     )
     if ALIGNED:
         # NOTE: the host checked 16-byte alignment; the table hides it from the compiler.
@@ -93,7 +100,9 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
         return
     hbs = [regions.head_bytes_k] + ([regions.head_bytes_v] if regions.v else [])
     staging_addr = args.staging.data_ptr()
-    word = min(8, regions.min_alignment, _pow2_divisor(staging_addr, 8), *(_pow2_divisor(hb, 8) for hb in hbs))
+    word = min(
+        8, regions.min_alignment, _pow2_divisor(staging_addr, 8), *(_pow2_divisor(hb, 8) for hb in hbs)
+    )
     seg_bytes = [n * ps * h * hb for hb in hbs]
     slice_bytes = regions.num_layers * sum(seg_bytes)
     if len(hbs) == 1 or hbs[0] == hbs[1]:

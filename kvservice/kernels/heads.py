@@ -103,7 +103,12 @@ def plan_heads(
     lengths = np.diff(np.append(starts, h.size))
     order = np.lexsort((dst_local[starts], dst_rank[starts], src[starts]))
     return tuple(
-        HeadRoute(int(src[starts[j]]), int(dst_rank[starts[j]]), int(src_local[starts[j]]),
-                  int(dst_local[starts[j]]), int(lengths[j]))
+        HeadRoute(
+            int(src[starts[j]]),
+            int(dst_rank[starts[j]]),
+            int(src_local[starts[j]]),
+            int(dst_local[starts[j]]),
+            int(lengths[j]),
+        )
         for j in order
     )

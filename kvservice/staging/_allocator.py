@@ -81,12 +81,17 @@ class RangeAllocator:
     def check_integrity(self) -> None:
         """Raise AssertionError if conservation, ordering, coalescing or alignment is broken."""
         assert self._free_offsets == sorted(self._free_sizes), "free list out of sync"
-        ranges = sorted([(o, s, "free") for o, s in self._free_sizes.items()] + [(o, s, "used") for o, s in self._used.items()])
+        ranges = sorted(
+            [(o, s, "free") for o, s in self._free_sizes.items()]
+            + [(o, s, "used") for o, s in self._used.items()]
+        )
         pos = 0
         prev_kind = ""
         for off, size, kind in ranges:
             assert off == pos, f"gap or overlap at {pos}: next range starts at {off}"
-            assert size > 0 and off % self.alignment == 0 and size % self.alignment == 0, f"bad range {off}+{size}"
+            assert size > 0 and off % self.alignment == 0 and size % self.alignment == 0, (
+                f"bad range {off}+{size}"
+            )
             assert not (kind == prev_kind == "free"), f"uncoalesced free ranges at {off}"
             pos, prev_kind = off + size, kind
         assert pos == self.capacity, f"ranges cover {pos} of {self.capacity} bytes"

@@ -88,7 +88,9 @@ class StagingPool:
         Raises InvalidArgument (bad size/alignment) or Unimplemented (VRAM without CUDA).
         """
         if capacity_bytes < alignment or alignment < 1 or alignment & (alignment - 1):
-            raise InvalidArgument("staging.capacity_bytes", f"{capacity_bytes} bytes with alignment {alignment}")
+            raise InvalidArgument(
+                "staging.capacity_bytes", f"{capacity_bytes} bytes with alignment {alignment}"
+            )
         if kind == "vram":
             if not torch.cuda.is_available():
                 raise Unimplemented("staging.kind: VRAM staging needs CUDA")
@@ -109,7 +111,12 @@ class StagingPool:
         self._closed = False
         self._id = next(_pool_ids)
         self._deregister = deregister
-        self._reg_args = (buf.data_ptr(), self._alloc.capacity, "VRAM" if self.kind == "vram" else "DRAM", self.device)
+        self._reg_args = (
+            buf.data_ptr(),
+            self._alloc.capacity,
+            "VRAM" if self.kind == "vram" else "DRAM",
+            self.device,
+        )
         if register is not None:
             register(*self._reg_args)
 
@@ -209,7 +216,9 @@ class StagingPool:
         if nbytes < 1:
             raise InvalidArgument("nbytes", f"must be >= 1, got {nbytes}")
         if self._alloc.round(nbytes) > self.capacity_bytes:
-            raise ResourceExhausted(f"staging: {nbytes} bytes exceed the {self.kind} pool of {self.capacity_bytes}")
+            raise ResourceExhausted(
+                f"staging: {nbytes} bytes exceed the {self.kind} pool of {self.capacity_bytes}"
+            )
 
     def _grant(self, nbytes: int) -> Slot | None:
         got = self._alloc.alloc(nbytes)
@@ -236,5 +245,7 @@ class StagingPool:
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
             waiter.future.set_exception(
-                ResourceExhausted(f"staging: no {waiter.nbytes} bytes free in the {self.kind} pool before the deadline")
+                ResourceExhausted(
+                    f"staging: no {waiter.nbytes} bytes free in the {self.kind} pool before the deadline"
+                )
             )

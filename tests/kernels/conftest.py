@@ -17,7 +17,9 @@ from kvservice.kernels import KVRegions  # noqa: E402
 PoolFactory = Callable[..., KVRegions]
 
 
-def random_bytes(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: str) -> torch.Tensor:
+def random_bytes(
+    shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: str
+) -> torch.Tensor:
     """A tensor of ``dtype`` filled with random bytes (NaN patterns included; compare bytes)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     n = itemsize
@@ -44,9 +46,17 @@ def make_pool() -> PoolFactory:
         device: str = "cpu",
     ) -> KVRegions:
         hd_v = head_dim if head_dim_v is None else head_dim_v
-        k = [random_bytes((num_pages * page_size, heads, head_dim), dtype, gen, device) for _ in range(layers)]
-        v = [random_bytes((num_pages * page_size, heads, hd_v), dtype, gen, device) for _ in range(layers)] if hd_v else []
-        return KVRegions.create(k, v, page_size=page_size, num_heads=heads, head_dim_k=head_dim, head_dim_v=hd_v or None)
+        k = [
+            random_bytes((num_pages * page_size, heads, head_dim), dtype, gen, device) for _ in range(layers)
+        ]
+        v = (
+            [random_bytes((num_pages * page_size, heads, hd_v), dtype, gen, device) for _ in range(layers)]
+            if hd_v
+            else []
+        )
+        return KVRegions.create(
+            k, v, page_size=page_size, num_heads=heads, head_dim_k=head_dim, head_dim_v=hd_v or None
+        )
 
     return make
 

@@ -12,7 +12,18 @@ from kvservice.kernels import HeadRoute, KVRegions, plan_heads
 from kvservice.kernels.heads import local_heads, rank_heads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPLITS = [(8, 1, 2), (8, 1, 4), (8, 2, 4), (8, 4, 2), (8, 8, 2), (2, 2, 1), (2, 4, 2), (2, 1, 4), (2, 4, 8), (1, 2, 4)]
+SPLITS = [
+    (8, 1, 2),
+    (8, 1, 4),
+    (8, 2, 4),
+    (8, 4, 2),
+    (8, 8, 2),
+    (2, 2, 1),
+    (2, 4, 2),
+    (2, 1, 4),
+    (2, 4, 8),
+    (1, 2, 4),
+]
 
 
 @pytest.mark.parametrize("h,p,d", SPLITS)
@@ -24,14 +35,19 @@ def test_every_receiver_head_has_exactly_one_correct_source(h: int, p: int, d: i
     for r in plan_heads(h, p, d, replica=replica):  # type: ignore[arg-type]
         sl = slice(r.dst_head_start, r.dst_head_start + r.num_heads)
         covered[r.dst_rank, sl] += 1
-        assert np.array_equal(src_g[r.src_rank, r.src_head_start : r.src_head_start + r.num_heads], dst_g[r.dst_rank, sl])
+        assert np.array_equal(
+            src_g[r.src_rank, r.src_head_start : r.src_head_start + r.num_heads], dst_g[r.dst_rank, sl]
+        )
     assert (covered == 1).all()
 
 
 def test_p_less_than_d_sends_adjacent_slices() -> None:
     """TP 2 -> 4 over 8 heads: each sender sends two 2-head slices, one per receiver."""
     assert plan_heads(8, 2, 4) == (
-        HeadRoute(0, 0, 0, 0, 2), HeadRoute(0, 1, 2, 0, 2), HeadRoute(1, 2, 0, 0, 2), HeadRoute(1, 3, 2, 0, 2),
+        HeadRoute(0, 0, 0, 0, 2),
+        HeadRoute(0, 1, 2, 0, 2),
+        HeadRoute(1, 2, 0, 0, 2),
+        HeadRoute(1, 3, 2, 0, 2),
     )
 
 
@@ -67,15 +83,31 @@ def test_mixed_tp_transfer_end_to_end(h: int, p: int, d: int, backend: str) -> N
     i = 0
     while i < len(routes):  # group a sender's adjacent equal slices into one destination-major pack
         j, r = i + 1, routes[i]
-        while (j < len(routes) and routes[j].src_rank == r.src_rank and routes[j].num_heads == r.num_heads
-               and routes[j].src_head_start == r.src_head_start + (j - i) * r.num_heads):
+        while (
+            j < len(routes)
+            and routes[j].src_rank == r.src_rank
+            and routes[j].num_heads == r.num_heads
+            and routes[j].src_head_start == r.src_head_start + (j - i) * r.num_heads
+        ):
             j += 1
-        buf = kernels.pack(senders[r.src_rank], src_pages, head_start=r.src_head_start, num_heads=r.num_heads,
-                           num_slices=j - i, backend=backend)  # type: ignore[arg-type]
+        buf = kernels.pack(
+            senders[r.src_rank],
+            src_pages,
+            head_start=r.src_head_start,
+            num_heads=r.num_heads,
+            num_slices=j - i,
+            backend=backend,
+        )  # type: ignore[arg-type]
         for s, part in enumerate(buf.view(j - i, -1)):
             q = routes[i + s]
-            kernels.unpack(receivers[q.dst_rank], part, dst_pages, head_start=q.dst_head_start,
-                           num_heads=q.num_heads, backend=backend)  # type: ignore[arg-type]
+            kernels.unpack(
+                receivers[q.dst_rank],
+                part,
+                dst_pages,
+                head_start=q.dst_head_start,
+                num_heads=q.num_heads,
+                backend=backend,
+            )  # type: ignore[arg-type]
         i = j
     for rank, row in enumerate(rank_heads(h, d)):
         for layer in range(layers):

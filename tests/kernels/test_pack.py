@@ -35,8 +35,16 @@ SHAPES = [
 
 
 def _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype):  # type: ignore[no-untyped-def]
-    return dict(layers=layers, num_pages=num_pages, page_size=page_size, heads=heads, head_dim=head_dim,
-                head_dim_v=head_dim_v, dtype=dtype, device=DEVICE)
+    return dict(
+        layers=layers,
+        num_pages=num_pages,
+        page_size=page_size,
+        heads=heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        dtype=dtype,
+        device=DEVICE,
+    )
 
 
 def _pages(num_pages: int, n: int, seed: int) -> np.ndarray:
@@ -45,7 +53,9 @@ def _pages(num_pages: int, n: int, seed: int) -> np.ndarray:
 
 @needs_triton
 @pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
-def test_pack_matches_reference(make_pool, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns):  # type: ignore[no-untyped-def]
+def test_pack_matches_reference(
+    make_pool, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+):  # type: ignore[no-untyped-def]
     """Triton pack writes exactly the bytes the reference writes, for an odd scattered selection."""
     src = make_pool(**_pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype))
     pages = _pages(num_pages, num_pages // 2 + 1, 0)
@@ -57,7 +67,9 @@ def test_pack_matches_reference(make_pool, layers, num_pages, page_size, heads, 
 
 @needs_triton
 @pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
-def test_unpack_matches_reference_and_spares_canaries(make_pool, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns):  # type: ignore[no-untyped-def]
+def test_unpack_matches_reference_and_spares_canaries(
+    make_pool, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+):  # type: ignore[no-untyped-def]
     """Triton unpack equals reference unpack; pages and heads outside the call are untouched."""
     kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype)
     src, dst = make_pool(**kw), make_pool(**kw)
@@ -68,12 +80,12 @@ def test_unpack_matches_reference_and_spares_canaries(make_pool, snapshot, layer
     got = snapshot(dst)
     # Reference on a fresh copy of the original destination.
     ref_dst = make_pool(**kw)
-    for t, b in zip(ref_dst.regions, before):
+    for t, b in zip(ref_dst.regions, before, strict=True):
         t.reshape(-1).view(torch.uint8).copy_(b.reshape(-1).to(t.device))
     reference.unpack(ref_dst, staging, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
     he = hs + ns * (nh or heads - hs)
     outside = np.setdiff1d(np.arange(num_pages), pages_dst)
-    for g, w, b, s in zip(got, snapshot(ref_dst), before, snapshot(src)):
+    for g, w, b, s in zip(got, snapshot(ref_dst), before, snapshot(src), strict=True):
         assert torch.equal(g, w)
         assert torch.equal(g[outside], b[outside])  # canary pages
         assert torch.equal(g[pages_dst][:, :, :hs], b[pages_dst][:, :, :hs])  # heads below the slice
@@ -89,7 +101,7 @@ def test_empty_selection_is_a_no_op(make_pool, snapshot, backend):  # type: igno
     out = kernels.pack(pool, np.array([], dtype=np.int64), backend=backend)
     assert out.numel() == 0
     kernels.unpack(pool, out, [], backend=backend)
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool), strict=True))
 
 
 @pytest.mark.parametrize(
@@ -113,7 +125,7 @@ def test_bad_calls_raise_and_change_nothing(make_pool, snapshot, kwargs, field):
     with pytest.raises(InvalidArgument) as exc:
         kernels.unpack(pool, staging, backend="torch", **kwargs)
     assert exc.value.field == field
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool), strict=True))
 
 
 def test_regions_reject_wrong_sizes() -> None:
@@ -128,7 +140,9 @@ def test_regions_reject_wrong_sizes() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pack_into_pinned_host_staging(make_pool) -> None:  # type: ignore[no-untyped-def]
     """On a GPU the kernel writes straight into pinned host staging and reads back from it."""
-    src = make_pool(layers=3, num_pages=64, page_size=16, heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    src = make_pool(
+        layers=3, num_pages=64, page_size=16, heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda"
+    )
     pages = _pages(64, 33, 3)
     nbytes = kernels.packed_nbytes(src, 33, 4, 2)
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()

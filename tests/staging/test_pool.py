@@ -164,7 +164,9 @@ async def test_foreign_slot_is_rejected() -> None:
 async def test_registered_once_and_closed_fails_waiters() -> None:
     """register runs once at creation, deregister once at close; close fails waiters."""
     calls: list[tuple[str, int, int, str, int]] = []
-    pool = _pool(register=lambda *a: calls.append(("reg", *a)), deregister=lambda *a: calls.append(("dereg", *a)))
+    pool = _pool(
+        register=lambda *a: calls.append(("reg", *a)), deregister=lambda *a: calls.append(("dereg", *a))
+    )
     await pool.reserve(4 * KIB)
     for _ in range(3):
         s = pool.try_reserve(1)
@@ -175,7 +177,10 @@ async def test_registered_once_and_closed_fails_waiters() -> None:
     pool.close()
     with pytest.raises(Unavailable):
         await waiter
-    assert calls == [("reg", pool.buffer.data_ptr(), 4 * KIB, "DRAM", 0), ("dereg", pool.buffer.data_ptr(), 4 * KIB, "DRAM", 0)]
+    assert calls == [
+        ("reg", pool.buffer.data_ptr(), 4 * KIB, "DRAM", 0),
+        ("dereg", pool.buffer.data_ptr(), 4 * KIB, "DRAM", 0),
+    ]
     with pytest.raises(Unavailable):
         await pool.reserve(1)
 
