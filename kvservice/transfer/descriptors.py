@@ -254,8 +254,10 @@ class Calibration:
 CALIBRATIONS: dict[str, Calibration] = {
     # H100 same GPU, cuda_ipc: 65,536 descs 904 ms vs 1 desc 2.0 ms, packed 9.2 ms on 2 GiB.
     "nixl-vram": Calibration(per_desc_s=13.8e-6, wire_bps=1.07e12, copy_bps=6.0e11, pack_fixed_s=50e-6),
-    # CPU DRAM, UCX cma: see module docstring of nixl_transport.py for the measurement.
-    "nixl-dram": Calibration(per_desc_s=12.7e-6, wire_bps=2.8e9, copy_bps=3.6e9, pack_fixed_s=20e-6),
+    # CPU DRAM, UCX cma (default UCX_TLS); measured here, see nixl_transport.py's docstring.
+    "nixl-dram": Calibration(per_desc_s=12.7e-6, wire_bps=2.5e9, copy_bps=3.6e9, pack_fixed_s=20e-6),
+    # CPU DRAM, UCX_TLS=tcp.
+    "nixl-dram-tcp": Calibration(per_desc_s=25e-6, wire_bps=1.2e9, copy_bps=3.6e9, pack_fixed_s=20e-6),
     # Same-process memmove double: per-descriptor cost is a Python call.
     "loopback": Calibration(per_desc_s=1.0e-6, wire_bps=8.0e9, copy_bps=8.0e9, pack_fixed_s=10e-6),
 }

@@ -3,18 +3,17 @@
 What works on a CPU-only host (measured here, NIXL 1.5.1 nixl-cu13 wheel, bundled UCX, root,
 2 cores, no GPU), two agents in two spawned processes, DRAM from numpy buffers:
 
-=====================  ===========================================================================
-``UCX_TLS``            result
-=====================  ===========================================================================
-unset (default)        works: RMA put over ``cma/memory``, active messages/notifs over ``tcp/lo``
-``cma,tcp`` / ``sm,tcp``  works, same protocols as the default
-``tcp``                works, puts over tcp (lo + eth0), about 3x slower than cma
-``shm``, ``cma``,      ``createBackend`` fails (NIXL_ERR_BACKEND): NIXL's UCX endpoints ask for peer
-``posix``, ``sysv``,   failure handling and an AM lane; UCX: "no active messages transport:
-``self`` (no tcp)      sysv/memory - no peer failure handler, posix/memory - no peer failure
-                       handler, cma/memory - no am bcopy". A tcp lane is required.
-``""`` (set, empty)    fails: "The TLs list is empty" — unset it instead
-=====================  ===========================================================================
+``UCX_TLS`` and the result:
+
+- unset (default): works. RMA puts over ``cma/memory``, active messages and notifications over
+  ``tcp/lo`` (seen with ``UCX_PROTO_INFO=y``).
+- ``cma,tcp`` or ``sm,tcp``: works, same protocols as the default.
+- ``tcp``: works, puts over tcp (lo + eth0), about 2x slower than cma.
+- ``shm``, ``cma``, ``posix``, ``sysv``, ``self`` or ``shm,self`` (anything without tcp):
+  ``createBackend`` fails with NIXL_ERR_BACKEND. NIXL's UCX endpoints need peer-failure handling
+  and an active-message lane; UCX says "no active messages transport: sysv/memory - no peer
+  failure handler, posix/memory - no peer failure handler, cma/memory - no am bcopy".
+- ``UCX_TLS=""`` (set but empty): fails, "The TLs list is empty"; unset it instead.
 
 Behaviour worth knowing (all seen here):
 
@@ -27,7 +26,16 @@ Behaviour worth knowing (all seen here):
 - Strided (N, 5) prepped lists need ``mem_type``; their elements are indexed row-major.
 - Telemetry is off unless the agent is created with it; we do not use it.
 
-Measured (``bench/bench_transport.py``, two processes, cma): see that script's output/JSON.
+Measured with ``bench/bench_transport.py`` (two processes, 8,192 x 32 KiB = 256 MiB, median;
+this 2-core box is noisy, runs differ up to 2x because both agents' progress threads spin):
+
+- 1 descriptor: 54-108 ms (2.5-4.9 GB/s) with cma; 223 ms (1.2 GB/s) with tcp.
+- 8,192 scattered descriptors: 114-214 ms (1.2-2.3 GB/s) with cma; 432 ms (0.6 GB/s) with tcp.
+- 8,192 descriptors contiguous on both sides: as fast as 1 descriptor (NIXL merges them).
+- Per-descriptor overhead: 8-13 us with cma, 25 us with tcp.
+
+With 1 KiB pages (8 MiB): 1 descriptor 1.5 ms, 8,192 scattered 67 ms (0.13 GB/s), a torch
+gather of the same bytes 1 ms: tiny descriptors must be packed even on CPU.
 """
 
 from __future__ import annotations
