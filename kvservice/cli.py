@@ -22,6 +22,21 @@ def _run(coro: object) -> None:
         asyncio.run(coro)  # type: ignore[arg-type]
 
 
+def _health(address: str, timeout: float) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvservice", description="KV-cache transfer service")
     sub = parser.add_subparsers(dest="command")
@@ -29,10 +44,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_flags(serve_p)
     demo_p = sub.add_parser("demo", help="multi-turn transfer demo: two services, two engines, shm")
     demo_p.add_argument("--turns", type=int, default=4)
+    health_p = sub.add_parser("health", help="exit 0 if the service at --address is SERVING")
+    health_p.add_argument("--address", required=True, help='"unix:/path" or "host:port"')
+    health_p.add_argument("--timeout", type=float, default=3.0)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv.insert(0, "serve")
     ns = parser.parse_args(argv)
+    if ns.command == "health":
+        return _health(ns.address, ns.timeout)
     if ns.command == "demo":
         from .demo import run_demo
 

@@ -49,6 +49,11 @@ class Config:
         0.0, "Seconds a session's resources outlive its stream before they are released."
     )
     max_message_mb: int = _opt(64, "Largest gRPC message, MiB.")
+    transport: str = _opt("nixl", "Data transport: 'nixl' (UCX; DRAM and VRAM) or 'loopback' (one process).")
+    host_staging_mb: int = _opt(256, "Host staging pool, MiB (pinned when CUDA exists).")
+    vram_staging_mb: int = _opt(1024, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets).")
+    workers_per_peer: int = _opt(4, "Chunks moved to one destination service at once.")
+    transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     metrics_port: int = _opt(0, "Prometheus metrics port (0: off; -1: pick a free one).")
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR.")
     log_format: str = _opt("json", "'json' (one object per line) or 'text'.")
@@ -79,6 +84,14 @@ class Config:
             raise ConfigError("session_grace_s: must be >= 0")
         if not 1 <= self.max_message_mb <= 2047:
             raise ConfigError("max_message_mb: must be in 1..2047")
+        if self.transport not in ("nixl", "loopback"):
+            raise ConfigError(f"transport: {self.transport!r} is not 'nixl' or 'loopback'")
+        if self.host_staging_mb < 1 or self.vram_staging_mb < 1:
+            raise ConfigError("host_staging_mb/vram_staging_mb: must be >= 1")
+        if not 1 <= self.workers_per_peer <= 256:
+            raise ConfigError("workers_per_peer: must be in 1..256")
+        if self.transfer_retain_s < 0:
+            raise ConfigError("transfer_retain_s: must be >= 0")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port: must be -1, 0 or a port number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -65,12 +65,13 @@ class Node:
     def open_session(self, client_name: str) -> Session:
         return self.sessions.open(client_name)
 
-    def close_session(self, session_id: str) -> None:
+    async def close_session(self, session_id: str) -> None:
+        """End a session: abort its transfers (settled), then release its leases and buffers."""
+        if self.transfers is not None:
+            await self.transfers.release_session(session_id)
         self.sessions.close(session_id)
 
     def _release_session(self, session_id: str) -> None:
-        if self.transfers is not None:
-            self.transfers.release_session(session_id)
         if self.index is not None:
             self.index.release_owner(session_id)
         self.buffers.release_session(session_id)
@@ -87,9 +88,9 @@ class Node:
     ) -> BufferSet:
         return self.buffers.register(session_id, engine_id, layout, k_regions, v_regions, aux_regions)
 
-    def unregister_buffers(self, session_id: str, buffer_set_id: str) -> Unregistered:
+    async def unregister_buffers(self, session_id: str, buffer_set_id: str) -> Unregistered:
         self.buffers.get(buffer_set_id, session_id)  # ownership check before anything changes
-        aborted = self.transfers.abort_buffer_set(buffer_set_id) if self.transfers is not None else 0
+        aborted = await self.transfers.abort_buffer_set(buffer_set_id) if self.transfers is not None else 0
         dropped = self.index.remove_buffer_set(buffer_set_id) if self.index is not None else 0
         self.buffers.unregister(buffer_set_id, session_id)
         return Unregistered(aborted, dropped)
@@ -112,8 +113,8 @@ class Node:
             log.warning("grace period over; aborting in-flight transfers", extra={"count": left})
             await self.transfers.abort_all("service shutting down")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for sid in self.sessions.ids():
-            self.sessions.close(sid)
+            await self.close_session(sid)
         if self.transfers is not None:
-            self.transfers.close()
+            await self.transfers.close()

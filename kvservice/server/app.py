@@ -19,17 +19,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvservice_client._client import channel_options
-from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc
+from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 from ..config import Config
 from ..errors import InvalidArgument
 from ..node import Node
+from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
 
 __all__ = ["App", "build_server", "serve"]
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = kvservice_pb2.DESCRIPTOR.services_by_name["KVService"].full_name
+PEER_SERVICE_NAME = peer_pb2.DESCRIPTOR.services_by_name["KVPeer"].full_name
 
 
 @dataclasses.dataclass
@@ -58,7 +60,11 @@ class App:
         return self.address
 
     async def start(self) -> None:
+        from ..transfer.engine import TransferEngine
+
         await self.server.start()
+        self.node.transfers = TransferEngine(self.node, self.peer_address)
+        self.node.transfers.start()
         if self.uds_path:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
         for name in ("", SERVICE_NAME):
@@ -71,7 +77,7 @@ class App:
         await self.health.enter_graceful_shutdown()
         await self.node.drain(grace)
         await self.server.stop(min(grace, 1.0))
-        self.node.close()
+        await self.node.close()
         if self.uds_path and os.path.exists(self.uds_path):
             os.unlink(self.uds_path)
         log.info("kvservice stopped")
@@ -82,10 +88,11 @@ def build_server(config: Config) -> App:
     node = Node(config)
     server = grpc.aio.server(options=channel_options(config.max_message_mb))
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
+    peer_pb2_grpc.add_KVPeerServicer_to_server(KVPeerServicer(node), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, PEER_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     uds_path = config.uds_path
     if uds_path:

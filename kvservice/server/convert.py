@@ -7,6 +7,7 @@ from kvservice_client import Layout
 from kvservice_client._proto import common_pb2, kvservice_pb2
 
 from ..buffers import BufferSet
+from ..transfer.records import Record
 from ..errors import InvalidArgument
 
 __all__ = ["buffer_set_info", "layout", "session_of", "token_ids"]
@@ -42,3 +43,49 @@ def buffer_set_info(bs: BufferSet, indexed_pages: int) -> kvservice_pb2.BufferSe
         indexed_pages=indexed_pages,
         session_id=bs.session_id,
     )
+
+
+
+_STATE = {s: getattr(common_pb2, f"TRANSFER_STATE_{s}") for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED")}
+_ROLE = {"SENDER": kvservice_pb2.TRANSFER_ROLE_SENDER, "RECEIVER": kvservice_pb2.TRANSFER_ROLE_RECEIVER}
+_PATH = {"AUTO": 0, "DIRECT": 1, "PACKED": 2}
+
+
+def transfer_status(r: Record) -> kvservice_pb2.TransferStatus:
+    t = r.timings_us
+    return kvservice_pb2.TransferStatus(
+        transfer_id=r.transfer_id,
+        role=_ROLE[r.role],
+        buffer_set_id=r.buffer_set_id,
+        state=_STATE[r.state],
+        bytes_sent=r.bytes_sent,
+        pages_sent=r.pages_sent,
+        pages_skipped=r.pages_skipped,
+        descriptors=r.descriptors,
+        chunks_done=r.chunks_done,
+        senders_done=r.senders_done,
+        path=_PATH[r.path],
+        timings=kvservice_pb2.PhaseTimings(
+            queue_us=t["queue"], plan_us=t["plan"], pack_us=t["pack"], wire_us=t["wire"], unpack_us=t["unpack"],
+            total_us=r.total_us,
+        ),
+        error_code=r.error_code,
+        error=r.error,
+        updated_unix_ms=r.updated_unix_ms,
+    )
+
+
+def path_name(value: int, field: str = "path") -> str:
+    for name, v in _PATH.items():
+        if v == value:
+            return name
+    raise InvalidArgument(field, f"unknown TransferPath {value}")
+
+
+def aux_rows(items: object) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for i, a in enumerate(items):  # type: ignore[attr-defined]
+        if a.name in out:
+            raise InvalidArgument(f"aux[{i}].name", f"duplicate aux name {a.name!r}")
+        out[a.name] = np.asarray(a.rows, dtype=np.int64)
+    return out

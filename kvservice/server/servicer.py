@@ -6,10 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc
 
 from ..node import VERSION, Node
+from ..transfer.requests import build_chunk, build_incoming
 from . import convert
 from .errors import grpc_errors
 
@@ -32,7 +34,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             yield pb.SessionEvent(session_id=session.session_id)
             await asyncio.Event().wait()  # held until the client goes (cancellation)
         finally:
-            self.node.close_session(session.session_id)
+            await self.node.close_session(session.session_id)
 
     @grpc_errors
     async def RegisterBuffers(self, request: pb.RegisterBuffersRequest, context: Ctx) -> pb.RegisterBuffersResponse:
@@ -54,7 +56,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def UnregisterBuffers(
         self, request: pb.UnregisterBuffersRequest, context: Ctx
     ) -> pb.UnregisterBuffersResponse:
-        result = self.node.unregister_buffers(self._session(context), request.buffer_set_id)
+        result = await self.node.unregister_buffers(self._session(context), request.buffer_set_id)
         return pb.UnregisterBuffersResponse(
             transfers_aborted=result.transfers_aborted, index_entries_dropped=result.index_entries_dropped
         )
@@ -81,31 +83,64 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
 
     @grpc_errors
     async def ExpectDelta(self, request: pb.ExpectDeltaRequest, context: Ctx) -> pb.ExpectDeltaResponse:
-        self.node.require_transfers("ExpectDelta")
-        return pb.ExpectDeltaResponse()
+        engine = self.node.require_transfers("ExpectDelta")
+        which = request.WhichOneof("publish")
+        inc = build_incoming(
+            engine,
+            self._session(context),
+            transfer_id=request.transfer_id,
+            buffer_set_id=request.buffer_set_id,
+            prefix_pages=request.prefix_pages,
+            dst_page_indices=request.dst_page_indices,
+            aux=convert.aux_rows(request.aux),
+            expected_senders=request.expected_senders,
+            deadline_ms=request.deadline_ms,
+            publish_tokens=convert.token_ids(request.publish_tokens, "publish_tokens") if which == "publish_tokens" else None,
+            publish_hashes=np.asarray(request.publish_hashes.hashes, dtype=np.uint64) if which == "publish_hashes" else None,
+            prefix_page_indices=request.prefix_page_indices,
+        )
+        rec = await engine.expect(inc)
+        return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
     @grpc_errors
     async def SendDelta(self, request: pb.SendDeltaRequest, context: Ctx) -> pb.SendDeltaResponse:
-        self.node.require_transfers("SendDelta")
-        return pb.SendDeltaResponse()
+        engine = self.node.require_transfers("SendDelta")
+        out, chunk = build_chunk(
+            engine,
+            self._session(context),
+            transfer_id=request.transfer_id,
+            buffer_set_id=request.buffer_set_id,
+            chunk_offset=request.chunk_offset,
+            src_page_indices=request.src_page_indices,
+            last_chunk=request.last_chunk,
+            peer_address=request.peer_address,
+            aux=convert.aux_rows(request.aux),
+            deadline_ms=request.deadline_ms,
+            path=convert.path_name(request.path),
+        )
+        rec = await engine.send(out, chunk)
+        return pb.SendDeltaResponse(status=convert.transfer_status(rec))
 
     @grpc_errors
     async def Poll(self, request: pb.PollRequest, context: Ctx) -> pb.PollResponse:
-        self.node.require_transfers("Poll")
-        return pb.PollResponse()
+        engine = self.node.require_transfers("Poll")
+        recs = engine.records(self._session(context), request.transfer_ids)
+        return pb.PollResponse(statuses=[convert.transfer_status(r) for r in recs])
 
     @grpc_errors
     async def WatchTransfers(
         self, request: pb.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[pb.TransferStatus]:
-        self.node.require_transfers("WatchTransfers")
-        if False:  # pragma: no cover - makes this an async generator
-            yield pb.TransferStatus()
+        engine = self.node.require_transfers("WatchTransfers")
+        async for rec in engine.watch(self._session(context), request.transfer_ids, request.include_current):
+            yield convert.transfer_status(rec)
 
     @grpc_errors
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        self.node.require_transfers("Abort")
-        return pb.AbortResponse()
+        engine = self.node.require_transfers("Abort")
+        recs = await engine.abort(self._session(context), request.transfer_id, "ABORTED",
+                                  request.reason or "aborted by the engine")
+        return pb.AbortResponse(statuses=[convert.transfer_status(r) for r in recs])
 
     @grpc_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:

@@ -26,32 +26,78 @@ class HandshakeRequest(_message.Message):
     def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities")
+    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "metadata_epoch")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     transport: str
     agent_name: str
     agent_metadata: bytes
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    metadata_epoch: int
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., metadata_epoch: _Optional[int] = ...) -> None: ...
 
 class GetReceivePlanRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_service_id", "src_layout", "wait_ms")
+    __slots__ = ("transfer_id", "sender_service_id", "src_layout", "wait_ms", "sender_address")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_service_id: str
     src_layout: _common_pb2.Layout
     wait_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    sender_address: str
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., wait_ms: _Optional[int] = ..., sender_address: _Optional[str] = ...) -> None: ...
+
+class HeadRoute(_message.Message):
+    __slots__ = ("src_head_start", "dst_head_start", "num_heads")
+    SRC_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    src_head_start: int
+    dst_head_start: int
+    num_heads: int
+    def __init__(self, src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
+
+class ReceivePlanSet(_message.Message):
+    __slots__ = ("plans", "metadata_epoch")
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    plans: _containers.RepeatedCompositeFieldContainer[ReceivePlan]
+    metadata_epoch: int
+    def __init__(self, plans: _Optional[_Iterable[_Union[ReceivePlan, _Mapping]]] = ..., metadata_epoch: _Optional[int] = ...) -> None: ...
+
+class ReserveStagingRequest(_message.Message):
+    __slots__ = ("transfer_id", "dst_buffer_set_id", "nbytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    dst_buffer_set_id: str
+    nbytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_buffer_set_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class StagingSlot(_message.Message):
+    __slots__ = ("slot_id", "address", "size_bytes", "mem_kind", "device_id")
+    SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    slot_id: int
+    address: int
+    size_bytes: int
+    mem_kind: str
+    device_id: int
+    def __init__(self, slot_id: _Optional[int] = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class RemoteRegion(_message.Message):
     __slots__ = ("address", "size_bytes", "mem_kind", "device_id")
@@ -66,7 +112,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReceivePlan(_message.Message):
-    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names")
+    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +124,8 @@ class ReceivePlan(_message.Message):
     AUX_REGIONS_FIELD_NUMBER: _ClassVar[int]
     AUX_ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     AUX_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DST_BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_layout: _common_pb2.Layout
     prefix_pages: int
@@ -89,10 +137,12 @@ class ReceivePlan(_message.Message):
     aux_regions: _containers.RepeatedCompositeFieldContainer[RemoteRegion]
     aux_row_bytes: _containers.RepeatedScalarFieldContainer[int]
     aux_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    dst_buffer_set_id: str
+    route: HeadRoute
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us")
+    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +156,11 @@ class CommitChunkRequest(_message.Message):
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     PACK_US_FIELD_NUMBER: _ClassVar[int]
     WIRE_US_FIELD_NUMBER: _ClassVar[int]
+    DST_BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    AUX_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_ONLY_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_service_id: str
     src_tp_rank: int
@@ -119,7 +174,12 @@ class CommitChunkRequest(_message.Message):
     descriptors: int
     pack_us: int
     wire_us: int
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ...) -> None: ...
+    dst_buffer_set_id: str
+    dst_head_start: int
+    num_heads: int
+    aux_delivered: bool
+    release_only: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ...) -> None: ...
 
 class CommitChunkResponse(_message.Message):
     __slots__ = ("state",)
@@ -128,14 +188,16 @@ class CommitChunkResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.TransferState, str]] = ...) -> None: ...
 
 class PeerAbortRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason", "origin_service_id")
+    __slots__ = ("transfer_id", "reason", "origin_service_id", "error_code")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
     origin_service_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., origin_service_id: _Optional[str] = ...) -> None: ...
+    error_code: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., origin_service_id: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class PeerAbortResponse(_message.Message):
     __slots__ = ("known",)

@@ -43,7 +43,12 @@ class KVPeerStub(object):
         self.GetReceivePlan = channel.unary_unary(
                 '/kvservice.v1.KVPeer/GetReceivePlan',
                 request_serializer=kvservice_dot_v1_dot_peer__pb2.GetReceivePlanRequest.SerializeToString,
-                response_deserializer=kvservice_dot_v1_dot_peer__pb2.ReceivePlan.FromString,
+                response_deserializer=kvservice_dot_v1_dot_peer__pb2.ReceivePlanSet.FromString,
+                _registered_method=True)
+        self.ReserveStaging = channel.unary_unary(
+                '/kvservice.v1.KVPeer/ReserveStaging',
+                request_serializer=kvservice_dot_v1_dot_peer__pb2.ReserveStagingRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_peer__pb2.StagingSlot.FromString,
                 _registered_method=True)
         self.CommitChunk = channel.unary_unary(
                 '/kvservice.v1.KVPeer/CommitChunk',
@@ -76,6 +81,14 @@ class KVPeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveStaging(self, request, context):
+        """Reserves a slot of the receiver's staging pool for one packed chunk (waits, bounded by the
+        transfer's deadline, while the pool is full).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitChunk(self, request, context):
         """Tells the receiver that a chunk's bytes have landed (direct path) or sit in its staging slot
         (packed path, the receiver then unpacks). Answers once the receiver has applied it.
@@ -103,7 +116,12 @@ def add_KVPeerServicer_to_server(servicer, server):
             'GetReceivePlan': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReceivePlan,
                     request_deserializer=kvservice_dot_v1_dot_peer__pb2.GetReceivePlanRequest.FromString,
-                    response_serializer=kvservice_dot_v1_dot_peer__pb2.ReceivePlan.SerializeToString,
+                    response_serializer=kvservice_dot_v1_dot_peer__pb2.ReceivePlanSet.SerializeToString,
+            ),
+            'ReserveStaging': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveStaging,
+                    request_deserializer=kvservice_dot_v1_dot_peer__pb2.ReserveStagingRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_peer__pb2.StagingSlot.SerializeToString,
             ),
             'CommitChunk': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitChunk,
@@ -169,7 +187,34 @@ class KVPeer(object):
             target,
             '/kvservice.v1.KVPeer/GetReceivePlan',
             kvservice_dot_v1_dot_peer__pb2.GetReceivePlanRequest.SerializeToString,
-            kvservice_dot_v1_dot_peer__pb2.ReceivePlan.FromString,
+            kvservice_dot_v1_dot_peer__pb2.ReceivePlanSet.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveStaging(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVPeer/ReserveStaging',
+            kvservice_dot_v1_dot_peer__pb2.ReserveStagingRequest.SerializeToString,
+            kvservice_dot_v1_dot_peer__pb2.StagingSlot.FromString,
             options,
             channel_credentials,
             insecure,

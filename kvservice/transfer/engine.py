@@ -1,0 +1,293 @@
+"""The transfer engine: ExpectDelta / SendDelta / Poll / WatchTransfers / Abort and the KVPeer side.
+
+Owns the transport (one agent per service), the staging pools, the transfer table, the
+receiver and sender halves, and the per-buffer-set transport state made at registration
+(memory registered once, one prepped descriptor list per buffer set). A reaper enforces
+deadlines (NIXL has none). Every method runs on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import numpy as np
+
+from .. import kernels
+from ..buffers import BufferSet
+from ..errors import Aborted, InvalidArgument, NotFound
+from ..staging import StagingPool
+from .descriptors import CALIBRATIONS, prepped_rows
+from .mover import Mover
+from .peers import PeerDirectory, Self
+from .receiver import Incoming, Receiver
+from .records import Record, TransferTable
+from .sender import Outgoing, Sender
+from .transport import RegHandle, Transport
+
+__all__ = ["TransferEngine", "make_transport"]
+
+
+def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads: int) -> None:
+    kernels.unpack(regions, view, dst, head_start=head_start, num_heads=num_heads)
+    if view.is_cuda:
+        import torch
+
+        torch.cuda.current_stream(view.device).synchronize()
+
+log = logging.getLogger(__name__)
+
+
+def make_transport(kind: str, name: str) -> Transport:
+    if kind == "loopback":
+        from .loopback import LoopbackTransport
+
+        return LoopbackTransport(name)
+    from .nixl_transport import NixlTransport
+
+    return NixlTransport(name)
+
+
+class TransferEngine:
+    def __init__(self, node: Any, address: str) -> None:
+        cfg = node.config
+        self.node = node
+        self.config = cfg
+        self.service_id = node.service_id
+        self.address = address
+        self.transport = make_transport(cfg.transport, f"kvs-{node.service_id}")
+        self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
+        self.metadata_epoch = 0
+        self.table = TransferTable(cfg.transfer_retain_s)
+        self.peers = PeerDirectory(Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch))
+        self._pool_regs: dict[int, RegHandle] = {}
+        self.host_pool = StagingPool(cfg.host_staging_mb << 20, "host", register=self._reg_pool,
+                                     deregister=self._dereg_pool)
+        self.vram_pools: dict[int, StagingPool] = {}
+        self.local_lists: dict[str, Any] = {}
+        self.kv_regions: dict[str, kernels.KVRegions] = {}
+        self._regs: dict[str, list[RegHandle]] = {}
+        self.receiver = Receiver(self.table, self.pool_for)
+        self.mover = Mover(self)
+        self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
+        self._reaper: asyncio.Task[None] | None = None
+        self._reaping: set[tuple[str, str, str]] = set()
+        node.buffers.add_hooks(self._on_register, self._on_unregister)
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="transfer-reaper")
+
+    # -- memory --------------------------------------------------------------------------------
+    def _reg_pool(self, addr: int, size: int, kind: str, dev: int) -> None:
+        self._pool_regs[addr] = self.transport.register(addr, size, kind, dev)  # type: ignore[arg-type]
+        self.metadata_epoch += 1
+
+    def _dereg_pool(self, addr: int, size: int, kind: str, dev: int) -> None:
+        reg = self._pool_regs.pop(addr, None)
+        if reg is not None:
+            self.transport.deregister(reg)
+
+    def pool_for(self, bs: BufferSet) -> StagingPool:
+        if bs.memory != "cuda_ipc":
+            return self.host_pool
+        dev = bs.k[0].device
+        pool = self.vram_pools.get(dev)
+        if pool is None:
+            pool = self.vram_pools[dev] = StagingPool(self.config.vram_staging_mb << 20, "vram", device=dev,
+                                                      register=self._reg_pool, deregister=self._dereg_pool)
+        return pool
+
+    def _on_register(self, bs: BufferSet) -> None:
+        regs: list[RegHandle] = []
+        try:
+            for r in bs.regions + tuple(a.region for a in bs.aux):
+                regs.append(self.transport.register(r.address, r.size, r.mem_kind, r.device))  # type: ignore[arg-type]
+            lay = bs.layout
+            pb = np.array([r.size // lay.num_pages for r in bs.regions], dtype=np.int64)
+            rows = prepped_rows(np.array([r.address for r in bs.regions], dtype=np.int64), pb, lay.num_pages,
+                                bs.k[0].device)
+            self.local_lists[bs.buffer_set_id] = self.transport.prep_local(rows, bs.k[0].mem_kind)  # type: ignore[arg-type]
+            self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.create(
+                [r.tensor for r in bs.k], [r.tensor for r in bs.v] or None, page_size=lay.page_size,
+                num_heads=lay.local_kv_heads, head_dim_k=lay.head_dim_k, head_dim_v=lay.head_dim_v or None,
+                itemsize=lay.itemsize,
+            )
+        except BaseException:
+            lst = self.local_lists.pop(bs.buffer_set_id, None)
+            if lst is not None:
+                self.transport.release_list(lst)
+            for reg in regs:
+                self.transport.deregister(reg)
+            raise
+        self._regs[bs.buffer_set_id] = regs
+        self.metadata_epoch += 1
+
+    def _on_unregister(self, bs: BufferSet) -> None:
+        self.kv_regions.pop(bs.buffer_set_id, None)
+        lst = self.local_lists.pop(bs.buffer_set_id, None)
+        if lst is not None:
+            self.transport.release_list(lst)
+        for reg in self._regs.pop(bs.buffer_set_id, []):
+            self.transport.deregister(reg)
+
+    # -- engine API ----------------------------------------------------------------------------
+    async def expect(self, inc: Incoming) -> Record:
+        await self.receiver.expect(inc)
+        return inc.rec
+
+    async def send(self, out: Outgoing, chunk: Any) -> Record:
+        self.sender.outgoing[(out.rec.transfer_id, out.bs.buffer_set_id)] = out
+        if self.table.get(out.rec.key) is None:
+            self.table.add(out.rec)
+        self.sender.enqueue(out, chunk)
+        return out.rec
+
+    def records(self, session_id: str, transfer_ids: Iterable[str]) -> list[Record]:
+        ids = set(transfer_ids)
+        return [r.snapshot() for r in self.table.select(
+            lambda r: r.session_id == session_id and (not ids or r.transfer_id in ids))]
+
+    def watch(self, session_id: str, transfer_ids: Iterable[str], include_current: bool) -> AsyncIterator[Record]:
+        ids = set(transfer_ids)
+        return self.table.watch(lambda r: r.session_id == session_id and (not ids or r.transfer_id in ids),
+                                include_current)
+
+    async def abort(self, session_id: str | None, transfer_id: str, code: str, reason: str,
+                    notify: bool = True, origin: str = "") -> list[Record]:
+        """Stop every side of ``transfer_id`` (of ``session_id`` if given); settled on return."""
+        if not transfer_id:
+            raise InvalidArgument("transfer_id", "is required")
+        outs = [o for (t, _), o in self.sender.outgoing.items()
+                if t == transfer_id and (session_id is None or o.rec.session_id == session_id)]
+        incs = [i for i in self.receiver.of(transfer_id) if session_id is None or i.rec.session_id == session_id]
+        if session_id is not None and not outs and not incs:
+            raise NotFound(f"transfer_id: no transfer {transfer_id!r} of this client on this service")
+        await asyncio.gather(
+            *(self._abort_out(o, code, reason, notify and self.peers.get(o.peer_address).service_id != origin)
+              for o in outs),
+            *(self._abort_in(i, code, reason, notify, origin) for i in incs),
+        )
+        return [o.rec.snapshot() for o in outs] + [i.rec.snapshot() for i in incs]
+
+    async def _abort_out(self, out: Outgoing, code: str, reason: str, notify: bool) -> None:
+        self.sender.stop(out, code, reason)
+        await self.sender.stopped(out)
+        state = "ABORTED" if code == "ABORTED" else "FAILED"
+        if self.table.finish(out.rec, state, code, reason) and notify:
+            await self.mover.tell_abort(out, code, reason)
+
+    async def _abort_in(self, inc: Incoming, code: str, reason: str, notify: bool, origin: str = "") -> None:
+        state = "ABORTED" if code == "ABORTED" else "FAILED"
+        if not self.table.finish(inc.rec, state, code, reason):
+            return
+        if notify:  # senders settle their in-flight writes before they answer
+            await asyncio.gather(*(self._tell(addr, inc.rec.transfer_id, code, reason)
+                                   for sid, addr in inc.senders.items() if sid != origin))
+        while inc.busy:  # an unpack in progress finishes first
+            await asyncio.sleep(0.001)
+        self.receiver.release_slots(inc)
+
+    async def _tell(self, address: str, transfer_id: str, code: str, reason: str) -> None:
+        from kvservice_client._proto import peer_pb2
+
+        try:
+            await self.peers.get(address).call("Abort", peer_pb2.PeerAbortRequest(
+                transfer_id=transfer_id, reason=reason, origin_service_id=self.service_id, error_code=code), 5.0)
+        except Exception as exc:
+            log.warning("abort not acknowledged by sender %s: %s", address, exc, extra={"transfer_id": transfer_id})
+
+    async def unpack_chunk(self, inc: Incoming, slot_id: int, positions: np.ndarray, head_start: int,
+                           num_heads: int) -> None:
+        """Scatter a packed chunk from its staging slot into the engine's pages, then free the slot."""
+        held = inc.slots.pop(slot_id, None)
+        if held is None:
+            raise NotFound(f"staging_slot: {slot_id} is not reserved for this transfer")
+        pool, slot = held
+        regions = self.kv_regions[inc.bs.buffer_set_id]
+        dst = inc.dst_pages[positions - inc.prefix_pages]
+        nbytes = kernels.packed_nbytes(regions, int(dst.size), num_heads)
+        inc.busy += 1
+        t0 = time.monotonic()
+        try:
+            if inc.rec.terminal:
+                raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
+            view = pool.view(slot)[:nbytes]
+            await asyncio.to_thread(_unpack, regions, view, dst, head_start, num_heads)
+        finally:
+            inc.busy -= 1
+            pool.release(slot)
+        self.table.update(inc.rec, add_unpack=int((time.monotonic() - t0) * 1e6))
+
+    async def fail_incoming(self, inc: Incoming, exc: Any) -> None:
+        await self._abort_in(inc, exc.code.name, exc.message, True)
+
+    def publish_received(self, inc: Incoming) -> None:
+        """After DONE: insert the sequence's pages into the index when the receiver asked to."""
+        index = self.node.index
+        if inc.publish_hashes is None or index is None:
+            return
+        pages = np.concatenate([inc.prefix_page_indices, inc.dst_pages])
+        try:
+            index.publish(inc.bs.buffer_set_id, inc.publish_hashes, pages, 0)
+        except Exception:
+            log.exception("publishing received pages failed", extra={"transfer_id": inc.rec.transfer_id})
+
+    async def abort_buffer_set(self, bs_id: str) -> int:
+        recs = self.table.select(lambda r: r.buffer_set_id == bs_id and not r.terminal)
+        for tid in {r.transfer_id for r in recs}:
+            await self.abort(None, tid, "ABORTED", f"buffer set {bs_id} unregistered")
+        return len(recs)
+
+    async def release_session(self, session_id: str) -> None:
+        recs = self.table.select(lambda r: r.session_id == session_id and not r.terminal)
+        for tid in {r.transfer_id for r in recs}:
+            await self.abort(session_id, tid, "ABORTED", "the owning client went away")
+
+    def in_flight(self) -> int:
+        return self.table.in_flight()
+
+    async def abort_all(self, reason: str) -> None:
+        for tid in {r.transfer_id for r in self.table.select(lambda r: not r.terminal)}:
+            await self.abort(None, tid, "ABORTED", reason)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            for rec in self.table.select(lambda r: not r.terminal and r.deadline < now and r.key not in self._reaping):
+                self._reaping.add(rec.key)
+                asyncio.ensure_future(self._expire(rec))
+            self.table.prune()
+            self._forget_ended()
+
+    async def _expire(self, rec: Record) -> None:
+        key = (rec.transfer_id, rec.buffer_set_id)
+        why = "transfer deadline passed"
+        try:
+            if rec.role == "SENDER" and key in self.sender.outgoing:
+                await self._abort_out(self.sender.outgoing[key], "DEADLINE_EXCEEDED", why, True)
+            elif rec.role == "RECEIVER" and key in self.receiver.incoming:
+                await self._abort_in(self.receiver.incoming[key], "DEADLINE_EXCEEDED", why, True)
+            else:
+                self.table.finish(rec, "FAILED", "DEADLINE_EXCEEDED", why)
+        finally:
+            self._reaping.discard(rec.key)
+
+    def _forget_ended(self) -> None:
+        live = {r.key for r in self.table.select(lambda r: True)}
+        for key in [k for k, o in self.sender.outgoing.items() if o.rec.key not in live]:
+            del self.sender.outgoing[key]
+        for key in [k for k, i in self.receiver.incoming.items() if i.rec.key not in live]:
+            del self.receiver.incoming[key]
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.abort_all("service shutting down")
+        await self.peers.close()
+        for pool in [self.host_pool, *self.vram_pools.values()]:
+            pool.close()
+        self.transport.close()

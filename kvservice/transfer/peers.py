@@ -1,0 +1,129 @@
+"""Connections to other kvservice instances (the KVPeer API) and their transport agents.
+
+One :class:`PeerClient` per peer address, cached by the :class:`PeerDirectory`. The first use
+handshakes (exchange transport metadata, version, capabilities) and loads the peer's agent
+into our transport. A peer that restarted answers with a new ``service_id`` and a peer that
+registered memory since answers with a higher ``metadata_epoch``: both make us re-handshake
+(``refresh``). gRPC failures become UNAVAILABLE / DEADLINE_EXCEEDED from the error tree, so a
+lost peer fails the transfers that use it with a reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from kvservice_client._client import channel_options
+from kvservice_client._proto import peer_pb2, peer_pb2_grpc
+
+from .. import errors
+from .transport import Transport
+
+__all__ = ["PeerClient", "PeerDirectory", "Self"]
+
+log = logging.getLogger(__name__)
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.PermissionDenied,
+        errors.FailedPrecondition, errors.ResourceExhausted, errors.DeadlineExceeded, errors.Aborted,
+        errors.Unavailable, errors.Unimplemented,
+    )
+}
+
+
+def peer_error(address: str, exc: grpc.RpcError) -> errors.KVServiceError:
+    """A KVPeer call's failure as our error (the peer's message kept, its address added)."""
+    code = exc.code()
+    cls = _BY_CODE.get(code, errors.Unavailable)
+    msg = f"peer {address}: {exc.details() or code.name}"
+    if cls is errors.InvalidArgument:
+        return errors.FailedPrecondition(msg)  # the peer rejected what *we* sent: not the caller's field
+    return cls(msg)
+
+
+class Self:
+    """What we tell peers about ourselves in a handshake."""
+
+    def __init__(self, service_id: str, version: str, address: str, transport: Transport, epoch: Any) -> None:
+        self.service_id = service_id
+        self.version = version
+        self.address = address
+        self.transport = transport
+        self.epoch = epoch  # callable returning our metadata epoch
+
+    def request(self) -> peer_pb2.HandshakeRequest:
+        return peer_pb2.HandshakeRequest(
+            service_id=self.service_id,
+            version=self.version,
+            transport=self.transport.kind,
+            agent_name=self.transport.agent_name,
+            agent_metadata=self.transport.metadata(),
+            capabilities=["direct", "packed", "mixed_tp", "mla", "aux"],
+            address=self.address,
+        )
+
+
+class PeerClient:
+    """A handshaken connection to one peer service."""
+
+    def __init__(self, address: str, me: Self) -> None:
+        self.address = address
+        self._me = me
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self.stub = peer_pb2_grpc.KVPeerStub(self._channel)
+        self.service_id = ""
+        self.agent = ""
+        self.epoch = -1
+        self._lock = asyncio.Lock()
+
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        try:
+            return await getattr(self.stub, method)(request, timeout=max(timeout, 0.001))
+        except grpc.RpcError as exc:
+            raise peer_error(self.address, exc) from None
+
+    async def refresh(self, min_epoch: int = 0, timeout: float = 10.0) -> None:
+        """Handshake if never done, or if the peer's metadata is older than ``min_epoch``."""
+        async with self._lock:
+            if self.agent and self.epoch >= min_epoch:
+                return
+            resp = await self.call("Handshake", self._me.request(), timeout)
+            if resp.service_id != self.service_id and self.agent:
+                log.warning("peer restarted", extra={"peer": self.address, "service_id": resp.service_id})
+            loop = asyncio.get_running_loop()
+            self.agent = await loop.run_in_executor(
+                None, self._me.transport.add_peer, resp.agent_name, bytes(resp.agent_metadata)
+            )
+            self.service_id = resp.service_id
+            self.epoch = resp.metadata_epoch
+
+    def invalidate(self) -> None:
+        """Forget the handshake (after a failure); the next use handshakes again."""
+        self.agent = ""
+        self.epoch = -1
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class PeerDirectory:
+    """Cache of peer clients by address."""
+
+    def __init__(self, me: Self) -> None:
+        self.me = me
+        self._peers: dict[str, PeerClient] = {}
+
+    def get(self, address: str) -> PeerClient:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._peers[address] = PeerClient(address, self.me)
+        return peer
+
+    async def close(self) -> None:
+        for peer in self._peers.values():
+            await peer.close()
+        self._peers.clear()

@@ -1,0 +1,196 @@
+"""Receiver side: declarations (ExpectDelta), receive plans for senders, staging slots, commits.
+
+A declaration is one receiver rank's view of transfer T. Senders find it through
+``plans`` (which waits, within the deadline, until every rank they route to has declared),
+reserve staging slots for packed chunks, write, then ``commit``: packed chunks are unpacked
+here into the engine's pages; direct chunks already landed. DONE when every expected sender
+committed its last chunk covering all delta pages and the declared aux rows arrived.
+
+    expected senders (derived from the layouts; H heads, sender TP p, receiver TP d):
+      MHA p <= d: 1     MHA p > d: p/d     replicated heads / MLA: 1 (one replica sends)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+from kvservice_client import Layout
+
+from ..buffers import BufferSet
+from ..errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KVServiceError, NotFound
+from ..kernels.heads import HeadRoute, plan_heads
+from ..staging import Slot, StagingPool
+from .records import Record, TransferTable
+
+__all__ = ["Incoming", "Receiver", "check_compatible", "routes_for"]
+
+
+@dataclasses.dataclass(eq=False)
+class Incoming:
+    """One receiver rank's declaration of a transfer and its progress."""
+
+    rec: Record
+    bs: BufferSet
+    prefix_pages: int
+    dst_pages: np.ndarray
+    aux: dict[str, np.ndarray]
+    expected_senders: int
+    publish_hashes: np.ndarray | None
+    prefix_page_indices: np.ndarray
+    covered: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    finished: set[str] = dataclasses.field(default_factory=set)
+    senders: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> address
+    slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
+    aux_done: bool = False
+    busy: int = 0
+
+
+def check_compatible(src: Layout, dst: Layout) -> None:
+    """FAILED_PRECONDITION unless pages of ``src`` can be written into ``dst``."""
+    for field in ("kind", "num_layers", "page_size", "dtype", "head_dim_k", "head_dim_v", "total_kv_heads"):
+        a, b = getattr(src, field), getattr(dst, field)
+        if a != b:
+            raise FailedPrecondition(f"layout mismatch: sender {field}={a}, receiver {field}={b}")
+
+
+def routes_for(src: Layout, dst_tp: int) -> list[HeadRoute]:
+    """Head routes of the sender rank ``src.tp_rank`` towards a receiver of TP ``dst_tp``."""
+    return [r for r in plan_heads(src.total_kv_heads, src.tp_size, dst_tp) if r.src_rank == src.tp_rank]
+
+
+class Receiver:
+    """All declarations of this service; every method runs on the event loop."""
+
+    def __init__(self, table: TransferTable, pool_for: object) -> None:
+        self.table = table
+        self._pool_for = pool_for  # callable(BufferSet) -> StagingPool
+        self.incoming: dict[tuple[str, str], Incoming] = {}  # (transfer_id, bs_id)
+        self._declared = asyncio.Condition()
+
+    # -- ExpectDelta -------------------------------------------------------------------------
+    async def expect(self, inc: Incoming) -> None:
+        key = (inc.rec.transfer_id, inc.bs.buffer_set_id)
+        old = self.incoming.get(key)
+        if old is not None and not old.rec.terminal:
+            raise AlreadyExists(f"transfer_id: {key[0]!r} is already declared for buffer set {key[1]!r}")
+        tp = inc.bs.layout.tp_size
+        for other in self.of(inc.rec.transfer_id):
+            if not other.rec.terminal and (other.bs.layout.tp_size != tp or other.bs.layout.tp_rank == inc.bs.layout.tp_rank):
+                raise FailedPrecondition(
+                    f"transfer_id: {key[0]!r} is already declared by TP rank {other.bs.layout.tp_rank}/"
+                    f"{other.bs.layout.tp_size} (buffer set {other.bs.buffer_set_id})"
+                )
+        self.incoming[key] = inc
+        self.table.add(inc.rec)
+        async with self._declared:
+            self._declared.notify_all()
+
+    def of(self, transfer_id: str) -> list[Incoming]:
+        return [i for (t, _), i in self.incoming.items() if t == transfer_id]
+
+    # -- GetReceivePlan ----------------------------------------------------------------------
+    async def plans(
+        self, transfer_id: str, src: Layout, sender_id: str, sender_address: str, wait_s: float
+    ) -> list[tuple[Incoming, HeadRoute]]:
+        """Wait until the ranks this sender routes to have declared; return them with routes."""
+        deadline = time.monotonic() + wait_s
+
+        def ready() -> list[tuple[Incoming, HeadRoute]] | None:
+            live = [i for i in self.of(transfer_id)]
+            if not live:
+                return None
+            dst_tp = live[0].bs.layout.tp_size
+            by_rank = {i.bs.layout.tp_rank: i for i in live}
+            wanted = routes_for(src, dst_tp)
+            if any(r.dst_rank not in by_rank for r in wanted):
+                return None
+            return [(by_rank[r.dst_rank], r) for r in wanted]
+
+        async with self._declared:
+            while (found := ready()) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NotFound(f"transfer_id: receiver never declared {transfer_id!r} (waited {wait_s:.3f}s)")
+                try:
+                    await asyncio.wait_for(self._declared.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        for inc, _ in found:
+            if inc.rec.terminal:
+                raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
+            try:
+                check_compatible(src, inc.bs.layout)
+                derived = sum(
+                    1 for r in plan_heads(src.total_kv_heads, src.tp_size, inc.bs.layout.tp_size)
+                    if r.dst_rank == inc.bs.layout.tp_rank
+                )
+                if inc.expected_senders and inc.expected_senders != derived:
+                    raise FailedPrecondition(
+                        f"expected_senders: declared {inc.expected_senders} but TP {src.tp_size} -> "
+                        f"{inc.bs.layout.tp_size} means {derived} sender ranks write to rank {inc.bs.layout.tp_rank}"
+                    )
+            except KVServiceError as exc:
+                self.table.finish(inc.rec, "FAILED", exc.code.name, exc.message)
+                raise
+            inc.expected_senders = derived
+            inc.senders[sender_id] = sender_address
+            inc.covered.setdefault(f"{sender_id}/{src.tp_rank}", np.zeros(inc.dst_pages.size, dtype=bool))
+            self.table.update(inc.rec, state="TRANSFERRING")
+        return found
+
+    def get(self, transfer_id: str, bs_id: str) -> Incoming:
+        inc = self.incoming.get((transfer_id, bs_id))
+        if inc is None:
+            raise NotFound(f"transfer_id: no declaration of {transfer_id!r} for buffer set {bs_id!r}")
+        if inc.rec.terminal:
+            raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
+        return inc
+
+    # -- ReserveStaging ----------------------------------------------------------------------
+    async def reserve(self, transfer_id: str, bs_id: str, nbytes: int) -> tuple[StagingPool, Slot]:
+        inc = self.get(transfer_id, bs_id)
+        pool: StagingPool = self._pool_for(inc.bs)  # type: ignore[operator]
+        slot = await pool.reserve(nbytes, inc.rec.deadline)
+        if inc.rec.terminal:  # aborted while we waited
+            pool.release(slot)
+            raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
+        inc.slots[slot.serial] = (pool, slot)
+        return pool, slot
+
+    def release_slots(self, inc: Incoming) -> None:
+        for pool, slot in inc.slots.values():
+            pool.release(slot)
+        inc.slots.clear()
+
+    # -- CommitChunk -------------------------------------------------------------------------
+    def record_chunk(self, inc: Incoming, sender_key: str, positions: np.ndarray, last: bool,
+                     nbytes: int, skipped: int, aux: bool) -> None:
+        """Account a landed chunk; on a sender's last chunk check it covered every delta page."""
+        cov = inc.covered.get(sender_key)
+        if cov is None:
+            raise FailedPrecondition(f"sender {sender_key} committed without fetching the plan")
+        rel = positions - inc.prefix_pages
+        if rel.size and (rel.min() < 0 or rel.max() >= cov.size):
+            raise InvalidArgument("positions", f"outside the declared delta 0..{cov.size - 1}")
+        cov[rel] = True
+        inc.aux_done |= aux
+        self.table.update(inc.rec, add_bytes_sent=nbytes, add_pages_sent=int(positions.size),
+                          add_pages_skipped=skipped, add_chunks_done=int(positions.size > 0))
+        if not last:
+            return
+        if not cov.all():
+            missing = int(cov.size - np.count_nonzero(cov))
+            raise FailedPrecondition(f"sender {sender_key} finished with {missing} of {cov.size} delta pages unsent")
+        inc.finished.add(sender_key)
+        self.table.update(inc.rec, senders_done=len(inc.finished))
+
+    def complete_if_done(self, inc: Incoming) -> bool:
+        if len(inc.finished) < max(inc.expected_senders, 1) or inc.busy:
+            return False
+        if inc.aux and not inc.aux_done:
+            self.table.finish(inc.rec, "FAILED", "FAILED_PRECONDITION", "every sender finished but no sender delivered the declared aux rows")
+            return False
+        return self.table.finish(inc.rec, "DONE")

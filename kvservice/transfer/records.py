@@ -1,0 +1,175 @@
+"""Transfer records and the table that holds them, with change notification for watchers.
+
+One record per (transfer_id, role, buffer_set_id): a receiver rank's declaration, or a sender
+rank's outgoing transfer. State machine (terminal states are final; ``finish`` is idempotent)::
+
+    PENDING ──▶ TRANSFERRING ──▶ DONE
+       │             │      └──▶ FAILED  (error_code + error)
+       └─────────────┴─────────▶ ABORTED (error_code + error)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+__all__ = ["PHASES", "TERMINAL", "Record", "TransferTable"]
+
+log = logging.getLogger(__name__)
+TERMINAL = frozenset({"DONE", "FAILED", "ABORTED"})
+PHASES = ("queue", "plan", "pack", "wire", "unpack")
+
+
+@dataclasses.dataclass
+class Record:
+    """Mutable state of one side of a transfer; mutate only through :class:`TransferTable`."""
+
+    transfer_id: str
+    role: str  # "SENDER" | "RECEIVER"
+    buffer_set_id: str
+    session_id: str
+    deadline: float  # time.monotonic()
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    state: str = "PENDING"
+    bytes_sent: int = 0
+    pages_sent: int = 0
+    pages_skipped: int = 0
+    descriptors: int = 0
+    chunks_done: int = 0
+    senders_done: int = 0
+    path: str = "AUTO"
+    timings_us: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    error_code: str = ""
+    error: str = ""
+    ended: float = 0.0
+    updated_unix_ms: int = dataclasses.field(default_factory=lambda: int(time.time() * 1000))
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.transfer_id, self.role, self.buffer_set_id)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def total_us(self) -> int:
+        end = self.ended or time.monotonic()
+        return int((end - self.created) * 1e6)
+
+    def snapshot(self) -> Record:
+        return dataclasses.replace(self, timings_us=dict(self.timings_us))
+
+
+class TransferTable:
+    """Thread-safe table of records; every change is pushed to matching watchers.
+
+    Terminal records are kept for ``retain_s`` so late Polls still see how a transfer ended.
+    """
+
+    def __init__(self, retain_s: float = 300.0, on_terminal: Callable[[Record], None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[tuple[str, str, str], Record] = {}
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Record], Callable[[Record], bool]]] = []
+        self.retain_s = retain_s
+        self.on_terminal = on_terminal
+        self.counts = {"DONE": 0, "FAILED": 0, "ABORTED": 0}
+
+    def add(self, rec: Record) -> Record:
+        with self._lock:
+            self._records[rec.key] = rec
+        self._publish(rec)
+        return rec
+
+    def get(self, key: tuple[str, str, str]) -> Record | None:
+        with self._lock:
+            return self._records.get(key)
+
+    def find(self, transfer_id: str, role: str | None = None) -> list[Record]:
+        with self._lock:
+            return [
+                r for r in self._records.values()
+                if r.transfer_id == transfer_id and (role is None or r.role == role)
+            ]
+
+    def select(self, pred: Callable[[Record], bool]) -> list[Record]:
+        with self._lock:
+            return [r for r in self._records.values() if pred(r)]
+
+    def update(self, rec: Record, **changes: object) -> None:
+        """Apply changes (ignored once terminal); 'add_*' keys add to counters/timings."""
+        with self._lock:
+            if rec.terminal:
+                return
+            for k, v in changes.items():
+                if k.startswith("add_"):
+                    name = k[4:]
+                    if name in rec.timings_us:
+                        rec.timings_us[name] += int(v)  # type: ignore[call-overload]
+                    else:
+                        setattr(rec, name, getattr(rec, name) + v)
+                else:
+                    setattr(rec, k, v)
+            rec.updated_unix_ms = int(time.time() * 1000)
+        self._publish(rec)
+
+    def finish(self, rec: Record, state: str, code: str = "", error: str = "") -> bool:
+        """Move to a terminal state once; returns False if it already was terminal."""
+        with self._lock:
+            if rec.terminal:
+                return False
+            rec.state, rec.error_code, rec.error = state, code, error
+            rec.ended = time.monotonic()
+            rec.updated_unix_ms = int(time.time() * 1000)
+            self.counts[state] += 1
+        level = logging.INFO if state == "DONE" else logging.WARNING
+        log.log(
+            level,
+            "transfer %s", state.lower(),
+            extra={"transfer_id": rec.transfer_id, "role": rec.role, "buffer_set_id": rec.buffer_set_id,
+                   "error_code": code, "error": error, "bytes": rec.bytes_sent, "pages_sent": rec.pages_sent,
+                   "pages_skipped": rec.pages_skipped, "total_us": rec.total_us},
+        )
+        if self.on_terminal is not None:
+            self.on_terminal(rec)
+        self._publish(rec)
+        return True
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._records.values() if not r.terminal)
+
+    def prune(self) -> None:
+        cutoff = time.monotonic() - self.retain_s
+        with self._lock:
+            for key in [k for k, r in self._records.items() if r.terminal and r.ended < cutoff]:
+                del self._records[key]
+
+    # -- watchers --------------------------------------------------------------------------
+    async def watch(self, pred: Callable[[Record], bool], include_current: bool) -> AsyncIterator[Record]:
+        """Yield snapshots of matching records as they change (current ones first if asked)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Record] = asyncio.Queue()
+        entry = (loop, queue, pred)
+        with self._lock:
+            self._watchers.append(entry)
+            current = [r.snapshot() for r in self._records.values() if pred(r)] if include_current else []
+        try:
+            for rec in current:
+                yield rec
+            while True:
+                yield await queue.get()
+        finally:
+            with self._lock:
+                self._watchers.remove(entry)
+
+    def _publish(self, rec: Record) -> None:
+        snap = rec.snapshot()
+        with self._lock:
+            targets = [(loop, q) for loop, q, pred in self._watchers if pred(rec)]
+        for loop, q in targets:
+            loop.call_soon_threadsafe(q.put_nowait, snap)

@@ -1,0 +1,109 @@
+"""Validating ExpectDelta / SendDelta arguments into receiver declarations and sender chunks.
+
+Every check happens before anything changes; errors name the request field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import FailedPrecondition, InvalidArgument
+from .plan import src_pages_array
+from .receiver import Incoming
+from .records import Record
+from .sender import Chunk, Outgoing
+
+__all__ = ["build_chunk", "build_incoming"]
+
+MAX_ID = 256
+
+
+def _transfer_id(tid: str) -> str:
+    if not tid:
+        raise InvalidArgument("transfer_id", "is required")
+    if len(tid) > MAX_ID:
+        raise InvalidArgument("transfer_id", f"longer than {MAX_ID} characters")
+    return tid
+
+
+def _deadline(engine: Any, deadline_ms: int) -> float:
+    cfg = engine.config
+    if deadline_ms > cfg.max_deadline_ms:
+        raise InvalidArgument("deadline_ms", f"{deadline_ms} exceeds the service maximum {cfg.max_deadline_ms}")
+    return time.monotonic() + (deadline_ms or cfg.default_deadline_ms) / 1000
+
+
+def _aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    for name, rows in aux.items():
+        mine = bs.aux_by_name(name)
+        if mine is None:
+            raise InvalidArgument("aux", f"buffer set has no aux region named {name!r}")
+        if rows.size and (rows.min() < 0 or rows.max() >= mine.num_rows):
+            raise InvalidArgument(f"aux[{name}].rows", f"row outside 0..{mine.num_rows - 1}")
+        if np.unique(rows).size != rows.size:
+            raise InvalidArgument(f"aux[{name}].rows", "rows must be distinct")
+    return aux
+
+
+def build_incoming(
+    engine: Any, session_id: str, *, transfer_id: str, buffer_set_id: str, prefix_pages: int,
+    dst_page_indices: Any, aux: dict[str, np.ndarray], expected_senders: int, deadline_ms: int,
+    publish_tokens: np.ndarray | None, publish_hashes: np.ndarray | None, prefix_page_indices: Any,
+) -> Incoming:
+    tid = _transfer_id(transfer_id)
+    bs = engine.node.buffers.get(buffer_set_id, session_id)
+    if publish_tokens is not None:
+        from kvservice_client.hashing import page_hashes
+
+        publish_hashes = page_hashes(publish_tokens, bs.layout.page_size, engine.config.hash_seed)
+    dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
+    prefix_idx = src_pages_array(prefix_page_indices, bs.layout.num_pages, "prefix_page_indices")
+    if expected_senders > 1024:
+        raise InvalidArgument("expected_senders", "must be <= 1024 (0 derives it from the layouts)")
+    if publish_hashes is not None:
+        total = prefix_pages + dst.size
+        if publish_hashes.size < total:
+            raise InvalidArgument("publish", f"covers {publish_hashes.size} full pages, the transfer has {total}")
+        if prefix_idx.size != prefix_pages:
+            raise InvalidArgument("prefix_page_indices", f"need one per prefix page ({prefix_pages}) to publish")
+        if np.intersect1d(prefix_idx, dst).size:
+            raise InvalidArgument("prefix_page_indices", "overlap dst_page_indices")
+        publish_hashes = publish_hashes[:total]
+    rec = Record(tid, "RECEIVER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
+    return Incoming(rec, bs, prefix_pages, dst, _aux(bs, aux), expected_senders, publish_hashes, prefix_idx)
+
+
+def build_chunk(
+    engine: Any, session_id: str, *, transfer_id: str, buffer_set_id: str, chunk_offset: int,
+    src_page_indices: Any, last_chunk: bool, peer_address: str, aux: dict[str, np.ndarray],
+    deadline_ms: int, path: str,
+) -> tuple[Outgoing, Chunk]:
+    tid = _transfer_id(transfer_id)
+    bs = engine.node.buffers.get(buffer_set_id, session_id)
+    src = src_pages_array(src_page_indices, bs.layout.num_pages)
+    aux = _aux(bs, aux)
+    if not peer_address:
+        raise InvalidArgument("peer_address", "is required (the receiver's kvservice address)")
+    out = engine.sender.outgoing.get((tid, bs.buffer_set_id))
+    if out is None or (out.rec.terminal and out.got_last):
+        if chunk_offset != 0:
+            raise InvalidArgument("chunk_offset", f"the first chunk of a transfer starts at 0, got {chunk_offset}")
+        rec = Record(tid, "SENDER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
+        out = Outgoing(rec, bs, peer_address, path)
+    else:
+        if out.rec.terminal:
+            raise FailedPrecondition(f"transfer_id: {tid!r} already ended {out.rec.state}: {out.rec.error}")
+        if out.got_last:
+            raise FailedPrecondition(f"transfer_id: {tid!r} already received its last chunk")
+        if peer_address != out.peer_address:
+            raise InvalidArgument("peer_address", f"differs from the transfer's {out.peer_address!r}")
+        if chunk_offset != out.next_offset:
+            raise InvalidArgument("chunk_offset", f"chunks must be contiguous and in order: expected {out.next_offset}")
+    chunk = Chunk(out.seq, chunk_offset, src, last_chunk, aux, time.monotonic())
+    out.seq += 1
+    out.next_offset = chunk_offset + src.size
+    out.got_last = last_chunk
+    return out, chunk

@@ -1,0 +1,163 @@
+"""Sender side: SendDelta chunks queued per transfer, moved in order, committed to the receiver.
+
+Each outgoing transfer (one per source buffer set) owns a worker task that takes its chunks in
+arrival order; a per-destination semaphore bounds how many chunks move to one peer at once
+(the "worker pool" of seed 003). A chunk: map positions onto the receiver's plan (skipping
+prefix pages), then per receiver rank either
+
+    direct   prepped page descriptors straight into the receiver's pages, or
+    packed   pack (head slice) → our staging slot → one WRITE → receiver's slot → unpack there,
+
+then CommitChunk. A failure fails the transfer and drops the remaining chunks; an abort or the
+deadline stops it after every in-flight handle settled (``Mover.settle``), so no byte lands
+after the receiver is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from ..buffers import BufferSet
+from ..errors import Aborted, DeadlineExceeded, KVServiceError
+from ..kernels.heads import HeadRoute
+from .plan import ChunkMap, map_chunk
+from .records import Record, TransferTable
+
+__all__ = ["Chunk", "Outgoing", "Sender", "Target"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    seq: int
+    offset: int
+    src: np.ndarray
+    last: bool
+    aux: dict[str, np.ndarray]
+    queued: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A receiver rank this sender writes to (from its ReceivePlan)."""
+
+    plan: object  # peer_pb2.ReceivePlan
+    dst_pages: np.ndarray
+    route: HeadRoute
+    full_heads: bool
+
+
+@dataclasses.dataclass(eq=False)
+class Outgoing:
+    rec: Record
+    bs: BufferSet
+    peer_address: str
+    path: str
+    chunks: collections.deque[Chunk] = dataclasses.field(default_factory=collections.deque)
+    next_offset: int = 0
+    seq: int = 0
+    got_last: bool = False
+    targets: list[Target] | None = None
+    stop: str = ""  # error code that stops the worker ("ABORTED", "DEADLINE_EXCEEDED", ...)
+    stop_reason: str = ""
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class Sender:
+    """Outgoing transfers of this service; runs on the event loop. ``mover`` does the bytes."""
+
+    def __init__(self, table: TransferTable, mover: object, workers_per_peer: int = 4) -> None:
+        self.table = table
+        self.mover = mover
+        self.outgoing: dict[tuple[str, str], Outgoing] = {}
+        self._sems: dict[str, asyncio.Semaphore] = {}
+        self._workers = workers_per_peer
+        self.queue_depth: collections.Counter[str] = collections.Counter()
+
+    def enqueue(self, out: Outgoing, chunk: Chunk) -> None:
+        out.chunks.append(chunk)
+        self.queue_depth[out.peer_address] += 1
+        if out.task is None:
+            out.task = asyncio.get_running_loop().create_task(self._run(out), name=f"send-{out.rec.transfer_id}")
+        out.wake.set()
+
+    async def _run(self, out: Outgoing) -> None:
+        rec = out.rec
+        sem = self._sems.setdefault(out.peer_address, asyncio.Semaphore(self._workers))
+        try:
+            while True:
+                self.check_live(out)
+                if not out.chunks:
+                    out.idle.set()
+                    out.wake.clear()
+                    await out.wake.wait()
+                    continue
+                chunk = out.chunks[0]
+                out.idle.clear()
+                async with sem:
+                    self.table.update(rec, state="TRANSFERRING", add_queue=int((time.monotonic() - chunk.queued) * 1e6))
+                    await self._chunk(out, chunk)
+                out.chunks.popleft()
+                self.queue_depth[out.peer_address] -= 1
+                self.table.update(rec, add_chunks_done=1)
+                if chunk.last:
+                    self.table.finish(rec, "DONE")
+                    return
+        except KVServiceError as exc:
+            code = out.stop or exc.code.name
+            state = "ABORTED" if code == "ABORTED" else "FAILED"
+            reason = out.stop_reason or exc.message
+            if self.table.finish(rec, state, code, reason):
+                await self.mover.tell_abort(out, code, reason)  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.exception("sender failed", extra={"transfer_id": rec.transfer_id})
+            if self.table.finish(rec, "FAILED", "INTERNAL", f"{type(exc).__name__}: {exc}"):
+                await self.mover.tell_abort(out, "INTERNAL", str(exc))  # type: ignore[attr-defined]
+        finally:
+            self.queue_depth[out.peer_address] -= len(out.chunks)
+            out.chunks.clear()
+            out.idle.set()
+
+    def check_live(self, out: Outgoing) -> None:
+        if out.stop:
+            raise (DeadlineExceeded if out.stop == "DEADLINE_EXCEEDED" else Aborted)(out.stop_reason)
+        if time.monotonic() > out.rec.deadline:
+            out.stop, out.stop_reason = "DEADLINE_EXCEEDED", "transfer deadline passed"
+            raise DeadlineExceeded(out.stop_reason)
+
+    async def _chunk(self, out: Outgoing, chunk: Chunk) -> None:
+        mover = self.mover
+        if out.targets is None:
+            t0 = time.monotonic()
+            out.targets = await mover.fetch_targets(out)  # type: ignore[attr-defined]
+            self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
+        if not out.targets:  # a replica that another rank covers (MLA, replicated heads)
+            self.table.update(out.rec, add_pages_skipped=int(chunk.src.size))
+            return
+        for i, target in enumerate(out.targets):
+            self.check_live(out)
+            t0 = time.monotonic()
+            cmap: ChunkMap = map_chunk(chunk.offset, chunk.src, target.plan.prefix_pages, target.dst_pages)  # type: ignore[attr-defined]
+            self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
+            await mover.move(out, target, chunk, cmap)  # type: ignore[attr-defined]
+            if i == 0:  # pages count once per chunk, whatever the number of receiver ranks
+                self.table.update(out.rec, add_pages_sent=cmap.num_pages, add_pages_skipped=cmap.skipped)
+
+    def stop(self, out: Outgoing, code: str, reason: str) -> None:
+        if not out.stop:
+            out.stop, out.stop_reason = code, reason
+        out.wake.set()
+
+    async def stopped(self, out: Outgoing) -> None:
+        """Wait until the worker holds no in-flight handle (settled) after ``stop``."""
+        if out.task is not None and not out.task.done():
+            await asyncio.wait({out.task})

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs kvservice, its client SDK and the test tools into it.
+# Needs only python3 (>= 3.10) and network access to PyPI. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.kvservice-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ clients/python/pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ./clients/python -e ".[dev]"
+  touch "$stamp"
+fi
