@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from kvservice_client.hashing import page_hashes, page_hashes_reference
 
 from kvservice.index import PrefixIndex
-from kvservice_client.hashing import page_hashes, page_hashes_reference
 
 PAGE_SIZE = 16
 PROMPT_TOKENS = 131_072
@@ -82,7 +82,9 @@ def bench(total_pages: int, iters: int) -> dict[str, object]:
             timed(lambda: ix.match(hashes, page_size=PAGE_SIZE, scores_only=True), iters)
         ),
         "hash_only_131072_tokens": percentiles(timed(lambda: page_hashes(prompt, PAGE_SIZE), iters)),
-        "hash_python_loop_131072_tokens": percentiles(timed(lambda: page_hashes_reference(prompt, PAGE_SIZE), 20)),
+        "hash_python_loop_131072_tokens": percentiles(
+            timed(lambda: page_hashes_reference(prompt, PAGE_SIZE), 20)
+        ),
     }
     # Lookups/s: every page of random indexed prompts, 8,192-page walks over the 1M-page table.
     picks = [page_hashes(prompts[i], PAGE_SIZE) for i in rng.integers(0, len(prompts), 16)]
