@@ -15,11 +15,14 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
 from kvservice_client import Layout
+from kvservice_client.hashing import page_hashes
 
 from .buffers import BufferRegistry, BufferSet
 from .config import Config
-from .errors import Unavailable, Unimplemented
+from .errors import InvalidArgument, NotFound, Unauthenticated, Unavailable, Unimplemented
+from .index import Lease, Match, PrefixIndex, as_hashes
 from .sessions import Session, SessionRegistry
 
 __all__ = ["Node", "VERSION"]
@@ -43,23 +46,73 @@ class Node:
         self.started = time.monotonic()
         self.sessions = SessionRegistry()
         self.buffers = BufferRegistry()
-        self.index: Any = None
+        self.index = PrefixIndex()
         self.transfers: Any = None
         self.draining = False
         self.sessions.on_close(self._release_session)
+        self.buffers.add_hooks(self._index_add, self._index_drop)
 
     # -- capabilities attached by later subsystems ----------------------------------------
-    def require_index(self, rpc: str) -> Any:
-        if self.index is None:
-            raise Unimplemented(f"{rpc}: the prefix index is not part of this build yet")
-        return self.index
-
     def require_transfers(self, rpc: str) -> Any:
         if self.transfers is None:
             raise Unimplemented(f"{rpc}: the transfer engine (NIXL data path) is not part of this build yet")
         if self.draining and rpc in ("ExpectDelta", "SendDelta"):
             raise Unavailable(f"{rpc}: the service is draining for shutdown; retry on another instance")
         return self.transfers
+
+    def _index_add(self, bs: BufferSet) -> None:
+        lay = bs.layout
+        self.index.add_buffer_set(bs.buffer_set_id, engine_id=bs.engine_id, page_size=lay.page_size,
+                                  num_pages=lay.num_pages, tp_rank=lay.tp_rank, dp_rank=lay.dp_rank)
+
+    def _index_drop(self, bs: BufferSet) -> None:
+        try:
+            self.index.remove_buffer_set(bs.buffer_set_id)
+        except NotFound:  # already dropped by unregister_buffers
+            pass
+
+    # -- index -----------------------------------------------------------------------------
+    def hashes(self, tokens: np.ndarray | None, hashes: np.ndarray | None, page_size: int, field: str) -> np.ndarray:
+        """Chained page hashes of a query given as tokens (canonical scheme) or as hashes."""
+        if tokens is None and hashes is None:
+            raise InvalidArgument(field, "give tokens or hashes")
+        if tokens is not None:
+            if page_size <= 0:
+                raise InvalidArgument("page_size", "is required (> 0) with token ids")
+            return page_hashes(tokens, page_size, self.config.hash_seed)
+        return as_hashes(hashes, field)  # type: ignore[arg-type]
+
+    def match_prefix(
+        self, session_id: str | None, hashes: np.ndarray, page_size: int, buffer_set_ids: list[str],
+        dp_rank: int | None, scores_only: bool, lease_ttl_ms: int,
+    ) -> tuple[list[Match], Lease | None]:
+        if lease_ttl_ms:
+            if session_id is None:
+                raise Unauthenticated("lease_ttl_ms: a lease needs a session (kvservice-session metadata)")
+            if scores_only:
+                raise InvalidArgument("lease_ttl_ms", "scores_only matches take no lease")
+            if lease_ttl_ms > self.config.max_lease_ttl_ms:
+                raise InvalidArgument("lease_ttl_ms", f"exceeds the service maximum {self.config.max_lease_ttl_ms}")
+        matches = self.index.match(hashes, page_size=page_size, buffer_set_ids=buffer_set_ids or None,
+                                   dp_rank=dp_rank, scores_only=scores_only)
+        lease = None
+        if lease_ttl_ms and any(m.matched_pages for m in matches):
+            lease = self.index.lease(matches, lease_ttl_ms, session_id)  # type: ignore[arg-type]
+        return matches, lease
+
+    def publish_pages(self, session_id: str, buffer_set_id: str, tokens: np.ndarray | None,
+                      hashes: np.ndarray | None, page_indices: np.ndarray, priority: int) -> int:
+        bs = self.buffers.get(buffer_set_id, session_id)
+        h = self.hashes(tokens, hashes, bs.layout.page_size, "key")
+        return self.index.publish(buffer_set_id, h, page_indices, priority)
+
+    def evict_pages(self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool) -> int:
+        self.buffers.get(buffer_set_id, session_id)
+        if all_pages:
+            if page_indices.size:
+                raise InvalidArgument("page_indices", "must be empty with all=true")
+            return self.index.evict_all(buffer_set_id)
+        return self.index.evict(buffer_set_id, page_indices)
 
     # -- sessions --------------------------------------------------------------------------
     def open_session(self, client_name: str) -> Session:
@@ -72,8 +125,7 @@ class Node:
         self.sessions.close(session_id)
 
     def _release_session(self, session_id: str) -> None:
-        if self.index is not None:
-            self.index.release_owner(session_id)
+        self.index.release_owner(session_id)
         self.buffers.release_session(session_id)
 
     # -- buffers ---------------------------------------------------------------------------
@@ -91,7 +143,7 @@ class Node:
     async def unregister_buffers(self, session_id: str, buffer_set_id: str) -> Unregistered:
         self.buffers.get(buffer_set_id, session_id)  # ownership check before anything changes
         aborted = await self.transfers.abort_buffer_set(buffer_set_id) if self.transfers is not None else 0
-        dropped = self.index.remove_buffer_set(buffer_set_id) if self.index is not None else 0
+        dropped = self.index.remove_buffer_set(buffer_set_id)
         self.buffers.unregister(buffer_set_id, session_id)
         return Unregistered(aborted, dropped)
 

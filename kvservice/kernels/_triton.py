@@ -30,7 +30,7 @@ _WORDS = {
     2: (torch.int16, tl.int16),
     1: (torch.uint8, tl.uint8),
 }
-_BLOCK_WORDS = 2048  # words per program: 16 KiB with int64 words
+_BLOCK_WORDS = 8192  # words per program: 64 KiB with int64 words (H100 sweep, bench_kernels)
 _MAX_ROW_BLOCK = 64
 
 
@@ -155,7 +155,7 @@ def pack(
     num_heads: int | None = None,
     num_slices: int = 1,
     block_words: int = _BLOCK_WORDS,
-    num_warps: int = 4,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """Triton version of :func:`kvservice.kernels.reference.pack` (same contract, async on CUDA)."""
     args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True)
@@ -172,7 +172,7 @@ def unpack(
     num_heads: int | None = None,
     num_slices: int = 1,
     block_words: int = _BLOCK_WORDS,
-    num_warps: int = 4,
+    num_warps: int = 8,
 ) -> None:
     """Triton version of :func:`kvservice.kernels.reference.unpack` (same contract, async on CUDA)."""
     args = check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False)

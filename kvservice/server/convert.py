@@ -7,6 +7,7 @@ from kvservice_client import Layout
 from kvservice_client._proto import common_pb2, kvservice_pb2
 
 from ..buffers import BufferSet
+from ..index import IndexStats, Match
 from ..transfer.records import Record
 from ..errors import InvalidArgument
 
@@ -89,3 +90,43 @@ def aux_rows(items: object) -> dict[str, np.ndarray]:
             raise InvalidArgument(f"aux[{i}].name", f"duplicate aux name {a.name!r}")
         out[a.name] = np.asarray(a.rows, dtype=np.int64)
     return out
+
+
+def key(request: object, tokens_field: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(tokens, hashes) of a request's ``key`` oneof; both None when unset."""
+    which = request.WhichOneof("key")  # type: ignore[attr-defined]
+    if which == "tokens":
+        return token_ids(request.tokens, tokens_field), None  # type: ignore[attr-defined]
+    if which == "hashes":
+        return None, np.asarray(request.hashes.hashes, dtype=np.uint64)  # type: ignore[attr-defined]
+    return None, None
+
+
+def prefix_match(m: Match) -> kvservice_pb2.PrefixMatch:
+    return kvservice_pb2.PrefixMatch(
+        buffer_set_id=m.buffer_set_id, engine_id=m.engine_id, tp_rank=m.tp_rank, dp_rank=m.dp_rank,
+        matched_pages=m.matched_pages, page_indices=m.page_indices.tolist(), min_priority=m.min_priority,
+    )
+
+
+def index_stats(st: IndexStats) -> kvservice_pb2.IndexStats:
+    return kvservice_pb2.IndexStats(
+        entries=st.entries, leases=st.leases, lookups=st.lookups, hit_pages=st.hit_pages,
+        query_pages=st.query_pages, entries_by_priority=st.entries_by_priority,
+    )
+
+
+def staging_stats(st: object) -> kvservice_pb2.StagingStats:
+    return kvservice_pb2.StagingStats(
+        kind=st.kind, capacity_bytes=st.capacity_bytes, used_bytes=st.used_bytes,  # type: ignore[attr-defined]
+        slots_in_use=st.slots_in_use, waiters=st.waiters,  # type: ignore[attr-defined]
+    )
+
+
+def transfer_counts(engine: object) -> kvservice_pb2.TransferCounts:
+    e = engine
+    counts = e.table.counts  # type: ignore[attr-defined]
+    return kvservice_pb2.TransferCounts(
+        in_flight=e.in_flight(), done=counts["DONE"], failed=counts["FAILED"], aborted=counts["ABORTED"],  # type: ignore[attr-defined]
+        queue_depth={k: v for k, v in e.sender.queue_depth.items() if v},  # type: ignore[attr-defined]
+    )

@@ -63,23 +63,43 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
 
     @grpc_errors
     async def MatchPrefix(self, request: pb.MatchPrefixRequest, context: Ctx) -> pb.MatchPrefixResponse:
-        self.node.require_index("MatchPrefix")
-        return pb.MatchPrefixResponse()
+        node = self.node
+        session = convert.session_of(context)
+        if request.lease_ttl_ms:
+            session = self._session(context)
+        hashes = node.hashes(*convert.key(request, "tokens"), request.page_size, "key")
+        matches, lease = node.match_prefix(
+            session, hashes, request.page_size, list(request.buffer_set_ids),
+            request.dp_rank if request.has_dp_rank else None, request.scores_only, request.lease_ttl_ms,
+        )
+        resp = pb.MatchPrefixResponse(query_pages=int(hashes.size))
+        for m in matches:
+            resp.matches.append(convert.prefix_match(m))
+        if lease is not None:
+            resp.lease_id, resp.lease_expires_unix_ms = lease.lease_id, lease.expires_unix_ms
+        return resp
 
     @grpc_errors
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:
-        self.node.require_index("ReleaseLease")
+        self.node.index.release_lease(request.lease_id, self._session(context))
         return pb.ReleaseLeaseResponse()
 
     @grpc_errors
     async def PublishPages(self, request: pb.PublishPagesRequest, context: Ctx) -> pb.PublishPagesResponse:
-        self.node.require_index("PublishPages")
-        return pb.PublishPagesResponse()
+        tokens, hashes = convert.key(request, "tokens")
+        n = self.node.publish_pages(
+            self._session(context), request.buffer_set_id, tokens, hashes,
+            np.asarray(request.page_indices, dtype=np.int64), request.priority,
+        )
+        return pb.PublishPagesResponse(inserted_pages=n)
 
     @grpc_errors
     async def EvictPages(self, request: pb.EvictPagesRequest, context: Ctx) -> pb.EvictPagesResponse:
-        self.node.require_index("EvictPages")
-        return pb.EvictPagesResponse()
+        n = self.node.evict_pages(
+            self._session(context), request.buffer_set_id, np.asarray(request.page_indices, dtype=np.int64),
+            request.all,
+        )
+        return pb.EvictPagesResponse(evicted_pages=n)
 
     @grpc_errors
     async def ExpectDelta(self, request: pb.ExpectDeltaRequest, context: Ctx) -> pb.ExpectDeltaResponse:
@@ -149,5 +169,10 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             service_id=node.service_id, version=VERSION, uptime_ms=node.uptime_ms, sessions=len(node.sessions)
         )
         for bs in node.buffers.all():
-            resp.buffer_sets.append(convert.buffer_set_info(bs, 0))
+            resp.buffer_sets.append(convert.buffer_set_info(bs, node.index.indexed_pages(bs.buffer_set_id)))
+        resp.index.CopyFrom(convert.index_stats(node.index.stats()))
+        if node.transfers is not None:
+            for st in node.transfers.staging_stats():
+                resp.staging.append(convert.staging_stats(st))
+            resp.transfers.CopyFrom(convert.transfer_counts(node.transfers))
         return resp

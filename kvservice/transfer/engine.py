@@ -246,6 +246,9 @@ class TransferEngine:
         for tid in {r.transfer_id for r in recs}:
             await self.abort(session_id, tid, "ABORTED", "the owning client went away")
 
+    def staging_stats(self) -> list[Any]:
+        return [pool.stats() for pool in [self.host_pool, *self.vram_pools.values()]]
+
     def in_flight(self) -> int:
         return self.table.in_flight()
 
@@ -262,6 +265,7 @@ class TransferEngine:
                 asyncio.ensure_future(self._expire(rec))
             self.table.prune()
             self._forget_ended()
+            self.node.index.expire_leases()
 
     async def _expire(self, rec: Record) -> None:
         key = (rec.transfer_id, rec.buffer_set_id)
