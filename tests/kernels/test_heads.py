@@ -8,7 +8,7 @@ import torch
 
 from kvservice import kernels
 from kvservice.errors import InvalidArgument
-from kvservice.kernels import HeadRoute, KVRegions, plan_heads
+from kvservice.kernels import Backend, HeadRoute, KVRegions, plan_heads
 from kvservice.kernels.heads import local_heads, rank_heads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +71,7 @@ def _rank_pool(full: list[torch.Tensor], heads: np.ndarray, page_size: int) -> K
 
 @pytest.mark.parametrize("h,p,d", SPLITS)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_tp_transfer_end_to_end(h: int, p: int, d: int, backend: str) -> None:
+def test_mixed_tp_transfer_end_to_end(h: int, p: int, d: int, backend: Backend) -> None:
     """Senders pack their routes (grouped into num_slices when adjacent); receivers end equal to the model."""
     page_size, pages, layers, hd = 2, 5, 2, 4
     gen = torch.Generator().manual_seed(h * 100 + p * 10 + d)
@@ -97,7 +97,7 @@ def test_mixed_tp_transfer_end_to_end(h: int, p: int, d: int, backend: str) -> N
             num_heads=r.num_heads,
             num_slices=j - i,
             backend=backend,
-        )  # type: ignore[arg-type]
+        )
         for s, part in enumerate(buf.view(j - i, -1)):
             q = routes[i + s]
             kernels.unpack(
@@ -107,7 +107,7 @@ def test_mixed_tp_transfer_end_to_end(h: int, p: int, d: int, backend: str) -> N
                 head_start=q.dst_head_start,
                 num_heads=q.num_heads,
                 backend=backend,
-            )  # type: ignore[arg-type]
+            )
         i = j
     for rank, row in enumerate(rank_heads(h, d)):
         for layer in range(layers):
