@@ -1,7 +1,9 @@
-"""kvservice: moves only the KV-cache pages a receiver lacks between inference engines."""
+"""kvservice: moves only the KV-cache pages a receiver lacks between inference engines.
 
-from .config import Config, load_config
-from .node import VERSION, Node
+Import submodules directly (``kvservice.server``, ``kvservice.kernels``, ...); this package
+module stays light so the kernels and staging pools import without the server's dependencies.
+"""
 
-__all__ = ["VERSION", "Config", "Node", "load_config"]
+VERSION = "0.1.0"
 __version__ = VERSION
+__all__ = ["VERSION"]

@@ -27,7 +27,7 @@ from .sessions import Session, SessionRegistry
 
 __all__ = ["Node", "VERSION"]
 
-VERSION = "0.1.0"
+from . import VERSION
 log = logging.getLogger(__name__)
 
 

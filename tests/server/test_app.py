@@ -73,7 +73,8 @@ def test_grpcurl_lists_and_calls(server) -> None:
         capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["serviceId"] == server.node.service_id
+    stats = json.loads(out.stdout)
+    assert stats.get("serviceId", stats.get("service_id")) == server.node.service_id
     out = subprocess.run(
         [g, "-plaintext", "-unix", server.app.uds_path, "grpc.health.v1.Health/Check"],
         capture_output=True, text=True, timeout=30,
