@@ -12,8 +12,15 @@ Entry table ``E`` (int32, one row per slot; slot 0 is the root and is never in t
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+try:
+    import numba
+
+    _jit = numba.njit(cache=True, nogil=True)
+except ImportError:  # NOTE: pure-Python fallback, same results, far slower; numba is a dependency
+    def _jit(fn):  # type: ignore[no-untyped-def]
+        return fn
 
 PARENT, CHILD, NEXT, PREV, PAGE, PRIO, PINS, EPOCH = range(8)
 NCOLS = 8
@@ -21,12 +28,12 @@ FREE = -2
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def _home(key: np.uint64, shift: int) -> int:  # pragma: no cover
     return np.int64((key * _GOLDEN) >> np.uint64(shift))
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def t_find(tk: np.ndarray, tv: np.ndarray, shift: int, key: np.uint64) -> int:  # pragma: no cover
     mask = np.int64(tv.shape[0] - 1)
     b = _home(key, shift)
@@ -39,7 +46,7 @@ def t_find(tk: np.ndarray, tv: np.ndarray, shift: int, key: np.uint64) -> int:  
         b = (b + 1) & mask
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def t_find_many(
     tk: np.ndarray, tv: np.ndarray, shift: int, keys: np.ndarray
 ) -> np.ndarray:  # pragma: no cover
@@ -49,7 +56,7 @@ def t_find_many(
     return out
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def t_insert(
     tk: np.ndarray, tv: np.ndarray, shift: int, key: np.uint64, val: int
 ) -> None:  # pragma: no cover
@@ -62,7 +69,7 @@ def t_insert(
     tv[b] = val
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def t_delete(tk: np.ndarray, tv: np.ndarray, shift: int, key: np.uint64) -> None:  # pragma: no cover
     mask = np.int64(tv.shape[0] - 1)
     i = _home(key, shift)
@@ -83,7 +90,7 @@ def t_delete(tk: np.ndarray, tv: np.ndarray, shift: int, key: np.uint64) -> None
     tv[i] = -1
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def t_rehash(
     tk: np.ndarray, tv: np.ndarray, nk: np.ndarray, nv: np.ndarray, nshift: int
 ) -> None:  # pragma: no cover
@@ -92,7 +99,7 @@ def t_rehash(
             t_insert(nk, nv, nshift, tk[b], tv[b])
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def walk(
     tk: np.ndarray, tv: np.ndarray, shift: int, E: np.ndarray, hashes: np.ndarray, start: int, out: np.ndarray
 ) -> int:  # pragma: no cover
@@ -107,7 +114,7 @@ def walk(
     return hashes.shape[0]
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def insert_chain(
     tk: np.ndarray,
     tv: np.ndarray,
@@ -161,7 +168,7 @@ def insert_chain(
     return inserted, nfree
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def remove_subtrees(
     tk: np.ndarray,
     tv: np.ndarray,
@@ -213,7 +220,7 @@ def remove_subtrees(
     return removed, nfree
 
 
-@numba.njit(cache=True, nogil=True)
+@_jit
 def is_in_subtree(E: np.ndarray, node: int, root: int) -> bool:  # pragma: no cover
     """True when ``node`` is ``root`` or one of its descendants (walks parents up from node)."""
     while node > 0:

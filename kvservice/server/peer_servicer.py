@@ -54,7 +54,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
                 expected_senders=inc.expected_senders, remaining_ms=max(0, int((inc.rec.deadline - now) * 1000)),
                 kv_regions=[_remote(r) for r in bs.regions], aux_regions=[_remote(a.region) for a in bs.aux],
                 aux_row_bytes=[a.row_bytes for a in bs.aux], aux_names=[a.name for a in bs.aux],
-                dst_buffer_set_id=bs.buffer_set_id,
+                dst_buffer_set_id=bs.buffer_set_id, direct_ok=bs.buffer_set_id not in e.no_direct,
                 route=peer_pb2.HeadRoute(src_head_start=route.src_head_start, dst_head_start=route.dst_head_start,
                                          num_heads=route.num_heads),
             ))

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import Aborted, InvalidArgument, NotFound
+from ..errors import Aborted, InvalidArgument, NotFound, TransportError
 from ..staging import StagingPool
 from .descriptors import CALIBRATIONS, prepped_rows
 from .mover import Mover
@@ -70,6 +70,7 @@ class TransferEngine:
         self.local_lists: dict[str, Any] = {}
         self.kv_regions: dict[str, kernels.KVRegions] = {}
         self._regs: dict[str, list[RegHandle]] = {}
+        self.no_direct: set[str] = set()  # buffer sets the transport could not register (packed only)
         self.receiver = Receiver(self.table, self.pool_for)
         self.mover = Mover(self)
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
@@ -103,13 +104,20 @@ class TransferEngine:
     def _on_register(self, bs: BufferSet) -> None:
         regs: list[RegHandle] = []
         try:
-            for r in bs.regions + tuple(a.region for a in bs.aux):
+            for r in tuple(a.region for a in bs.aux):
                 regs.append(self.transport.register(r.address, r.size, r.mem_kind, r.device))  # type: ignore[arg-type]
+            try:
+                regs.extend(self._register_kv(bs))
+            except TransportError as exc:
+                if bs.memory != "cuda_ipc":
+                    raise
+                # NOTE: UCX may refuse memory this process imported through CUDA IPC; such a buffer
+                # set still moves through the packed path (our kernels read/write it, staging
+                # pools are ours and registered).
+                log.warning("transport cannot register engine VRAM; packed path only: %s", exc,
+                            extra={"buffer_set_id": bs.buffer_set_id})
+                self.no_direct.add(bs.buffer_set_id)
             lay = bs.layout
-            pb = np.array([r.size // lay.num_pages for r in bs.regions], dtype=np.int64)
-            rows = prepped_rows(np.array([r.address for r in bs.regions], dtype=np.int64), pb, lay.num_pages,
-                                bs.k[0].device)
-            self.local_lists[bs.buffer_set_id] = self.transport.prep_local(rows, bs.k[0].mem_kind)  # type: ignore[arg-type]
             self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.create(
                 [r.tensor for r in bs.k], [r.tensor for r in bs.v] or None, page_size=lay.page_size,
                 num_heads=lay.local_kv_heads, head_dim_k=lay.head_dim_k, head_dim_v=lay.head_dim_v or None,
@@ -125,7 +133,24 @@ class TransferEngine:
         self._regs[bs.buffer_set_id] = regs
         self.metadata_epoch += 1
 
+    def _register_kv(self, bs: BufferSet) -> list[RegHandle]:
+        regs: list[RegHandle] = []
+        try:
+            for r in bs.regions:
+                regs.append(self.transport.register(r.address, r.size, r.mem_kind, r.device))  # type: ignore[arg-type]
+            lay = bs.layout
+            pb = np.array([r.size // lay.num_pages for r in bs.regions], dtype=np.int64)
+            rows = prepped_rows(np.array([r.address for r in bs.regions], dtype=np.int64), pb, lay.num_pages,
+                                bs.k[0].device)
+            self.local_lists[bs.buffer_set_id] = self.transport.prep_local(rows, bs.k[0].mem_kind)  # type: ignore[arg-type]
+        except BaseException:
+            for reg in regs:
+                self.transport.deregister(reg)
+            raise
+        return regs
+
     def _on_unregister(self, bs: BufferSet) -> None:
+        self.no_direct.discard(bs.buffer_set_id)
         self.kv_regions.pop(bs.buffer_set_id, None)
         lst = self.local_lists.pop(bs.buffer_set_id, None)
         if lst is not None:

@@ -68,10 +68,13 @@ class Mover:
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
         path = out.path
         if cmap.num_pages:
+            direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct  # type: ignore[attr-defined]
             if path == "AUTO":
-                path = "PACKED" if not target.full_heads else self._choose(out.bs, cmap.num_pages)
+                path = self._choose(out.bs, cmap.num_pages) if target.full_heads and direct_ok else "PACKED"
             elif path == "DIRECT" and not target.full_heads:
                 raise FailedPrecondition("path: DIRECT cannot slice heads (mixed TP); use AUTO or PACKED")
+            elif path == "DIRECT" and not direct_ok:
+                raise FailedPrecondition("path: DIRECT needs both pools registered with the transport; use AUTO")
             self.e.table.update(out.rec, path=path)
             if path == "DIRECT":
                 await self._direct(out, target, chunk, cmap)

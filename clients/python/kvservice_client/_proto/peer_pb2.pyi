@@ -112,7 +112,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReceivePlan(_message.Message):
-    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route")
+    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ReceivePlan(_message.Message):
     AUX_NAMES_FIELD_NUMBER: _ClassVar[int]
     DST_BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_OK_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_layout: _common_pb2.Layout
     prefix_pages: int
@@ -139,7 +140,8 @@ class ReceivePlan(_message.Message):
     aux_names: _containers.RepeatedScalarFieldContainer[str]
     dst_buffer_set_id: str
     route: HeadRoute
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ...) -> None: ...
+    direct_ok: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only")

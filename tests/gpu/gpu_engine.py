@@ -1,0 +1,80 @@
+"""A GPU "engine" process for the GPU tests: allocates a KV pool with PyTorch and serves commands.
+
+Run as ``python tests/gpu/gpu_engine.py`` with JSON commands on stdin, one per line; it answers
+one JSON line each. The first K region sits at a non-zero offset inside a larger allocation (as
+tensors of PyTorch's caching allocator often do).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kvservice_client import Client, Layout, cuda_region
+
+
+def main() -> None:
+    kv = None
+    k: list[torch.Tensor] = []
+    v: list[torch.Tensor] = []
+    layout = None
+    bs = ""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        out: dict[str, object] = {"ok": True}
+        if op == "register":
+            layout = Layout.mha(**cmd["layout"])
+            size = layout.region_bytes_k
+            block = torch.zeros(size * layout.num_layers + 4096, dtype=torch.uint8, device="cuda")
+            # K regions: views at offsets 4096, 4096 + size, ... inside one allocation
+            k = [block[4096 + i * size : 4096 + (i + 1) * size] for i in range(layout.num_layers)]
+            v = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(layout.num_layers)]
+            gen = torch.Generator(device="cuda").manual_seed(cmd.get("seed", 0))
+            if cmd.get("fill"):
+                for t in k + v:
+                    t.copy_(torch.randint(0, 256, t.shape, generator=gen, device="cuda", dtype=torch.uint8))
+            torch.cuda.synchronize()
+            kv = Client(cmd["address"], client_name="gpu-engine")
+            regs = [cuda_region(t) for t in k]
+            out["k_offsets"] = [r.offset for r in regs]
+            bs = kv.register_buffers(layout, regs, [cuda_region(t) for t in v], engine_id="gpu").buffer_set_id
+            out["buffer_set_id"] = bs
+        elif op == "pages":  # hex digest-like: sum of each named page per region, for comparison
+            pages = cmd["pages"]
+            pb = layout.page_bytes_k  # type: ignore[union-attr]
+            out["sums"] = [
+                [int(x) for x in t.view(-1, pb)[pages].to(torch.int64).sum(dim=1).tolist()] for t in k + v
+            ]
+            out["bytes"] = [t.view(-1, pb)[pages].cpu().numpy().tobytes().hex()[:64] for t in k[:1]]
+        elif op == "check_fill":
+            pb = layout.page_bytes_k  # type: ignore[union-attr]
+            pages = cmd["pages"]
+            t = k[cmd["layer"]].view(-1, pb)
+            mask = torch.zeros(t.shape[0], dtype=torch.bool, device="cuda")
+            mask[pages] = True
+            out["named_ok"] = bool((t[mask] == cmd["value"]).all())
+            out["others_zero"] = bool((t[~mask] == 0).all())
+        elif op == "expect":
+            st = kv.expect_delta(cmd["tid"], bs, prefix_pages=cmd["prefix"], dst_page_indices=cmd["dst"])  # type: ignore[union-attr]
+            out["state"] = st.state
+        elif op == "send":
+            st = kv.send_delta(cmd["tid"], bs, src_page_indices=cmd["src"], peer_address=cmd["peer"],  # type: ignore[union-attr]
+                               path=cmd.get("path", "auto"))
+            out["state"] = st.state
+        elif op == "wait":
+            (st,) = kv.wait(cmd["tid"], timeout=60)  # type: ignore[union-attr]
+            out.update(state=st.state, error=st.error, path=st.path, bytes=st.bytes_sent, timings=st.timings_us,
+                       descriptors=st.descriptors)
+        elif op == "stop":
+            if kv is not None:
+                kv.close()
+            print(json.dumps(out), flush=True)
+            return
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
