@@ -23,6 +23,7 @@ from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2,
 
 from ..config import Config
 from ..errors import InvalidArgument
+from ..metrics import Metrics, metrics_host
 from ..node import Node
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
@@ -43,6 +44,8 @@ class App:
     health: health.HealthServicer
     uds_path: str
     tcp_port: int
+    metrics: Metrics | None = None
+    metrics_port: int = 0  # bound /metrics port once started (0: off)
 
     @property
     def address(self) -> str:
@@ -65,6 +68,12 @@ class App:
         await self.server.start()
         self.node.transfers = TransferEngine(self.node, self.peer_address)
         self.node.transfers.start()
+        if self.metrics is not None:
+            self.metrics.attach(self.node.transfers)
+            if self.node.config.metrics_port:
+                self.metrics_port = self.metrics.serve(metrics_host(self.node.config.tcp_address),
+                                                       self.node.config.metrics_port)
+                log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
         for name in ("", SERVICE_NAME):
@@ -78,6 +87,8 @@ class App:
         await self.node.drain(grace)
         await self.server.stop(min(grace, 1.0))
         await self.node.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.uds_path and os.path.exists(self.uds_path):
             os.unlink(self.uds_path)
         log.info("kvservice stopped")
@@ -86,7 +97,8 @@ class App:
 def build_server(config: Config) -> App:
     """Create the server and bind its ports (call ``await app.start()`` next)."""
     node = Node(config)
-    server = grpc.aio.server(options=channel_options(config.max_message_mb))
+    metrics = Metrics(node)
+    server = grpc.aio.server(interceptors=[metrics.interceptor], options=channel_options(config.max_message_mb))
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
     peer_pb2_grpc.add_KVPeerServicer_to_server(KVPeerServicer(node), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -104,7 +116,7 @@ def build_server(config: Config) -> App:
         tcp_port = server.add_insecure_port(config.tcp_address)
         if not tcp_port:
             raise InvalidArgument("tcp_address", f"cannot listen on {config.tcp_address}")
-    return App(server, node, health_servicer, uds_path, tcp_port)
+    return App(server, node, health_servicer, uds_path, tcp_port, metrics)
 
 
 def _clear_stale_socket(path: str) -> None:
@@ -128,6 +140,8 @@ async def serve(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"kvservice listening on {app.address} (peers: {app.peer_address})", flush=True)
+    if app.metrics is not None and app.metrics.http is not None:
+        print(f"kvservice metrics on {app.metrics.http.url}", flush=True)
     await stop.wait()
     log.info("signal received; draining", extra={"grace_s": config.grace_period_s})
     await app.stop()

@@ -101,7 +101,7 @@ def export_pointer(ptr: int, device_index: int) -> CudaIpcExport:
     handle = _Handle()
     _check("cuIpcGetMemHandle", lib.cuIpcGetMemHandle(ctypes.byref(handle), base))
     return CudaIpcExport(
-        handle=bytes(handle.reserved),
+        handle=ctypes.string_at(ctypes.addressof(handle), 64),  # NOTE: .reserved stops at a NUL
         offset=ptr - base.value,
         allocation_size=size.value,
         device_index=device_index,
@@ -128,7 +128,7 @@ def open_handle(handle: bytes, device_uuid_or_index: str | int) -> tuple[int, in
     _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
     _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
     h = _Handle()
-    h.reserved = handle
+    ctypes.memmove(ctypes.addressof(h), handle, 64)
     ptr = ctypes.c_uint64()
     # 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     _check("cuIpcOpenMemHandle", lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1)))
