@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import Aborted, InvalidArgument, NotFound, TransportError
+from ..errors import Aborted, InvalidArgument, NotFound
 from ..staging import StagingPool
 from .descriptors import CALIBRATIONS, prepped_rows
 from .mover import Mover
@@ -106,17 +106,15 @@ class TransferEngine:
         try:
             for r in tuple(a.region for a in bs.aux):
                 regs.append(self.transport.register(r.address, r.size, r.mem_kind, r.device))  # type: ignore[arg-type]
-            try:
-                regs.extend(self._register_kv(bs))
-            except TransportError as exc:
-                if bs.memory != "cuda_ipc":
-                    raise
-                # NOTE: UCX may refuse memory this process imported through CUDA IPC; such a buffer
-                # set still moves through the packed path (our kernels read/write it, staging
-                # pools are ours and registered).
-                log.warning("transport cannot register engine VRAM; packed path only: %s", exc,
-                            extra={"buffer_set_id": bs.buffer_set_id})
+            if bs.memory == "cuda_ipc":
+                # NOTE: UCX refuses memory this process imported through CUDA IPC (NIXL_ERR_BACKEND,
+                # seen on H100 + NIXL 1.5.1), and a failed registration left the agent's metadata
+                # unloadable by peers. Such pools move through the packed path only: our kernels
+                # read/write them and the staging pools, which we allocate, are registered.
                 self.no_direct.add(bs.buffer_set_id)
+                self.pool_for(bs)  # create (and register) the VRAM staging pool before peers look
+            else:
+                regs.extend(self._register_kv(bs))
             lay = bs.layout
             self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.create(
                 [r.tensor for r in bs.k], [r.tensor for r in bs.v] or None, page_size=lay.page_size,
