@@ -31,6 +31,7 @@ __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
 _PATH_PB = {"DIRECT": 1, "PACKED": 2}
+PIPELINE = 3  # packed batches of one chunk in flight at once
 
 
 class Mover:
@@ -117,42 +118,55 @@ class Mover:
                            wire_us=wire)
 
     async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
-        bs, plan, route = out.bs, target.plan, target.route
-        regions = self.e.kv_regions[bs.buffer_set_id]
-        pool = self.e.pool_for(bs)
-        per_page = kernels.packed_nbytes(regions, 1, route.num_heads)
-        batch = max(1, min(cmap.num_pages, (pool.capacity_bytes // 4) // per_page))
+        """Move the chunk in batches that fit a staging slot, ``PIPELINE`` batches in flight so
+        one batch's pack overlaps another's wire and the receiver's unpack."""
+        regions = self.e.kv_regions[out.bs.buffer_set_id]
+        pool = self.e.pool_for(out.bs)
+        per_page = kernels.packed_nbytes(regions, 1, target.route.num_heads)
+        batch = max(1, min(cmap.num_pages, (pool.capacity_bytes // (PIPELINE + 1)) // per_page))
+        window = asyncio.Semaphore(PIPELINE)
+
+        async def one(start: int) -> None:
+            async with window:
+                await self._packed_batch(out, target, chunk, cmap, start, batch, per_page)
+
+        await asyncio.gather(*(one(s) for s in range(0, cmap.num_pages, batch)))
+
+    async def _packed_batch(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap, start: int,
+                            batch: int, per_page: int) -> None:
+        plan, route = target.plan, target.route
+        regions = self.e.kv_regions[out.bs.buffer_set_id]
+        pool = self.e.pool_for(out.bs)
         peer = self.peers.get(out.peer_address)
-        dev = pool.device
-        for start in range(0, cmap.num_pages, batch):
-            src = cmap.src[start : start + batch]
-            nbytes = per_page * src.size
-            resp = await peer.call(
-                "ReserveStaging",
-                peer_pb2.ReserveStagingRequest(transfer_id=out.rec.transfer_id, dst_buffer_set_id=plan.dst_buffer_set_id,
-                                               nbytes=nbytes),
-                self._left(out) + 1.0,
-            )
-            try:
-                async with pool.slot(nbytes, out.rec.deadline) as slot:
-                    self.e.sender.check_live(out)
-                    t0 = time.monotonic()
-                    view = pool.view(slot)
-                    await asyncio.to_thread(self._pack, regions, src, view, route)
-                    t1 = time.monotonic()
-                    h = await asyncio.to_thread(
-                        self.transport.write_descs, peer.agent,
-                        np.array([[slot.addr, nbytes, dev]], dtype=np.int64),
-                        np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
-                        None, "VRAM" if pool.kind == "vram" else "DRAM", resp.mem_kind or "DRAM",
-                    )
-                    await self._await(out, h)
-                    t2 = time.monotonic()
-            except BaseException:
-                await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)
-                raise
-            await self._commit(out, target, chunk, cmap.positions[start : start + batch], nbytes, 0, 1, "PACKED",
-                               resp.slot_id, False, pack_us=int((t1 - t0) * 1e6), wire_us=int((t2 - t1) * 1e6))
+        src = cmap.src[start : start + batch]
+        nbytes = per_page * src.size
+        self.e.sender.check_live(out)
+        resp = await peer.call(
+            "ReserveStaging",
+            peer_pb2.ReserveStagingRequest(transfer_id=out.rec.transfer_id, dst_buffer_set_id=plan.dst_buffer_set_id,
+                                           nbytes=nbytes),
+            self._left(out) + 1.0,
+        )
+        try:
+            async with pool.slot(nbytes, out.rec.deadline) as slot:
+                self.e.sender.check_live(out)
+                t0 = time.monotonic()
+                view = pool.view(slot)
+                await asyncio.to_thread(self._pack, regions, src, view, route)
+                t1 = time.monotonic()
+                h = await asyncio.to_thread(
+                    self.transport.write_descs, peer.agent,
+                    np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
+                    np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
+                    None, "VRAM" if pool.kind == "vram" else "DRAM", resp.mem_kind or "DRAM",
+                )
+                await self._await(out, h)
+                t2 = time.monotonic()
+        except BaseException:
+            await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)
+            raise
+        await self._commit(out, target, chunk, cmap.positions[start : start + batch], nbytes, 0, 1, "PACKED",
+                           resp.slot_id, False, pack_us=int((t1 - t0) * 1e6), wire_us=int((t2 - t1) * 1e6))
 
     @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
