@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -54,6 +55,12 @@ class Config:
     vram_staging_mb: int = _opt(1024, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets).")
     workers_per_peer: int = _opt(4, "Chunks moved to one destination service at once.")
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
+    kv_events: str = _opt(
+        "",
+        "KV-event streams to ingest, as a JSON list (a YAML list in --config): each "
+        '{"engine_id", "endpoint", "page_size", optional "replay_endpoint", "topic", "dp_rank", '
+        '"scheme": "canonical"|"engine"}.',
+    )
     metrics_port: int = _opt(0, "Prometheus metrics port (0: off; -1: pick a free one).")
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR.")
     log_format: str = _opt("json", "'json' (one object per line) or 'text'.")
@@ -92,6 +99,7 @@ class Config:
             raise ConfigError("workers_per_peer: must be in 1..256")
         if self.transfer_retain_s < 0:
             raise ConfigError("transfer_retain_s: must be >= 0")
+        self.event_streams()  # raises ConfigError naming kv_events
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port: must be -1, 0 or a port number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -99,6 +107,35 @@ class Config:
         if self.log_format not in ("json", "text"):
             raise ConfigError(f"log_format: {self.log_format!r} is not 'json' or 'text'")
         return self
+
+    def event_streams(self) -> list[dict[str, Any]]:
+        """The parsed ``kv_events`` list, validated."""
+        if not self.kv_events:
+            return []
+        try:
+            streams = json.loads(self.kv_events)
+        except ValueError as exc:
+            raise ConfigError(f"kv_events: not valid JSON ({exc})") from None
+        if not isinstance(streams, list):
+            raise ConfigError("kv_events: must be a list of stream objects")
+        seen = set()
+        for i, st in enumerate(streams):
+            if not isinstance(st, dict):
+                raise ConfigError(f"kv_events[{i}]: must be an object")
+            unknown = set(st) - {"engine_id", "endpoint", "page_size", "replay_endpoint", "topic", "dp_rank", "scheme"}
+            if unknown:
+                raise ConfigError(f"kv_events[{i}]: unknown keys {sorted(unknown)}")
+            for key in ("engine_id", "endpoint"):
+                if not isinstance(st.get(key), str) or not st[key]:
+                    raise ConfigError(f"kv_events[{i}].{key}: a non-empty string is required")
+            if not isinstance(st.get("page_size"), int) or st["page_size"] <= 0:
+                raise ConfigError(f"kv_events[{i}].page_size: a positive integer is required")
+            if st.get("scheme", "canonical") not in ("canonical", "engine"):
+                raise ConfigError(f"kv_events[{i}].scheme: must be 'canonical' or 'engine'")
+            if st["engine_id"] in seen:
+                raise ConfigError(f"kv_events[{i}].engine_id: duplicate {st['engine_id']!r}")
+            seen.add(st["engine_id"])
+        return streams
 
     @property
     def uds_mode_int(self) -> int:
@@ -158,7 +195,7 @@ def load_config(
             name = str(key).replace("-", "_")
             if name not in _FIELDS:
                 raise ConfigError(f"{key}: unknown option in {yaml_path}")
-            values[name] = _coerce(name, raw)
+            values[name] = json.dumps(raw) if isinstance(raw, list) else _coerce(name, raw)
     for key, raw in environ.items():
         if key.startswith("KVSERVICE_") and key != "KVSERVICE_CONFIG":
             name = key[len("KVSERVICE_") :].lower()

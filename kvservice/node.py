@@ -48,6 +48,7 @@ class Node:
         self.buffers = BufferRegistry()
         self.index = PrefixIndex()
         self.transfers: Any = None
+        self.event_subscribers: list[Any] = []
         self.draining = False
         self.sessions.on_close(self._release_session)
         self.buffers.add_hooks(self._index_add, self._index_drop)
@@ -147,6 +148,23 @@ class Node:
         self.buffers.unregister(buffer_set_id, session_id)
         return Unregistered(aborted, dropped)
 
+    # -- KV events ---------------------------------------------------------------------------
+    def start_event_streams(self) -> None:
+        """Subscribe to the configured vLLM/SGLang KV-event publishers (presence-only sets)."""
+        from .index.events import EventSubscriber, StreamConfig
+
+        for st in self.config.event_streams():
+            bs_id = f"events-{st['engine_id']}"
+            self.index.add_buffer_set(bs_id, engine_id=st["engine_id"], page_size=st["page_size"], num_pages=0,
+                                      dp_rank=st.get("dp_rank", 0), presence_only=True)
+            cfg = StreamConfig(endpoint=st["endpoint"], buffer_set_id=bs_id, page_size=st["page_size"],
+                               replay_endpoint=st.get("replay_endpoint"), topic=st.get("topic", ""),
+                               scheme=st.get("scheme", "canonical"), seed=self.config.hash_seed)
+            sub = EventSubscriber(self.index, cfg)
+            sub.start()
+            self.event_subscribers.append(sub)
+            log.info("kv events subscribed", extra={"engine_id": st["engine_id"], "endpoint": st["endpoint"]})
+
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def uptime_ms(self) -> int:
@@ -166,6 +184,8 @@ class Node:
             await self.transfers.abort_all("service shutting down")
 
     async def close(self) -> None:
+        for sub in self.event_subscribers:
+            sub.stop()
         for sid in self.sessions.ids():
             await self.close_session(sid)
         if self.transfers is not None:

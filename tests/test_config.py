@@ -49,3 +49,13 @@ def test_yaml_unknown_key_is_named(tmp_path: Path) -> None:
     y.write_text("bogus_option: 1\n")
     with pytest.raises(ConfigError, match="bogus_option"):
         load_config({}, environ={}, yaml_path=str(y))
+
+
+def test_kv_event_streams_parse_and_validate(tmp_path: Path) -> None:
+    """kv_events accepts a YAML list and rejects a stream without an endpoint, naming it."""
+    y = tmp_path / "c.yaml"
+    y.write_text("kv_events:\n  - {engine_id: vllm-0, endpoint: 'tcp://127.0.0.1:5557', page_size: 16}\n")
+    cfg = load_config({}, environ={}, yaml_path=str(y))
+    assert cfg.event_streams()[0]["engine_id"] == "vllm-0"
+    with pytest.raises(ConfigError, match=r"^kv_events\[0\]\.endpoint"):
+        load_config({}, environ={"KVSERVICE_KV_EVENTS": '[{"engine_id": "x", "page_size": 16}]'})

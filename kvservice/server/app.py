@@ -68,6 +68,7 @@ class App:
         await self.server.start()
         self.node.transfers = TransferEngine(self.node, self.peer_address)
         self.node.transfers.start()
+        self.node.start_event_streams()
         if self.metrics is not None:
             self.metrics.attach(self.node.transfers)
             if self.node.config.metrics_port:

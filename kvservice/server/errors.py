@@ -18,10 +18,12 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str, request: Any) -> None:
     if isinstance(exc, KVServiceError):
         await context.abort(exc.code, exc.message)
-    log.exception("unhandled error in %s", method, exc_info=exc)
+    # NOTE: lines about a transfer carry its transfer_id (requests that name one have the field)
+    extra = {"transfer_id": request.transfer_id} if getattr(request, "transfer_id", "") else {}
+    log.exception("unhandled error in %s", method, exc_info=exc, extra=extra)
     await context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}); see server log")
 
 
@@ -38,7 +40,7 @@ def grpc_errors(fn: F) -> F:
             except (grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as exc:
-                await _abort(context, exc, name)
+                await _abort(context, exc, name, request)
 
         return stream  # type: ignore[return-value]
 
@@ -49,6 +51,6 @@ def grpc_errors(fn: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc, name)
+            await _abort(context, exc, name, request)
 
     return unary  # type: ignore[return-value]

@@ -1,0 +1,105 @@
+"""Gauges read at scrape time from the node's live state (nothing pushes them).
+
+``NodeCollector.collect`` runs on the metrics HTTP thread while the event loop mutates the
+node, so it reads only values that are safe to read concurrently: the transfer table (locked),
+the sender's queue-depth counter (a copy), staging pool stats and index stats (locked). Any
+part that fails is skipped for that scrape and logged; a scrape never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["NodeCollector"]
+
+log = logging.getLogger(__name__)
+
+
+class NodeCollector(Collector):
+    """Exposes in-flight transfers, send queues, staging pools, the prefix index and build info.
+
+    ``node`` is a ``kvservice.node.Node``; ``node.transfers`` (a TransferEngine) may be None
+    before ``App.start``, in which case the transfer gauges read zero.
+    """
+
+    def __init__(self, node: Any, version: str) -> None:
+        self._node = node
+        self._version = version
+
+    def describe(self) -> list[Metric]:
+        return []  # no registration-time collect: the node may not be started yet
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("kvservice_build_info", "Constant 1, labelled with version and identity.",
+                                 labels=("version", "service_id", "transport"))
+        info.add_metric((self._version, str(self._node.service_id), self._node.config.transport), 1)
+        yield info
+        for part in (self._transfers, self._staging, self._index):
+            try:
+                yield from part()
+            except Exception:
+                log.exception("metrics: reading %s failed", part.__name__.strip("_"))
+
+    def _transfers(self) -> Iterator[Metric]:
+        engine = self._node.transfers
+        inflight = GaugeMetricFamily("kvservice_transfers_in_flight", "Transfer sides not yet terminal.",
+                                     labels=("role",))
+        counts = {"sender": 0, "receiver": 0}
+        depth: dict[str, int] = {}
+        if engine is not None:
+            for rec in engine.table.select(lambda r: not r.terminal):
+                counts[rec.role.lower()] = counts.get(rec.role.lower(), 0) + 1
+            depth = dict(engine.sender.queue_depth)
+        for role, n in sorted(counts.items()):
+            inflight.add_metric((role,), n)
+        yield inflight
+        queue = GaugeMetricFamily("kvservice_send_queue_depth",
+                                  "Chunks queued or moving towards one destination service.", labels=("peer",))
+        for peer, n in sorted(depth.items()):
+            queue.add_metric((peer,), max(n, 0))
+        yield queue
+
+    def _staging(self) -> Iterator[Metric]:
+        engine = self._node.transfers
+        pools: list[tuple[str, Any]] = []
+        if engine is not None:
+            pools = [("host", engine.host_pool.stats())]
+            pools += [(f"cuda:{dev}", pool.stats()) for dev, pool in sorted(engine.vram_pools.items())]
+        labels = ("pool", "kind")
+        fams = {
+            "capacity": GaugeMetricFamily("kvservice_staging_capacity_bytes", "Staging pool size.", labels=labels),
+            "used": GaugeMetricFamily("kvservice_staging_used_bytes", "Staging bytes held by slots.", labels=labels),
+            "slots": GaugeMetricFamily("kvservice_staging_slots_in_use", "Staging slots held.", labels=labels),
+            "waiters": GaugeMetricFamily("kvservice_staging_waiters",
+                                         "Reservations waiting for staging space (back-pressure).", labels=labels),
+        }
+        for name, st in pools:
+            key = (name, str(st.kind).lower())
+            fams["capacity"].add_metric(key, st.capacity_bytes)
+            fams["used"].add_metric(key, st.used_bytes)
+            fams["slots"].add_metric(key, st.slots_in_use)
+            fams["waiters"].add_metric(key, st.waiters)
+        yield from fams.values()
+
+    def _index(self) -> Iterator[Metric]:
+        st = self._node.index.stats()
+        yield GaugeMetricFamily("kvservice_index_entries", "Pages in the prefix index.", value=st.entries)
+        yield GaugeMetricFamily("kvservice_index_leases", "Live MatchPrefix leases.", value=st.leases)
+        yield GaugeMetricFamily("kvservice_index_buffer_sets", "Buffer sets the index tracks.", value=st.buffer_sets)
+        yield GaugeMetricFamily("kvservice_index_memory_bytes", "Host memory the index uses.", value=st.bytes_used)
+        prio = GaugeMetricFamily("kvservice_index_entries_by_priority", "Index pages per eviction priority.",
+                                 labels=("priority",))
+        for p, n in sorted(st.entries_by_priority.items()):
+            prio.add_metric((str(p),), n)
+        yield prio
+        yield CounterMetricFamily("kvservice_index_lookups", "Prefix lookups (MatchPrefix calls).",
+                                  value=st.lookups)
+        yield CounterMetricFamily("kvservice_index_query_pages", "Pages asked about by lookups.",
+                                  value=st.query_pages)
+        yield CounterMetricFamily("kvservice_index_hit_pages", "Pages lookups found (longest present prefix).",
+                                  value=st.hit_pages)
