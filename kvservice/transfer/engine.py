@@ -293,6 +293,19 @@ class TransferEngine:
         for tid in {r.transfer_id for r in recs}:
             await self.abort(session_id, tid, "ABORTED", "the owning client went away")
 
+    def local_copy(self, src: Any, dst_addr: int) -> None:
+        """Copy a packed slot into another slot of our own pools (same-node transfer)."""
+        for pool in [self.host_pool, *self.vram_pools.values()]:
+            base = pool.buffer.data_ptr()
+            if base <= dst_addr and dst_addr + src.numel() <= base + pool.capacity_bytes:
+                pool.buffer[dst_addr - base : dst_addr - base + src.numel()].copy_(src)
+                if pool.buffer.is_cuda:
+                    import torch
+
+                    torch.cuda.current_stream(pool.buffer.device).synchronize()
+                return
+        raise NotFound(f"staging address {dst_addr:#x} is not in this service's pools")
+
     def staging_stats(self) -> list[Any]:
         return [pool.stats() for pool in [self.host_pool, *self.vram_pools.values()]]
 

@@ -70,6 +70,8 @@ class Mover:
         path = out.path
         if cmap.num_pages:
             direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct  # type: ignore[attr-defined]
+            if self.peers.get(out.peer_address).is_self:
+                path = "PACKED"  # same node: pack, copy between our own staging slots, unpack
             if path == "AUTO":
                 path = self._choose(out.bs, cmap.num_pages) if target.full_heads and direct_ok else "PACKED"
             elif path == "DIRECT" and not target.full_heads:
@@ -154,13 +156,16 @@ class Mover:
                 view = pool.view(slot)
                 await asyncio.to_thread(self._pack, regions, src, view, route)
                 t1 = time.monotonic()
-                h = await asyncio.to_thread(
-                    self.transport.write_descs, peer.agent,
-                    np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
-                    np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
-                    None, "VRAM" if pool.kind == "vram" else "DRAM", resp.mem_kind or "DRAM",
-                )
-                await self._await(out, h)
+                if peer.is_self:
+                    await asyncio.to_thread(self.e.local_copy, view, resp.address)
+                else:
+                    h = await asyncio.to_thread(
+                        self.transport.write_descs, peer.agent,
+                        np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
+                        np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
+                        None, "VRAM" if pool.kind == "vram" else "DRAM", resp.mem_kind or "DRAM",
+                    )
+                    await self._await(out, h)
                 t2 = time.monotonic()
         except BaseException:
             await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)

@@ -78,20 +78,28 @@ class PeerClient:
         self.service_id = ""
         self.agent = ""
         self.epoch = -1
+        self.is_self = False  # the peer is this very service (both engines on one node)
         self._lock = asyncio.Lock()
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         try:
             return await getattr(self.stub, method)(request, timeout=max(timeout, 0.001))
         except grpc.RpcError as exc:
-            raise peer_error(self.address, exc) from None
+            err = peer_error(self.address, exc)
+            if isinstance(err, errors.Unavailable):
+                self.invalidate()  # lost peer: the next use handshakes again (it may have restarted)
+            raise err from None
 
     async def refresh(self, min_epoch: int = 0, timeout: float = 10.0) -> None:
         """Handshake if never done, or if the peer's metadata is older than ``min_epoch``."""
         async with self._lock:
-            if self.agent and self.epoch >= min_epoch:
+            if (self.agent or self.is_self) and self.epoch >= min_epoch:
                 return
             resp = await self.call("Handshake", self._me.request(), timeout)
+            if resp.service_id == self._me.service_id:
+                # NOTE: NIXL cannot load its own agent; same-node transfers copy locally.
+                self.is_self, self.service_id, self.epoch = True, resp.service_id, resp.metadata_epoch
+                return
             if resp.service_id != self.service_id and self.agent:
                 log.warning("peer restarted", extra={"peer": self.address, "service_id": resp.service_id})
             loop = asyncio.get_running_loop()
@@ -105,6 +113,7 @@ class PeerClient:
         """Forget the handshake (after a failure); the next use handshakes again."""
         self.agent = ""
         self.epoch = -1
+        self.is_self = False
 
     async def close(self) -> None:
         await self._channel.close()
