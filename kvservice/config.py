@@ -122,7 +122,15 @@ class Config:
         for i, st in enumerate(streams):
             if not isinstance(st, dict):
                 raise ConfigError(f"kv_events[{i}]: must be an object")
-            unknown = set(st) - {"engine_id", "endpoint", "page_size", "replay_endpoint", "topic", "dp_rank", "scheme"}
+            unknown = set(st) - {
+                "engine_id",
+                "endpoint",
+                "page_size",
+                "replay_endpoint",
+                "topic",
+                "dp_rank",
+                "scheme",
+            }
             if unknown:
                 raise ConfigError(f"kv_events[{i}]: unknown keys {sorted(unknown)}")
             for key in ("engine_id", "endpoint"):

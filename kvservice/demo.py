@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-LAYOUT_ARGS = dict(num_layers=8, page_size=16, num_pages=512, total_kv_heads=8, head_dim=128, dtype="bfloat16")
+LAYOUT_ARGS = dict(
+    num_layers=8, page_size=16, num_pages=512, total_kv_heads=8, head_dim=128, dtype="bfloat16"
+)
 
 
 def _fill(pool: Any, pages: np.ndarray, hashes: np.ndarray) -> None:
@@ -43,8 +45,10 @@ def _expected_ok(pool: Any, pages: np.ndarray, hashes: np.ndarray) -> bool:
     base = hashes.astype(np.uint64)[:, None] ^ np.arange(words, dtype=np.uint64)[None, :]
     for layer in range(pool.layout.num_layers):
         salt = np.uint64(0x9E3779B97F4A7C15 * (layer + 1) % 2**64)
-        if not (np.array_equal(pool.k(layer)[pages], (base ^ salt).view(np.uint8))
-                and np.array_equal(pool.v(layer)[pages], (base ^ ~salt).view(np.uint8))):
+        if not (
+            np.array_equal(pool.k(layer)[pages], (base ^ salt).view(np.uint8))
+            and np.array_equal(pool.v(layer)[pages], (base ^ ~salt).view(np.uint8))
+        ):
             return False
     return True
 
@@ -58,7 +62,9 @@ def _engine(role: str, address: str, conn: Any) -> None:
     free = list(range(layout.num_pages))[::-1]
     try:
         with Client(address, client_name=f"demo-{role}") as kv:
-            bs = kv.register_buffers(layout, pool.k_regions, pool.v_regions, engine_id=f"demo-{role}").buffer_set_id
+            bs = kv.register_buffers(
+                layout, pool.k_regions, pool.v_regions, engine_id=f"demo-{role}"
+            ).buffer_set_id
             conn.send(("ready", bs))
             while True:
                 msg = conn.recv()
@@ -67,20 +73,39 @@ def _engine(role: str, address: str, conn: Any) -> None:
                 if role == "decode" and msg[0] == "expect":
                     _, tid, tokens = msg
                     n = len(tokens) // layout.page_size
-                    m = kv.match_prefix(tokens=tokens, page_size=layout.page_size, buffer_set_ids=[bs], lease_ttl_ms=30_000)
+                    m = kv.match_prefix(
+                        tokens=tokens, page_size=layout.page_size, buffer_set_ids=[bs], lease_ttl_ms=30_000
+                    )
                     hit = m.matches[0].matched_pages if m.matches else 0
                     prefix_pages = list(m.matches[0].page_indices) if hit else []
                     dst = [free.pop() for _ in range(n - hit)]
-                    kv.expect_delta(tid, bs, prefix_pages=hit, dst_page_indices=dst, publish_tokens=tokens,
-                                    prefix_page_indices=prefix_pages, deadline_ms=60_000)
+                    kv.expect_delta(
+                        tid,
+                        bs,
+                        prefix_pages=hit,
+                        dst_page_indices=dst,
+                        publish_tokens=tokens,
+                        prefix_page_indices=prefix_pages,
+                        deadline_ms=60_000,
+                    )
                     conn.send(("expected", hit, n))
                     (st,) = kv.wait(tid, timeout=60)
                     if m.lease_id:
                         kv.release_lease(m.lease_id)
                     hashes = page_hashes(tokens, layout.page_size)
                     ok = _expected_ok(pool, np.array(prefix_pages + dst, dtype=np.int64), hashes)
-                    conn.send(("done", st.state, st.error, st.pages_sent, st.pages_skipped, st.bytes_sent, ok,
-                               st.timings_us["total"]))
+                    conn.send(
+                        (
+                            "done",
+                            st.state,
+                            st.error,
+                            st.pages_sent,
+                            st.pages_skipped,
+                            st.bytes_sent,
+                            ok,
+                            st.timings_us["total"],
+                        )
+                    )
                 elif role == "prefill" and msg[0] == "send":
                     _, tid, tokens, peer = msg
                     hashes = page_hashes(tokens, layout.page_size)
@@ -88,7 +113,9 @@ def _engine(role: str, address: str, conn: Any) -> None:
                     _fill(pool, pages, hashes)  # "prefill": compute KV of the whole sequence
                     half = pages.size // 2  # two chunks, as chunked prefill would send them
                     kv.send_delta(tid, bs, src_page_indices=pages[:half], peer_address=peer, last_chunk=False)
-                    kv.send_delta(tid, bs, src_page_indices=pages[half:], chunk_offset=half, peer_address=peer)
+                    kv.send_delta(
+                        tid, bs, src_page_indices=pages[half:], chunk_offset=half, peer_address=peer
+                    )
                     (st,) = kv.wait(tid, timeout=60)
                     free.extend(pages.tolist())  # prefill drops its copy once sent
                     conn.send(("sent", st.state, st.path, st.timings_us["total"]))
@@ -97,10 +124,15 @@ def _engine(role: str, address: str, conn: Any) -> None:
 
 
 def _start_service(name: str, sock: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KVSERVICE_LOG_LEVEL": "WARNING", "KVSERVICE_LOG_FORMAT": "text",
-           "KVSERVICE_SERVICE_NAME": name}
-    return subprocess.Popen([sys.executable, "-m", "kvservice", "serve", "--uds-path", sock], env=env,
-                            stdout=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "KVSERVICE_LOG_LEVEL": "WARNING",
+        "KVSERVICE_LOG_FORMAT": "text",
+        "KVSERVICE_SERVICE_NAME": name,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvservice", "serve", "--uds-path", sock], env=env, stdout=subprocess.DEVNULL
+    )
 
 
 def run_demo(turns: int = 4) -> int:
@@ -127,8 +159,10 @@ def run_demo(turns: int = 4) -> int:
         page_bytes = _page_bytes()
         rng = np.random.default_rng(7)
         context = rng.integers(0, 32000, 2048).tolist()  # system prompt + first user message
-        print(f"\n{'turn':>4} {'tokens':>7} {'pages':>6} {'held':>6} {'moved':>6} {'MiB moved':>10} "
-              f"{'MiB saved':>10} {'path':>7} {'send ms':>8}  verified")
+        print(
+            f"\n{'turn':>4} {'tokens':>7} {'pages':>6} {'held':>6} {'moved':>6} {'MiB moved':>10} "
+            f"{'MiB saved':>10} {'path':>7} {'send ms':>8}  verified"
+        )
         total_moved = total_full = 0
         ok_all = True
         for turn in range(1, turns + 1):
@@ -141,14 +175,18 @@ def run_demo(turns: int = 4) -> int:
             ok_all &= ok and state == "DONE" and sstate == "DONE"
             total_moved += nbytes
             total_full += n * page_bytes
-            print(f"{turn:>4} {len(context):>7} {n:>6} {held:>6} {sent:>6} {nbytes / 2**20:>10.1f} "
-                  f"{skipped * page_bytes / 2**20:>10.1f} {path:>7} {us / 1000:>8.1f}  {'yes' if ok else 'NO'}"
-                  + (f"  {state}: {err}" if state != "DONE" else ""))
+            print(
+                f"{turn:>4} {len(context):>7} {n:>6} {held:>6} {sent:>6} {nbytes / 2**20:>10.1f} "
+                f"{skipped * page_bytes / 2**20:>10.1f} {path:>7} {us / 1000:>8.1f}  {'yes' if ok else 'NO'}"
+                + (f"  {state}: {err}" if state != "DONE" else "")
+            )
             context += rng.integers(0, 32000, 256).tolist()  # the model's answer
             context += rng.integers(0, 32000, 512).tolist()  # the next user message
-        print(f"\nbytes moved {total_moved / 2**20:.1f} MiB of {total_full / 2**20:.1f} MiB "
-              f"({100 * (1 - total_moved / max(total_full, 1)):.0f}% saved by prefix reuse); "
-              f"every received page verified: {'yes' if ok_all else 'NO'}")
+        print(
+            f"\nbytes moved {total_moved / 2**20:.1f} MiB of {total_full / 2**20:.1f} MiB "
+            f"({100 * (1 - total_moved / max(total_full, 1)):.0f}% saved by prefix reuse); "
+            f"every received page verified: {'yes' if ok_all else 'NO'}"
+        )
         return 0 if ok_all else 1
     finally:
         for c in conns.values():

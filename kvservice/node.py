@@ -28,6 +28,7 @@ from .sessions import Session, SessionRegistry
 __all__ = ["Node", "VERSION"]
 
 from . import VERSION
+
 log = logging.getLogger(__name__)
 
 
@@ -63,8 +64,14 @@ class Node:
 
     def _index_add(self, bs: BufferSet) -> None:
         lay = bs.layout
-        self.index.add_buffer_set(bs.buffer_set_id, engine_id=bs.engine_id, page_size=lay.page_size,
-                                  num_pages=lay.num_pages, tp_rank=lay.tp_rank, dp_rank=lay.dp_rank)
+        self.index.add_buffer_set(
+            bs.buffer_set_id,
+            engine_id=bs.engine_id,
+            page_size=lay.page_size,
+            num_pages=lay.num_pages,
+            tp_rank=lay.tp_rank,
+            dp_rank=lay.dp_rank,
+        )
 
     def _index_drop(self, bs: BufferSet) -> None:
         try:
@@ -73,7 +80,9 @@ class Node:
             pass
 
     # -- index -----------------------------------------------------------------------------
-    def hashes(self, tokens: np.ndarray | None, hashes: np.ndarray | None, page_size: int, field: str) -> np.ndarray:
+    def hashes(
+        self, tokens: np.ndarray | None, hashes: np.ndarray | None, page_size: int, field: str
+    ) -> np.ndarray:
         """Chained page hashes of a query given as tokens (canonical scheme) or as hashes."""
         if tokens is None and hashes is None:
             raise InvalidArgument(field, "give tokens or hashes")
@@ -84,8 +93,14 @@ class Node:
         return as_hashes(hashes, field)  # type: ignore[arg-type]
 
     def match_prefix(
-        self, session_id: str | None, hashes: np.ndarray, page_size: int, buffer_set_ids: list[str],
-        dp_rank: int | None, scores_only: bool, lease_ttl_ms: int,
+        self,
+        session_id: str | None,
+        hashes: np.ndarray,
+        page_size: int,
+        buffer_set_ids: list[str],
+        dp_rank: int | None,
+        scores_only: bool,
+        lease_ttl_ms: int,
     ) -> tuple[list[Match], Lease | None]:
         if lease_ttl_ms:
             if session_id is None:
@@ -93,21 +108,37 @@ class Node:
             if scores_only:
                 raise InvalidArgument("lease_ttl_ms", "scores_only matches take no lease")
             if lease_ttl_ms > self.config.max_lease_ttl_ms:
-                raise InvalidArgument("lease_ttl_ms", f"exceeds the service maximum {self.config.max_lease_ttl_ms}")
-        matches = self.index.match(hashes, page_size=page_size, buffer_set_ids=buffer_set_ids or None,
-                                   dp_rank=dp_rank, scores_only=scores_only)
+                raise InvalidArgument(
+                    "lease_ttl_ms", f"exceeds the service maximum {self.config.max_lease_ttl_ms}"
+                )
+        matches = self.index.match(
+            hashes,
+            page_size=page_size,
+            buffer_set_ids=buffer_set_ids or None,
+            dp_rank=dp_rank,
+            scores_only=scores_only,
+        )
         lease = None
         if lease_ttl_ms and any(m.matched_pages for m in matches):
             lease = self.index.lease(matches, lease_ttl_ms, session_id)  # type: ignore[arg-type]
         return matches, lease
 
-    def publish_pages(self, session_id: str, buffer_set_id: str, tokens: np.ndarray | None,
-                      hashes: np.ndarray | None, page_indices: np.ndarray, priority: int) -> int:
+    def publish_pages(
+        self,
+        session_id: str,
+        buffer_set_id: str,
+        tokens: np.ndarray | None,
+        hashes: np.ndarray | None,
+        page_indices: np.ndarray,
+        priority: int,
+    ) -> int:
         bs = self.buffers.get(buffer_set_id, session_id)
         h = self.hashes(tokens, hashes, bs.layout.page_size, "key")
         return self.index.publish(buffer_set_id, h, page_indices, priority)
 
-    def evict_pages(self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool) -> int:
+    def evict_pages(
+        self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool
+    ) -> int:
         self.buffers.get(buffer_set_id, session_id)
         if all_pages:
             if page_indices.size:
@@ -155,11 +186,23 @@ class Node:
 
         for st in self.config.event_streams():
             bs_id = f"events-{st['engine_id']}"
-            self.index.add_buffer_set(bs_id, engine_id=st["engine_id"], page_size=st["page_size"], num_pages=0,
-                                      dp_rank=st.get("dp_rank", 0), presence_only=True)
-            cfg = StreamConfig(endpoint=st["endpoint"], buffer_set_id=bs_id, page_size=st["page_size"],
-                               replay_endpoint=st.get("replay_endpoint"), topic=st.get("topic", ""),
-                               scheme=st.get("scheme", "canonical"), seed=self.config.hash_seed)
+            self.index.add_buffer_set(
+                bs_id,
+                engine_id=st["engine_id"],
+                page_size=st["page_size"],
+                num_pages=0,
+                dp_rank=st.get("dp_rank", 0),
+                presence_only=True,
+            )
+            cfg = StreamConfig(
+                endpoint=st["endpoint"],
+                buffer_set_id=bs_id,
+                page_size=st["page_size"],
+                replay_endpoint=st.get("replay_endpoint"),
+                topic=st.get("topic", ""),
+                scheme=st.get("scheme", "canonical"),
+                seed=self.config.hash_seed,
+            )
             sub = EventSubscriber(self.index, cfg)
             sub.start()
             self.event_subscribers.append(sub)

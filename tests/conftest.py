@@ -73,3 +73,18 @@ def server() -> Iterator[ServerThread]:
     s = ServerThread(make_config())
     yield s
     s.stop()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Any]:
+    """Factory: ``make_server(**config_overrides)`` starts a server, stopped at teardown."""
+    started: list[ServerThread] = []
+
+    def factory(**overrides: Any) -> ServerThread:
+        s = ServerThread(make_config(**overrides))
+        started.append(s)
+        return s
+
+    yield factory
+    for s in started:
+        s.stop()

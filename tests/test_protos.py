@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_generated_code_is_fresh() -> None:
     """Regenerating from protos/ changes nothing (run `python tools/gen_protos.py` if it does)."""
-    r = subprocess.run([sys.executable, "tools/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "tools/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -23,7 +25,9 @@ def test_every_message_and_field_is_documented() -> None:
         for i, line in enumerate(lines):
             s = line.strip()
             is_decl = s.startswith(("message ", "rpc ", "enum ")) or (
-                s.endswith(";") and "=" in s and not s.startswith(("option", "syntax", "//", "package", "import"))
+                s.endswith(";")
+                and "=" in s
+                and not s.startswith(("option", "syntax", "//", "package", "import"))
             )
             if not is_decl or s.startswith("message ") and s.endswith("{}"):
                 continue

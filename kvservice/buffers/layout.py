@@ -73,7 +73,9 @@ def validate_layout(layout: Layout) -> None:
 def validate_region_sizes(layout: Layout, k_sizes: Sequence[int], v_sizes: Sequence[int]) -> None:
     """Region counts per kind and sizes = pages x page bytes."""
     if len(k_sizes) != layout.num_layers:
-        raise InvalidArgument("k_regions", f"expected {layout.num_layers} (one per layer), got {len(k_sizes)}")
+        raise InvalidArgument(
+            "k_regions", f"expected {layout.num_layers} (one per layer), got {len(k_sizes)}"
+        )
     if len(v_sizes) != layout.num_v_regions:
         want = "none for MLA" if layout.kind == "mla" else f"{layout.num_layers} (one per layer)"
         raise InvalidArgument("v_regions", f"expected {want}, got {len(v_sizes)}")

@@ -134,7 +134,9 @@ class BufferRegistry:
         )
         return bs
 
-    def get(self, buffer_set_id: str, session_id: str | None = None, field: str = "buffer_set_id") -> BufferSet:
+    def get(
+        self, buffer_set_id: str, session_id: str | None = None, field: str = "buffer_set_id"
+    ) -> BufferSet:
         """The buffer set; with ``session_id``, only if that session owns it."""
         with self._lock:
             bs = self._sets.get(buffer_set_id)
@@ -143,7 +145,9 @@ class BufferRegistry:
                 raise InvalidArgument(field, "is required")
             raise NotFound(f"{field}: no buffer set {buffer_set_id!r} on this service")
         if session_id is not None and bs.session_id != session_id:
-            raise PermissionDenied(f"{field}: buffer set {buffer_set_id!r} belongs to another client's session")
+            raise PermissionDenied(
+                f"{field}: buffer set {buffer_set_id!r} belongs to another client's session"
+            )
         return bs
 
     def unregister(self, buffer_set_id: str, session_id: str | None) -> BufferSet:

@@ -10,13 +10,27 @@ from __future__ import annotations
 __all__ = ["COUNT_BUCKETS", "LATENCY_BUCKETS"]
 
 LATENCY_BUCKETS: tuple[float, ...] = (
-    1e-5, 2.5e-5, 5e-5,
-    1e-4, 2.5e-4, 5e-4,
-    1e-3, 2.5e-3, 5e-3,
-    0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0,
-    10.0, 30.0, 60.0,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 # Descriptors per transfer: 1 (one packed write) .. 262,144 (per-page descriptors of a long

@@ -35,8 +35,11 @@ class NodeCollector(Collector):
         return []  # no registration-time collect: the node may not be started yet
 
     def collect(self) -> Iterator[Metric]:
-        info = GaugeMetricFamily("kvservice_build_info", "Constant 1, labelled with version and identity.",
-                                 labels=("version", "service_id", "transport"))
+        info = GaugeMetricFamily(
+            "kvservice_build_info",
+            "Constant 1, labelled with version and identity.",
+            labels=("version", "service_id", "transport"),
+        )
         info.add_metric((self._version, str(self._node.service_id), self._node.config.transport), 1)
         yield info
         for part in (self._transfers, self._staging, self._index):
@@ -47,8 +50,9 @@ class NodeCollector(Collector):
 
     def _transfers(self) -> Iterator[Metric]:
         engine = self._node.transfers
-        inflight = GaugeMetricFamily("kvservice_transfers_in_flight", "Transfer sides not yet terminal.",
-                                     labels=("role",))
+        inflight = GaugeMetricFamily(
+            "kvservice_transfers_in_flight", "Transfer sides not yet terminal.", labels=("role",)
+        )
         counts = {"sender": 0, "receiver": 0}
         depth: dict[str, int] = {}
         if engine is not None:
@@ -58,8 +62,11 @@ class NodeCollector(Collector):
         for role, n in sorted(counts.items()):
             inflight.add_metric((role,), n)
         yield inflight
-        queue = GaugeMetricFamily("kvservice_send_queue_depth",
-                                  "Chunks queued or moving towards one destination service.", labels=("peer",))
+        queue = GaugeMetricFamily(
+            "kvservice_send_queue_depth",
+            "Chunks queued or moving towards one destination service.",
+            labels=("peer",),
+        )
         for peer, n in sorted(depth.items()):
             queue.add_metric((peer,), max(n, 0))
         yield queue
@@ -72,11 +79,20 @@ class NodeCollector(Collector):
             pools += [(f"cuda:{dev}", pool.stats()) for dev, pool in sorted(engine.vram_pools.items())]
         labels = ("pool", "kind")
         fams = {
-            "capacity": GaugeMetricFamily("kvservice_staging_capacity_bytes", "Staging pool size.", labels=labels),
-            "used": GaugeMetricFamily("kvservice_staging_used_bytes", "Staging bytes held by slots.", labels=labels),
-            "slots": GaugeMetricFamily("kvservice_staging_slots_in_use", "Staging slots held.", labels=labels),
-            "waiters": GaugeMetricFamily("kvservice_staging_waiters",
-                                         "Reservations waiting for staging space (back-pressure).", labels=labels),
+            "capacity": GaugeMetricFamily(
+                "kvservice_staging_capacity_bytes", "Staging pool size.", labels=labels
+            ),
+            "used": GaugeMetricFamily(
+                "kvservice_staging_used_bytes", "Staging bytes held by slots.", labels=labels
+            ),
+            "slots": GaugeMetricFamily(
+                "kvservice_staging_slots_in_use", "Staging slots held.", labels=labels
+            ),
+            "waiters": GaugeMetricFamily(
+                "kvservice_staging_waiters",
+                "Reservations waiting for staging space (back-pressure).",
+                labels=labels,
+            ),
         }
         for name, st in pools:
             key = (name, str(st.kind).lower())
@@ -90,16 +106,24 @@ class NodeCollector(Collector):
         st = self._node.index.stats()
         yield GaugeMetricFamily("kvservice_index_entries", "Pages in the prefix index.", value=st.entries)
         yield GaugeMetricFamily("kvservice_index_leases", "Live MatchPrefix leases.", value=st.leases)
-        yield GaugeMetricFamily("kvservice_index_buffer_sets", "Buffer sets the index tracks.", value=st.buffer_sets)
-        yield GaugeMetricFamily("kvservice_index_memory_bytes", "Host memory the index uses.", value=st.bytes_used)
-        prio = GaugeMetricFamily("kvservice_index_entries_by_priority", "Index pages per eviction priority.",
-                                 labels=("priority",))
+        yield GaugeMetricFamily(
+            "kvservice_index_buffer_sets", "Buffer sets the index tracks.", value=st.buffer_sets
+        )
+        yield GaugeMetricFamily(
+            "kvservice_index_memory_bytes", "Host memory the index uses.", value=st.bytes_used
+        )
+        prio = GaugeMetricFamily(
+            "kvservice_index_entries_by_priority", "Index pages per eviction priority.", labels=("priority",)
+        )
         for p, n in sorted(st.entries_by_priority.items()):
             prio.add_metric((str(p),), n)
         yield prio
-        yield CounterMetricFamily("kvservice_index_lookups", "Prefix lookups (MatchPrefix calls).",
-                                  value=st.lookups)
-        yield CounterMetricFamily("kvservice_index_query_pages", "Pages asked about by lookups.",
-                                  value=st.query_pages)
-        yield CounterMetricFamily("kvservice_index_hit_pages", "Pages lookups found (longest present prefix).",
-                                  value=st.hit_pages)
+        yield CounterMetricFamily(
+            "kvservice_index_lookups", "Prefix lookups (MatchPrefix calls).", value=st.lookups
+        )
+        yield CounterMetricFamily(
+            "kvservice_index_query_pages", "Pages asked about by lookups.", value=st.query_pages
+        )
+        yield CounterMetricFamily(
+            "kvservice_index_hit_pages", "Pages lookups found (longest present prefix).", value=st.hit_pages
+        )

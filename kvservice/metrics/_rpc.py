@@ -47,7 +47,7 @@ def _code(context: Any, exc: BaseException | None) -> str:
     except Exception:
         code = None
     if isinstance(code, grpc.StatusCode) and (exc is None or code != grpc.StatusCode.OK):
-        return code.name
+        return str(code.name)
     if exc is None:
         return "OK"
     return "UNKNOWN" if isinstance(exc, Exception) else "CANCELLED"
@@ -57,12 +57,25 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     """Times handlers; create one per server with that server's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.duration = Histogram("kvservice_rpc_duration_seconds", "Handling time of unary-response RPCs.",
-                                  ("service", "method"), buckets=LATENCY_BUCKETS, registry=registry)
-        self.handled = Counter("kvservice_rpc_handled", "RPCs finished, by status code.",
-                               ("service", "method", "code"), registry=registry)
-        self.in_progress = Gauge("kvservice_rpc_in_progress", "RPCs and streams being handled.",
-                                 ("service", "method"), registry=registry)
+        self.duration = Histogram(
+            "kvservice_rpc_duration_seconds",
+            "Handling time of unary-response RPCs.",
+            ("service", "method"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.handled = Counter(
+            "kvservice_rpc_handled",
+            "RPCs finished, by status code.",
+            ("service", "method", "code"),
+            registry=registry,
+        )
+        self.in_progress = Gauge(
+            "kvservice_rpc_in_progress",
+            "RPCs and streams being handled.",
+            ("service", "method"),
+            registry=registry,
+        )
 
     async def intercept_service(
         self,
@@ -77,13 +90,16 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             behaviour = getattr(handler, kind, None)
             if behaviour is not None:
                 timed = not handler.response_streaming
-                return factory(self._wrap(behaviour, labels, timed),
-                               request_deserializer=handler.request_deserializer,
-                               response_serializer=handler.response_serializer)
+                return factory(
+                    self._wrap(behaviour, labels, timed),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
         return handler
 
-    def _done(self, labels: tuple[str, str], t0: float, timed: bool, context: Any,
-              exc: BaseException | None) -> None:
+    def _done(
+        self, labels: tuple[str, str], t0: float, timed: bool, context: Any, exc: BaseException | None
+    ) -> None:
         if timed:
             self.duration.labels(*labels).observe(time.perf_counter() - t0)
         self.handled.labels(*labels, _code(context, exc)).inc()
@@ -94,6 +110,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         gauge = self.in_progress.labels(*labels)
 
         if inspect.isasyncgenfunction(fn):
+
             async def agen(request: Any, context: Any) -> AsyncIterator[Any]:
                 t0, err = time.perf_counter(), None
                 gauge.inc()
@@ -105,9 +122,11 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     done(labels, t0, timed, context, err)
+
             return agen
 
         if inspect.iscoroutinefunction(fn):
+
             async def coro(request: Any, context: Any) -> Any:
                 t0, err = time.perf_counter(), None
                 gauge.inc()
@@ -118,9 +137,11 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     done(labels, t0, timed, context, err)
+
             return coro
 
         if inspect.isgeneratorfunction(fn):
+
             def gen(request: Any, context: Any) -> Iterator[Any]:
                 t0, err = time.perf_counter(), None
                 gauge.inc()
@@ -131,6 +152,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     done(labels, t0, timed, context, err)
+
             return gen
 
         def sync(request: Any, context: Any) -> Any:
@@ -143,4 +165,5 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 done(labels, t0, timed, context, err)
+
         return sync

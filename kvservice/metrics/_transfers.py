@@ -59,44 +59,59 @@ class TransferMetrics:
             "kvservice_transfer_phase_seconds",
             "Time a finished transfer spent in one phase (summed over its chunks); phases that did "
             "not run for it (e.g. pack on the direct path) are not observed.",
-            ("role", "phase"), buckets=LATENCY_BUCKETS, registry=registry,
+            ("role", "phase"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.duration_seconds = Histogram(
             "kvservice_transfer_duration_seconds",
             "End-to-end time of a transfer side, declaration/first chunk to terminal state.",
-            ("role", "path", "state"), buckets=LATENCY_BUCKETS, registry=registry,
+            ("role", "path", "state"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.descriptors = Histogram(
             "kvservice_transfer_descriptors",
             "Transport descriptors one transfer side posted.",
-            ("role", "path"), buckets=COUNT_BUCKETS, registry=registry,
+            ("role", "path"),
+            buckets=COUNT_BUCKETS,
+            registry=registry,
         )
         self.transfers = Counter(
-            "kvservice_transfers", "Transfers that reached a terminal state.",
-            ("role", "state"), registry=registry,
+            "kvservice_transfers",
+            "Transfers that reached a terminal state.",
+            ("role", "state"),
+            registry=registry,
         )
         self.failures = Counter(
             "kvservice_transfer_failures",
             "Transfers that ended FAILED or ABORTED, by error code (the reason).",
-            ("role", "error_code"), registry=registry,
+            ("role", "error_code"),
+            registry=registry,
         )
         self.bytes = Counter(
-            "kvservice_transfer_bytes", "KV and aux bytes moved by finished transfers.",
-            ("role",), registry=registry,
+            "kvservice_transfer_bytes",
+            "KV and aux bytes moved by finished transfers.",
+            ("role",),
+            registry=registry,
         )
         self.pages_sent = Counter(
-            "kvservice_transfer_pages_sent", "Pages moved by finished transfers.",
-            ("role",), registry=registry,
+            "kvservice_transfer_pages_sent",
+            "Pages moved by finished transfers.",
+            ("role",),
+            registry=registry,
         )
         self.pages_skipped = Counter(
             "kvservice_transfer_pages_skipped",
             "Pages not moved because the receiver already held them (prefix reuse).",
-            ("role",), registry=registry,
+            ("role",),
+            registry=registry,
         )
         self.skipped_bytes = Counter(
             "kvservice_transfer_skipped_bytes",
             "Bytes not moved thanks to prefix reuse: skipped pages x bytes per page of the buffer set.",
-            ("role",), registry=registry,
+            ("role",),
+            registry=registry,
         )
         for role in ROLES:  # so rate() has a series (at 0) before the first transfer ends
             for state in STATES:

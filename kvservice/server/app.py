@@ -72,8 +72,9 @@ class App:
         if self.metrics is not None:
             self.metrics.attach(self.node.transfers)
             if self.node.config.metrics_port:
-                self.metrics_port = self.metrics.serve(metrics_host(self.node.config.tcp_address),
-                                                       self.node.config.metrics_port)
+                self.metrics_port = self.metrics.serve(
+                    metrics_host(self.node.config.tcp_address), self.node.config.metrics_port
+                )
                 log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
@@ -99,13 +100,21 @@ def build_server(config: Config) -> App:
     """Create the server and bind its ports (call ``await app.start()`` next)."""
     node = Node(config)
     metrics = Metrics(node)
-    server = grpc.aio.server(interceptors=[metrics.interceptor], options=channel_options(config.max_message_mb))
+    server = grpc.aio.server(
+        interceptors=[metrics.interceptor], options=channel_options(config.max_message_mb)
+    )
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
     peer_pb2_grpc.add_KVPeerServicer_to_server(KVPeerServicer(node), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, PEER_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (
+            SERVICE_NAME,
+            PEER_SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
     )
     uds_path = config.uds_path
     if uds_path:

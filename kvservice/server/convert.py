@@ -7,9 +7,9 @@ from kvservice_client import Layout
 from kvservice_client._proto import common_pb2, kvservice_pb2
 
 from ..buffers import BufferSet
+from ..errors import InvalidArgument
 from ..index import IndexStats, Match
 from ..transfer.records import Record
-from ..errors import InvalidArgument
 
 __all__ = ["buffer_set_info", "layout", "session_of", "token_ids"]
 
@@ -46,8 +46,10 @@ def buffer_set_info(bs: BufferSet, indexed_pages: int) -> kvservice_pb2.BufferSe
     )
 
 
-
-_STATE = {s: getattr(common_pb2, f"TRANSFER_STATE_{s}") for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED")}
+_STATE = {
+    s: getattr(common_pb2, f"TRANSFER_STATE_{s}")
+    for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED")
+}
 _ROLE = {"SENDER": kvservice_pb2.TRANSFER_ROLE_SENDER, "RECEIVER": kvservice_pb2.TRANSFER_ROLE_RECEIVER}
 _PATH = {"AUTO": 0, "DIRECT": 1, "PACKED": 2}
 
@@ -67,7 +69,11 @@ def transfer_status(r: Record) -> kvservice_pb2.TransferStatus:
         senders_done=r.senders_done,
         path=_PATH[r.path],
         timings=kvservice_pb2.PhaseTimings(
-            queue_us=t["queue"], plan_us=t["plan"], pack_us=t["pack"], wire_us=t["wire"], unpack_us=t["unpack"],
+            queue_us=t["queue"],
+            plan_us=t["plan"],
+            pack_us=t["pack"],
+            wire_us=t["wire"],
+            unpack_us=t["unpack"],
             total_us=r.total_us,
         ),
         error_code=r.error_code,
@@ -104,22 +110,34 @@ def key(request: object, tokens_field: str) -> tuple[np.ndarray | None, np.ndarr
 
 def prefix_match(m: Match) -> kvservice_pb2.PrefixMatch:
     return kvservice_pb2.PrefixMatch(
-        buffer_set_id=m.buffer_set_id, engine_id=m.engine_id, tp_rank=m.tp_rank, dp_rank=m.dp_rank,
-        matched_pages=m.matched_pages, page_indices=m.page_indices.tolist(), min_priority=m.min_priority,
+        buffer_set_id=m.buffer_set_id,
+        engine_id=m.engine_id,
+        tp_rank=m.tp_rank,
+        dp_rank=m.dp_rank,
+        matched_pages=m.matched_pages,
+        page_indices=m.page_indices.tolist(),
+        min_priority=m.min_priority,
     )
 
 
 def index_stats(st: IndexStats) -> kvservice_pb2.IndexStats:
     return kvservice_pb2.IndexStats(
-        entries=st.entries, leases=st.leases, lookups=st.lookups, hit_pages=st.hit_pages,
-        query_pages=st.query_pages, entries_by_priority=st.entries_by_priority,
+        entries=st.entries,
+        leases=st.leases,
+        lookups=st.lookups,
+        hit_pages=st.hit_pages,
+        query_pages=st.query_pages,
+        entries_by_priority=st.entries_by_priority,
     )
 
 
 def staging_stats(st: object) -> kvservice_pb2.StagingStats:
     return kvservice_pb2.StagingStats(
-        kind=st.kind, capacity_bytes=st.capacity_bytes, used_bytes=st.used_bytes,  # type: ignore[attr-defined]
-        slots_in_use=st.slots_in_use, waiters=st.waiters,  # type: ignore[attr-defined]
+        kind=st.kind,
+        capacity_bytes=st.capacity_bytes,
+        used_bytes=st.used_bytes,  # type: ignore[attr-defined]
+        slots_in_use=st.slots_in_use,
+        waiters=st.waiters,  # type: ignore[attr-defined]
     )
 
 
@@ -127,6 +145,9 @@ def transfer_counts(engine: object) -> kvservice_pb2.TransferCounts:
     e = engine
     counts = e.table.counts  # type: ignore[attr-defined]
     return kvservice_pb2.TransferCounts(
-        in_flight=e.in_flight(), done=counts["DONE"], failed=counts["FAILED"], aborted=counts["ABORTED"],  # type: ignore[attr-defined]
+        in_flight=e.in_flight(),
+        done=counts["DONE"],
+        failed=counts["FAILED"],
+        aborted=counts["ABORTED"],  # type: ignore[attr-defined]
         queue_depth={k: v for k, v in e.sender.queue_depth.items() if v},  # type: ignore[attr-defined]
     )

@@ -24,7 +24,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     # NOTE: lines about a transfer carry its transfer_id (requests that name one have the field)
     extra = {"transfer_id": request.transfer_id} if getattr(request, "transfer_id", "") else {}
     log.exception("unhandled error in %s", method, exc_info=exc, extra=extra)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}); see server log")
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}); see server log"
+    )
 
 
 def grpc_errors(fn: F) -> F:

@@ -31,43 +31,72 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
         e = self.engine
         return peer_pb2.HandshakeResponse(
-            service_id=e.service_id, version=VERSION, transport=e.transport.kind, agent_name=e.transport.agent_name,
-            agent_metadata=e.transport.metadata(), capabilities=["direct", "packed", "mixed_tp", "mla", "aux"],
+            service_id=e.service_id,
+            version=VERSION,
+            transport=e.transport.kind,
+            agent_name=e.transport.agent_name,
+            agent_metadata=e.transport.metadata(),
+            capabilities=["direct", "packed", "mixed_tp", "mla", "aux"],
             metadata_epoch=e.metadata_epoch,
         )
 
     @grpc_errors
-    async def GetReceivePlan(self, request: peer_pb2.GetReceivePlanRequest, context: Ctx) -> peer_pb2.ReceivePlanSet:
+    async def GetReceivePlan(
+        self, request: peer_pb2.GetReceivePlanRequest, context: Ctx
+    ) -> peer_pb2.ReceivePlanSet:
         e = self.engine
         src = Layout.from_proto(request.src_layout)
         wait = min(request.wait_ms / 1000, e.config.max_deadline_ms / 1000)
-        found = await e.receiver.plans(request.transfer_id, src, request.sender_service_id,
-                                       request.sender_address, wait)
+        found = await e.receiver.plans(
+            request.transfer_id, src, request.sender_service_id, request.sender_address, wait
+        )
         out = peer_pb2.ReceivePlanSet(metadata_epoch=e.metadata_epoch)
         now = time.monotonic()
         for inc, route in found:
             bs = inc.bs
-            out.plans.append(peer_pb2.ReceivePlan(
-                transfer_id=request.transfer_id, dst_layout=bs.layout.to_proto(), prefix_pages=inc.prefix_pages,
-                dst_page_indices=inc.dst_pages.tolist(),
-                aux=[{"name": n, "rows": r.tolist()} for n, r in inc.aux.items()],
-                expected_senders=inc.expected_senders, remaining_ms=max(0, int((inc.rec.deadline - now) * 1000)),
-                kv_regions=[_remote(r) for r in bs.regions], aux_regions=[_remote(a.region) for a in bs.aux],
-                aux_row_bytes=[a.row_bytes for a in bs.aux], aux_names=[a.name for a in bs.aux],
-                dst_buffer_set_id=bs.buffer_set_id, direct_ok=bs.buffer_set_id not in e.no_direct,
-                route=peer_pb2.HeadRoute(src_head_start=route.src_head_start, dst_head_start=route.dst_head_start,
-                                         num_heads=route.num_heads),
-            ))
+            out.plans.append(
+                peer_pb2.ReceivePlan(
+                    transfer_id=request.transfer_id,
+                    dst_layout=bs.layout.to_proto(),
+                    prefix_pages=inc.prefix_pages,
+                    dst_page_indices=inc.dst_pages.tolist(),
+                    aux=[{"name": n, "rows": r.tolist()} for n, r in inc.aux.items()],
+                    expected_senders=inc.expected_senders,
+                    remaining_ms=max(0, int((inc.rec.deadline - now) * 1000)),
+                    kv_regions=[_remote(r) for r in bs.regions],
+                    aux_regions=[_remote(a.region) for a in bs.aux],
+                    aux_row_bytes=[a.row_bytes for a in bs.aux],
+                    aux_names=[a.name for a in bs.aux],
+                    dst_buffer_set_id=bs.buffer_set_id,
+                    direct_ok=bs.buffer_set_id not in e.no_direct,
+                    route=peer_pb2.HeadRoute(
+                        src_head_start=route.src_head_start,
+                        dst_head_start=route.dst_head_start,
+                        num_heads=route.num_heads,
+                    ),
+                )
+            )
         return out
 
     @grpc_errors
-    async def ReserveStaging(self, request: peer_pb2.ReserveStagingRequest, context: Ctx) -> peer_pb2.StagingSlot:
-        pool, slot = await self.engine.receiver.reserve(request.transfer_id, request.dst_buffer_set_id, request.nbytes)
-        return peer_pb2.StagingSlot(slot_id=slot.serial, address=slot.addr, size_bytes=slot.nbytes,
-                                    mem_kind="VRAM" if pool.kind == "vram" else "DRAM", device_id=pool.device)
+    async def ReserveStaging(
+        self, request: peer_pb2.ReserveStagingRequest, context: Ctx
+    ) -> peer_pb2.StagingSlot:
+        pool, slot = await self.engine.receiver.reserve(
+            request.transfer_id, request.dst_buffer_set_id, request.nbytes
+        )
+        return peer_pb2.StagingSlot(
+            slot_id=slot.serial,
+            address=slot.addr,
+            size_bytes=slot.nbytes,
+            mem_kind="VRAM" if pool.kind == "vram" else "DRAM",
+            device_id=pool.device,
+        )
 
     @grpc_errors
-    async def CommitChunk(self, request: peer_pb2.CommitChunkRequest, context: Ctx) -> peer_pb2.CommitChunkResponse:
+    async def CommitChunk(
+        self, request: peer_pb2.CommitChunkRequest, context: Ctx
+    ) -> peer_pb2.CommitChunkResponse:
         e = self.engine
         inc = e.receiver.get(request.transfer_id, request.dst_buffer_set_id)
         if request.release_only:
@@ -78,12 +107,25 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         positions = np.asarray(request.positions, dtype=np.int64)
         try:
             if request.path == 2 and positions.size:
-                await e.unpack_chunk(inc, request.staging_slot, positions, request.dst_head_start, request.num_heads)
-            e.table.update(inc.rec, add_pack=request.pack_us, add_wire=request.wire_us,
-                           add_descriptors=request.descriptors,
-                           **({"path": "PACKED" if request.path == 2 else "DIRECT"} if positions.size else {}))
-            e.receiver.record_chunk(inc, f"{request.sender_service_id}/{request.src_tp_rank}", positions,
-                                    request.last_chunk, request.bytes, request.pages_skipped, request.aux_delivered)
+                await e.unpack_chunk(
+                    inc, request.staging_slot, positions, request.dst_head_start, request.num_heads
+                )
+            e.table.update(
+                inc.rec,
+                add_pack=request.pack_us,
+                add_wire=request.wire_us,
+                add_descriptors=request.descriptors,
+                **({"path": "PACKED" if request.path == 2 else "DIRECT"} if positions.size else {}),
+            )
+            e.receiver.record_chunk(
+                inc,
+                f"{request.sender_service_id}/{request.src_tp_rank}",
+                positions,
+                request.last_chunk,
+                request.bytes,
+                request.pages_skipped,
+                request.aux_delivered,
+            )
         except (Aborted, NotFound):
             raise
         except KVServiceError as exc:
@@ -99,13 +141,21 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         known = bool(e.table.find(request.transfer_id))
         if known:
             reason = f"peer {request.origin_service_id}: {request.reason}"
-            await e.abort(None, request.transfer_id, request.error_code or "ABORTED", reason,
-                          origin=request.origin_service_id)
+            await e.abort(
+                None,
+                request.transfer_id,
+                request.error_code or "ABORTED",
+                reason,
+                origin=request.origin_service_id,
+            )
         return peer_pb2.PeerAbortResponse(known=known)
 
 
 def _remote(region: object) -> peer_pb2.RemoteRegion:
     r = region
-    return peer_pb2.RemoteRegion(address=r.address, size_bytes=r.size, mem_kind=r.mem_kind,  # type: ignore[attr-defined]
-                                 device_id=r.device)  # type: ignore[attr-defined]
-
+    return peer_pb2.RemoteRegion(
+        address=r.address,
+        size_bytes=r.size,
+        mem_kind=r.mem_kind,  # type: ignore[attr-defined]
+        device_id=r.device,
+    )  # type: ignore[attr-defined]

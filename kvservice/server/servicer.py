@@ -28,7 +28,9 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return self.node.sessions.require(convert.session_of(context)).session_id
 
     @grpc_errors
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: Ctx) -> AsyncIterator[pb.SessionEvent]:
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: Ctx
+    ) -> AsyncIterator[pb.SessionEvent]:
         session = self.node.open_session(request.client_name)
         try:
             yield pb.SessionEvent(session_id=session.session_id)
@@ -37,7 +39,9 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             await self.node.close_session(session.session_id)
 
     @grpc_errors
-    async def RegisterBuffers(self, request: pb.RegisterBuffersRequest, context: Ctx) -> pb.RegisterBuffersResponse:
+    async def RegisterBuffers(
+        self, request: pb.RegisterBuffersRequest, context: Ctx
+    ) -> pb.RegisterBuffersResponse:
         session = self._session(context)
         bs = await asyncio.to_thread(
             self.node.register_buffers,
@@ -49,7 +53,9 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             request.aux_regions,
         )
         return pb.RegisterBuffersResponse(
-            buffer_set_id=bs.buffer_set_id, page_bytes_k=bs.layout.page_bytes_k, page_bytes_v=bs.layout.page_bytes_v
+            buffer_set_id=bs.buffer_set_id,
+            page_bytes_k=bs.layout.page_bytes_k,
+            page_bytes_v=bs.layout.page_bytes_v,
         )
 
     @grpc_errors
@@ -69,8 +75,13 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             session = self._session(context)
         hashes = node.hashes(*convert.key(request, "tokens"), request.page_size, "key")
         matches, lease = node.match_prefix(
-            session, hashes, request.page_size, list(request.buffer_set_ids),
-            request.dp_rank if request.has_dp_rank else None, request.scores_only, request.lease_ttl_ms,
+            session,
+            hashes,
+            request.page_size,
+            list(request.buffer_set_ids),
+            request.dp_rank if request.has_dp_rank else None,
+            request.scores_only,
+            request.lease_ttl_ms,
         )
         resp = pb.MatchPrefixResponse(query_pages=int(hashes.size))
         for m in matches:
@@ -88,15 +99,21 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def PublishPages(self, request: pb.PublishPagesRequest, context: Ctx) -> pb.PublishPagesResponse:
         tokens, hashes = convert.key(request, "tokens")
         n = self.node.publish_pages(
-            self._session(context), request.buffer_set_id, tokens, hashes,
-            np.asarray(request.page_indices, dtype=np.int64), request.priority,
+            self._session(context),
+            request.buffer_set_id,
+            tokens,
+            hashes,
+            np.asarray(request.page_indices, dtype=np.int64),
+            request.priority,
         )
         return pb.PublishPagesResponse(inserted_pages=n)
 
     @grpc_errors
     async def EvictPages(self, request: pb.EvictPagesRequest, context: Ctx) -> pb.EvictPagesResponse:
         n = self.node.evict_pages(
-            self._session(context), request.buffer_set_id, np.asarray(request.page_indices, dtype=np.int64),
+            self._session(context),
+            request.buffer_set_id,
+            np.asarray(request.page_indices, dtype=np.int64),
             request.all,
         )
         return pb.EvictPagesResponse(evicted_pages=n)
@@ -115,8 +132,12 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             aux=convert.aux_rows(request.aux),
             expected_senders=request.expected_senders,
             deadline_ms=request.deadline_ms,
-            publish_tokens=convert.token_ids(request.publish_tokens, "publish_tokens") if which == "publish_tokens" else None,
-            publish_hashes=np.asarray(request.publish_hashes.hashes, dtype=np.uint64) if which == "publish_hashes" else None,
+            publish_tokens=convert.token_ids(request.publish_tokens, "publish_tokens")
+            if which == "publish_tokens"
+            else None,
+            publish_hashes=np.asarray(request.publish_hashes.hashes, dtype=np.uint64)
+            if which == "publish_hashes"
+            else None,
             prefix_page_indices=request.prefix_page_indices,
         )
         rec = await engine.expect(inc)
@@ -158,8 +179,9 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     @grpc_errors
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         engine = self.node.require_transfers("Abort")
-        recs = await engine.abort(self._session(context), request.transfer_id, "ABORTED",
-                                  request.reason or "aborted by the engine")
+        recs = await engine.abort(
+            self._session(context), request.transfer_id, "ABORTED", request.reason or "aborted by the engine"
+        )
         return pb.AbortResponse(statuses=[convert.transfer_status(r) for r in recs])
 
     @grpc_errors

@@ -20,7 +20,7 @@ from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, InvalidArgument, NotFound
 from ..staging import StagingPool
-from .descriptors import CALIBRATIONS, prepped_rows
+from .descriptors import prepped_rows
 from .mover import Mover
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
@@ -44,9 +44,15 @@ def _warm_kernels(bs: BufferSet) -> None:
     pages = 2
     k = [torch.zeros(pages * lay.page_bytes_k, dtype=torch.uint8, device=dev)]
     v = [torch.zeros(pages * lay.page_bytes_v, dtype=torch.uint8, device=dev)] if lay.kind == "mha" else None
-    regions = kernels.KVRegions.create(k, v, page_size=lay.page_size, num_heads=lay.local_kv_heads,
-                                       head_dim_k=lay.head_dim_k, head_dim_v=lay.head_dim_v or None,
-                                       itemsize=lay.itemsize)
+    regions = kernels.KVRegions.create(
+        k,
+        v,
+        page_size=lay.page_size,
+        num_heads=lay.local_kv_heads,
+        head_dim_k=lay.head_dim_k,
+        head_dim_v=lay.head_dim_v or None,
+        itemsize=lay.itemsize,
+    )
     idx = np.array([1], dtype=np.int64)
     for heads in sorted({lay.local_kv_heads, max(1, lay.local_kv_heads // 2)}):
         staged = kernels.pack(regions, idx, num_heads=heads)
@@ -60,6 +66,7 @@ def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads
         import torch
 
         torch.cuda.current_stream(view.device).synchronize()
+
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +92,13 @@ class TransferEngine:
         self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
         self.metadata_epoch = 0
         self.table = TransferTable(cfg.transfer_retain_s)
-        self.peers = PeerDirectory(Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch))
+        self.peers = PeerDirectory(
+            Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch)
+        )
         self._pool_regs: dict[int, RegHandle] = {}
-        self.host_pool = StagingPool(cfg.host_staging_mb << 20, "host", register=self._reg_pool,
-                                     deregister=self._dereg_pool)
+        self.host_pool = StagingPool(
+            cfg.host_staging_mb << 20, "host", register=self._reg_pool, deregister=self._dereg_pool
+        )
         self.vram_pools: dict[int, StagingPool] = {}
         self.local_lists: dict[str, Any] = {}
         self.kv_regions: dict[str, kernels.KVRegions] = {}
@@ -120,8 +130,13 @@ class TransferEngine:
         dev = bs.k[0].device
         pool = self.vram_pools.get(dev)
         if pool is None:
-            pool = self.vram_pools[dev] = StagingPool(self.config.vram_staging_mb << 20, "vram", device=dev,
-                                                      register=self._reg_pool, deregister=self._dereg_pool)
+            pool = self.vram_pools[dev] = StagingPool(
+                self.config.vram_staging_mb << 20,
+                "vram",
+                device=dev,
+                register=self._reg_pool,
+                deregister=self._dereg_pool,
+            )
         return pool
 
     def _on_register(self, bs: BufferSet) -> None:
@@ -141,8 +156,12 @@ class TransferEngine:
                 regs.extend(self._register_kv(bs))
             lay = bs.layout
             self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.create(
-                [r.tensor for r in bs.k], [r.tensor for r in bs.v] or None, page_size=lay.page_size,
-                num_heads=lay.local_kv_heads, head_dim_k=lay.head_dim_k, head_dim_v=lay.head_dim_v or None,
+                [r.tensor for r in bs.k],
+                [r.tensor for r in bs.v] or None,
+                page_size=lay.page_size,
+                num_heads=lay.local_kv_heads,
+                head_dim_k=lay.head_dim_k,
+                head_dim_v=lay.head_dim_v or None,
                 itemsize=lay.itemsize,
             )
         except BaseException:
@@ -162,8 +181,9 @@ class TransferEngine:
                 regs.append(self.transport.register(r.address, r.size, r.mem_kind, r.device))  # type: ignore[arg-type]
             lay = bs.layout
             pb = np.array([r.size // lay.num_pages for r in bs.regions], dtype=np.int64)
-            rows = prepped_rows(np.array([r.address for r in bs.regions], dtype=np.int64), pb, lay.num_pages,
-                                bs.k[0].device)
+            rows = prepped_rows(
+                np.array([r.address for r in bs.regions], dtype=np.int64), pb, lay.num_pages, bs.k[0].device
+            )
             self.local_lists[bs.buffer_set_id] = self.transport.prep_local(rows, bs.k[0].mem_kind)  # type: ignore[arg-type]
         except BaseException:
             for reg in regs:
@@ -194,27 +214,50 @@ class TransferEngine:
 
     def records(self, session_id: str, transfer_ids: Iterable[str]) -> list[Record]:
         ids = set(transfer_ids)
-        return [r.snapshot() for r in self.table.select(
-            lambda r: r.session_id == session_id and (not ids or r.transfer_id in ids))]
+        return [
+            r.snapshot()
+            for r in self.table.select(
+                lambda r: r.session_id == session_id and (not ids or r.transfer_id in ids)
+            )
+        ]
 
-    def watch(self, session_id: str, transfer_ids: Iterable[str], include_current: bool) -> AsyncIterator[Record]:
+    def watch(
+        self, session_id: str, transfer_ids: Iterable[str], include_current: bool
+    ) -> AsyncIterator[Record]:
         ids = set(transfer_ids)
-        return self.table.watch(lambda r: r.session_id == session_id and (not ids or r.transfer_id in ids),
-                                include_current)
+        return self.table.watch(
+            lambda r: r.session_id == session_id and (not ids or r.transfer_id in ids), include_current
+        )
 
-    async def abort(self, session_id: str | None, transfer_id: str, code: str, reason: str,
-                    notify: bool = True, origin: str = "") -> list[Record]:
+    async def abort(
+        self,
+        session_id: str | None,
+        transfer_id: str,
+        code: str,
+        reason: str,
+        notify: bool = True,
+        origin: str = "",
+    ) -> list[Record]:
         """Stop every side of ``transfer_id`` (of ``session_id`` if given); settled on return."""
         if not transfer_id:
             raise InvalidArgument("transfer_id", "is required")
-        outs = [o for (t, _), o in self.sender.outgoing.items()
-                if t == transfer_id and (session_id is None or o.rec.session_id == session_id)]
-        incs = [i for i in self.receiver.of(transfer_id) if session_id is None or i.rec.session_id == session_id]
+        outs = [
+            o
+            for (t, _), o in self.sender.outgoing.items()
+            if t == transfer_id and (session_id is None or o.rec.session_id == session_id)
+        ]
+        incs = [
+            i for i in self.receiver.of(transfer_id) if session_id is None or i.rec.session_id == session_id
+        ]
         if session_id is not None and not outs and not incs:
             raise NotFound(f"transfer_id: no transfer {transfer_id!r} of this client on this service")
         await asyncio.gather(
-            *(self._abort_out(o, code, reason, notify and self.peers.get(o.peer_address).service_id != origin)
-              for o in outs),
+            *(
+                self._abort_out(
+                    o, code, reason, notify and self.peers.get(o.peer_address).service_id != origin
+                )
+                for o in outs
+            ),
             *(self._abort_in(i, code, reason, notify, origin) for i in incs),
         )
         return [o.rec.snapshot() for o in outs] + [i.rec.snapshot() for i in incs]
@@ -231,8 +274,13 @@ class TransferEngine:
         if not self.table.finish(inc.rec, state, code, reason):
             return
         if notify:  # senders settle their in-flight writes before they answer
-            await asyncio.gather(*(self._tell(addr, inc.rec.transfer_id, code, reason)
-                                   for sid, addr in inc.senders.items() if sid != origin))
+            await asyncio.gather(
+                *(
+                    self._tell(addr, inc.rec.transfer_id, code, reason)
+                    for sid, addr in inc.senders.items()
+                    if sid != origin
+                )
+            )
         while inc.busy:  # an unpack in progress finishes first
             await asyncio.sleep(0.001)
         self.receiver.release_slots(inc)
@@ -241,13 +289,21 @@ class TransferEngine:
         from kvservice_client._proto import peer_pb2
 
         try:
-            await self.peers.get(address).call("Abort", peer_pb2.PeerAbortRequest(
-                transfer_id=transfer_id, reason=reason, origin_service_id=self.service_id, error_code=code), 5.0)
+            await self.peers.get(address).call(
+                "Abort",
+                peer_pb2.PeerAbortRequest(
+                    transfer_id=transfer_id, reason=reason, origin_service_id=self.service_id, error_code=code
+                ),
+                5.0,
+            )
         except Exception as exc:
-            log.warning("abort not acknowledged by sender %s: %s", address, exc, extra={"transfer_id": transfer_id})
+            log.warning(
+                "abort not acknowledged by sender %s: %s", address, exc, extra={"transfer_id": transfer_id}
+            )
 
-    async def unpack_chunk(self, inc: Incoming, slot_id: int, positions: np.ndarray, head_start: int,
-                           num_heads: int) -> None:
+    async def unpack_chunk(
+        self, inc: Incoming, slot_id: int, positions: np.ndarray, head_start: int, num_heads: int
+    ) -> None:
         """Scatter a packed chunk from its staging slot into the engine's pages, then free the slot."""
         held = inc.slots.pop(slot_id, None)
         if held is None:
@@ -320,7 +376,8 @@ class TransferEngine:
         while True:
             await asyncio.sleep(0.01)
             now = time.monotonic()
-            for rec in self.table.select(lambda r: not r.terminal and r.deadline < now and r.key not in self._reaping):
+            expired = [r for r in self.table.select(lambda r: not r.terminal) if r.deadline < now]
+            for rec in (r for r in expired if r.key not in self._reaping):
                 self._reaping.add(rec.key)
                 asyncio.ensure_future(self._expire(rec))
             self.table.prune()

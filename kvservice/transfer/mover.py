@@ -20,7 +20,7 @@ from kvservice_client._proto import peer_pb2
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import Aborted, DeadlineExceeded, FailedPrecondition
+from ..errors import DeadlineExceeded, FailedPrecondition
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
 from .plan import ChunkMap
@@ -59,7 +59,13 @@ class Mover:
             r = plan.route
             from ..kernels.heads import HeadRoute
 
-            route = HeadRoute(out.bs.layout.tp_rank, plan.dst_layout.tp_rank, r.src_head_start, r.dst_head_start, r.num_heads)
+            route = HeadRoute(
+                out.bs.layout.tp_rank,
+                plan.dst_layout.tp_rank,
+                r.src_head_start,
+                r.dst_head_start,
+                r.num_heads,
+            )
             dst_layout = Layout.from_proto(plan.dst_layout)
             full = r.num_heads == out.bs.layout.local_kv_heads == dst_layout.local_kv_heads
             targets.append(Target(plan, np.asarray(plan.dst_page_indices, dtype=np.int64), route, full))
@@ -77,7 +83,9 @@ class Mover:
             elif path == "DIRECT" and not target.full_heads:
                 raise FailedPrecondition("path: DIRECT cannot slice heads (mixed TP); use AUTO or PACKED")
             elif path == "DIRECT" and not direct_ok:
-                raise FailedPrecondition("path: DIRECT needs both pools registered with the transport; use AUTO")
+                raise FailedPrecondition(
+                    "path: DIRECT needs both pools registered with the transport; use AUTO"
+                )
             self.e.table.update(out.rec, path=path)
             if path == "DIRECT":
                 await self._direct(out, target, chunk, cmap)
@@ -85,14 +93,19 @@ class Mover:
                 await self._packed(out, target, chunk, cmap)
         aux = chunk.last and bool(chunk.aux) and await self._aux(out, target, chunk)
         if chunk.last or cmap.skipped:  # a marker: skipped pages, the sender's end, aux delivered
-            await self._commit(out, target, chunk, cmap.positions[:0], 0, cmap.skipped, 0, "DIRECT", 0, aux,
-                               last=chunk.last)
+            await self._commit(
+                out, target, chunk, cmap.positions[:0], 0, cmap.skipped, 0, "DIRECT", 0, aux, last=chunk.last
+            )
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
         regions = len(bs.regions)
         descs = regions * num_pages
         total = num_pages * bs.layout.page_bytes_all_layers
-        kind = f"nixl-{'vram' if bs.memory == 'cuda_ipc' else 'dram'}" if self.transport.kind == "nixl" else self.transport.kind
+        kind = (
+            f"nixl-{'vram' if bs.memory == 'cuda_ipc' else 'dram'}"
+            if self.transport.kind == "nixl"
+            else self.transport.kind
+        )
         return choose_path(descs, total, kind, self.e.calibration).upper()
 
     async def _direct(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
@@ -104,20 +117,37 @@ class Mover:
         if remote is None:
             rows = prepped_rows(
                 np.array([r.address for r in plan.kv_regions], dtype=np.int64),
-                np.array([r.size_bytes // plan.dst_layout.num_pages for r in plan.kv_regions], dtype=np.int64),
+                np.array(
+                    [r.size_bytes // plan.dst_layout.num_pages for r in plan.kv_regions], dtype=np.int64
+                ),
                 plan.dst_layout.num_pages,
                 plan.kv_regions[0].device_id,
             )
-            remote = await asyncio.to_thread(self.transport.prep_remote, peer.agent, rows, plan.kv_regions[0].mem_kind)
+            remote = await asyncio.to_thread(
+                self.transport.prep_remote, peer.agent, rows, plan.kv_regions[0].mem_kind
+            )
             self._remote_lists[key] = remote
         pb = np.array([r.size for r in bs.regions], dtype=np.int64) // bs.layout.num_pages
-        idx = prepped_indices(len(bs.regions), cmap.src, cmap.dst, bs.layout.num_pages, plan.dst_layout.num_pages, pb)
+        idx = prepped_indices(
+            len(bs.regions), cmap.src, cmap.dst, bs.layout.num_pages, plan.dst_layout.num_pages, pb
+        )
         t0 = time.monotonic()
         h = await asyncio.to_thread(self.transport.write, local, idx.local_idx, remote, idx.remote_idx, None)
         await self._await(out, h)
         wire = int((time.monotonic() - t0) * 1e6)
-        await self._commit(out, target, chunk, cmap.positions, idx.total_bytes, 0, idx.count, "DIRECT", 0, False,
-                           wire_us=wire)
+        await self._commit(
+            out,
+            target,
+            chunk,
+            cmap.positions,
+            idx.total_bytes,
+            0,
+            idx.count,
+            "DIRECT",
+            0,
+            False,
+            wire_us=wire,
+        )
 
     async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
         """Move the chunk in batches that fit a staging slot, ``PIPELINE`` batches in flight so
@@ -134,8 +164,16 @@ class Mover:
 
         await asyncio.gather(*(one(s) for s in range(0, cmap.num_pages, batch)))
 
-    async def _packed_batch(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap, start: int,
-                            batch: int, per_page: int) -> None:
+    async def _packed_batch(
+        self,
+        out: Outgoing,
+        target: Target,
+        chunk: Chunk,
+        cmap: ChunkMap,
+        start: int,
+        batch: int,
+        per_page: int,
+    ) -> None:
         plan, route = target.plan, target.route
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
@@ -145,8 +183,9 @@ class Mover:
         self.e.sender.check_live(out)
         resp = await peer.call(
             "ReserveStaging",
-            peer_pb2.ReserveStagingRequest(transfer_id=out.rec.transfer_id, dst_buffer_set_id=plan.dst_buffer_set_id,
-                                           nbytes=nbytes),
+            peer_pb2.ReserveStagingRequest(
+                transfer_id=out.rec.transfer_id, dst_buffer_set_id=plan.dst_buffer_set_id, nbytes=nbytes
+            ),
             self._left(out) + 1.0,
         )
         try:
@@ -160,18 +199,33 @@ class Mover:
                     await asyncio.to_thread(self.e.local_copy, view, resp.address)
                 else:
                     h = await asyncio.to_thread(
-                        self.transport.write_descs, peer.agent,
+                        self.transport.write_descs,
+                        peer.agent,
                         np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
                         np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
-                        None, "VRAM" if pool.kind == "vram" else "DRAM", resp.mem_kind or "DRAM",
+                        None,
+                        "VRAM" if pool.kind == "vram" else "DRAM",
+                        resp.mem_kind or "DRAM",
                     )
                     await self._await(out, h)
                 t2 = time.monotonic()
         except BaseException:
             await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)
             raise
-        await self._commit(out, target, chunk, cmap.positions[start : start + batch], nbytes, 0, 1, "PACKED",
-                           resp.slot_id, False, pack_us=int((t1 - t0) * 1e6), wire_us=int((t2 - t1) * 1e6))
+        await self._commit(
+            out,
+            target,
+            chunk,
+            cmap.positions[start : start + batch],
+            nbytes,
+            0,
+            1,
+            "PACKED",
+            resp.slot_id,
+            False,
+            pack_us=int((t1 - t0) * 1e6),
+            wire_us=int((t2 - t1) * 1e6),
+        )
 
     @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
@@ -191,39 +245,83 @@ class Mover:
             i = list(plan.aux_names).index(name)
             want = next((np.asarray(a.rows, dtype=np.int64) for a in plan.aux if a.name == name), None)
             if want is None or want.size != rows.size:
-                raise FailedPrecondition(f"aux[{name}]: sender names {rows.size} rows, receiver declared "
-                                         f"{0 if want is None else want.size}")
+                raise FailedPrecondition(
+                    f"aux[{name}]: sender names {rows.size} rows, receiver declared "
+                    f"{0 if want is None else want.size}"
+                )
             mine = out.bs.aux_by_name(name)
             assert mine is not None
             if mine.row_bytes != plan.aux_row_bytes[i]:
-                raise FailedPrecondition(f"aux[{name}]: row_bytes {mine.row_bytes} != receiver's {plan.aux_row_bytes[i]}")
+                raise FailedPrecondition(
+                    f"aux[{name}]: row_bytes {mine.row_bytes} != receiver's {plan.aux_row_bytes[i]}"
+                )
             rb = mine.row_bytes
-            local_rows.append(np.stack([mine.region.address + rows * rb, np.full_like(rows, rb), np.zeros_like(rows)], 1))
-            remote_rows.append(np.stack([plan.aux_regions[i].address + want * rb, np.full_like(want, rb),
-                                         np.zeros_like(want)], 1))
+            local_rows.append(
+                np.stack([mine.region.address + rows * rb, np.full_like(rows, rb), np.zeros_like(rows)], 1)
+            )
+            remote_rows.append(
+                np.stack(
+                    [plan.aux_regions[i].address + want * rb, np.full_like(want, rb), np.zeros_like(want)], 1
+                )
+            )
         if not local_rows:
             return False
-        h = await asyncio.to_thread(self.transport.write_descs, peer.agent, np.concatenate(local_rows),
-                                    np.concatenate(remote_rows), None, "DRAM", "DRAM")
+        h = await asyncio.to_thread(
+            self.transport.write_descs,
+            peer.agent,
+            np.concatenate(local_rows),
+            np.concatenate(remote_rows),
+            None,
+            "DRAM",
+            "DRAM",
+        )
         await self._await(out, h)
         nbytes = int(sum(r[:, 1].sum() for r in local_rows))
-        self.e.table.update(out.rec, add_bytes_sent=nbytes, add_descriptors=int(sum(len(r) for r in local_rows)))
+        self.e.table.update(
+            out.rec, add_bytes_sent=nbytes, add_descriptors=int(sum(len(r) for r in local_rows))
+        )
         return True
 
-    async def _commit(self, out: Outgoing, target: Target, chunk: Chunk, positions: np.ndarray, nbytes: int,
-                      skipped: int, descs: int, path: str, slot_id: int, aux: bool, pack_us: int = 0,
-                      wire_us: int = 0, last: bool = False) -> None:
+    async def _commit(
+        self,
+        out: Outgoing,
+        target: Target,
+        chunk: Chunk,
+        positions: np.ndarray,
+        nbytes: int,
+        skipped: int,
+        descs: int,
+        path: str,
+        slot_id: int,
+        aux: bool,
+        pack_us: int = 0,
+        wire_us: int = 0,
+        last: bool = False,
+    ) -> None:
         peer = self.peers.get(out.peer_address)
         req = peer_pb2.CommitChunkRequest(
-            transfer_id=out.rec.transfer_id, dst_buffer_set_id=target.plan.dst_buffer_set_id,
-            sender_service_id=self.e.service_id, src_tp_rank=out.bs.layout.tp_rank, chunk_seq=chunk.seq,
-            last_chunk=last, path=_PATH_PB[path], staging_slot=slot_id, positions=positions.tolist(), bytes=nbytes,
-            pages_skipped=skipped, descriptors=descs, pack_us=pack_us, wire_us=wire_us, aux_delivered=aux,
-            dst_head_start=target.route.dst_head_start, num_heads=target.route.num_heads,
+            transfer_id=out.rec.transfer_id,
+            dst_buffer_set_id=target.plan.dst_buffer_set_id,
+            sender_service_id=self.e.service_id,
+            src_tp_rank=out.bs.layout.tp_rank,
+            chunk_seq=chunk.seq,
+            last_chunk=last,
+            path=_PATH_PB[path],
+            staging_slot=slot_id,
+            positions=positions.tolist(),
+            bytes=nbytes,
+            pages_skipped=skipped,
+            descriptors=descs,
+            pack_us=pack_us,
+            wire_us=wire_us,
+            aux_delivered=aux,
+            dst_head_start=target.route.dst_head_start,
+            num_heads=target.route.num_heads,
         )
         await peer.call("CommitChunk", req, self._left(out) + 1.0)
-        self.e.table.update(out.rec, add_bytes_sent=nbytes, add_descriptors=descs, add_pack=pack_us,
-                            add_wire=wire_us)
+        self.e.table.update(
+            out.rec, add_bytes_sent=nbytes, add_descriptors=descs, add_pack=pack_us, add_wire=wire_us
+        )
 
     async def _await(self, out: Outgoing, h: XferHandle) -> None:
         """Wait for a handle; on abort or deadline settle it first (no byte lands afterwards)."""
@@ -246,9 +344,18 @@ class Mover:
 
     async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str) -> None:
         try:
-            await peer.call("CommitChunk", peer_pb2.CommitChunkRequest(
-                transfer_id=out.rec.transfer_id, dst_buffer_set_id=dst_bs, sender_service_id=self.e.service_id,
-                src_tp_rank=out.bs.layout.tp_rank, staging_slot=slot_id, release_only=True), 2.0)
+            await peer.call(
+                "CommitChunk",
+                peer_pb2.CommitChunkRequest(
+                    transfer_id=out.rec.transfer_id,
+                    dst_buffer_set_id=dst_bs,
+                    sender_service_id=self.e.service_id,
+                    src_tp_rank=out.bs.layout.tp_rank,
+                    staging_slot=slot_id,
+                    release_only=True,
+                ),
+                2.0,
+            )
         except Exception:  # the receiver frees the slot with the transfer anyway
             pass
 
@@ -257,12 +364,18 @@ class Mover:
         try:
             await self.peers.get(out.peer_address).call(
                 "Abort",
-                peer_pb2.PeerAbortRequest(transfer_id=out.rec.transfer_id, reason=reason,
-                                          origin_service_id=self.e.service_id, error_code=code),
+                peer_pb2.PeerAbortRequest(
+                    transfer_id=out.rec.transfer_id,
+                    reason=reason,
+                    origin_service_id=self.e.service_id,
+                    error_code=code,
+                ),
                 2.0,
             )
         except Exception as exc:
-            log.warning("could not tell receiver about abort: %s", exc, extra={"transfer_id": out.rec.transfer_id})
+            log.warning(
+                "could not tell receiver about abort: %s", exc, extra={"transfer_id": out.rec.transfer_id}
+            )
 
     def _left(self, out: Outgoing) -> float:
         left = out.rec.deadline - time.monotonic()

@@ -28,9 +28,16 @@ log = logging.getLogger(__name__)
 _BY_CODE = {
     cls.code: cls
     for cls in (
-        errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.PermissionDenied,
-        errors.FailedPrecondition, errors.ResourceExhausted, errors.DeadlineExceeded, errors.Aborted,
-        errors.Unavailable, errors.Unimplemented,
+        errors.InvalidArgument,
+        errors.NotFound,
+        errors.AlreadyExists,
+        errors.PermissionDenied,
+        errors.FailedPrecondition,
+        errors.ResourceExhausted,
+        errors.DeadlineExceeded,
+        errors.Aborted,
+        errors.Unavailable,
+        errors.Unimplemented,
     )
 }
 

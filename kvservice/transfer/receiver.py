@@ -78,7 +78,9 @@ class Receiver:
             raise AlreadyExists(f"transfer_id: {key[0]!r} is already declared for buffer set {key[1]!r}")
         tp = inc.bs.layout.tp_size
         for other in self.of(inc.rec.transfer_id):
-            if not other.rec.terminal and (other.bs.layout.tp_size != tp or other.bs.layout.tp_rank == inc.bs.layout.tp_rank):
+            if not other.rec.terminal and (
+                other.bs.layout.tp_size != tp or other.bs.layout.tp_rank == inc.bs.layout.tp_rank
+            ):
                 raise FailedPrecondition(
                     f"transfer_id: {key[0]!r} is already declared by TP rank {other.bs.layout.tp_rank}/"
                     f"{other.bs.layout.tp_size} (buffer set {other.bs.buffer_set_id})"
@@ -113,7 +115,9 @@ class Receiver:
             while (found := ready()) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NotFound(f"transfer_id: receiver never declared {transfer_id!r} (waited {wait_s:.3f}s)")
+                    raise NotFound(
+                        f"transfer_id: receiver never declared {transfer_id!r} (waited {wait_s:.3f}s)"
+                    )
                 try:
                     await asyncio.wait_for(self._declared.wait(), left)
                 except asyncio.TimeoutError:
@@ -124,13 +128,15 @@ class Receiver:
             try:
                 check_compatible(src, inc.bs.layout)
                 derived = sum(
-                    1 for r in plan_heads(src.total_kv_heads, src.tp_size, inc.bs.layout.tp_size)
+                    1
+                    for r in plan_heads(src.total_kv_heads, src.tp_size, inc.bs.layout.tp_size)
                     if r.dst_rank == inc.bs.layout.tp_rank
                 )
                 if inc.expected_senders and inc.expected_senders != derived:
                     raise FailedPrecondition(
                         f"expected_senders: declared {inc.expected_senders} but TP {src.tp_size} -> "
-                        f"{inc.bs.layout.tp_size} means {derived} sender ranks write to rank {inc.bs.layout.tp_rank}"
+                        f"{inc.bs.layout.tp_size} means {derived} sender ranks write to rank "
+                        f"{inc.bs.layout.tp_rank}"
                     )
             except KVServiceError as exc:
                 self.table.finish(inc.rec, "FAILED", exc.code.name, exc.message)
@@ -166,8 +172,16 @@ class Receiver:
         inc.slots.clear()
 
     # -- CommitChunk -------------------------------------------------------------------------
-    def record_chunk(self, inc: Incoming, sender_key: str, positions: np.ndarray, last: bool,
-                     nbytes: int, skipped: int, aux: bool) -> None:
+    def record_chunk(
+        self,
+        inc: Incoming,
+        sender_key: str,
+        positions: np.ndarray,
+        last: bool,
+        nbytes: int,
+        skipped: int,
+        aux: bool,
+    ) -> None:
         """Account a landed chunk; on a sender's last chunk check it covered every delta page."""
         cov = inc.covered.get(sender_key)
         if cov is None:
@@ -177,13 +191,20 @@ class Receiver:
             raise InvalidArgument("positions", f"outside the declared delta 0..{cov.size - 1}")
         cov[rel] = True
         inc.aux_done |= aux
-        self.table.update(inc.rec, add_bytes_sent=nbytes, add_pages_sent=int(positions.size),
-                          add_pages_skipped=skipped, add_chunks_done=int(positions.size > 0))
+        self.table.update(
+            inc.rec,
+            add_bytes_sent=nbytes,
+            add_pages_sent=int(positions.size),
+            add_pages_skipped=skipped,
+            add_chunks_done=int(positions.size > 0),
+        )
         if not last:
             return
         if not cov.all():
             missing = int(cov.size - np.count_nonzero(cov))
-            raise FailedPrecondition(f"sender {sender_key} finished with {missing} of {cov.size} delta pages unsent")
+            raise FailedPrecondition(
+                f"sender {sender_key} finished with {missing} of {cov.size} delta pages unsent"
+            )
         inc.finished.add(sender_key)
         self.table.update(inc.rec, senders_done=len(inc.finished))
 
@@ -191,6 +212,11 @@ class Receiver:
         if len(inc.finished) < max(inc.expected_senders, 1) or inc.busy:
             return False
         if inc.aux and not inc.aux_done:
-            self.table.finish(inc.rec, "FAILED", "FAILED_PRECONDITION", "every sender finished but no sender delivered the declared aux rows")
+            self.table.finish(
+                inc.rec,
+                "FAILED",
+                "FAILED_PRECONDITION",
+                "every sender finished but no sender delivered the declared aux rows",
+            )
             return False
         return self.table.finish(inc.rec, "DONE")

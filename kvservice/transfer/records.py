@@ -74,7 +74,9 @@ class TransferTable:
     def __init__(self, retain_s: float = 300.0, on_terminal: Callable[[Record], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str, str], Record] = {}
-        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Record], Callable[[Record], bool]]] = []
+        self._watchers: list[
+            tuple[asyncio.AbstractEventLoop, asyncio.Queue[Record], Callable[[Record], bool]]
+        ] = []
         self.retain_s = retain_s
         self.on_terminal = on_terminal
         self.counts = {"DONE": 0, "FAILED": 0, "ABORTED": 0}
@@ -92,7 +94,8 @@ class TransferTable:
     def find(self, transfer_id: str, role: str | None = None) -> list[Record]:
         with self._lock:
             return [
-                r for r in self._records.values()
+                r
+                for r in self._records.values()
                 if r.transfer_id == transfer_id and (role is None or r.role == role)
             ]
 
@@ -129,10 +132,19 @@ class TransferTable:
         level = logging.INFO if state == "DONE" else logging.WARNING
         log.log(
             level,
-            "transfer %s", state.lower(),
-            extra={"transfer_id": rec.transfer_id, "role": rec.role, "buffer_set_id": rec.buffer_set_id,
-                   "error_code": code, "error": error, "bytes": rec.bytes_sent, "pages_sent": rec.pages_sent,
-                   "pages_skipped": rec.pages_skipped, "total_us": rec.total_us},
+            "transfer %s",
+            state.lower(),
+            extra={
+                "transfer_id": rec.transfer_id,
+                "role": rec.role,
+                "buffer_set_id": rec.buffer_set_id,
+                "error_code": code,
+                "error": error,
+                "bytes": rec.bytes_sent,
+                "pages_sent": rec.pages_sent,
+                "pages_skipped": rec.pages_skipped,
+                "total_us": rec.total_us,
+            },
         )
         if self.on_terminal is not None:
             self.on_terminal(rec)

@@ -32,7 +32,9 @@ def _transfer_id(tid: str) -> str:
 def _deadline(engine: Any, deadline_ms: int) -> float:
     cfg = engine.config
     if deadline_ms > cfg.max_deadline_ms:
-        raise InvalidArgument("deadline_ms", f"{deadline_ms} exceeds the service maximum {cfg.max_deadline_ms}")
+        raise InvalidArgument(
+            "deadline_ms", f"{deadline_ms} exceeds the service maximum {cfg.max_deadline_ms}"
+        )
     return time.monotonic() + (deadline_ms or cfg.default_deadline_ms) / 1000
 
 
@@ -49,9 +51,19 @@ def _aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def build_incoming(
-    engine: Any, session_id: str, *, transfer_id: str, buffer_set_id: str, prefix_pages: int,
-    dst_page_indices: Any, aux: dict[str, np.ndarray], expected_senders: int, deadline_ms: int,
-    publish_tokens: np.ndarray | None, publish_hashes: np.ndarray | None, prefix_page_indices: Any,
+    engine: Any,
+    session_id: str,
+    *,
+    transfer_id: str,
+    buffer_set_id: str,
+    prefix_pages: int,
+    dst_page_indices: Any,
+    aux: dict[str, np.ndarray],
+    expected_senders: int,
+    deadline_ms: int,
+    publish_tokens: np.ndarray | None,
+    publish_hashes: np.ndarray | None,
+    prefix_page_indices: Any,
 ) -> Incoming:
     tid = _transfer_id(transfer_id)
     bs = engine.node.buffers.get(buffer_set_id, session_id)
@@ -66,9 +78,13 @@ def build_incoming(
     if publish_hashes is not None:
         total = prefix_pages + dst.size
         if publish_hashes.size < total:
-            raise InvalidArgument("publish", f"covers {publish_hashes.size} full pages, the transfer has {total}")
+            raise InvalidArgument(
+                "publish", f"covers {publish_hashes.size} full pages, the transfer has {total}"
+            )
         if prefix_idx.size != prefix_pages:
-            raise InvalidArgument("prefix_page_indices", f"need one per prefix page ({prefix_pages}) to publish")
+            raise InvalidArgument(
+                "prefix_page_indices", f"need one per prefix page ({prefix_pages}) to publish"
+            )
         if np.intersect1d(prefix_idx, dst).size:
             raise InvalidArgument("prefix_page_indices", "overlap dst_page_indices")
         publish_hashes = publish_hashes[:total]
@@ -77,9 +93,18 @@ def build_incoming(
 
 
 def build_chunk(
-    engine: Any, session_id: str, *, transfer_id: str, buffer_set_id: str, chunk_offset: int,
-    src_page_indices: Any, last_chunk: bool, peer_address: str, aux: dict[str, np.ndarray],
-    deadline_ms: int, path: str,
+    engine: Any,
+    session_id: str,
+    *,
+    transfer_id: str,
+    buffer_set_id: str,
+    chunk_offset: int,
+    src_page_indices: Any,
+    last_chunk: bool,
+    peer_address: str,
+    aux: dict[str, np.ndarray],
+    deadline_ms: int,
+    path: str,
 ) -> tuple[Outgoing, Chunk]:
     tid = _transfer_id(transfer_id)
     bs = engine.node.buffers.get(buffer_set_id, session_id)
@@ -90,7 +115,9 @@ def build_chunk(
     out = engine.sender.outgoing.get((tid, bs.buffer_set_id))
     if out is None or (out.rec.terminal and out.got_last):
         if chunk_offset != 0:
-            raise InvalidArgument("chunk_offset", f"the first chunk of a transfer starts at 0, got {chunk_offset}")
+            raise InvalidArgument(
+                "chunk_offset", f"the first chunk of a transfer starts at 0, got {chunk_offset}"
+            )
         rec = Record(tid, "SENDER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
         out = Outgoing(rec, bs, peer_address, path)
     else:
@@ -101,7 +128,9 @@ def build_chunk(
         if peer_address != out.peer_address:
             raise InvalidArgument("peer_address", f"differs from the transfer's {out.peer_address!r}")
         if chunk_offset != out.next_offset:
-            raise InvalidArgument("chunk_offset", f"chunks must be contiguous and in order: expected {out.next_offset}")
+            raise InvalidArgument(
+                "chunk_offset", f"chunks must be contiguous and in order: expected {out.next_offset}"
+            )
     chunk = Chunk(out.seq, chunk_offset, src, last_chunk, aux, time.monotonic())
     out.seq += 1
     out.next_offset = chunk_offset + src.size

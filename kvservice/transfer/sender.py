@@ -87,7 +87,9 @@ class Sender:
         out.chunks.append(chunk)
         self.queue_depth[out.peer_address] += 1
         if out.task is None:
-            out.task = asyncio.get_running_loop().create_task(self._run(out), name=f"send-{out.rec.transfer_id}")
+            out.task = asyncio.get_running_loop().create_task(
+                self._run(out), name=f"send-{out.rec.transfer_id}"
+            )
         out.wake.set()
 
     async def _run(self, out: Outgoing) -> None:
@@ -104,7 +106,9 @@ class Sender:
                 chunk = out.chunks[0]
                 out.idle.clear()
                 async with sem:
-                    self.table.update(rec, state="TRANSFERRING", add_queue=int((time.monotonic() - chunk.queued) * 1e6))
+                    self.table.update(
+                        rec, state="TRANSFERRING", add_queue=int((time.monotonic() - chunk.queued) * 1e6)
+                    )
                     await self._chunk(out, chunk)
                 out.chunks.popleft()
                 self.queue_depth[out.peer_address] -= 1

@@ -6,7 +6,6 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from kvservice_client import AsyncClient, InvalidArgument, Layout, NotFound, ShmKVPool
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=8, total_kv_heads=2, head_dim=8, dtype="float16")
@@ -27,8 +26,9 @@ def test_async_client_registers_publishes_matches_and_transfers(server) -> None:
                 m = await kv.match_prefix(tokens=tokens, page_size=4, buffer_set_ids=[a.buffer_set_id])
                 assert m.best.matched_pages == 4
                 await kv.expect_delta("t", b.buffer_set_id, prefix_pages=0, dst_page_indices=[5, 6])
-                await kv.send_delta("t", a.buffer_set_id, src_page_indices=[1, 2],
-                                    peer_address=server.app.peer_address)
+                await kv.send_delta(
+                    "t", a.buffer_set_id, src_page_indices=[1, 2], peer_address=server.app.peer_address
+                )
                 states = {}
                 async for st in kv.watch(["t"]):
                     states[st.role] = st.state

@@ -11,7 +11,6 @@ import json
 import sys
 
 import torch
-
 from kvservice_client import Client, Layout, cuda_region
 
 
@@ -61,13 +60,24 @@ def main() -> None:
             st = kv.expect_delta(cmd["tid"], bs, prefix_pages=cmd["prefix"], dst_page_indices=cmd["dst"])  # type: ignore[union-attr]
             out["state"] = st.state
         elif op == "send":
-            st = kv.send_delta(cmd["tid"], bs, src_page_indices=cmd["src"], peer_address=cmd["peer"],  # type: ignore[union-attr]
-                               path=cmd.get("path", "auto"))
+            st = kv.send_delta(
+                cmd["tid"],
+                bs,
+                src_page_indices=cmd["src"],
+                peer_address=cmd["peer"],  # type: ignore[union-attr]
+                path=cmd.get("path", "auto"),
+            )
             out["state"] = st.state
         elif op == "wait":
             (st,) = kv.wait(cmd["tid"], timeout=60)  # type: ignore[union-attr]
-            out.update(state=st.state, error=st.error, path=st.path, bytes=st.bytes_sent, timings=st.timings_us,
-                       descriptors=st.descriptors)
+            out.update(
+                state=st.state,
+                error=st.error,
+                path=st.path,
+                bytes=st.bytes_sent,
+                timings=st.timings_us,
+                descriptors=st.descriptors,
+            )
         elif op == "stop":
             if kv is not None:
                 kv.close()

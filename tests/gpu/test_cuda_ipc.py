@@ -18,9 +18,23 @@ LAYOUT = dict(num_layers=3, page_size=16, num_pages=64, total_kv_heads=8, head_d
 
 class Engine:
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE.parents[1] / "clients/python"), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "gpu_engine.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [
+                    str(HERE.parents[1]),
+                    str(HERE.parents[1] / "clients/python"),
+                    os.environ.get("PYTHONPATH", ""),
+                ]
+            ),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "gpu_engine.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def __call__(self, **cmd: object) -> dict:
         assert self.proc.stdin and self.proc.stdout

@@ -21,12 +21,19 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def services(tmp_path: Path):
     procs, socks = [], []
-    env = {**os.environ, "KVSERVICE_LOG_FORMAT": "text", "KVSERVICE_VRAM_STAGING_MB": "256",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "KVSERVICE_LOG_FORMAT": "text",
+        "KVSERVICE_VRAM_STAGING_MB": "256",
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     for name in ("a", "b"):
         sock = tmp_path / f"{name}.sock"
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT,
-                                      env=env))
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=env)
+        )
         socks.append(f"unix:{sock}")
     end = time.monotonic() + 60
     for s in socks:

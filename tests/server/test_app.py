@@ -16,7 +16,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from kvservice_client import Client, Unimplemented
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,14 +69,18 @@ def test_grpcurl_lists_and_calls(server) -> None:
     assert "kvservice.v1.KVService" in out.stdout, out.stderr
     out = subprocess.run(
         [g, "-plaintext", "-d", "{}", target, "kvservice.v1.KVService/GetStats"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
     assert stats.get("serviceId", stats.get("service_id")) == server.node.service_id
     out = subprocess.run(
         [g, "-plaintext", "-unix", server.app.uds_path, "grpc.health.v1.Health/Check"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert '"SERVING"' in out.stdout, out.stderr
 
@@ -96,7 +99,11 @@ def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
     env = {**os.environ, "KVSERVICE_LOG_FORMAT": "text", "KVSERVICE_GRACE_PERIOD_S": "2"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvservice", "--uds-path", str(sock)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 60

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvservice_client import (
     Client,
     InvalidArgument,
@@ -100,8 +99,11 @@ def _eventually_zero(kv: Client) -> bool:
         (lambda kv, bs: kv.publish_pages("bs-x", [1], tokens=TOKENS[:4]), NotFound, "buffer_set_id"),
         (lambda kv, bs: kv.evict_pages(bs, [-1 & 0xFFFFFFFF]), InvalidArgument, "page_indices"),
         (lambda kv, bs: kv.evict_pages(bs, [1], all=True), InvalidArgument, "page_indices"),
-        (lambda kv, bs: kv.match_prefix(tokens=TOKENS, page_size=4, scores_only=True, lease_ttl_ms=5),
-         InvalidArgument, "lease_ttl_ms"),
+        (
+            lambda kv, bs: kv.match_prefix(tokens=TOKENS, page_size=4, scores_only=True, lease_ttl_ms=5),
+            InvalidArgument,
+            "lease_ttl_ms",
+        ),
         (lambda kv, bs: kv.release_lease("nope"), NotFound, ""),
     ],
 )
@@ -132,7 +134,9 @@ def test_lease_without_session_metadata_is_refused(engine, server) -> None:
     kv, bs = engine
     kv.publish_pages(bs, np.arange(2), tokens=TOKENS[:8])
     stub = kvservice_pb2_grpc.KVServiceStub(kv._channel)
-    req = kvservice_pb2.MatchPrefixRequest(hashes={"hashes": page_hashes(TOKENS, 4).tolist()}, lease_ttl_ms=100)
+    req = kvservice_pb2.MatchPrefixRequest(
+        hashes={"hashes": page_hashes(TOKENS, 4).tolist()}, lease_ttl_ms=100
+    )
     with pytest.raises(Exception) as info:
         stub.MatchPrefix(req, timeout=5)
     assert info.value.code().name == "UNAUTHENTICATED"

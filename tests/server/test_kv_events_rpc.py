@@ -11,25 +11,31 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "index" / "events"))
 from engine_schemas import stored, vllm_structs  # noqa: E402
+from kvservice_client import Client  # noqa: E402
 from test_event_subscriber import Publisher  # noqa: E402
 
-from kvservice_client import Client  # noqa: E402
 
-from conftest import ServerThread, make_config  # noqa: E402
-
-
-def test_router_sees_prefix_published_by_vllm_events() -> None:
+def test_router_sees_prefix_published_by_vllm_events(make_server) -> None:
     """vLLM BlockStored events over ZMQ make MatchPrefix (scores) report the engine's prefix."""
     pub = Publisher()
-    streams = [{"engine_id": "vllm-0", "endpoint": f"tcp://127.0.0.1:{pub.port}", "page_size": 4,
-                "replay_endpoint": f"tcp://127.0.0.1:{pub.rport}"}]
-    server = ServerThread(make_config(transport="loopback", kv_events=json.dumps(streams)))
+    streams = [
+        {
+            "engine_id": "vllm-0",
+            "endpoint": f"tcp://127.0.0.1:{pub.port}",
+            "page_size": 4,
+            "replay_endpoint": f"tcp://127.0.0.1:{pub.rport}",
+        }
+    ]
     try:
+        server = make_server(transport="loopback", kv_events=json.dumps(streams))
         pub.wait_subscriber()
         s = vllm_structs(array_events=True)
         tokens = np.arange(500, 500 + 6 * 4)
-        pub.send(s["batch"](ts=0.0, events=[stored(s, [b"a" * 32, b"b" * 32, b"c" * 32], None,
-                                                   tokens[:12].tolist(), 4)]))
+        pub.send(
+            s["batch"](
+                ts=0.0, events=[stored(s, [b"a" * 32, b"b" * 32, b"c" * 32], None, tokens[:12].tolist(), 4)]
+            )
+        )
         with Client(server.address) as router:
             end = time.monotonic() + 10
             while True:
@@ -40,5 +46,4 @@ def test_router_sees_prefix_published_by_vllm_events() -> None:
                 time.sleep(0.02)
             assert m.best.engine_id == "vllm-0" and m.query_pages == 6 and m.best.page_indices == ()
     finally:
-        server.stop()
         pub.close()

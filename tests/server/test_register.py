@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from kvservice_client import (
     Client,
     InvalidArgument,

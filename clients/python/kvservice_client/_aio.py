@@ -38,7 +38,9 @@ class AsyncClient:
     async def session_id(self) -> str:
         async with self._session_lock:
             if not self._session_id:
-                self._session_call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
+                self._session_call = self._stub.OpenSession(
+                    pb.OpenSessionRequest(client_name=self.client_name)
+                )
                 try:
                     first = await asyncio.wait_for(self._session_call.read(), self.timeout)
                 except grpc.RpcError as exc:
@@ -111,7 +113,9 @@ class AsyncClient:
         req = rq.publish(buffer_set_id, page_indices, tokens, hashes, priority)
         return int((await self._call("PublishPages", req)).inserted_pages)
 
-    async def evict_pages(self, buffer_set_id: str, page_indices: Iterable[int] = (), *, all: bool = False) -> int:
+    async def evict_pages(
+        self, buffer_set_id: str, page_indices: Iterable[int] = (), *, all: bool = False
+    ) -> int:
         req = pb.EvictPagesRequest(buffer_set_id=buffer_set_id, page_indices=list(page_indices), all=all)
         return int((await self._call("EvictPages", req)).evicted_pages)
 
@@ -129,8 +133,15 @@ class AsyncClient:
         prefix_page_indices: Iterable[int] | np.ndarray = (),
     ) -> TransferStatus:
         req = rq.expect(
-            transfer_id, buffer_set_id, prefix_pages, dst_page_indices, expected_senders,
-            deadline_ms, aux, publish_tokens, prefix_page_indices,
+            transfer_id,
+            buffer_set_id,
+            prefix_pages,
+            dst_page_indices,
+            expected_senders,
+            deadline_ms,
+            aux,
+            publish_tokens,
+            prefix_page_indices,
         )
         return TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)
 
@@ -148,8 +159,15 @@ class AsyncClient:
         path: str = "auto",
     ) -> TransferStatus:
         req = rq.send(
-            transfer_id, buffer_set_id, src_page_indices, chunk_offset, last_chunk,
-            peer_address, aux, deadline_ms, path,
+            transfer_id,
+            buffer_set_id,
+            src_page_indices,
+            chunk_offset,
+            last_chunk,
+            peer_address,
+            aux,
+            deadline_ms,
+            path,
         )
         return TransferStatus.from_proto((await self._call("SendDelta", req)).status)
 
@@ -157,7 +175,9 @@ class AsyncClient:
         r = await self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))
         return [TransferStatus.from_proto(s) for s in r.statuses]
 
-    async def watch(self, transfer_ids: Sequence[str] = (), include_current: bool = True) -> AsyncIterator[TransferStatus]:
+    async def watch(
+        self, transfer_ids: Sequence[str] = (), include_current: bool = True
+    ) -> AsyncIterator[TransferStatus]:
         req = pb.WatchTransfersRequest(transfer_ids=list(transfer_ids), include_current=include_current)
         call = self._stub.WatchTransfers(req, metadata=((rq.SESSION_METADATA_KEY, await self.session_id()),))
         try:

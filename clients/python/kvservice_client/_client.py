@@ -58,7 +58,9 @@ class Client:
         """Open the session if needed and return its id."""
         with self._lock:
             if not self._session_call:
-                self._session_call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
+                self._session_call = self._stub.OpenSession(
+                    pb.OpenSessionRequest(client_name=self.client_name)
+                )
                 threading.Thread(target=self._hold_session, name="kvservice-session", daemon=True).start()
         if not self._session_ready.wait(self.timeout):
             raise Unavailable(f"no session from {self.target} within {self.timeout}s")
@@ -163,8 +165,15 @@ class Client:
         prefix_page_indices: Iterable[int] | np.ndarray = (),
     ) -> TransferStatus:
         req = rq.expect(
-            transfer_id, buffer_set_id, prefix_pages, dst_page_indices, expected_senders,
-            deadline_ms, aux, publish_tokens, prefix_page_indices,
+            transfer_id,
+            buffer_set_id,
+            prefix_pages,
+            dst_page_indices,
+            expected_senders,
+            deadline_ms,
+            aux,
+            publish_tokens,
+            prefix_page_indices,
         )
         return TransferStatus.from_proto(self._call("ExpectDelta", req).status)
 
@@ -182,8 +191,15 @@ class Client:
         path: str = "auto",
     ) -> TransferStatus:
         req = rq.send(
-            transfer_id, buffer_set_id, src_page_indices, chunk_offset, last_chunk,
-            peer_address, aux, deadline_ms, path,
+            transfer_id,
+            buffer_set_id,
+            src_page_indices,
+            chunk_offset,
+            last_chunk,
+            peer_address,
+            aux,
+            deadline_ms,
+            path,
         )
         return TransferStatus.from_proto(self._call("SendDelta", req).status)
 
@@ -191,7 +207,9 @@ class Client:
         r = self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))
         return [TransferStatus.from_proto(s) for s in r.statuses]
 
-    def watch(self, transfer_ids: Sequence[str] = (), include_current: bool = True) -> Iterator[TransferStatus]:
+    def watch(
+        self, transfer_ids: Sequence[str] = (), include_current: bool = True
+    ) -> Iterator[TransferStatus]:
         """Stream status changes until the caller stops iterating (or the server ends)."""
         req = pb.WatchTransfersRequest(transfer_ids=list(transfer_ids), include_current=include_current)
         call = self._stub.WatchTransfers(req, metadata=((rq.SESSION_METADATA_KEY, self.session_id),))

@@ -1,18 +1,18 @@
 """Client-side exception tree, mapped from gRPC status codes at one boundary (``map_rpc_error``).
 
-    KVClientError
-    ├── InvalidArgument        INVALID_ARGUMENT
-    ├── NotFound               NOT_FOUND
-    ├── AlreadyExists          ALREADY_EXISTS
-    ├── PermissionDenied       PERMISSION_DENIED
-    ├── Unauthenticated        UNAUTHENTICATED
-    ├── FailedPrecondition     FAILED_PRECONDITION
-    ├── ResourceExhausted      RESOURCE_EXHAUSTED
-    ├── DeadlineExceeded       DEADLINE_EXCEEDED
-    ├── Aborted                ABORTED
-    ├── Unavailable            UNAVAILABLE
-    ├── Unimplemented          UNIMPLEMENTED
-    └── ServerError            INTERNAL, UNKNOWN, DATA_LOSS, anything else
+KVClientError
+├── InvalidArgument        INVALID_ARGUMENT
+├── NotFound               NOT_FOUND
+├── AlreadyExists          ALREADY_EXISTS
+├── PermissionDenied       PERMISSION_DENIED
+├── Unauthenticated        UNAUTHENTICATED
+├── FailedPrecondition     FAILED_PRECONDITION
+├── ResourceExhausted      RESOURCE_EXHAUSTED
+├── DeadlineExceeded       DEADLINE_EXCEEDED
+├── Aborted                ABORTED
+├── Unavailable            UNAVAILABLE
+├── Unimplemented          UNIMPLEMENTED
+└── ServerError            INTERNAL, UNKNOWN, DATA_LOSS, anything else
 """
 
 from __future__ import annotations

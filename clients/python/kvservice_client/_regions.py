@@ -117,7 +117,9 @@ class ShmKVPool:
         self.nbytes = pos
 
     @classmethod
-    def create(cls, layout: Layout, aux: dict[str, tuple[int, int]] | None = None, name: str | None = None) -> ShmKVPool:
+    def create(
+        cls, layout: Layout, aux: dict[str, tuple[int, int]] | None = None, name: str | None = None
+    ) -> ShmKVPool:
         """Allocate a zeroed pool; ``aux`` maps name -> (row_bytes, num_rows)."""
         aux = aux or {}
         size = _pool_bytes(layout, aux)
@@ -130,7 +132,11 @@ class ShmKVPool:
         return cls(layout, shm, aux or {}, owner=False)
 
     def _view(self, offset: int, size: int, row: int) -> np.ndarray:
-        return np.ndarray((size // row, row), dtype=np.uint8, buffer=self._shm.buf, offset=offset) if size else np.zeros((0, row), np.uint8)
+        return (
+            np.ndarray((size // row, row), dtype=np.uint8, buffer=self._shm.buf, offset=offset)
+            if size
+            else np.zeros((0, row), np.uint8)
+        )
 
     def k(self, layer: int) -> np.ndarray:
         off, size = self._kv[layer]
@@ -157,7 +163,8 @@ class ShmKVPool:
     @property
     def aux_specs(self) -> list[AuxSpec]:
         return [
-            AuxSpec(n, shm_region(self.name, rb * rows, off), rb, rows) for n, (off, rb, rows) in self._aux.items()
+            AuxSpec(n, shm_region(self.name, rb * rows, off), rb, rows)
+            for n, (off, rb, rows) in self._aux.items()
         ]
 
     def close(self) -> None:

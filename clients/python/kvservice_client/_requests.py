@@ -37,7 +37,11 @@ def _idx(values: Iterable[int] | np.ndarray) -> list[int]:
 
 
 def register(
-    layout: Layout, k_regions: Sequence[Region], v_regions: Sequence[Region], aux: Sequence[AuxSpec], engine_id: str
+    layout: Layout,
+    k_regions: Sequence[Region],
+    v_regions: Sequence[Region],
+    aux: Sequence[AuxSpec],
+    engine_id: str,
 ) -> kvservice_pb2.RegisterBuffersRequest:
     return kvservice_pb2.RegisterBuffersRequest(
         layout=layout.to_proto(),
@@ -76,7 +80,10 @@ def publish(
     priority: int,
 ) -> kvservice_pb2.PublishPagesRequest:
     return kvservice_pb2.PublishPagesRequest(
-        buffer_set_id=buffer_set_id, page_indices=_idx(page_indices), priority=priority, **_key(tokens, hashes)  # type: ignore[arg-type]
+        buffer_set_id=buffer_set_id,
+        page_indices=_idx(page_indices),
+        priority=priority,
+        **_key(tokens, hashes),  # type: ignore[arg-type]
     )
 
 

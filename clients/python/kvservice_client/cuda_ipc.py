@@ -118,9 +118,7 @@ def open_handle(handle: bytes, device_uuid_or_index: str | int) -> tuple[int, in
         raise ValueError(f"handle must be 64 bytes, got {len(handle)}")
     lib = _driver()
     ordinal = (
-        _ordinal_of(device_uuid_or_index)
-        if isinstance(device_uuid_or_index, str)
-        else device_uuid_or_index
+        _ordinal_of(device_uuid_or_index) if isinstance(device_uuid_or_index, str) else device_uuid_or_index
     )
     dev = ctypes.c_int()
     _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
