@@ -193,10 +193,10 @@ def run_demo(turns: int = 4) -> int:
             c.send(("stop",))
         for p in engines:
             p.join(10)
-        for s in services:
-            s.terminate()
-        for s in services:
-            s.wait(15)
+        for svc in services:
+            svc.terminate()
+        for svc in services:
+            svc.wait(15)
 
 
 def _page_bytes() -> int:

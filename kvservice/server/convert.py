@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import common_pb2, kvservice_pb2
@@ -9,7 +12,11 @@ from kvservice_client._proto import common_pb2, kvservice_pb2
 from ..buffers import BufferSet
 from ..errors import InvalidArgument
 from ..index import IndexStats, Match
+from ..staging import StagingStats
 from ..transfer.records import Record
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
 
 __all__ = ["buffer_set_info", "layout", "session_of", "token_ids"]
 
@@ -89,9 +96,9 @@ def path_name(value: int, field: str = "path") -> str:
     raise InvalidArgument(field, f"unknown TransferPath {value}")
 
 
-def aux_rows(items: object) -> dict[str, np.ndarray]:
+def aux_rows(items: Iterable[common_pb2.AuxRows]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    for i, a in enumerate(items):  # type: ignore[attr-defined]
+    for i, a in enumerate(items):
         if a.name in out:
             raise InvalidArgument(f"aux[{i}].name", f"duplicate aux name {a.name!r}")
         out[a.name] = np.asarray(a.rows, dtype=np.int64)
@@ -131,23 +138,22 @@ def index_stats(st: IndexStats) -> kvservice_pb2.IndexStats:
     )
 
 
-def staging_stats(st: object) -> kvservice_pb2.StagingStats:
+def staging_stats(st: StagingStats) -> kvservice_pb2.StagingStats:
     return kvservice_pb2.StagingStats(
         kind=st.kind,
         capacity_bytes=st.capacity_bytes,
-        used_bytes=st.used_bytes,  # type: ignore[attr-defined]
+        used_bytes=st.used_bytes,
         slots_in_use=st.slots_in_use,
-        waiters=st.waiters,  # type: ignore[attr-defined]
+        waiters=st.waiters,
     )
 
 
-def transfer_counts(engine: object) -> kvservice_pb2.TransferCounts:
-    e = engine
-    counts = e.table.counts  # type: ignore[attr-defined]
+def transfer_counts(e: TransferEngine) -> kvservice_pb2.TransferCounts:
+    counts = e.table.counts
     return kvservice_pb2.TransferCounts(
         in_flight=e.in_flight(),
         done=counts["DONE"],
         failed=counts["FAILED"],
-        aborted=counts["ABORTED"],  # type: ignore[attr-defined]
-        queue_depth={k: v for k, v in e.sender.queue_depth.items() if v},  # type: ignore[attr-defined]
+        aborted=counts["ABORTED"],
+        queue_depth={k: v for k, v in e.sender.queue_depth.items() if v},
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import TypeAlias
 
 import grpc
 import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
+from ..buffers import MappedRegion
 from ..errors import Aborted, KVServiceError, NotFound
 from ..node import VERSION, Node
 from .convert import _STATE
@@ -16,7 +18,7 @@ from .errors import grpc_errors
 
 __all__ = ["KVPeerServicer"]
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
@@ -151,11 +153,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         return peer_pb2.PeerAbortResponse(known=known)
 
 
-def _remote(region: object) -> peer_pb2.RemoteRegion:
-    r = region
+def _remote(r: MappedRegion) -> peer_pb2.RemoteRegion:
     return peer_pb2.RemoteRegion(
-        address=r.address,
-        size_bytes=r.size,
-        mem_kind=r.mem_kind,  # type: ignore[attr-defined]
-        device_id=r.device,
-    )  # type: ignore[attr-defined]
+        address=r.address, size_bytes=r.size, mem_kind=r.mem_kind, device_id=r.device
+    )

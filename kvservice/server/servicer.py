@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TypeAlias
 
 import grpc
 import numpy as np
@@ -17,7 +18,7 @@ from .errors import grpc_errors
 
 __all__ = ["KVServiceServicer"]
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):

@@ -25,7 +25,7 @@ from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
 from .plan import ChunkMap
 from .sender import Chunk, Outgoing, Target
-from .transport import Transport, XferHandle
+from .transport import RemoteDescList, Transport, XferHandle
 
 __all__ = ["Mover"]
 
@@ -39,7 +39,7 @@ class Mover:
         self.e = engine
         self.transport: Transport = engine.transport
         self.peers: PeerDirectory = engine.peers
-        self._remote_lists: dict[tuple[str, str, int], Any] = {}
+        self._remote_lists: dict[tuple[str, str, int], RemoteDescList] = {}
 
     # -- plans -------------------------------------------------------------------------------
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
@@ -75,7 +75,7 @@ class Mover:
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
         path = out.path
         if cmap.num_pages:
-            direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct  # type: ignore[attr-defined]
+            direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct
             if self.peers.get(out.peer_address).is_self:
                 path = "PACKED"  # same node: pack, copy between our own staging slots, unpack
             if path == "AUTO":

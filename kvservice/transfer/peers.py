@@ -25,7 +25,7 @@ __all__ = ["PeerClient", "PeerDirectory", "Self"]
 
 log = logging.getLogger(__name__)
 
-_BY_CODE = {
+_BY_CODE: dict[grpc.StatusCode, type[errors.KVServiceError]] = {
     cls.code: cls
     for cls in (
         errors.InvalidArgument,
@@ -45,11 +45,10 @@ _BY_CODE = {
 def peer_error(address: str, exc: grpc.RpcError) -> errors.KVServiceError:
     """A KVPeer call's failure as our error (the peer's message kept, its address added)."""
     code = exc.code()
-    cls = _BY_CODE.get(code, errors.Unavailable)
     msg = f"peer {address}: {exc.details() or code.name}"
-    if cls is errors.InvalidArgument:
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.FailedPrecondition(msg)  # the peer rejected what *we* sent: not the caller's field
-    return cls(msg)
+    return _BY_CODE.get(code, errors.Unavailable)(msg)
 
 
 class Self:

@@ -22,6 +22,7 @@ import logging
 import time
 
 import numpy as np
+from kvservice_client._proto import peer_pb2
 
 from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
@@ -48,7 +49,7 @@ class Chunk:
 class Target:
     """A receiver rank this sender writes to (from its ReceivePlan)."""
 
-    plan: object  # peer_pb2.ReceivePlan
+    plan: peer_pb2.ReceivePlan
     dst_pages: np.ndarray
     route: HeadRoute
     full_heads: bool
@@ -150,7 +151,7 @@ class Sender:
         for i, target in enumerate(out.targets):
             self.check_live(out)
             t0 = time.monotonic()
-            cmap: ChunkMap = map_chunk(chunk.offset, chunk.src, target.plan.prefix_pages, target.dst_pages)  # type: ignore[attr-defined]
+            cmap: ChunkMap = map_chunk(chunk.offset, chunk.src, target.plan.prefix_pages, target.dst_pages)
             self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
             await mover.move(out, target, chunk, cmap)  # type: ignore[attr-defined]
             if i == 0:  # pages count once per chunk, whatever the number of receiver ranks

@@ -26,6 +26,7 @@ def main() -> None:
         out: dict[str, object] = {"ok": True}
         if op == "register":
             layout = Layout.mha(**cmd["layout"])
+            torch.cuda.set_device(cmd.get("device", 0))
             size = layout.region_bytes_k
             block = torch.zeros(size * layout.num_layers + 4096, dtype=torch.uint8, device="cuda")
             # K regions: views at offsets 4096, 4096 + size, ... inside one allocation
@@ -48,6 +49,15 @@ def main() -> None:
                 [int(x) for x in t.view(-1, pb)[pages].to(torch.int64).sum(dim=1).tolist()] for t in k + v
             ]
             out["bytes"] = [t.view(-1, pb)[pages].cpu().numpy().tobytes().hex()[:64] for t in k[:1]]
+        elif op == "head_sums":  # [region][page][local head] byte sums
+            lay = layout
+            pages = cmd["pages"]
+            hb = lay.head_dim_k * lay.itemsize  # type: ignore[union-attr]
+            out["sums"] = [
+                t.view(lay.num_pages, lay.page_size, lay.local_kv_heads, hb)[pages]  # type: ignore[union-attr]
+                .to(torch.int64).sum(dim=(1, 3)).tolist()
+                for t in k + v
+            ]
         elif op == "check_fill":
             pb = layout.page_bytes_k  # type: ignore[union-attr]
             pages = cmd["pages"]
@@ -57,7 +67,8 @@ def main() -> None:
             out["named_ok"] = bool((t[mask] == cmd["value"]).all())
             out["others_zero"] = bool((t[~mask] == 0).all())
         elif op == "expect":
-            st = kv.expect_delta(cmd["tid"], bs, prefix_pages=cmd["prefix"], dst_page_indices=cmd["dst"])  # type: ignore[union-attr]
+            st = kv.expect_delta(cmd["tid"], bs, prefix_pages=cmd["prefix"], dst_page_indices=cmd["dst"],  # type: ignore[union-attr]
+                                 deadline_ms=cmd.get("deadline_ms", 0))
             out["state"] = st.state
         elif op == "send":
             st = kv.send_delta(
