@@ -1,0 +1,94 @@
+"""Structured logs: every line about a transfer carries ``transfer_id`` (issue 6)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "deploy"))
+from metrics_workload import root_conftest, run_workload  # noqa: E402
+
+from kvservice.log import JsonFormatter  # noqa: E402
+
+ServerThread, make_config = root_conftest().ServerThread, root_conftest().make_config
+
+TRANSFER_PKG = Path(__file__).parents[1] / "kvservice" / "transfer"
+LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
+# Lines in kvservice/transfer that are about a peer or a buffer set, not one transfer.
+NOT_ABOUT_A_TRANSFER = {("peers.py", "peer restarted")}
+
+
+def _log_calls(path: Path) -> list[ast.Call]:
+    tree = ast.parse(path.read_text())
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in LEVELS
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id in ("log", "logger", "_log")
+    ]
+
+
+def _message(call: ast.Call) -> str:
+    args = call.args[1:] if call.func.attr == "log" else call.args  # type: ignore[attr-defined]
+    return args[0].value if args and isinstance(args[0], ast.Constant) else ""
+
+
+def test_every_transfer_log_call_passes_transfer_id() -> None:
+    """Each logging call in kvservice/transfer/ has extra={"transfer_id": ...} (or is allow-listed)."""
+    missing = []
+    for path in sorted(TRANSFER_PKG.glob("*.py")):
+        for call in _log_calls(path):
+            if (path.name, _message(call)) in NOT_ABOUT_A_TRANSFER:
+                continue
+            extra = next((k.value for k in call.keywords if k.arg == "extra"), None)
+            keys = (
+                {k.value for k in extra.keys if isinstance(k, ast.Constant)}
+                if isinstance(extra, ast.Dict)
+                else set()
+            )
+            if "transfer_id" not in keys:
+                missing.append(f"{path.name}:{call.lineno} {_message(call)!r}")
+    assert not missing, "log calls without transfer_id:\n" + "\n".join(missing)
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_transfer_log_lines_carry_transfer_id_as_json() -> None:
+    """During real transfers (done, failed, aborted) each transfer log line has transfer_id in its JSON."""
+    cap = _Capture()
+    logger = logging.getLogger("kvservice.transfer")
+    old_level = logger.level
+    logger.addHandler(cap)
+    logger.setLevel(logging.DEBUG)
+    a = ServerThread(make_config(transport="loopback"))
+    b = ServerThread(make_config(transport="loopback"))
+    try:
+        assert run_workload(a, b, seconds=0.3) >= 1
+    finally:
+        a.stop()
+        b.stop()
+        logger.removeHandler(cap)
+        logger.setLevel(old_level)
+    lines = [
+        json.loads(JsonFormatter().format(r))
+        for r in cap.records
+        if (Path(r.pathname).name, r.msg) not in NOT_ABOUT_A_TRANSFER
+    ]
+    assert any(line["msg"] == "transfer failed" for line in lines)
+    assert any(line["msg"] == "transfer aborted" for line in lines)
+    assert all(line.get("transfer_id") for line in lines), [
+        line for line in lines if not line.get("transfer_id")
+    ]
