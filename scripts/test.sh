@@ -7,5 +7,13 @@ bash scripts/setup.sh
 if ! command -v grpcurl >/dev/null 2>&1 && [ ! -x "$HOME/go/bin/grpcurl" ] && command -v go >/dev/null 2>&1; then
   go install github.com/fullstorydev/grpcurl/cmd/grpcurl@latest >/dev/null 2>&1 || echo "warning: grpcurl install failed; its test will skip"
 fi
+# Real clients and servers the tests use when present: Prometheus (+ promtool) and Helm.
+if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null 2>&1 \
+    || echo "warning: prometheus install failed; its tests will skip"
+fi
+if ! command -v helm >/dev/null 2>&1 && [ ! -x "$HOME/go/bin/helm" ] && command -v go >/dev/null 2>&1; then
+  go install helm.sh/helm/v3/cmd/helm@latest >/dev/null 2>&1 || echo "warning: helm install failed; its tests will skip"
+fi
 export PATH="$PATH:$HOME/go/bin"
 exec .venv/bin/python -m pytest -q "$@"
