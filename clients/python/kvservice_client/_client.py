@@ -158,7 +158,7 @@ class Client:
         *,
         prefix_pages: int,
         dst_page_indices: Iterable[int] | np.ndarray,
-        expected_senders: int = 1,
+        expected_senders: int = 0,
         deadline_ms: int = 0,
         aux: Mapping[str, Iterable[int]] | None = None,
         publish_tokens: rq.TokensLike | None = None,
