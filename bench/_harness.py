@@ -1,0 +1,270 @@
+"""Shared pieces of the end-to-end benchmarks: service processes, KV pools (shm or CUDA),
+percentiles, JSON output and optional progress bars.
+
+Every benchmark runs kvservice and its baseline in one run, on the same layout and the same page
+indices, and writes one JSON file under ``bench/results/`` (``report.py`` turns them into plots
+and ``SUMMARY.md``). matplotlib and tqdm are optional: the GPU machine has neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "clients/python")]
+
+from kvservice_client import Layout, ShmKVPool  # noqa: E402
+
+__all__ = [
+    "ROOT",
+    "KVPool",
+    "Services",
+    "gpu_name",
+    "progress",
+    "summarize",
+    "write_json",
+]
+
+
+def progress(it: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:
+    """tqdm when installed (on stderr), else the iterable unchanged."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return it
+    return tqdm(it, desc=desc, total=total, leave=False, file=sys.stderr, disable=not sys.stderr.isatty())
+
+
+def summarize(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99/mean/min/max in milliseconds of samples given in seconds."""
+    a = np.asarray(samples_s, dtype=np.float64) * 1e3
+    if a.size == 0:
+        return {"n": 0}
+    return {
+        "n": int(a.size),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p90_ms": float(np.percentile(a, 90)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "mean_ms": float(a.mean()),
+        "min_ms": float(a.min()),
+        "max_ms": float(a.max()),
+    }
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    except Exception:
+        pass
+    return "none"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except Exception:
+        return ""
+
+
+def write_json(out: str | Path, name: str, report: dict[str, Any]) -> Path:
+    """Write ``report`` plus run metadata to ``out/name.json``; return the path."""
+    meta = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "gpu": gpu_name(),
+        "commit": _git_commit(),
+        "argv": sys.argv,
+        "unix_time": time.time(),
+        "ucx_tls": os.environ.get("UCX_TLS", "(unset)"),
+    }
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, **report}, indent=2, default=float))
+    print(f"wrote {path}", file=sys.stderr)
+    return path
+
+
+class Services:
+    """``n`` kvservice processes on Unix sockets in a temp dir; terminated (then killed) on exit.
+
+    ``env`` adds ``KVSERVICE_*`` settings, e.g. ``{"KVSERVICE_VRAM_STAGING_MB": "2048"}``.
+    """
+
+    def __init__(self, n: int = 2, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> None:
+        self.n, self.extra, self.timeout_s = n, env or {}, timeout_s
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.addresses: list[str] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> Services:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvbench-")
+        env = {
+            **os.environ,
+            "KVSERVICE_LOG_FORMAT": "text",
+            "KVSERVICE_LOG_LEVEL": "WARNING",
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")]
+            ),
+            **self.extra,
+        }
+        try:
+            for i in range(self.n):
+                sock = Path(self._tmp.name) / f"svc{i}.sock"
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=env
+                    )
+                )
+                self.addresses.append(f"unix:{sock}")
+            end = time.monotonic() + self.timeout_s
+            for p, a in zip(self.procs, self.addresses, strict=False):
+                while not os.path.exists(a[5:]):
+                    if p.poll() is not None:
+                        raise RuntimeError(f"kvservice exited with {p.returncode} before listening on {a}")
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"kvservice did not listen on {a} within {self.timeout_s} s")
+                    time.sleep(0.05)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        self.procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+class KVPool:
+    """An engine's KV pool: POSIX shm (``device='cpu'``) or one CUDA allocation (``device=int``).
+
+    Regions are uint8 ``[num_pages, page_bytes]`` views: ``k(l)``, ``v(l)``; ``regions()`` gives
+    what ``Client.register_buffers`` takes.
+    """
+
+    def __init__(self, layout: Layout, device: str | int = "cpu", fill_seed: int | None = None) -> None:
+        self.layout, self.device = layout, device
+        L, pb, n = layout.num_layers, layout.page_bytes_k, layout.num_pages
+        if device == "cpu":
+            self.shm: ShmKVPool | None = ShmKVPool.create(layout)
+            self._k = [self.shm.k(i) for i in range(L)]
+            self._v = [self.shm.v(i) for i in range(L)]
+            if fill_seed is not None:
+                rng = np.random.default_rng(fill_seed)
+                for t in self._k + self._v:
+                    t[:] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+        else:
+            import torch
+
+            self.shm = None
+            self.block = torch.zeros((2 * L, n, pb), dtype=torch.uint8, device=f"cuda:{device}")
+            if fill_seed is not None:
+                g = torch.Generator(device=f"cuda:{device}").manual_seed(fill_seed)
+                for r in range(2 * L):
+                    self.block[r].copy_(
+                        torch.randint(
+                            0, 256, (n, pb), generator=g, device=f"cuda:{device}", dtype=torch.uint8
+                        )
+                    )
+                torch.cuda.synchronize(device)
+            self._k = [self.block[i] for i in range(L)]
+            self._v = [self.block[L + i] for i in range(L)]
+
+    def k(self, layer: int) -> Any:
+        return self._k[layer]
+
+    def v(self, layer: int) -> Any:
+        return self._v[layer]
+
+    def regions(self) -> tuple[list[Any], list[Any]]:
+        if self.shm is not None:
+            return self.shm.k_regions, self.shm.v_regions
+        from kvservice_client import cuda_region
+
+        return [cuda_region(t) for t in self._k], [cuda_region(t) for t in self._v]
+
+    def page_digest(self, pages: Sequence[int], layers: Sequence[int] | None = None) -> list[int]:
+        """Per region (K then V of the given layers) the sum of the named pages' bytes."""
+        layers = range(self.layout.num_layers) if layers is None else layers
+        out = []
+        for t in [self._k[i] for i in layers] + [self._v[i] for i in layers]:
+            if self.shm is not None:
+                out.append(int(t[list(pages)].astype(np.int64).sum()))
+            else:
+                import torch
+
+                idx = torch.as_tensor(list(pages), device=t.device)
+                out.append(int(t.index_select(0, idx).to(torch.int64).sum().item()))
+        return out
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        else:
+            self._k, self._v = [], []
+            del self.block
+
+
+@contextlib.contextmanager
+def pools(*specs: tuple[Layout, str | int, int | None]) -> Iterator[list[KVPool]]:
+    """Create several pools; close them all on exit."""
+    made: list[KVPool] = []
+    try:
+        for layout, dev, seed in specs:
+            made.append(KVPool(layout, dev, seed))
+        yield made
+    finally:
+        for p in made:
+            p.close()
+
+
+def base_args(ap: Any) -> None:
+    """Flags every benchmark takes."""
+    ap.add_argument("--device", default="cpu", help="'cpu' (shm pools) or 'cuda'")
+    ap.add_argument("--src-gpu", type=int, default=0, help="GPU of the sender engines")
+    ap.add_argument("--dst-gpu", type=int, default=0, help="GPU of the receiver engines")
+    ap.add_argument("--small", action="store_true", help="tiny sizes for CI (CPU, seconds)")
+    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    ap.add_argument("--tag", default="", help="suffix of the result file name")
+
+
+def devices(args: Any) -> tuple[str | int, str | int]:
+    if args.device == "cpu":
+        return "cpu", "cpu"
+    return args.src_gpu, args.dst_gpu
+
+
+def run_tag(args: Any) -> str:
+    if args.device == "cpu":
+        base = "cpu"
+    else:
+        base = "gpu" if args.src_gpu == args.dst_gpu else f"gpu{args.src_gpu}to{args.dst_gpu}"
+    return base + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")

@@ -1,0 +1,176 @@
+"""Scattered delta, same TP: kvservice end to end vs raw NIXL per-page descriptors vs one
+contiguous descriptor (the ceiling), same layout and page indices, one run.
+
+    .venv/bin/python bench/bench_transfer.py --device cpu [--small]
+    python bench/bench_transfer.py --device cuda [--src-gpu 0 --dst-gpu 1]
+
+Full size: 32 layers x K/V, 8 KV heads x 128 x bf16, page 16 tokens (32 KiB per page per
+region), 1,024 scattered pages = 2 GiB, 65,536 descriptors for the per-page baseline.
+kvservice time is SendDelta → receiver DONE (gRPC over UDS, watch stream), per path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+from _harness import Services, base_args, devices, pools, progress, run_tag, summarize, write_json
+from _rawnixl import Job, page_rows, region_page_idx, run_raw
+from kvservice_client import Client, Layout
+
+PHASES = ("queue", "plan", "pack", "wire", "unpack", "total")
+
+
+def kvservice_runs(
+    args: argparse.Namespace, layout: Layout, src: np.ndarray, dst: np.ndarray, paths: list[str]
+) -> dict:
+    sdev, ddev = devices(args)
+    env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
+    out: dict = {}
+    with Services(2, env) as svc, pools((layout, sdev, 1), (layout, ddev, None)) as (ps, pr):
+        a, b = svc.addresses
+        with Client(a, client_name="bench-tx") as ka, Client(b, client_name="bench-rx") as kb:
+            ra = ka.register_buffers(layout, *ps.regions()).buffer_set_id
+            rb = kb.register_buffers(layout, *pr.regions()).buffer_set_id
+            for path in paths:
+                samples, phases, sstat, rstat, err = [], [], None, None, ""
+                for it in progress(range(args.iters + 1), f"kvservice {path}"):
+                    tid = f"xfer-{path}-{it}"
+                    kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=dst)
+                    t0 = time.perf_counter()
+                    ka.send_delta(tid, ra, src_page_indices=src, peer_address=b, path=path)
+                    (rstat,) = kb.wait(tid, timeout=300)
+                    dt = time.perf_counter() - t0
+                    (sstat,) = ka.wait(tid, timeout=60)
+                    if rstat.state != "DONE" or sstat.state != "DONE":
+                        err = f"sender {sstat.state} {sstat.error!r}; receiver {rstat.state} {rstat.error!r}"
+                        break
+                    if it:  # the first round warms handshakes, lists and kernels
+                        samples.append(dt)
+                        phases.append(
+                            {k: sstat.timings_us.get(k, 0) for k in PHASES}
+                            | {
+                                "recv_unpack": rstat.timings_us.get("unpack", 0),
+                                "recv_total": rstat.timings_us.get("total", 0),
+                            }
+                        )
+                entry: dict = {"error": err} if err else {}
+                if samples:
+                    check = [0, len(src) // 2, len(src) - 1]
+                    entry.update(
+                        summarize(samples),
+                        samples_ms=[s * 1e3 for s in samples],
+                        path_taken=sstat.path if sstat else "",
+                        bytes_sent=sstat.bytes_sent if sstat else 0,
+                        descriptors=sstat.descriptors if sstat else 0,
+                        phases_us_median={k: float(np.median([p[k] for p in phases])) for k in phases[0]},
+                        verified=ps.page_digest(src[check].tolist()) == pr.page_digest(dst[check].tolist()),
+                    )
+                out[path] = entry
+                print(
+                    f"kvservice path={path}: {entry.get('p50_ms', float('nan')):.2f} ms {err}",
+                    file=sys.stderr,
+                )
+            kb.unregister_buffers(rb)
+            ka.unregister_buffers(ra)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    base_args(ap)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--pages", type=int, default=1024, help="scattered pages moved")
+    ap.add_argument("--pool-pages", type=int, default=2048, help="pages per region in each pool")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--paths", default="", help="comma list; default auto,direct,packed on CPU, auto on GPU")
+    ap.add_argument("--vram-staging-mb", type=int, default=1024)
+    ap.add_argument("--skip-baseline", action="store_true")
+    args = ap.parse_args()
+    if args.small:
+        args.layers, args.pages, args.pool_pages, args.iters = 2, 32, 64, 2
+    paths = (
+        args.paths.split(",")
+        if args.paths
+        else (["auto", "direct", "packed"] if args.device == "cpu" else ["auto"])
+    )
+    layout = Layout.mha(
+        num_layers=args.layers,
+        page_size=args.page_size,
+        num_pages=args.pool_pages,
+        total_kv_heads=args.heads,
+        head_dim=args.head_dim,
+        dtype="bfloat16",
+    )
+    rng = np.random.default_rng(0)
+    src = rng.choice(args.pool_pages, args.pages, replace=False).astype(np.int64)
+    dst = rng.choice(args.pool_pages, args.pages, replace=False).astype(np.int64)
+    R, pb = 2 * args.layers, layout.page_bytes_k
+    region_bytes, total = pb * args.pool_pages, pb * args.pages * 2 * args.layers
+    pool_bytes = region_bytes * R
+    sdev, ddev = devices(args)
+
+    base: dict = {}
+    if not args.skip_baseline:
+        rows = page_rows(R, region_bytes, pb, args.pool_pages)
+        per_page = Job(
+            0, rows, rows, region_page_idx(R, args.pool_pages, src), region_page_idx(R, args.pool_pages, dst)
+        )
+        one = np.array([[0, total, 0, total, 1]], dtype=np.int64)
+        ceiling = Job(0, one, one, np.zeros(1, np.int32), np.zeros(1, np.int32))
+        cases = {"raw_nixl_per_page": [per_page], "raw_nixl_one_descriptor": [ceiling]}
+        times = run_raw([(ddev, pool_bytes)], [(sdev, pool_bytes, cases)], args.iters)
+        for name, t in times.items():
+            n = int(cases[name][0].local_idx.size)
+            base[name] = summarize(t) | {"samples_ms": [x * 1e3 for x in t], "descriptors": n}
+            print(f"{name}: {base[name]['p50_ms']:.2f} ms", file=sys.stderr)
+
+    kv = kvservice_runs(args, layout, src, dst, paths)
+    gbps = lambda ms: total / (ms * 1e-3) / 1e9  # noqa: E731
+    for d in list(base.values()) + list(kv.values()):
+        if "p50_ms" in d:
+            d["gb_per_s"] = gbps(d["p50_ms"])
+    ratios: dict = {}
+    ok = {p: d for p, d in kv.items() if "p50_ms" in d}
+    if base and ok:
+        for p, d in ok.items():
+            ratios[p] = {
+                "speedup_vs_per_page": base["raw_nixl_per_page"]["p50_ms"] / d["p50_ms"],
+                "fraction_of_ceiling": base["raw_nixl_one_descriptor"]["p50_ms"] / d["p50_ms"],
+            }
+    if "direct" in ok and "packed" in ok and "auto" in ok:
+        best = min(ok["direct"]["p50_ms"], ok["packed"]["p50_ms"])
+        ratios["auto_vs_best_of_direct_packed"] = ok["auto"]["p50_ms"] / best
+    report = {
+        "benchmark": "transfer",
+        "device": args.device,
+        "src_gpu": args.src_gpu,
+        "dst_gpu": args.dst_gpu,
+        "layout": {
+            "layers": args.layers,
+            "kv_heads": args.heads,
+            "head_dim": args.head_dim,
+            "page_size": args.page_size,
+            "dtype": "bfloat16",
+            "page_bytes_per_region": pb,
+        },
+        "pages": args.pages,
+        "pool_pages": args.pool_pages,
+        "bytes": total,
+        "iters": args.iters,
+        "baselines": base,
+        "kvservice": kv,
+        "ratios": ratios,
+    }
+    write_json(args.out, f"transfer_{run_tag(args)}", report)
+    for k, v in ratios.items():
+        print(f"  {k}: {v}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Full-size GPU runs, one command per device call (see bench/README.md).
+#   bash bench/run_gpu.sh x1   # one GPU: both services and engines on GPU 0, plus the CPU path run
+#   bash bench/run_gpu.sh x2   # GPU0 -> GPU1: senders on 0, receivers on 1
+# Writes JSON and a log under ${OUT:-bench/results}.
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import nixl" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+LOG="$OUT/log_$1.txt"
+run() { echo "== $*" | tee -a "$LOG"; timeout "${T:-240}" python3 "$@" --out "$OUT" 2>&1 | grep -v "NIXL INFO" | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
+if [ "$1" = x1 ]; then
+  T=150 run bench/bench_transfer.py --device cuda --paths auto,packed
+  T=150 run bench/bench_mixed_tp.py --device cuda
+  T=110 run bench/bench_multiturn.py --device cuda
+  T=60 run bench/bench_control.py
+  T=70 run bench/bench_transfer.py --device cpu --layers 32 --pages 256 --pool-pages 512 --iters 3 --tag host16
+else
+  T=170 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto,packed
+  T=170 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
+  T=150 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
+fi
+ls -la "$OUT"

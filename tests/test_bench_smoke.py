@@ -1,0 +1,50 @@
+"""Benchmarks run end to end at CI sizes (``--small``, CPU) and write valid JSON; numbers are
+not asserted. Needs NIXL (the raw baselines and the services use it); skipped without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvservice.transfer.nixl_transport import nixl_available
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = ["bench_transfer", "bench_mixed_tp", "bench_multiturn", "bench_control"]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not nixl_available(), reason="nixl is not installed"),
+]
+
+
+def _run(name: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--small", "--device", "cpu", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_every_benchmark_runs_small_and_writes_json(tmp_path: Path) -> None:
+    """Each benchmark exits 0 with --small and leaves one JSON file naming itself."""
+    # NOTE: in parallel: each one mostly waits on process start-up (torch/nixl imports).
+    with ThreadPoolExecutor(len(BENCHES)) as pool:
+        done = dict(zip(BENCHES, pool.map(lambda n: _run(n, tmp_path / n), BENCHES), strict=False))
+    for name, proc in done.items():
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-3000:]}"
+        files = list((tmp_path / name).glob("*.json"))
+        assert len(files) == 1, (name, files)
+        report = json.loads(files[0].read_text())
+        assert report["benchmark"] == name.removeprefix("bench_")
+        assert report["meta"]["argv"]
