@@ -74,3 +74,26 @@ def test_scattered_delta_lands_byte_for_byte(services, path: str) -> None:
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+@pytest.mark.parametrize("path", ["auto", "packed"])
+def test_cross_gpu_delta(services, path: str) -> None:
+    """GPU0 engine -> GPU1 engine through the two services' staging (NVLink / PCIe), byte for byte."""
+    a, b = services
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=a, layout=LAYOUT, fill=True, seed=3, device=0)
+        dst_eng(op="register", address=b, layout=LAYOUT, device=1)
+        src, dst = list(range(0, 64, 2)), list(range(1, 64, 2))
+        tid = f"x-{path}"
+        dst_eng(op="expect", tid=tid, prefix=4, dst=dst[4:])
+        src_eng(op="send", tid=tid, src=src, peer=b, path=path)
+        got_s, got_d = src_eng(op="wait", tid=tid), dst_eng(op="wait", tid=tid)
+        assert got_s["state"] == got_d["state"] == "DONE", (got_s, got_d)
+        assert dst_eng(op="pages", pages=dst[4:])["sums"] == src_eng(op="pages", pages=src[4:])["sums"]
+    finally:
+        src_eng.close()
+        dst_eng.close()
