@@ -1,0 +1,284 @@
+"""Helpers for the end-to-end delta-transfer tests (CPU: shm pools, loopback or NIXL/UCX).
+
+Pools are filled with random bytes (destination pools too, so a write outside the named
+pages shows as a changed canary page). Head-sliced checks view a pool's raw page bytes as::
+
+    [num_pages, page_size, local_heads, head_dim * itemsize]      (MHA, NHD per page)
+
+and compare against a "global" pool holding every head, from which each TP rank's pool
+was cut (``fill_tp``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from kvservice_client import Client, Layout, ShmKVPool, TransferStatus
+
+TERMINAL = ("DONE", "FAILED", "ABORTED")
+
+
+# -- pool bytes ------------------------------------------------------------------------------
+def regions_of(pool: ShmKVPool) -> list[np.ndarray]:
+    """Every KV region view ``[num_pages, page_bytes]`` (K layers, then V layers)."""
+    lay = pool.layout
+    return [pool.k(i) for i in range(lay.num_layers)] + [pool.v(i) for i in range(lay.num_v_regions)]
+
+
+def fill_random(pool: ShmKVPool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for r in regions_of(pool):
+        r[:] = rng.integers(0, 256, r.shape, dtype=np.uint8)
+    for name in getattr(pool, "_aux", {}):
+        a = pool.aux(name)
+        a[:] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+
+
+def snapshot(pool: ShmKVPool) -> list[np.ndarray]:
+    snap = [r.copy() for r in regions_of(pool)]
+    snap += [pool.aux(n).copy() for n in getattr(pool, "_aux", {})]
+    return snap
+
+
+def assert_unchanged(pool: ShmKVPool, snap: list[np.ndarray], except_pages: Sequence[int] = ()) -> None:
+    """Every page outside ``except_pages`` (and every aux row) equals the snapshot."""
+    now = snapshot(pool)
+    keep = np.ones(pool.layout.num_pages, dtype=bool)
+    keep[np.asarray(except_pages, dtype=np.int64)] = False
+    nkv = len(regions_of(pool))
+    for i, (a, b) in enumerate(zip(now, snap)):
+        if i < nkv:
+            bad = np.flatnonzero(keep & (a != b).any(axis=1))
+            assert bad.size == 0, f"region {i}: pages {bad.tolist()} changed outside the named pages"
+        else:
+            assert np.array_equal(a, b), "aux rows changed"
+
+
+def assert_pages_equal(
+    dst: ShmKVPool, dst_pages: Sequence[int], src: ShmKVPool, src_pages: Sequence[int]
+) -> None:
+    d, s = np.asarray(dst_pages, dtype=np.int64), np.asarray(src_pages, dtype=np.int64)
+    assert d.size == s.size
+    for i, (a, b) in enumerate(zip(regions_of(dst), regions_of(src))):
+        diff = np.flatnonzero((a[d] != b[s]).any(axis=1))
+        assert diff.size == 0, f"region {i}: dst pages {d[diff].tolist()} differ from src {s[diff].tolist()}"
+
+
+def heads_view(region: np.ndarray, lay: Layout, v: bool = False) -> np.ndarray:
+    hd = (lay.head_dim_v if v else lay.head_dim_k) * lay.itemsize
+    return region.reshape(lay.num_pages, lay.page_size, lay.local_kv_heads, hd)
+
+
+def rank_heads(total: int, tp: int, rank: int) -> np.ndarray:
+    """Global heads held by ``rank`` (SGLang split; one replicated head when tp > total)."""
+    if tp <= total:
+        n = total // tp
+        return np.arange(rank * n, (rank + 1) * n)
+    return np.array([rank * total // tp])
+
+
+def global_kv(lay: Layout, seed: int) -> list[np.ndarray]:
+    """Random 'all heads' KV: per region ``[num_pages, page_size, H, head_dim*itemsize]``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(lay.num_layers * (2 if lay.kind == "mha" else 1)):
+        hd = (lay.head_dim_v if i >= lay.num_layers else lay.head_dim_k) * lay.itemsize
+        out.append(
+            rng.integers(0, 256, (lay.num_pages, lay.page_size, lay.total_kv_heads, hd), dtype=np.uint8)
+        )
+    return out
+
+
+def fill_tp(pool: ShmKVPool, glob: list[np.ndarray]) -> None:
+    """Cut this rank's heads out of the global KV into its pool."""
+    lay = pool.layout
+    heads = rank_heads(lay.total_kv_heads, lay.tp_size, lay.tp_rank)
+    for i, r in enumerate(regions_of(pool)):
+        heads_view(r, lay, v=i >= lay.num_layers)[:] = glob[i][:, :, heads, :]
+
+
+def assert_tp_pages(
+    pool: ShmKVPool, dst_pages: Sequence[int], glob: list[np.ndarray], src_pages: Sequence[int]
+) -> None:
+    """Receiver rank's ``dst_pages`` hold exactly its heads of the global ``src_pages``."""
+    lay = pool.layout
+    heads = rank_heads(lay.total_kv_heads, lay.tp_size, lay.tp_rank)
+    d, s = np.asarray(dst_pages), np.asarray(src_pages)
+    for i, r in enumerate(regions_of(pool)):
+        got = heads_view(r, lay, v=i >= lay.num_layers)[d]
+        want = glob[i][s][:, :, heads, :]
+        for h in range(len(heads)):
+            assert np.array_equal(got[:, :, h], want[:, :, h]), (
+                f"rank {lay.tp_rank}/{lay.tp_size} region {i}: local head {h} (global {heads[h]}) wrong"
+            )
+
+
+# -- statuses --------------------------------------------------------------------------------
+def wait_all(client: Client, tid: str, n: int = 1, timeout: float = 10.0) -> list[TransferStatus]:
+    """Poll until ``n`` records of ``tid`` on this client are terminal (bounded)."""
+    end = time.monotonic() + timeout
+    while True:
+        sts = client.poll([tid])
+        if len(sts) >= n and all(s.terminal for s in sts):
+            return sts
+        if time.monotonic() > end:
+            raise AssertionError(f"{tid}: not terminal within {timeout}s: {sts}")
+        time.sleep(0.01)
+
+
+def one(client: Client, tid: str, timeout: float = 10.0) -> TransferStatus:
+    sts = wait_all(client, tid, 1, timeout)
+    assert len(sts) == 1, sts
+    return sts[0]
+
+
+def eventually(pred: Callable[[], Any], timeout: float = 5.0, what: str = "") -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"not true within {timeout}s: {what}")
+        time.sleep(0.01)
+
+
+# -- service processes (python -m kvservice, NIXL) -------------------------------------------
+class ServiceProc:
+    """A ``python -m kvservice`` process on a Unix socket in a fresh temporary directory."""
+
+    def __init__(self, name: str, *args: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix=f"kvs-e2e-{name}-")
+        self.sock = os.path.join(self.dir, "kv.sock")
+        self.address = f"unix:{self.sock}"
+        self.log = open(os.path.join(self.dir, "log"), "w+b")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvservice",
+                "--uds-path",
+                self.sock,
+                "--log-format",
+                "text",
+                "--log-level",
+                "WARNING",
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvservice exited {self.proc.returncode}: {self.output()}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"kvservice not up within {timeout}s: {self.output()}")
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+# -- engine processes ------------------------------------------------------------------------
+def _engine_main(conn: Any, address: str, layout: Layout, aux: dict[str, tuple[int, int]], seed: int) -> None:
+    """An engine: owns a shm KV pool, registers it, runs client calls the test sends it."""
+    pool = ShmKVPool.create(layout, aux=aux)
+    try:
+        fill_random(pool, seed)
+        with Client(address, client_name="e2e-engine", timeout=15) as kv:
+            reg = kv.register_buffers(layout, pool.k_regions, pool.v_regions, pool.aux_specs)
+            conn.send((reg.buffer_set_id, pool.name))
+            while True:
+                msg = conn.recv()
+                if msg is None:
+                    break
+                method, args, kwargs = msg
+                try:
+                    conn.send(("ok", getattr(kv, method)(*args, **kwargs)))
+                except Exception as exc:  # handed back to the test as data
+                    conn.send(("err", type(exc).__name__, str(exc)))
+    finally:
+        pool.close()
+        conn.close()
+
+
+class EngineError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class EngineProc:
+    """Handle on an engine process; ``pool`` is the test's own mapping of its KV pool."""
+
+    def __init__(
+        self, address: str, layout: Layout, aux: dict[str, tuple[int, int]] | None = None, seed: int = 0
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.layout = layout
+        self.aux = aux or {}
+        self.proc = ctx.Process(
+            target=_engine_main, args=(child, address, layout, self.aux, seed), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self.pool: ShmKVPool | None = None
+        self.bs = ""
+
+    def ready(self, timeout: float = 30.0) -> EngineProc:
+        if not self._conn.poll(timeout):
+            raise RuntimeError("engine process did not register in time")
+        self.bs, name = self._conn.recv()
+        self.pool = ShmKVPool.attach(name, self.layout, self.aux)
+        return self
+
+    def call(self, method: str, *args: Any, timeout: float = 30.0, **kwargs: Any) -> Any:
+        self._conn.send((method, args, kwargs))
+        if not self._conn.poll(timeout):
+            raise RuntimeError(f"engine call {method} hung")
+        r = self._conn.recv()
+        if r[0] == "err":
+            raise EngineError(r[1], r[2])
+        return r[1]
+
+    def stop(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
