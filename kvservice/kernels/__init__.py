@@ -3,8 +3,8 @@
 ``pack`` gathers the selected pages (and optionally a head slice) of every layer's K and V
 (MHA) or latent (MLA) into staging; ``unpack`` scatters such a buffer into destination pages
 at a head offset. The staging layout is drawn in ``_regions``; mixed-TP head routing lives in
-``heads``. Backends: Triton on CUDA tensors (and on CPU under ``TRITON_INTERPRET=1``), the
-torch reference (``reference``) on CPU. Both raise :class:`~kvservice.errors.InvalidArgument`
+``heads``. Backends ("auto"): Triton on CUDA tensors, the torch reference (``reference``) on
+CPU; ``backend="triton"`` runs the kernels on CPU under ``TRITON_INTERPRET=1`` (tests). Both raise :class:`~kvservice.errors.InvalidArgument`
 for a bad call and then change nothing.
 """
 
@@ -26,9 +26,12 @@ Backend = Literal["auto", "torch", "triton"]
 
 
 def _use_triton(regions: KVRegions, backend: Backend) -> bool:
+    # NOTE: "auto" never picks the Triton interpreter for CPU tensors, even under
+    # TRITON_INTERPRET=1: the interpreter is not thread-safe and the service unpacks concurrently.
+    # Tests exercise the interpreted kernels with backend="triton".
     if backend != "auto":
         return backend == "triton"
-    return regions.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return regions.device.type == "cuda"
 
 
 def pack(

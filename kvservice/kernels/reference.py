@@ -82,8 +82,7 @@ def unpack(
     for region, staged in _segments(regions, args):
         n, ps = staged.shape[1], staged.shape[2]
         data = staged.permute(1, 2, 0, 3, 4).reshape(n, ps, he - hs, -1).to(region.device)
-        if he - hs != regions.num_heads:
-            cur = region.index_select(0, args.pages)
-            cur[:, :, hs:he] = data
-            data = cur
-        region.index_copy_(0, args.pages, data)
+        # NOTE: write only the head slice: a whole-page read-modify-write would race with another
+        # sender's unpack of other heads of the same pages (sender TP > receiver TP).
+        target = region if he - hs == regions.num_heads else region[:, :, hs:he]
+        target.index_copy_(0, args.pages, data)

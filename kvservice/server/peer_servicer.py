@@ -127,6 +127,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
                 request.bytes,
                 request.pages_skipped,
                 request.aux_delivered,
+                request.dst_head_start == 0,
             )
         except (Aborted, NotFound):
             raise

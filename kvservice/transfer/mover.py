@@ -20,7 +20,7 @@ from kvservice_client._proto import peer_pb2
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import DeadlineExceeded, FailedPrecondition
+from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
 from .plan import ChunkMap
@@ -52,7 +52,12 @@ class Mover:
             wait_ms=int(self._left(out) * 1000),
             sender_address=self.e.address,
         )
-        resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
+        try:
+            resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
+        except NotFound as exc:
+            if time.monotonic() >= out.rec.deadline - 0.05:  # the wait was bounded by our deadline
+                raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
+            raise
         await peer.refresh(min_epoch=resp.metadata_epoch, timeout=self._left(out))
         targets = []
         for plan in resp.plans:
@@ -91,10 +96,20 @@ class Mover:
                 await self._direct(out, target, chunk, cmap)
             else:
                 await self._packed(out, target, chunk, cmap)
-        aux = chunk.last and bool(chunk.aux) and await self._aux(out, target, chunk)
+        aux_bytes, aux_descs = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
         if chunk.last or cmap.skipped:  # a marker: skipped pages, the sender's end, aux delivered
             await self._commit(
-                out, target, chunk, cmap.positions[:0], 0, cmap.skipped, 0, "DIRECT", 0, aux, last=chunk.last
+                out,
+                target,
+                chunk,
+                cmap.positions[:0],
+                aux_bytes,
+                cmap.skipped,
+                aux_descs,
+                "DIRECT",
+                0,
+                aux_descs > 0,
+                last=chunk.last,
             )
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
@@ -235,7 +250,8 @@ class Mover:
 
             torch.cuda.current_stream(view.device).synchronize()
 
-    async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> bool:
+    async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
+        """Write the aux rows into the receiver's rows; returns (bytes, descriptors)."""
         plan = target.plan
         peer = self.peers.get(out.peer_address)
         local_rows, remote_rows = [], []
@@ -265,7 +281,17 @@ class Mover:
                 )
             )
         if not local_rows:
-            return False
+            return 0, 0
+        nbytes = int(sum(r[:, 1].sum() for r in local_rows))
+        ndescs = int(sum(len(r) for r in local_rows))
+        if peer.is_self:  # same node: both aux regions are mapped here
+            inc = self.e.receiver.get(out.rec.transfer_id, plan.dst_buffer_set_id)
+            for name, rows in chunk.aux.items():
+                mine, theirs = out.bs.aux_by_name(name), inc.bs.aux_by_name(name)
+                assert mine is not None and theirs is not None
+                dst_rows = inc.aux[name]
+                theirs.region.pages(theirs.row_bytes)[dst_rows] = mine.region.pages(mine.row_bytes)[rows]
+            return nbytes, ndescs
         h = await asyncio.to_thread(
             self.transport.write_descs,
             peer.agent,
@@ -276,11 +302,7 @@ class Mover:
             "DRAM",
         )
         await self._await(out, h)
-        nbytes = int(sum(r[:, 1].sum() for r in local_rows))
-        self.e.table.update(
-            out.rec, add_bytes_sent=nbytes, add_descriptors=int(sum(len(r) for r in local_rows))
-        )
-        return True
+        return nbytes, ndescs
 
     async def _commit(
         self,

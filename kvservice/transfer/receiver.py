@@ -181,8 +181,13 @@ class Receiver:
         nbytes: int,
         skipped: int,
         aux: bool,
+        primary: bool = True,
     ) -> None:
-        """Account a landed chunk; on a sender's last chunk check it covered every delta page."""
+        """Account a landed chunk; on a sender's last chunk check it covered every delta page.
+
+        With sender TP > receiver TP several senders deliver head slices of the same pages: pages
+        count once, from the ``primary`` sender (the one writing the rank's first head).
+        """
         cov = inc.covered.get(sender_key)
         if cov is None:
             raise FailedPrecondition(f"sender {sender_key} committed without fetching the plan")
@@ -194,8 +199,8 @@ class Receiver:
         self.table.update(
             inc.rec,
             add_bytes_sent=nbytes,
-            add_pages_sent=int(positions.size),
-            add_pages_skipped=skipped,
+            add_pages_sent=int(positions.size) if primary else 0,
+            add_pages_skipped=skipped if primary else 0,
             add_chunks_done=int(positions.size > 0),
         )
         if not last:

@@ -116,7 +116,9 @@ class AsyncClient:
     async def evict_pages(
         self, buffer_set_id: str, page_indices: Iterable[int] = (), *, all: bool = False
     ) -> int:
-        req = pb.EvictPagesRequest(buffer_set_id=buffer_set_id, page_indices=list(page_indices), all=all)
+        req = pb.EvictPagesRequest(
+            buffer_set_id=buffer_set_id, page_indices=rq._idx(page_indices, "page_indices"), all=all
+        )
         return int((await self._call("EvictPages", req)).evicted_pages)
 
     async def expect_delta(

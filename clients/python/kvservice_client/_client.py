@@ -147,7 +147,9 @@ class Client:
         return int(self._call("PublishPages", req).inserted_pages)
 
     def evict_pages(self, buffer_set_id: str, page_indices: Iterable[int] = (), *, all: bool = False) -> int:
-        req = pb.EvictPagesRequest(buffer_set_id=buffer_set_id, page_indices=list(page_indices), all=all)
+        req = pb.EvictPagesRequest(
+            buffer_set_id=buffer_set_id, page_indices=rq._idx(page_indices, "page_indices"), all=all
+        )
         return int(self._call("EvictPages", req).evicted_pages)
 
     # -- transfers -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ._errors import InvalidArgument
 from ._layout import Layout
 from ._proto import common_pb2, kvservice_pb2
 from ._regions import AuxSpec, Region
@@ -29,11 +30,25 @@ def _key(tokens: TokensLike | None, hashes: HashesLike | None) -> dict[str, obje
 
 
 def _aux(aux: Mapping[str, Iterable[int]] | None) -> list[common_pb2.AuxRows]:
-    return [common_pb2.AuxRows(name=n, rows=list(map(int, rows))) for n, rows in (aux or {}).items()]
+    return [common_pb2.AuxRows(name=n, rows=_idx(rows, f"aux[{n}].rows")) for n, rows in (aux or {}).items()]
 
 
-def _idx(values: Iterable[int] | np.ndarray) -> list[int]:
-    return np.asarray(values, dtype=np.int64).tolist() if not isinstance(values, list) else values
+def _idx(values: Iterable[int] | np.ndarray, field: str) -> list[int]:
+    """Page or row indices as a list for a uint32 field; InvalidArgument naming ``field`` if not."""
+    arr = np.asarray(values if not isinstance(values, (set, frozenset)) else sorted(values))
+    if arr.size and (arr.dtype.kind not in "iu" or arr.ndim != 1):
+        raise InvalidArgument(f"{field}: must be a 1-D sequence of integers")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        bad = int(arr[(arr < 0) | (arr > 0xFFFFFFFF)][0])
+        raise InvalidArgument(f"{field}: index {bad} is outside 0..2**32-1")
+    return arr.tolist()
+
+
+def _u32(value: int, field: str) -> int:
+    if not 0 <= int(value) <= 0xFFFFFFFF:
+        raise InvalidArgument(f"{field}: {value} is outside 0..2**32-1")
+    return int(value)
 
 
 def register(
@@ -81,7 +96,7 @@ def publish(
 ) -> kvservice_pb2.PublishPagesRequest:
     return kvservice_pb2.PublishPagesRequest(
         buffer_set_id=buffer_set_id,
-        page_indices=_idx(page_indices),
+        page_indices=_idx(page_indices, "page_indices"),
         priority=priority,
         **_key(tokens, hashes),  # type: ignore[arg-type]
     )
@@ -101,12 +116,12 @@ def expect(
     req = kvservice_pb2.ExpectDeltaRequest(
         transfer_id=transfer_id,
         buffer_set_id=buffer_set_id,
-        prefix_pages=prefix_pages,
-        dst_page_indices=_idx(dst_page_indices),
-        expected_senders=expected_senders,
-        deadline_ms=deadline_ms,
+        prefix_pages=_u32(prefix_pages, "prefix_pages"),
+        dst_page_indices=_idx(dst_page_indices, "dst_page_indices"),
+        expected_senders=_u32(expected_senders, "expected_senders"),
+        deadline_ms=_u32(deadline_ms, "deadline_ms"),
         aux=_aux(aux),
-        prefix_page_indices=_idx(prefix_page_indices),
+        prefix_page_indices=_idx(prefix_page_indices, "prefix_page_indices"),
     )
     if publish_tokens is not None:
         req.publish_tokens.u32le = tokens_to_u32le(publish_tokens)
@@ -125,15 +140,15 @@ def send(
     path: str,
 ) -> kvservice_pb2.SendDeltaRequest:
     if path not in _PATHS:
-        raise ValueError(f"path must be one of {sorted(_PATHS)}")
+        raise InvalidArgument(f"path: must be one of {sorted(_PATHS)}")
     return kvservice_pb2.SendDeltaRequest(
         transfer_id=transfer_id,
         buffer_set_id=buffer_set_id,
-        chunk_offset=chunk_offset,
-        src_page_indices=_idx(src_page_indices),
+        chunk_offset=_u32(chunk_offset, "chunk_offset"),
+        src_page_indices=_idx(src_page_indices, "src_page_indices"),
         last_chunk=last_chunk,
         peer_address=peer_address,
         aux=_aux(aux),
-        deadline_ms=deadline_ms,
+        deadline_ms=_u32(deadline_ms, "deadline_ms"),
         path=_PATHS[path],  # type: ignore[arg-type]
     )
