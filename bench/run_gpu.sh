@@ -12,7 +12,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 LOG="$OUT/log_$1.txt"
-run() { echo "== $*" | tee -a "$LOG"; timeout "${T:-240}" python3 "$@" --out "$OUT" 2>&1 | grep -v "NIXL INFO" | tee -a "$LOG"; }
+run() { echo "== $*" | tee -a "$LOG"; timeout "${T:-240}" python3 "$@" --out "$OUT" 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
 if [ "$1" = x1 ]; then
   T=150 run bench/bench_transfer.py --device cuda --paths auto,packed
@@ -24,5 +24,7 @@ else
   T=170 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto,packed
   T=170 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
   T=150 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
+  # diagnosis: fewer, larger staging batches (4 GiB pool -> 1 GiB batches instead of 256 MiB)
+  T=100 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --iters 3 --skip-baseline --vram-staging-mb 4096 --tag staging4g
 fi
 ls -la "$OUT"

@@ -4,8 +4,8 @@
 (MHA) or latent (MLA) into staging; ``unpack`` scatters such a buffer into destination pages
 at a head offset. The staging layout is drawn in ``_regions``; mixed-TP head routing lives in
 ``heads``. Backends ("auto"): Triton on CUDA tensors, the torch reference (``reference``) on
-CPU; ``backend="triton"`` runs the kernels on CPU under ``TRITON_INTERPRET=1`` (tests). Both raise :class:`~kvservice.errors.InvalidArgument`
-for a bad call and then change nothing.
+CPU; ``backend="triton"`` runs the kernels on CPU under ``TRITON_INTERPRET=1`` (tests). Both
+raise :class:`~kvservice.errors.InvalidArgument` for a bad call and then change nothing.
 """
 
 from __future__ import annotations
