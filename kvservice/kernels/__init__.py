@@ -10,7 +10,6 @@ raise :class:`~kvservice.errors.InvalidArgument` for a bad call and then change 
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
