@@ -19,6 +19,7 @@ import numpy as np
 from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, InvalidArgument, NotFound
+from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
 from .mover import Mover
@@ -61,11 +62,9 @@ def _warm_kernels(bs: BufferSet) -> None:
 
 
 def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads: int) -> None:
-    kernels.unpack(regions, view, dst, head_start=head_start, num_heads=num_heads)
-    if view.is_cuda:
-        import torch
-
-        torch.cuda.current_stream(view.device).synchronize()
+    on_side_stream(
+        view.device, lambda: kernels.unpack(regions, view, dst, head_start=head_start, num_heads=num_heads)
+    )
 
 
 log = logging.getLogger(__name__)
@@ -349,18 +348,13 @@ class TransferEngine:
         for tid in {r.transfer_id for r in recs}:
             await self.abort(session_id, tid, "ABORTED", "the owning client went away")
 
-    def local_copy(self, src: Any, dst_addr: int) -> None:
-        """Copy a packed slot into another slot of our own pools (same-node transfer)."""
+    def local_view(self, addr: int, nbytes: int) -> Any:
+        """The bytes ``[addr, addr+nbytes)`` of one of our staging pools (same-node transfers)."""
         for pool in [self.host_pool, *self.vram_pools.values()]:
             base = pool.buffer.data_ptr()
-            if base <= dst_addr and dst_addr + src.numel() <= base + pool.capacity_bytes:
-                pool.buffer[dst_addr - base : dst_addr - base + src.numel()].copy_(src)
-                if pool.buffer.is_cuda:
-                    import torch
-
-                    torch.cuda.current_stream(pool.buffer.device).synchronize()
-                return
-        raise NotFound(f"staging address {dst_addr:#x} is not in this service's pools")
+            if base <= addr and addr + nbytes <= base + pool.capacity_bytes:
+                return pool.buffer[addr - base : addr - base + nbytes]
+        raise NotFound(f"staging address {addr:#x} is not in this service's pools")
 
     def staging_stats(self) -> list[Any]:
         return [pool.stats() for pool in [self.host_pool, *self.vram_pools.values()]]

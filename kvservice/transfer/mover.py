@@ -21,6 +21,7 @@ from kvservice_client._proto import peer_pb2
 from .. import kernels
 from ..buffers import BufferSet
 from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
+from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
 from .plan import ChunkMap
@@ -32,6 +33,10 @@ __all__ = ["Mover"]
 log = logging.getLogger(__name__)
 _PATH_PB = {"DIRECT": 1, "PACKED": 2}
 PIPELINE = 3  # packed batches of one chunk in flight at once
+
+
+def _copy(dst: Any, src: Any) -> None:
+    on_side_stream(dst.device, lambda: dst.copy_(src, non_blocking=True))
 
 
 class Mover:
@@ -204,15 +209,27 @@ class Mover:
             self._left(out) + 1.0,
         )
         try:
-            async with pool.slot(nbytes, out.rec.deadline) as slot:
+            dst_view = self.e.local_view(resp.address, nbytes) if peer.is_self else None
+            if dst_view is not None and dst_view.device == regions.device:
+                # same node, same device: pack straight into the receiver's slot, no wire
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                view = pool.view(slot)
-                await asyncio.to_thread(self._pack, regions, src, view, route)
-                t1 = time.monotonic()
-                if peer.is_self:
-                    await asyncio.to_thread(self.e.local_copy, view, resp.address)
-                else:
+                await asyncio.to_thread(self._pack, regions, src, dst_view, route)
+                t1 = t2 = time.monotonic()
+            elif dst_view is not None:  # same node, another GPU: pack here, one device-to-device copy
+                async with pool.slot(nbytes, out.rec.deadline) as slot:
+                    self.e.sender.check_live(out)
+                    t0 = time.monotonic()
+                    await asyncio.to_thread(self._pack, regions, src, pool.view(slot), route)
+                    t1 = time.monotonic()
+                    await asyncio.to_thread(_copy, dst_view, pool.view(slot))
+                t2 = time.monotonic()
+            else:
+                async with pool.slot(nbytes, out.rec.deadline) as slot:
+                    self.e.sender.check_live(out)
+                    t0 = time.monotonic()
+                    await asyncio.to_thread(self._pack, regions, src, pool.view(slot), route)
+                    t1 = time.monotonic()
                     h = await asyncio.to_thread(
                         self.transport.write_descs,
                         peer.agent,
@@ -244,11 +261,8 @@ class Mover:
 
     @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
-        kernels.pack(regions, src, view, head_start=route.src_head_start, num_heads=route.num_heads)
-        if view.is_cuda:
-            import torch
-
-            torch.cuda.current_stream(view.device).synchronize()
+        hs, nh = route.src_head_start, route.num_heads
+        on_side_stream(view.device, lambda: kernels.pack(regions, src, view, head_start=hs, num_heads=nh))
 
     async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
         """Write the aux rows into the receiver's rows; returns (bytes, descriptors)."""
@@ -362,7 +376,7 @@ class Mover:
                 self.e.sender.check_live(out)
                 raise DeadlineExceeded("transfer deadline passed")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+            delay = min(delay * 2, 2e-4 if self.transport.kind == "nixl" else 2e-3)
 
     async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str) -> None:
         try:
