@@ -11,6 +11,7 @@ was cut (``fill_tp``).
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import signal
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from google.protobuf.json_format import MessageToDict
 from kvservice_client import Client, Layout, ShmKVPool, TransferStatus
 
 TERMINAL = ("DONE", "FAILED", "ABORTED")
@@ -55,7 +57,7 @@ def assert_unchanged(pool: ShmKVPool, snap: list[np.ndarray], except_pages: Sequ
     keep = np.ones(pool.layout.num_pages, dtype=bool)
     keep[np.asarray(except_pages, dtype=np.int64)] = False
     nkv = len(regions_of(pool))
-    for i, (a, b) in enumerate(zip(now, snap)):
+    for i, (a, b) in enumerate(zip(now, snap, strict=True)):
         if i < nkv:
             bad = np.flatnonzero(keep & (a != b).any(axis=1))
             assert bad.size == 0, f"region {i}: pages {bad.tolist()} changed outside the named pages"
@@ -68,7 +70,7 @@ def assert_pages_equal(
 ) -> None:
     d, s = np.asarray(dst_pages, dtype=np.int64), np.asarray(src_pages, dtype=np.int64)
     assert d.size == s.size
-    for i, (a, b) in enumerate(zip(regions_of(dst), regions_of(src))):
+    for i, (a, b) in enumerate(zip(regions_of(dst), regions_of(src), strict=True)):
         diff = np.flatnonzero((a[d] != b[s]).any(axis=1))
         assert diff.size == 0, f"region {i}: dst pages {d[diff].tolist()} differ from src {s[diff].tolist()}"
 
@@ -222,12 +224,36 @@ def _engine_main(conn: Any, address: str, layout: Layout, aux: dict[str, tuple[i
                     break
                 method, args, kwargs = msg
                 try:
-                    conn.send(("ok", getattr(kv, method)(*args, **kwargs)))
+                    res = getattr(kv, method)(*args, **kwargs)
+                    if hasattr(res, "DESCRIPTOR"):  # protobuf replies travel as dicts
+                        res = MessageToDict(res, preserving_proto_field_name=True)
+                    conn.send(("ok", res))
                 except Exception as exc:  # handed back to the test as data
                     conn.send(("err", type(exc).__name__, str(exc)))
     finally:
         pool.close()
         conn.close()
+
+
+class _Mapped:
+    """An engine's shm object mapped by path: unlike SharedMemory, never seen by the resource
+    tracker (which the spawned engines share with us and would otherwise double-unregister)."""
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mm)
+        self.name = name
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self._mm.close()
+        except BufferError:  # a view is still alive; the mapping goes with the process
+            pass
 
 
 class EngineError(Exception):
@@ -258,7 +284,7 @@ class EngineProc:
         if not self._conn.poll(timeout):
             raise RuntimeError("engine process did not register in time")
         self.bs, name = self._conn.recv()
-        self.pool = ShmKVPool.attach(name, self.layout, self.aux)
+        self.pool = ShmKVPool(self.layout, _Mapped(name), self.aux, owner=False)  # type: ignore[arg-type]
         return self
 
     def call(self, method: str, *args: Any, timeout: float = 30.0, **kwargs: Any) -> Any:

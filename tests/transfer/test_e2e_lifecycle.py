@@ -93,7 +93,7 @@ def test_watch_sees_pending_transferring_done(pair, make_pool, make_client) -> N
     time.sleep(0.1)  # watchers subscribed before the transfer exists
     ln.kb.expect_delta("w", ln.b, prefix_pages=1, dst_page_indices=[4, 5, 6])
     ln.ka.send_delta("w", ln.a, src_page_indices=[0, 1], peer_address=ln.peer, last_chunk=False)
-    eventually(lambda: one(ln.kb, "w", 0.01) if False else ln.kb.poll(["w"])[0].state == "TRANSFERRING", 3)
+    eventually(lambda: ln.kb.poll(["w"])[0].state == "TRANSFERRING", 3, "receiver TRANSFERRING")
     ln.ka.send_delta("w", ln.a, src_page_indices=[2, 3], chunk_offset=2, peer_address=ln.peer)
     for t in threads:
         t.join(5)

@@ -84,7 +84,7 @@ def run_tp(pair, make_pool, make_client, make_layout, heads, p, d, path, tid, **
     rsts = [wait_all(kv, tid)[0] for kv, _, _ in receivers]
     ssts = [wait_all(kv, tid)[0] for kv, _, _ in senders]
     assert [s.state for s in rsts + ssts] == ["DONE"] * (d + p), rsts + ssts
-    for (_, pool, _), snap in zip(receivers, before):
+    for (_, pool, _), snap in zip(receivers, before, strict=True):
         assert_tp_pages(pool, DST, glob, SRC[PREFIX:])
         assert_unchanged(pool, snap, except_pages=DST)
     return senders, receivers, rsts, ssts
@@ -126,7 +126,7 @@ def test_mixed_tp_counters(pair, make_pool, make_client, heads, p, d) -> None:
         pair, make_pool, make_client, mha, heads, p, d, "auto", "cnt", expected_senders=0
     )
     delta = len(SRC) - PREFIX
-    for (_, pool, _), st in zip(receivers, rsts):
+    for (_, pool, _), st in zip(receivers, rsts, strict=True):
         assert st.bytes_sent == delta * pool.layout.page_bytes_all_layers, st
         assert (st.pages_sent, st.pages_skipped) == (delta, PREFIX), st
     assert sum(s.bytes_sent for s in ssts) == sum(r.bytes_sent for r in rsts)
@@ -167,7 +167,7 @@ def test_direct_path_refuses_head_slicing(pair, make_pool, make_client) -> None:
     for kv, _, _ in receivers:
         r = wait_all(kv, "dir", timeout=3)[0]
         assert r.state == "FAILED", r
-    for (_, pool, _), snap in zip(receivers, before):
+    for (_, pool, _), snap in zip(receivers, before, strict=True):
         assert_unchanged(pool, snap)
 
 

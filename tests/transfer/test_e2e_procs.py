@@ -1,0 +1,193 @@
+"""End to end across processes: ``python -m kvservice`` services (NIXL over UCX on DRAM, the CPU
+default) and engine processes that own their shm KV pools and talk to their local service.
+
+    test process ── pipe ──▶ engine A ─UDS─▶ service A ═NIXL═▶ service B ◀─UDS─ engine B
+                                                  (C, D: victims killed with SIGKILL)
+
+The test maps each engine's pool read-only-in-spirit to check bytes and canaries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from e2e_helpers import EngineProc, ServiceProc, assert_pages_equal, assert_unchanged, eventually, snapshot
+from kvservice_client import Client, Layout
+
+LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")
+AUX = {"meta": (64, 32)}
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[dict[str, Any]]:
+    """Services A, B (survivors), C, D (victims) and their engines, all started in parallel."""
+    svcs = {n: ServiceProc(n) for n in "ABCD"}
+    engines: dict[str, EngineProc] = {}
+    try:
+        for s in svcs.values():
+            s.wait_ready()
+        plan = {"A": "A", "B": "B", "Ak": "A", "Bk": "B", "C": "C", "D": "D"}
+        for i, (name, svc) in enumerate(plan.items()):
+            engines[name] = EngineProc(svcs[svc].address, LAYOUT, AUX, seed=i + 1)
+        for e in engines.values():
+            e.ready()
+        yield {"svc": svcs, "eng": engines}
+    finally:
+        for e in engines.values():
+            e.stop()
+        for s in svcs.values():
+            s.stop()
+
+
+def wait_eng(eng: EngineProc, tid: str, timeout: float = 10.0) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        sts = eng.call("poll", [tid])
+        if sts and all(s.terminal for s in sts):
+            assert len(sts) == 1, sts
+            return sts[0]
+        if time.monotonic() > end:
+            raise AssertionError(f"{tid} not terminal within {timeout}s: {sts}")
+        time.sleep(0.02)
+
+
+def stats(svc: ServiceProc) -> Any:
+    with Client(svc.address, timeout=5) as kv:
+        return kv.get_stats()
+
+
+def test_multi_turn_session_over_nixl(nodes) -> None:
+    """Turns over NIXL (direct, packed, auto, then a full hit with aux): only the delta moves."""
+    a, b = nodes["eng"]["A"], nodes["eng"]["B"]
+    peer = nodes["svc"]["B"].address
+    page = LAYOUT.page_bytes_all_layers
+    src_seq: list[int] = []
+    dst_seq: list[int] = []
+    rng = np.random.default_rng(3)
+    src_free, dst_free = list(rng.permutation(64)), list(rng.permutation(64))
+    for turn, (n, path) in enumerate([(5, "direct"), (11, "packed"), (20, "auto")]):
+        src_seq += [int(src_free.pop()) for _ in range(n - len(src_seq))]
+        new = [int(dst_free.pop()) for _ in range(n - len(dst_seq))]
+        prefix = len(dst_seq)
+        before = snapshot(b.pool)
+        tid = f"nixl-{turn}"
+        b.call("expect_delta", tid, b.bs, prefix_pages=prefix, dst_page_indices=new, deadline_ms=20_000)
+        half = n // 2  # two chunks
+        a.call(
+            "send_delta",
+            tid,
+            a.bs,
+            src_page_indices=src_seq[:half],
+            peer_address=peer,
+            last_chunk=False,
+            path=path,
+        )
+        a.call(
+            "send_delta",
+            tid,
+            a.bs,
+            src_page_indices=src_seq[half:],
+            chunk_offset=half,
+            peer_address=peer,
+            path=path,
+        )
+        r, s = wait_eng(b, tid), wait_eng(a, tid)
+        for st in (r, s):
+            assert st.state == "DONE", st
+            assert (st.pages_sent, st.pages_skipped, st.bytes_sent) == (
+                n - prefix,
+                prefix,
+                (n - prefix) * page,
+            ), st
+        assert_pages_equal(b.pool, new, a.pool, src_seq[prefix:])
+        assert_unchanged(b.pool, before, except_pages=new)
+        dst_seq += new
+    # next turn: the decode side already holds everything; only aux rows move
+    before = snapshot(b.pool)
+    b.call("expect_delta", "nixl-hit", b.bs, prefix_pages=20, dst_page_indices=[], aux={"meta": [3]})
+    a.call("send_delta", "nixl-hit", a.bs, src_page_indices=src_seq, peer_address=peer, aux={"meta": [30]})
+    r = wait_eng(b, "nixl-hit")
+    assert (r.state, r.pages_sent, r.pages_skipped) == ("DONE", 0, 20), r
+    assert wait_eng(a, "nixl-hit").state == "DONE"
+    assert np.array_equal(b.pool.aux("meta")[3], a.pool.aux("meta")[30])
+    assert_unchanged(b.pool, before[:-1] + [b.pool.aux("meta").copy()])
+    assert_pages_equal(b.pool, dst_seq, a.pool, src_seq)
+
+
+def test_receiver_service_killed_mid_transfer(nodes) -> None:
+    """SIGKILL the receiver's service mid-transfer: the sender ends FAILED with a reason by its deadline;
+    its staging is free and the sender engine's unregistration leaves no buffer set behind."""
+    a, c = nodes["eng"]["Ak"], nodes["eng"]["C"]
+    svc_a, svc_c = nodes["svc"]["A"], nodes["svc"]["C"]
+    c.call(
+        "expect_delta",
+        "kill-rx",
+        c.bs,
+        prefix_pages=0,
+        dst_page_indices=list(range(10, 30)),
+        deadline_ms=20_000,
+    )
+    t0 = time.monotonic()
+    a.call(
+        "send_delta",
+        "kill-rx",
+        a.bs,
+        src_page_indices=list(range(10)),
+        peer_address=svc_c.address,
+        last_chunk=False,
+        path="packed",
+        deadline_ms=3000,
+    )
+    eventually(lambda: a.call("poll", ["kill-rx"])[0].pages_sent == 10, 10, "first chunk moved")
+    svc_c.kill()
+    a.call(
+        "send_delta",
+        "kill-rx",
+        a.bs,
+        src_page_indices=list(range(10, 20)),
+        chunk_offset=10,
+        peer_address=svc_c.address,
+        path="packed",
+    )
+    s = wait_eng(a, "kill-rx", timeout=6)
+    assert s.state == "FAILED" and s.error_code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and s.error, s
+    assert time.monotonic() - t0 < 3.0 + 1.0
+    st = stats(svc_a)
+    assert all(p.slots_in_use == 0 for p in st.staging), st.staging
+    a.call("unregister_buffers", a.bs)
+    assert a.bs not in [x.buffer_set_id for x in stats(svc_a).buffer_sets]
+
+
+def test_sender_service_killed_mid_transfer(nodes) -> None:
+    """SIGKILL the sender's service mid-transfer: the receiver ends FAILED by its deadline with a reason,
+    no staging slot stays reserved, no later byte lands, and unregistration leaves nothing behind."""
+    d, b = nodes["eng"]["D"], nodes["eng"]["Bk"]
+    svc_b, svc_d = nodes["svc"]["B"], nodes["svc"]["D"]
+    t0 = time.monotonic()
+    b.call(
+        "expect_delta", "kill-tx", b.bs, prefix_pages=0, dst_page_indices=list(range(30)), deadline_ms=2500
+    )
+    d.call(
+        "send_delta",
+        "kill-tx",
+        d.bs,
+        src_page_indices=list(range(10)),
+        peer_address=svc_b.address,
+        last_chunk=False,
+        path="packed",
+    )
+    eventually(lambda: b.call("poll", ["kill-tx"])[0].pages_sent == 10, 10, "first chunk landed")
+    svc_d.kill()
+    after_kill = snapshot(b.pool)
+    r = wait_eng(b, "kill-tx", timeout=6)
+    assert r.state == "FAILED" and r.error_code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and r.error, r
+    assert time.monotonic() - t0 < 2.5 + 1.0
+    assert_unchanged(b.pool, after_kill)
+    st = stats(svc_b)
+    assert all(p.slots_in_use == 0 for p in st.staging), st.staging
+    b.call("unregister_buffers", b.bs)
+    assert b.bs not in [x.buffer_set_id for x in stats(svc_b).buffer_sets]
