@@ -179,6 +179,18 @@ class Node:
         self.buffers.unregister(buffer_set_id, session_id)
         return Unregistered(aborted, dropped)
 
+    def warm_up(self) -> None:
+        """Compile the index and hashing code paths on scratch data (JIT) so no caller pays it."""
+        ix = PrefixIndex()
+        ix.add_buffer_set("warm-up", engine_id="", page_size=16, num_pages=64)
+        h = page_hashes(np.arange(512, dtype=np.uint32), 16, self.config.hash_seed)
+        ix.publish("warm-up", h, np.arange(h.size), 0)
+        matches = ix.match(h, page_size=16)
+        ix.release_lease(ix.lease(matches, 1000, "warm-up").lease_id, "warm-up")
+        ix.evict("warm-up", np.arange(4))
+        ix.evictable_leaves("warm-up", 4)
+        ix.evict_all("warm-up")
+
     # -- KV events ---------------------------------------------------------------------------
     def start_event_streams(self) -> None:
         """Subscribe to the configured vLLM/SGLang KV-event publishers (presence-only sets)."""

@@ -56,7 +56,7 @@ class NodeCollector(Collector):
         counts = {"sender": 0, "receiver": 0}
         depth: dict[str, int] = {}
         if engine is not None:
-            for rec in engine.table.select(lambda r: not r.terminal):
+            for rec in engine.table.live():
                 counts[rec.role.lower()] = counts.get(rec.role.lower(), 0) + 1
             depth = dict(engine.sender.queue_depth)
         for role, n in sorted(counts.items()):

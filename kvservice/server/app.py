@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import stat
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +47,7 @@ class App:
     tcp_port: int
     metrics: Metrics | None = None
     metrics_port: int = 0  # bound /metrics port once started (0: off)
+    peer_servicer: KVPeerServicer | None = None
 
     @property
     def address(self) -> str:
@@ -67,8 +69,10 @@ class App:
 
         await self.server.start()
         self.node.transfers = TransferEngine(self.node, self.peer_address)
+        self.node.transfers.peers.me.local = self.peer_servicer
         self.node.transfers.start()
         self.node.start_event_streams()
+        threading.Thread(target=self.node.warm_up, name="warm-up", daemon=True).start()
         if self.metrics is not None:
             self.metrics.attach(self.node.transfers)
             if self.node.config.metrics_port:
@@ -104,7 +108,8 @@ def build_server(config: Config) -> App:
         interceptors=[metrics.interceptor], options=channel_options(config.max_message_mb)
     )
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
-    peer_pb2_grpc.add_KVPeerServicer_to_server(KVPeerServicer(node), server)
+    peer_servicer = KVPeerServicer(node)
+    peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -126,7 +131,7 @@ def build_server(config: Config) -> App:
         tcp_port = server.add_insecure_port(config.tcp_address)
         if not tcp_port:
             raise InvalidArgument("tcp_address", f"cannot listen on {config.tcp_address}")
-    return App(server, node, health_servicer, uds_path, tcp_port, metrics)
+    return App(server, node, health_servicer, uds_path, tcp_port, metrics, peer_servicer=peer_servicer)
 
 
 def _clear_stale_socket(path: str) -> None:

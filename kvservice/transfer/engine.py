@@ -213,6 +213,8 @@ class TransferEngine:
 
     def records(self, session_id: str, transfer_ids: Iterable[str]) -> list[Record]:
         ids = set(transfer_ids)
+        if ids:
+            return [r.snapshot() for t in ids for r in self.table.find(t) if r.session_id == session_id]
         return [
             r.snapshot()
             for r in self.table.select(
@@ -338,13 +340,13 @@ class TransferEngine:
             log.exception("publishing received pages failed", extra={"transfer_id": inc.rec.transfer_id})
 
     async def abort_buffer_set(self, bs_id: str) -> int:
-        recs = self.table.select(lambda r: r.buffer_set_id == bs_id and not r.terminal)
+        recs = [r for r in self.table.live() if r.buffer_set_id == bs_id]
         for tid in {r.transfer_id for r in recs}:
             await self.abort(None, tid, "ABORTED", f"buffer set {bs_id} unregistered")
         return len(recs)
 
     async def release_session(self, session_id: str) -> None:
-        recs = self.table.select(lambda r: r.session_id == session_id and not r.terminal)
+        recs = [r for r in self.table.live() if r.session_id == session_id]
         for tid in {r.transfer_id for r in recs}:
             await self.abort(session_id, tid, "ABORTED", "the owning client went away")
 
@@ -363,20 +365,24 @@ class TransferEngine:
         return self.table.in_flight()
 
     async def abort_all(self, reason: str) -> None:
-        for tid in {r.transfer_id for r in self.table.select(lambda r: not r.terminal)}:
+        for tid in {r.transfer_id for r in self.table.live()}:
             await self.abort(None, tid, "ABORTED", reason)
 
     async def _reap(self) -> None:
+        """Every 10 ms: fail live transfers past their deadline; every second: prune and expire."""
+        tick = 0
         while True:
             await asyncio.sleep(0.01)
             now = time.monotonic()
-            expired = [r for r in self.table.select(lambda r: not r.terminal) if r.deadline < now]
-            for rec in (r for r in expired if r.key not in self._reaping):
-                self._reaping.add(rec.key)
-                asyncio.ensure_future(self._expire(rec))
-            self.table.prune()
-            self._forget_ended()
-            self.node.index.expire_leases()
+            for rec in self.table.live():
+                if rec.deadline < now and rec.key not in self._reaping:
+                    self._reaping.add(rec.key)
+                    asyncio.ensure_future(self._expire(rec))
+            tick += 1
+            if tick % 100 == 0:
+                for key in self.table.prune():
+                    self._forget(key)
+                self.node.index.expire_leases()
 
     async def _expire(self, rec: Record) -> None:
         key = (rec.transfer_id, rec.buffer_set_id)
@@ -391,12 +397,14 @@ class TransferEngine:
         finally:
             self._reaping.discard(rec.key)
 
-    def _forget_ended(self) -> None:
-        live = {r.key for r in self.table.select(lambda r: True)}
-        for key in [k for k, o in self.sender.outgoing.items() if o.rec.key not in live]:
-            del self.sender.outgoing[key]
-        for key in [k for k, i in self.receiver.incoming.items() if i.rec.key not in live]:
-            del self.receiver.incoming[key]
+    def _forget(self, key: tuple[str, str, str]) -> None:
+        tid, _, bs_id = key
+        out = self.sender.outgoing.get((tid, bs_id))
+        if out is not None and out.rec.key == key and out.rec.terminal:
+            del self.sender.outgoing[(tid, bs_id)]
+        inc = self.receiver.incoming.get((tid, bs_id))
+        if inc is not None and inc.rec.key == key and inc.rec.terminal:
+            del self.receiver.incoming[(tid, bs_id)]
 
     async def close(self) -> None:
         if self._reaper is not None:

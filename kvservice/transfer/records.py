@@ -11,6 +11,7 @@ rank's outgoing transfer. State machine (terminal states are final; ``finish`` i
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -74,6 +75,11 @@ class TransferTable:
     def __init__(self, retain_s: float = 300.0, on_terminal: Callable[[Record], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str, str], Record] = {}
+        # NOTE: indexes so hot paths never scan retained (finished) records: live ones, by
+        # transfer id, and finished ones in the order they will be pruned.
+        self._live: dict[tuple[str, str, str], Record] = {}
+        self._by_tid: dict[str, set[tuple[str, str, str]]] = {}
+        self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
         self._watchers: list[
             tuple[asyncio.AbstractEventLoop, asyncio.Queue[Record], Callable[[Record], bool]]
         ] = []
@@ -84,6 +90,9 @@ class TransferTable:
     def add(self, rec: Record) -> Record:
         with self._lock:
             self._records[rec.key] = rec
+            self._by_tid.setdefault(rec.transfer_id, set()).add(rec.key)
+            if not rec.terminal:
+                self._live[rec.key] = rec
         self._publish(rec)
         return rec
 
@@ -93,11 +102,13 @@ class TransferTable:
 
     def find(self, transfer_id: str, role: str | None = None) -> list[Record]:
         with self._lock:
-            return [
-                r
-                for r in self._records.values()
-                if r.transfer_id == transfer_id and (role is None or r.role == role)
-            ]
+            recs = (self._records[k] for k in self._by_tid.get(transfer_id, ()))
+            return [r for r in recs if role is None or r.role == role]
+
+    def live(self) -> list[Record]:
+        """Records not yet terminal."""
+        with self._lock:
+            return list(self._live.values())
 
     def select(self, pred: Callable[[Record], bool]) -> list[Record]:
         with self._lock:
@@ -127,6 +138,8 @@ class TransferTable:
                 return False
             rec.state, rec.error_code, rec.error = state, code, error
             rec.ended = time.monotonic()
+            self._live.pop(rec.key, None)
+            self._ended.append((rec.ended, rec.key))
             rec.updated_unix_ms = int(time.time() * 1000)
             self.counts[state] += 1
         level = logging.INFO if state == "DONE" else logging.WARNING
@@ -153,13 +166,26 @@ class TransferTable:
 
     def in_flight(self) -> int:
         with self._lock:
-            return sum(1 for r in self._records.values() if not r.terminal)
+            return len(self._live)
 
-    def prune(self) -> None:
+    def prune(self) -> list[tuple[str, str, str]]:
+        """Forget records finished more than ``retain_s`` ago; returns their keys."""
         cutoff = time.monotonic() - self.retain_s
+        gone = []
         with self._lock:
-            for key in [k for k, r in self._records.items() if r.terminal and r.ended < cutoff]:
+            while self._ended and self._ended[0][0] < cutoff:
+                _, key = self._ended.popleft()
+                rec = self._records.get(key)
+                if rec is None or not rec.terminal or rec.ended >= cutoff:
+                    continue  # replaced by a newer record under the same key
                 del self._records[key]
+                tids = self._by_tid.get(key[0])
+                if tids is not None:
+                    tids.discard(key)
+                    if not tids:
+                        del self._by_tid[key[0]]
+                gone.append(key)
+        return gone
 
     # -- watchers --------------------------------------------------------------------------
     async def watch(self, pred: Callable[[Record], bool], include_current: bool) -> AsyncIterator[Record]:

@@ -90,8 +90,13 @@ class CudaIpcExport:
 
 
 def export_pointer(ptr: int, device_index: int) -> CudaIpcExport:
-    """Export the allocation containing device pointer ``ptr`` (current context must own it)."""
+    """Export the allocation containing device pointer ``ptr`` of device ``device_index``.
+
+    Makes that device's primary context current on the calling thread first (the context torch
+    allocates in), so tensors on a non-current GPU export too.
+    """
     lib = _driver()
+    _make_current(lib, device_index)
     base = ctypes.c_uint64()
     size = ctypes.c_size_t()
     _check(
@@ -120,17 +125,21 @@ def open_handle(handle: bytes, device_uuid_or_index: str | int) -> tuple[int, in
     ordinal = (
         _ordinal_of(device_uuid_or_index) if isinstance(device_uuid_or_index, str) else device_uuid_or_index
     )
-    dev = ctypes.c_int()
-    _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
-    ctx = ctypes.c_void_p()
-    _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-    _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+    _make_current(lib, ordinal)
     h = _Handle()
     ctypes.memmove(ctypes.addressof(h), handle, 64)
     ptr = ctypes.c_uint64()
     # 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
     _check("cuIpcOpenMemHandle", lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, ctypes.c_uint(1)))
     return ptr.value, ordinal
+
+
+def _make_current(lib: ctypes.CDLL, ordinal: int) -> None:
+    dev = ctypes.c_int()
+    _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
+    ctx = ctypes.c_void_p()
+    _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+    _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
 
 
 def close_handle(base: int) -> None:
