@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,6 +208,7 @@ class ServiceProc:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- engine processes ------------------------------------------------------------------------
