@@ -206,9 +206,13 @@ class KVPool:
     def regions(self) -> tuple[list[Any], list[Any]]:
         if self.shm is not None:
             return self.shm.k_regions, self.shm.v_regions
+        import torch
         from kvservice_client import cuda_region
 
-        return [cuda_region(t) for t in self._k], [cuda_region(t) for t in self._v]
+        # NOTE: cuda_region needs the tensor's device current (see bench findings): on GPU 1 from a
+        # process whose current device is 0, cuMemGetAddressRange fails with CUDA_ERROR_NOT_FOUND.
+        with torch.cuda.device(int(self.device)):
+            return [cuda_region(t) for t in self._k], [cuda_region(t) for t in self._v]
 
     def page_digest(self, pages: Sequence[int], layers: Sequence[int] | None = None) -> list[int]:
         """Per region (K then V of the given layers) the sum of the named pages' bytes."""

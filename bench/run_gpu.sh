@@ -21,10 +21,10 @@ if [ "$1" = x1 ]; then
   T=60 run bench/bench_control.py
   T=70 run bench/bench_transfer.py --device cpu --layers 32 --pages 256 --pool-pages 512 --iters 3 --tag host16
 else
-  T=170 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto,packed
-  T=170 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
-  T=150 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
+  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto,packed
+  T=150 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
+  T=130 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
   # diagnosis: fewer, larger staging batches (4 GiB pool -> 1 GiB batches instead of 256 MiB)
-  T=100 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --iters 3 --skip-baseline --vram-staging-mb 4096 --tag staging4g
+  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --iters 3 --skip-baseline --vram-staging-mb 4096 --tag staging4g
 fi
 ls -la "$OUT"

@@ -1,0 +1,312 @@
+"""Turn bench/results/*.json of the end-to-end benchmarks into PNG plots and SUMMARY.md.
+
+    .venv/bin/python bench/report.py [--results bench/results]
+
+Needs matplotlib for the plots (SUMMARY.md is written without it).
+"""
+
+# ruff: noqa: E501  (markdown table rows read better on one line)
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+GOALS = """Goals (reported, not asserted): one GPU >= 100x per-page and >= 30% of ceiling; two GPUs
+>= 85% of ceiling and >= 40x per-page; mixed TP >= 100x per-token; CPU auto never slower than the
+better of direct and packed; bytes on the wire <= 1.02x unsent bytes; control-plane overhead
+<= 1 ms p50 per transfer; MatchPrefix (131,072 tokens) <= 5 ms p50."""
+
+
+def _load(d: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for f in sorted(d.glob("*.json")):
+        try:
+            j = json.loads(f.read_text())
+        except ValueError:
+            continue
+        if isinstance(j, dict) and j.get("benchmark") in ("transfer", "mixed_tp", "multiturn", "control"):
+            out[f.stem] = j
+    return out
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    return f"{x:,.{nd}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def _where(j: dict) -> str:
+    m = j["meta"]
+    if j["device"] == "cpu":
+        return f"CPU, shm pools, host {m['host']} ({m['cpus']} CPUs)"
+    return f"{m['gpu']}, GPU {j['src_gpu']}→{j['dst_gpu']}"
+
+
+def _borrow_baselines(name: str, j: dict, runs: dict[str, dict]) -> None:
+    """A run made with --skip-baseline takes the baselines of a run of the same shape and devices."""
+    if j["baselines"]:
+        return
+    for other, o in runs.items():
+        same = all(o.get(k) == j.get(k) for k in ("device", "src_gpu", "dst_gpu", "bytes", "pages"))
+        if other != name and o["benchmark"] == "transfer" and same and o["baselines"]:
+            j["baselines"] = {k: dict(v, borrowed_from=other) for k, v in o["baselines"].items()}
+            for p, v in j["kvservice"].items():
+                if "p50_ms" in v:
+                    j["ratios"][p] = {
+                        "speedup_vs_per_page": j["baselines"]["raw_nixl_per_page"]["p50_ms"] / v["p50_ms"],
+                        "fraction_of_ceiling": j["baselines"]["raw_nixl_one_descriptor"]["p50_ms"]
+                        / v["p50_ms"],
+                    }
+            return
+
+
+def _transfer(name: str, j: dict) -> list[str]:
+    b, kv, r = j["baselines"], j["kvservice"], j["ratios"]
+    lines = [
+        f"### {name} — {_where(j)}",
+        "",
+        f"{j['pages']:,} scattered pages x {2 * j['layout']['layers']} regions x "
+        f"{j['layout']['page_bytes_per_region'] // 1024} KiB = {j['bytes'] / 2**30:.2f} GiB, "
+        f"{j['iters']} timed rounds",
+        "",
+        "| method | descriptors | p50 ms | p99 ms | GB/s | vs per-page | of ceiling |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, v in b.items():
+        lines.append(
+            f"| {k} | {v['descriptors']:,} | {_f(v['p50_ms'])} | {_f(v['p99_ms'])} | {_f(v['gb_per_s'])} | | |"
+        )
+    for p, v in kv.items():
+        if "p50_ms" not in v:
+            lines.append(f"| kvservice path={p} | | FAILED: {v.get('error', '')[:80]} | | | | |")
+            continue
+        rr = r.get(p, {})
+        lines.append(
+            f"| kvservice path={p} ({v['path_taken']}) | {v['descriptors']:,} | {_f(v['p50_ms'])} | {_f(v['p99_ms'])} "
+            f"| {_f(v['gb_per_s'])} | {_f(rr.get('speedup_vs_per_page', ''), 1)}x "
+            f"| {_f(100 * rr.get('fraction_of_ceiling', 0), 1)}% |"
+        )
+    lines += ["", "kvservice phases (sender, median us; recv_* on the receiver):", ""]
+    for p, v in kv.items():
+        if "phases_us_median" in v:
+            ph = ", ".join(f"{k} {int(x):,}" for k, x in v["phases_us_median"].items())
+            lines.append(f"- {p}: {ph}; verified={v.get('verified')}")
+    if "auto_vs_best_of_direct_packed" in r:
+        lines.append(f"- auto / best(direct, packed) = {r['auto_vs_best_of_direct_packed']:.2f}")
+    return lines + [""]
+
+
+def _mixed(name: str, j: dict) -> list[str]:
+    lines = [
+        f"### {name} — {_where(j)}",
+        "",
+        f"{j['pages']} pages x {j['layout']['layers']} layers ({j['bytes'] / 2**20:.0f} MiB of KV in all), median of {j['iters']}",
+        "",
+        "| TP | per-token descs | per-token p50 ms | kvservice p50 ms | kvservice p99 ms | kvservice GB/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, e in j["configs"].items():
+        b, kv = e["raw_nixl_per_token"], e["kvservice"]
+        if "p50_ms" in kv:
+            lines.append(
+                f"| {k} | {b['descriptors']:,} | {_f(b['p50_ms'])} | {_f(kv['p50_ms'])} | {_f(kv['p99_ms'])} "
+                f"| {_f(kv['gb_per_s'])} | {_f(e['speedup_vs_per_token'], 1)}x |"
+            )
+        else:
+            lines.append(
+                f"| {k} | {b['descriptors']:,} | {_f(b['p50_ms'])} | FAILED: {kv.get('error', '')[:80]} | | | |"
+            )
+    return lines + [""]
+
+
+def _multi(name: str, j: dict) -> list[str]:
+    w = j["workload"]
+    lines = [
+        f"### {name} — {_where(j)}",
+        "",
+        f"{w['sessions']} prefixes x ~{w['prefix_tokens']:,} tokens + ~{w['suffix_tokens']:,}-token suffixes, "
+        f"{w['requests']} requests, concurrency {w['concurrency']}, {w['layers']} layers",
+        "",
+        "| mode | ok/total | reuse | GiB sent | wire/needed | p50 ms | p99 ms | warm p50 | warm p99 | warm req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, e in j["modes"].items():
+        la, lw = e["latency"], e["latency_warm"]
+        lines.append(
+            f"| {m} | {e['ok']}/{e['requests']} | {100 * e['reuse']:.1f}% | {e['bytes_sent_total'] / 2**30:.2f} "
+            f"| {_f(e['wire_bytes_over_needed'], 3)} | {_f(la.get('p50_ms'))} | {_f(la.get('p99_ms'))} "
+            f"| {_f(lw.get('p50_ms'))} | {_f(lw.get('p99_ms'))} | {_f(e['warm_requests_per_s'], 1)} |"
+        )
+    if j.get("ratios"):
+        lines.append("")
+        lines.append("- " + ", ".join(f"{k} {v:.2f}" for k, v in j["ratios"].items()))
+    return lines + [""]
+
+
+def _control(name: str, j: dict) -> list[str]:
+    lines = [
+        f"### {name} — CPU, shm pools, host {j['meta']['host']} ({j['meta']['cpus']} CPUs, {j['meta']['gpu']})",
+        "",
+        "| call | p50 ms | p99 ms |",
+        "|---|---|---|",
+    ]
+    for k, v in j["rpc"].items():
+        lines.append(f"| {k} | {_f(v['p50_ms'], 3)} | {_f(v['p99_ms'], 3)} |")
+    raw = j["raw_nixl_one_page"]
+    lines.append(f"| raw NIXL one-page write | {_f(raw['p50_ms'], 3)} | {_f(raw['p99_ms'], 3)} |")
+    s = j["sustained"]
+    lines += [
+        "",
+        f"MatchPrefix prompt {j['prompt_tokens']:,} tokens ({j['matched_pages']:,} pages matched); "
+        f"overhead per transfer (e2e p50 - raw p50) {_f(j['overhead_per_transfer_p50_ms'], 3)} ms; "
+        f"sustained {_f(s['transfers_per_s'], 0)} one-page transfers/s with {s['threads']} threads.",
+        "",
+    ]
+    return lines
+
+
+def _goals(runs: dict[str, dict]) -> list[str]:
+    rows = []
+
+    def add(goal: str, run: str, value: str, ok: bool) -> None:
+        rows.append(f"| {goal} | {run} | {value} | {'met' if ok else '**missed**'} |")
+
+    for name, j in runs.items():
+        if j["benchmark"] == "transfer" and j["device"] != "cpu" and "auto" in j["ratios"]:
+            r = j["ratios"]["auto"]
+            one = j["src_gpu"] == j["dst_gpu"]
+            sp, ce = (100, 0.30) if one else (40, 0.85)
+            add(
+                f">= {sp}x per-page", name, f"{r['speedup_vs_per_page']:.1f}x", r["speedup_vs_per_page"] >= sp
+            )
+            add(
+                f">= {ce:.0%} of ceiling",
+                name,
+                f"{r['fraction_of_ceiling']:.1%}",
+                r["fraction_of_ceiling"] >= ce,
+            )
+        if j["benchmark"] == "transfer" and "auto_vs_best_of_direct_packed" in j["ratios"]:
+            x = j["ratios"]["auto_vs_best_of_direct_packed"]
+            add("CPU auto <= best(direct, packed)", name, f"{x:.2f}x of best", x <= 1.0)
+        if j["benchmark"] == "mixed_tp" and j["device"] != "cpu":
+            sps = [e.get("speedup_vs_per_token", 0) for e in j["configs"].values()]
+            add(">= 100x per-token (mixed TP)", name, f"min {min(sps):.0f}x", min(sps) >= 100)
+        if j["benchmark"] == "multiturn":
+            x = max(e["wire_bytes_over_needed"] for e in j["modes"].values())
+            add("wire bytes <= 1.02x unsent", name, f"{x:.3f}x", x <= 1.02)
+        if j["benchmark"] == "control":
+            o = j["overhead_per_transfer_p50_ms"]
+            add("control overhead <= 1 ms p50", name, f"{o:.2f} ms", o <= 1.0)
+            m = j["rpc"]["match_prefix"]["p50_ms"]
+            add("MatchPrefix 131K tokens <= 5 ms p50", name, f"{m:.2f} ms", m <= 5.0)
+    return ["## Goals", "", "| goal | run | value | status |", "|---|---|---|---|", *rows, ""]
+
+
+def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    for name, j in runs.items():
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        if j["benchmark"] == "transfer":
+            labels = list(j["baselines"]) + [
+                f"kvservice {p}" for p, v in j["kvservice"].items() if "p50_ms" in v
+            ]
+            vals = [v["p50_ms"] for v in j["baselines"].values()] + [
+                v["p50_ms"] for v in j["kvservice"].values() if "p50_ms" in v
+            ]
+            ax.barh(
+                labels,
+                vals,
+                color=["#999"] * len(j["baselines"]) + ["#2a7"] * (len(vals) - len(j["baselines"])),
+            )
+            ax.set_xscale("log")
+            ax.set_xlabel("ms (p50, log)")
+        elif j["benchmark"] == "mixed_tp":
+            ks = list(j["configs"])
+            base = [j["configs"][k]["raw_nixl_per_token"]["p50_ms"] for k in ks]
+            kv = [j["configs"][k]["kvservice"].get("p50_ms", 0) for k in ks]
+            x = range(len(ks))
+            ax.bar([i - 0.2 for i in x], base, 0.4, label="raw NIXL per-token", color="#999")
+            ax.bar([i + 0.2 for i in x], kv, 0.4, label="kvservice", color="#2a7")
+            ax.set_xticks(list(x), ks)
+            ax.set_yscale("log")
+            ax.set_ylabel("ms (p50, log)")
+            ax.legend()
+        elif j["benchmark"] == "multiturn":
+            for m, e in j["modes"].items():
+                lat = sorted(r["latency_ms"] for r in e["rows"] if r.get("ok"))
+                ax.plot(
+                    lat,
+                    [(i + 1) / len(lat) for i in range(len(lat))],
+                    label=f"{m} ({e['bytes_sent_total'] / 2**30:.1f} GiB)",
+                )
+            ax.set_xscale("log")
+            ax.set_xlabel("request latency ms (MatchPrefix → DONE)")
+            ax.set_ylabel("CDF")
+            ax.legend()
+        else:
+            ks = list(j["rpc"])
+            ax.bar(ks, [j["rpc"][k]["p50_ms"] for k in ks], label="p50", color="#2a7")
+            ax.bar(
+                ks,
+                [j["rpc"][k]["p99_ms"] - j["rpc"][k]["p50_ms"] for k in ks],
+                bottom=[j["rpc"][k]["p50_ms"] for k in ks],
+                label="p99",
+                color="#ccc",
+            )
+            ax.set_ylabel("ms")
+            ax.legend()
+        ax.set_title(f"{name} ({j['meta']['gpu']})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(d / f"{name}.png", dpi=110)
+        plt.close(fig)
+        made.append(f"{name}.png")
+    return made
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    d = Path(args.results)
+    runs = {k: v for k, v in _load(d).items() if "_small" not in k}
+    for name, j in runs.items():
+        if j["benchmark"] == "transfer":
+            _borrow_baselines(name, j, runs)
+    lines = [
+        "# Benchmark summary",
+        "",
+        GOALS,
+        "",
+        "Generated by `bench/report.py` from the JSON files here (hand-written notes: NOTES.md).",
+        "",
+    ]
+    lines += _goals(runs)
+    notes = d / "NOTES.md"
+    if notes.exists():
+        lines += [notes.read_text(), ""]
+    for kind, title, fn in (
+        ("transfer", "Scattered delta, same TP", _transfer),
+        ("mixed_tp", "Mixed TP", _mixed),
+        ("multiturn", "Multi-turn workload", _multi),
+        ("control", "Control plane", _control),
+    ):
+        sel = {k: v for k, v in runs.items() if v["benchmark"] == kind}
+        if sel:
+            lines += [f"## {title}", ""]
+            for name, j in sel.items():
+                lines += fn(name, j)
+                lines += [f"![{name}]({name}.png)", ""]
+    plots = _plots(d, runs)
+    (d / "SUMMARY.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {d / 'SUMMARY.md'} and {len(plots)} plots")
+
+
+if __name__ == "__main__":
+    main()
