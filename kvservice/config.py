@@ -52,7 +52,9 @@ class Config:
     max_message_mb: int = _opt(64, "Largest gRPC message, MiB.")
     transport: str = _opt("nixl", "Data transport: 'nixl' (UCX; DRAM and VRAM) or 'loopback' (one process).")
     host_staging_mb: int = _opt(256, "Host staging pool, MiB (pinned when CUDA exists).")
-    vram_staging_mb: int = _opt(1024, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets).")
+    vram_staging_mb: int = _opt(
+        2048, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets); bigger = fewer, larger batches."
+    )
     workers_per_peer: int = _opt(4, "Chunks moved to one destination service at once.")
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(

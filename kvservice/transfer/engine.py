@@ -36,29 +36,31 @@ def _warm_kernels(bs: BufferSet) -> None:
     """Compile the Triton pack/unpack specialisations this pool needs, on scratch memory.
 
     NOTE: never on the engine's pages (the service writes only pages a call names); the first
-    transfer would otherwise pay seconds of JIT compilation.
+    transfer would otherwise pay seconds of JIT compilation. Runs on the pool's own device.
     """
     import torch
 
     lay = bs.layout
     dev = bs.k[0].tensor.device
-    pages = 2
-    k = [torch.zeros(pages * lay.page_bytes_k, dtype=torch.uint8, device=dev)]
-    v = [torch.zeros(pages * lay.page_bytes_v, dtype=torch.uint8, device=dev)] if lay.kind == "mha" else None
-    regions = kernels.KVRegions.create(
-        k,
-        v,
-        page_size=lay.page_size,
-        num_heads=lay.local_kv_heads,
-        head_dim_k=lay.head_dim_k,
-        head_dim_v=lay.head_dim_v or None,
-        itemsize=lay.itemsize,
-    )
-    idx = np.array([1], dtype=np.int64)
-    for heads in sorted({lay.local_kv_heads, max(1, lay.local_kv_heads // 2)}):
-        staged = kernels.pack(regions, idx, num_heads=heads)
-        kernels.unpack(regions, staged, idx, num_heads=heads)
-    torch.cuda.synchronize(dev)
+
+    def warm() -> None:
+        k = [torch.zeros(2 * lay.page_bytes_k, dtype=torch.uint8, device=dev)]
+        v = [torch.zeros(2 * lay.page_bytes_v, dtype=torch.uint8, device=dev)] if lay.kind == "mha" else None
+        regions = kernels.KVRegions.create(
+            k,
+            v,
+            page_size=lay.page_size,
+            num_heads=lay.local_kv_heads,
+            head_dim_k=lay.head_dim_k,
+            head_dim_v=lay.head_dim_v or None,
+            itemsize=lay.itemsize,
+        )
+        idx = np.array([1], dtype=np.int64)
+        for heads in sorted({lay.local_kv_heads, max(1, lay.local_kv_heads // 2)}):
+            staged = kernels.pack(regions, idx, num_heads=heads)
+            kernels.unpack(regions, staged, idx, num_heads=heads)
+
+    on_side_stream(dev, warm)
 
 
 def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads: int) -> None:
