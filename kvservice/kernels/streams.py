@@ -31,7 +31,7 @@ def on_side_stream(device: torch.device, fn: Callable[[], Any]) -> Any:
     stream = streams.get(index)
     if stream is None:
         stream = streams[index] = torch.cuda.Stream(device=index)
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(index), torch.cuda.stream(stream):
         result = fn()
     stream.synchronize()
     return result
