@@ -201,6 +201,7 @@ class Mover:
         src = cmap.src[start : start + batch]
         nbytes = per_page * src.size
         self.e.sender.check_live(out)
+        t_start = time.monotonic()
         resp = await peer.call(
             "ReserveStaging",
             peer_pb2.ReserveStagingRequest(
@@ -258,6 +259,16 @@ class Mover:
             pack_us=int((t1 - t0) * 1e6),
             wire_us=int((t2 - t1) * 1e6),
         )
+        if log.isEnabledFor(logging.DEBUG):  # per-batch timeline, ms since the chunk was queued
+            base = chunk.queued
+            log.debug(
+                "packed batch",
+                extra={
+                    "transfer_id": out.rec.transfer_id,
+                    "bytes": nbytes,
+                    "ms": [round((t - base) * 1e3, 3) for t in (t_start, t0, t1, t2, time.monotonic())],
+                },
+            )
 
     @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
