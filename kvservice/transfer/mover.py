@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -170,19 +171,37 @@ class Mover:
         )
 
     async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
-        """Move the chunk in batches that fit a staging slot, ``PIPELINE`` batches in flight so
-        one batch's pack overlaps another's wire and the receiver's unpack."""
+        """Move the chunk in batches that fit a staging slot.
+
+        ``PIPELINE`` batches are in reserve → pack → wire at once; a batch's CommitChunk (the
+        receiver's unpack) runs outside that window, so it overlaps the next batches. The chunk
+        ends when every commit was acknowledged.
+        """
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
         per_page = kernels.packed_nbytes(regions, 1, target.route.num_heads)
         batch = max(1, min(cmap.num_pages, (pool.capacity_bytes // (PIPELINE + 1)) // per_page))
         window = asyncio.Semaphore(PIPELINE)
+        commits: list[asyncio.Task[None]] = []
+        failed: list[BaseException] = []
 
         async def one(start: int) -> None:
             async with window:
-                await self._packed_batch(out, target, chunk, cmap, start, batch, per_page)
+                if failed:  # a sibling failed: start nothing new
+                    return
+                try:
+                    commit = await self._packed_batch(out, target, chunk, cmap, start, batch, per_page)
+                except BaseException as exc:
+                    failed.append(exc)
+                    raise
+            commits.append(asyncio.ensure_future(commit))
 
-        await asyncio.gather(*(one(s) for s in range(0, cmap.num_pages, batch)))
+        # NOTE: every batch runs to a settled end (no cancellation mid-write), then errors surface.
+        await asyncio.gather(*(one(s) for s in range(0, cmap.num_pages, batch)), return_exceptions=True)
+        done = await asyncio.gather(*commits, return_exceptions=True)
+        errors = failed + [r for r in done if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
 
     async def _packed_batch(
         self,
@@ -193,7 +212,8 @@ class Mover:
         start: int,
         batch: int,
         per_page: int,
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
+        """Reserve, pack and write one batch; returns its (not yet awaited) commit."""
         plan, route = target.plan, target.route
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
@@ -245,30 +265,34 @@ class Mover:
         except BaseException:
             await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)
             raise
-        await self._commit(
-            out,
-            target,
-            chunk,
-            cmap.positions[start : start + batch],
-            nbytes,
-            0,
-            1,
-            "PACKED",
-            resp.slot_id,
-            False,
-            pack_us=int((t1 - t0) * 1e6),
-            wire_us=int((t2 - t1) * 1e6),
-        )
-        if log.isEnabledFor(logging.DEBUG):  # per-batch timeline, ms since the chunk was queued
-            base = chunk.queued
-            log.debug(
-                "packed batch",
-                extra={
-                    "transfer_id": out.rec.transfer_id,
-                    "bytes": nbytes,
-                    "ms": [round((t - base) * 1e3, 3) for t in (t_start, t0, t1, t2, time.monotonic())],
-                },
+
+        async def commit() -> None:
+            await self._commit(
+                out,
+                target,
+                chunk,
+                cmap.positions[start : start + batch],
+                nbytes,
+                0,
+                1,
+                "PACKED",
+                resp.slot_id,
+                False,
+                pack_us=int((t1 - t0) * 1e6),
+                wire_us=int((t2 - t1) * 1e6),
             )
+            if log.isEnabledFor(logging.DEBUG):  # per-batch timeline, ms since the chunk was queued
+                base = chunk.queued
+                log.debug(
+                    "packed batch",
+                    extra={
+                        "transfer_id": out.rec.transfer_id,
+                        "bytes": nbytes,
+                        "ms": [round((t - base) * 1e3, 3) for t in (t_start, t0, t1, t2, time.monotonic())],
+                    },
+                )
+
+        return commit()
 
     @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
