@@ -109,12 +109,56 @@ def bench(total_pages: int, iters: int) -> dict[str, object]:
 
 
 def grpc_match_prefix(iters: int) -> dict[str, object] | str:
-    """MatchPrefix through gRPC against an in-process server (filled in once the server exists)."""
+    """MatchPrefix of a 131,072-token prompt (8,192 pages, all held) through gRPC over the UDS.
+
+    A real ``python -m kvservice`` process; the client sends the token ids (packed u32) and the
+    service hashes them, walks the index and returns 8,192 page indices.
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    from kvservice_client import Client, Layout, ShmKVPool
+
+    sock = pathlib.Path(tempfile.mkdtemp(prefix="kvs-bench-")) / "kv.sock"
+    env = {**os.environ, "KVSERVICE_LOG_LEVEL": "WARNING", "KVSERVICE_TRANSPORT": "loopback"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvservice", "--uds-path", str(sock)], env=env, stdout=subprocess.DEVNULL
+    )
+    layout = Layout.mha(
+        num_layers=1,
+        page_size=PAGE_SIZE,
+        num_pages=PROMPT_TOKENS // PAGE_SIZE,
+        total_kv_heads=1,
+        head_dim=8,
+        dtype="float16",
+    )
     try:
-        from kvservice.server.app import build_server  # noqa: F401
-    except ImportError as e:
-        return f"skipped: {e}"
-    return "skipped: not wired yet (see bench_index.grpc_match_prefix)"
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                return "skipped: service did not start"
+            time.sleep(0.05)
+        tokens = np.random.default_rng(1).integers(0, 2**31, PROMPT_TOKENS, dtype=np.uint32)
+        with ShmKVPool.create(layout) as pool, Client(f"unix:{sock}") as kv:
+            bs = kv.register_buffers(layout, pool.k_regions, pool.v_regions).buffer_set_id
+            kv.publish_pages(bs, np.arange(layout.num_pages), tokens=tokens)
+            for _ in range(20):
+                kv.match_prefix(tokens=tokens, page_size=PAGE_SIZE)
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                m = kv.match_prefix(tokens=tokens, page_size=PAGE_SIZE)
+                times.append((time.perf_counter() - t0) * 1e3)
+            assert m.best is not None and m.best.matched_pages == layout.num_pages
+        return {
+            "p50_ms": float(np.percentile(times, 50)),
+            "p99_ms": float(np.percentile(times, 99)),
+            "n": iters,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 def main() -> None:
