@@ -94,7 +94,7 @@ def test_unbuilt_rpcs_answer_unimplemented(server) -> None:
 
 
 def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
-    """`python -m kvservice` exits 0 on SIGTERM, reports NOT_SERVING while draining, removes its socket."""
+    """`python -m kvservice` exits 0 on SIGTERM after draining and removes its socket."""
     sock = tmp_path / "kv.sock"
     env = {**os.environ, "KVSERVICE_LOG_FORMAT": "text", "KVSERVICE_GRACE_PERIOD_S": "2"}
     proc = subprocess.Popen(
