@@ -58,7 +58,11 @@ _STATE = {
     for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED")
 }
 _ROLE = {"SENDER": kvservice_pb2.TRANSFER_ROLE_SENDER, "RECEIVER": kvservice_pb2.TRANSFER_ROLE_RECEIVER}
-_PATH = {"AUTO": 0, "DIRECT": 1, "PACKED": 2}
+_PATH = {
+    "AUTO": common_pb2.TRANSFER_PATH_AUTO,
+    "DIRECT": common_pb2.TRANSFER_PATH_DIRECT,
+    "PACKED": common_pb2.TRANSFER_PATH_PACKED,
+}
 
 
 def transfer_status(r: Record) -> kvservice_pb2.TransferStatus:

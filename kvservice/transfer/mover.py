@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from kvservice_client import Layout
-from kvservice_client._proto import peer_pb2
+from kvservice_client._proto import common_pb2, peer_pb2
 
 from .. import kernels
 from ..buffers import BufferSet
@@ -32,7 +32,7 @@ from .transport import RemoteDescList, Transport, XferHandle
 __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
-_PATH_PB = {"DIRECT": 1, "PACKED": 2}
+_PATH_PB = {"DIRECT": common_pb2.TRANSFER_PATH_DIRECT, "PACKED": common_pb2.TRANSFER_PATH_PACKED}
 PIPELINE = 3  # packed batches of one chunk in flight at once
 
 

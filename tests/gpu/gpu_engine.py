@@ -55,7 +55,9 @@ def main() -> None:
             hb = lay.head_dim_k * lay.itemsize  # type: ignore[union-attr]
             out["sums"] = [
                 t.view(lay.num_pages, lay.page_size, lay.local_kv_heads, hb)[pages]  # type: ignore[union-attr]
-                .to(torch.int64).sum(dim=(1, 3)).tolist()
+                .to(torch.int64)
+                .sum(dim=(1, 3))
+                .tolist()
                 for t in k + v
             ]
         elif op == "check_fill":
@@ -67,8 +69,13 @@ def main() -> None:
             out["named_ok"] = bool((t[mask] == cmd["value"]).all())
             out["others_zero"] = bool((t[~mask] == 0).all())
         elif op == "expect":
-            st = kv.expect_delta(cmd["tid"], bs, prefix_pages=cmd["prefix"], dst_page_indices=cmd["dst"],  # type: ignore[union-attr]
-                                 deadline_ms=cmd.get("deadline_ms", 0))
+            st = kv.expect_delta(
+                cmd["tid"],
+                bs,
+                prefix_pages=cmd["prefix"],
+                dst_page_indices=cmd["dst"],  # type: ignore[union-attr]
+                deadline_ms=cmd.get("deadline_ms", 0),
+            )
             out["state"] = st.state
         elif op == "send":
             st = kv.send_delta(

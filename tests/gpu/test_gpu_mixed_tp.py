@@ -33,7 +33,9 @@ def test_mixed_tp_heads_land_at_their_offsets(services, p: int, d: int) -> None:
         assert all(s["state"] == "DONE" for s in states), states
         # global head g of page i: sender rank g // (8/p), local g % (8/p)
         ls, ld = 8 // p, 8 // d
-        src_sums = [np.array(e(op="head_sums", pages=src)["sums"]) for e in senders]  # [rank][region][page][head]
+        src_sums = [
+            np.array(e(op="head_sums", pages=src)["sums"]) for e in senders
+        ]  # [rank][region][page][head]
         dst_sums = [np.array(e(op="head_sums", pages=dst)["sums"]) for e in receivers]
         for g in range(8):
             np.testing.assert_array_equal(dst_sums[g // ld][:, :, g % ld], src_sums[g // ls][:, :, g % ls])

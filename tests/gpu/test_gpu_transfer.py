@@ -77,7 +77,8 @@ def test_scattered_delta_lands_byte_for_byte(services, path: str) -> None:
 
 
 @pytest.mark.skipif(
-    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs"
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="needs 2 GPUs",
 )
 @pytest.mark.parametrize("path", ["auto", "packed"])
 def test_cross_gpu_delta(services, path: str) -> None:

@@ -150,7 +150,7 @@ class Layout:
 
     def to_proto(self) -> common_pb2.Layout:
         return common_pb2.Layout(
-            kind=_KIND_PB.get(self.kind, 0),
+            kind=_KIND_PB.get(self.kind, common_pb2.BUFFER_KIND_UNSPECIFIED),
             num_layers=self.num_layers,
             page_size=self.page_size,
             num_pages=self.num_pages,
@@ -158,7 +158,7 @@ class Layout:
             local_kv_heads=self.local_kv_heads,
             head_dim_k=self.head_dim_k,
             head_dim_v=self.head_dim_v,
-            dtype=_DTYPE_PB.get(self.dtype, 0),
+            dtype=_DTYPE_PB.get(self.dtype, common_pb2.DTYPE_UNSPECIFIED),
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             dp_rank=self.dp_rank,
