@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import socket
 import time
 from typing import Any
@@ -43,7 +44,9 @@ class Node:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.service_id = f"{config.service_name or socket.gethostname()}-{int(time.time() * 1000) % 10**9}"
+        # NOTE: random, not time-based: two services started in the same millisecond must differ
+        # (a peer with our own id is treated as ourselves, and it names the NIXL agent).
+        self.service_id = f"{config.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
         self.started = time.monotonic()
         self.sessions = SessionRegistry()
         self.buffers = BufferRegistry()
