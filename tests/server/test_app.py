@@ -122,3 +122,32 @@ def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_health_cli_exit_codes(server, tmp_path: Path) -> None:
+    """`kvservice health` (the Docker/Kubernetes probe) exits 0 on SERVING and 1 when unreachable."""
+    ok = subprocess.run(
+        [sys.executable, "-m", "kvservice", "health", "--address", server.address],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvservice",
+            "health",
+            "--address",
+            f"unix:{tmp_path}/none.sock",
+            "--timeout",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "unhealthy" in bad.stderr
