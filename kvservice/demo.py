@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,27 +31,27 @@ LAYOUT_ARGS = dict(
 )
 
 
-def _fill(pool: Any, pages: np.ndarray, hashes: np.ndarray) -> None:
-    """Write the synthetic KV of sequence pages (content = f(prefix hash, layer, K/V))."""
+def _content(pool: Any, hashes: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Synthetic KV per layer, (layer, K bytes, V bytes): a function of each page's prefix hash."""
     words = pool.layout.page_bytes_k // 8
     base = hashes.astype(np.uint64)[:, None] ^ np.arange(words, dtype=np.uint64)[None, :]
     for layer in range(pool.layout.num_layers):  # per layer, vectorised over pages
         salt = np.uint64(0x9E3779B97F4A7C15 * (layer + 1) % 2**64)
-        pool.k(layer)[pages] = (base ^ salt).view(np.uint8)
-        pool.v(layer)[pages] = (base ^ ~salt).view(np.uint8)
+        yield layer, (base ^ salt).view(np.uint8), (base ^ ~salt).view(np.uint8)
+
+
+def _fill(pool: Any, pages: np.ndarray, hashes: np.ndarray) -> None:
+    """Write the synthetic KV of sequence pages ("prefill")."""
+    for layer, k, v in _content(pool, hashes):
+        pool.k(layer)[pages] = k
+        pool.v(layer)[pages] = v
 
 
 def _expected_ok(pool: Any, pages: np.ndarray, hashes: np.ndarray) -> bool:
-    words = pool.layout.page_bytes_k // 8
-    base = hashes.astype(np.uint64)[:, None] ^ np.arange(words, dtype=np.uint64)[None, :]
-    for layer in range(pool.layout.num_layers):
-        salt = np.uint64(0x9E3779B97F4A7C15 * (layer + 1) % 2**64)
-        if not (
-            np.array_equal(pool.k(layer)[pages], (base ^ salt).view(np.uint8))
-            and np.array_equal(pool.v(layer)[pages], (base ^ ~salt).view(np.uint8))
-        ):
-            return False
-    return True
+    return all(
+        np.array_equal(pool.k(layer)[pages], k) and np.array_equal(pool.v(layer)[pages], v)
+        for layer, k, v in _content(pool, hashes)
+    )
 
 
 def _engine(role: str, address: str, conn: Any) -> None:

@@ -19,8 +19,10 @@ try:
 
     _jit = numba.njit(cache=True, nogil=True)
 except ImportError:  # NOTE: pure-Python fallback, same results, far slower; numba is a dependency
+
     def _jit(fn):  # type: ignore[no-untyped-def]
         return fn
+
 
 PARENT, CHILD, NEXT, PREV, PAGE, PRIO, PINS, EPOCH = range(8)
 NCOLS = 8

@@ -42,7 +42,7 @@ class App:
 
     server: grpc.aio.Server
     node: Node
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     uds_path: str
     tcp_port: int
     metrics: Metrics | None = None
@@ -110,7 +110,7 @@ def build_server(config: Config) -> App:
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
     peer_servicer = KVPeerServicer(node)
     peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (

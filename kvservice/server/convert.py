@@ -18,7 +18,7 @@ from ..transfer.records import Record
 if TYPE_CHECKING:
     from ..transfer.engine import TransferEngine
 
-__all__ = ["buffer_set_info", "layout", "session_of", "token_ids"]
+__all__ = ["STATE_PB", "buffer_set_info", "layout", "session_of", "token_ids", "transfer_status"]
 
 
 def layout(pb: common_pb2.Layout, field: str = "layout") -> Layout:
@@ -53,7 +53,7 @@ def buffer_set_info(bs: BufferSet, indexed_pages: int) -> kvservice_pb2.BufferSe
     )
 
 
-_STATE = {
+STATE_PB = {
     s: getattr(common_pb2, f"TRANSFER_STATE_{s}")
     for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED")
 }
@@ -71,7 +71,7 @@ def transfer_status(r: Record) -> kvservice_pb2.TransferStatus:
         transfer_id=r.transfer_id,
         role=_ROLE[r.role],
         buffer_set_id=r.buffer_set_id,
-        state=_STATE[r.state],
+        state=STATE_PB[r.state],
         bytes_sent=r.bytes_sent,
         pages_sent=r.pages_sent,
         pages_skipped=r.pages_skipped,

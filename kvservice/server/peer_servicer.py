@@ -13,7 +13,7 @@ from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 from ..buffers import MappedRegion
 from ..errors import Aborted, KVServiceError, NotFound
 from ..node import VERSION, Node
-from .convert import _STATE
+from .convert import STATE_PB
 from .errors import grpc_errors
 
 __all__ = ["KVPeerServicer"]
@@ -105,7 +105,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             held = inc.slots.pop(request.staging_slot, None)
             if held is not None:
                 held[0].release(held[1])
-            return peer_pb2.CommitChunkResponse(state=_STATE[inc.rec.state])
+            return peer_pb2.CommitChunkResponse(state=STATE_PB[inc.rec.state])
         positions = np.asarray(request.positions, dtype=np.int64)
         try:
             if request.path == 2 and positions.size:
@@ -136,7 +136,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             raise
         if e.receiver.complete_if_done(inc):
             e.publish_received(inc)
-        return peer_pb2.CommitChunkResponse(state=_STATE[inc.rec.state])
+        return peer_pb2.CommitChunkResponse(state=STATE_PB[inc.rec.state])
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:

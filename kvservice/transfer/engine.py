@@ -125,6 +125,9 @@ class TransferEngine:
         if reg is not None:
             self.transport.deregister(reg)
 
+    def _pools(self) -> list[StagingPool]:
+        return [self.host_pool, *self.vram_pools.values()]
+
     def pool_for(self, bs: BufferSet) -> StagingPool:
         if bs.memory != "cuda_ipc":
             return self.host_pool
@@ -354,14 +357,14 @@ class TransferEngine:
 
     def local_view(self, addr: int, nbytes: int) -> Any:
         """The bytes ``[addr, addr+nbytes)`` of one of our staging pools (same-node transfers)."""
-        for pool in [self.host_pool, *self.vram_pools.values()]:
+        for pool in self._pools():
             base = pool.buffer.data_ptr()
             if base <= addr and addr + nbytes <= base + pool.capacity_bytes:
                 return pool.buffer[addr - base : addr - base + nbytes]
         raise NotFound(f"staging address {addr:#x} is not in this service's pools")
 
     def staging_stats(self) -> list[Any]:
-        return [pool.stats() for pool in [self.host_pool, *self.vram_pools.values()]]
+        return [pool.stats() for pool in self._pools()]
 
     def in_flight(self) -> int:
         return self.table.in_flight()
@@ -413,6 +416,6 @@ class TransferEngine:
             self._reaper.cancel()
         await self.abort_all("service shutting down")
         await self.peers.close()
-        for pool in [self.host_pool, *self.vram_pools.values()]:
+        for pool in self._pools():
             pool.close()
         self.transport.close()

@@ -22,6 +22,7 @@ from kvservice_client._proto import common_pb2, peer_pb2
 from .. import kernels
 from ..buffers import BufferSet
 from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
+from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
@@ -68,8 +69,6 @@ class Mover:
         targets = []
         for plan in resp.plans:
             r = plan.route
-            from ..kernels.heads import HeadRoute
-
             route = HeadRoute(
                 out.bs.layout.tp_rank,
                 plan.dst_layout.tp_rank,
@@ -237,30 +236,25 @@ class Mover:
                 t0 = time.monotonic()
                 await asyncio.to_thread(self._pack, regions, src, dst_view, route)
                 t1 = t2 = time.monotonic()
-            elif dst_view is not None:  # same node, another GPU: pack here, one device-to-device copy
-                async with pool.slot(nbytes, out.rec.deadline) as slot:
-                    self.e.sender.check_live(out)
-                    t0 = time.monotonic()
-                    await asyncio.to_thread(self._pack, regions, src, pool.view(slot), route)
-                    t1 = time.monotonic()
-                    await asyncio.to_thread(_copy, dst_view, pool.view(slot))
-                t2 = time.monotonic()
             else:
                 async with pool.slot(nbytes, out.rec.deadline) as slot:
                     self.e.sender.check_live(out)
                     t0 = time.monotonic()
                     await asyncio.to_thread(self._pack, regions, src, pool.view(slot), route)
                     t1 = time.monotonic()
-                    h = await asyncio.to_thread(
-                        self.transport.write_descs,
-                        peer.agent,
-                        np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
-                        np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
-                        None,
-                        "VRAM" if pool.kind == "vram" else "DRAM",
-                        resp.mem_kind or "DRAM",
-                    )
-                    await self._await(out, h)
+                    if dst_view is not None:  # same node, another GPU: one device-to-device copy
+                        await asyncio.to_thread(_copy, dst_view, pool.view(slot))
+                    else:
+                        h = await asyncio.to_thread(
+                            self.transport.write_descs,
+                            peer.agent,
+                            np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
+                            np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
+                            None,
+                            "VRAM" if pool.kind == "vram" else "DRAM",
+                            resp.mem_kind or "DRAM",
+                        )
+                        await self._await(out, h)
                 t2 = time.monotonic()
         except BaseException:
             await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)

@@ -42,23 +42,23 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.KVServiceError]] = {
 }
 
 
-def peer_error(address: str, exc: grpc.RpcError) -> errors.KVServiceError:
-    """A KVPeer call's failure as our error (the peer's message kept, its address added)."""
-    code = exc.code()
-    msg = f"peer {address}: {exc.details() or code.name}"
+def _peer_status_error(code: grpc.StatusCode, msg: str) -> errors.KVServiceError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.FailedPrecondition(msg)  # the peer rejected what *we* sent: not the caller's field
     return _BY_CODE.get(code, errors.Unavailable)(msg)
+
+
+def peer_error(address: str, exc: grpc.RpcError) -> errors.KVServiceError:
+    """A KVPeer call's failure as our error (the peer's message kept, its address added)."""
+    code = exc.code()
+    return _peer_status_error(code, f"peer {address}: {exc.details() or code.name}")
 
 
 class _LocalContext:
     """The slice of a grpc.aio ServicerContext the KVPeer servicer uses, for in-process calls."""
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        cls = _BY_CODE.get(code, errors.KVServiceError)
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            cls = errors.FailedPrecondition
-        raise cls(details)
+        raise _peer_status_error(code, details)
 
     def invocation_metadata(self) -> tuple[()]:
         return ()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 from kvservice_client import Layout
@@ -64,9 +65,9 @@ def routes_for(src: Layout, dst_tp: int) -> list[HeadRoute]:
 class Receiver:
     """All declarations of this service; every method runs on the event loop."""
 
-    def __init__(self, table: TransferTable, pool_for: object) -> None:
+    def __init__(self, table: TransferTable, pool_for: Callable[[BufferSet], StagingPool]) -> None:
         self.table = table
-        self._pool_for = pool_for  # callable(BufferSet) -> StagingPool
+        self._pool_for = pool_for
         self.incoming: dict[tuple[str, str], Incoming] = {}  # (transfer_id, bs_id)
         self._declared = asyncio.Condition()
 
@@ -101,7 +102,7 @@ class Receiver:
         deadline = time.monotonic() + wait_s
 
         def ready() -> list[tuple[Incoming, HeadRoute]] | None:
-            live = [i for i in self.of(transfer_id)]
+            live = self.of(transfer_id)
             if not live:
                 return None
             dst_tp = live[0].bs.layout.tp_size
@@ -158,7 +159,7 @@ class Receiver:
     # -- ReserveStaging ----------------------------------------------------------------------
     async def reserve(self, transfer_id: str, bs_id: str, nbytes: int) -> tuple[StagingPool, Slot]:
         inc = self.get(transfer_id, bs_id)
-        pool: StagingPool = self._pool_for(inc.bs)  # type: ignore[operator]
+        pool = self._pool_for(inc.bs)
         slot = await pool.reserve(nbytes, inc.rec.deadline)
         if inc.rec.terminal:  # aborted while we waited
             pool.release(slot)
