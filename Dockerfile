@@ -1,27 +1,93 @@
 # syntax=docker/dockerfile:1
-# Multi-stage build of kvservice from this repository; runs as a non-root user.
-# GPU nodes: build FROM a CUDA runtime image instead (ARG BASE) and run with --ipc=host --gpus all.
-ARG BASE=python:3.12-slim
+# kvservice images, two variants from one file (multi-stage; the final stages hold no compilers,
+# pip caches or sources):
+#
+#   CPU (default):  docker build --target cpu -t kvservice:cpu .
+#     torch is Debian's CPU build (python3-torch), so no CUDA library is in the image; NIXL moves
+#     DRAM over UCX. For CPU nodes, CI and demos.
+#   GPU:            docker build --target gpu --build-arg GPU_BASE=<image with python3> -t kvservice:gpu .
+#     torch, triton, cupy and NIXL from PyPI (their wheels carry the CUDA user-space libraries;
+#     the driver comes from the host through the NVIDIA container runtime).
+#
+# Both run as uid 10001 (or any uid with gid 0: files are group-0 readable, nothing is written
+# under /opt), with a read-only root filesystem: only the socket dir (/run/kvservice) and /tmp must
+# be writable. JIT caches (numba; Triton on GPU) go to $KVSERVICE_CACHE_DIR (under /tmp unless a
+# volume is mounted there), never into site-packages. scripts/image-smoke.sh proves all of it.
+ARG BASE=debian:trixie-slim
+ARG GPU_BASE=${BASE}
 
-FROM ${BASE} AS build
+# ---- CPU ------------------------------------------------------------------------------------
+FROM ${BASE} AS cpu-runtime-base
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-torch ca-certificates \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log
+
+FROM cpu-runtime-base AS cpu-build
+# Optional CA bundle for pip behind a TLS-inspecting proxy (mounted at build time, not kept).
+ARG PIP_CERT
 WORKDIR /src
 COPY clients/python clients/python
 COPY pyproject.toml README.md ./
 COPY kvservice kvservice
-RUN python -m venv /opt/kvservice \
+# NOTE: --system-site-packages so Debian's CPU torch satisfies the torch requirement (PyPI's x86_64
+# torch wheels are CUDA builds that pull ~3 GB of CUDA libraries). nixl's meta package depends
+# on both CUDA flavours; without CUDA it loads nixl_cu13, so nixl-cu12 is removed.
+RUN python3 -m venv --system-site-packages /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python . \
+ && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \
  && /opt/kvservice/bin/kvservice --help >/dev/null
 
-FROM ${BASE}
-RUN groupadd --system kvservice && useradd --system --gid kvservice --home /var/lib/kvservice kvservice \
- && mkdir -p /run/kvservice && chown kvservice:kvservice /run/kvservice
-COPY --from=build /opt/kvservice /opt/kvservice
+FROM cpu-runtime-base AS cpu
+COPY --from=cpu-build --chmod=g=u /opt/kvservice /opt/kvservice
+COPY --chmod=0755 deploy/compose/engine.py /opt/engine/engine.py
+RUN useradd --system --uid 10001 --gid 0 --home-dir /tmp --no-create-home kvservice \
+ && mkdir -p /run/kvservice && chown 10001:0 /run/kvservice && chmod 0770 /run/kvservice
 ENV PATH=/opt/kvservice/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
     KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
     KVSERVICE_TCP_ADDRESS=0.0.0.0:50051 \
     KVSERVICE_METRICS_PORT=9400
-USER kvservice
+USER 10001
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD ["kvservice", "health", "--address", "unix:/run/kvservice/kvservice.sock"]
 ENTRYPOINT ["kvservice", "serve"]
+
+# ---- GPU ------------------------------------------------------------------------------------
+FROM ${GPU_BASE} AS gpu-runtime-base
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log
+
+FROM gpu-runtime-base AS gpu-build
+ARG PIP_CERT
+WORKDIR /src
+COPY clients/python clients/python
+COPY pyproject.toml README.md ./
+COPY kvservice kvservice
+RUN python3 -m venv /opt/kvservice \
+ && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python ".[gpu]" \
+ && /opt/kvservice/bin/pip uninstall -y pip \
+ && /opt/kvservice/bin/kvservice --help >/dev/null
+
+FROM gpu-runtime-base AS gpu
+COPY --from=gpu-build --chmod=g=u /opt/kvservice /opt/kvservice
+RUN useradd --system --uid 10001 --gid 0 --home-dir /tmp --no-create-home kvservice \
+ && mkdir -p /run/kvservice && chown 10001:0 /run/kvservice && chmod 0770 /run/kvservice
+ENV PATH=/opt/kvservice/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
+    KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
+    KVSERVICE_TCP_ADDRESS=0.0.0.0:50051 \
+    KVSERVICE_METRICS_PORT=9400
+USER 10001
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+  CMD ["kvservice", "health", "--address", "unix:/run/kvservice/kvservice.sock"]
+ENTRYPOINT ["kvservice", "serve"]
+
+# The default target (a plain `docker build .`) is the CPU image.
+FROM cpu

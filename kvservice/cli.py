@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 
@@ -63,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvservice: invalid configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    if config.cache_dir:  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
+        os.environ["KVSERVICE_CACHE_DIR"] = config.cache_dir
+    from kvservice_client import jit_cache
+
+    jit_cache.configure()
     from .server import serve
 
     _run(serve(config))

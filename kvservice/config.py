@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kvservice_client._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 
 __all__ = ["Config", "ConfigError", "load_config"]
 
@@ -47,7 +48,17 @@ class Config:
     hash_seed: int = _opt(0, "Seed of the canonical page hash (XXH3-64); must match clients.")
     max_lease_ttl_ms: int = _opt(600_000, "Largest lease a MatchPrefix call may ask for.")
     session_grace_s: float = _opt(
-        0.0, "Seconds a session's resources outlive its stream before they are released."
+        5.0,
+        "Seconds a session outlives a broken session stream (the client resumes it meanwhile); "
+        "then its buffer sets, leases and transfers are released. Also bounds how long a killed "
+        "engine's resources stay.",
+    )
+    keepalive_time_ms: int = _opt(10_000, "Server pings an idle client this often to find dead ones (ms).")
+    keepalive_timeout_ms: int = _opt(5_000, "A ping unanswered this long closes the connection (ms).")
+    keepalive_min_ping_interval_ms: int = _opt(
+        5_000,
+        "Clients may ping this often without data (ms); the SDK pings every 10 s. Pings closer "
+        "together count as strikes and the connection is cut after two.",
     )
     max_message_mb: int = _opt(64, "Largest gRPC message, MiB.")
     transport: str = _opt("nixl", "Data transport: 'nixl' (UCX; DRAM and VRAM) or 'loopback' (one process).")
@@ -62,6 +73,11 @@ class Config:
         "KV-event streams to ingest, as a JSON list (a YAML list in --config): each "
         '{"engine_id", "endpoint", "page_size", optional "replay_endpoint", "topic", "dp_rank", '
         '"scheme": "canonical"|"engine"}.',
+    )
+    cache_dir: str = _opt(
+        "",
+        "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
+        "package. Default: $XDG_CACHE_HOME/kvservice, else <tmp>/kvservice-<uid>.",
     )
     metrics_port: int = _opt(0, "Prometheus metrics port (0: off; -1: pick a free one).")
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR.")
@@ -91,6 +107,9 @@ class Config:
             raise ConfigError("max_lease_ttl_ms: must be > 0")
         if self.session_grace_s < 0:
             raise ConfigError("session_grace_s: must be >= 0")
+        for name in ("keepalive_time_ms", "keepalive_timeout_ms", "keepalive_min_ping_interval_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0")
         if not 1 <= self.max_message_mb <= 2047:
             raise ConfigError("max_message_mb: must be in 1..2047")
         if self.transport not in ("nixl", "loopback"):
@@ -146,6 +165,17 @@ class Config:
                 raise ConfigError(f"kv_events[{i}].engine_id: duplicate {st['engine_id']!r}")
             seen.add(st["engine_id"])
         return streams
+
+    @property
+    def keepalive(self) -> KeepalivePolicy:
+        """The keepalive policy of every listener and peer client (see kvservice_client._keepalive)."""
+        return dataclasses.replace(
+            DEFAULT_KEEPALIVE,
+            server_time_ms=self.keepalive_time_ms,
+            timeout_ms=self.keepalive_timeout_ms,
+            min_recv_ping_interval_ms=self.keepalive_min_ping_interval_ms,
+            time_ms=max(DEFAULT_KEEPALIVE.time_ms, 2 * self.keepalive_min_ping_interval_ms),
+        )
 
     @property
     def uds_mode_int(self) -> int:

@@ -49,6 +49,7 @@ class Node:
         self.service_id = f"{config.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
         self.started = time.monotonic()
         self.sessions = SessionRegistry()
+        self._session_timers: set[asyncio.Task[None]] = set()
         self.buffers = BufferRegistry()
         self.index = PrefixIndex()
         self.transfers: Any = None
@@ -150,14 +151,40 @@ class Node:
         return self.index.evict(buffer_set_id, page_indices)
 
     # -- sessions --------------------------------------------------------------------------
-    def open_session(self, client_name: str) -> Session:
+    def open_session(self, client_name: str, resume_session_id: str = "") -> tuple[Session, int]:
+        """Open a session, or attach a new stream to ``resume_session_id``; returns (session, epoch)."""
+        if resume_session_id:
+            return self.sessions.resume(resume_session_id)
         return self.sessions.open(client_name)
 
-    async def close_session(self, session_id: str) -> None:
-        """End a session: abort its transfers (settled), then release its leases and buffers."""
+    def session_stream_ended(self, session_id: str, epoch: int) -> None:
+        """The session stream of ``epoch`` broke: release only if no resume comes within the grace.
+
+        Runs as a task of its own, not in the stream's (cancelled) handler.
+        """
+        if not self.sessions.detach(session_id, epoch):
+            return
+
+        async def expire() -> None:
+            await asyncio.sleep(self.config.session_grace_s)
+            await self.close_session(session_id, "grace_expired", epoch)
+
+        task = asyncio.get_running_loop().create_task(expire())
+        self._session_timers.add(task)
+        task.add_done_callback(self._session_timers.discard)
+
+    async def close_session(self, session_id: str, reason: str = "closed", epoch: int | None = None) -> bool:
+        """End a session: abort its transfers (settled), then release its leases and buffers.
+
+        With ``epoch``: only if still detached since that stream ended (see SessionRegistry.take).
+        """
+        session = self.sessions.take(session_id, reason, epoch)
+        if session is None:
+            return False
         if self.transfers is not None:
             await self.transfers.release_session(session_id)
-        self.sessions.close(session_id)
+        self.sessions.release(session, reason)
+        return True
 
     def _release_session(self, session_id: str) -> None:
         self.index.release_owner(session_id)
@@ -244,6 +271,8 @@ class Node:
     async def close(self) -> None:
         for sub in self.event_subscribers:
             sub.stop()
+        for task in list(self._session_timers):
+            task.cancel()
         for sid in self.sessions.ids():
             await self.close_session(sid)
         if self.transfers is not None:

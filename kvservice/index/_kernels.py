@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    import numba
+    from kvservice_client.jit_cache import njit
 
-    _jit = numba.njit(cache=True, nogil=True)
+    _jit = njit(nogil=True)
 except ImportError:  # NOTE: pure-Python fallback, same results, far slower; numba is a dependency
 
     def _jit(fn):  # type: ignore[no-untyped-def]

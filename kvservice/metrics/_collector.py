@@ -42,11 +42,32 @@ class NodeCollector(Collector):
         )
         info.add_metric((self._version, str(self._node.service_id), self._node.config.transport), 1)
         yield info
-        for part in (self._transfers, self._staging, self._index):
+        for part in (self._sessions, self._transfers, self._staging, self._index):
             try:
                 yield from part()
             except Exception:
                 log.exception("metrics: reading %s failed", part.__name__.strip("_"))
+
+    def _sessions(self) -> Iterator[Metric]:
+        reg = self._node.sessions
+        open_ = GaugeMetricFamily("kvservice_sessions", "Open engine sessions by state.", labels=("state",))
+        detached = reg.detached_count()
+        open_.add_metric(("attached",), len(reg) - detached)
+        open_.add_metric(("detached",), detached)
+        yield open_
+        yield CounterMetricFamily(
+            "kvservice_session_resumes", "Session streams resumed after a transport break.", value=reg.resumes
+        )
+        lost = CounterMetricFamily(
+            "kvservice_sessions_lost",
+            "Sessions released without a CloseSession (e.g. not resumed within the grace period).",
+            labels=("reason",),
+        )
+        lost.add_metric(("grace_expired",), reg.lost.get("grace_expired", 0))
+        for reason, n in sorted(reg.lost.items()):
+            if reason != "grace_expired":
+                lost.add_metric((reason,), n)
+        yield lost
 
     def _transfers(self) -> Iterator[Metric]:
         engine = self._node.transfers

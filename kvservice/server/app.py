@@ -19,7 +19,7 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvservice_client._client import channel_options
+from kvservice_client._client import message_size_options
 from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 from ..config import Config
@@ -104,8 +104,10 @@ def build_server(config: Config) -> App:
     """Create the server and bind its ports (call ``await app.start()`` next)."""
     node = Node(config)
     metrics = Metrics(node)
+    # NOTE: one keepalive policy for every listener (UDS, TCP, peers); see kvservice_client._keepalive.
     server = grpc.aio.server(
-        interceptors=[metrics.interceptor], options=channel_options(config.max_message_mb)
+        interceptors=[metrics.interceptor],
+        options=message_size_options(config.max_message_mb) + config.keepalive.server_options(),
     )
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
     peer_servicer = KVPeerServicer(node)

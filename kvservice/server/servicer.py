@@ -32,12 +32,23 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: Ctx
     ) -> AsyncIterator[pb.SessionEvent]:
-        session = self.node.open_session(request.client_name)
+        session, epoch = self.node.open_session(request.client_name, request.resume_session_id)
         try:
-            yield pb.SessionEvent(session_id=session.session_id)
-            await asyncio.Event().wait()  # held until the client goes (cancellation)
+            yield pb.SessionEvent(
+                session_id=session.session_id,
+                grace_ms=int(self.node.config.session_grace_s * 1000),
+                resumed=bool(request.resume_session_id),
+            )
+            await asyncio.Event().wait()  # held until the stream ends (cancellation)
         finally:
-            await self.node.close_session(session.session_id)
+            self.node.session_stream_ended(session.session_id, epoch)
+
+    @grpc_errors
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Ctx) -> pb.CloseSessionResponse:
+        session_id = self._session(context)
+        owned = sum(b.session_id == session_id for b in self.node.buffers.all())
+        await self.node.close_session(session_id)
+        return pb.CloseSessionResponse(buffer_sets_released=owned)
 
     @grpc_errors
     async def RegisterBuffers(

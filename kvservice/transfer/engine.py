@@ -94,7 +94,8 @@ class TransferEngine:
         self.metadata_epoch = 0
         self.table = TransferTable(cfg.transfer_retain_s)
         self.peers = PeerDirectory(
-            Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch)
+            Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch),
+            cfg.keepalive,
         )
         self._pool_regs: dict[int, RegHandle] = {}
         self.host_pool = StagingPool(

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 from kvservice_client._client import channel_options
+from kvservice_client._keepalive import KeepalivePolicy
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from .. import errors
@@ -91,10 +93,10 @@ class Self:
 class PeerClient:
     """A handshaken connection to one peer service."""
 
-    def __init__(self, address: str, me: Self) -> None:
+    def __init__(self, address: str, me: Self, options: Sequence[tuple[str, Any]]) -> None:
         self.address = address
         self._me = me
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self._channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = peer_pb2_grpc.KVPeerStub(self._channel)
         self.service_id = ""
         self.agent = ""
@@ -148,14 +150,15 @@ class PeerClient:
 class PeerDirectory:
     """Cache of peer clients by address."""
 
-    def __init__(self, me: Self) -> None:
+    def __init__(self, me: Self, keepalive: KeepalivePolicy) -> None:
         self.me = me
+        self._options = channel_options(keepalive=keepalive)
         self._peers: dict[str, PeerClient] = {}
 
     def get(self, address: str) -> PeerClient:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = PeerClient(address, self.me)
+            peer = self._peers[address] = PeerClient(address, self.me, self._options)
         return peer
 
     async def close(self) -> None:

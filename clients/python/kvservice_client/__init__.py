@@ -13,10 +13,12 @@ from ._errors import (
     PermissionDenied,
     ResourceExhausted,
     ServerError,
+    SessionLost,
     Unauthenticated,
     Unavailable,
     Unimplemented,
 )
+from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
 from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, shm_region
 from ._types import MatchResult, PrefixMatch, RegisteredBuffers, TransferStatus
@@ -28,10 +30,12 @@ __all__ = [
     "AsyncClient",
     "AuxSpec",
     "Client",
+    "DEFAULT_KEEPALIVE",
     "DeadlineExceeded",
     "FailedPrecondition",
     "InvalidArgument",
     "KVClientError",
+    "KeepalivePolicy",
     "Layout",
     "MatchResult",
     "NotFound",
@@ -41,6 +45,7 @@ __all__ = [
     "RegisteredBuffers",
     "ResourceExhausted",
     "ServerError",
+    "SessionLost",
     "ShmKVPool",
     "TransferStatus",
     "Unauthenticated",

@@ -2,67 +2,104 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
 from . import _requests as rq
+from ._aio_session import AsyncSessionKeeper
 from ._client import channel_options
-from ._errors import Unavailable, map_rpc_error
+from ._errors import KVClientError, SessionLost, Unauthenticated, map_rpc_error
+from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
+from ._session import Owned, RegisterArgs
 from ._types import MatchResult, RegisteredBuffers, TransferStatus
 
 __all__ = ["AsyncClient"]
 
 
 class AsyncClient:
-    """Non-blocking client; use ``async with AsyncClient(target) as kv``."""
+    """Non-blocking client; use ``async with AsyncClient(target) as kv``.
 
-    def __init__(self, target: str, *, client_name: str = "", timeout: float = 30.0) -> None:
+    Sessions behave as in :class:`Client`: resumed after a broken stream, :class:`SessionLost`
+    (also passed to ``on_session_lost``, which may be a coroutine function) once they cannot be.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        client_name: str = "",
+        timeout: float = 30.0,
+        keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
+        on_session_lost: Callable[[SessionLost], Any] | None = None,
+    ) -> None:
         self.target = target
         self.client_name = client_name
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
-        self._session_id = ""
-        self._session_call: Any = None
-        self._session_task: asyncio.Task[None] | None = None
-        self._session_lock = asyncio.Lock()
+        self.owned = Owned()
+        self._session = AsyncSessionKeeper(self._stub, client_name, target, self.owned, on_session_lost)
 
     async def session_id(self) -> str:
-        async with self._session_lock:
-            if not self._session_id:
-                self._session_call = self._stub.OpenSession(
-                    pb.OpenSessionRequest(client_name=self.client_name)
-                )
-                try:
-                    first = await asyncio.wait_for(self._session_call.read(), self.timeout)
-                except grpc.RpcError as exc:
-                    raise map_rpc_error(exc) from None
-                except asyncio.TimeoutError:
-                    raise Unavailable(f"no session from {self.target} within {self.timeout}s") from None
-                if first is grpc.aio.EOF:
-                    raise Unavailable("session stream ended before it started")
-                self._session_id = first.session_id
-        return self._session_id
+        """Open the session if needed (or wait out a resume) and return its id."""
+        return await self._session.current(self.timeout)
+
+    @property
+    def session_resumes(self) -> int:
+        return self._session.resumes
+
+    async def reopen_session(self, reregister: bool = True) -> dict[str, RegisteredBuffers]:
+        """After SessionLost: a new session; see :meth:`Client.reopen_session`."""
+        await self._session.reset()
+        old = dict(self.owned.buffer_sets)
+        self.owned.buffer_sets.clear()
+        if not reregister:
+            return {}
+        return {
+            bs_id: await self.register_buffers(a.layout, a.k_regions, a.v_regions, a.aux, a.engine_id)
+            for bs_id, a in old.items()
+        }
 
     async def _call(self, method: str, request: Any, owned: bool = True) -> Any:
-        metadata = ((rq.SESSION_METADATA_KEY, await self.session_id()),) if owned else ()
+        if not owned:
+            try:
+                return await getattr(self._stub, method)(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                raise map_rpc_error(exc) from None
+        metadata = ((rq.SESSION_METADATA_KEY, await self.session_id()),)
         try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=metadata)
+            return await getattr(self._stub, method)(
+                request, timeout=self.timeout, metadata=metadata, wait_for_ready=True
+            )
         except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
+            raise await self._owned_error(exc) from None
+
+    async def _owned_error(self, exc: grpc.RpcError) -> KVClientError:
+        err = map_rpc_error(exc)
+        if isinstance(err, Unauthenticated) and rq.SESSION_RELEASED in err.message:
+            return await self._session.mark_lost(err.message)
+        return err
 
     async def close(self) -> None:
-        if self._session_call is not None:
-            self._session_call.cancel()
+        await self._session.close(self._close_rpc)
         await self._channel.close()
+
+    async def _close_rpc(self, session_id: str) -> None:
+        try:
+            await self._stub.CloseSession(
+                pb.CloseSessionRequest(),
+                timeout=min(self.timeout, 5.0),
+                metadata=((rq.SESSION_METADATA_KEY, session_id),),
+            )
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -79,10 +116,15 @@ class AsyncClient:
         engine_id: str = "",
     ) -> RegisteredBuffers:
         r = await self._call("RegisterBuffers", rq.register(layout, k_regions, v_regions, aux, engine_id))
+        self.owned.add_buffer_set(
+            r.buffer_set_id, RegisterArgs(layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id)
+        )
         return RegisteredBuffers(r.buffer_set_id, r.page_bytes_k, r.page_bytes_v)
 
     async def unregister_buffers(self, buffer_set_id: str) -> pb.UnregisterBuffersResponse:
-        return await self._call("UnregisterBuffers", pb.UnregisterBuffersRequest(buffer_set_id=buffer_set_id))
+        r = await self._call("UnregisterBuffers", pb.UnregisterBuffersRequest(buffer_set_id=buffer_set_id))
+        self.owned.drop_buffer_set(buffer_set_id)
+        return r
 
     async def match_prefix(
         self,
@@ -96,10 +138,13 @@ class AsyncClient:
         lease_ttl_ms: int = 0,
     ) -> MatchResult:
         req = rq.match(tokens, hashes, page_size, buffer_set_ids, dp_rank, scores_only, lease_ttl_ms)
-        return MatchResult.from_proto(await self._call("MatchPrefix", req, owned=lease_ttl_ms > 0))
+        result = MatchResult.from_proto(await self._call("MatchPrefix", req, owned=lease_ttl_ms > 0))
+        self.owned.add_lease(result.lease_id, result.lease_expires_unix_ms)
+        return result
 
     async def release_lease(self, lease_id: str) -> None:
         await self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+        self.owned.drop_lease(lease_id)
 
     async def publish_pages(
         self,
@@ -145,7 +190,9 @@ class AsyncClient:
             publish_tokens,
             prefix_page_indices,
         )
-        return TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)
+        status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)
+        self.owned.add_transfer(transfer_id)
+        return status
 
     async def send_delta(
         self,
@@ -171,29 +218,44 @@ class AsyncClient:
             deadline_ms,
             path,
         )
-        return TransferStatus.from_proto((await self._call("SendDelta", req)).status)
+        status = TransferStatus.from_proto((await self._call("SendDelta", req)).status)
+        self.owned.add_transfer(transfer_id)
+        return status
 
     async def poll(self, transfer_ids: Sequence[str] = ()) -> list[TransferStatus]:
         r = await self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))
-        return [TransferStatus.from_proto(s) for s in r.statuses]
+        statuses = [TransferStatus.from_proto(s) for s in r.statuses]
+        self.owned.observe(statuses)
+        return statuses
 
     async def watch(
         self, transfer_ids: Sequence[str] = (), include_current: bool = True
     ) -> AsyncIterator[TransferStatus]:
+        """Stream status changes; reopened after a transport break (see :meth:`Client.watch`)."""
         req = pb.WatchTransfersRequest(transfer_ids=list(transfer_ids), include_current=include_current)
-        call = self._stub.WatchTransfers(req, metadata=((rq.SESSION_METADATA_KEY, await self.session_id()),))
-        try:
-            async for status in call:
-                yield TransferStatus.from_proto(status)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise map_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        while True:
+            metadata = ((rq.SESSION_METADATA_KEY, await self.session_id()),)
+            call = self._stub.WatchTransfers(req, metadata=metadata, wait_for_ready=True)
+            try:
+                async for status in call:
+                    st = TransferStatus.from_proto(status)
+                    self.owned.observe((st,))
+                    yield st
+                return
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise await self._owned_error(exc) from None
+                req.include_current = True  # a change may have happened while disconnected
+            finally:
+                call.cancel()
 
     async def abort(self, transfer_id: str, reason: str = "") -> list[TransferStatus]:
         r = await self._call("Abort", pb.AbortRequest(transfer_id=transfer_id, reason=reason))
-        return [TransferStatus.from_proto(s) for s in r.statuses]
+        statuses = [TransferStatus.from_proto(s) for s in r.statuses]
+        self.owned.observe(statuses)
+        return statuses
 
     async def get_stats(self) -> pb.GetStatsResponse:
         return await self._call("GetStats", pb.GetStatsRequest(), owned=False)

@@ -7,93 +7,123 @@ by the service when the client closes or its process dies.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
 from . import _requests as rq
-from ._errors import KVClientError, Unavailable, map_rpc_error
+from ._errors import DeadlineExceeded, KVClientError, SessionLost, Unauthenticated, Unavailable, map_rpc_error
+from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
+from ._session import Owned, RegisterArgs, SessionKeeper
 from ._types import MatchResult, RegisteredBuffers, TransferStatus
 
-__all__ = ["Client", "channel_options"]
+__all__ = ["Client", "channel_options", "message_size_options"]
 
 
-def channel_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
+def message_size_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
     size = max_message_mb * 1024 * 1024
-    return [
-        ("grpc.max_send_message_length", size),
-        ("grpc.max_receive_message_length", size),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+def channel_options(
+    max_message_mb: int = 64, keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE
+) -> list[tuple[str, Any]]:
+    """Channel arguments of SDK clients (and of peer clients between services)."""
+    return message_size_options(max_message_mb) + keepalive.client_options()
 
 
 class Client:
-    """Blocking client for one kvservice (``target``: "unix:/path" or "host:port")."""
+    """Blocking client for one kvservice (``target``: "unix:/path" or "host:port").
 
-    def __init__(self, target: str, *, client_name: str = "", timeout: float = 30.0) -> None:
+    ``on_session_lost`` (optional) is called on a background thread with the
+    :class:`SessionLost` when the session could not be resumed; owned calls raise it too.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        client_name: str = "",
+        timeout: float = 30.0,
+        keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
+        on_session_lost: Callable[[SessionLost], None] | None = None,
+    ) -> None:
         self.target = target
         self.client_name = client_name
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._channel = grpc.insecure_channel(target, options=channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
-        self._session_id = ""
-        self._session_call: Any = None
-        self._session_ready = threading.Event()
-        self._session_error: KVClientError | None = None
-        self._lock = threading.Lock()
+        self.owned = Owned()
+        self._session = SessionKeeper(self._stub, client_name, target, self.owned, on_session_lost)
 
     # -- session ---------------------------------------------------------------------------
     @property
     def session_id(self) -> str:
-        """Open the session if needed and return its id."""
-        with self._lock:
-            if not self._session_call:
-                self._session_call = self._stub.OpenSession(
-                    pb.OpenSessionRequest(client_name=self.client_name)
-                )
-                threading.Thread(target=self._hold_session, name="kvservice-session", daemon=True).start()
-        if not self._session_ready.wait(self.timeout):
-            raise Unavailable(f"no session from {self.target} within {self.timeout}s")
-        if self._session_error is not None:
-            raise self._session_error
-        return self._session_id
+        """Open the session if needed (or wait out a resume) and return its id."""
+        return self._session.current(self.timeout)
 
-    def _hold_session(self) -> None:
-        try:
-            for event in self._session_call:
-                if not self._session_id:
-                    self._session_id = event.session_id
-                    self._session_ready.set()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                self._session_error = map_rpc_error(exc)
-        finally:
-            if not self._session_id and self._session_error is None:
-                self._session_error = Unavailable("session stream ended before it started")
-            self._session_ready.set()
+    @property
+    def session_resumes(self) -> int:
+        """How many times the session stream broke and was resumed."""
+        return self._session.resumes
+
+    def reopen_session(self, reregister: bool = True) -> dict[str, RegisteredBuffers]:
+        """After SessionLost: open a new session; with ``reregister``, register again every buffer
+        set the lost session owned (same regions). Returns {old buffer_set_id: new registration}.
+        """
+        self._session.reset()
+        old = dict(self.owned.buffer_sets)
+        self.owned.buffer_sets.clear()
+        if not reregister:
+            return {}
+        return {
+            bs_id: self.register_buffers(a.layout, a.k_regions, a.v_regions, a.aux, a.engine_id)
+            for bs_id, a in old.items()
+        }
 
     def _call(self, method: str, request: Any, owned: bool = True) -> Any:
-        metadata = ((rq.SESSION_METADATA_KEY, self.session_id),) if owned else ()
+        if not owned:
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                raise map_rpc_error(exc) from None
+        metadata = ((rq.SESSION_METADATA_KEY, self.session_id),)
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=metadata)
+            # NOTE: an owned call waits for a broken connection to come back (the session is
+            # being resumed meanwhile) instead of failing at once.
+            return getattr(self._stub, method)(
+                request, timeout=self.timeout, metadata=metadata, wait_for_ready=True
+            )
         except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
+            raise self._owned_error(exc) from None
+
+    def _owned_error(self, exc: grpc.RpcError) -> KVClientError:
+        err = map_rpc_error(exc)
+        if isinstance(err, Unauthenticated) and rq.SESSION_RELEASED in err.message:
+            return self._session.mark_lost(err.message)
+        return err
 
     def close(self) -> None:
-        """End the session (the service releases what it owns) and close the channel."""
-        if self._session_call is not None:
-            self._session_call.cancel()
+        """End the session (the service releases what it owns at once) and close the channel."""
+        self._session.close(self._close_rpc)
         self._channel.close()
+
+    def _close_rpc(self, session_id: str) -> None:
+        try:
+            self._stub.CloseSession(
+                pb.CloseSessionRequest(),
+                timeout=min(self.timeout, 5.0),
+                metadata=((rq.SESSION_METADATA_KEY, session_id),),
+            )
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from None
 
     def __enter__(self) -> Client:
         return self
@@ -111,10 +141,15 @@ class Client:
         engine_id: str = "",
     ) -> RegisteredBuffers:
         r = self._call("RegisterBuffers", rq.register(layout, k_regions, v_regions, aux, engine_id))
+        self.owned.add_buffer_set(
+            r.buffer_set_id, RegisterArgs(layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id)
+        )
         return RegisteredBuffers(r.buffer_set_id, r.page_bytes_k, r.page_bytes_v)
 
     def unregister_buffers(self, buffer_set_id: str) -> pb.UnregisterBuffersResponse:
-        return self._call("UnregisterBuffers", pb.UnregisterBuffersRequest(buffer_set_id=buffer_set_id))
+        r = self._call("UnregisterBuffers", pb.UnregisterBuffersRequest(buffer_set_id=buffer_set_id))
+        self.owned.drop_buffer_set(buffer_set_id)
+        return r
 
     # -- index -----------------------------------------------------------------------------
     def match_prefix(
@@ -129,10 +164,13 @@ class Client:
         lease_ttl_ms: int = 0,
     ) -> MatchResult:
         req = rq.match(tokens, hashes, page_size, buffer_set_ids, dp_rank, scores_only, lease_ttl_ms)
-        return MatchResult.from_proto(self._call("MatchPrefix", req, owned=lease_ttl_ms > 0))
+        result = MatchResult.from_proto(self._call("MatchPrefix", req, owned=lease_ttl_ms > 0))
+        self.owned.add_lease(result.lease_id, result.lease_expires_unix_ms)
+        return result
 
     def release_lease(self, lease_id: str) -> None:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+        self.owned.drop_lease(lease_id)
 
     def publish_pages(
         self,
@@ -177,7 +215,9 @@ class Client:
             publish_tokens,
             prefix_page_indices,
         )
-        return TransferStatus.from_proto(self._call("ExpectDelta", req).status)
+        status = TransferStatus.from_proto(self._call("ExpectDelta", req).status)
+        self.owned.add_transfer(transfer_id)
+        return status
 
     def send_delta(
         self,
@@ -203,26 +243,25 @@ class Client:
             deadline_ms,
             path,
         )
-        return TransferStatus.from_proto(self._call("SendDelta", req).status)
+        status = TransferStatus.from_proto(self._call("SendDelta", req).status)
+        self.owned.add_transfer(transfer_id)
+        return status
 
     def poll(self, transfer_ids: Sequence[str] = ()) -> list[TransferStatus]:
         r = self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))
-        return [TransferStatus.from_proto(s) for s in r.statuses]
+        statuses = [TransferStatus.from_proto(s) for s in r.statuses]
+        self.owned.observe(statuses)
+        return statuses
 
     def watch(
         self, transfer_ids: Sequence[str] = (), include_current: bool = True
     ) -> Iterator[TransferStatus]:
-        """Stream status changes until the caller stops iterating (or the server ends)."""
-        req = pb.WatchTransfersRequest(transfer_ids=list(transfer_ids), include_current=include_current)
-        call = self._stub.WatchTransfers(req, metadata=((rq.SESSION_METADATA_KEY, self.session_id),))
-        try:
-            for status in call:
-                yield TransferStatus.from_proto(status)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise map_rpc_error(exc) from None
-        finally:
-            call.cancel()
+        """Stream status changes until the caller stops iterating (or the server ends).
+
+        A broken connection is resumed with the session: the stream is reopened with the current
+        statuses, so a change is never missed (a status may then repeat).
+        """
+        return self._statuses(transfer_ids, include_current, None)
 
     def wait(self, transfer_id: str, timeout: float | None = None) -> list[TransferStatus]:
         """Block until every status of ``transfer_id`` on this node is terminal; return them.
@@ -230,25 +269,47 @@ class Client:
         Raises DeadlineExceeded when ``timeout`` (default: the client's) passes first.
         """
         latest: dict[tuple[str, str], TransferStatus] = {}
-        req = pb.WatchTransfersRequest(transfer_ids=[transfer_id], include_current=True)
-        call = self._stub.WatchTransfers(
-            req, timeout=timeout or self.timeout, metadata=((rq.SESSION_METADATA_KEY, self.session_id),)
-        )
+        statuses = self._statuses([transfer_id], True, time.monotonic() + (timeout or self.timeout))
         try:
-            for status in call:
-                st = TransferStatus.from_proto(status)
+            for st in statuses:
                 latest[(st.role, st.buffer_set_id)] = st
                 if all(s.terminal for s in latest.values()):
                     return list(latest.values())
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
         finally:
-            call.cancel()
+            statuses.close()
         raise Unavailable("status stream ended before the transfer did")
+
+    def _statuses(
+        self, transfer_ids: Sequence[str], include_current: bool, deadline: float | None
+    ) -> Generator[TransferStatus, None, None]:
+        """WatchTransfers, reopened after a transport break until ``deadline`` (None: never)."""
+        req = pb.WatchTransfersRequest(transfer_ids=list(transfer_ids), include_current=include_current)
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded("the transfer did not end before the wait's timeout")
+            metadata = ((rq.SESSION_METADATA_KEY, self.session_id),)
+            call = self._stub.WatchTransfers(req, timeout=left, metadata=metadata, wait_for_ready=True)
+            try:
+                for status in call:
+                    st = TransferStatus.from_proto(status)
+                    self.owned.observe((st,))
+                    yield st
+                return
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise self._owned_error(exc) from None
+                req.include_current = True  # a change may have happened while disconnected
+            finally:
+                call.cancel()
 
     def abort(self, transfer_id: str, reason: str = "") -> list[TransferStatus]:
         r = self._call("Abort", pb.AbortRequest(transfer_id=transfer_id, reason=reason))
-        return [TransferStatus.from_proto(s) for s in r.statuses]
+        statuses = [TransferStatus.from_proto(s) for s in r.statuses]
+        self.owned.observe(statuses)
+        return statuses
 
     def get_stats(self) -> pb.GetStatsResponse:
         return self._call("GetStats", pb.GetStatsRequest(), owned=False)

@@ -11,6 +11,7 @@ KVClientError
 ├── DeadlineExceeded       DEADLINE_EXCEEDED
 ├── Aborted                ABORTED
 ├── Unavailable            UNAVAILABLE
+│   └── SessionLost        the service released this client's session (names what was lost)
 ├── Unimplemented          UNIMPLEMENTED
 └── ServerError            INTERNAL, UNKNOWN, DATA_LOSS, anything else
 """
@@ -30,6 +31,7 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "ServerError",
+    "SessionLost",
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
@@ -87,6 +89,32 @@ class Aborted(KVClientError):
 
 class Unavailable(KVClientError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class SessionLost(Unavailable):
+    """The session is gone: its stream broke and was not resumed within the service's grace period
+    (or the service released it). Everything it owned on the service is released; the ids below
+    are what this client had created in it. ``Client.reopen_session(reregister=True)`` opens a new
+    session and registers again the buffer sets whose regions the client still holds.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        reason: str,
+        buffer_set_ids: tuple[str, ...] = (),
+        lease_ids: tuple[str, ...] = (),
+        transfer_ids: tuple[str, ...] = (),
+    ) -> None:
+        self.session_id = session_id
+        self.reason = reason
+        self.buffer_set_ids = buffer_set_ids
+        self.lease_ids = lease_ids
+        self.transfer_ids = transfer_ids
+        super().__init__(
+            f"session {session_id} lost ({reason}); released with it: buffer sets {list(buffer_set_ids)}, "
+            f"leases {list(lease_ids)}, unfinished transfers {list(transfer_ids)}"
+        )
 
 
 class Unimplemented(KVClientError):

@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from .jit_cache import njit
 
 _PMX1 = np.uint64(0x165667919E3779F9)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _fold(a: np.uint64, b: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     m32 = np.uint64(0xFFFFFFFF)
     s32 = np.uint64(32)
@@ -23,7 +24,7 @@ def _fold(a: np.uint64, b: np.uint64) -> np.uint64:  # pragma: no cover - compil
     return (a * b) ^ upper
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(nogil=True)
 def _bswap(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     r = np.uint64(0)
     for _ in range(8):
@@ -32,7 +33,7 @@ def _bswap(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
     return r
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(nogil=True)
 def chain(
     local: np.ndarray, seed: np.uint64, k34: np.uint64, k56: np.uint64, parent: np.uint64
 ) -> np.ndarray:  # pragma: no cover

@@ -12,9 +12,10 @@ from ._proto import common_pb2, kvservice_pb2
 from ._regions import AuxSpec, Region
 from .hashing import tokens_to_u32le
 
-__all__ = ["SESSION_METADATA_KEY"]
+__all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED"]
 
 SESSION_METADATA_KEY = "kvservice-session"
+SESSION_RELEASED = "was released"  # in the service's UNAUTHENTICATED message for a released session
 _PATHS = {"auto": 0, "direct": 1, "packed": 2}
 
 TokensLike = Sequence[int] | np.ndarray | bytes

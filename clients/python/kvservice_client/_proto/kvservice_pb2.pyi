@@ -18,16 +18,32 @@ TRANSFER_ROLE_SENDER: TransferRole
 TRANSFER_ROLE_RECEIVER: TransferRole
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name",)
+    __slots__ = ("client_name", "resume_session_id")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     client_name: str
-    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+    resume_session_id: str
+    def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "grace_ms", "resumed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    grace_ms: int
+    resumed: bool
+    def __init__(self, session_id: _Optional[str] = ..., grace_ms: _Optional[int] = ..., resumed: bool = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("buffer_sets_released",)
+    BUFFER_SETS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    buffer_sets_released: int
+    def __init__(self, buffer_sets_released: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
     __slots__ = ("layout", "k_regions", "v_regions", "aux_regions", "engine_id")

@@ -40,6 +40,11 @@ class KVServiceStub(object):
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.SessionEvent.FromString,
                 _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvservice.v1.KVService/CloseSession',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
         self.RegisterBuffers = channel.unary_unary(
                 '/kvservice.v1.KVService/RegisterBuffers',
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.RegisterBuffersRequest.SerializeToString,
@@ -106,8 +111,17 @@ class KVServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def OpenSession(self, request, context):
-        """Opens an ownership session. The server sends one SessionEvent with the session id at once and
-        then keeps the stream open; the session ends when the stream ends.
+        """Opens (or resumes) an ownership session. The server sends one SessionEvent with the session id
+        at once and then keeps the stream open. When the stream breaks the session is detached, not
+        released: it is released only if no stream resumes it within the grace period. Resuming an
+        id that was released (or never opened) is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Ends the caller's session now (`kvservice-session` metadata) and releases what it owns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +219,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.OpenSessionRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.SessionEvent.SerializeToString,
             ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.CloseSessionResponse.SerializeToString,
+            ),
             'RegisterBuffers': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterBuffers,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.RegisterBuffersRequest.FromString,
@@ -293,6 +312,33 @@ class KVService(object):
             '/kvservice.v1.KVService/OpenSession',
             kvservice_dot_v1_dot_kvservice__pb2.OpenSessionRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVService/CloseSession',
+            kvservice_dot_v1_dot_kvservice__pb2.CloseSessionRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

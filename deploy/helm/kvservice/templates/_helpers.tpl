@@ -74,6 +74,7 @@ prometheus.io/path: /metrics
     - {name: KVSERVICE_DEFAULT_DEADLINE_MS, value: {{ .Values.config.defaultDeadlineMs | quote }}}
     - {name: KVSERVICE_LOG_LEVEL, value: {{ .Values.config.logLevel | quote }}}
     - {name: KVSERVICE_LOG_FORMAT, value: {{ .Values.config.logFormat | quote }}}
+    - {name: KVSERVICE_CACHE_DIR, value: /tmp/kvservice-cache}
     {{- if .Values.gpu.visibleDevices }}
     - {name: NVIDIA_VISIBLE_DEVICES, value: {{ .Values.gpu.visibleDevices | quote }}}
     {{- end }}
@@ -102,6 +103,7 @@ prometheus.io/path: /metrics
     {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
     - {name: socket-dir, mountPath: {{ .Values.uds.dir | quote }}}
+    - {name: tmp, mountPath: /tmp}
     {{- if or (eq .Values.mode "sidecar") .Values.mountHostShm }}
     - {name: dshm, mountPath: /dev/shm}
     {{- end }}

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Smoke test of the real kvservice image, with no base-image registry:
+#
+#   1. makes a Debian base root filesystem with debootstrap (cached in .cache/image/) and imports
+#      it with podman; builds the Dockerfile's target (default cpu) on it;
+#   2. starts the image's own ENTRYPOINT with its own ENV, the way a cluster does, three ways:
+#        user    as the image's USER, writable container root
+#        anyuid  as an arbitrary uid with gid 0 (OpenShift), writable container root
+#        readonly  as the image's USER on the read-only image filesystem, only /tmp (tmpfs) and the
+#                  socket dir writable
+#      (the OCI runtime cannot set rlimits in this sandbox, so the entrypoint runs under
+#      `chroot --userspec` in a private mount namespace with /proc, /sys, /dev, /dev/shm);
+#   3. each time: health over the UDS from outside, the image's HEALTHCHECK command inside, one
+#      real transfer by an engine process outside the container (shared socket dir and /dev/shm)
+#      verified byte for byte, and nothing written under /opt.
+#
+#   sudo bash scripts/image-smoke.sh [cpu|gpu]     # needs root, podman, debootstrap; ~10 min cold
+#
+# Prints one line per check and the image size; exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TARGET=${1:-cpu}
+SUITE=${SUITE:-trixie}
+MIRROR=${MIRROR:-http://deb.debian.org/debian}
+CACHE=.cache/image
+TAG=localhost/kvservice:$TARGET
+mkdir -p "$CACHE"
+
+need() { command -v "$1" >/dev/null || { echo "missing $1 (apt-get install podman debootstrap)"; exit 2; }; }
+need podman; need debootstrap; need unshare; need chroot
+[ "$(id -u)" = 0 ] || { echo "run as root (debootstrap, chroot and mounts need it)"; exit 2; }
+bash scripts/setup.sh >/dev/null 2>&1 || { echo "scripts/setup.sh failed"; exit 1; }
+
+# -- 1. base and build -------------------------------------------------------------------------
+BASE=localhost/kvservice-base:$SUITE
+if ! podman image exists "$BASE"; then
+  if [ ! -f "$CACHE/base-$SUITE.tar" ]; then
+    rm -rf "$CACHE/rootfs"
+    debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$CACHE/rootfs" "$MIRROR" >"$CACHE/debootstrap.log"
+    tar -C "$CACHE/rootfs" -cf "$CACHE/base-$SUITE.tar" .
+    rm -rf "$CACHE/rootfs"
+  fi
+  podman import "$CACHE/base-$SUITE.tar" "$BASE" >/dev/null
+fi
+t0=$(date +%s)
+build_args=(--build-arg BASE="$BASE" --target "$TARGET" -t "$TAG")
+cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}  # a TLS-inspecting proxy's CA reaches pip
+[ -f "$cert" ] && build_args+=(-v "$cert:/run/build-ca.crt:ro" --build-arg PIP_CERT=/run/build-ca.crt)
+podman build --isolation chroot "${build_args[@]}" . >"$CACHE/build-$TARGET.log" 2>&1 \
+  || { echo "FAIL: build; see $CACHE/build-$TARGET.log"; tail -20 "$CACHE/build-$TARGET.log"; exit 1; }
+echo "build: ok ($(( $(date +%s) - t0 )) s)"
+size=$(podman image inspect --format '{{.Size}}' "$TAG")
+echo "size: $TAG $(( size / 1000000 )) MB ($size bytes)"
+
+# The image's own configuration: environment, user, entrypoint, healthcheck.
+mapfile -t ENV < <(podman image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$TAG" | grep .)
+USER_=$(podman image inspect --format '{{.Config.User}}' "$TAG")
+mapfile -t ENTRY < <(podman image inspect --format '{{range .Config.Entrypoint}}{{println .}}{{end}}' "$TAG" | grep .)
+mapfile -t HC < <(podman image inspect --format '{{range .HealthCheck.Test}}{{println .}}{{end}}' "$TAG" | grep .)
+[ "${HC[0]}" = CMD ] || { echo "unexpected HEALTHCHECK form: ${HC[*]}"; exit 1; }
+HC=("${HC[@]:1}")
+img_root=$(podman image mount "$TAG")
+user_gid=$(awk -F: -v u="$USER_" '$1==u || $3==u {print $4}' "$img_root/etc/passwd")
+if touch "$img_root/opt/.probe" 2>/dev/null; then echo "FAIL: image mount is writable"; exit 1; fi
+podman image umount "$TAG" >/dev/null
+echo "image config: USER $USER_ (gid ${user_gid:-?}), ENTRYPOINT ${ENTRY[*]}, HEALTHCHECK ${HC[*]}"
+
+# -- 2./3. run it three ways ----------------------------------------------------------------------
+run_way() {  # way userspec
+  local way=$1 spec=$2 root cid="" sock
+  sock=$(mktemp -d /tmp/kvs-smoke-sock.XXXX)
+  chown "${spec%%:*}:${spec##*:}" "$sock"; chmod 0770 "$sock"
+  if [ "$way" = readonly ]; then
+    root=$(podman image mount "$TAG")
+  else
+    cid=$(podman create --entrypoint /bin/true "$TAG")
+    root=$(podman mount "$cid")
+  fi
+  local envs=("${ENV[@]}" "KVSERVICE_TCP_ADDRESS=127.0.0.1:0" "KVSERVICE_METRICS_PORT=0")
+  # shellcheck disable=SC2016
+  unshare --mount --propagation private bash -c '
+    root=$1 sock=$2 spec=$3; shift 3
+    mount -t proc proc "$root/proc"; mount --rbind /sys "$root/sys"; mount --rbind /dev "$root/dev"
+    mount --bind /dev/shm "$root/dev/shm"
+    mount -t tmpfs -o mode=1777 tmpfs "$root/tmp"
+    mount --bind "$sock" "$root/run/kvservice"
+    exec chroot --userspec="$spec" "$root" env -i "$@"
+  ' _ "$root" "$sock" "$spec" "${envs[@]}" "${ENTRY[@]}" >"$sock.log" 2>&1 &
+  local pid=$! ok=0
+  for _ in $(seq 1 120); do
+    if .venv/bin/kvservice health --address "unix:$sock/kvservice.sock" >/dev/null 2>&1; then ok=1; break; fi
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+  done
+  if [ $ok != 1 ]; then
+    echo "FAIL [$way]: no health over the UDS; service output:"; tail -20 "$sock.log"; kill $pid 2>/dev/null; exit 1
+  fi
+  echo "[$way] health over the UDS: SERVING"
+  # The image's HEALTHCHECK command, run inside the same container root as the same user.
+  unshare --mount --propagation private bash -c '
+    root=$1 sock=$2; shift 2
+    mount -t proc proc "$root/proc"; mount --bind "$sock" "$root/run/kvservice"; mount -t tmpfs tmpfs "$root/tmp"
+    exec chroot --userspec="$0" "$root" env -i "$@"' "$spec" "$root" "$sock" "${ENV[@]}" "${HC[@]}" >/dev/null \
+    || { echo "FAIL [$way]: HEALTHCHECK command"; kill $pid; exit 1; }
+  echo "[$way] HEALTHCHECK (${HC[*]}): ok"
+  # One real transfer from an engine outside the container, as the service's uid (shm is 0600).
+  setpriv --reuid "${spec%%:*}" --regid "${spec##*:}" --clear-groups \
+    env HOME=/tmp .venv/bin/python scripts/image_smoke_engine.py "unix:$sock/kvservice.sock" \
+    || { echo "FAIL [$way]: transfer"; tail -20 "$sock.log"; kill $pid; exit 1; }
+  kill -TERM $pid; wait $pid || true
+  grep -q '"kvservice stopped"\|kvservice stopped' "$sock.log" || { echo "FAIL [$way]: no clean stop"; tail "$sock.log"; exit 1; }
+  if [ -n "$cid" ]; then
+    changed=$(podman diff "$cid" | grep -E ' /opt' || true)
+    [ -z "$changed" ] || { echo "FAIL [$way]: wrote into the image: $changed"; exit 1; }
+    echo "[$way] nothing written under /opt; clean stop on SIGTERM"
+    podman umount "$cid" >/dev/null; podman rm "$cid" >/dev/null
+  else
+    echo "[$way] read-only root held; clean stop on SIGTERM"
+    podman image umount "$TAG" >/dev/null
+  fi
+  rm -rf "$sock" "$sock.log"
+}
+
+run_way user "$USER_:${user_gid:-0}"
+run_way anyuid "1234567:0"
+run_way readonly "$USER_:${user_gid:-0}"
+echo "image smoke: all checks passed ($TAG)"
