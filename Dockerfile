@@ -9,7 +9,7 @@
 #     torch, triton, cupy and NIXL from PyPI (their wheels carry the CUDA user-space libraries;
 #     the driver comes from the host through the NVIDIA container runtime).
 #
-# Both run as uid 10001 (or any uid with gid 0: files are group-0 readable, nothing is written
+# Both run as uid 10001 (or any uid with gid 0: installed files are world-readable, nothing is written
 # under /opt), with a read-only root filesystem: only the socket dir (/run/kvservice) and /tmp must
 # be writable. JIT caches (numba; Triton on GPU) go to $KVSERVICE_CACHE_DIR (under /tmp unless a
 # volume is mounted there), never into site-packages. scripts/image-smoke.sh proves all of it.
@@ -20,7 +20,8 @@ ARG GPU_BASE=${BASE}
 FROM ${BASE} AS cpu-runtime-base
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-torch ca-certificates \
- && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log \
+           /usr/share/doc /usr/share/man /usr/share/info /usr/share/locale
 
 FROM cpu-runtime-base AS cpu-build
 # Optional CA bundle for pip behind a TLS-inspecting proxy (mounted at build time, not kept).
@@ -31,20 +32,34 @@ COPY pyproject.toml README.md ./
 COPY kvservice kvservice
 # NOTE: --system-site-packages so Debian's CPU torch satisfies the torch requirement (PyPI's x86_64
 # torch wheels are CUDA builds that pull ~3 GB of CUDA libraries). nixl's meta package depends
-# on both CUDA flavours; without CUDA it loads nixl_cu13, so nixl-cu12 is removed.
+# on both CUDA flavours; without CUDA it loads nixl_cu13, so nixl-cu12 is removed, and so is the
+# expert-parallel library nixl_ep_cu13 (92 MB) that nothing here loads. Debian's torch metadata pins
+# an older sympy, which pip duplicates into the venv; torch runs with Debian's, so it goes too.
 RUN python3 -m venv --system-site-packages /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python . \
- && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \
+ && /opt/kvservice/bin/pip uninstall -y nixl-cu12 sympy pip \
+ && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu13 \
  && /opt/kvservice/bin/kvservice --help >/dev/null
 
 FROM cpu-runtime-base AS cpu
-COPY --from=cpu-build --chmod=g=u /opt/kvservice /opt/kvservice
+COPY --from=cpu-build /opt/kvservice /opt/kvservice
 COPY --chmod=0755 deploy/compose/engine.py /opt/engine/engine.py
+# NOTE: one UCX per process. Debian's torch links libmpi, which links Debian's UCX; NIXL bundles its
+# own UCX. Two copies in one process abort at load ("Assertion !ucs_debug_initialized"). So the
+# system UCX sonames point at NIXL's copies (glibc then maps each file once), the loader finds
+# NIXL's private libraries, and UCX loads its transports from NIXL's module dir, never Debian's.
+RUN ln -s "$(echo /opt/kvservice/lib/python3*/site-packages/nixl_cu13.libs)" /opt/kvservice/nixl-libs \
+ && echo /opt/kvservice/nixl-libs > /etc/ld.so.conf.d/kvservice-nixl-ucx.conf \
+ && cd /usr/lib/x86_64-linux-gnu && rm -rf ucx libucs.so.0* libucp.so.0* libuct.so.0* libucm.so.0* \
+ && for l in ucs ucp uct ucm; do ln -s /opt/kvservice/nixl-libs/lib$l-*.so.0.0.0 lib$l.so.0; done \
+ && ldconfig \
+ && UCX_MODULE_DIR=/opt/kvservice/nixl-libs/ucx /opt/kvservice/bin/python -c "import torch, nixl; print('torch', torch.__version__, 'and nixl load')"
 RUN useradd --system --uid 10001 --gid 0 --home-dir /tmp --no-create-home kvservice \
  && mkdir -p /run/kvservice && chown 10001:0 /run/kvservice && chmod 0770 /run/kvservice
 ENV PATH=/opt/kvservice/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
+    UCX_MODULE_DIR=/opt/kvservice/nixl-libs/ucx \
     KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
     KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
     KVSERVICE_TCP_ADDRESS=0.0.0.0:50051 \
@@ -73,7 +88,7 @@ RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/kvservice --help >/dev/null
 
 FROM gpu-runtime-base AS gpu
-COPY --from=gpu-build --chmod=g=u /opt/kvservice /opt/kvservice
+COPY --from=gpu-build /opt/kvservice /opt/kvservice
 RUN useradd --system --uid 10001 --gid 0 --home-dir /tmp --no-create-home kvservice \
  && mkdir -p /run/kvservice && chown 10001:0 /run/kvservice && chmod 0770 /run/kvservice
 ENV PATH=/opt/kvservice/bin:$PATH \

@@ -30,6 +30,15 @@ need() { command -v "$1" >/dev/null || { echo "missing $1 (apt-get install podma
 need podman; need debootstrap; need unshare; need chroot
 [ "$(id -u)" = 0 ] || { echo "run as root (debootstrap, chroot and mounts need it)"; exit 2; }
 bash scripts/setup.sh >/dev/null 2>&1 || { echo "scripts/setup.sh failed"; exit 1; }
+# The engine runs outside the container as the service's uid (POSIX shm pools are 0600), so it
+# needs a Python that uid can run: a world-readable venv with only the client SDK.
+ENGINE_VENV=${ENGINE_VENV:-/tmp/kvservice-smoke-engine}
+if [ ! -x "$ENGINE_VENV/bin/python" ]; then
+  /usr/bin/python3 -m venv "$ENGINE_VENV"
+  "$ENGINE_VENV/bin/pip" install -q ./clients/python >/dev/null
+fi
+chmod -R a+rX "$ENGINE_VENV"
+cp scripts/image_smoke_engine.py "$ENGINE_VENV/engine.py"
 
 # -- 1. base and build -------------------------------------------------------------------------
 BASE=localhost/kvservice-base:$SUITE
@@ -43,7 +52,7 @@ if ! podman image exists "$BASE"; then
   podman import "$CACHE/base-$SUITE.tar" "$BASE" >/dev/null
 fi
 t0=$(date +%s)
-build_args=(--build-arg BASE="$BASE" --target "$TARGET" -t "$TAG")
+build_args=(--format docker --build-arg BASE="$BASE" --target "$TARGET" -t "$TAG")  # docker: keeps HEALTHCHECK
 cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}  # a TLS-inspecting proxy's CA reaches pip
 [ -f "$cert" ] && build_args+=(-v "$cert:/run/build-ca.crt:ro" --build-arg PIP_CERT=/run/build-ca.crt)
 podman build --isolation chroot "${build_args[@]}" . >"$CACHE/build-$TARGET.log" 2>&1 \
@@ -57,6 +66,7 @@ mapfile -t ENV < <(podman image inspect --format '{{range .Config.Env}}{{println
 USER_=$(podman image inspect --format '{{.Config.User}}' "$TAG")
 mapfile -t ENTRY < <(podman image inspect --format '{{range .Config.Entrypoint}}{{println .}}{{end}}' "$TAG" | grep .)
 mapfile -t HC < <(podman image inspect --format '{{range .HealthCheck.Test}}{{println .}}{{end}}' "$TAG" | grep .)
+UDS=$(printf '%s\n' "${ENV[@]}" | sed -n 's/^KVSERVICE_UDS_PATH=//p')  # the socket path inside
 [ "${HC[0]}" = CMD ] || { echo "unexpected HEALTHCHECK form: ${HC[*]}"; exit 1; }
 HC=("${HC[@]:1}")
 img_root=$(podman image mount "$TAG")
@@ -105,7 +115,7 @@ run_way() {  # way userspec
   echo "[$way] HEALTHCHECK (${HC[*]}): ok"
   # One real transfer from an engine outside the container, as the service's uid (shm is 0600).
   setpriv --reuid "${spec%%:*}" --regid "${spec##*:}" --clear-groups \
-    env HOME=/tmp .venv/bin/python scripts/image_smoke_engine.py "unix:$sock/kvservice.sock" \
+    env HOME=/tmp "$ENGINE_VENV/bin/python" "$ENGINE_VENV/engine.py" "unix:$sock/kvservice.sock" "unix:$UDS" \
     || { echo "FAIL [$way]: transfer"; tail -20 "$sock.log"; kill $pid; exit 1; }
   kill -TERM $pid; wait $pid || true
   grep -q '"kvservice stopped"\|kvservice stopped' "$sock.log" || { echo "FAIL [$way]: no clean stop"; tail "$sock.log"; exit 1; }

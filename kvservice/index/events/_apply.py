@@ -2,19 +2,30 @@
 
 Mapping (events name blocks by the engine's hash, never by page index)::
 
-    BlockStored(block_hashes [b1, b2], parent b0, token_ids t[0 : 2*block_size])
-        canonical parent  c0 = known[b0]  (root when b0 is nil)
+    BlockStored(block_hashes [b1, b2], parent b0, token_ids t[0 : 2*block_size], group g)
+        canonical parent  c0 = known[g, b0]  (root when b0 is nil)
         canonical hashes  c1, c2 = page_hashes(t, block_size, seed, parent=c0)
         index             publish(presence-only set, [c1, c2], parent_hash=c0)
-        known            += {b1: c1, b2: c2}
-    BlockRemoved([b])     evict_hashes([known[b]]) (and below); forget b
+        known            += {(g, b1): c1, (g, b2): c2}
+    BlockRemoved([b], g)  evict_hashes([known[g, b]]) (and below); forget (g, b)
     AllBlocksCleared      evict_all; forget everything
 
 The buffer set is presence-only: routers get matched page counts for engines that publish
 events, with empty page indices (vLLM's block ids are not in its events). With
 ``scheme="engine"`` the engine's own int hashes are indexed as opaque hashes instead (match
-them with ``page_size=0``). Events the canonical scheme cannot represent are skipped and
-counted: LoRA blocks, blocks with extra keys (multimodal, cache salt), other media than GPU.
+them with ``page_size=0``).
+
+What is indexed, what is skipped (and counted, never silently)::
+
+    kv_cache_spec_kind   full_attention (or unset)  -> indexed, per group; removal from any
+                         full-attention group drops the page (a prefix hit needs every group)
+                         other kinds (sliding_window, mamba, ...) -> skipped_other_kind
+    medium               GPU (or unset) -> indexed;  CPU / STORAGE (offloaded) -> skipped_medium
+    locality             LOCAL (or unset) -> indexed; REMOTE -> skipped_remote
+    extra_keys           per block; a block with extra keys (multimodal, cache salt) and every
+                         block after it in the chain -> skipped_extra_keys (their engine hashes
+                         differ from any token-only hash, so indexing them would be wrong)
+    LoRA (lora_id/name)  -> skipped_lora (the canonical hash has no adapter)
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import logging
 from typing import Literal
 
 import numpy as np
-from kvservice_client.hashing import page_hashes
+from kvservice_client.hashing import chain_page_hashes, local_page_hashes
 
 from kvservice.errors import KVServiceError
 
@@ -50,30 +61,35 @@ class StreamConfig:
     media: tuple[str | None, ...] = (None, "GPU", "gpu")
 
 
+FULL_ATTENTION = (None, "full_attention")
+
+
 class EventApplier:
-    """Keeps ``engine hash -> canonical hash`` for one stream and applies batches to the index."""
+    """Keeps ``(group, engine hash) -> canonical hash`` for one stream and applies batches."""
 
     def __init__(self, index: PrefixIndex, config: StreamConfig) -> None:
         self.index, self.config = index, config
-        self.known: dict[BlockHash, int] = {}
+        self.known: dict[tuple[int, BlockHash], int] = {}
+        # Blocks we deliberately did not index: their descendants are skipped quietly too.
+        self.unindexed: set[tuple[int, BlockHash]] = set()
         self.counters: collections.Counter[str] = collections.Counter()
 
     def reset(self) -> None:
         """The engine's cache state is unknown (restart): drop what the stream told us."""
         self.known.clear()
+        self.unindexed.clear()
         self.index.evict_all(self.config.buffer_set_id)
 
     def apply(self, batch: EventBatch) -> None:
         self.counters["batches"] += 1
         self.counters["unknown_events"] += batch.unknown_events
+        local = self._local_hashes(batch)
         for ev in batch.events:
             try:
                 if isinstance(ev, BlockStored):
-                    self._stored(ev)
+                    self._stored(ev, local.get(id(ev)))
                 elif isinstance(ev, BlockRemoved):
-                    if ev.medium in self.config.media:
-                        hs = [self.known.pop(b) for b in ev.block_hashes if b in self.known]
-                        self.index.evict_hashes(self.config.buffer_set_id, np.array(hs, np.uint64))
+                    self._removed(ev)
                 elif isinstance(ev, AllBlocksCleared):
                     self.reset()
                 self.counters["events"] += 1
@@ -81,26 +97,85 @@ class EventApplier:
                 self.counters["event_errors"] += 1
                 log.warning("kv event from %s skipped: %s", self.config.endpoint, e)
 
-    def _stored(self, ev: BlockStored) -> None:
+    def _local_hashes(self, batch: EventBatch) -> dict[int, np.ndarray]:
+        """Local page hashes of every well-formed BlockStored of the batch, in one vectorised call
+        (chaining stays per event; the parents are only known in order)."""
         c = self.config
-        if ev.lora_id is not None or ev.lora_name is not None or ev.extra_keys or ev.medium not in c.media:
-            self.counters["unsupported_events"] += 1
+        if c.scheme != "canonical":
+            return {}
+        evs = [
+            ev
+            for ev in batch.events
+            if isinstance(ev, BlockStored)
+            and ev.block_size == c.page_size
+            and ev.token_ids.size == len(ev.block_hashes) * c.page_size
+        ]
+        if not evs:
+            return {}
+        local = local_page_hashes(np.concatenate([ev.token_ids for ev in evs]), c.page_size, c.seed)
+        bounds = np.cumsum([0] + [len(ev.block_hashes) for ev in evs])
+        return {id(ev): local[bounds[i] : bounds[i + 1]] for i, ev in enumerate(evs)}
+
+    def _skip_reason(self, medium: str | None, locality: str | None) -> str | None:
+        if medium not in self.config.media:
+            return "skipped_medium"
+        if locality not in (None, "LOCAL"):
+            return "skipped_remote"
+        return None
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        g = ev.group_idx or 0
+        if self._skip_reason(ev.medium, ev.locality):
+            return
+        hs = []
+        for b in ev.block_hashes:
+            self.unindexed.discard((g, b))
+            h = self.known.pop((g, b), None)
+            if h is not None:
+                hs.append(h)
+        if hs:
+            self.index.evict_hashes(self.config.buffer_set_id, np.array(hs, np.uint64))
+            self.counters["blocks_removed"] += len(hs)
+
+    def _stored(self, ev: BlockStored, local: np.ndarray | None) -> None:
+        c, g, n = self.config, ev.group_idx or 0, len(ev.block_hashes)
+        reason = self._skip_reason(ev.medium, ev.locality)
+        if reason is None and ev.kv_cache_spec_kind not in FULL_ATTENTION:
+            reason = "skipped_other_kind"
+        if reason is None and (ev.lora_id is not None or ev.lora_name is not None):
+            reason = "skipped_lora"
+        parent_key = (g, ev.parent_block_hash)
+        if reason is None and ev.parent_block_hash is not None and parent_key in self.unindexed:
+            reason = "skipped_extra_keys"  # a descendant of a block we could not index
+        if reason is not None:
+            self.counters[reason] += n
+            if reason in ("skipped_lora", "skipped_extra_keys"):
+                self.unindexed.update((g, b) for b in ev.block_hashes)
             return
         if ev.block_size != c.page_size:
             raise ValueError(f"block_size {ev.block_size} != page size {c.page_size} of {c.buffer_set_id}")
-        if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
-            raise ValueError(f"{len(ev.token_ids)} token ids for {len(ev.block_hashes)} blocks")
+        if ev.token_ids.size != n * ev.block_size:
+            raise ValueError(f"{ev.token_ids.size} token ids for {n} blocks")
         parent: int | None = None
         if ev.parent_block_hash is not None:
-            if ev.parent_block_hash not in self.known:
+            if parent_key not in self.known:
                 raise ValueError("parent block is unknown (stored before we subscribed?)")
-            parent = self.known[ev.parent_block_hash]
+            parent = self.known[parent_key]
+        keyed = ev.block_has_extra_keys()
+        usable = keyed.index(True) if True in keyed else n  # blocks before the first keyed one
+        if usable < n:
+            self.counters["skipped_extra_keys"] += n - usable
+            self.unindexed.update((g, b) for b in ev.block_hashes[usable:])
+        if usable == 0:
+            return
         if c.scheme == "canonical":
-            hashes = page_hashes(np.array(ev.token_ids, np.uint32), c.page_size, c.seed, parent=parent or 0)
+            assert local is not None  # computed for every well-formed stored event
+            hashes = chain_page_hashes(local[:usable], c.seed, parent=parent or 0)
         else:
-            hashes = np.array([_opaque(b) for b in ev.block_hashes], np.uint64)
+            hashes = np.array([_opaque(b) for b in ev.block_hashes[:usable]], np.uint64)
         self.index.publish(c.buffer_set_id, hashes, None, 0, parent_hash=parent)
-        self.known.update(zip(ev.block_hashes, hashes.tolist(), strict=True))
+        self.known.update(zip(((g, b) for b in ev.block_hashes[:usable]), hashes.tolist(), strict=True))
+        self.counters["blocks_stored"] += usable
 
 
 def _opaque(h: BlockHash) -> int:

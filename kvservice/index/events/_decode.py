@@ -7,8 +7,20 @@ deployed versions differ, so every combination is accepted::
             array  [ts, events, dp_rank]           vLLM (dp rank omitted when None)
             map    {"ts", "events", "data_parallel_rank"?}
     event   array  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                    lora_id?, medium?, lora_name?, extra_keys?, ...]   (tag first, array_like)
-            map    {"type": "BlockStored", "block_hashes": ..., ...}   (tag field "type")
+                    lora_id?, medium?, lora_name?, extra_keys?, group_idx?,
+                    kv_cache_spec_kind?, kv_cache_spec_sliding_window?, locality?,
+                    ownership?, session_id?]                          (tag first, array_like)
+            map    {"type": "BlockStored", "block_hashes": ..., ...}   (tag field "type"; vLLM
+                    0.32 sends this, omitting fields that hold their default)
+
+vLLM 0.32 (vllm/distributed/kv_events.py) as recorded from a real run::
+
+    [ts, [{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": None,
+           "token_ids": [...], "block_size": 32, "lora_id": None, "medium": "GPU",
+           "lora_name": None, "extra_keys": [None], "group_idx": 0,
+           "kv_cache_spec_kind": "full_attention"}], dp_rank?]
+
+``extra_keys`` has one entry per block (None: the block has none).
 
 Block hashes are ints (SGLang, vLLM with int hashes) or bytes (vLLM sha256). A batch decodes
 completely or raises ``EventFormatError``; the caller then applies nothing of it.
@@ -20,6 +32,7 @@ import dataclasses
 from typing import Any
 
 import msgpack
+import numpy as np
 
 __all__ = [
     "AllBlocksCleared",
@@ -32,8 +45,9 @@ __all__ = [
 
 BlockHash = int | bytes
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys")  # fmt: skip
-_REMOVED_FIELDS = ("block_hashes", "medium")
+                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                  "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")  # fmt: skip
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 
 class EventFormatError(ValueError):
@@ -44,18 +58,36 @@ class EventFormatError(ValueError):
 class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    token_ids: np.ndarray  # uint32
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: Any = None
+    extra_keys: Any = None  # None, or one entry per block (None: that block has no extra keys)
+    group_idx: int | None = None  # KV-cache group (hybrid models have several)
+    kv_cache_spec_kind: str | None = None  # "full_attention", "sliding_window", "mamba", ...
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # "LOCAL" / "REMOTE" relative to the publisher
+    ownership: str | None = None
+    session_id: str | None = None
+
+    def block_has_extra_keys(self) -> list[bool]:
+        """Per block: does its hash include extra keys (multimodal, cache salt, LoRA name)?"""
+        n = len(self.block_hashes)
+        if not self.extra_keys:
+            return [False] * n
+        if not isinstance(self.extra_keys, list) or len(self.extra_keys) != n:
+            return [True] * n  # older single-value form, or malformed: treat every block as keyed
+        return [k is not None and k != [] for k in self.extra_keys]
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +123,27 @@ def _hashes(v: Any, what: str) -> tuple[BlockHash, ...]:
     return tuple(v)
 
 
+def _u32(tokens: Any) -> np.ndarray:
+    """Token ids as uint32, checked without a Python loop per token."""
+    if not isinstance(tokens, list):
+        raise EventFormatError("BlockStored: token_ids must be a list of u32")
+    if not tokens:
+        return np.empty(0, np.uint32)
+    try:
+        arr = np.asarray(tokens)
+    except (OverflowError, ValueError):
+        raise EventFormatError("BlockStored: token_ids must be a list of u32") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() >= 2**32:
+        raise EventFormatError("BlockStored: token_ids must be a list of u32")
+    return arr.astype(np.uint32)
+
+
+def _group(f: dict[str, Any], what: str) -> None:
+    g = f.get("group_idx")
+    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
+        raise EventFormatError(f"{what}: group_idx must be a non-negative int or nil")
+
+
 def _event(raw: Any) -> Event | None:
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
@@ -103,16 +156,17 @@ def _event(raw: Any) -> Event | None:
         parent, tokens, size = f["parent_block_hash"], f["token_ids"], f["block_size"]
         if parent is not None and not isinstance(parent, (int, bytes)):
             raise EventFormatError("BlockStored: parent_block_hash must be int, bytes or nil")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
-            raise EventFormatError("BlockStored: token_ids must be a list of u32")
+        f["token_ids"] = _u32(tokens)
         if not isinstance(size, int) or size <= 0:
             raise EventFormatError("BlockStored: block_size must be a positive int")
         f["block_hashes"] = _hashes(f["block_hashes"], "BlockStored")
-        f["token_ids"] = tuple(tokens)
+        _group(f, "BlockStored")
         return BlockStored(**f)
     if tag == "BlockRemoved":
         f = _fields(raw, _REMOVED_FIELDS, 1)
-        return BlockRemoved(_hashes(f["block_hashes"], "BlockRemoved"), f.get("medium"))
+        f["block_hashes"] = _hashes(f["block_hashes"], "BlockRemoved")
+        _group(f, "BlockRemoved")
+        return BlockRemoved(**f)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return None

