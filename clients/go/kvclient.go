@@ -1,0 +1,251 @@
+// Package kvclient is a small typed client of kvservice for routers written in Go.
+//
+// A router asks any kvservice which engine already holds a prompt's prefix (MatchPrefix), may
+// pin that prefix with a lease until the request is placed, and watches transfers and health.
+// The generated messages and stubs live in the kvservicev1 package (tools/gen_protos.py --go);
+// this package wraps the calls a router makes with typed results and one error convention:
+// errors are gRPC status errors (status.Code(err) tells INVALID_ARGUMENT from NOT_FOUND...).
+//
+//	c, err := kvclient.Dial("unix:/run/kvservice/kvservice.sock")
+//	m, err := c.MatchPrefix(ctx, kvclient.Tokens(prompt), 16, kvclient.MatchOptions{})
+//	best := m.Best() // the engine holding the longest prefix
+package kvclient
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/metadata"
+
+	pb "github.com/kvservice/kvservice/clients/go/kvservicev1"
+)
+
+// SessionMetadataKey carries the session id on calls that create or use owned resources.
+const SessionMetadataKey = "kvservice-session"
+
+// Keepalive matches the service's policy (kvservice_client._keepalive): ping an idle
+// connection every 10 s; the service accepts pings every >= 5 s.
+var Keepalive = keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}
+
+// Client is safe for concurrent use.
+type Client struct {
+	conn   *grpc.ClientConn
+	kv     pb.KVServiceClient
+	health healthpb.HealthClient
+}
+
+// Dial connects to "unix:/path" or "host:port" (plaintext; put TLS in opts when the service uses it).
+func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
+	all := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithKeepaliveParams(Keepalive),
+	}, opts...)
+	conn, err := grpc.NewClient(target, all...)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn, kv: pb.NewKVServiceClient(conn), health: healthpb.NewHealthClient(conn)}, nil
+}
+
+// Close closes the connection (and with it any session opened on it).
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Raw is the generated stub, for calls this wrapper does not cover.
+func (c *Client) Raw() pb.KVServiceClient { return c.kv }
+
+// Key is a prompt as token ids or as chained page hashes.
+type Key struct {
+	tokens []uint32
+	hashes []uint64
+}
+
+// Tokens keys a match by token ids (the service hashes them with the canonical scheme).
+func Tokens(ids []uint32) Key { return Key{tokens: ids} }
+
+// Hashes keys a match by chained page hashes computed by the caller.
+func Hashes(h []uint64) Key { return Key{hashes: h} }
+
+func (k Key) tokenIds() *pb.TokenIds {
+	buf := make([]byte, 4*len(k.tokens))
+	for i, t := range k.tokens {
+		binary.LittleEndian.PutUint32(buf[4*i:], t)
+	}
+	return &pb.TokenIds{U32Le: buf}
+}
+
+// MatchOptions narrow a match; the zero value matches every buffer set on the node.
+type MatchOptions struct {
+	BufferSetIDs []string
+	DPRank       *uint32       // only buffer sets of this data-parallel rank
+	ScoresOnly   bool          // counts without page indices (cheaper; what routers need)
+	LeaseTTL     time.Duration // > 0: pin the best match's pages until released or expired (needs a session)
+}
+
+// PrefixMatch is one buffer set's answer.
+type PrefixMatch struct {
+	BufferSetID  string
+	EngineID     string
+	TPRank       uint32
+	DPRank       uint32
+	MatchedPages uint32
+	PageIndices  []uint32
+}
+
+// MatchResult lists every candidate buffer set, longest prefix first as the service returns them.
+type MatchResult struct {
+	Matches        []PrefixMatch
+	QueryPages     uint32
+	LeaseID        string
+	LeaseExpiresAt time.Time
+}
+
+// Best is the candidate with the most matched pages (the first on ties), or nil when none matched.
+func (m *MatchResult) Best() *PrefixMatch {
+	var best *PrefixMatch
+	for i := range m.Matches {
+		if best == nil || m.Matches[i].MatchedPages > best.MatchedPages {
+			best = &m.Matches[i]
+		}
+	}
+	if best == nil || best.MatchedPages == 0 {
+		return nil
+	}
+	return best
+}
+
+// MatchPrefix asks which buffer sets on this node hold the longest prefix of key.
+func (c *Client) MatchPrefix(ctx context.Context, key Key, pageSize uint32, o MatchOptions) (*MatchResult, error) {
+	req := &pb.MatchPrefixRequest{PageSize: pageSize, BufferSetIds: o.BufferSetIDs, ScoresOnly: o.ScoresOnly}
+	switch {
+	case key.tokens != nil && key.hashes == nil:
+		req.Key = &pb.MatchPrefixRequest_Tokens{Tokens: key.tokenIds()}
+	case key.hashes != nil && key.tokens == nil:
+		req.Key = &pb.MatchPrefixRequest_Hashes{Hashes: &pb.PageHashes{Hashes: key.hashes}}
+	default:
+		return nil, errors.New("kvclient: key must be Tokens(...) or Hashes(...)")
+	}
+	if o.DPRank != nil {
+		req.HasDpRank, req.DpRank = true, *o.DPRank
+	}
+	if o.LeaseTTL > 0 {
+		if _, ok := metadata.FromOutgoingContext(ctx); !ok {
+			return nil, errors.New("kvclient: a lease needs a session: use WithSession(ctx, id)")
+		}
+		req.LeaseTtlMs = uint32(o.LeaseTTL / time.Millisecond)
+	}
+	r, err := c.kv.MatchPrefix(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	out := &MatchResult{QueryPages: r.QueryPages, LeaseID: r.LeaseId}
+	if r.LeaseExpiresUnixMs > 0 {
+		out.LeaseExpiresAt = time.UnixMilli(int64(r.LeaseExpiresUnixMs))
+	}
+	for _, m := range r.Matches {
+		out.Matches = append(out.Matches, PrefixMatch{
+			BufferSetID: m.BufferSetId, EngineID: m.EngineId, TPRank: m.TpRank, DPRank: m.DpRank,
+			MatchedPages: m.MatchedPages, PageIndices: m.PageIndices,
+		})
+	}
+	return out, nil
+}
+
+// ReleaseLease drops a lease before its expiry (same session as the MatchPrefix that took it).
+func (c *Client) ReleaseLease(ctx context.Context, leaseID string) error {
+	_, err := c.kv.ReleaseLease(ctx, &pb.ReleaseLeaseRequest{LeaseId: leaseID})
+	return err
+}
+
+// Session is an ownership session held open by a stream; leases taken in it go when it ends.
+type Session struct {
+	ID     string
+	cancel context.CancelFunc
+}
+
+// OpenSession opens a session (for leases and transfer watches); Close ends it.
+func (c *Client) OpenSession(ctx context.Context, clientName string) (*Session, error) {
+	sctx, cancel := context.WithCancel(context.Background())
+	stream, err := c.kv.OpenSession(sctx, &pb.OpenSessionRequest{ClientName: clientName})
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	first := make(chan error, 1)
+	var ev *pb.SessionEvent
+	go func() {
+		var e error
+		ev, e = stream.Recv()
+		first <- e
+		for e == nil { // hold the stream until cancelled
+			_, e = stream.Recv()
+		}
+	}()
+	select {
+	case e := <-first:
+		if e != nil {
+			cancel()
+			return nil, e
+		}
+	case <-ctx.Done():
+		cancel()
+		return nil, ctx.Err()
+	}
+	return &Session{ID: ev.SessionId, cancel: cancel}, nil
+}
+
+// WithSession attaches the session id to ctx for owned calls (leases, watches).
+func WithSession(ctx context.Context, s *Session) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, SessionMetadataKey, s.ID)
+}
+
+// Close ends the session on the service at once (releasing its leases) and stops the stream.
+func (c *Client) CloseSession(ctx context.Context, s *Session) error {
+	_, err := c.kv.CloseSession(WithSession(ctx, s), &pb.CloseSessionRequest{})
+	s.cancel()
+	return err
+}
+
+// Stats is the operator view (buffer sets, index, staging, transfers).
+func (c *Client) Stats(ctx context.Context) (*pb.GetStatsResponse, error) {
+	return c.kv.GetStats(ctx, &pb.GetStatsRequest{})
+}
+
+// WatchTransfers streams status changes of the session's transfers (all when ids is empty) to
+// fn until ctx ends, the stream ends or fn returns false.
+func (c *Client) WatchTransfers(ctx context.Context, s *Session, ids []string, fn func(*pb.TransferStatus) bool) error {
+	stream, err := c.kv.WatchTransfers(WithSession(ctx, s), &pb.WatchTransfersRequest{TransferIds: ids, IncludeCurrent: true})
+	if err != nil {
+		return err
+	}
+	for {
+		st, err := stream.Recv()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		if !fn(st) {
+			return nil
+		}
+	}
+}
+
+// Healthy reports whether the service answers SERVING to the standard gRPC health check.
+func (c *Client) Healthy(ctx context.Context) (bool, error) {
+	r, err := c.health.Check(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		return false, err
+	}
+	return r.Status == healthpb.HealthCheckResponse_SERVING, nil
+}
+
+// String names the target, for logs.
+func (c *Client) String() string { return fmt.Sprintf("kvclient(%s)", c.conn.Target()) }

@@ -1,0 +1,166 @@
+package kvclient_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	kvclient "github.com/kvservice/kvservice/clients/go"
+	pb "github.com/kvservice/kvservice/clients/go/kvservicev1"
+)
+
+// liveService starts a real kvservice (KVSERVICE_BIN, default the repo's .venv) on a temp socket.
+func liveService(t *testing.T) string {
+	t.Helper()
+	bin := os.Getenv("KVSERVICE_BIN")
+	if bin == "" {
+		bin, _ = filepath.Abs("../../.venv/bin/kvservice")
+	}
+	if _, err := os.Stat(bin); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("no kvservice at %s (run scripts/setup.sh)", bin)
+		}
+		t.Skipf("no kvservice at %s (run scripts/setup.sh)", bin)
+	}
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "kv.sock")
+	cmd := exec.Command(bin, "serve", "--uds-path", sock, "--log-format", "text")
+	out, _ := cmd.StdoutPipe()
+	cmd.Stderr = nil
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Signal(os.Interrupt); _ = cmd.Wait() })
+	ready := make(chan struct{})
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "kvservice listening") {
+				close(ready)
+			}
+		}
+	}()
+	select {
+	case <-ready:
+	case <-time.After(60 * time.Second):
+		t.Fatal("kvservice did not start within 60 s")
+	}
+	return "unix:" + sock
+}
+
+// engine registers a shm pool (one layer, 8 pages of 16 tokens) and publishes the given tokens.
+func engine(t *testing.T, ctx context.Context, c *kvclient.Client, s *kvclient.Session, id string, tokens []uint32) string {
+	t.Helper()
+	name := fmt.Sprintf("kvgo-%d-%s", os.Getpid(), id)
+	const pageBytes, pages = 16 * 1 * 8 * 2, 8
+	if err := os.WriteFile("/dev/shm/"+name, make([]byte, 2*pageBytes*pages), 0o600); err != nil {
+		t.Skipf("no POSIX shm here: %v", err)
+	}
+	t.Cleanup(func() { _ = os.Remove("/dev/shm/" + name) })
+	region := func(off uint64) *pb.Region {
+		return &pb.Region{Memory: &pb.Region_Shm{Shm: &pb.ShmMemory{Name: name, Offset: off}}, SizeBytes: pageBytes * pages}
+	}
+	layout := &pb.Layout{Kind: pb.BufferKind_BUFFER_KIND_MHA, NumLayers: 1, PageSize: 16, NumPages: pages,
+		TotalKvHeads: 1, LocalKvHeads: 1, HeadDimK: 8, HeadDimV: 8, Dtype: pb.DType_DTYPE_FLOAT16, TpSize: 1}
+	sctx := kvclient.WithSession(ctx, s)
+	r, err := c.Raw().RegisterBuffers(sctx, &pb.RegisterBuffersRequest{Layout: layout,
+		KRegions: []*pb.Region{region(0)}, VRegions: []*pb.Region{region(pageBytes * pages)}, EngineId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4*len(tokens))
+	for i, v := range tokens {
+		buf[4*i], buf[4*i+1], buf[4*i+2], buf[4*i+3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
+	}
+	idx := make([]uint32, len(tokens)/16)
+	for i := range idx {
+		idx[i] = uint32(i)
+	}
+	if _, err := c.Raw().PublishPages(sctx, &pb.PublishPagesRequest{BufferSetId: r.BufferSetId,
+		Key: &pb.PublishPagesRequest_Tokens{Tokens: &pb.TokenIds{U32Le: buf}}, PageIndices: idx}); err != nil {
+		t.Fatal(err)
+	}
+	return r.BufferSetId
+}
+
+func TestRouterPicksTheDecodeEngineWithTheLongestPrefix(t *testing.T) {
+	addr := liveService(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := kvclient.Dial(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if ok, err := c.Healthy(ctx); err != nil || !ok {
+		t.Fatalf("health: %v %v", ok, err)
+	}
+	s, err := c.OpenSession(ctx, "go-router-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt := make([]uint32, 96)
+	for i := range prompt {
+		prompt[i] = uint32(1000 + i)
+	}
+	engine(t, ctx, c, s, "decode-a", prompt[:32])        // 2 pages of the prompt
+	bsB := engine(t, ctx, c, s, "decode-b", prompt[:80]) // 5 pages
+
+	m, err := c.MatchPrefix(ctx, kvclient.Tokens(prompt), 16, kvclient.MatchOptions{ScoresOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	best := m.Best()
+	if best == nil || best.EngineID != "decode-b" || best.MatchedPages != 5 || m.QueryPages != 6 {
+		t.Fatalf("best = %+v of %+v", best, m)
+	}
+
+	leased, err := c.MatchPrefix(kvclient.WithSession(ctx, s), kvclient.Tokens(prompt), 16,
+		kvclient.MatchOptions{BufferSetIDs: []string{bsB}, LeaseTTL: 30 * time.Second})
+	if err != nil || leased.LeaseID == "" || len(leased.Matches[0].PageIndices) != 5 {
+		t.Fatalf("lease: %+v %v", leased, err)
+	}
+	if err := c.ReleaseLease(kvclient.WithSession(ctx, s), leased.LeaseID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.MatchPrefix(ctx, kvclient.Tokens(prompt), 16, kvclient.MatchOptions{LeaseTTL: time.Second}); err == nil {
+		t.Fatal("a lease without a session must be refused")
+	}
+
+	// A transfer declared into decode-b, watched, then aborted: the watch sees ABORTED.
+	sctx := kvclient.WithSession(ctx, s)
+	if _, err := c.Raw().ExpectDelta(sctx, &pb.ExpectDeltaRequest{TransferId: "go-t1", BufferSetId: bsB,
+		DstPageIndices: []uint32{6}, DeadlineMs: 30000}); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		_, _ = c.Raw().Abort(sctx, &pb.AbortRequest{TransferId: "go-t1", Reason: "router changed its mind"})
+	}()
+	var last pb.TransferState
+	err = c.WatchTransfers(ctx, s, []string{"go-t1"}, func(st *pb.TransferStatus) bool {
+		last = st.State
+		return st.State == pb.TransferState_TRANSFER_STATE_PENDING || st.State == pb.TransferState_TRANSFER_STATE_TRANSFERRING
+	})
+	if err != nil || last != pb.TransferState_TRANSFER_STATE_ABORTED {
+		t.Fatalf("watch: last state %v, err %v", last, err)
+	}
+
+	st, err := c.Stats(ctx)
+	if err != nil || len(st.BufferSets) != 2 || st.Index.Entries != 7 {
+		t.Fatalf("stats: %v %v", st, err)
+	}
+	if err := c.CloseSession(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	st, _ = c.Stats(ctx)
+	if len(st.BufferSets) != 0 {
+		t.Fatalf("closing the session must release its buffer sets: %d left", len(st.BufferSets))
+	}
+}
