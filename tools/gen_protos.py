@@ -91,7 +91,7 @@ def generate_go(dest: Path) -> None:
             *protos,
         ]  # fmt: skip
         if subprocess.run(args, env={**os.environ, "PYTHONPATH": str(tools)}).returncode != 0:
-            raise SystemExit(f"protoc (Go) failed; are the plugins installed? go install {' '.join(GO_PLUGINS)}")
+            raise SystemExit("protoc (Go) failed; install the plugins: go install " + " ".join(GO_PLUGINS))
         dest.mkdir(parents=True, exist_ok=True)
         for old in dest.glob("*.pb.go"):
             old.unlink()

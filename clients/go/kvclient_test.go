@@ -15,10 +15,10 @@ import (
 	pb "github.com/kvservice/kvservice/clients/go/kvservicev1"
 )
 
-// liveService starts a real kvservice (KVSERVICE_BIN, default the repo's .venv) on a temp socket.
+// liveService starts a real kvservice (KVCLIENT_TEST_SERVICE, default the repo's .venv) on a temp socket.
 func liveService(t *testing.T) string {
 	t.Helper()
-	bin := os.Getenv("KVSERVICE_BIN")
+	bin := os.Getenv("KVCLIENT_TEST_SERVICE") // not KVSERVICE_*: the service rejects unknown options
 	if bin == "" {
 		bin, _ = filepath.Abs("../../.venv/bin/kvservice")
 	}
@@ -32,13 +32,15 @@ func liveService(t *testing.T) string {
 	sock := filepath.Join(dir, "kv.sock")
 	cmd := exec.Command(bin, "serve", "--uds-path", sock, "--log-format", "text")
 	out, _ := cmd.StdoutPipe()
-	cmd.Stderr = nil
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Signal(os.Interrupt); _ = cmd.Wait() })
-	ready := make(chan struct{})
+	ready, exited := make(chan struct{}), make(chan struct{})
 	go func() {
+		defer close(exited)
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
 			if strings.Contains(sc.Text(), "kvservice listening") {
@@ -48,8 +50,10 @@ func liveService(t *testing.T) string {
 	}()
 	select {
 	case <-ready:
+	case <-exited:
+		t.Fatalf("kvservice exited at start; its stderr:\n%s", stderr.String())
 	case <-time.After(60 * time.Second):
-		t.Fatal("kvservice did not start within 60 s")
+		t.Fatalf("kvservice did not start within 60 s; its stderr:\n%s", stderr.String())
 	}
 	return "unix:" + sock
 }
