@@ -74,6 +74,12 @@ class Config:
         '{"engine_id", "endpoint", "page_size", optional "replay_endpoint", "topic", "dp_rank", '
         '"scheme": "canonical"|"engine"}.',
     )
+    republish_events: str = _opt(
+        "",
+        "Re-publish this node's index as vLLM-format KV events, as a JSON list (a YAML list in "
+        '--config): each {"endpoint" (ZMQ bind, e.g. "tcp://*:5600"), optional "replay_endpoint", '
+        '"topic" (default "kv"), "engine_id" (default "*": every buffer set)}.',
+    )
     cache_dir: str = _opt(
         "",
         "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
@@ -121,6 +127,7 @@ class Config:
         if self.transfer_retain_s < 0:
             raise ConfigError("transfer_retain_s: must be >= 0")
         self.event_streams()  # raises ConfigError naming kv_events
+        self.republish_streams()  # raises ConfigError naming republish_events
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port: must be -1, 0 or a port number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -164,6 +171,29 @@ class Config:
             if st["engine_id"] in seen:
                 raise ConfigError(f"kv_events[{i}].engine_id: duplicate {st['engine_id']!r}")
             seen.add(st["engine_id"])
+        return streams
+
+    def republish_streams(self) -> list[dict[str, Any]]:
+        """The parsed ``republish_events`` list, validated."""
+        if not self.republish_events:
+            return []
+        try:
+            streams = json.loads(self.republish_events)
+        except ValueError as exc:
+            raise ConfigError(f"republish_events: not valid JSON ({exc})") from None
+        if not isinstance(streams, list):
+            raise ConfigError("republish_events: must be a list of stream objects")
+        for i, st in enumerate(streams):
+            if not isinstance(st, dict):
+                raise ConfigError(f"republish_events[{i}]: must be an object")
+            unknown = set(st) - {"endpoint", "replay_endpoint", "topic", "engine_id"}
+            if unknown:
+                raise ConfigError(f"republish_events[{i}]: unknown keys {sorted(unknown)}")
+            if not isinstance(st.get("endpoint"), str) or not st["endpoint"]:
+                raise ConfigError(f"republish_events[{i}].endpoint: a non-empty string is required")
+            for key in ("replay_endpoint", "topic", "engine_id"):
+                if key in st and not isinstance(st[key], str):
+                    raise ConfigError(f"republish_events[{i}].{key}: must be a string")
         return streams
 
     @property

@@ -54,6 +54,7 @@ class Node:
         self.index = PrefixIndex()
         self.transfers: Any = None
         self.event_subscribers: list[Any] = []
+        self.republishers: list[Any] = []
         self.draining = False
         self.sessions.on_close(self._release_session)
         self.buffers.add_hooks(self._index_add, self._index_drop)
@@ -138,7 +139,7 @@ class Node:
     ) -> int:
         bs = self.buffers.get(buffer_set_id, session_id)
         h = self.hashes(tokens, hashes, bs.layout.page_size, "key")
-        return self.index.publish(buffer_set_id, h, page_indices, priority)
+        return self.index.publish(buffer_set_id, h, page_indices, priority, tokens=tokens)
 
     def evict_pages(
         self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool
@@ -250,6 +251,16 @@ class Node:
             self.event_subscribers.append(sub)
             log.info("kv events subscribed", extra={"engine_id": st["engine_id"], "endpoint": st["endpoint"]})
 
+    def start_republishers(self) -> None:
+        """Re-publish the index as vLLM-format KV events on the configured endpoints."""
+        from .index.events import EventRepublisher, RepublishConfig
+
+        for st in self.config.republish_streams():
+            pub = EventRepublisher(RepublishConfig(**st))
+            self.index.listeners.append(pub)
+            self.republishers.append(pub)
+            log.info("kv events republished", extra={"endpoints": list(pub.endpoints)})
+
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def uptime_ms(self) -> int:
@@ -271,6 +282,9 @@ class Node:
     async def close(self) -> None:
         for sub in self.event_subscribers:
             sub.stop()
+        for pub in self.republishers:
+            self.index.listeners.remove(pub)
+            pub.close()
         for task in list(self._session_timers):
             task.cancel()
         for sid in self.sessions.ids():

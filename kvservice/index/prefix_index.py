@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -42,6 +43,17 @@ def as_hashes(hashes: Iterable[int] | np.ndarray, field: str = "hashes") -> np.n
     return np.ascontiguousarray(arr)
 
 
+class IndexListener(Protocol):
+    """Observer of index changes (e.g. the KV-event re-publisher). Called under the index lock:
+    implementations copy what they need and return at once."""
+
+    def stored(
+        self, spec: BufferSetSpec, hashes: np.ndarray, parent: int | None, tokens: np.ndarray | None
+    ) -> None: ...
+
+    def removed(self, spec: BufferSetSpec, hashes: np.ndarray) -> None: ...
+
+
 class PrefixIndex(PrefixIndexBase):
     """Radix/chain index of every buffer set on this node."""
 
@@ -52,6 +64,8 @@ class PrefixIndex(PrefixIndexBase):
         self._clock = clock_ms
         self._tick = 0
         self._lookups = self._hit_pages = self._query_pages = 0
+        # Told of every change, under the index lock (they must only enqueue): see IndexListener.
+        self.listeners: list[IndexListener] = []
 
     def _set(self, buffer_set_id: str) -> BufferSetIndex:
         bs = self._sets.get(buffer_set_id)
@@ -92,6 +106,10 @@ class PrefixIndex(PrefixIndexBase):
     def remove_buffer_set(self, buffer_set_id: str) -> int:
         with self._lock:
             bs = self._set(buffer_set_id)
+            if self.listeners and bs.entries:
+                live = bs.live_slots()
+                for listener in self.listeners:
+                    listener.removed(bs.spec, bs.H[live])
             del self._sets[buffer_set_id]
             return bs.entries
 
@@ -113,13 +131,17 @@ class PrefixIndex(PrefixIndexBase):
         priority: int = 0,
         *,
         parent_hash: int | None = None,
+        tokens: np.ndarray | None = None,
     ) -> int:
+        """Insert a chain; ``tokens`` (u32, the pages' tokens) only travel on to listeners."""
         h = as_hashes(hashes)
         if not -(2**31) <= priority < 2**31:
             raise InvalidArgument("priority", "must fit in int32")
         with self._lock:
             bs = self._set(buffer_set_id)
             inserted, _ = bs.publish(h, page_indices, priority, parent_hash, self._next_tick())
+            for listener in self.listeners:
+                listener.stored(bs.spec, h, parent_hash, tokens)
             return inserted
 
     def evict(self, buffer_set_id: str, page_indices: np.ndarray) -> int:
@@ -128,20 +150,32 @@ class PrefixIndex(PrefixIndexBase):
             if bs.spec.presence_only:
                 raise FailedPrecondition(f"buffer set {buffer_set_id} is presence-only: evict by hash")
             slots = bs.page_slot[bs.check_pages(page_indices)]
-            return bs.remove(slots[slots >= 0])
+            return self._remove(bs, slots[slots >= 0])
 
     def evict_hashes(self, buffer_set_id: str, hashes: np.ndarray) -> int:
         h = as_hashes(hashes)
         with self._lock:
             bs = self._set(buffer_set_id)
             slots = bs.find(h)
-            return bs.remove(slots[slots >= 0])
+            return self._remove(bs, slots[slots >= 0])
 
     def evict_all(self, buffer_set_id: str) -> int:
         with self._lock:
             bs = self._set(buffer_set_id)
             live = bs.live_slots()
-            return bs.remove(live[bs.E[live, K.PARENT] == 0])
+            return self._remove(bs, live[bs.E[live, K.PARENT] == 0])
+
+    def _remove(self, bs: BufferSetIndex, slots: np.ndarray) -> int:
+        """Remove the subtrees of ``slots``; listeners learn every hash that went."""
+        if not self.listeners:
+            return bs.remove(slots)
+        live = bs.live_slots()
+        removed = bs.remove(slots)
+        if removed:
+            gone = bs.H[live[bs.E[live, K.PARENT] == K.FREE]]
+            for listener in self.listeners:
+                listener.removed(bs.spec, gone)
+        return removed
 
     # --- match and leases ------------------------------------------------------------------
 

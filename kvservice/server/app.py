@@ -71,6 +71,7 @@ class App:
         self.node.transfers = TransferEngine(self.node, self.peer_address)
         self.node.transfers.peers.me.local = self.peer_servicer
         self.node.transfers.start()
+        self.node.start_republishers()  # before the subscribers, so ingested pages are re-published
         self.node.start_event_streams()
         threading.Thread(target=self.node.warm_up, name="warm-up", daemon=True).start()
         if self.metrics is not None:

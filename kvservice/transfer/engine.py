@@ -341,7 +341,7 @@ class TransferEngine:
             return
         pages = np.concatenate([inc.prefix_page_indices, inc.dst_pages])
         try:
-            index.publish(inc.bs.buffer_set_id, inc.publish_hashes, pages, 0)
+            index.publish(inc.bs.buffer_set_id, inc.publish_hashes, pages, 0, tokens=inc.publish_tokens)
         except Exception:
             log.exception("publishing received pages failed", extra={"transfer_id": inc.rec.transfer_id})
 

@@ -41,6 +41,7 @@ class Incoming:
     expected_senders: int
     publish_hashes: np.ndarray | None
     prefix_page_indices: np.ndarray
+    publish_tokens: np.ndarray | None = None  # u32, when the receiver published by tokens
     covered: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     finished: set[str] = dataclasses.field(default_factory=set)
     senders: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> address

@@ -89,7 +89,17 @@ def build_incoming(
             raise InvalidArgument("prefix_page_indices", "overlap dst_page_indices")
         publish_hashes = publish_hashes[:total]
     rec = Record(tid, "RECEIVER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
-    return Incoming(rec, bs, prefix_pages, dst, _aux(bs, aux), expected_senders, publish_hashes, prefix_idx)
+    return Incoming(
+        rec,
+        bs,
+        prefix_pages,
+        dst,
+        _aux(bs, aux),
+        expected_senders,
+        publish_hashes,
+        prefix_idx,
+        publish_tokens,
+    )
 
 
 def build_chunk(

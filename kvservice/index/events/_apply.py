@@ -173,7 +173,8 @@ class EventApplier:
             hashes = chain_page_hashes(local[:usable], c.seed, parent=parent or 0)
         else:
             hashes = np.array([_opaque(b) for b in ev.block_hashes[:usable]], np.uint64)
-        self.index.publish(c.buffer_set_id, hashes, None, 0, parent_hash=parent)
+        tokens = ev.token_ids[: usable * c.page_size] if c.scheme == "canonical" else None
+        self.index.publish(c.buffer_set_id, hashes, None, 0, parent_hash=parent, tokens=tokens)
         self.known.update(zip(((g, b) for b in ev.block_hashes[:usable]), hashes.tolist(), strict=True))
         self.counters["blocks_stored"] += usable
 
