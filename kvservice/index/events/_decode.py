@@ -46,7 +46,10 @@ __all__ = [
 BlockHash = int | bytes
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                  "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")  # fmt: skip
+                  "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+                  "cache_salt")  # fmt: skip
+# NOTE: array-encoded events follow vLLM's field order; SGLang (0.5.23) sends tagged maps only,
+# whose fields (medium, cache_salt, session_id, lora_name) are matched by name.
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 
@@ -70,6 +73,7 @@ class BlockStored:
     locality: str | None = None  # "LOCAL" / "REMOTE" relative to the publisher
     ownership: str | None = None
     session_id: str | None = None
+    cache_salt: str | None = None  # SGLang: the engine's hashes are namespaced by it
 
     def block_has_extra_keys(self) -> list[bool]:
         """Per block: does its hash include extra keys (multimodal, cache salt, LoRA name)?"""
