@@ -6,8 +6,10 @@
 #     torch is Debian's CPU build (python3-torch), so no CUDA library is in the image; NIXL moves
 #     DRAM over UCX. For CPU nodes, CI and demos.
 #   GPU:            docker build --target gpu --build-arg GPU_BASE=<image with python3> -t kvservice:gpu .
-#     torch, triton, cupy and NIXL from PyPI (their wheels carry the CUDA user-space libraries;
-#     the driver comes from the host through the NVIDIA container runtime).
+#     torch, triton and NIXL from PyPI (torch's wheels carry the CUDA user-space libraries, so no
+#     CUDA runtime base is needed; the driver comes from the host through the NVIDIA container
+#     runtime). NIXL loads the flavour of torch's CUDA major (13), so nixl-cu12 is removed, and
+#     so are NIXL's expert-parallel libraries that nothing here loads.
 #
 # Both run as uid 10001 (or any uid with gid 0: installed files are world-readable, nothing is written
 # under /opt), with a read-only root filesystem: only the socket dir (/run/kvservice) and /tmp must
@@ -18,8 +20,14 @@ ARG GPU_BASE=${BASE}
 
 # ---- CPU ------------------------------------------------------------------------------------
 FROM ${BASE} AS cpu-runtime-base
+# NOTE: Debian's torch depends on Open MPI, whose accelerator plugins pull the ROCm runtime and
+# LLVM 17 (~210 MB). Nothing in torch's or our load path links them and the service never
+# initialises MPI, so they are removed (dpkg --force-depends keeps the package database honest).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-torch ca-certificates \
+ && dpkg --purge --force-depends libamdhip64-5 libamd-comgr2 libllvm17t64 libhsa-runtime64-1 \
+                                 libhsakmt1 libdrm-amdgpu1 \
+ && python3 -c "import torch; torch.zeros(1)" \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/apt /var/log/dpkg.log \
            /usr/share/doc /usr/share/man /usr/share/info /usr/share/locale
 
@@ -84,7 +92,8 @@ COPY pyproject.toml README.md ./
 COPY kvservice kvservice
 RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python ".[gpu]" \
- && /opt/kvservice/bin/pip uninstall -y pip \
+ && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \
+ && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu1? \
  && /opt/kvservice/bin/kvservice --help >/dev/null
 
 FROM gpu-runtime-base AS gpu

@@ -1,9 +1,11 @@
-"""A TCP proxy for tests that can cut every connection (a reset network) and refuse new ones."""
+"""A TCP proxy for tests that can cut every connection (a reset network), refuse new ones, or
+freeze (a silent network: nothing passes, nothing is closed)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 __all__ = ["TcpProxy"]
 
@@ -20,6 +22,7 @@ class TcpProxy:
         self._conns: list[socket.socket] = []
         self._accepting = True
         self._closed = False
+        self.frozen = threading.Event()
         self.accepted = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -34,6 +37,12 @@ class TcpProxy:
             conns, self._conns = self._conns, []
         for c in conns:
             _reset(c)
+
+    def freeze(self) -> None:
+        """Stop forwarding bytes in both directions and refuse new connections; close nothing."""
+        with self._lock:
+            self._accepting = False
+        self.frozen.set()
 
     def allow(self) -> None:
         with self._lock:
@@ -64,12 +73,18 @@ class TcpProxy:
                 self._conns += [client, upstream]
                 self.accepted += 1
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=_pump, args=(a, b, self.frozen), daemon=True).start()
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src: socket.socket, dst: socket.socket, frozen: threading.Event) -> None:
     try:
-        while data := src.recv(65536):
+        while True:
+            if frozen.is_set():  # a silent network: bytes stay in the kernel, nothing closes
+                time.sleep(0.05)
+                continue
+            data = src.recv(65536)
+            if not data:
+                break
             dst.sendall(data)
     except OSError:
         pass

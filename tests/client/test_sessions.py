@@ -202,6 +202,23 @@ def test_watch_waits_through_a_long_idle_and_survives_a_cut(make_server, pool) -
         proxy.close()
 
 
+def test_a_silent_dead_client_is_found_by_server_keepalive(make_server, pool) -> None:
+    """No RST, no FIN (a frozen network): the server's pings find the dead client in seconds."""
+    server = make_server(session_grace_s=0.5, **FAST_SERVER)  # pings every 200 ms, 2 s timeout
+    proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
+    kv = Client(proxy.address, keepalive=FAST, timeout=5)
+    try:
+        kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
+        proxy.freeze()
+        t0 = time.monotonic()
+        _eventually(lambda: not _buffer_sets(server), 10)
+        assert time.monotonic() - t0 < 5.0  # keepalive (0.2 + 2 s) + grace (0.5 s), not TCP's minutes
+        assert server.node.sessions.lost["grace_expired"] == 1
+    finally:
+        proxy.close()
+        kv.close()
+
+
 def test_killed_engine_is_released_within_the_grace_period(make_server, pool) -> None:
     """SIGKILL of the engine process: its buffer sets go once the grace period ends, not later."""
     import subprocess

@@ -105,3 +105,20 @@ def test_ports_and_socket_path_are_configurable() -> None:
     assert _env(kv)["KVSERVICE_TCP_ADDRESS"] == "0.0.0.0:6000"
     assert kv["livenessProbe"]["exec"]["command"][-1] == "unix:/var/run/kv/kvservice.sock"
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "7000"
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("daemonset", "DaemonSet"), ("sidecar", "Deployment")])
+def test_the_service_runs_locked_down_with_only_tmp_and_the_socket_writable(mode: str, kind: str) -> None:
+    """Read-only root, non-root, seccomp RuntimeDefault, all capabilities dropped but IPC_LOCK; /tmp
+    is an emptyDir and the JIT cache lives under it (the settings image-smoke.sh proves)."""
+    pod = _render(f"mode={mode}")[kind]["spec"]["template"]["spec"]
+    kv = _container(pod, "kvservice")
+    sc = kv["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    mounts = {m["mountPath"]: m["name"] for m in kv["volumeMounts"]}
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == mounts["/tmp"])
+    assert _env(kv)["KVSERVICE_CACHE_DIR"].startswith("/tmp/")

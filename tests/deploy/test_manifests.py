@@ -111,3 +111,22 @@ def test_k8s_sidecar_example() -> None:
     assert names == ["engine", "kvservice"]
     shared = set.intersection(*({m["name"] for m in c["volumeMounts"]} for c in spec["containers"]))
     assert shared == {"socket-dir", "dshm"}
+
+
+def test_raw_manifests_and_compose_run_the_service_locked_down() -> None:
+    """k8s manifests and compose: read-only root, non-root, /tmp writable, caps dropped but IPC_LOCK."""
+    for name in ("daemonset.yaml", "sidecar-example.yaml"):
+        docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
+        pod = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))["spec"]["template"]["spec"]
+        kv = next(c for c in pod["containers"] if c["name"] == "kvservice")
+        sc = kv["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True, name
+        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}, name
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        tmp = next(m for m in kv["volumeMounts"] if m["mountPath"] == "/tmp")["name"]
+        assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == tmp), name
+    svcs = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    for name in ("kvservice-prefill", "kvservice-decode", "engine-prefill", "engine-decode"):
+        svc = svcs[name]
+        assert svc["read_only"] is True and svc["tmpfs"] == ["/tmp"] and svc["user"] == "10001:0", name
+        assert svc["cap_drop"] == ["ALL"] and svc["image"] == "kvservice:cpu", name

@@ -54,6 +54,7 @@ class KeepalivePolicy:
         return [
             ("grpc.keepalive_time_ms", self.time_ms),
             ("grpc.keepalive_timeout_ms", self.timeout_ms),
+            ("grpc.http2.ping_timeout_ms", self.timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_ping_interval_without_data_ms", self.min_recv_ping_interval_ms),
@@ -67,6 +68,8 @@ class KeepalivePolicy:
         return [
             ("grpc.keepalive_time_ms", self.server_time_ms),
             ("grpc.keepalive_timeout_ms", self.timeout_ms),
+            # NOTE: newer gRPC cores time keepalive pings out with this one (default 1 min).
+            ("grpc.http2.ping_timeout_ms", self.timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", self.min_recv_ping_interval_ms),
