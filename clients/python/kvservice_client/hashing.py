@@ -148,8 +148,7 @@ def _chain(local: np.ndarray, seed: int, parent: int = 0) -> np.ndarray:
         _numba_chain, _numba_tried = _load_numba_chain(), True
     if _numba_chain is None:
         return _chain_xxhash(local, seed, parent)
-    k = _secret_words(_KSECRET)
-    out: np.ndarray = _numba_chain(local, _U64(seed), _U64(k[3] ^ k[4]), _U64(k[5] ^ k[6]), _U64(parent))
+    out: np.ndarray = _numba_chain(local, _U64(seed), _K34, _K56, _U64(parent))
     return out
 
 
@@ -159,6 +158,10 @@ def _chain(local: np.ndarray, seed: int, parent: int = 0) -> np.ndarray:
 def _secret_words(secret: bytes) -> list[int]:
     """readLE64(secret + 8 * i) for every i (offsets that are not multiples of 8 use _rd)."""
     return [int.from_bytes(secret[o : o + 8], "little") for o in range(0, len(secret) - 7, 8)]
+
+
+_KW = _secret_words(_KSECRET)
+_K34, _K56 = _U64(_KW[3] ^ _KW[4]), _U64(_KW[5] ^ _KW[6])  # the chain's 16-byte-input secret words
 
 
 def _rd(secret: bytes, off: int) -> int:
