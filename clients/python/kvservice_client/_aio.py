@@ -58,8 +58,7 @@ class AsyncClient:
     async def reopen_session(self, reregister: bool = True) -> dict[str, RegisteredBuffers]:
         """After SessionLost: a new session; see :meth:`Client.reopen_session`."""
         await self._session.reset()
-        old = dict(self.owned.buffer_sets)
-        self.owned.buffer_sets.clear()
+        old = self.owned.take_buffer_sets()
         if not reregister:
             return {}
         return {

@@ -79,8 +79,7 @@ class Client:
         set the lost session owned (same regions). Returns {old buffer_set_id: new registration}.
         """
         self._session.reset()
-        old = dict(self.owned.buffer_sets)
-        self.owned.buffer_sets.clear()
+        old = self.owned.take_buffer_sets()
         if not reregister:
             return {}
         return {

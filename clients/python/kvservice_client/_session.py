@@ -64,6 +64,12 @@ class Owned:
         with self._lock:
             self.buffer_sets.pop(buffer_set_id, None)
 
+    def take_buffer_sets(self) -> dict[str, RegisterArgs]:
+        """Forget every buffer set (a lost session's) and return what registered them."""
+        with self._lock:
+            taken, self.buffer_sets = self.buffer_sets, {}
+        return taken
+
     def add_lease(self, lease_id: str, expires_unix_ms: int) -> None:
         if lease_id:
             with self._lock:
