@@ -80,6 +80,16 @@ class Config:
         '--config): each {"endpoint" (ZMQ bind, e.g. "tcp://*:5600"), optional "replay_endpoint", '
         '"topic" (default "kv"), "engine_id" (default "*": every buffer set)}.',
     )
+    admin_uids: str = _opt(
+        "",
+        "Comma-separated uids (besides root and the service's own uid) whose local sessions are "
+        "admin: GetStats lists every buffer set to them, to others only their own.",
+    )
+    peer_allowlist: str = _opt(
+        "",
+        "Where SendDelta may send KV: comma-separated CIDRs, DNS suffixes ('.svc.cluster.local'), "
+        "host names and 'unix'. Empty: anywhere (logged as a warning at start).",
+    )
     cache_dir: str = _opt(
         "",
         "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
@@ -128,6 +138,16 @@ class Config:
             raise ConfigError("transfer_retain_s: must be >= 0")
         self.event_streams()  # raises ConfigError naming kv_events
         self.republish_streams()  # raises ConfigError naming republish_events
+        try:
+            self.admin_uid_set  # noqa: B018  (validates)
+        except ValueError:
+            raise ConfigError(
+                f"admin_uids: {self.admin_uids!r} is not a comma-separated list of uids"
+            ) from None
+        try:
+            self.peer_allowlist_entries  # noqa: B018
+        except ValueError as exc:
+            raise ConfigError(f"peer_allowlist: {exc}") from None
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port: must be -1, 0 or a port number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -195,6 +215,17 @@ class Config:
                 if key in st and not isinstance(st[key], str):
                     raise ConfigError(f"republish_events[{i}].{key}: must be a string")
         return streams
+
+    @property
+    def admin_uid_set(self) -> frozenset[int]:
+        extra = {int(u) for u in self.admin_uids.split(",") if u.strip()}
+        return frozenset({0, os.getuid(), *extra})
+
+    @property
+    def peer_allowlist_entries(self) -> tuple[str, ...]:
+        from .peers_allow import parse_allowlist
+
+        return parse_allowlist(self.peer_allowlist)
 
     @property
     def keepalive(self) -> KeepalivePolicy:

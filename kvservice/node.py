@@ -22,8 +22,10 @@ from kvservice_client.hashing import page_hashes
 
 from .buffers import BufferRegistry, BufferSet
 from .config import Config
-from .errors import InvalidArgument, NotFound, Unauthenticated, Unavailable, Unimplemented
+from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable, Unimplemented
+from .identity import CredentialBook
 from .index import Lease, Match, PrefixIndex, as_hashes
+from .peers_allow import peer_allowed
 from .sessions import Session, SessionRegistry
 
 __all__ = ["Node", "VERSION"]
@@ -49,6 +51,7 @@ class Node:
         self.service_id = f"{config.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
         self.started = time.monotonic()
         self.sessions = SessionRegistry()
+        self.credentials = CredentialBook()
         self._session_timers: set[asyncio.Task[None]] = set()
         self.buffers = BufferRegistry()
         self.index = PrefixIndex()
@@ -152,11 +155,26 @@ class Node:
         return self.index.evict(buffer_set_id, page_indices)
 
     # -- sessions --------------------------------------------------------------------------
-    def open_session(self, client_name: str, resume_session_id: str = "") -> tuple[Session, int]:
-        """Open a session, or attach a new stream to ``resume_session_id``; returns (session, epoch)."""
+    def open_session(
+        self, client_name: str, resume_session_id: str = "", credential: str = ""
+    ) -> tuple[Session, int]:
+        """Open a session (identified when ``credential`` came from the credential socket), or
+        attach a new stream to ``resume_session_id``; returns (session, epoch)."""
         if resume_session_id:
             return self.sessions.resume(resume_session_id)
-        return self.sessions.open(client_name)
+        identity = None
+        if credential:
+            identity = self.credentials.take(credential)
+            if identity is None:
+                raise Unauthenticated("kvservice-credential: unknown or expired (fetch a new one)")
+        admin = identity is not None and identity.uid in self.config.admin_uid_set
+        return self.sessions.open(client_name, identity, admin)
+
+    def check_peer_address(self, address: str) -> None:
+        """SendDelta may aim only at allowlisted peers (``peer_allowlist``; empty: any)."""
+        allow = self.config.peer_allowlist_entries
+        if allow and not peer_allowed(address, allow):
+            raise PermissionDenied(f"peer_address: {address!r} is not in this service's peer_allowlist")
 
     def session_stream_ended(self, session_id: str, epoch: int) -> None:
         """The session stream of ``epoch`` broke: release only if no resume comes within the grace.
@@ -194,14 +212,22 @@ class Node:
     # -- buffers ---------------------------------------------------------------------------
     def register_buffers(
         self,
-        session_id: str,
+        session: Session,
         engine_id: str,
         layout: Layout,
         k_regions: Any,
         v_regions: Any,
         aux_regions: Any,
     ) -> BufferSet:
-        return self.buffers.register(session_id, engine_id, layout, k_regions, v_regions, aux_regions)
+        """Only an identified local caller registers memory, and shm only if it owns it."""
+        if session.identity is None:
+            raise PermissionDenied(
+                "RegisterBuffers: memory is registered only by an identified local caller; open the "
+                "session over the service's Unix socket (the SDK fetches a credential from <socket>.cred)"
+            )
+        return self.buffers.register(
+            session.session_id, engine_id, layout, k_regions, v_regions, aux_regions, session.identity.uid
+        )
 
     async def unregister_buffers(self, session_id: str, buffer_set_id: str) -> Unregistered:
         self.buffers.get(buffer_set_id, session_id)  # ownership check before anything changes

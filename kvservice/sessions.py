@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from .errors import NotFound, Unauthenticated
+from .identity import Identity
 
 __all__ = ["SESSION_METADATA_KEY", "Session", "SessionRegistry"]
 
@@ -38,6 +39,8 @@ class Session:
     session_id: str
     client_name: str
     opened_unix_ms: int
+    identity: Identity | None = None  # the kernel's word when opened with a local credential
+    admin: bool = False  # may see every buffer set (GetStats)
 
 
 @dataclasses.dataclass
@@ -62,12 +65,21 @@ class SessionRegistry:
         """Register ``hook(session_id)``, run (in registration order) when a session is released."""
         self._hooks.append(hook)
 
-    def open(self, client_name: str) -> tuple[Session, int]:
+    def open(
+        self, client_name: str, identity: Identity | None = None, admin: bool = False
+    ) -> tuple[Session, int]:
         """A new attached session and its epoch."""
-        s = Session(secrets.token_hex(12), client_name[:128], int(time.time() * 1000))
+        s = Session(secrets.token_hex(12), client_name[:128], int(time.time() * 1000), identity, admin)
         with self._lock:
             self._entries[s.session_id] = _Entry(s, epoch=1)
-        log.info("session opened", extra={"session_id": s.session_id, "client": s.client_name})
+        log.info(
+            "session opened",
+            extra={
+                "session_id": s.session_id,
+                "client": s.client_name,
+                "uid": getattr(identity, "uid", None),
+            },
+        )
         return s, 1
 
     def resume(self, session_id: str) -> tuple[Session, int]:
@@ -140,6 +152,12 @@ class SessionRegistry:
             if e is None:
                 raise Unauthenticated(self._why_gone(session_id))
         return e.session
+
+    def find(self, session_id: str) -> Session | None:
+        """The open session, or None (no error: for calls where a session is optional)."""
+        with self._lock:
+            e = self._entries.get(session_id)
+        return e.session if e is not None else None
 
     def _why_gone(self, session_id: str) -> str:
         reason = self._released.get(session_id)

@@ -12,10 +12,13 @@
 package kvclient
 
 import (
+	"bufio"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"net"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -30,12 +33,16 @@ import (
 // SessionMetadataKey carries the session id on calls that create or use owned resources.
 const SessionMetadataKey = "kvservice-session"
 
+// CredentialMetadataKey carries a local credential on OpenSession (see FetchCredential).
+const CredentialMetadataKey = "kvservice-credential"
+
 // Keepalive matches the service's policy (kvservice_client._keepalive): ping an idle
 // connection every 10 s; the service accepts pings every >= 5 s.
 var Keepalive = keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}
 
 // Client is safe for concurrent use.
 type Client struct {
+	target string
 	conn   *grpc.ClientConn
 	kv     pb.KVServiceClient
 	health healthpb.HealthClient
@@ -51,7 +58,7 @@ func Dial(target string, opts ...grpc.DialOption) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{conn: conn, kv: pb.NewKVServiceClient(conn), health: healthpb.NewHealthClient(conn)}, nil
+	return &Client{target: target, conn: conn, kv: pb.NewKVServiceClient(conn), health: healthpb.NewHealthClient(conn)}, nil
 }
 
 // Close closes the connection (and with it any session opened on it).
@@ -169,9 +176,34 @@ type Session struct {
 	cancel context.CancelFunc
 }
 
-// OpenSession opens a session (for leases and transfer watches); Close ends it.
+// FetchCredential asks the service's credential socket ("<socket>.cred") for a single-use
+// credential; the service reads this process's uid from the kernel (SO_PEERCRED). Sessions opened
+// with it carry that identity (needed to register memory). "" when the target is not a Unix socket.
+func (c *Client) FetchCredential() (string, error) {
+	path, ok := strings.CutPrefix(c.target, "unix:")
+	if !ok {
+		return "", nil
+	}
+	conn, err := net.DialTimeout("unix", strings.TrimPrefix(path, "//")+".cred", 2*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	_ = conn.SetReadDeadline(time.Now().Add(2 * time.Second))
+	line, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSpace(line), nil
+}
+
+// OpenSession opens a session (for leases, transfer watches, and over the Unix socket, with the
+// caller's local identity); CloseSession ends it.
 func (c *Client) OpenSession(ctx context.Context, clientName string) (*Session, error) {
 	sctx, cancel := context.WithCancel(context.Background())
+	if cred, err := c.FetchCredential(); err == nil && cred != "" {
+		sctx = metadata.AppendToOutgoingContext(sctx, CredentialMetadataKey, cred)
+	}
 	stream, err := c.kv.OpenSession(sctx, &pb.OpenSessionRequest{ClientName: clientName})
 	if err != nil {
 		cancel()
@@ -212,7 +244,8 @@ func (c *Client) CloseSession(ctx context.Context, s *Session) error {
 	return err
 }
 
-// Stats is the operator view (buffer sets, index, staging, transfers).
+// Stats is the operator view (index, staging, transfers). Buffer sets are listed to a session
+// (ctx from WithSession) for its own, and all of them to an admin uid; none without a session.
 func (c *Client) Stats(ctx context.Context) (*pb.GetStatsResponse, error) {
 	return c.kv.GetStats(ctx, &pb.GetStatsRequest{})
 }

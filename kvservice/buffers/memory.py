@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InvalidArgument, KVServiceError, Unimplemented, translate_os_error
+from ..errors import InvalidArgument, KVServiceError, PermissionDenied, Unimplemented, translate_os_error
 
 __all__ = ["MappedRegion", "MemoryImporter"]
 
@@ -61,14 +61,34 @@ class MemoryImporter:
         self._lock = threading.Lock()
         self._maps: dict[str, list[Any]] = {}  # key -> [refcount, backing, base_ptr, length]
 
-    def import_region(self, field: str, region: Any) -> MappedRegion:
-        """Map one ``common_pb2.Region``; raises InvalidArgument naming ``field``."""
+    def import_region(self, field: str, region: Any, owner_uid: int | None = None) -> MappedRegion:
+        """Map one ``common_pb2.Region``; raises InvalidArgument naming ``field``.
+
+        With ``owner_uid``, a shm segment owned by anyone else is PermissionDenied (the owner is
+        read from the file system, never taken from the request).
+        """
         which = region.WhichOneof("memory")
         if which == "shm":
+            if owner_uid is not None:
+                self._check_owner(field, region.shm.name, owner_uid)
             return self._import_shm(field, region.shm.name, region.shm.offset, region.size_bytes)
         if which == "cuda_ipc":
             return self._import_cuda(field, region.cuda_ipc, region.size_bytes)
         raise InvalidArgument(f"{field}.memory", "one of shm or cuda_ipc is required")
+
+    @staticmethod
+    def _check_owner(field: str, name: str, uid: int) -> None:
+        if not _SHM_NAME.match(name):
+            raise InvalidArgument(f"{field}.shm.name", f"{name!r} is not a POSIX shared-memory name")
+        try:
+            owner = os.stat("/dev/shm/" + name.lstrip("/")).st_uid
+        except OSError as exc:
+            raise translate_os_error(f"{field}.shm.name", exc) from None
+        if owner != uid:
+            raise PermissionDenied(
+                f"{field}.shm.name: {name!r} belongs to uid {owner}, not to the caller (uid {uid}); "
+                "only a segment's owner may register it"
+            )
 
     def _import_shm(self, field: str, name: str, offset: int, size: int) -> MappedRegion:
         if not _SHM_NAME.match(name):

@@ -85,8 +85,12 @@ class BufferRegistry:
         k_regions: Sequence[Any],
         v_regions: Sequence[Any],
         aux_regions: Sequence[Any],
+        owner_uid: int | None = None,
     ) -> BufferSet:
-        """Validate, import and announce a buffer set; on any error nothing stays behind."""
+        """Validate, import and announce a buffer set; on any error nothing stays behind.
+
+        With ``owner_uid``, shared memory is imported only if that uid owns the segment.
+        """
         validate_layout(layout)
         validate_region_sizes(layout, [r.size_bytes for r in k_regions], [r.size_bytes for r in v_regions])
         _validate_aux(aux_regions)
@@ -94,10 +98,10 @@ class BufferRegistry:
         try:
             for name, regions in (("k_regions", k_regions), ("v_regions", v_regions)):
                 for i, r in enumerate(regions):
-                    mapped.append(self.importer.import_region(f"{name}[{i}]", r))
+                    mapped.append(self.importer.import_region(f"{name}[{i}]", r, owner_uid))
             aux = []
             for i, a in enumerate(aux_regions):
-                region = self.importer.import_region(f"aux_regions[{i}].region", a.region)
+                region = self.importer.import_region(f"aux_regions[{i}].region", a.region, owner_uid)
                 mapped.append(region)
                 aux.append(AuxBuffer(a.name, region, a.row_bytes, a.num_rows))
             kinds = {m.mem_kind for m in mapped[: len(k_regions) + len(v_regions)]}

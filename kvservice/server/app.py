@@ -26,6 +26,7 @@ from ..config import Config
 from ..errors import InvalidArgument
 from ..metrics import Metrics, metrics_host
 from ..node import Node
+from .credentials import serve_credentials
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
 
@@ -48,6 +49,7 @@ class App:
     metrics: Metrics | None = None
     metrics_port: int = 0  # bound /metrics port once started (0: off)
     peer_servicer: KVPeerServicer | None = None
+    credential_server: asyncio.AbstractServer | None = None  # <uds_path>.cred (local identity)
 
     @property
     def address(self) -> str:
@@ -83,6 +85,11 @@ class App:
                 log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
+            self.credential_server = await serve_credentials(
+                self.uds_path + ".cred", self.node.config.uds_mode_int, self.node.credentials
+            )
+        if not self.node.config.peer_allowlist:
+            log.warning("peer_allowlist is empty: SendDelta may send KV to any address a caller names")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("kvservice serving", extra={"address": self.address, "peer_address": self.peer_address})
@@ -96,8 +103,11 @@ class App:
         await self.node.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.uds_path and os.path.exists(self.uds_path):
-            os.unlink(self.uds_path)
+        if self.credential_server is not None:
+            self.credential_server.close()
+        for path in (self.uds_path, self.uds_path + ".cred"):
+            if self.uds_path and os.path.exists(path):
+                os.unlink(path)
         log.info("kvservice stopped")
 
 

@@ -18,7 +18,15 @@ from ..transfer.records import Record
 if TYPE_CHECKING:
     from ..transfer.engine import TransferEngine
 
-__all__ = ["STATE_PB", "buffer_set_info", "layout", "session_of", "token_ids", "transfer_status"]
+__all__ = [
+    "STATE_PB",
+    "buffer_set_info",
+    "layout",
+    "metadata_value",
+    "session_of",
+    "token_ids",
+    "transfer_status",
+]
 
 
 def layout(pb: common_pb2.Layout, field: str = "layout") -> Layout:
@@ -35,8 +43,12 @@ def token_ids(pb: common_pb2.TokenIds, field: str) -> np.ndarray:
 
 
 def session_of(context: object) -> str | None:
+    return metadata_value(context, "kvservice-session")
+
+
+def metadata_value(context: object, name: str) -> str | None:
     for key, value in context.invocation_metadata() or ():  # type: ignore[attr-defined]
-        if key == "kvservice-session":
+        if key == name:
             return str(value)
     return None
 

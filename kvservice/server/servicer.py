@@ -12,8 +12,10 @@ from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc
 
 from ..node import VERSION, Node
+from ..sessions import Session
 from ..transfer.requests import build_chunk, build_incoming
 from . import convert
+from .credentials import CREDENTIAL_METADATA_KEY
 from .errors import grpc_errors
 
 __all__ = ["KVServiceServicer"]
@@ -28,11 +30,15 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     def _session(self, context: Ctx) -> str:
         return self.node.sessions.require(convert.session_of(context)).session_id
 
+    def _session_obj(self, context: Ctx) -> Session:
+        return self.node.sessions.require(convert.session_of(context))
+
     @grpc_errors
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: Ctx
     ) -> AsyncIterator[pb.SessionEvent]:
-        session, epoch = self.node.open_session(request.client_name, request.resume_session_id)
+        credential = convert.metadata_value(context, CREDENTIAL_METADATA_KEY) or ""
+        session, epoch = self.node.open_session(request.client_name, request.resume_session_id, credential)
         try:
             yield pb.SessionEvent(
                 session_id=session.session_id,
@@ -54,7 +60,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def RegisterBuffers(
         self, request: pb.RegisterBuffersRequest, context: Ctx
     ) -> pb.RegisterBuffersResponse:
-        session = self._session(context)
+        session = self._session_obj(context)
         bs = await asyncio.to_thread(
             self.node.register_buffers,
             session,
@@ -202,8 +208,14 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         resp = pb.GetStatsResponse(
             service_id=node.service_id, version=VERSION, uptime_ms=node.uptime_ms, sessions=len(node.sessions)
         )
+        # NOTE: buffer sets (ids, engines, memory) are listed to admin sessions; others see their own.
+        sid = convert.session_of(context)
+        viewer = node.sessions.find(sid) if sid else None
         for bs in node.buffers.all():
-            resp.buffer_sets.append(convert.buffer_set_info(bs, node.index.indexed_pages(bs.buffer_set_id)))
+            if viewer is not None and (viewer.admin or bs.session_id == viewer.session_id):
+                resp.buffer_sets.append(
+                    convert.buffer_set_info(bs, node.index.indexed_pages(bs.buffer_set_id))
+                )
         resp.index.CopyFrom(convert.index_stats(node.index.stats()))
         if node.transfers is not None:
             for st in node.transfers.staging_stats():

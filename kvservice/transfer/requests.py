@@ -122,6 +122,7 @@ def build_chunk(
     aux = _aux(bs, aux)
     if not peer_address:
         raise InvalidArgument("peer_address", "is required (the receiver's kvservice address)")
+    engine.node.check_peer_address(peer_address)
     out = engine.sender.outgoing.get((tid, bs.buffer_set_id))
     if out is None or (out.rec.terminal and out.got_last):
         if chunk_offset != 0:

@@ -27,6 +27,11 @@ def pool():
         yield p
 
 
+def _cred(server) -> str:
+    """The service's credential socket: TCP clients on this host prove their uid through it."""
+    return server.app.uds_path + ".cred"
+
+
 def _buffer_sets(server) -> set[str]:
     return {b.buffer_set_id for b in server.node.buffers.all()}
 
@@ -42,7 +47,7 @@ def test_idle_client_keeps_its_session_through_many_keepalive_intervals(make_ser
     """15+ keepalive pings on an idle connection: no GOAWAY, no resume, the registration stays."""
     server = make_server(**FAST_SERVER)
     for address in (server.address, f"127.0.0.1:{server.app.tcp_port}"):
-        with Client(address, keepalive=FAST) as kv:
+        with Client(address, keepalive=FAST, credential_path=_cred(server)) as kv:
             bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
             time.sleep(3.0)
             assert bs.buffer_set_id in _buffer_sets(server)
@@ -54,7 +59,7 @@ def test_pings_faster_than_the_server_allows_are_cut_but_the_session_resumes(mak
     """A real GOAWAY (too_many_pings) breaks the stream; the session is resumed, nothing released."""
     server = make_server(session_grace_s=5.0)  # default ping policy: at most one ping per 5 s
     greedy = KeepalivePolicy(time_ms=200, min_recv_ping_interval_ms=100)
-    with Client(f"127.0.0.1:{server.app.tcp_port}", keepalive=greedy) as kv:
+    with Client(f"127.0.0.1:{server.app.tcp_port}", keepalive=greedy, credential_path=_cred(server)) as kv:
         bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
         sid = kv.session_id
         _eventually(lambda: kv.session_resumes >= 1, 15)
@@ -69,7 +74,7 @@ def test_cut_connection_resumes_the_same_session_within_the_grace_period(make_se
     server = make_server(session_grace_s=5.0, **FAST_SERVER)
     proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
     try:
-        with Client(proxy.address, keepalive=FAST) as kv:
+        with Client(proxy.address, credential_path=_cred(server), keepalive=FAST) as kv:
             bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
             sid = kv.session_id
             proxy.cut()
@@ -88,7 +93,7 @@ def test_calls_made_while_disconnected_wait_for_the_resume(make_server, pool) ->
     server = make_server(session_grace_s=5.0, **FAST_SERVER)
     proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
     try:
-        with Client(proxy.address, keepalive=FAST, timeout=10) as kv:
+        with Client(proxy.address, credential_path=_cred(server), keepalive=FAST, timeout=10) as kv:
             bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
             proxy.cut(refuse=True)
             threading.Timer(1.0, proxy.allow).start()
@@ -106,7 +111,13 @@ def test_past_the_grace_period_the_session_is_lost_and_named(make_server, pool) 
     proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
     lost: list[SessionLost] = []
     try:
-        kv = Client(proxy.address, keepalive=FAST, timeout=10, on_session_lost=lost.append)
+        kv = Client(
+            proxy.address,
+            credential_path=_cred(server),
+            keepalive=FAST,
+            timeout=10,
+            on_session_lost=lost.append,
+        )
         bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
         kv.publish_pages(bs.buffer_set_id, [0, 1], tokens=np.arange(8))
         m = kv.match_prefix(tokens=np.arange(8), page_size=4, lease_ttl_ms=60_000)
@@ -150,7 +161,12 @@ def test_async_client_resumes_and_reports_loss(make_server, pool) -> None:
     proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
 
     async def main() -> None:
-        async with AsyncClient(proxy.address, keepalive=FAST, timeout=10) as kv:
+        async with AsyncClient(
+            proxy.address,
+            credential_path=_cred(server),
+            keepalive=FAST,
+            timeout=10,
+        ) as kv:
             bs = await kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
             sid = await kv.session_id()
             await asyncio.sleep(1.0)  # idle through several pings
@@ -182,7 +198,7 @@ def test_watch_waits_through_a_long_idle_and_survives_a_cut(make_server, pool) -
     server = make_server(session_grace_s=5.0, **FAST_SERVER)
     proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
     try:
-        with Client(proxy.address, keepalive=FAST) as kv:
+        with Client(proxy.address, credential_path=_cred(server), keepalive=FAST) as kv:
             bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
             kv.expect_delta(
                 "t-idle", bs.buffer_set_id, prefix_pages=0, dst_page_indices=[4], deadline_ms=60_000
@@ -206,7 +222,7 @@ def test_a_silent_dead_client_is_found_by_server_keepalive(make_server, pool) ->
     """No RST, no FIN (a frozen network): the server's pings find the dead client in seconds."""
     server = make_server(session_grace_s=0.5, **FAST_SERVER)  # pings every 200 ms, 2 s timeout
     proxy = TcpProxy(f"127.0.0.1:{server.app.tcp_port}")
-    kv = Client(proxy.address, keepalive=FAST, timeout=5)
+    kv = Client(proxy.address, credential_path=_cred(server), keepalive=FAST, timeout=5)
     try:
         kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
         proxy.freeze()
@@ -255,7 +271,10 @@ def test_killed_engine_is_released_within_the_grace_period(make_server, pool) ->
 def test_soak_idle_two_minutes_with_default_settings(make_server, pool) -> None:
     """Every default, UDS and TCP: two minutes without a call, then the next call just works."""
     server = make_server()
-    clients = [Client(server.address), Client(f"127.0.0.1:{server.app.tcp_port}")]
+    clients = [
+        Client(server.address),
+        Client(f"127.0.0.1:{server.app.tcp_port}", credential_path=_cred(server)),
+    ]
     try:
         ids = [kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions).buffer_set_id for kv in clients]
         time.sleep(125)

@@ -17,7 +17,7 @@ from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
-from ._session import Owned, RegisterArgs
+from ._session import Owned, RegisterArgs, find_credential_path
 from ._types import MatchResult, RegisteredBuffers, TransferStatus
 
 __all__ = ["AsyncClient"]
@@ -38,6 +38,7 @@ class AsyncClient:
         timeout: float = 30.0,
         keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
         on_session_lost: Callable[[SessionLost], Any] | None = None,
+        credential_path: str | None = None,
     ) -> None:
         self.target = target
         self.client_name = client_name
@@ -45,7 +46,14 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
-        self._session = AsyncSessionKeeper(self._stub, client_name, target, self.owned, on_session_lost)
+        self._session = AsyncSessionKeeper(
+            self._stub,
+            client_name,
+            target,
+            self.owned,
+            on_session_lost,
+            find_credential_path(target, credential_path),
+        )
 
     async def session_id(self) -> str:
         """Open the session if needed (or wait out a resume) and return its id."""
@@ -257,4 +265,10 @@ class AsyncClient:
         return statuses
 
     async def get_stats(self) -> pb.GetStatsResponse:
-        return await self._call("GetStats", pb.GetStatsRequest(), owned=False)
+        """Operator view; buffer sets listed are this client's own (all of them for an admin uid)."""
+        sid = self._session.peek()
+        md = ((rq.SESSION_METADATA_KEY, sid),) if sid else ()
+        try:
+            return await self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=md)
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from None

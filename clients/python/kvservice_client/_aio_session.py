@@ -15,7 +15,7 @@ import grpc
 
 from ._errors import KVClientError, NotFound, SessionLost, Unavailable, map_rpc_error
 from ._proto import kvservice_pb2 as pb
-from ._session import BACKOFF_S, GRACE_MARGIN_S, Owned
+from ._session import BACKOFF_S, CREDENTIAL_METADATA_KEY, GRACE_MARGIN_S, Owned, fetch_credential
 
 __all__ = ["AsyncSessionKeeper"]
 
@@ -32,7 +32,9 @@ class AsyncSessionKeeper:
         target: str,
         owned: Owned,
         on_lost: Callable[[SessionLost], Any] | None = None,
+        credential_path: str | None = None,
     ) -> None:
+        self._credential_path = credential_path
         self._stub = stub
         self._client_name = client_name
         self._target = target
@@ -65,6 +67,10 @@ class AsyncSessionKeeper:
                 return self.session_id
             assert self._error is not None
             raise self._error
+
+    def peek(self) -> str:
+        """The session id if the session is open now, else '' (never opens one)."""
+        return self.session_id if self._state == "ready" else ""
 
     async def mark_lost(self, reason: str) -> SessionLost:
         async with self._changed:
@@ -114,7 +120,9 @@ class AsyncSessionKeeper:
 
     async def _open(self, resume_id: str, deadline: float) -> Any:
         req = pb.OpenSessionRequest(client_name=self._client_name, resume_session_id=resume_id)
-        call = self._stub.OpenSession(req, wait_for_ready=True)  # see SessionKeeper._open
+        cred = "" if resume_id else await asyncio.to_thread(fetch_credential, self._credential_path)
+        metadata = ((CREDENTIAL_METADATA_KEY, cred),) if cred else ()
+        call = self._stub.OpenSession(req, wait_for_ready=True, metadata=metadata)  # see SessionKeeper._open
         async with self._changed:
             if self._state == "closed":
                 call.cancel()

@@ -21,7 +21,7 @@ from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
-from ._session import Owned, RegisterArgs, SessionKeeper
+from ._session import Owned, RegisterArgs, SessionKeeper, find_credential_path
 from ._types import MatchResult, RegisteredBuffers, TransferStatus
 
 __all__ = ["Client", "channel_options", "message_size_options"]
@@ -44,6 +44,9 @@ class Client:
 
     ``on_session_lost`` (optional) is called on a background thread with the
     :class:`SessionLost` when the session could not be resumed; owned calls raise it too.
+    ``credential_path``: the service's credential socket, from which the client proves its local
+    identity (needed to register memory); default ``<socket>.cred`` for "unix:" targets, none for
+    TCP targets (pass it to register over TCP on the same host; "" turns it off).
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class Client:
         timeout: float = 30.0,
         keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
         on_session_lost: Callable[[SessionLost], None] | None = None,
+        credential_path: str | None = None,
     ) -> None:
         self.target = target
         self.client_name = client_name
@@ -61,7 +65,14 @@ class Client:
         self._channel = grpc.insecure_channel(target, options=channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
-        self._session = SessionKeeper(self._stub, client_name, target, self.owned, on_session_lost)
+        self._session = SessionKeeper(
+            self._stub,
+            client_name,
+            target,
+            self.owned,
+            on_session_lost,
+            find_credential_path(target, credential_path),
+        )
 
     # -- session ---------------------------------------------------------------------------
     @property
@@ -311,4 +322,10 @@ class Client:
         return statuses
 
     def get_stats(self) -> pb.GetStatsResponse:
-        return self._call("GetStats", pb.GetStatsRequest(), owned=False)
+        """Operator view; buffer sets listed are this client's own (all of them for an admin uid)."""
+        sid = self._session.peek()
+        md = ((rq.SESSION_METADATA_KEY, sid),) if sid else ()
+        try:
+            return self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=md)
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from None

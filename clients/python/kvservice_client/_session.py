@@ -29,11 +29,55 @@ import grpc
 from ._errors import KVClientError, NotFound, SessionLost, Unavailable, map_rpc_error
 from ._proto import kvservice_pb2 as pb
 
-__all__ = ["Owned", "RegisterArgs", "SessionKeeper"]
+__all__ = [
+    "CREDENTIAL_METADATA_KEY",
+    "Owned",
+    "RegisterArgs",
+    "SessionKeeper",
+    "find_credential_path",
+    "fetch_credential",
+]
 
 log = logging.getLogger("kvservice_client")
 GRACE_MARGIN_S = 0.5  # the service may notice the break a little after us
 BACKOFF_S = (0.05, 1.0)  # first and largest pause between resume attempts
+
+
+CREDENTIAL_METADATA_KEY = "kvservice-credential"
+
+
+def find_credential_path(target: str, explicit: str | None) -> str | None:
+    """Where to fetch a local credential: ``explicit``, else ``<socket>.cred`` for unix targets."""
+    if explicit is not None:
+        return explicit or None
+    if target.startswith("unix:"):
+        return target.removeprefix("unix:").removeprefix("//") + ".cred"
+    return None
+
+
+def fetch_credential(path: str | None, timeout: float = 2.0) -> str:
+    """One single-use credential from the service's credential socket ('' when there is none).
+
+    The service reads this process's uid/pid from the kernel (SO_PEERCRED); presenting the
+    credential on OpenSession gives the session that identity (needed to register memory).
+    """
+    if not path:
+        return ""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return ""  # no credential socket (TCP-only service, older service): an anonymous session
+    return data.decode().strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +160,9 @@ class SessionKeeper:
         target: str,
         owned: Owned,
         on_lost: Callable[[SessionLost], None] | None = None,
+        credential_path: str | None = None,
     ) -> None:
+        self._credential_path = credential_path
         self._stub = stub
         self._client_name = client_name
         self._target = target
@@ -145,6 +191,11 @@ class SessionKeeper:
                 return self.session_id
             assert self._error is not None
             raise self._error
+
+    def peek(self) -> str:
+        """The session id if the session is open now, else '' (never opens one)."""
+        with self._cond:
+            return self.session_id if self._state == "ready" else ""
 
     def mark_lost(self, reason: str) -> SessionLost:
         """The service says the session is gone (a call was refused with 'was released')."""
@@ -196,9 +247,10 @@ class SessionKeeper:
     def _open(self, resume_id: str, deadline: float) -> Any:
         """Open (or resume) the stream and read its first event by ``deadline``; returns the call."""
         req = pb.OpenSessionRequest(client_name=self._client_name, resume_session_id=resume_id)
+        metadata = () if resume_id else ((CREDENTIAL_METADATA_KEY, fetch_credential(self._credential_path)),)
         # NOTE: waits for the channel to (re)connect, bounded by the deadline (the caller's timeout,
         # or the grace period when resuming) instead of failing at the first refused connection.
-        call = self._stub.OpenSession(req, wait_for_ready=True)
+        call = self._stub.OpenSession(req, wait_for_ready=True, metadata=tuple(m for m in metadata if m[1]))
         timer = threading.Timer(max(deadline - time.monotonic(), 0), call.cancel)
         with self._cond:
             if self._state == "closed":

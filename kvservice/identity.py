@@ -1,0 +1,49 @@
+"""Who a caller is: the kernel's word for local callers (see server/credentials.py).
+
+``Identity`` travels with a session; ``CredentialBook`` holds the single-use credentials the
+credential socket issued and OpenSession redeems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import time
+
+__all__ = ["CREDENTIAL_TTL_S", "CredentialBook", "Identity"]
+
+CREDENTIAL_TTL_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """A local caller as the kernel identified it (SO_PEERCRED)."""
+
+    uid: int
+    gid: int
+    pid: int
+
+
+class CredentialBook:
+    """Issued, not yet redeemed credentials (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._issued: dict[str, tuple[Identity, float]] = {}
+
+    def issue(self, who: Identity) -> str:
+        token = secrets.token_hex(16)
+        now = time.monotonic()
+        with self._lock:
+            self._issued = {t: v for t, v in self._issued.items() if v[1] > now}
+            self._issued[token] = (who, now + CREDENTIAL_TTL_S)
+        return token
+
+    def take(self, token: str) -> Identity | None:
+        """The identity behind ``token`` (once), or None if unknown or expired."""
+        with self._lock:
+            entry = self._issued.pop(token, None)
+        if entry is None or entry[1] < time.monotonic():
+            return None
+        return entry[0]

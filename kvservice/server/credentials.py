@@ -1,0 +1,52 @@
+"""Local caller identity: who is on the other end of the Unix socket, as the kernel says.
+
+gRPC does not hand a servicer the socket's peer credentials, so the service runs a tiny second
+Unix socket beside the engine socket (``<uds_path>.cred``, same file mode). A client connects,
+the service reads ``SO_PEERCRED`` (uid, gid, pid — the kernel's word, not the client's claim),
+answers one line with a fresh random credential and closes. The client presents it once, as
+``kvservice-credential`` metadata on OpenSession; the session then carries that identity::
+
+    client ──connect──▶ <uds>.cred ── SO_PEERCRED → (pid, uid, gid) ── "c0ffee…\\n" ──▶ client
+    client ──OpenSession(metadata kvservice-credential=c0ffee…)──▶ session.identity = uid …
+
+Credentials are single-use and expire after 30 s (kvservice.identity); whoever can open the credential socket
+could open the engine socket too, so this adds identity, not reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+
+from ..identity import CredentialBook, Identity
+
+__all__ = ["CREDENTIAL_METADATA_KEY", "peer_identity", "serve_credentials"]
+
+CREDENTIAL_METADATA_KEY = "kvservice-credential"
+
+
+def peer_identity(sock: socket.socket) -> Identity:
+    """The kernel's (uid, gid, pid) of the process on the other end of a Unix socket."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return Identity(uid, gid, pid)
+
+
+async def serve_credentials(path: str, mode: int, book: CredentialBook) -> asyncio.AbstractServer:
+    """Listen on ``path``; every connection gets one credential line for its kernel identity."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(book.issue(peer_identity(writer.get_extra_info("socket"))).encode() + b"\n")
+            await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    if os.path.exists(path):
+        os.unlink(path)
+    server = await asyncio.start_unix_server(answer, path=path)
+    os.chmod(path, mode)
+    return server
