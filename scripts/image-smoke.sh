@@ -33,10 +33,9 @@ bash scripts/setup.sh >/dev/null 2>&1 || { echo "scripts/setup.sh failed"; exit 
 # The engine runs outside the container as the service's uid (POSIX shm pools are 0600), so it
 # needs a Python that uid can run: a world-readable venv with only the client SDK.
 ENGINE_VENV=${ENGINE_VENV:-/tmp/kvservice-smoke-engine}
-if [ ! -x "$ENGINE_VENV/bin/python" ]; then
-  /usr/bin/python3 -m venv "$ENGINE_VENV"
-  "$ENGINE_VENV/bin/pip" install -q ./clients/python >/dev/null
-fi
+[ -x "$ENGINE_VENV/bin/python" ] || /usr/bin/python3 -m venv "$ENGINE_VENV"
+"$ENGINE_VENV/bin/pip" install -q --force-reinstall --no-deps ./clients/python >/dev/null  # this checkout's SDK
+"$ENGINE_VENV/bin/pip" install -q ./clients/python >/dev/null
 chmod -R a+rX "$ENGINE_VENV"
 cp scripts/image_smoke_engine.py "$ENGINE_VENV/engine.py"
 

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import stat
 import threading
 
@@ -26,7 +27,7 @@ from ..config import Config
 from ..errors import InvalidArgument
 from ..metrics import Metrics, metrics_host
 from ..node import Node
-from .credentials import serve_credentials
+from .credentials import bind_credentials, serve_credentials
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
 
@@ -49,7 +50,8 @@ class App:
     metrics: Metrics | None = None
     metrics_port: int = 0  # bound /metrics port once started (0: off)
     peer_servicer: KVPeerServicer | None = None
-    credential_server: asyncio.AbstractServer | None = None  # <uds_path>.cred (local identity)
+    credential_socket: socket.socket | None = None  # <uds_path>.cred, bound in build_server
+    credential_server: asyncio.AbstractServer | None = None  # serving it (local identity)
 
     @property
     def address(self) -> str:
@@ -85,9 +87,8 @@ class App:
                 log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
-            self.credential_server = await serve_credentials(
-                self.uds_path + ".cred", self.node.config.uds_mode_int, self.node.credentials
-            )
+        if self.credential_socket is not None:
+            self.credential_server = await serve_credentials(self.credential_socket, self.node.credentials)
         if not self.node.config.peer_allowlist:
             log.warning("peer_allowlist is empty: SendDelta may send KV to any address a caller names")
         for name in ("", SERVICE_NAME):
@@ -135,8 +136,10 @@ def build_server(config: Config) -> App:
         server,
     )
     uds_path = config.uds_path
+    cred_sock = None
     if uds_path:
         _clear_stale_socket(uds_path)
+        cred_sock = bind_credentials(uds_path + ".cred", config.uds_mode_int)
         if not server.add_insecure_port(f"unix:{uds_path}"):
             raise InvalidArgument("uds_path", f"cannot listen on {uds_path}")
     tcp_port = 0
@@ -144,7 +147,16 @@ def build_server(config: Config) -> App:
         tcp_port = server.add_insecure_port(config.tcp_address)
         if not tcp_port:
             raise InvalidArgument("tcp_address", f"cannot listen on {config.tcp_address}")
-    return App(server, node, health_servicer, uds_path, tcp_port, metrics, peer_servicer=peer_servicer)
+    return App(
+        server,
+        node,
+        health_servicer,
+        uds_path,
+        tcp_port,
+        metrics,
+        peer_servicer=peer_servicer,
+        credential_socket=cred_sock,
+    )
 
 
 def _clear_stale_socket(path: str) -> None:

@@ -22,7 +22,7 @@ import struct
 
 from ..identity import CredentialBook, Identity
 
-__all__ = ["CREDENTIAL_METADATA_KEY", "peer_identity", "serve_credentials"]
+__all__ = ["CREDENTIAL_METADATA_KEY", "bind_credentials", "peer_identity", "serve_credentials"]
 
 CREDENTIAL_METADATA_KEY = "kvservice-credential"
 
@@ -33,8 +33,21 @@ def peer_identity(sock: socket.socket) -> Identity:
     return Identity(uid, gid, pid)
 
 
-async def serve_credentials(path: str, mode: int, book: CredentialBook) -> asyncio.AbstractServer:
-    """Listen on ``path``; every connection gets one credential line for its kernel identity."""
+def bind_credentials(path: str, mode: int) -> socket.socket:
+    """Bind and listen on ``path`` now (before the engine socket exists, so a client that sees
+    the engine socket finds this one too; connections queue until :func:`serve_credentials`)."""
+    if os.path.exists(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, mode)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_credentials(sock: socket.socket, book: CredentialBook) -> asyncio.AbstractServer:
+    """Answer every connection on ``sock`` with one credential line for its kernel identity."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -45,8 +58,4 @@ async def serve_credentials(path: str, mode: int, book: CredentialBook) -> async
         finally:
             writer.close()
 
-    if os.path.exists(path):
-        os.unlink(path)
-    server = await asyncio.start_unix_server(answer, path=path)
-    os.chmod(path, mode)
-    return server
+    return await asyncio.start_unix_server(answer, sock=sock)

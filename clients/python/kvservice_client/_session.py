@@ -55,7 +55,7 @@ def find_credential_path(target: str, explicit: str | None) -> str | None:
     return None
 
 
-def fetch_credential(path: str | None, timeout: float = 2.0) -> str:
+def fetch_credential(path: str | None, timeout: float = 10.0) -> str:
     """One single-use credential from the service's credential socket ('' when there is none).
 
     The service reads this process's uid/pid from the kernel (SO_PEERCRED); presenting the
