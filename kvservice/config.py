@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -158,32 +159,10 @@ class Config:
 
     def event_streams(self) -> list[dict[str, Any]]:
         """The parsed ``kv_events`` list, validated."""
-        if not self.kv_events:
-            return []
-        try:
-            streams = json.loads(self.kv_events)
-        except ValueError as exc:
-            raise ConfigError(f"kv_events: not valid JSON ({exc})") from None
-        if not isinstance(streams, list):
-            raise ConfigError("kv_events: must be a list of stream objects")
+        keys = {"engine_id", "endpoint", "page_size", "replay_endpoint", "topic", "dp_rank", "scheme"}
+        streams = _object_list("kv_events", self.kv_events, keys, required=("engine_id", "endpoint"))
         seen = set()
         for i, st in enumerate(streams):
-            if not isinstance(st, dict):
-                raise ConfigError(f"kv_events[{i}]: must be an object")
-            unknown = set(st) - {
-                "engine_id",
-                "endpoint",
-                "page_size",
-                "replay_endpoint",
-                "topic",
-                "dp_rank",
-                "scheme",
-            }
-            if unknown:
-                raise ConfigError(f"kv_events[{i}]: unknown keys {sorted(unknown)}")
-            for key in ("engine_id", "endpoint"):
-                if not isinstance(st.get(key), str) or not st[key]:
-                    raise ConfigError(f"kv_events[{i}].{key}: a non-empty string is required")
             if not isinstance(st.get("page_size"), int) or st["page_size"] <= 0:
                 raise ConfigError(f"kv_events[{i}].page_size: a positive integer is required")
             if st.get("scheme", "canonical") not in ("canonical", "engine"):
@@ -195,34 +174,22 @@ class Config:
 
     def republish_streams(self) -> list[dict[str, Any]]:
         """The parsed ``republish_events`` list, validated."""
-        if not self.republish_events:
-            return []
-        try:
-            streams = json.loads(self.republish_events)
-        except ValueError as exc:
-            raise ConfigError(f"republish_events: not valid JSON ({exc})") from None
-        if not isinstance(streams, list):
-            raise ConfigError("republish_events: must be a list of stream objects")
+        keys = {"endpoint", "replay_endpoint", "topic", "engine_id"}
+        streams = _object_list("republish_events", self.republish_events, keys, required=("endpoint",))
         for i, st in enumerate(streams):
-            if not isinstance(st, dict):
-                raise ConfigError(f"republish_events[{i}]: must be an object")
-            unknown = set(st) - {"endpoint", "replay_endpoint", "topic", "engine_id"}
-            if unknown:
-                raise ConfigError(f"republish_events[{i}]: unknown keys {sorted(unknown)}")
-            if not isinstance(st.get("endpoint"), str) or not st["endpoint"]:
-                raise ConfigError(f"republish_events[{i}].endpoint: a non-empty string is required")
             for key in ("replay_endpoint", "topic", "engine_id"):
                 if key in st and not isinstance(st[key], str):
                     raise ConfigError(f"republish_events[{i}].{key}: must be a string")
         return streams
 
-    @property
+    @functools.cached_property
     def admin_uid_set(self) -> frozenset[int]:
         extra = {int(u) for u in self.admin_uids.split(",") if u.strip()}
         return frozenset({0, os.getuid(), *extra})
 
-    @property
-    def peer_allowlist_entries(self) -> tuple[str, ...]:
+    @functools.cached_property
+    def peer_allowlist_entries(self) -> tuple[Any, ...]:
+        """Parsed once per Config (SendDelta checks every call against it)."""
         from .peers_allow import parse_allowlist
 
         return parse_allowlist(self.peer_allowlist)
@@ -241,6 +208,28 @@ class Config:
     @property
     def uds_mode_int(self) -> int:
         return int(self.uds_mode, 8)
+
+
+def _object_list(name: str, text: str, keys: set[str], required: tuple[str, ...]) -> list[dict[str, Any]]:
+    """A JSON list of objects with only ``keys`` and non-empty strings at ``required``."""
+    if not text:
+        return []
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(items, list):
+        raise ConfigError(f"{name}: must be a list of stream objects")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ConfigError(f"{name}[{i}]: must be an object")
+        unknown = set(item) - keys
+        if unknown:
+            raise ConfigError(f"{name}[{i}]: unknown keys {sorted(unknown)}")
+        for key in required:
+            if not isinstance(item.get(key), str) or not item[key]:
+                raise ConfigError(f"{name}[{i}].{key}: a non-empty string is required")
+    return items
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["parse_allowlist", "peer_allowed"]
+__all__ = ["AllowEntry", "parse_allowlist", "peer_allowed"]
+
+# ("net", network) | ("suffix", ".example") | ("host", "name") | ("unix", "")
+AllowEntry = tuple[str, object]
 
 
-def parse_allowlist(text: str) -> tuple[str, ...]:
-    """Entries of the option, validated (ValueError names the bad entry)."""
-    out = []
+def parse_allowlist(text: str) -> tuple[AllowEntry, ...]:
+    """Entries of the option, parsed once (ValueError names the bad entry)."""
+    out: list[AllowEntry] = []
     for raw in text.split(","):
         entry = raw.strip()
         if not entry:
             continue
         if "/" in entry:
-            ipaddress.ip_network(entry, strict=False)  # raises ValueError on garbage
-        out.append(entry)
+            out.append(("net", ipaddress.ip_network(entry, strict=False)))  # ValueError on garbage
+        elif entry == "unix":
+            out.append(("unix", ""))
+        elif entry.startswith("."):
+            out.append(("suffix", entry))
+        else:
+            out.append(("host", entry))
     return tuple(out)
 
 
@@ -33,21 +41,19 @@ def _host(address: str) -> str | None:
     return host.strip("[]")
 
 
-def peer_allowed(address: str, allow: tuple[str, ...]) -> bool:
+def peer_allowed(address: str, allow: tuple[AllowEntry, ...]) -> bool:
     host = _host(address)
     if host is None:
-        return "unix" in allow
+        return any(kind == "unix" for kind, _ in allow)
     try:
-        ip = ipaddress.ip_address(host)
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
     except ValueError:
         ip = None
-    for entry in allow:
-        if "/" in entry:
-            if ip is not None and ip in ipaddress.ip_network(entry, strict=False):
-                return True
-        elif entry.startswith("."):
-            if ip is None and host.endswith(entry):
-                return True
-        elif host == entry:
+    for kind, value in allow:
+        if kind == "net" and ip is not None and ip in value:  # type: ignore[operator]
+            return True
+        if kind == "suffix" and ip is None and host.endswith(str(value)):
+            return True
+        if kind == "host" and host == value:
             return True
     return False

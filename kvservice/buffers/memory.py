@@ -69,28 +69,14 @@ class MemoryImporter:
         """
         which = region.WhichOneof("memory")
         if which == "shm":
-            if owner_uid is not None:
-                self._check_owner(field, region.shm.name, owner_uid)
-            return self._import_shm(field, region.shm.name, region.shm.offset, region.size_bytes)
+            return self._import_shm(field, region.shm.name, region.shm.offset, region.size_bytes, owner_uid)
         if which == "cuda_ipc":
             return self._import_cuda(field, region.cuda_ipc, region.size_bytes)
         raise InvalidArgument(f"{field}.memory", "one of shm or cuda_ipc is required")
 
-    @staticmethod
-    def _check_owner(field: str, name: str, uid: int) -> None:
-        if not _SHM_NAME.match(name):
-            raise InvalidArgument(f"{field}.shm.name", f"{name!r} is not a POSIX shared-memory name")
-        try:
-            owner = os.stat("/dev/shm/" + name.lstrip("/")).st_uid
-        except OSError as exc:
-            raise translate_os_error(f"{field}.shm.name", exc) from None
-        if owner != uid:
-            raise PermissionDenied(
-                f"{field}.shm.name: {name!r} belongs to uid {owner}, not to the caller (uid {uid}); "
-                "only a segment's owner may register it"
-            )
-
-    def _import_shm(self, field: str, name: str, offset: int, size: int) -> MappedRegion:
+    def _import_shm(
+        self, field: str, name: str, offset: int, size: int, owner_uid: int | None
+    ) -> MappedRegion:
         if not _SHM_NAME.match(name):
             raise InvalidArgument(f"{field}.shm.name", f"{name!r} is not a POSIX shared-memory name")
         if offset % 64:
@@ -105,7 +91,8 @@ class MemoryImporter:
                 except OSError as exc:
                     raise translate_os_error(f"{field}.shm.name", exc) from None
                 try:
-                    length = os.fstat(fd).st_size
+                    st = os.fstat(fd)  # NOTE: the owner of the file we opened (no stat/open race)
+                    length = st.st_size
                     if length == 0:
                         raise InvalidArgument(f"{field}.shm.name", f"{name!r} is empty")
                     mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -114,9 +101,16 @@ class MemoryImporter:
                 finally:
                     os.close(fd)
                 arr = np.frombuffer(mm, dtype=np.uint8)
-                entry = [0, (mm, arr), arr.ctypes.data, length]
+                entry = [0, (mm, arr), arr.ctypes.data, length, st.st_uid]
                 self._maps[key] = entry
-            _, (_, arr), base, length = entry
+            _, (_, arr), base, length, owner = entry
+            if owner_uid is not None and owner != owner_uid:
+                if entry[0] == 0:
+                    self._close_locked(key)
+                raise PermissionDenied(
+                    f"{field}.shm.name: {name!r} belongs to uid {owner}, not to the caller "
+                    f"(uid {owner_uid}); only a segment's owner may register it"
+                )
             if offset + size > length:
                 if entry[0] == 0:
                     self._close_locked(key)
