@@ -14,7 +14,7 @@ import torch
 from ..errors import InvalidArgument
 from ._regions import KVRegions, packed_nbytes
 
-__all__ = ["CopyArgs", "check_copy"]
+__all__ = ["CopyArgs", "check_copy", "pages_tensor"]
 
 PageIndices = torch.Tensor | np.ndarray | Sequence[int]
 
@@ -30,26 +30,26 @@ class CopyArgs:
     num_slices: int
 
 
-def _pages_to_tensor(pages: PageIndices, regions: KVRegions, unique: bool) -> torch.Tensor:
+def pages_tensor(pages: PageIndices, regions: KVRegions, unique: bool, field: str = "pages") -> torch.Tensor:
     """Check on whichever side the indices live (host indices: no device sync), then move."""
     ndim = pages.ndim if isinstance(pages, (torch.Tensor, np.ndarray)) else np.ndim(pages)
     if ndim != 1:
-        raise InvalidArgument("pages", f"must be 1-D, got {ndim}-D")
+        raise InvalidArgument(field, f"must be 1-D, got {ndim}-D")
     if isinstance(pages, torch.Tensor):
         if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
-            raise InvalidArgument("pages", f"must be integers, got {pages.dtype}")
+            raise InvalidArgument(field, f"must be integers, got {pages.dtype}")
         t = pages.to(torch.int64)
     else:
         a = np.asarray(pages)
         if a.size and not np.issubdtype(a.dtype, np.integer):
-            raise InvalidArgument("pages", f"must be integers, got {a.dtype}")
+            raise InvalidArgument(field, f"must be integers, got {a.dtype}")
         t = torch.from_numpy(a.astype(np.int64))
     if t.numel():
         lo, hi = (int(x) for x in torch.aminmax(t))
         if lo < 0 or hi >= regions.num_pages:
-            raise InvalidArgument("pages", f"indices must be in [0, {regions.num_pages}), got [{lo}, {hi}]")
+            raise InvalidArgument(field, f"indices must be in [0, {regions.num_pages}), got [{lo}, {hi}]")
         if unique and torch.unique(t).numel() != t.numel():
-            raise InvalidArgument("pages", "destination pages must be distinct")
+            raise InvalidArgument(field, "destination pages must be distinct")
     return t.to(regions.device).contiguous()
 
 
@@ -94,7 +94,7 @@ def check_copy(
             f"heads [{head_start}, {head_start + num_slices * nh}) not within the "
             f"{regions.num_heads} local heads",
         )
-    idx = _pages_to_tensor(pages, regions, unique=not to_staging)
+    idx = pages_tensor(pages, regions, unique=not to_staging)
     nbytes = packed_nbytes(regions, idx.numel(), nh, num_slices)
     if staging is None:
         if not to_staging:

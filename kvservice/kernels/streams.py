@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["on_side_stream"]
+__all__ = ["on_side_stream", "service_stream", "wait_event"]
 
 _local = threading.local()
 
@@ -35,3 +35,24 @@ def on_side_stream(device: torch.device, fn: Callable[[], Any]) -> Any:
         result = fn()
     stream.synchronize()
     return result
+
+
+_service_streams: dict[int, Any] = {}
+
+
+def service_stream(index: int) -> Any:
+    """The service-owned launch stream of CUDA device ``index`` (made on first use, kept)."""
+    stream = _service_streams.get(index)
+    if stream is None:
+        stream = _service_streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+async def wait_event(event: Any, max_sleep: float = 2e-4) -> None:
+    """Wait for a CUDA event without blocking the event loop: query, then sleep with backoff."""
+    import asyncio
+
+    delay = 10e-6
+    while not event.query():
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_sleep)

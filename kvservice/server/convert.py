@@ -74,6 +74,7 @@ _PATH = {
     "AUTO": common_pb2.TRANSFER_PATH_AUTO,
     "DIRECT": common_pb2.TRANSFER_PATH_DIRECT,
     "PACKED": common_pb2.TRANSFER_PATH_PACKED,
+    "FUSED": common_pb2.TRANSFER_PATH_FUSED,
 }
 
 

@@ -11,9 +11,8 @@ from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from ..buffers import MappedRegion
-from ..errors import Aborted, KVServiceError, NotFound
 from ..node import VERSION, Node
-from .convert import STATE_PB
+from .convert import STATE_PB, path_name
 from .errors import grpc_errors
 
 __all__ = ["KVPeerServicer"]
@@ -107,36 +106,25 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
                 held[0].release(held[1])
             return peer_pb2.CommitChunkResponse(state=STATE_PB[inc.rec.state])
         positions = np.asarray(request.positions, dtype=np.int64)
-        try:
-            if request.path == 2 and positions.size:
-                await e.unpack_chunk(
-                    inc, request.staging_slot, positions, request.dst_head_start, request.num_heads
-                )
-            e.table.update(
-                inc.rec,
-                add_pack=request.pack_us,
-                add_wire=request.wire_us,
-                add_descriptors=request.descriptors,
-                **({"path": "PACKED" if request.path == 2 else "DIRECT"} if positions.size else {}),
+        if request.path == 2 and positions.size:
+            await e.unpack_chunk(
+                inc, request.staging_slot, positions, request.dst_head_start, request.num_heads
             )
-            e.receiver.record_chunk(
-                inc,
-                f"{request.sender_service_id}/{request.src_tp_rank}",
-                positions,
-                request.last_chunk,
-                request.bytes,
-                request.pages_skipped,
-                request.aux_delivered,
-                request.dst_head_start == 0,
-            )
-        except (Aborted, NotFound):
-            raise
-        except KVServiceError as exc:
-            await e.fail_incoming(inc, exc)
-            raise
-        if e.receiver.complete_if_done(inc):
-            e.publish_received(inc)
-        return peer_pb2.CommitChunkResponse(state=STATE_PB[inc.rec.state])
+        state = await e.commit(
+            inc,
+            f"{request.sender_service_id}/{request.src_tp_rank}",
+            positions,
+            last=request.last_chunk,
+            nbytes=request.bytes,
+            skipped=request.pages_skipped,
+            aux=request.aux_delivered,
+            primary=request.dst_head_start == 0,
+            path=path_name(request.path),
+            pack_us=request.pack_us,
+            wire_us=request.wire_us,
+            descriptors=request.descriptors,
+        )
+        return peer_pb2.CommitChunkResponse(state=STATE_PB[state])
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import Aborted, InvalidArgument, NotFound
+from ..errors import Aborted, InvalidArgument, KVServiceError, NotFound
 from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
@@ -111,6 +112,7 @@ class TransferEngine:
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
+        self._fused_warm: threading.Thread | None = None
         node.buffers.add_hooks(self._on_register, self._on_unregister)
 
     def start(self) -> None:
@@ -159,6 +161,7 @@ class TransferEngine:
                 _warm_kernels(bs)
             else:
                 regs.extend(self._register_kv(bs))
+                self._warm_fused_cpu()
             lay = bs.layout
             self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.create(
                 [r.tensor for r in bs.k],
@@ -178,6 +181,14 @@ class TransferEngine:
             raise
         self._regs[bs.buffer_set_id] = regs
         self.metadata_epoch += 1
+
+    def _warm_fused_cpu(self) -> None:
+        """Compile the CPU fused copy in the background at the first host buffer set."""
+        if self._fused_warm is None:
+            from ..kernels import _fused_cpu
+
+            self._fused_warm = threading.Thread(target=_fused_cpu.warm, name="warm-fused-copy", daemon=True)
+            self._fused_warm.start()
 
     def _register_kv(self, bs: BufferSet) -> list[RegHandle]:
         regs: list[RegHandle] = []
@@ -315,6 +326,17 @@ class TransferEngine:
         held = inc.slots.pop(slot_id, None)
         if held is None:
             raise NotFound(f"staging_slot: {slot_id} is not reserved for this transfer")
+        try:
+            await self._unpack_held(inc, held, positions, head_start, num_heads)
+        except (Aborted, NotFound):
+            raise
+        except KVServiceError as exc:  # a bad unpack fails the transfer on both sides
+            await self.fail_incoming(inc, exc)
+            raise
+
+    async def _unpack_held(
+        self, inc: Incoming, held: Any, positions: np.ndarray, head_start: int, num_heads: int
+    ) -> None:
         pool, slot = held
         regions = self.kv_regions[inc.bs.buffer_set_id]
         dst = inc.dst_pages[positions - inc.prefix_pages]
@@ -330,6 +352,44 @@ class TransferEngine:
             inc.busy -= 1
             pool.release(slot)
         self.table.update(inc.rec, add_unpack=int((time.monotonic() - t0) * 1e6))
+
+    async def commit(
+        self,
+        inc: Incoming,
+        sender_key: str,
+        positions: np.ndarray,
+        *,
+        last: bool,
+        nbytes: int,
+        skipped: int,
+        aux: bool,
+        primary: bool,
+        path: str,
+        pack_us: int = 0,
+        wire_us: int = 0,
+        descriptors: int = 0,
+    ) -> str:
+        """Account a chunk that landed in ``inc``'s pages; DONE (and publish) when it was the last.
+
+        A malformed commit fails the transfer (and raises); returns the receiver's state.
+        """
+        try:
+            self.table.update(
+                inc.rec,
+                add_pack=pack_us,
+                add_wire=wire_us,
+                add_descriptors=descriptors,
+                **({"path": path} if positions.size else {}),
+            )
+            self.receiver.record_chunk(inc, sender_key, positions, last, nbytes, skipped, aux, primary)
+        except (Aborted, NotFound):
+            raise
+        except KVServiceError as exc:
+            await self.fail_incoming(inc, exc)
+            raise
+        if self.receiver.complete_if_done(inc):
+            self.publish_received(inc)
+        return inc.rec.state
 
     async def fail_incoming(self, inc: Incoming, exc: Any) -> None:
         await self._abort_in(inc, exc.code.name, exc.message, True)

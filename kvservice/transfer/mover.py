@@ -27,6 +27,7 @@ from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
 from .plan import ChunkMap
+from .same_node import SameNode
 from .sender import Chunk, Outgoing, Target
 from .transport import RemoteDescList, Transport, XferHandle
 
@@ -47,6 +48,7 @@ class Mover:
         self.transport: Transport = engine.transport
         self.peers: PeerDirectory = engine.peers
         self._remote_lists: dict[tuple[str, str, int], RemoteDescList] = {}
+        self.same_node = SameNode(engine)
 
     # -- plans -------------------------------------------------------------------------------
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
@@ -84,10 +86,15 @@ class Mover:
     # -- moving a chunk ----------------------------------------------------------------------
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
         path = out.path
+        same = self.peers.get(out.peer_address).is_self
         if cmap.num_pages:
             direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct
-            if self.peers.get(out.peer_address).is_self:
-                path = "PACKED"  # same node: pack, copy between our own staging slots, unpack
+            if same:  # both pools mapped here: fused, unless PACKED (staged) was asked for
+                path = "PACKED" if path == "PACKED" else "FUSED"
+            elif path == "FUSED":
+                raise FailedPrecondition(
+                    f"path: FUSED needs both pools on this service; {out.peer_address} is another service"
+                )
             if path == "AUTO":
                 path = self._choose(out.bs, cmap.num_pages) if target.full_heads and direct_ok else "PACKED"
             elif path == "DIRECT" and not target.full_heads:
@@ -97,7 +104,9 @@ class Mover:
                     "path: DIRECT needs both pools registered with the transport; use AUTO"
                 )
             self.e.table.update(out.rec, path=path)
-            if path == "DIRECT":
+            if path == "FUSED":
+                await self.same_node.move(out, target, cmap)
+            elif path == "DIRECT":
                 await self._direct(out, target, chunk, cmap)
             else:
                 await self._packed(out, target, chunk, cmap)
@@ -364,6 +373,30 @@ class Mover:
         last: bool = False,
     ) -> None:
         peer = self.peers.get(out.peer_address)
+        if peer.is_self:  # same service: account on the receiver directly, no request to build
+            inc = self.e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
+            if path == "PACKED" and positions.size:
+                await self.e.unpack_chunk(
+                    inc, slot_id, positions, target.route.dst_head_start, target.route.num_heads
+                )
+            await self.e.commit(
+                inc,
+                f"{self.e.service_id}/{out.bs.layout.tp_rank}",
+                positions,
+                last=last,
+                nbytes=nbytes,
+                skipped=skipped,
+                aux=aux,
+                primary=target.route.dst_head_start == 0,
+                path=path,
+                pack_us=pack_us,
+                wire_us=wire_us,
+                descriptors=descs,
+            )
+            self.e.table.update(
+                out.rec, add_bytes_sent=nbytes, add_descriptors=descs, add_pack=pack_us, add_wire=wire_us
+            )
+            return
         req = peer_pb2.CommitChunkRequest(
             transfer_id=out.rec.transfer_id,
             dst_buffer_set_id=target.plan.dst_buffer_set_id,

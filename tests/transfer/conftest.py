@@ -9,9 +9,14 @@ import pytest
 from kvservice_client import Client, Layout, ShmKVPool
 
 
-@pytest.fixture
-def pair(make_server: Any) -> tuple[Any, Any]:
-    """Two in-process services ("prefill node", "decode node") on the loopback transport."""
+@pytest.fixture(params=["two-services", "same-service"])
+def pair(request: Any, make_server: Any) -> tuple[Any, Any]:
+    """The sender's and the receiver's service: two in-process services on the loopback transport
+    ("prefill node", "decode node"), or one service serving both engines (same node: the fused
+    route)."""
+    if request.param == "same-service":
+        server = make_server(transport="loopback")
+        return server, server
     return make_server(transport="loopback"), make_server(transport="loopback")
 
 

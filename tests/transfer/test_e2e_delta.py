@@ -66,7 +66,10 @@ def test_multi_turn_session_moves_only_the_delta(pair, make_pool, make_client, p
         r, s = one(ln.kb, tid), one(ln.ka, tid)
         check_counters(r, n - prefix, prefix)
         check_counters(s, n - prefix, prefix)
-        if path != "auto":
+        if pair[0] is pair[1]:  # one service: fused unless the staged (packed) path was asked for
+            want = "PACKED" if path == "packed" else "FUSED"
+            assert (r.path, s.path) == (want, want)
+        elif path != "auto":
             assert (r.path, s.path) == (path.upper(), path.upper())
         assert_pages_equal(ln.pb, new_dst, ln.pa, src_seq[prefix:])
         assert_unchanged(ln.pb, before, except_pages=new_dst)

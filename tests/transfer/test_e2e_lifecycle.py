@@ -130,7 +130,9 @@ def test_closing_owning_client_aborts_its_transfers(pair, make_pool, make_client
     s = one(ln.ka, "gone", timeout=5)
     assert s.state == "ABORTED" and "went away" in s.error, s
     node = pair[1].app.node
-    eventually(lambda: not list(node.buffers.all()), 3, "receiver's buffer set released")
+    eventually(
+        lambda: ln.b not in [b.buffer_set_id for b in node.buffers.all()], 3, "receiver's buffer set released"
+    )
     eventually(lambda: staging_idle(pair[0]) and staging_idle(pair[1]), 3, "staging slots released")
 
 

@@ -226,6 +226,10 @@ const (
 	TransferPath_TRANSFER_PATH_DIRECT TransferPath = 1
 	// Gather into a staging slot, one descriptor per destination, scatter on the receiver.
 	TransferPath_TRANSFER_PATH_PACKED TransferPath = 2
+	// Same node: one fused copy reads the source pages and writes the destination pages in place
+	// (no staging, no transport). AUTO takes it whenever the service can map both pools; requesting
+	// FUSED for a pair it cannot map fails with FAILED_PRECONDITION and the reason.
+	TransferPath_TRANSFER_PATH_FUSED TransferPath = 3
 )
 
 // Enum value maps for TransferPath.
@@ -234,11 +238,13 @@ var (
 		0: "TRANSFER_PATH_AUTO",
 		1: "TRANSFER_PATH_DIRECT",
 		2: "TRANSFER_PATH_PACKED",
+		3: "TRANSFER_PATH_FUSED",
 	}
 	TransferPath_value = map[string]int32{
 		"TRANSFER_PATH_AUTO":   0,
 		"TRANSFER_PATH_DIRECT": 1,
 		"TRANSFER_PATH_PACKED": 2,
+		"TRANSFER_PATH_FUSED":  3,
 	}
 )
 
@@ -944,11 +950,12 @@ const file_kvservice_v1_common_proto_rawDesc = "" +
 	"\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x17\n" +
 	"\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n" +
 	"\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1a\n" +
-	"\x16TRANSFER_STATE_ABORTED\x10\x05*Z\n" +
+	"\x16TRANSFER_STATE_ABORTED\x10\x05*s\n" +
 	"\fTransferPath\x12\x16\n" +
 	"\x12TRANSFER_PATH_AUTO\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_PATH_DIRECT\x10\x01\x12\x18\n" +
-	"\x14TRANSFER_PATH_PACKED\x10\x02b\x06proto3"
+	"\x14TRANSFER_PATH_PACKED\x10\x02\x12\x17\n" +
+	"\x13TRANSFER_PATH_FUSED\x10\x03b\x06proto3"
 
 var (
 	file_kvservice_v1_common_proto_rawDescOnce sync.Once

@@ -1833,7 +1833,7 @@ type PhaseTimings struct {
 	PlanUs uint64 `protobuf:"varint,2,opt,name=plan_us,json=planUs,proto3" json:"plan_us,omitempty"`
 	// Gathering pages into a staging slot (packed path, sender).
 	PackUs uint64 `protobuf:"varint,3,opt,name=pack_us,json=packUs,proto3" json:"pack_us,omitempty"`
-	// Transport writes, from submission until they completed.
+	// Transport writes, from submission until they completed; on the FUSED path, the fused copy.
 	WireUs uint64 `protobuf:"varint,4,opt,name=wire_us,json=wireUs,proto3" json:"wire_us,omitempty"`
 	// Scattering a staging slot into the engine's pages (packed path, receiver).
 	UnpackUs uint64 `protobuf:"varint,5,opt,name=unpack_us,json=unpackUs,proto3" json:"unpack_us,omitempty"`
@@ -1935,7 +1935,7 @@ type TransferStatus struct {
 	// Chunks completed / senders finished (receiver).
 	ChunksDone  uint32 `protobuf:"varint,9,opt,name=chunks_done,json=chunksDone,proto3" json:"chunks_done,omitempty"`
 	SendersDone uint32 `protobuf:"varint,10,opt,name=senders_done,json=sendersDone,proto3" json:"senders_done,omitempty"`
-	// Path the latest chunk took (DIRECT or PACKED); AUTO until a chunk has moved pages.
+	// Path the latest chunk took (DIRECT, PACKED or FUSED); AUTO until a chunk has moved pages.
 	Path TransferPath `protobuf:"varint,11,opt,name=path,proto3,enum=kvservice.v1.TransferPath" json:"path,omitempty"`
 	// Time spent per phase on this side.
 	Timings *PhaseTimings `protobuf:"bytes,12,opt,name=timings,proto3" json:"timings,omitempty"`

@@ -16,7 +16,7 @@ __all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED"]
 
 SESSION_METADATA_KEY = "kvservice-session"
 SESSION_RELEASED = "was released"  # in the service's UNAUTHENTICATED message for a released session
-_PATHS = {"auto": 0, "direct": 1, "packed": 2}
+_PATHS = {"auto": 0, "direct": 1, "packed": 2, "fused": 3}
 
 TokensLike = Sequence[int] | np.ndarray | bytes
 HashesLike = Sequence[int] | np.ndarray

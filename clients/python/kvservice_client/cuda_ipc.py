@@ -13,7 +13,14 @@ import dataclasses
 import threading
 from typing import Any
 
-__all__ = ["CudaIpcExport", "close_handle", "device_uuid", "export_pointer", "open_handle"]
+__all__ = [
+    "CudaIpcExport",
+    "close_handle",
+    "device_uuid",
+    "enable_peer_access",
+    "export_pointer",
+    "open_handle",
+]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -140,6 +147,29 @@ def _make_current(lib: ctypes.CDLL, ordinal: int) -> None:
     ctx = ctypes.c_void_p()
     _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
     _check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
+
+
+def enable_peer_access(ordinal: int, peer_ordinal: int) -> bool:
+    """Let kernels on device ``ordinal`` read and write ``peer_ordinal``'s memory (primary contexts).
+
+    Returns False when the pair cannot access each other (no P2P link); True when enabled now
+    or before.
+    """
+    lib = _driver()
+    dev, peer = ctypes.c_int(), ctypes.c_int()
+    _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), ordinal))
+    _check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(peer), peer_ordinal))
+    can = ctypes.c_int()
+    _check("cuDeviceCanAccessPeer", lib.cuDeviceCanAccessPeer(ctypes.byref(can), dev, peer))
+    if not can.value:
+        return False
+    peer_ctx = ctypes.c_void_p()
+    _check("cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(peer_ctx), peer))
+    _make_current(lib, ordinal)
+    res = lib.cuCtxEnablePeerAccess(peer_ctx, ctypes.c_uint(0))
+    if res not in (0, 704):  # 704 = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        raise CudaError("cuCtxEnablePeerAccess", res)
+    return True
 
 
 def close_handle(base: int) -> None:

@@ -37,6 +37,7 @@ class TransferPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_PATH_AUTO: _ClassVar[TransferPath]
     TRANSFER_PATH_DIRECT: _ClassVar[TransferPath]
     TRANSFER_PATH_PACKED: _ClassVar[TransferPath]
+    TRANSFER_PATH_FUSED: _ClassVar[TransferPath]
 BUFFER_KIND_UNSPECIFIED: BufferKind
 BUFFER_KIND_MHA: BufferKind
 BUFFER_KIND_MLA: BufferKind
@@ -56,6 +57,7 @@ TRANSFER_STATE_ABORTED: TransferState
 TRANSFER_PATH_AUTO: TransferPath
 TRANSFER_PATH_DIRECT: TransferPath
 TRANSFER_PATH_PACKED: TransferPath
+TRANSFER_PATH_FUSED: TransferPath
 
 class Layout(_message.Message):
     __slots__ = ("kind", "num_layers", "page_size", "num_pages", "total_kv_heads", "local_kv_heads", "head_dim_k", "head_dim_v", "dtype", "tp_size", "tp_rank", "dp_rank")
