@@ -2,7 +2,10 @@
 SendDelta and Poll; one-page transfer end to end vs a raw NIXL one-descriptor write of the same
 page (the per-transfer overhead); sustained tiny transfers per second.
 
-    .venv/bin/python bench/bench_control.py [--small]
+    .venv/bin/python bench/bench_control.py [--small] [--same-node]
+
+--same-node: both engines on one service (the fused route); transfer_e2e is then SendDelta call →
+DONE seen by the receiving engine (its WatchTransfers stream), with ExpectDelta done before.
 
 Pools are shared memory (the control plane is the same on GPU machines; run it there for the
 absolute numbers).
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--transfers", type=int, default=300, help="sequential one-page transfers")
     ap.add_argument("--sustain-s", type=float, default=5.0)
     ap.add_argument("--sustain-threads", type=int, default=8)
+    ap.add_argument("--same-node", action="store_true", help="one service for both engines")
     args = ap.parse_args()
     if args.small:
         args.prompt_tokens, args.match_iters, args.transfers, args.sustain_s, args.sustain_threads = (
@@ -74,8 +78,8 @@ def main() -> None:
     lat: dict[str, list[float]] = {
         k: [] for k in ("match_prefix", "expect_delta", "send_delta", "poll", "transfer_e2e")
     }
-    with Services(2) as svc:
-        a, b = svc.addresses
+    with Services(1 if args.same_node else 2) as svc:
+        a, b = svc.addresses[0], svc.addresses[-1]
         ip, sp, rp = KVPool(idx_layout), KVPool(xl, "cpu", 1), KVPool(xl)
         try:
             with Client(a, client_name="ctl-tx") as ka, Client(b, client_name="ctl-rx") as kb:
@@ -101,6 +105,26 @@ def main() -> None:
                         prefix_pages=0,
                         dst_page_indices=[i % 64],
                     )
+                    if args.same_node:  # SendDelta call -> DONE on the receiver's watch stream
+                        t0 = time.perf_counter()
+                        timed(
+                            lat["send_delta"],
+                            ka.send_delta,
+                            tid,
+                            sb,
+                            src_page_indices=[i % 64],
+                            peer_address=b,
+                        )
+                        (st,) = kb.wait(tid, timeout=30)
+                        lat["transfer_e2e"].append(time.perf_counter() - t0)
+                        lat["poll"].append(0.0)
+                        if st.state != "DONE":
+                            raise RuntimeError(f"tiny transfer {tid}: {st.state} {st.error}")
+                        if i < 3:
+                            for v in lat.values():
+                                if v and v is not lat["match_prefix"]:
+                                    v.pop()
+                        continue
                     timed(
                         lat["send_delta"],
                         ka.send_delta,
@@ -175,7 +199,8 @@ def main() -> None:
         print(f"{k:14s} p50 {v['p50_ms']:.3f} ms p99 {v['p99_ms']:.3f} ms", file=sys.stderr)
     print(f"overhead p50 {overhead:.3f} ms; sustained {rate:.0f} transfers/s", file=sys.stderr)
     args.device = "cpu"
-    write_json(args.out, f"control_{run_tag(args)}", report)
+    report["same_node"] = args.same_node
+    write_json(args.out, f"control{'_same_node' if args.same_node else ''}_{run_tag(args)}", report)
 
 
 if __name__ == "__main__":

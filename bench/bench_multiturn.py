@@ -50,6 +50,7 @@ def run_mode(
     sp = (args.suffix_tokens * 3 // 2) // ps + 2
     n_tx = args.sessions * pp + args.concurrency * sp + 8
     n_rx = (args.sessions * pp if mode == "delta" else 0) + args.concurrency * (pp + sp) + 8
+
     def mk(n):
         return Layout.mha(
             num_layers=args.layers,
@@ -59,6 +60,7 @@ def run_mode(
             head_dim=args.head_dim,
             dtype="bfloat16",
         )  # noqa: E731
+
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     page_all = mk(1).page_bytes_all_layers
     rows: list[dict] = []

@@ -3,6 +3,11 @@ contiguous descriptor (the ceiling), same layout and page indices, one run.
 
     .venv/bin/python bench/bench_transfer.py --device cpu [--small]
     python bench/bench_transfer.py --device cuda [--src-gpu 0 --dst-gpu 1]
+    .venv/bin/python bench/bench_transfer.py --same-node ...   # both engines on one service
+
+--same-node: one service serves both engines, so AUTO takes the fused route; "packed" forces the
+staged route it replaced. Extra baselines in the same run: one contiguous copy of the bytes
+(memcpy on CPU, device or peer copy on GPU) and the fused kernel alone (no service).
 
 Full size: 32 layers x K/V, 8 KV heads x 128 x bf16, page 16 tokens (32 KiB per page per
 region), 1,024 scattered pages = 2 GiB, 65,536 descriptors for the per-page baseline.
@@ -18,6 +23,7 @@ import time
 import numpy as np
 from _harness import Services, base_args, devices, pools, progress, run_tag, summarize, write_json
 from _rawnixl import Job, page_rows, region_page_idx, run_raw
+from _same_node import contiguous_copy, contiguous_copy_anon, fused_kernel_only
 from kvservice_client import Client, Layout
 
 PHASES = ("queue", "plan", "pack", "wire", "unpack", "total")
@@ -29,8 +35,14 @@ def kvservice_runs(
     sdev, ddev = devices(args)
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     out: dict = {}
-    with Services(2, env) as svc, pools((layout, sdev, 1), (layout, ddev, None)) as (ps, pr):
-        a, b = svc.addresses
+    with (
+        Services(1 if args.same_node else 2, env) as svc,
+        pools((layout, sdev, 1), (layout, ddev, None)) as (
+            ps,
+            pr,
+        ),
+    ):
+        a, b = svc.addresses[0], svc.addresses[-1]
         with Client(a, client_name="bench-tx") as ka, Client(b, client_name="bench-rx") as kb:
             ra = ka.register_buffers(layout, *ps.regions()).buffer_set_id
             rb = kb.register_buffers(layout, *pr.regions()).buffer_set_id
@@ -79,6 +91,10 @@ def kvservice_runs(
                 )
             kb.unregister_buffers(rb)
             ka.unregister_buffers(ra)
+        if args.same_node:
+            t = fused_kernel_only(layout, ps, pr, src, dst, args.iters)
+            out["_fused_kernel_only"] = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
+            print(f"fused kernel alone: {out['_fused_kernel_only']['p50_ms']:.2f} ms", file=sys.stderr)
     return out
 
 
@@ -95,13 +111,19 @@ def main() -> None:
     ap.add_argument("--paths", default="", help="comma list; default auto,direct,packed on CPU, auto on GPU")
     ap.add_argument("--vram-staging-mb", type=int, default=1024)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--same-node", action="store_true", help="one service for both engines (fused route)")
+    ap.add_argument("--skip-nixl", action="store_true", help="no raw NIXL baselines (same-node runs)")
     args = ap.parse_args()
     if args.small:
         args.layers, args.pages, args.pool_pages, args.iters = 2, 32, 64, 2
     paths = (
         args.paths.split(",")
         if args.paths
-        else (["auto", "direct", "packed"] if args.device == "cpu" else ["auto"])
+        else (
+            ["auto", "packed"]
+            if args.same_node
+            else (["auto", "direct", "packed"] if args.device == "cpu" else ["auto"])
+        )
     )
     layout = Layout.mha(
         num_layers=args.layers,
@@ -120,7 +142,14 @@ def main() -> None:
     sdev, ddev = devices(args)
 
     base: dict = {}
-    if not args.skip_baseline:
+    if not args.skip_baseline and args.same_node:
+        t = contiguous_copy(sdev, ddev, total, args.iters)
+        base["contiguous_copy"] = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
+        print(f"contiguous copy: {base['contiguous_copy']['p50_ms']:.2f} ms", file=sys.stderr)
+        if sdev == "cpu":
+            t = contiguous_copy_anon(total, args.iters)
+            base["contiguous_copy_anon"] = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
+    if not args.skip_baseline and not args.skip_nixl:
         rows = page_rows(R, region_bytes, pb, args.pool_pages)
         per_page = Job(
             0, rows, rows, region_page_idx(R, args.pool_pages, src), region_page_idx(R, args.pool_pages, dst)
@@ -135,23 +164,36 @@ def main() -> None:
             print(f"{name}: {base[name]['p50_ms']:.2f} ms", file=sys.stderr)
 
     kv = kvservice_runs(args, layout, src, dst, paths)
+    if "_fused_kernel_only" in kv:
+        base["fused_kernel_only"] = kv.pop("_fused_kernel_only")
     gbps = lambda ms: total / (ms * 1e-3) / 1e9  # noqa: E731
     for d in list(base.values()) + list(kv.values()):
         if "p50_ms" in d:
             d["gb_per_s"] = gbps(d["p50_ms"])
     ratios: dict = {}
     ok = {p: d for p, d in kv.items() if "p50_ms" in d}
-    if base and ok:
-        for p, d in ok.items():
-            ratios[p] = {
-                "speedup_vs_per_page": base["raw_nixl_per_page"]["p50_ms"] / d["p50_ms"],
-                "fraction_of_ceiling": base["raw_nixl_one_descriptor"]["p50_ms"] / d["p50_ms"],
-            }
+    for p, d in ok.items():
+        ratios[p] = {
+            name: base[ref]["p50_ms"] / d["p50_ms"]
+            for name, ref in (
+                ("speedup_vs_per_page", "raw_nixl_per_page"),
+                ("fraction_of_ceiling", "raw_nixl_one_descriptor"),
+                ("fraction_of_contiguous_copy", "contiguous_copy"),
+                ("fraction_of_contiguous_copy_anon", "contiguous_copy_anon"),
+            )
+            if ref in base
+        }
+    if "fused_kernel_only" in base and "contiguous_copy" in base:
+        ratios["fused_kernel_only"] = {
+            "fraction_of_contiguous_copy": base["contiguous_copy"]["p50_ms"]
+            / base["fused_kernel_only"]["p50_ms"]
+        }
     if "direct" in ok and "packed" in ok and "auto" in ok:
         best = min(ok["direct"]["p50_ms"], ok["packed"]["p50_ms"])
         ratios["auto_vs_best_of_direct_packed"] = ok["auto"]["p50_ms"] / best
     report = {
         "benchmark": "transfer",
+        "same_node": args.same_node,
         "device": args.device,
         "src_gpu": args.src_gpu,
         "dst_gpu": args.dst_gpu,
@@ -171,7 +213,7 @@ def main() -> None:
         "kvservice": kv,
         "ratios": ratios,
     }
-    write_json(args.out, f"transfer_{run_tag(args)}", report)
+    write_json(args.out, f"transfer{'_same_node' if args.same_node else ''}_{run_tag(args)}", report)
     for k, v in ratios.items():
         print(f"  {k}: {v}", file=sys.stderr)
 

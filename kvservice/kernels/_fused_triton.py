@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
@@ -71,10 +72,11 @@ def _fused_kernel(
 
 def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK_WORDS) -> None:
     """Launch on the source device's current stream (asynchronous)."""
-    n, h, ps = a.src_pages.numel(), a.num_heads, src.page_size
+    n, h, ps = int(a.src_pages.size), a.num_heads, src.page_size
     if n == 0:
         return
-    dst_pages = a.dst_pages if a.dst_pages.device == src.device else a.dst_pages.to(src.device)
+    src_pages = torch.from_numpy(a.src_pages).to(src.device, non_blocking=True)
+    dst_pages = torch.from_numpy(a.dst_pages).to(src.device, non_blocking=True)
     hbs = [src.head_bytes_k] + ([src.head_bytes_v] if src.v else [])
     word = min(
         8,
@@ -99,7 +101,7 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
         _fused_kernel[grid](
             s_ptrs,
             d_ptrs,
-            a.src_pages,
+            src_pages,
             dst_pages,
             n_chunks,
             ps * src.num_heads * hb // word,

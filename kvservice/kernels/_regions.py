@@ -31,6 +31,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgument
@@ -119,6 +120,17 @@ class KVRegions:
             return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=self.device)
 
         return {"all": table(self.regions), "k": table(self.k), "v": table(self.v)}
+
+    @functools.cached_property
+    def base_addresses(self) -> np.ndarray:
+        """int64 base address of every region (staging order), on the host."""
+        return np.array([t.data_ptr() for t in self.regions], dtype=np.int64)
+
+    @functools.cached_property
+    def region_head_bytes(self) -> np.ndarray:
+        """int64 bytes of one head's row in every region (staging order)."""
+        hbs = [self.head_bytes_k, self.head_bytes_v] if self.v else [self.head_bytes_k]
+        return np.array(hbs * self.num_layers, dtype=np.int64)
 
     @functools.cached_property
     def min_alignment(self) -> int:

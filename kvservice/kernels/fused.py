@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from ._checks import PageIndices, pages_tensor
+from ._checks import PageIndices
 from ._regions import KVRegions
 
 __all__ = ["FusedArgs", "check_fused", "copy_pages", "fused_nbytes"]
@@ -34,10 +34,10 @@ FusedBackend = Literal["auto", "torch", "cpu", "triton"]
 
 @dataclasses.dataclass(frozen=True)
 class FusedArgs:
-    """A checked call: pages as int64 tensors on each side's device, head geometry in heads."""
+    """A checked call: host int64 page arrays and the head geometry in heads."""
 
-    src_pages: torch.Tensor
-    dst_pages: torch.Tensor
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
     src_head_start: int
     dst_head_start: int
     num_heads: int
@@ -45,30 +45,46 @@ class FusedArgs:
     def geometry(self, src: KVRegions, dst: KVRegions) -> tuple[np.ndarray, np.ndarray]:
         """Per region (staging order): [src_page, src_token, src_off, dst_page, dst_token, dst_off]
         bytes, and the bytes of a token row copied."""
-        hbs = np.array(
-            [src.head_bytes_k, src.head_bytes_v] * src.num_layers
-            if src.v
-            else [src.head_bytes_k] * src.num_layers,
+        ps = src.page_size
+        coef = np.array(
+            [
+                ps * src.num_heads,
+                src.num_heads,
+                self.src_head_start,
+                ps * dst.num_heads,
+                dst.num_heads,
+                self.dst_head_start,
+            ],
             dtype=np.int64,
         )
-        ps = src.page_size
-        geom = np.stack(
-            [
-                ps * src.num_heads * hbs,
-                src.num_heads * hbs,
-                self.src_head_start * hbs,
-                ps * dst.num_heads * hbs,
-                dst.num_heads * hbs,
-                self.dst_head_start * hbs,
-            ],
-            axis=1,
-        )
-        return geom, self.num_heads * hbs
+        hbs = src.region_head_bytes
+        return hbs[:, None] * coef[None, :], self.num_heads * hbs
 
 
 def fused_nbytes(src: KVRegions, num_pages: int, num_heads: int) -> int:
     """Bytes one call with ``num_pages`` pages of ``num_heads`` heads moves."""
     return src.num_layers * num_pages * src.page_size * num_heads * (src.head_bytes_k + src.head_bytes_v)
+
+
+def _host_pages(values: PageIndices, regions: KVRegions, unique: bool, field: str) -> np.ndarray:
+    """Check page indices on the host (vectorised); an int64 array."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise InvalidArgument(field, f"must be integers, got {values.dtype}")
+        values = values.cpu().numpy()
+    a = np.asarray(values)
+    if a.ndim != 1:
+        raise InvalidArgument(field, f"must be 1-D, got {a.ndim}-D")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise InvalidArgument(field, f"must be integers, got {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= regions.num_pages:
+            raise InvalidArgument(field, f"indices must be in [0, {regions.num_pages}), got [{lo}, {hi}]")
+        if unique and a.size > 1 and np.unique(a).size != a.size:
+            raise InvalidArgument(field, "destination pages must be distinct")
+    return a
 
 
 def check_fused(
@@ -92,24 +108,25 @@ def check_fused(
                 f"{side}_head_start",
                 f"heads [{start}, {start + nh}) not within the {regions.num_heads} local heads",
             )
-    sp = pages_tensor(src_pages, src, unique=False, field="src_pages")
-    dp = pages_tensor(dst_pages, dst, unique=True, field="dst_pages")
-    if sp.numel() != dp.numel():
-        raise InvalidArgument("dst_pages", f"{dp.numel()} pages for {sp.numel()} source pages")
+    sp = _host_pages(src_pages, src, False, "src_pages")
+    dp = _host_pages(dst_pages, dst, True, "dst_pages")
+    if sp.size != dp.size:
+        raise InvalidArgument("dst_pages", f"{dp.size} pages for {sp.size} source pages")
     return FusedArgs(sp, dp, src_head_start, dst_head_start, nh)
 
 
 def _torch_copy(src: KVRegions, dst: KVRegions, a: FusedArgs) -> None:
     hbs = (src.head_bytes_k, src.head_bytes_v) if src.v else (src.head_bytes_k,)
     hs, hd, h = a.src_head_start, a.dst_head_start, a.num_heads
-    dp = a.dst_pages
+    sp = torch.from_numpy(a.src_pages).to(src.device)
+    dp = torch.from_numpy(a.dst_pages).to(dst.device)
     for i, (s, d) in enumerate(zip(src.regions, dst.regions, strict=True)):
         hb = hbs[i % len(hbs)]
         sv = s.reshape(-1).view(torch.uint8).view(src.num_pages, src.page_size, src.num_heads, hb)
         dv = d.reshape(-1).view(torch.uint8).view(dst.num_pages, dst.page_size, dst.num_heads, hb)
-        rows = sv.index_select(0, a.src_pages)[:, :, hs : hs + h].to(dv.device)
+        rows = sv.index_select(0, sp)[:, :, hs : hs + h].to(dv.device)
         target = dv if h == dst.num_heads else dv[:, :, hd : hd + h]
-        target.index_copy_(0, dp if dp.device == dv.device else dp.to(dv.device), rows)
+        target.index_copy_(0, dp, rows)
 
 
 def _backend(src: KVRegions, dst: KVRegions, backend: FusedBackend) -> str:
@@ -136,7 +153,7 @@ def copy_pages(
     """Copy the pages (see the module doc); returns the bytes moved. Asynchronous on CUDA
     (the current stream of the source device)."""
     a = check_fused(src, dst, src_pages, dst_pages, src_head_start, dst_head_start, num_heads)
-    n = a.src_pages.numel()
+    n = int(a.src_pages.size)
     if n:
         kind = _backend(src, dst, backend)
         if kind == "cpu":
@@ -144,10 +161,10 @@ def copy_pages(
 
             geom, rows = a.geometry(src, dst)
             _fused_cpu.copy_regions(
-                np.array([t.data_ptr() for t in src.regions], dtype=np.int64),
-                np.array([t.data_ptr() for t in dst.regions], dtype=np.int64),
-                a.src_pages.numpy(),
-                a.dst_pages.numpy(),
+                src.base_addresses,
+                dst.base_addresses,
+                a.src_pages,
+                a.dst_pages,
                 geom,
                 rows,
                 src.page_size,

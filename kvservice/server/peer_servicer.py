@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TypeAlias
 
 import grpc
@@ -10,8 +9,8 @@ import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
-from ..buffers import MappedRegion
 from ..node import VERSION, Node
+from ..transfer.receiver import plan_message
 from .convert import STATE_PB, path_name
 from .errors import grpc_errors
 
@@ -52,31 +51,8 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             request.transfer_id, src, request.sender_service_id, request.sender_address, wait
         )
         out = peer_pb2.ReceivePlanSet(metadata_epoch=e.metadata_epoch)
-        now = time.monotonic()
         for inc, route in found:
-            bs = inc.bs
-            out.plans.append(
-                peer_pb2.ReceivePlan(
-                    transfer_id=request.transfer_id,
-                    dst_layout=bs.layout.to_proto(),
-                    prefix_pages=inc.prefix_pages,
-                    dst_page_indices=inc.dst_pages.tolist(),
-                    aux=[{"name": n, "rows": r.tolist()} for n, r in inc.aux.items()],
-                    expected_senders=inc.expected_senders,
-                    remaining_ms=max(0, int((inc.rec.deadline - now) * 1000)),
-                    kv_regions=[_remote(r) for r in bs.regions],
-                    aux_regions=[_remote(a.region) for a in bs.aux],
-                    aux_row_bytes=[a.row_bytes for a in bs.aux],
-                    aux_names=[a.name for a in bs.aux],
-                    dst_buffer_set_id=bs.buffer_set_id,
-                    direct_ok=bs.buffer_set_id not in e.no_direct,
-                    route=peer_pb2.HeadRoute(
-                        src_head_start=route.src_head_start,
-                        dst_head_start=route.dst_head_start,
-                        num_heads=route.num_heads,
-                    ),
-                )
-            )
+            out.plans.append(plan_message(inc, route, inc.bs.buffer_set_id not in e.no_direct))
         return out
 
     @grpc_errors
@@ -140,9 +116,3 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
                 origin=request.origin_service_id,
             )
         return peer_pb2.PeerAbortResponse(known=known)
-
-
-def _remote(r: MappedRegion) -> peer_pb2.RemoteRegion:
-    return peer_pb2.RemoteRegion(
-        address=r.address, size_bytes=r.size, mem_kind=r.mem_kind, device_id=r.device
-    )

@@ -27,6 +27,7 @@ from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peers import PeerDirectory
 from .plan import ChunkMap
+from .receiver import plan_message
 from .same_node import SameNode
 from .sender import Chunk, Outgoing, Target
 from .transport import RemoteDescList, Transport, XferHandle
@@ -54,6 +55,8 @@ class Mover:
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
         peer = self.peers.get(out.peer_address)
         await peer.refresh(timeout=self._left(out))
+        if peer.is_self:  # the receiver's declarations live here: no request, no page list to copy
+            return await self._local_targets(out)
         req = peer_pb2.GetReceivePlanRequest(
             transfer_id=out.rec.transfer_id,
             sender_service_id=self.e.service_id,
@@ -82,6 +85,30 @@ class Mover:
             full = r.num_heads == out.bs.layout.local_kv_heads == dst_layout.local_kv_heads
             targets.append(Target(plan, np.asarray(plan.dst_page_indices, dtype=np.int64), route, full))
         return targets
+
+    async def _local_targets(self, out: Outgoing) -> list[Target]:
+        lay = out.bs.layout
+        try:
+            found = await self.e.receiver.plans(
+                out.rec.transfer_id, lay, self.e.service_id, self.e.address, self._left(out)
+            )
+        except NotFound as exc:
+            raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
+        return [
+            Target(
+                plan_message(inc, route, inc.bs.buffer_set_id not in self.e.no_direct, with_pages=False),
+                inc.dst_pages,
+                HeadRoute(
+                    lay.tp_rank,
+                    inc.bs.layout.tp_rank,
+                    route.src_head_start,
+                    route.dst_head_start,
+                    route.num_heads,
+                ),
+                route.num_heads == lay.local_kv_heads == inc.bs.layout.local_kv_heads,
+            )
+            for inc, route in found
+        ]
 
     # -- moving a chunk ----------------------------------------------------------------------
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:

@@ -19,14 +19,15 @@ from collections.abc import Callable
 
 import numpy as np
 from kvservice_client import Layout
+from kvservice_client._proto import peer_pb2
 
-from ..buffers import BufferSet
+from ..buffers import BufferSet, MappedRegion
 from ..errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KVServiceError, NotFound
 from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
 from .records import Record, TransferTable
 
-__all__ = ["Incoming", "Receiver", "check_compatible", "routes_for"]
+__all__ = ["Incoming", "Receiver", "check_compatible", "plan_message", "routes_for"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,6 +49,40 @@ class Incoming:
     slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
     aux_done: bool = False
     busy: int = 0
+
+
+def _remote(r: MappedRegion) -> peer_pb2.RemoteRegion:
+    return peer_pb2.RemoteRegion(
+        address=r.address, size_bytes=r.size, mem_kind=r.mem_kind, device_id=r.device
+    )
+
+
+def plan_message(
+    inc: Incoming, route: HeadRoute, direct_ok: bool, with_pages: bool = True
+) -> peer_pb2.ReceivePlan:
+    """What a sender needs to write into ``inc``'s pages (``with_pages=False``: no page list, for
+    a sender in this very service, which reads ``inc.dst_pages`` directly)."""
+    bs = inc.bs
+    return peer_pb2.ReceivePlan(
+        transfer_id=inc.rec.transfer_id,
+        dst_layout=bs.layout.to_proto(),
+        prefix_pages=inc.prefix_pages,
+        dst_page_indices=inc.dst_pages.tolist() if with_pages else (),
+        aux=[{"name": n, "rows": r.tolist()} for n, r in inc.aux.items()],
+        expected_senders=inc.expected_senders,
+        remaining_ms=max(0, int((inc.rec.deadline - time.monotonic()) * 1000)),
+        kv_regions=[_remote(r) for r in bs.regions],
+        aux_regions=[_remote(a.region) for a in bs.aux],
+        aux_row_bytes=[a.row_bytes for a in bs.aux],
+        aux_names=[a.name for a in bs.aux],
+        dst_buffer_set_id=bs.buffer_set_id,
+        direct_ok=direct_ok,
+        route=peer_pb2.HeadRoute(
+            src_head_start=route.src_head_start,
+            dst_head_start=route.dst_head_start,
+            num_heads=route.num_heads,
+        ),
+    )
 
 
 def check_compatible(src: Layout, dst: Layout) -> None:

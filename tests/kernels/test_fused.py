@@ -110,10 +110,17 @@ def test_mixed_tp_routes_equal_pack_unpack(
             assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 def test_many_pages_threads_and_head_slice(
-    make_pool: Callable[..., KVRegions], snapshot: Callable[..., list[torch.Tensor]]
+    make_pool: Callable[..., KVRegions],
+    snapshot: Callable[..., list[torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+    parallel: bool,
 ) -> None:
-    """Enough pages for the compiled loop to split them over threads; a middle head slice."""
+    """Many pages, a middle head slice; the CPU loop's serial and threaded builds."""
+    from kvservice.kernels import _fused_cpu
+
+    monkeypatch.setattr(_fused_cpu, "PARALLEL_BYTES", 0 if parallel else 1 << 40)
     src = make_pool(num_pages=600, heads=4, head_dim=16, layers=3, device=DEVICE)
     dst = make_pool(num_pages=700, heads=4, head_dim=16, layers=3, device=DEVICE)
     rng = np.random.default_rng(5)

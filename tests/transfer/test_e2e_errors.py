@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, fill_random, one, snapshot
+from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, fill_random, one, snapshot
 from kvservice_client import (
     AlreadyExists,
     InvalidArgument,
@@ -101,9 +101,9 @@ def test_chunk_offset_gap_rejected_then_transfer_continues(pair, make_pool, make
             "gap", ln.a, src_page_indices=[0, 1], chunk_offset=2, peer_address=ln.peer, last_chunk=False
         )
     ln.ka.send_delta("gap", ln.a, src_page_indices=[0, 1, 2], peer_address=ln.peer, last_chunk=False)
-    mid = None
     with pytest.raises(InvalidArgument, match="chunk_offset"):
         ln.ka.send_delta("gap", ln.a, src_page_indices=[4, 5], chunk_offset=4, peer_address=ln.peer)
+    eventually(lambda: ln.kb.poll(["gap"])[0].pages_sent == 3, 5, "the first chunk landed")
     mid = snapshot(ln.pb)
     with pytest.raises(InvalidArgument, match="chunk_offset"):  # overlapping the previous chunk
         ln.ka.send_delta("gap", ln.a, src_page_indices=[2, 3], chunk_offset=2, peer_address=ln.peer)
