@@ -68,6 +68,12 @@ class Config:
         2048, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets); bigger = fewer, larger batches."
     )
     workers_per_peer: int = _opt(4, "Chunks moved to one destination service at once.")
+    same_host_route: str = _opt(
+        "auto",
+        "'auto': a receiver's service on this host (same kernel boot id, reached over a Unix socket "
+        "or loopback) hands over its engine pools and transfers copy page to page into them (FUSED), "
+        "falling back to the transport when they cannot be opened; 'off': always the transport.",
+    )
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(
         "",
@@ -122,6 +128,8 @@ class Config:
             raise ConfigError("hash_seed: must fit in an unsigned 64-bit integer")
         if self.max_lease_ttl_ms <= 0:
             raise ConfigError("max_lease_ttl_ms: must be > 0")
+        if self.same_host_route not in ("auto", "off"):
+            raise ConfigError(f"same_host_route: {self.same_host_route!r} is not 'auto' or 'off'")
         if self.session_grace_s < 0:
             raise ConfigError("session_grace_s: must be >= 0")
         for name in ("keepalive_time_ms", "keepalive_timeout_ms", "keepalive_min_ping_interval_ms"):

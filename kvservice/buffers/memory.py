@@ -35,6 +35,7 @@ class MappedRegion:
     device: int
     tensor: torch.Tensor
     source: str  # key of the mapping it lives in
+    origin: Any = None  # the common_pb2.Region it was imported from (handed to same-host peers)
 
     def pages(self, page_bytes: int) -> torch.Tensor:
         """The region as ``[num_pages, page_bytes]`` uint8."""
@@ -69,10 +70,12 @@ class MemoryImporter:
         """
         which = region.WhichOneof("memory")
         if which == "shm":
-            return self._import_shm(field, region.shm.name, region.shm.offset, region.size_bytes, owner_uid)
-        if which == "cuda_ipc":
-            return self._import_cuda(field, region.cuda_ipc, region.size_bytes)
-        raise InvalidArgument(f"{field}.memory", "one of shm or cuda_ipc is required")
+            m = self._import_shm(field, region.shm.name, region.shm.offset, region.size_bytes, owner_uid)
+        elif which == "cuda_ipc":
+            m = self._import_cuda(field, region.cuda_ipc, region.size_bytes)
+        else:
+            raise InvalidArgument(f"{field}.memory", "one of shm or cuda_ipc is required")
+        return dataclasses.replace(m, origin=region)
 
     def _import_shm(
         self, field: str, name: str, offset: int, size: int, owner_uid: int | None

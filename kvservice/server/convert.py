@@ -103,6 +103,7 @@ def transfer_status(r: Record) -> kvservice_pb2.TransferStatus:
         error_code=r.error_code,
         error=r.error,
         updated_unix_ms=r.updated_unix_ms,
+        route_note=r.route_note,
     )
 
 

@@ -9,7 +9,9 @@ import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
+from .. import host
 from ..node import VERSION, Node
+from ..transfer.peers import CAPABILITIES
 from ..transfer.receiver import plan_message
 from .convert import STATE_PB, path_name
 from .errors import grpc_errors
@@ -36,8 +38,10 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             transport=e.transport.kind,
             agent_name=e.transport.agent_name,
             agent_metadata=e.transport.metadata(),
-            capabilities=["direct", "packed", "mixed_tp", "mla", "aux"],
+            capabilities=list(CAPABILITIES),
             metadata_epoch=e.metadata_epoch,
+            boot_id=host.boot_id(),
+            hostname=host.hostname(),
         )
 
     @grpc_errors
@@ -51,8 +55,18 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             request.transfer_id, src, request.sender_service_id, request.sender_address, wait
         )
         out = peer_pb2.ReceivePlanSet(metadata_epoch=e.metadata_epoch)
+        same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
+        refusal = ""
+        if same_host and e.config.same_host_route != "auto":
+            refusal = "the receiver's same_host_route is 'off'"
+        elif same_host and not host.is_local_peer(context.peer()):
+            refusal = f"the plan was asked over {context.peer()}, not a Unix socket or loopback"
         for inc, route in found:
-            out.plans.append(plan_message(inc, route, inc.bs.buffer_set_id not in e.no_direct))
+            plan = plan_message(inc, route, inc.bs.buffer_set_id not in e.no_direct)
+            if same_host and not refusal:
+                plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
+            plan.same_host_refusal = refusal
+            out.plans.append(plan)
         return out
 
     @grpc_errors

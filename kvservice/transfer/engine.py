@@ -449,6 +449,7 @@ class TransferEngine:
                 for key in self.table.prune():
                     self._forget(key)
                 self.node.index.expire_leases()
+                self.mover.peer_pools.expire()
 
     async def _expire(self, rec: Record) -> None:
         key = (rec.transfer_id, rec.buffer_set_id)
@@ -477,6 +478,7 @@ class TransferEngine:
             self._reaper.cancel()
         await self.abort_all("service shutting down")
         await self.peers.close()
+        self.mover.peer_pools.close()
         for pool in self._pools():
             pool.close()
         self.transport.close()

@@ -19,12 +19,14 @@ import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import common_pb2, peer_pb2
 
-from .. import kernels
+from .. import host, kernels
 from ..buffers import BufferSet
 from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
+from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
+from .peer_pools import PeerPools
 from .peers import PeerDirectory
 from .plan import ChunkMap
 from .receiver import plan_message
@@ -35,7 +37,11 @@ from .transport import RemoteDescList, Transport, XferHandle
 __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
-_PATH_PB = {"DIRECT": common_pb2.TRANSFER_PATH_DIRECT, "PACKED": common_pb2.TRANSFER_PATH_PACKED}
+_PATH_PB = {
+    "DIRECT": common_pb2.TRANSFER_PATH_DIRECT,
+    "PACKED": common_pb2.TRANSFER_PATH_PACKED,
+    "FUSED": common_pb2.TRANSFER_PATH_FUSED,
+}
 PIPELINE = 3  # packed batches of one chunk in flight at once
 
 
@@ -50,6 +56,8 @@ class Mover:
         self.peers: PeerDirectory = engine.peers
         self._remote_lists: dict[tuple[str, str, int], RemoteDescList] = {}
         self.same_node = SameNode(engine)
+        self.peer_pools = PeerPools()
+        self._noted: set[tuple[str, str]] = set()  # (peer, reason) of same-host refusals logged
 
     # -- plans -------------------------------------------------------------------------------
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
@@ -57,12 +65,16 @@ class Mover:
         await peer.refresh(timeout=self._left(out))
         if peer.is_self:  # the receiver's declarations live here: no request, no page list to copy
             return await self._local_targets(out)
+        same_host = (
+            self.e.config.same_host_route == "auto" and bool(peer.boot_id) and peer.boot_id == host.boot_id()
+        )
         req = peer_pb2.GetReceivePlanRequest(
             transfer_id=out.rec.transfer_id,
             sender_service_id=self.e.service_id,
             src_layout=out.bs.layout.to_proto(),
             wait_ms=int(self._left(out) * 1000),
             sender_address=self.e.address,
+            sender_boot_id=host.boot_id() if same_host else "",
         )
         try:
             resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
@@ -83,8 +95,28 @@ class Mover:
             )
             dst_layout = Layout.from_proto(plan.dst_layout)
             full = r.num_heads == out.bs.layout.local_kv_heads == dst_layout.local_kv_heads
-            targets.append(Target(plan, np.asarray(plan.dst_page_indices, dtype=np.int64), route, full))
+            mapped = self._same_host(out, peer, plan) if same_host else None
+            targets.append(
+                Target(plan, np.asarray(plan.dst_page_indices, dtype=np.int64), route, full, mapped)
+            )
         return targets
+
+    def _same_host(self, out: Outgoing, peer: Any, plan: peer_pb2.ReceivePlan) -> KVRegions | None:
+        """The receiver rank's pools mapped here, or None with the reason noted (logged once)."""
+        why = plan.same_host_refusal
+        if not why and not plan.kv_handles:
+            why = "the receiver sent no pool handles (an older service?)"
+        if not why:
+            try:
+                return self.peer_pools.open(peer.service_id, plan)
+            except FailedPrecondition as exc:
+                why = exc.message
+        note = f"same-host fused route not taken ({why}); pages go through the transport"
+        self.e.table.update(out.rec, route_note=note)
+        if (peer.service_id, why) not in self._noted:
+            self._noted.add((peer.service_id, why))
+            log.warning(note, extra={"peer": out.peer_address, "transfer_id": out.rec.transfer_id})
+        return None
 
     async def _local_targets(self, out: Outgoing) -> list[Target]:
         lay = out.bs.layout
@@ -116,11 +148,12 @@ class Mover:
         same = self.peers.get(out.peer_address).is_self
         if cmap.num_pages:
             direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct
-            if same:  # both pools mapped here: fused, unless PACKED (staged) was asked for
-                path = "PACKED" if path == "PACKED" else "FUSED"
+            if same or target.dst_regions is not None:  # both pools mapped here: fused, unless
+                path = "PACKED" if path == "PACKED" else "FUSED"  # PACKED (staged) was asked for
             elif path == "FUSED":
                 raise FailedPrecondition(
-                    f"path: FUSED needs both pools on this service; {out.peer_address} is another service"
+                    f"path: FUSED needs the receiver's pools mapped here; {out.peer_address}: "
+                    f"{out.rec.route_note or 'another host'}"
                 )
             if path == "AUTO":
                 path = self._choose(out.bs, cmap.num_pages) if target.full_heads and direct_ok else "PACKED"
@@ -131,8 +164,10 @@ class Mover:
                     "path: DIRECT needs both pools registered with the transport; use AUTO"
                 )
             self.e.table.update(out.rec, path=path)
-            if path == "FUSED":
+            if path == "FUSED" and same:
                 await self.same_node.move(out, target, cmap)
+            elif path == "FUSED":
+                await self._fused_remote(out, target, chunk, cmap)
             elif path == "DIRECT":
                 await self._direct(out, target, chunk, cmap)
             else:
@@ -152,6 +187,16 @@ class Mover:
                 aux_descs > 0,
                 last=chunk.last,
             )
+
+    async def _fused_remote(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
+        """Same host, another service: copy into its mapped pools, then CommitChunk (FUSED)."""
+        assert target.dst_regions is not None
+        self.e.sender.check_live(out)
+        t0 = time.monotonic()
+        src = self.e.kv_regions[out.bs.buffer_set_id]
+        nbytes = await self.same_node.copy(src, target.dst_regions, cmap.src, cmap.dst, target.route)
+        us = int((time.monotonic() - t0) * 1e6)
+        await self._commit(out, target, chunk, cmap.positions, nbytes, 0, 0, "FUSED", 0, False, wire_us=us)
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
         regions = len(bs.regions)

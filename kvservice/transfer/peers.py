@@ -20,10 +20,12 @@ from kvservice_client._client import channel_options
 from kvservice_client._keepalive import KeepalivePolicy
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
-from .. import errors
+from .. import errors, host
 from .transport import Transport
 
-__all__ = ["PeerClient", "PeerDirectory", "Self"]
+__all__ = ["CAPABILITIES", "PeerClient", "PeerDirectory", "Self"]
+
+CAPABILITIES = ("direct", "packed", "mixed_tp", "mla", "aux", "same_host_fused")
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,10 @@ class Self:
             transport=self.transport.kind,
             agent_name=self.transport.agent_name,
             agent_metadata=self.transport.metadata(),
-            capabilities=["direct", "packed", "mixed_tp", "mla", "aux"],
+            capabilities=list(CAPABILITIES),
             address=self.address,
+            boot_id=host.boot_id(),
+            hostname=host.hostname(),
         )
 
 
@@ -102,6 +106,7 @@ class PeerClient:
         self.agent = ""
         self.epoch = -1
         self.is_self = False  # the peer is this very service (both engines on one node)
+        self.boot_id = ""  # the peer's kernel boot id (same as ours: same host)
         self._lock = asyncio.Lock()
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
@@ -136,6 +141,7 @@ class PeerClient:
             )
             self.service_id = resp.service_id
             self.epoch = resp.metadata_epoch
+            self.boot_id = resp.boot_id
 
     def invalidate(self) -> None:
         """Forget the handshake (after a failure); the next use handshakes again."""

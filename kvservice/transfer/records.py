@@ -43,6 +43,7 @@ class Record:
     chunks_done: int = 0
     senders_done: int = 0
     path: str = "AUTO"
+    route_note: str = ""
     timings_us: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     error_code: str = ""
     error: str = ""

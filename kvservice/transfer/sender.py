@@ -26,6 +26,7 @@ from kvservice_client._proto import peer_pb2
 
 from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
+from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from .plan import ChunkMap, map_chunk
 from .records import Record, TransferTable
@@ -53,6 +54,7 @@ class Target:
     dst_pages: np.ndarray
     route: HeadRoute
     full_heads: bool
+    dst_regions: KVRegions | None = None  # the receiver rank's pools, mapped here (fused route)
 
 
 @dataclasses.dataclass(eq=False)

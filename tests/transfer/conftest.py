@@ -9,15 +9,24 @@ import pytest
 from kvservice_client import Client, Layout, ShmKVPool
 
 
-@pytest.fixture(params=["two-services", "same-service"])
+@pytest.fixture(params=["two-services", "same-host", "same-service"])
 def pair(request: Any, make_server: Any) -> tuple[Any, Any]:
-    """The sender's and the receiver's service: two in-process services on the loopback transport
-    ("prefill node", "decode node"), or one service serving both engines (same node: the fused
-    route)."""
+    """The sender's and the receiver's service on the loopback transport:
+
+    two-services   two services that do not map each other's pools (same_host_route=off): the
+                   cross-node path ("prefill node", "decode node")
+    same-host      two services on this host that do: the receiver hands its pools over and the
+                   sender copies page to page into them (FUSED)
+    same-service   one service serving both engines (FUSED, no peer call at all)
+    """
     if request.param == "same-service":
         server = make_server(transport="loopback")
         return server, server
-    return make_server(transport="loopback"), make_server(transport="loopback")
+    route = "auto" if request.param == "same-host" else "off"
+    return (
+        make_server(transport="loopback", same_host_route=route),
+        make_server(transport="loopback", same_host_route=route),
+    )
 
 
 @pytest.fixture

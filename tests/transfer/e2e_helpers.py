@@ -31,6 +31,11 @@ TERMINAL = ("DONE", "FAILED", "ABORTED")
 
 
 # -- pool bytes ------------------------------------------------------------------------------
+def fused_pair(pair: tuple[Any, Any]) -> bool:
+    """Whether transfers between the pair's services take the fused route (see conftest.pair)."""
+    return pair[0] is pair[1] or pair[0].app.node.config.same_host_route == "auto"
+
+
 def regions_of(pool: ShmKVPool) -> list[np.ndarray]:
     """Every KV region view ``[num_pages, page_bytes]`` (K layers, then V layers)."""
     lay = pool.layout

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, fill_random, one, snapshot
+from e2e_helpers import assert_pages_equal, assert_unchanged, fill_random, fused_pair, one, snapshot
 from kvservice_client import Client, Layout, ShmKVPool
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=48, total_kv_heads=2, head_dim=8, dtype="float16")
@@ -66,7 +66,7 @@ def test_multi_turn_session_moves_only_the_delta(pair, make_pool, make_client, p
         r, s = one(ln.kb, tid), one(ln.ka, tid)
         check_counters(r, n - prefix, prefix)
         check_counters(s, n - prefix, prefix)
-        if pair[0] is pair[1]:  # one service: fused unless the staged (packed) path was asked for
+        if fused_pair(pair):  # pools mapped by the sender: fused unless the staged path was asked for
             want = "PACKED" if path == "packed" else "FUSED"
             assert (r.path, s.path) == (want, want)
         elif path != "auto":

@@ -3,6 +3,10 @@ default) and engine processes that own their shm KV pools and talk to their loca
 
     test process ── pipe ──▶ engine A ─UDS─▶ service A ═NIXL═▶ service B ◀─UDS─ engine B
                                                   (C, D: victims killed with SIGKILL)
+    engine E ─UDS─▶ service E ══ maps F's pools, copies page to page ══▶ engine F's pool
+
+A-D run with same_host_route=off (the cross-node path, as between two hosts); E and F with the
+default, so E's transfers to F take the same-host fused route.
 
 The test maps each engine's pool read-only-in-spirit to check bytes and canaries.
 """
@@ -25,12 +29,13 @@ AUX = {"meta": (64, 32)}
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[dict[str, Any]]:
     """Services A, B (survivors), C, D (victims) and their engines, all started in parallel."""
-    svcs = {n: ServiceProc(n) for n in "ABCD"}
+    svcs = {n: ServiceProc(n, "--same-host-route", "off") for n in "ABCD"}
+    svcs |= {n: ServiceProc(n) for n in "EF"}
     engines: dict[str, EngineProc] = {}
     try:
         for s in svcs.values():
             s.wait_ready()
-        plan = {"A": "A", "B": "B", "Ak": "A", "Bk": "B", "C": "C", "D": "D"}
+        plan = {"A": "A", "B": "B", "Ak": "A", "Bk": "B", "C": "C", "D": "D", "E": "E", "F": "F"}
         for i, (name, svc) in enumerate(plan.items()):
             engines[name] = EngineProc(svcs[svc].address, LAYOUT, AUX, seed=i + 1)
         for e in engines.values():
@@ -191,3 +196,48 @@ def test_sender_service_killed_mid_transfer(nodes) -> None:
     assert all(p.slots_in_use == 0 for p in st.staging), st.staging
     b.call("unregister_buffers", b.bs)
     assert b.bs not in [x.buffer_set_id for x in stats(svc_b).buffer_sets]
+
+
+def test_same_host_services_take_the_fused_route(nodes) -> None:
+    """Two service processes on this host: E maps F's engine pool and copies page to page (FUSED),
+    aux rows included; an abort mid-transfer stops every write (canaries); E -> B (route off on B)
+    goes through NIXL and says why."""
+    e, f, b = nodes["eng"]["E"], nodes["eng"]["F"], nodes["eng"]["B"]
+    peer_f = nodes["svc"]["F"].address
+    before = snapshot(f.pool)
+    f.call("expect_delta", "sh-1", f.bs, prefix_pages=2, dst_page_indices=[40, 41, 42], aux={"meta": [5]})
+    e.call(
+        "send_delta", "sh-1", e.bs, src_page_indices=[1, 2, 3, 4, 5], peer_address=peer_f, aux={"meta": [9]}
+    )
+    r, s = wait_eng(f, "sh-1"), wait_eng(e, "sh-1")
+    assert (r.state, s.state, r.path, s.path, s.route_note) == ("DONE", "DONE", "FUSED", "FUSED", ""), (r, s)
+    assert (s.pages_sent, s.pages_skipped) == (3, 2), s
+    assert_pages_equal(f.pool, [40, 41, 42], e.pool, [3, 4, 5])
+    assert np.array_equal(f.pool.aux("meta")[5], e.pool.aux("meta")[9])
+    assert_unchanged(f.pool, before[:-1] + [f.pool.aux("meta").copy()], except_pages=[40, 41, 42])
+    # abort mid-transfer: chunks keep coming, the receiver aborts, nothing lands after the ack
+    f.call(
+        "expect_delta", "sh-ab", f.bs, prefix_pages=0, dst_page_indices=list(range(64)), deadline_ms=20_000
+    )
+    for off in range(0, 48, 8):
+        e.call(
+            "send_delta",
+            "sh-ab",
+            e.bs,
+            src_page_indices=list(range(off, off + 8)),
+            chunk_offset=off,
+            peer_address=peer_f,
+            last_chunk=False,
+        )
+    f.call("abort", "sh-ab", reason="decode gave up")
+    at_ack = snapshot(f.pool)
+    s = wait_eng(e, "sh-ab")
+    assert s.state == "ABORTED" and "decode gave up" in s.error, s
+    time.sleep(0.2)
+    assert_unchanged(f.pool, at_ack)
+    # a receiver whose service has the route off: NIXL carries the pages, the note says why
+    b.call("expect_delta", "sh-off", b.bs, prefix_pages=0, dst_page_indices=[50, 51])
+    e.call("send_delta", "sh-off", e.bs, src_page_indices=[6, 7], peer_address=nodes["svc"]["B"].address)
+    s = wait_eng(e, "sh-off")
+    assert s.state == "DONE" and s.path != "FUSED" and "same_host_route is 'off'" in s.route_note, s
+    assert_pages_equal(b.pool, [50, 51], e.pool, [6, 7])

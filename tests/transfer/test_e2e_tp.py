@@ -19,6 +19,7 @@ from e2e_helpers import (
     assert_unchanged,
     fill_random,
     fill_tp,
+    fused_pair,
     global_kv,
     snapshot,
     wait_all,
@@ -163,7 +164,7 @@ def test_direct_path_refuses_head_slicing(pair, make_pool, make_client) -> None:
     kv, _, bs = senders[0]
     kv.send_delta("dir", bs, src_page_indices=[3, 4], peer_address=sb.app.peer_address, path="direct")
     s = wait_all(kv, "dir")[0]
-    if sa is sb:  # one service: the fused copy slices heads page to page, so DIRECT means FUSED there
+    if fused_pair(pair):  # pools mapped by the sender: the fused copy slices heads page to page
         assert (s.state, s.path) == ("DONE", "FUSED"), s
         return
     assert (s.state, s.error_code) == ("FAILED", "FAILED_PRECONDITION"), s

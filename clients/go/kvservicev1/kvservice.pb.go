@@ -1944,6 +1944,9 @@ type TransferStatus struct {
 	Error     string `protobuf:"bytes,14,opt,name=error,proto3" json:"error,omitempty"`
 	// Last change, unix time in milliseconds.
 	UpdatedUnixMs uint64 `protobuf:"varint,15,opt,name=updated_unix_ms,json=updatedUnixMs,proto3" json:"updated_unix_ms,omitempty"`
+	// Why the transfer did not take the route one would expect, e.g. a receiver on this host whose
+	// pools could not be opened (so the transport carried the pages instead of a fused copy).
+	RouteNote     string `protobuf:"bytes,16,opt,name=route_note,json=routeNote,proto3" json:"route_note,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2081,6 +2084,13 @@ func (x *TransferStatus) GetUpdatedUnixMs() uint64 {
 		return x.UpdatedUnixMs
 	}
 	return 0
+}
+
+func (x *TransferStatus) GetRouteNote() string {
+	if x != nil {
+		return x.RouteNote
+	}
+	return ""
 }
 
 // No parameters: the stats cover the whole node.
@@ -2712,7 +2722,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\apack_us\x18\x03 \x01(\x04R\x06packUs\x12\x17\n" +
 	"\awire_us\x18\x04 \x01(\x04R\x06wireUs\x12\x1b\n" +
 	"\tunpack_us\x18\x05 \x01(\x04R\bunpackUs\x12\x19\n" +
-	"\btotal_us\x18\x06 \x01(\x04R\atotalUs\"\xc4\x04\n" +
+	"\btotal_us\x18\x06 \x01(\x04R\atotalUs\"\xe3\x04\n" +
 	"\x0eTransferStatus\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12.\n" +
@@ -2734,7 +2744,9 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\n" +
 	"error_code\x18\r \x01(\tR\terrorCode\x12\x14\n" +
 	"\x05error\x18\x0e \x01(\tR\x05error\x12&\n" +
-	"\x0fupdated_unix_ms\x18\x0f \x01(\x04R\rupdatedUnixMs\"\x11\n" +
+	"\x0fupdated_unix_ms\x18\x0f \x01(\x04R\rupdatedUnixMs\x12\x1d\n" +
+	"\n" +
+	"route_note\x18\x10 \x01(\tR\trouteNote\"\x11\n" +
 	"\x0fGetStatsRequest\"\xfb\x01\n" +
 	"\rBufferSetInfo\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +

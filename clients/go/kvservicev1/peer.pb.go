@@ -38,7 +38,11 @@ type HandshakeRequest struct {
 	// Optional features the caller supports, e.g. "packed", "direct", "mixed_tp", "mla".
 	Capabilities []string `protobuf:"bytes,6,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
 	// Address other services reach the caller at (for aborts flowing back).
-	Address       string `protobuf:"bytes,7,opt,name=address,proto3" json:"address,omitempty"`
+	Address string `protobuf:"bytes,7,opt,name=address,proto3" json:"address,omitempty"`
+	// The caller's host: kernel boot id (/proc/sys/kernel/random/boot_id) and host name. Two
+	// services with the same boot id run on one kernel and may map each other's engine pools.
+	BootId        string `protobuf:"bytes,8,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	Hostname      string `protobuf:"bytes,9,opt,name=hostname,proto3" json:"hostname,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -122,6 +126,20 @@ func (x *HandshakeRequest) GetAddress() string {
 	return ""
 }
 
+func (x *HandshakeRequest) GetBootId() string {
+	if x != nil {
+		return x.BootId
+	}
+	return ""
+}
+
+func (x *HandshakeRequest) GetHostname() string {
+	if x != nil {
+		return x.Hostname
+	}
+	return ""
+}
+
 // The answering service's side of the handshake; fields mean the same as in the request.
 type HandshakeResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -139,6 +157,9 @@ type HandshakeResponse struct {
 	// Counter bumped whenever the responder registers memory; a sender whose cached metadata is
 	// older than a ReceivePlanSet.metadata_epoch handshakes again.
 	MetadataEpoch uint64 `protobuf:"varint,7,opt,name=metadata_epoch,json=metadataEpoch,proto3" json:"metadata_epoch,omitempty"`
+	// The answering service's host (see HandshakeRequest.boot_id).
+	BootId        string `protobuf:"bytes,8,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	Hostname      string `protobuf:"bytes,9,opt,name=hostname,proto3" json:"hostname,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -222,6 +243,20 @@ func (x *HandshakeResponse) GetMetadataEpoch() uint64 {
 	return 0
 }
 
+func (x *HandshakeResponse) GetBootId() string {
+	if x != nil {
+		return x.BootId
+	}
+	return ""
+}
+
+func (x *HandshakeResponse) GetHostname() string {
+	if x != nil {
+		return x.Hostname
+	}
+	return ""
+}
+
 // A sender rank asks the receiving service where its pages of a transfer go.
 type GetReceivePlanRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -234,6 +269,9 @@ type GetReceivePlanRequest struct {
 	WaitMs uint32 `protobuf:"varint,4,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
 	// Address the receiver reaches the sender's service at (for aborts flowing back).
 	SenderAddress string `protobuf:"bytes,5,opt,name=sender_address,json=senderAddress,proto3" json:"sender_address,omitempty"`
+	// The sender's kernel boot id. When it equals the receiver's and the call came over a local
+	// connection (Unix socket or loopback), the plans carry kv_handles for the same-host fused route.
+	SenderBootId  string `protobuf:"bytes,6,opt,name=sender_boot_id,json=senderBootId,proto3" json:"sender_boot_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -299,6 +337,13 @@ func (x *GetReceivePlanRequest) GetWaitMs() uint32 {
 func (x *GetReceivePlanRequest) GetSenderAddress() string {
 	if x != nil {
 		return x.SenderAddress
+	}
+	return ""
+}
+
+func (x *GetReceivePlanRequest) GetSenderBootId() string {
+	if x != nil {
+		return x.SenderBootId
 	}
 	return ""
 }
@@ -674,9 +719,16 @@ type ReceivePlan struct {
 	Route *HeadRoute `protobuf:"bytes,13,opt,name=route,proto3" json:"route,omitempty"`
 	// False when the receiver's pages cannot be a direct transport target (e.g. CUDA IPC memory
 	// UCX refuses to register): senders must use the packed path.
-	DirectOk      bool `protobuf:"varint,14,opt,name=direct_ok,json=directOk,proto3" json:"direct_ok,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	DirectOk bool `protobuf:"varint,14,opt,name=direct_ok,json=directOk,proto3" json:"direct_ok,omitempty"`
+	// Same host only (see GetReceivePlanRequest.sender_boot_id): how to open the receiver rank's
+	// KV regions (k_regions then v_regions, as the engine registered them: shm names or CUDA IPC
+	// handles), so the sender's service copies page to page into them (TRANSFER_PATH_FUSED).
+	KvHandles []*Region `protobuf:"bytes,15,rep,name=kv_handles,json=kvHandles,proto3" json:"kv_handles,omitempty"`
+	// Why kv_handles is empty although the sender asked from the same boot id (logged by the
+	// sender, shown in its TransferStatus.route_note).
+	SameHostRefusal string `protobuf:"bytes,16,opt,name=same_host_refusal,json=sameHostRefusal,proto3" json:"same_host_refusal,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ReceivePlan) Reset() {
@@ -805,6 +857,20 @@ func (x *ReceivePlan) GetDirectOk() bool {
 		return x.DirectOk
 	}
 	return false
+}
+
+func (x *ReceivePlan) GetKvHandles() []*Region {
+	if x != nil {
+		return x.KvHandles
+	}
+	return nil
+}
+
+func (x *ReceivePlan) GetSameHostRefusal() string {
+	if x != nil {
+		return x.SameHostRefusal
+	}
+	return ""
 }
 
 // A sender reports one chunk as written (or, with last_chunk, that it has finished).
@@ -1174,7 +1240,7 @@ var File_kvservice_v1_peer_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
-	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xed\x01\n" +
+	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xa2\x02\n" +
 	"\x10HandshakeRequest\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -1184,7 +1250,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"agent_name\x18\x04 \x01(\tR\tagentName\x12%\n" +
 	"\x0eagent_metadata\x18\x05 \x01(\fR\ragentMetadata\x12\"\n" +
 	"\fcapabilities\x18\x06 \x03(\tR\fcapabilities\x12\x18\n" +
-	"\aaddress\x18\a \x01(\tR\aaddress\"\xfb\x01\n" +
+	"\aaddress\x18\a \x01(\tR\aaddress\x12\x17\n" +
+	"\aboot_id\x18\b \x01(\tR\x06bootId\x12\x1a\n" +
+	"\bhostname\x18\t \x01(\tR\bhostname\"\xb0\x02\n" +
 	"\x11HandshakeResponse\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -1194,7 +1262,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"agent_name\x18\x04 \x01(\tR\tagentName\x12%\n" +
 	"\x0eagent_metadata\x18\x05 \x01(\fR\ragentMetadata\x12\"\n" +
 	"\fcapabilities\x18\x06 \x03(\tR\fcapabilities\x12%\n" +
-	"\x0emetadata_epoch\x18\a \x01(\x04R\rmetadataEpoch\"\xd9\x01\n" +
+	"\x0emetadata_epoch\x18\a \x01(\x04R\rmetadataEpoch\x12\x17\n" +
+	"\aboot_id\x18\b \x01(\tR\x06bootId\x12\x1a\n" +
+	"\bhostname\x18\t \x01(\tR\bhostname\"\xff\x01\n" +
 	"\x15GetReceivePlanRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -1202,7 +1272,8 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"src_layout\x18\x03 \x01(\v2\x14.kvservice.v1.LayoutR\tsrcLayout\x12\x17\n" +
 	"\await_ms\x18\x04 \x01(\rR\x06waitMs\x12%\n" +
-	"\x0esender_address\x18\x05 \x01(\tR\rsenderAddress\"t\n" +
+	"\x0esender_address\x18\x05 \x01(\tR\rsenderAddress\x12$\n" +
+	"\x0esender_boot_id\x18\x06 \x01(\tR\fsenderBootId\"t\n" +
 	"\tHeadRoute\x12$\n" +
 	"\x0esrc_head_start\x18\x01 \x01(\rR\fsrcHeadStart\x12$\n" +
 	"\x0edst_head_start\x18\x02 \x01(\rR\fdstHeadStart\x12\x1b\n" +
@@ -1227,7 +1298,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\x12\x19\n" +
 	"\bmem_kind\x18\x03 \x01(\tR\amemKind\x12\x1b\n" +
-	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\xd7\x04\n" +
+	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\xb8\x05\n" +
 	"\vReceivePlan\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x123\n" +
@@ -1247,7 +1318,10 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\taux_names\x18\v \x03(\tR\bauxNames\x12)\n" +
 	"\x11dst_buffer_set_id\x18\f \x01(\tR\x0edstBufferSetId\x12-\n" +
 	"\x05route\x18\r \x01(\v2\x17.kvservice.v1.HeadRouteR\x05route\x12\x1b\n" +
-	"\tdirect_ok\x18\x0e \x01(\bR\bdirectOk\"\xf3\x04\n" +
+	"\tdirect_ok\x18\x0e \x01(\bR\bdirectOk\x123\n" +
+	"\n" +
+	"kv_handles\x18\x0f \x03(\v2\x14.kvservice.v1.RegionR\tkvHandles\x12*\n" +
+	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\"\xf3\x04\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -1317,8 +1391,9 @@ var file_kvservice_v1_peer_proto_goTypes = []any{
 	(*PeerAbortResponse)(nil),     // 12: kvservice.v1.PeerAbortResponse
 	(*Layout)(nil),                // 13: kvservice.v1.Layout
 	(*AuxRows)(nil),               // 14: kvservice.v1.AuxRows
-	(TransferPath)(0),             // 15: kvservice.v1.TransferPath
-	(TransferState)(0),            // 16: kvservice.v1.TransferState
+	(*Region)(nil),                // 15: kvservice.v1.Region
+	(TransferPath)(0),             // 16: kvservice.v1.TransferPath
+	(TransferState)(0),            // 17: kvservice.v1.TransferState
 }
 var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	13, // 0: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
@@ -1328,23 +1403,24 @@ var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	7,  // 4: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
 	7,  // 5: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
 	3,  // 6: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
-	15, // 7: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
-	16, // 8: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
-	0,  // 9: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
-	2,  // 10: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
-	5,  // 11: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
-	9,  // 12: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
-	11, // 13: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
-	1,  // 14: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
-	4,  // 15: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
-	6,  // 16: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
-	10, // 17: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
-	12, // 18: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
-	14, // [14:19] is the sub-list for method output_type
-	9,  // [9:14] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	15, // 7: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
+	16, // 8: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
+	17, // 9: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
+	0,  // 10: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
+	2,  // 11: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
+	5,  // 12: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
+	9,  // 13: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
+	11, // 14: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
+	1,  // 15: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
+	4,  // 16: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
+	6,  // 17: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
+	10, // 18: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
+	12, // 19: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
+	15, // [15:20] is the sub-list for method output_type
+	10, // [10:15] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_peer_proto_init() }

@@ -80,6 +80,7 @@ class TransferStatus:
     error_code: str
     error: str
     updated_unix_ms: int
+    route_note: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -111,4 +112,5 @@ class TransferStatus:
             error_code=pb.error_code,
             error=pb.error,
             updated_unix_ms=pb.updated_unix_ms,
+            route_note=pb.route_note,
         )

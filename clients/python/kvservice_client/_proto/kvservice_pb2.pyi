@@ -288,7 +288,7 @@ class PhaseTimings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., plan_us: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., unpack_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("transfer_id", "role", "buffer_set_id", "state", "bytes_sent", "pages_sent", "pages_skipped", "descriptors", "chunks_done", "senders_done", "path", "timings", "error_code", "error", "updated_unix_ms")
+    __slots__ = ("transfer_id", "role", "buffer_set_id", "state", "bytes_sent", "pages_sent", "pages_skipped", "descriptors", "chunks_done", "senders_done", "path", "timings", "error_code", "error", "updated_unix_ms", "route_note")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class TransferStatus(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_NOTE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     role: TransferRole
     buffer_set_id: str
@@ -319,7 +320,8 @@ class TransferStatus(_message.Message):
     error_code: str
     error: str
     updated_unix_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., buffer_set_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., bytes_sent: _Optional[int] = ..., pages_sent: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., chunks_done: _Optional[int] = ..., senders_done: _Optional[int] = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., updated_unix_ms: _Optional[int] = ...) -> None: ...
+    route_note: str
+    def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., buffer_set_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., bytes_sent: _Optional[int] = ..., pages_sent: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., chunks_done: _Optional[int] = ..., senders_done: _Optional[int] = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., updated_unix_ms: _Optional[int] = ..., route_note: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "address")
+    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "address", "boot_id", "hostname")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class HandshakeRequest(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     transport: str
@@ -23,10 +25,12 @@ class HandshakeRequest(_message.Message):
     agent_metadata: bytes
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     address: str
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ...) -> None: ...
+    boot_id: str
+    hostname: str
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "metadata_epoch")
+    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "metadata_epoch", "boot_id", "hostname")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +38,8 @@ class HandshakeResponse(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     METADATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     transport: str
@@ -41,21 +47,25 @@ class HandshakeResponse(_message.Message):
     agent_metadata: bytes
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     metadata_epoch: int
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., metadata_epoch: _Optional[int] = ...) -> None: ...
+    boot_id: str
+    hostname: str
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., metadata_epoch: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class GetReceivePlanRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_service_id", "src_layout", "wait_ms", "sender_address")
+    __slots__ = ("transfer_id", "sender_service_id", "src_layout", "wait_ms", "sender_address", "sender_boot_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_service_id: str
     src_layout: _common_pb2.Layout
     wait_ms: int
     sender_address: str
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., wait_ms: _Optional[int] = ..., sender_address: _Optional[str] = ...) -> None: ...
+    sender_boot_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., wait_ms: _Optional[int] = ..., sender_address: _Optional[str] = ..., sender_boot_id: _Optional[str] = ...) -> None: ...
 
 class HeadRoute(_message.Message):
     __slots__ = ("src_head_start", "dst_head_start", "num_heads")
@@ -112,7 +122,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReceivePlan(_message.Message):
-    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok")
+    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +137,8 @@ class ReceivePlan(_message.Message):
     DST_BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     DIRECT_OK_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_layout: _common_pb2.Layout
     prefix_pages: int
@@ -141,7 +153,9 @@ class ReceivePlan(_message.Message):
     dst_buffer_set_id: str
     route: HeadRoute
     direct_ok: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ...) -> None: ...
+    kv_handles: _containers.RepeatedCompositeFieldContainer[_common_pb2.Region]
+    same_host_refusal: str
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only")
