@@ -258,6 +258,17 @@ def base_args(ap: Any) -> None:
     ap.add_argument("--small", action="store_true", help="tiny sizes for CI (CPU, seconds)")
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     ap.add_argument("--tag", default="", help="suffix of the result file name")
+    ap.add_argument(
+        "--cross-node",
+        action="store_true",
+        help="two services on this host talk as if on two hosts (same_host_route=off): the transport "
+        "carries the pages instead of the same-host fused copy",
+    )
+
+
+def route_env(args: Any) -> dict[str, str]:
+    """Service settings for the route the run asks for (see --cross-node)."""
+    return {"KVSERVICE_SAME_HOST_ROUTE": "off"} if getattr(args, "cross_node", False) else {}
 
 
 def devices(args: Any) -> tuple[str | int, str | int]:
@@ -271,4 +282,5 @@ def run_tag(args: Any) -> str:
         base = "cpu"
     else:
         base = "gpu" if args.src_gpu == args.dst_gpu else f"gpu{args.src_gpu}to{args.dst_gpu}"
+    base += "_xnode" if getattr(args, "cross_node", False) else ""
     return base + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")

@@ -19,7 +19,7 @@ import threading
 import time
 
 import numpy as np
-from _harness import KVPool, Services, base_args, progress, run_tag, summarize, write_json
+from _harness import KVPool, Services, base_args, progress, route_env, run_tag, summarize, write_json
 from _rawnixl import Job, run_raw
 from kvservice_client import Client, Layout
 
@@ -78,7 +78,7 @@ def main() -> None:
     lat: dict[str, list[float]] = {
         k: [] for k in ("match_prefix", "expect_delta", "send_delta", "poll", "transfer_e2e")
     }
-    with Services(1 if args.same_node else 2) as svc:
+    with Services(1 if args.same_node else 2, route_env(args)) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
         ip, sp, rp = KVPool(idx_layout), KVPool(xl, "cpu", 1), KVPool(xl)
         try:

@@ -17,7 +17,7 @@ import sys
 import time
 
 import numpy as np
-from _harness import KVPool, Services, base_args, devices, progress, run_tag, summarize, write_json
+from _harness import KVPool, Services, base_args, devices, progress, route_env, run_tag, summarize, write_json
 from _rawnixl import Job, run_raw
 from kvservice_client import Client, Layout
 
@@ -226,7 +226,7 @@ def main() -> None:
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     results: dict = {}
-    with Services(2, env) as svc:
+    with Services(2, env | route_env(args)) as svc:
         for p, d in configs:
             results[f"{p}->{d}"] = one_config(args, svc, p, d, src, dst, full_bytes)
     report = {

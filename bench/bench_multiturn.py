@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from _harness import KVPool, Services, base_args, devices, progress, run_tag, summarize, write_json
+from _harness import KVPool, Services, base_args, devices, progress, route_env, run_tag, summarize, write_json
 from kvservice_client import Client, Layout
 
 
@@ -64,7 +64,7 @@ def run_mode(
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     page_all = mk(1).page_bytes_all_layers
     rows: list[dict] = []
-    with Services(2, env) as svc:
+    with Services(2, env | route_env(args)) as svc:
         a, b = svc.addresses
         tx, rx = KVPool(mk(n_tx), sdev, None), KVPool(mk(n_rx), ddev, None)
         try:

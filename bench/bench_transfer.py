@@ -21,7 +21,7 @@ import sys
 import time
 
 import numpy as np
-from _harness import Services, base_args, devices, pools, progress, run_tag, summarize, write_json
+from _harness import Services, base_args, devices, pools, progress, route_env, run_tag, summarize, write_json
 from _rawnixl import Job, page_rows, region_page_idx, run_raw
 from _same_node import contiguous_copy, contiguous_copy_anon, fused_kernel_only
 from kvservice_client import Client, Layout
@@ -36,7 +36,7 @@ def kvservice_runs(
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     out: dict = {}
     with (
-        Services(1 if args.same_node else 2, env) as svc,
+        Services(1 if args.same_node else 2, env | route_env(args)) as svc,
         pools((layout, sdev, 1), (layout, ddev, None)) as (
             ps,
             pr,
@@ -142,7 +142,7 @@ def main() -> None:
     sdev, ddev = devices(args)
 
     base: dict = {}
-    if not args.skip_baseline and args.same_node:
+    if not args.skip_baseline:
         t = contiguous_copy(sdev, ddev, total, args.iters)
         base["contiguous_copy"] = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
         print(f"contiguous copy: {base['contiguous_copy']['p50_ms']:.2f} ms", file=sys.stderr)

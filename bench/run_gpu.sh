@@ -15,13 +15,25 @@ LOG="$OUT/log_$1.txt"
 run() { echo "== $*" | tee -a "$LOG"; timeout "${T:-240}" python3 "$@" --out "$OUT" 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
 if [ "$1" = x1 ]; then
-  T=150 run bench/bench_transfer.py --device cuda --paths auto,packed
+  # same node: one service (fused), two services on this host (fused over CUDA IPC), cross-node forced
+  T=150 run bench/bench_transfer.py --device cuda --same-node --paths auto,packed
+  # deltas: a page is layers x K/V x 32 KiB: 64 KiB = 1 layer x 1 page, 1 MiB = 16 layers, 64 MiB = 32 pages
+  for d in "64k 1 1" "1m 16 1" "64m 32 32"; do
+    set -- $d
+    T=60 run bench/bench_transfer.py --device cuda --same-node --layers $2 --pages $3 --iters 20 --skip-nixl --paths auto --tag delta_$1
+  done
+  set -- x1
+  T=150 run bench/bench_transfer.py --device cuda --paths auto
+  T=150 run bench/bench_transfer.py --device cuda --cross-node --paths auto,packed
   T=150 run bench/bench_mixed_tp.py --device cuda
   T=110 run bench/bench_multiturn.py --device cuda
   T=60 run bench/bench_control.py
+  T=60 run bench/bench_control.py --same-node
   T=70 run bench/bench_transfer.py --device cpu --layers 32 --pages 256 --pool-pages 512 --iters 3 --tag host16
 else
-  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto,packed
+  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto,packed
+  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto
+  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto,packed
   T=150 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
   T=130 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
   # diagnosis: fewer, larger staging batches (4 GiB pool -> 1 GiB batches instead of 256 MiB)
