@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import TypeAlias
 
 import grpc
-import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from .. import host
 from ..node import VERSION, Node
+from ..transfer.peer_channel import serve_channel
 from ..transfer.peers import CAPABILITIES
 from ..transfer.receiver import plan_message
-from .convert import STATE_PB, path_name
+from .convert import STATE_PB
 from .errors import grpc_errors
 
 __all__ = ["KVPeerServicer"]
@@ -88,33 +88,16 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     async def CommitChunk(
         self, request: peer_pb2.CommitChunkRequest, context: Ctx
     ) -> peer_pb2.CommitChunkResponse:
-        e = self.engine
-        inc = e.receiver.get(request.transfer_id, request.dst_buffer_set_id)
-        if request.release_only:
-            held = inc.slots.pop(request.staging_slot, None)
-            if held is not None:
-                held[0].release(held[1])
-            return peer_pb2.CommitChunkResponse(state=STATE_PB[inc.rec.state])
-        positions = np.asarray(request.positions, dtype=np.int64)
-        if request.path == 2 and positions.size:
-            await e.unpack_chunk(
-                inc, request.staging_slot, positions, request.dst_head_start, request.num_heads
-            )
-        state = await e.commit(
-            inc,
-            f"{request.sender_service_id}/{request.src_tp_rank}",
-            positions,
-            last=request.last_chunk,
-            nbytes=request.bytes,
-            skipped=request.pages_skipped,
-            aux=request.aux_delivered,
-            primary=request.dst_head_start == 0,
-            path=path_name(request.path),
-            pack_us=request.pack_us,
-            wire_us=request.wire_us,
-            descriptors=request.descriptors,
-        )
+        state = await self.engine.apply_commit(request)
         return peer_pb2.CommitChunkResponse(state=STATE_PB[state])
+
+    async def Channel(self, request_iterator, context: Ctx) -> None:  # type: ignore[no-untyped-def]
+        """The peer channel of one sending service (transfer/peer_channel.py)."""
+        e = self.node.transfers
+        if e is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KVPeer: this service has no transfer engine")
+            return
+        await serve_channel(request_iterator, context, e.pool_of, e.apply_commit, e.credit_broker)
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:

@@ -24,6 +24,7 @@ from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
 from .mover import Mover
+from .peer_channel import CreditBroker
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
@@ -109,6 +110,7 @@ class TransferEngine:
         self.no_direct: set[str] = set()  # buffer sets the transport could not register (packed only)
         self.receiver = Receiver(self.table, self.pool_for)
         self.mover = Mover(self)
+        self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
@@ -326,8 +328,13 @@ class TransferEngine:
         held = inc.slots.pop(slot_id, None)
         if held is None:
             raise NotFound(f"staging_slot: {slot_id} is not reserved for this transfer")
+        await self._unpack_guarded(inc, held, positions, head_start, num_heads, release=True)
+
+    async def _unpack_guarded(
+        self, inc: Incoming, held: Any, positions: np.ndarray, head_start: int, num_heads: int, release: bool
+    ) -> None:
         try:
-            await self._unpack_held(inc, held, positions, head_start, num_heads)
+            await self._unpack_held(inc, held, positions, head_start, num_heads, release)
         except (Aborted, NotFound):
             raise
         except KVServiceError as exc:  # a bad unpack fails the transfer on both sides
@@ -335,7 +342,7 @@ class TransferEngine:
             raise
 
     async def _unpack_held(
-        self, inc: Incoming, held: Any, positions: np.ndarray, head_start: int, num_heads: int
+        self, inc: Incoming, held: Any, positions: np.ndarray, head_start: int, num_heads: int, release: bool
     ) -> None:
         pool, slot = held
         regions = self.kv_regions[inc.bs.buffer_set_id]
@@ -350,8 +357,55 @@ class TransferEngine:
             await asyncio.to_thread(_unpack, regions, view, dst, head_start, num_heads)
         finally:
             inc.busy -= 1
-            pool.release(slot)
+            if release:
+                pool.release(slot)
         self.table.update(inc.rec, add_unpack=int((time.monotonic() - t0) * 1e6))
+
+    async def apply_commit(
+        self, req: Any, credit_slots: dict[int, tuple[StagingPool, Any]] | None = None
+    ) -> str:
+        """A sender's CommitChunk (unary or on its channel): unpack a packed batch, account it."""
+        inc = self.receiver.get(req.transfer_id, req.dst_buffer_set_id)
+        if req.release_only:
+            held = inc.slots.pop(req.staging_slot, None)
+            if held is not None:
+                held[0].release(held[1])
+            return inc.rec.state
+        positions = np.asarray(req.positions, dtype=np.int64)
+        path = {1: "DIRECT", 2: "PACKED", 3: "FUSED"}.get(req.path, "DIRECT")
+        if path == "PACKED" and positions.size:
+            if req.credit_slot:
+                held = (credit_slots or {}).get(req.staging_slot)
+                if held is None:
+                    raise NotFound(f"staging_slot: {req.staging_slot} is not a credit of this channel")
+                await self._unpack_guarded(
+                    inc, held, positions, req.dst_head_start, req.num_heads, release=False
+                )
+            else:
+                await self.unpack_chunk(inc, req.staging_slot, positions, req.dst_head_start, req.num_heads)
+        return await self.commit(
+            inc,
+            f"{req.sender_service_id}/{req.src_tp_rank}",
+            positions,
+            last=req.last_chunk,
+            nbytes=req.bytes,
+            skipped=req.pages_skipped,
+            aux=req.aux_delivered,
+            primary=req.dst_head_start == 0,
+            path=path,
+            pack_us=req.pack_us,
+            wire_us=req.wire_us,
+            descriptors=req.descriptors,
+        )
+
+    def pool_of(self, mem_kind: str, device: int) -> StagingPool:
+        """The staging pool a receiver uses for buffer sets in ``mem_kind`` memory (on ``device``)."""
+        if mem_kind != "VRAM":
+            return self.host_pool
+        pool = self.vram_pools.get(device)
+        if pool is None:
+            raise NotFound(f"mem_kind: no VRAM staging pool on device {device} (no CUDA buffer set there)")
+        return pool
 
     async def commit(
         self,
@@ -477,6 +531,7 @@ class TransferEngine:
         if self._reaper is not None:
             self._reaper.cancel()
         await self.abort_all("service shutting down")
+        await self.mover.close_channels()
         await self.peers.close()
         self.mover.peer_pools.close()
         for pool in self._pools():

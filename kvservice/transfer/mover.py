@@ -26,8 +26,9 @@ from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
+from .peer_channel import OutboundChannel
 from .peer_pools import PeerPools
-from .peers import PeerDirectory
+from .peers import PeerDirectory, error_from_code
 from .plan import ChunkMap
 from .receiver import plan_message
 from .same_node import SameNode
@@ -57,7 +58,24 @@ class Mover:
         self._remote_lists: dict[tuple[str, str, int], RemoteDescList] = {}
         self.same_node = SameNode(engine)
         self.peer_pools = PeerPools()
+        self.channels: dict[str, OutboundChannel] = {}
         self._noted: set[tuple[str, str]] = set()  # (peer, reason) of same-host refusals logged
+
+    def _channel(self, peer: Any) -> OutboundChannel | None:
+        """The persistent channel to a receiving service (None: same service, or an older peer)."""
+        if peer.is_self or "channel" not in peer.capabilities:
+            return None
+        chan = self.channels.get(peer.address)
+        if chan is None:
+            chan = self.channels[peer.address] = OutboundChannel(
+                peer.address, lambda: peer.stub, (self.e.service_id, self.e.address)
+            )
+        return chan
+
+    async def close_channels(self) -> None:
+        for chan in self.channels.values():
+            await chan.close()
+        self.channels.clear()
 
     # -- plans -------------------------------------------------------------------------------
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
@@ -261,6 +279,13 @@ class Mover:
         pool = self.e.pool_for(out.bs)
         per_page = kernels.packed_nbytes(regions, 1, target.route.num_heads)
         batch = max(1, min(cmap.num_pages, (pool.capacity_bytes // (PIPELINE + 1)) // per_page))
+        chan = self._channel(self.peers.get(out.peer_address))
+        if chan is not None:
+            credit_bytes = await chan.slot_size(self._credit_key(target), out.rec.deadline)
+            if credit_bytes < per_page:
+                chan = None  # a page does not fit the receiver's credit slots: reserve per batch
+            else:
+                batch = min(batch, credit_bytes // per_page)
         window = asyncio.Semaphore(PIPELINE)
         commits: list[asyncio.Task[None]] = []
         failed: list[BaseException] = []
@@ -270,7 +295,7 @@ class Mover:
                 if failed:  # a sibling failed: start nothing new
                     return
                 try:
-                    commit = await self._packed_batch(out, target, chunk, cmap, start, batch, per_page)
+                    commit = await self._packed_batch(out, target, chunk, cmap, start, batch, per_page, chan)
                 except BaseException as exc:
                     failed.append(exc)
                     raise
@@ -292,8 +317,11 @@ class Mover:
         start: int,
         batch: int,
         per_page: int,
+        chan: OutboundChannel | None = None,
     ) -> Coroutine[Any, Any, None]:
-        """Reserve, pack and write one batch; returns its (not yet awaited) commit."""
+        """Reserve (a credit, or a slot by RPC), pack and write one batch; returns its commit."""
+        if chan is not None:
+            return await self._credit_batch(out, target, chunk, cmap, start, batch, per_page, chan)
         plan, route = target.plan, target.route
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
@@ -370,6 +398,68 @@ class Mover:
         return commit()
 
     @staticmethod
+    def _credit_key(target: Target) -> tuple[str, int]:
+        r = target.plan.kv_regions[0]
+        return (r.mem_kind or "DRAM", r.device_id if r.mem_kind == "VRAM" else 0)
+
+    async def _credit_batch(
+        self,
+        out: Outgoing,
+        target: Target,
+        chunk: Chunk,
+        cmap: ChunkMap,
+        start: int,
+        batch: int,
+        per_page: int,
+        chan: OutboundChannel,
+    ) -> Coroutine[Any, Any, None]:
+        """Take a credit, pack into our slot, WRITE into the receiver's credit slot; the returned
+        coroutine commits on the channel (the credit comes back with the ack)."""
+        regions = self.e.kv_regions[out.bs.buffer_set_id]
+        pool = self.e.pool_for(out.bs)
+        peer = self.peers.get(out.peer_address)
+        src = cmap.src[start : start + batch]
+        nbytes = per_page * src.size
+        key = self._credit_key(target)
+        self.e.sender.check_live(out)
+        credit, epoch = await chan.acquire(*key, out.rec.deadline)
+        try:
+            async with pool.slot(nbytes, out.rec.deadline) as slot:
+                self.e.sender.check_live(out)
+                t0 = time.monotonic()
+                await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target.route)
+                t1 = time.monotonic()
+                h = await asyncio.to_thread(
+                    self.transport.write_descs,
+                    peer.agent,
+                    np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
+                    np.array([[credit.address, nbytes, credit.device_id]], dtype=np.int64),
+                    None,
+                    "VRAM" if pool.kind == "vram" else "DRAM",
+                    credit.mem_kind or "DRAM",
+                )
+                await self._await(out, h)
+                t2 = time.monotonic()
+        except BaseException:
+            chan.give_back(key, credit, epoch)
+            raise
+        return self._commit(
+            out,
+            target,
+            chunk,
+            cmap.positions[start : start + batch],
+            nbytes,
+            0,
+            1,
+            "PACKED",
+            credit.slot_id,
+            False,
+            pack_us=int((t1 - t0) * 1e6),
+            wire_us=int((t2 - t1) * 1e6),
+            credit=(key, credit, epoch),
+        )
+
+    @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
         hs, nh = route.src_head_start, route.num_heads
         on_side_stream(view.device, lambda: kernels.pack(regions, src, view, head_start=hs, num_heads=nh))
@@ -443,6 +533,7 @@ class Mover:
         pack_us: int = 0,
         wire_us: int = 0,
         last: bool = False,
+        credit: tuple[tuple[str, int], Any, int] | None = None,
     ) -> None:
         peer = self.peers.get(out.peer_address)
         if peer.is_self:  # same service: account on the receiver directly, no request to build
@@ -487,8 +578,15 @@ class Mover:
             aux_delivered=aux,
             dst_head_start=target.route.dst_head_start,
             num_heads=target.route.num_heads,
+            credit_slot=credit is not None,
         )
-        await peer.call("CommitChunk", req, self._left(out) + 1.0)
+        chan = self._channel(peer)
+        if chan is None:
+            await peer.call("CommitChunk", req, self._left(out) + 1.0)
+        else:
+            ack = await chan.commit(req, self._left(out) + 1.0, credit)
+            if ack.error_code:
+                raise error_from_code(ack.error_code, f"peer {out.peer_address}: {ack.error}")
         self.e.table.update(
             out.rec, add_bytes_sent=nbytes, add_descriptors=descs, add_pack=pack_us, add_wire=wire_us
         )

@@ -23,9 +23,9 @@ from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 from .. import errors, host
 from .transport import Transport
 
-__all__ = ["CAPABILITIES", "PeerClient", "PeerDirectory", "Self"]
+__all__ = ["CAPABILITIES", "PeerClient", "PeerDirectory", "Self", "error_from_code"]
 
-CAPABILITIES = ("direct", "packed", "mixed_tp", "mla", "aux", "same_host_fused")
+CAPABILITIES = ("direct", "packed", "mixed_tp", "mla", "aux", "same_host_fused", "channel")
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ def _peer_status_error(code: grpc.StatusCode, msg: str) -> errors.KVServiceError
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.FailedPrecondition(msg)  # the peer rejected what *we* sent: not the caller's field
     return _BY_CODE.get(code, errors.Unavailable)(msg)
+
+
+def error_from_code(code_name: str, msg: str) -> errors.KVServiceError:
+    """A peer's error reported by status code name (channel acks) as our error."""
+    try:
+        code = grpc.StatusCode[code_name]
+    except KeyError:
+        return errors.Unavailable(msg)
+    return _peer_status_error(code, msg)
 
 
 def peer_error(address: str, exc: grpc.RpcError) -> errors.KVServiceError:
@@ -107,6 +116,7 @@ class PeerClient:
         self.epoch = -1
         self.is_self = False  # the peer is this very service (both engines on one node)
         self.boot_id = ""  # the peer's kernel boot id (same as ours: same host)
+        self.capabilities: frozenset[str] = frozenset()
         self._lock = asyncio.Lock()
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
@@ -142,6 +152,7 @@ class PeerClient:
             self.service_id = resp.service_id
             self.epoch = resp.metadata_epoch
             self.boot_id = resp.boot_id
+            self.capabilities = frozenset(resp.capabilities)
 
     def invalidate(self) -> None:
         """Forget the handshake (after a failure); the next use handshakes again."""

@@ -24,6 +24,465 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// One message of a peer channel (either direction).
+type ChannelMessage struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Sender-chosen id of a commit, echoed by its ack.
+	Seq uint64 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	// Types that are valid to be assigned to Body:
+	//
+	//	*ChannelMessage_Open
+	//	*ChannelMessage_CreditRequest
+	//	*ChannelMessage_Grant
+	//	*ChannelMessage_Commit
+	//	*ChannelMessage_Ack
+	//	*ChannelMessage_Release
+	Body          isChannelMessage_Body `protobuf_oneof:"body"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChannelMessage) Reset() {
+	*x = ChannelMessage{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChannelMessage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChannelMessage) ProtoMessage() {}
+
+func (x *ChannelMessage) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChannelMessage.ProtoReflect.Descriptor instead.
+func (*ChannelMessage) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *ChannelMessage) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ChannelMessage) GetBody() isChannelMessage_Body {
+	if x != nil {
+		return x.Body
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetOpen() *ChannelOpen {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_Open); ok {
+			return x.Open
+		}
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetCreditRequest() *CreditRequest {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_CreditRequest); ok {
+			return x.CreditRequest
+		}
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetGrant() *CreditGrant {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_Grant); ok {
+			return x.Grant
+		}
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetCommit() *CommitChunkRequest {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_Commit); ok {
+			return x.Commit
+		}
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetAck() *ChannelAck {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_Ack); ok {
+			return x.Ack
+		}
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetRelease() *CreditRelease {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_Release); ok {
+			return x.Release
+		}
+	}
+	return nil
+}
+
+type isChannelMessage_Body interface {
+	isChannelMessage_Body()
+}
+
+type ChannelMessage_Open struct {
+	// sender -> receiver, first message: who is calling.
+	Open *ChannelOpen `protobuf:"bytes,2,opt,name=open,proto3,oneof"`
+}
+
+type ChannelMessage_CreditRequest struct {
+	// sender -> receiver: grant (more) credits in the pool of this memory.
+	CreditRequest *CreditRequest `protobuf:"bytes,3,opt,name=credit_request,json=creditRequest,proto3,oneof"`
+}
+
+type ChannelMessage_Grant struct {
+	// receiver -> sender: staging slots this channel may fill.
+	Grant *CreditGrant `protobuf:"bytes,4,opt,name=grant,proto3,oneof"`
+}
+
+type ChannelMessage_Commit struct {
+	// sender -> receiver: a chunk commit (CommitChunk's request; staging_slot names a credit
+	// slot when credit_slot is set).
+	Commit *CommitChunkRequest `protobuf:"bytes,5,opt,name=commit,proto3,oneof"`
+}
+
+type ChannelMessage_Ack struct {
+	// receiver -> sender: the commit's answer; the credit slot it used is free again (unless
+	// the ack revokes it).
+	Ack *ChannelAck `protobuf:"bytes,6,opt,name=ack,proto3,oneof"`
+}
+
+type ChannelMessage_Release struct {
+	// sender -> receiver: credits the sender gives back unused (it went idle).
+	Release *CreditRelease `protobuf:"bytes,7,opt,name=release,proto3,oneof"`
+}
+
+func (*ChannelMessage_Open) isChannelMessage_Body() {}
+
+func (*ChannelMessage_CreditRequest) isChannelMessage_Body() {}
+
+func (*ChannelMessage_Grant) isChannelMessage_Body() {}
+
+func (*ChannelMessage_Commit) isChannelMessage_Body() {}
+
+func (*ChannelMessage_Ack) isChannelMessage_Body() {}
+
+func (*ChannelMessage_Release) isChannelMessage_Body() {}
+
+// Credits a sender gives back unused.
+type CreditRelease struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// CreditGrant slot ids (StagingSlot.slot_id).
+	SlotIds       []uint64 `protobuf:"varint,1,rep,packed,name=slot_ids,json=slotIds,proto3" json:"slot_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreditRelease) Reset() {
+	*x = CreditRelease{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreditRelease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreditRelease) ProtoMessage() {}
+
+func (x *CreditRelease) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreditRelease.ProtoReflect.Descriptor instead.
+func (*CreditRelease) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *CreditRelease) GetSlotIds() []uint64 {
+	if x != nil {
+		return x.SlotIds
+	}
+	return nil
+}
+
+// First message of a channel: who is sending.
+type ChannelOpen struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// HandshakeRequest.service_id of the sending service.
+	SenderServiceId string `protobuf:"bytes,1,opt,name=sender_service_id,json=senderServiceId,proto3" json:"sender_service_id,omitempty"`
+	// Address the receiver reaches the sender's service at.
+	SenderAddress string `protobuf:"bytes,2,opt,name=sender_address,json=senderAddress,proto3" json:"sender_address,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChannelOpen) Reset() {
+	*x = ChannelOpen{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChannelOpen) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChannelOpen) ProtoMessage() {}
+
+func (x *ChannelOpen) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChannelOpen.ProtoReflect.Descriptor instead.
+func (*ChannelOpen) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *ChannelOpen) GetSenderServiceId() string {
+	if x != nil {
+		return x.SenderServiceId
+	}
+	return ""
+}
+
+func (x *ChannelOpen) GetSenderAddress() string {
+	if x != nil {
+		return x.SenderAddress
+	}
+	return ""
+}
+
+// Asks for credits in the receiver's staging pool of one kind of memory.
+type CreditRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "DRAM" (the host pool) or "VRAM".
+	MemKind string `protobuf:"bytes,1,opt,name=mem_kind,json=memKind,proto3" json:"mem_kind,omitempty"`
+	// GPU of a VRAM pool (0 for DRAM).
+	DeviceId      uint32 `protobuf:"varint,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreditRequest) Reset() {
+	*x = CreditRequest{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreditRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreditRequest) ProtoMessage() {}
+
+func (x *CreditRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreditRequest.ProtoReflect.Descriptor instead.
+func (*CreditRequest) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *CreditRequest) GetMemKind() string {
+	if x != nil {
+		return x.MemKind
+	}
+	return ""
+}
+
+func (x *CreditRequest) GetDeviceId() uint32 {
+	if x != nil {
+		return x.DeviceId
+	}
+	return 0
+}
+
+// Staging slots of the receiver this channel may fill (its share of the pool).
+type CreditGrant struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The pool the slots are in (as in CreditRequest).
+	MemKind string `protobuf:"bytes,1,opt,name=mem_kind,json=memKind,proto3" json:"mem_kind,omitempty"`
+	// GPU of a VRAM pool (0 for DRAM).
+	DeviceId uint32 `protobuf:"varint,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	// Empty when the pool has no room for this channel now (the sender keeps the credits it has
+	// or, with none, fails its batches as RESOURCE_EXHAUSTED after retrying until its deadline).
+	Slots         []*StagingSlot `protobuf:"bytes,3,rep,name=slots,proto3" json:"slots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreditGrant) Reset() {
+	*x = CreditGrant{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreditGrant) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreditGrant) ProtoMessage() {}
+
+func (x *CreditGrant) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreditGrant.ProtoReflect.Descriptor instead.
+func (*CreditGrant) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CreditGrant) GetMemKind() string {
+	if x != nil {
+		return x.MemKind
+	}
+	return ""
+}
+
+func (x *CreditGrant) GetDeviceId() uint32 {
+	if x != nil {
+		return x.DeviceId
+	}
+	return 0
+}
+
+func (x *CreditGrant) GetSlots() []*StagingSlot {
+	if x != nil {
+		return x.Slots
+	}
+	return nil
+}
+
+// The answer to one commit sent on the channel (ChannelMessage.seq matches it).
+type ChannelAck struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// TransferState of the receiver after the commit, or the error that failed it.
+	State TransferState `protobuf:"varint,1,opt,name=state,proto3,enum=kvservice.v1.TransferState" json:"state,omitempty"`
+	// gRPC status code name when the commit failed ("" on success).
+	ErrorCode string `protobuf:"bytes,2,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	// Why the commit failed.
+	Error string `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	// The credit slot this commit used is taken back (other channels wait for the receiver's pool
+	// and this one holds more than its share); the sender must not write into it again.
+	CreditRevoked bool `protobuf:"varint,4,opt,name=credit_revoked,json=creditRevoked,proto3" json:"credit_revoked,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChannelAck) Reset() {
+	*x = ChannelAck{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChannelAck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChannelAck) ProtoMessage() {}
+
+func (x *ChannelAck) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChannelAck.ProtoReflect.Descriptor instead.
+func (*ChannelAck) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ChannelAck) GetState() TransferState {
+	if x != nil {
+		return x.State
+	}
+	return TransferState_TRANSFER_STATE_UNSPECIFIED
+}
+
+func (x *ChannelAck) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *ChannelAck) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *ChannelAck) GetCreditRevoked() bool {
+	if x != nil {
+		return x.CreditRevoked
+	}
+	return false
+}
+
 // The calling service introduces itself and its transport agent.
 type HandshakeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -49,7 +508,7 @@ type HandshakeRequest struct {
 
 func (x *HandshakeRequest) Reset() {
 	*x = HandshakeRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[0]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -61,7 +520,7 @@ func (x *HandshakeRequest) String() string {
 func (*HandshakeRequest) ProtoMessage() {}
 
 func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[0]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -74,7 +533,7 @@ func (x *HandshakeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeRequest.ProtoReflect.Descriptor instead.
 func (*HandshakeRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{0}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *HandshakeRequest) GetServiceId() string {
@@ -166,7 +625,7 @@ type HandshakeResponse struct {
 
 func (x *HandshakeResponse) Reset() {
 	*x = HandshakeResponse{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[1]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -178,7 +637,7 @@ func (x *HandshakeResponse) String() string {
 func (*HandshakeResponse) ProtoMessage() {}
 
 func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[1]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -191,7 +650,7 @@ func (x *HandshakeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HandshakeResponse.ProtoReflect.Descriptor instead.
 func (*HandshakeResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{1}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *HandshakeResponse) GetServiceId() string {
@@ -278,7 +737,7 @@ type GetReceivePlanRequest struct {
 
 func (x *GetReceivePlanRequest) Reset() {
 	*x = GetReceivePlanRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[2]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -290,7 +749,7 @@ func (x *GetReceivePlanRequest) String() string {
 func (*GetReceivePlanRequest) ProtoMessage() {}
 
 func (x *GetReceivePlanRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[2]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -303,7 +762,7 @@ func (x *GetReceivePlanRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReceivePlanRequest.ProtoReflect.Descriptor instead.
 func (*GetReceivePlanRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{2}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *GetReceivePlanRequest) GetTransferId() string {
@@ -363,7 +822,7 @@ type HeadRoute struct {
 
 func (x *HeadRoute) Reset() {
 	*x = HeadRoute{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[3]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -375,7 +834,7 @@ func (x *HeadRoute) String() string {
 func (*HeadRoute) ProtoMessage() {}
 
 func (x *HeadRoute) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[3]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -388,7 +847,7 @@ func (x *HeadRoute) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeadRoute.ProtoReflect.Descriptor instead.
 func (*HeadRoute) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{3}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *HeadRoute) GetSrcHeadStart() uint32 {
@@ -426,7 +885,7 @@ type ReceivePlanSet struct {
 
 func (x *ReceivePlanSet) Reset() {
 	*x = ReceivePlanSet{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[4]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -438,7 +897,7 @@ func (x *ReceivePlanSet) String() string {
 func (*ReceivePlanSet) ProtoMessage() {}
 
 func (x *ReceivePlanSet) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[4]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -451,7 +910,7 @@ func (x *ReceivePlanSet) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReceivePlanSet.ProtoReflect.Descriptor instead.
 func (*ReceivePlanSet) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{4}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ReceivePlanSet) GetPlans() []*ReceivePlan {
@@ -483,7 +942,7 @@ type ReserveStagingRequest struct {
 
 func (x *ReserveStagingRequest) Reset() {
 	*x = ReserveStagingRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[5]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -495,7 +954,7 @@ func (x *ReserveStagingRequest) String() string {
 func (*ReserveStagingRequest) ProtoMessage() {}
 
 func (x *ReserveStagingRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[5]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -508,7 +967,7 @@ func (x *ReserveStagingRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveStagingRequest.ProtoReflect.Descriptor instead.
 func (*ReserveStagingRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{5}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ReserveStagingRequest) GetTransferId() string {
@@ -551,7 +1010,7 @@ type StagingSlot struct {
 
 func (x *StagingSlot) Reset() {
 	*x = StagingSlot{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[6]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -563,7 +1022,7 @@ func (x *StagingSlot) String() string {
 func (*StagingSlot) ProtoMessage() {}
 
 func (x *StagingSlot) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[6]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -576,7 +1035,7 @@ func (x *StagingSlot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingSlot.ProtoReflect.Descriptor instead.
 func (*StagingSlot) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{6}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StagingSlot) GetSlotId() uint64 {
@@ -630,7 +1089,7 @@ type RemoteRegion struct {
 
 func (x *RemoteRegion) Reset() {
 	*x = RemoteRegion{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[7]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -642,7 +1101,7 @@ func (x *RemoteRegion) String() string {
 func (*RemoteRegion) ProtoMessage() {}
 
 func (x *RemoteRegion) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[7]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -655,7 +1114,7 @@ func (x *RemoteRegion) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoteRegion.ProtoReflect.Descriptor instead.
 func (*RemoteRegion) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{7}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RemoteRegion) GetAddress() uint64 {
@@ -733,7 +1192,7 @@ type ReceivePlan struct {
 
 func (x *ReceivePlan) Reset() {
 	*x = ReceivePlan{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[8]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -745,7 +1204,7 @@ func (x *ReceivePlan) String() string {
 func (*ReceivePlan) ProtoMessage() {}
 
 func (x *ReceivePlan) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[8]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -758,7 +1217,7 @@ func (x *ReceivePlan) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReceivePlan.ProtoReflect.Descriptor instead.
 func (*ReceivePlan) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{8}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ReceivePlan) GetTransferId() string {
@@ -910,14 +1369,17 @@ type CommitChunkRequest struct {
 	// The sender wrote its aux rows (with its last chunk).
 	AuxDelivered bool `protobuf:"varint,17,opt,name=aux_delivered,json=auxDelivered,proto3" json:"aux_delivered,omitempty"`
 	// Only free staging_slot (the sender gave up on the chunk); nothing is applied.
-	ReleaseOnly   bool `protobuf:"varint,18,opt,name=release_only,json=releaseOnly,proto3" json:"release_only,omitempty"`
+	ReleaseOnly bool `protobuf:"varint,18,opt,name=release_only,json=releaseOnly,proto3" json:"release_only,omitempty"`
+	// The staging slot is one of the channel's credit slots (kept by the channel after unpacking),
+	// not a slot reserved with ReserveStaging.
+	CreditSlot    bool `protobuf:"varint,19,opt,name=credit_slot,json=creditSlot,proto3" json:"credit_slot,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CommitChunkRequest) Reset() {
 	*x = CommitChunkRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[9]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -929,7 +1391,7 @@ func (x *CommitChunkRequest) String() string {
 func (*CommitChunkRequest) ProtoMessage() {}
 
 func (x *CommitChunkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[9]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -942,7 +1404,7 @@ func (x *CommitChunkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitChunkRequest.ProtoReflect.Descriptor instead.
 func (*CommitChunkRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{9}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *CommitChunkRequest) GetTransferId() string {
@@ -1071,6 +1533,13 @@ func (x *CommitChunkRequest) GetReleaseOnly() bool {
 	return false
 }
 
+func (x *CommitChunkRequest) GetCreditSlot() bool {
+	if x != nil {
+		return x.CreditSlot
+	}
+	return false
+}
+
 // The receiver applied the commit.
 type CommitChunkResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1082,7 +1551,7 @@ type CommitChunkResponse struct {
 
 func (x *CommitChunkResponse) Reset() {
 	*x = CommitChunkResponse{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[10]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1094,7 +1563,7 @@ func (x *CommitChunkResponse) String() string {
 func (*CommitChunkResponse) ProtoMessage() {}
 
 func (x *CommitChunkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[10]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1107,7 +1576,7 @@ func (x *CommitChunkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitChunkResponse.ProtoReflect.Descriptor instead.
 func (*CommitChunkResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{10}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CommitChunkResponse) GetState() TransferState {
@@ -1134,7 +1603,7 @@ type PeerAbortRequest struct {
 
 func (x *PeerAbortRequest) Reset() {
 	*x = PeerAbortRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[11]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1146,7 +1615,7 @@ func (x *PeerAbortRequest) String() string {
 func (*PeerAbortRequest) ProtoMessage() {}
 
 func (x *PeerAbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[11]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1159,7 +1628,7 @@ func (x *PeerAbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerAbortRequest.ProtoReflect.Descriptor instead.
 func (*PeerAbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{11}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *PeerAbortRequest) GetTransferId() string {
@@ -1201,7 +1670,7 @@ type PeerAbortResponse struct {
 
 func (x *PeerAbortResponse) Reset() {
 	*x = PeerAbortResponse{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[12]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1213,7 +1682,7 @@ func (x *PeerAbortResponse) String() string {
 func (*PeerAbortResponse) ProtoMessage() {}
 
 func (x *PeerAbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[12]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1226,7 +1695,7 @@ func (x *PeerAbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerAbortResponse.ProtoReflect.Descriptor instead.
 func (*PeerAbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{12}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PeerAbortResponse) GetKnown() bool {
@@ -1240,7 +1709,35 @@ var File_kvservice_v1_peer_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
-	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xa2\x02\n" +
+	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xf7\x02\n" +
+	"\x0eChannelMessage\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12/\n" +
+	"\x04open\x18\x02 \x01(\v2\x19.kvservice.v1.ChannelOpenH\x00R\x04open\x12D\n" +
+	"\x0ecredit_request\x18\x03 \x01(\v2\x1b.kvservice.v1.CreditRequestH\x00R\rcreditRequest\x121\n" +
+	"\x05grant\x18\x04 \x01(\v2\x19.kvservice.v1.CreditGrantH\x00R\x05grant\x12:\n" +
+	"\x06commit\x18\x05 \x01(\v2 .kvservice.v1.CommitChunkRequestH\x00R\x06commit\x12,\n" +
+	"\x03ack\x18\x06 \x01(\v2\x18.kvservice.v1.ChannelAckH\x00R\x03ack\x127\n" +
+	"\arelease\x18\a \x01(\v2\x1b.kvservice.v1.CreditReleaseH\x00R\areleaseB\x06\n" +
+	"\x04body\"*\n" +
+	"\rCreditRelease\x12\x19\n" +
+	"\bslot_ids\x18\x01 \x03(\x04R\aslotIds\"`\n" +
+	"\vChannelOpen\x12*\n" +
+	"\x11sender_service_id\x18\x01 \x01(\tR\x0fsenderServiceId\x12%\n" +
+	"\x0esender_address\x18\x02 \x01(\tR\rsenderAddress\"G\n" +
+	"\rCreditRequest\x12\x19\n" +
+	"\bmem_kind\x18\x01 \x01(\tR\amemKind\x12\x1b\n" +
+	"\tdevice_id\x18\x02 \x01(\rR\bdeviceId\"v\n" +
+	"\vCreditGrant\x12\x19\n" +
+	"\bmem_kind\x18\x01 \x01(\tR\amemKind\x12\x1b\n" +
+	"\tdevice_id\x18\x02 \x01(\rR\bdeviceId\x12/\n" +
+	"\x05slots\x18\x03 \x03(\v2\x19.kvservice.v1.StagingSlotR\x05slots\"\x9b\x01\n" +
+	"\n" +
+	"ChannelAck\x121\n" +
+	"\x05state\x18\x01 \x01(\x0e2\x1b.kvservice.v1.TransferStateR\x05state\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x02 \x01(\tR\terrorCode\x12\x14\n" +
+	"\x05error\x18\x03 \x01(\tR\x05error\x12%\n" +
+	"\x0ecredit_revoked\x18\x04 \x01(\bR\rcreditRevoked\"\xa2\x02\n" +
 	"\x10HandshakeRequest\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -1321,7 +1818,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\tdirect_ok\x18\x0e \x01(\bR\bdirectOk\x123\n" +
 	"\n" +
 	"kv_handles\x18\x0f \x03(\v2\x14.kvservice.v1.RegionR\tkvHandles\x12*\n" +
-	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\"\xf3\x04\n" +
+	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\"\x94\x05\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -1343,7 +1840,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\x0edst_head_start\x18\x0f \x01(\rR\fdstHeadStart\x12\x1b\n" +
 	"\tnum_heads\x18\x10 \x01(\rR\bnumHeads\x12#\n" +
 	"\raux_delivered\x18\x11 \x01(\bR\fauxDelivered\x12!\n" +
-	"\frelease_only\x18\x12 \x01(\bR\vreleaseOnly\"H\n" +
+	"\frelease_only\x18\x12 \x01(\bR\vreleaseOnly\x12\x1f\n" +
+	"\vcredit_slot\x18\x13 \x01(\bR\n" +
+	"creditSlot\"H\n" +
 	"\x13CommitChunkResponse\x121\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x1b.kvservice.v1.TransferStateR\x05state\"\x96\x01\n" +
 	"\x10PeerAbortRequest\x12\x1f\n" +
@@ -1354,13 +1853,14 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"error_code\x18\x04 \x01(\tR\terrorCode\")\n" +
 	"\x11PeerAbortResponse\x12\x14\n" +
-	"\x05known\x18\x01 \x01(\bR\x05known2\x9b\x03\n" +
+	"\x05known\x18\x01 \x01(\bR\x05known2\xe6\x03\n" +
 	"\x06KVPeer\x12L\n" +
 	"\tHandshake\x12\x1e.kvservice.v1.HandshakeRequest\x1a\x1f.kvservice.v1.HandshakeResponse\x12S\n" +
 	"\x0eGetReceivePlan\x12#.kvservice.v1.GetReceivePlanRequest\x1a\x1c.kvservice.v1.ReceivePlanSet\x12P\n" +
 	"\x0eReserveStaging\x12#.kvservice.v1.ReserveStagingRequest\x1a\x19.kvservice.v1.StagingSlot\x12R\n" +
 	"\vCommitChunk\x12 .kvservice.v1.CommitChunkRequest\x1a!.kvservice.v1.CommitChunkResponse\x12H\n" +
-	"\x05Abort\x12\x1e.kvservice.v1.PeerAbortRequest\x1a\x1f.kvservice.v1.PeerAbortResponseb\x06proto3"
+	"\x05Abort\x12\x1e.kvservice.v1.PeerAbortRequest\x1a\x1f.kvservice.v1.PeerAbortResponse\x12I\n" +
+	"\aChannel\x12\x1c.kvservice.v1.ChannelMessage\x1a\x1c.kvservice.v1.ChannelMessage(\x010\x01b\x06proto3"
 
 var (
 	file_kvservice_v1_peer_proto_rawDescOnce sync.Once
@@ -1374,53 +1874,69 @@ func file_kvservice_v1_peer_proto_rawDescGZIP() []byte {
 	return file_kvservice_v1_peer_proto_rawDescData
 }
 
-var file_kvservice_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_kvservice_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_kvservice_v1_peer_proto_goTypes = []any{
-	(*HandshakeRequest)(nil),      // 0: kvservice.v1.HandshakeRequest
-	(*HandshakeResponse)(nil),     // 1: kvservice.v1.HandshakeResponse
-	(*GetReceivePlanRequest)(nil), // 2: kvservice.v1.GetReceivePlanRequest
-	(*HeadRoute)(nil),             // 3: kvservice.v1.HeadRoute
-	(*ReceivePlanSet)(nil),        // 4: kvservice.v1.ReceivePlanSet
-	(*ReserveStagingRequest)(nil), // 5: kvservice.v1.ReserveStagingRequest
-	(*StagingSlot)(nil),           // 6: kvservice.v1.StagingSlot
-	(*RemoteRegion)(nil),          // 7: kvservice.v1.RemoteRegion
-	(*ReceivePlan)(nil),           // 8: kvservice.v1.ReceivePlan
-	(*CommitChunkRequest)(nil),    // 9: kvservice.v1.CommitChunkRequest
-	(*CommitChunkResponse)(nil),   // 10: kvservice.v1.CommitChunkResponse
-	(*PeerAbortRequest)(nil),      // 11: kvservice.v1.PeerAbortRequest
-	(*PeerAbortResponse)(nil),     // 12: kvservice.v1.PeerAbortResponse
-	(*Layout)(nil),                // 13: kvservice.v1.Layout
-	(*AuxRows)(nil),               // 14: kvservice.v1.AuxRows
-	(*Region)(nil),                // 15: kvservice.v1.Region
-	(TransferPath)(0),             // 16: kvservice.v1.TransferPath
-	(TransferState)(0),            // 17: kvservice.v1.TransferState
+	(*ChannelMessage)(nil),        // 0: kvservice.v1.ChannelMessage
+	(*CreditRelease)(nil),         // 1: kvservice.v1.CreditRelease
+	(*ChannelOpen)(nil),           // 2: kvservice.v1.ChannelOpen
+	(*CreditRequest)(nil),         // 3: kvservice.v1.CreditRequest
+	(*CreditGrant)(nil),           // 4: kvservice.v1.CreditGrant
+	(*ChannelAck)(nil),            // 5: kvservice.v1.ChannelAck
+	(*HandshakeRequest)(nil),      // 6: kvservice.v1.HandshakeRequest
+	(*HandshakeResponse)(nil),     // 7: kvservice.v1.HandshakeResponse
+	(*GetReceivePlanRequest)(nil), // 8: kvservice.v1.GetReceivePlanRequest
+	(*HeadRoute)(nil),             // 9: kvservice.v1.HeadRoute
+	(*ReceivePlanSet)(nil),        // 10: kvservice.v1.ReceivePlanSet
+	(*ReserveStagingRequest)(nil), // 11: kvservice.v1.ReserveStagingRequest
+	(*StagingSlot)(nil),           // 12: kvservice.v1.StagingSlot
+	(*RemoteRegion)(nil),          // 13: kvservice.v1.RemoteRegion
+	(*ReceivePlan)(nil),           // 14: kvservice.v1.ReceivePlan
+	(*CommitChunkRequest)(nil),    // 15: kvservice.v1.CommitChunkRequest
+	(*CommitChunkResponse)(nil),   // 16: kvservice.v1.CommitChunkResponse
+	(*PeerAbortRequest)(nil),      // 17: kvservice.v1.PeerAbortRequest
+	(*PeerAbortResponse)(nil),     // 18: kvservice.v1.PeerAbortResponse
+	(TransferState)(0),            // 19: kvservice.v1.TransferState
+	(*Layout)(nil),                // 20: kvservice.v1.Layout
+	(*AuxRows)(nil),               // 21: kvservice.v1.AuxRows
+	(*Region)(nil),                // 22: kvservice.v1.Region
+	(TransferPath)(0),             // 23: kvservice.v1.TransferPath
 }
 var file_kvservice_v1_peer_proto_depIdxs = []int32{
-	13, // 0: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
-	8,  // 1: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
-	13, // 2: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
-	14, // 3: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
-	7,  // 4: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
-	7,  // 5: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
-	3,  // 6: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
-	15, // 7: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
-	16, // 8: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
-	17, // 9: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
-	0,  // 10: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
-	2,  // 11: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
-	5,  // 12: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
-	9,  // 13: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
-	11, // 14: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
-	1,  // 15: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
-	4,  // 16: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
-	6,  // 17: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
-	10, // 18: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
-	12, // 19: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
-	15, // [15:20] is the sub-list for method output_type
-	10, // [10:15] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	2,  // 0: kvservice.v1.ChannelMessage.open:type_name -> kvservice.v1.ChannelOpen
+	3,  // 1: kvservice.v1.ChannelMessage.credit_request:type_name -> kvservice.v1.CreditRequest
+	4,  // 2: kvservice.v1.ChannelMessage.grant:type_name -> kvservice.v1.CreditGrant
+	15, // 3: kvservice.v1.ChannelMessage.commit:type_name -> kvservice.v1.CommitChunkRequest
+	5,  // 4: kvservice.v1.ChannelMessage.ack:type_name -> kvservice.v1.ChannelAck
+	1,  // 5: kvservice.v1.ChannelMessage.release:type_name -> kvservice.v1.CreditRelease
+	12, // 6: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
+	19, // 7: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
+	20, // 8: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
+	14, // 9: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
+	20, // 10: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
+	21, // 11: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
+	13, // 12: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
+	13, // 13: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
+	9,  // 14: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
+	22, // 15: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
+	23, // 16: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
+	19, // 17: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
+	6,  // 18: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
+	8,  // 19: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
+	11, // 20: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
+	15, // 21: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
+	17, // 22: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
+	0,  // 23: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
+	7,  // 24: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
+	10, // 25: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
+	12, // 26: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
+	16, // 27: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
+	18, // 28: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
+	0,  // 29: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
+	24, // [24:30] is the sub-list for method output_type
+	18, // [18:24] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_peer_proto_init() }
@@ -1429,13 +1945,21 @@ func file_kvservice_v1_peer_proto_init() {
 		return
 	}
 	file_kvservice_v1_common_proto_init()
+	file_kvservice_v1_peer_proto_msgTypes[0].OneofWrappers = []any{
+		(*ChannelMessage_Open)(nil),
+		(*ChannelMessage_CreditRequest)(nil),
+		(*ChannelMessage_Grant)(nil),
+		(*ChannelMessage_Commit)(nil),
+		(*ChannelMessage_Ack)(nil),
+		(*ChannelMessage_Release)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_peer_proto_rawDesc), len(file_kvservice_v1_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

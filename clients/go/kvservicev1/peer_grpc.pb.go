@@ -27,6 +27,7 @@ const (
 	KVPeer_ReserveStaging_FullMethodName = "/kvservice.v1.KVPeer/ReserveStaging"
 	KVPeer_CommitChunk_FullMethodName    = "/kvservice.v1.KVPeer/CommitChunk"
 	KVPeer_Abort_FullMethodName          = "/kvservice.v1.KVPeer/Abort"
+	KVPeer_Channel_FullMethodName        = "/kvservice.v1.KVPeer/Channel"
 )
 
 // KVPeerClient is the client API for KVPeer service.
@@ -48,6 +49,13 @@ type KVPeerClient interface {
 	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
 	// written (in-flight transport handles settled).
 	Abort(ctx context.Context, in *PeerAbortRequest, opts ...grpc.CallOption) (*PeerAbortResponse, error)
+	// One persistent stream per sending service -> receiving service pair (data path v2). The
+	// sender opens it and asks for credits; the receiver grants a window of its staging slots
+	// (reserved for this channel until it closes); the sender writes packed batches into them
+	// without asking and sends each batch's commit on the stream; the receiver unpacks, answers
+	// the commit and the slot's credit is back. No unary call per batch. A broken stream fails the
+	// commits in flight on the sender and frees the channel's slots on the receiver.
+	Channel(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[ChannelMessage, ChannelMessage], error)
 }
 
 type kVPeerClient struct {
@@ -108,6 +116,19 @@ func (c *kVPeerClient) Abort(ctx context.Context, in *PeerAbortRequest, opts ...
 	return out, nil
 }
 
+func (c *kVPeerClient) Channel(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[ChannelMessage, ChannelMessage], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &KVPeer_ServiceDesc.Streams[0], KVPeer_Channel_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ChannelMessage, ChannelMessage]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVPeer_ChannelClient = grpc.BidiStreamingClient[ChannelMessage, ChannelMessage]
+
 // KVPeerServer is the server API for KVPeer service.
 // All implementations must embed UnimplementedKVPeerServer
 // for forward compatibility.
@@ -127,6 +148,13 @@ type KVPeerServer interface {
 	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
 	// written (in-flight transport handles settled).
 	Abort(context.Context, *PeerAbortRequest) (*PeerAbortResponse, error)
+	// One persistent stream per sending service -> receiving service pair (data path v2). The
+	// sender opens it and asks for credits; the receiver grants a window of its staging slots
+	// (reserved for this channel until it closes); the sender writes packed batches into them
+	// without asking and sends each batch's commit on the stream; the receiver unpacks, answers
+	// the commit and the slot's credit is back. No unary call per batch. A broken stream fails the
+	// commits in flight on the sender and frees the channel's slots on the receiver.
+	Channel(grpc.BidiStreamingServer[ChannelMessage, ChannelMessage]) error
 	mustEmbedUnimplementedKVPeerServer()
 }
 
@@ -151,6 +179,9 @@ func (UnimplementedKVPeerServer) CommitChunk(context.Context, *CommitChunkReques
 }
 func (UnimplementedKVPeerServer) Abort(context.Context, *PeerAbortRequest) (*PeerAbortResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Abort not implemented")
+}
+func (UnimplementedKVPeerServer) Channel(grpc.BidiStreamingServer[ChannelMessage, ChannelMessage]) error {
+	return status.Error(codes.Unimplemented, "method Channel not implemented")
 }
 func (UnimplementedKVPeerServer) mustEmbedUnimplementedKVPeerServer() {}
 func (UnimplementedKVPeerServer) testEmbeddedByValue()                {}
@@ -263,6 +294,13 @@ func _KVPeer_Abort_Handler(srv interface{}, ctx context.Context, dec func(interf
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVPeer_Channel_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(KVPeerServer).Channel(&grpc.GenericServerStream[ChannelMessage, ChannelMessage]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVPeer_ChannelServer = grpc.BidiStreamingServer[ChannelMessage, ChannelMessage]
+
 // KVPeer_ServiceDesc is the grpc.ServiceDesc for KVPeer service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -291,6 +329,13 @@ var KVPeer_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _KVPeer_Abort_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "Channel",
+			Handler:       _KVPeer_Channel_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+	},
 	Metadata: "kvservice/v1/peer.proto",
 }

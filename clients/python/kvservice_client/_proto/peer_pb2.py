@@ -26,39 +26,51 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvservice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvservice/v1/peer.proto\x12\x0ckvservice.v1\x1a\x19kvservice/v1/common.proto\"\xc0\x01\n\x10HandshakeRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\x10\n\x08hostname\x18\t \x01(\t\"\xc8\x01\n\x11HandshakeResponse\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x16\n\x0emetadata_epoch\x18\x07 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\x10\n\x08hostname\x18\t \x01(\t\"\xb2\x01\n\x15GetReceivePlanRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11sender_service_id\x18\x02 \x01(\t\x12(\n\nsrc_layout\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Layout\x12\x0f\n\x07wait_ms\x18\x04 \x01(\r\x12\x16\n\x0esender_address\x18\x05 \x01(\t\x12\x16\n\x0esender_boot_id\x18\x06 \x01(\t\"N\n\tHeadRoute\x12\x16\n\x0esrc_head_start\x18\x01 \x01(\r\x12\x16\n\x0e\x64st_head_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\"R\n\x0eReceivePlanSet\x12(\n\x05plans\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.ReceivePlan\x12\x16\n\x0emetadata_epoch\x18\x02 \x01(\x04\"W\n\x15ReserveStagingRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11\x64st_buffer_set_id\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"h\n\x0bStagingSlot\x12\x0f\n\x07slot_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x10\n\x08mem_kind\x18\x04 \x01(\t\x12\x11\n\tdevice_id\x18\x05 \x01(\r\"X\n\x0cRemoteRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08mem_kind\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"\xf6\x03\n\x0bReceivePlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\ndst_layout\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Layout\x12\x14\n\x0cprefix_pages\x18\x03 \x01(\r\x12\x18\n\x10\x64st_page_indices\x18\x04 \x03(\r\x12\"\n\x03\x61ux\x18\x05 \x03(\x0b\x32\x15.kvservice.v1.AuxRows\x12\x18\n\x10\x65xpected_senders\x18\x06 \x01(\r\x12\x14\n\x0cremaining_ms\x18\x07 \x01(\r\x12.\n\nkv_regions\x18\x08 \x03(\x0b\x32\x1a.kvservice.v1.RemoteRegion\x12/\n\x0b\x61ux_regions\x18\t \x03(\x0b\x32\x1a.kvservice.v1.RemoteRegion\x12\x15\n\raux_row_bytes\x18\n \x03(\x04\x12\x11\n\taux_names\x18\x0b \x03(\t\x12\x19\n\x11\x64st_buffer_set_id\x18\x0c \x01(\t\x12&\n\x05route\x18\r \x01(\x0b\x32\x17.kvservice.v1.HeadRoute\x12\x11\n\tdirect_ok\x18\x0e \x01(\x08\x12(\n\nkv_handles\x18\x0f \x03(\x0b\x32\x14.kvservice.v1.Region\x12\x19\n\x11same_host_refusal\x18\x10 \x01(\t\"\xa3\x03\n\x12\x43ommitChunkRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11sender_service_id\x18\x02 \x01(\t\x12\x13\n\x0bsrc_tp_rank\x18\x03 \x01(\r\x12\x11\n\tchunk_seq\x18\x04 \x01(\r\x12\x12\n\nlast_chunk\x18\x05 \x01(\x08\x12(\n\x04path\x18\x06 \x01(\x0e\x32\x1a.kvservice.v1.TransferPath\x12\x14\n\x0cstaging_slot\x18\x07 \x01(\x04\x12\x11\n\tpositions\x18\x08 \x03(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x15\n\rpages_skipped\x18\n \x01(\r\x12\x13\n\x0b\x64\x65scriptors\x18\x0b \x01(\x04\x12\x0f\n\x07pack_us\x18\x0c \x01(\x04\x12\x0f\n\x07wire_us\x18\r \x01(\x04\x12\x19\n\x11\x64st_buffer_set_id\x18\x0e \x01(\t\x12\x16\n\x0e\x64st_head_start\x18\x0f \x01(\r\x12\x11\n\tnum_heads\x18\x10 \x01(\r\x12\x15\n\raux_delivered\x18\x11 \x01(\x08\x12\x14\n\x0crelease_only\x18\x12 \x01(\x08\"A\n\x13\x43ommitChunkResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.kvservice.v1.TransferState\"f\n\x10PeerAbortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11origin_service_id\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9b\x03\n\x06KVPeer\x12L\n\tHandshake\x12\x1e.kvservice.v1.HandshakeRequest\x1a\x1f.kvservice.v1.HandshakeResponse\x12S\n\x0eGetReceivePlan\x12#.kvservice.v1.GetReceivePlanRequest\x1a\x1c.kvservice.v1.ReceivePlanSet\x12P\n\x0eReserveStaging\x12#.kvservice.v1.ReserveStagingRequest\x1a\x19.kvservice.v1.StagingSlot\x12R\n\x0b\x43ommitChunk\x12 .kvservice.v1.CommitChunkRequest\x1a!.kvservice.v1.CommitChunkResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvservice.v1.PeerAbortRequest\x1a\x1f.kvservice.v1.PeerAbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvservice/v1/peer.proto\x12\x0ckvservice.v1\x1a\x19kvservice/v1/common.proto\"\xc0\x02\n\x0e\x43hannelMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x04open\x18\x02 \x01(\x0b\x32\x19.kvservice.v1.ChannelOpenH\x00\x12\x35\n\x0e\x63redit_request\x18\x03 \x01(\x0b\x32\x1b.kvservice.v1.CreditRequestH\x00\x12*\n\x05grant\x18\x04 \x01(\x0b\x32\x19.kvservice.v1.CreditGrantH\x00\x12\x32\n\x06\x63ommit\x18\x05 \x01(\x0b\x32 .kvservice.v1.CommitChunkRequestH\x00\x12\'\n\x03\x61\x63k\x18\x06 \x01(\x0b\x32\x18.kvservice.v1.ChannelAckH\x00\x12.\n\x07release\x18\x07 \x01(\x0b\x32\x1b.kvservice.v1.CreditReleaseH\x00\x42\x06\n\x04\x62ody\"!\n\rCreditRelease\x12\x10\n\x08slot_ids\x18\x01 \x03(\x04\"@\n\x0b\x43hannelOpen\x12\x19\n\x11sender_service_id\x18\x01 \x01(\t\x12\x16\n\x0esender_address\x18\x02 \x01(\t\"4\n\rCreditRequest\x12\x10\n\x08mem_kind\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\r\"\\\n\x0b\x43reditGrant\x12\x10\n\x08mem_kind\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\r\x12(\n\x05slots\x18\x03 \x03(\x0b\x32\x19.kvservice.v1.StagingSlot\"s\n\nChannelAck\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.kvservice.v1.TransferState\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x63redit_revoked\x18\x04 \x01(\x08\"\xc0\x01\n\x10HandshakeRequest\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\x10\n\x08hostname\x18\t \x01(\t\"\xc8\x01\n\x11HandshakeResponse\x12\x12\n\nservice_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x16\n\x0emetadata_epoch\x18\x07 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\x10\n\x08hostname\x18\t \x01(\t\"\xb2\x01\n\x15GetReceivePlanRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11sender_service_id\x18\x02 \x01(\t\x12(\n\nsrc_layout\x18\x03 \x01(\x0b\x32\x14.kvservice.v1.Layout\x12\x0f\n\x07wait_ms\x18\x04 \x01(\r\x12\x16\n\x0esender_address\x18\x05 \x01(\t\x12\x16\n\x0esender_boot_id\x18\x06 \x01(\t\"N\n\tHeadRoute\x12\x16\n\x0esrc_head_start\x18\x01 \x01(\r\x12\x16\n\x0e\x64st_head_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\"R\n\x0eReceivePlanSet\x12(\n\x05plans\x18\x01 \x03(\x0b\x32\x19.kvservice.v1.ReceivePlan\x12\x16\n\x0emetadata_epoch\x18\x02 \x01(\x04\"W\n\x15ReserveStagingRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11\x64st_buffer_set_id\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"h\n\x0bStagingSlot\x12\x0f\n\x07slot_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x10\n\x08mem_kind\x18\x04 \x01(\t\x12\x11\n\tdevice_id\x18\x05 \x01(\r\"X\n\x0cRemoteRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08mem_kind\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\"\xf6\x03\n\x0bReceivePlan\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\ndst_layout\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Layout\x12\x14\n\x0cprefix_pages\x18\x03 \x01(\r\x12\x18\n\x10\x64st_page_indices\x18\x04 \x03(\r\x12\"\n\x03\x61ux\x18\x05 \x03(\x0b\x32\x15.kvservice.v1.AuxRows\x12\x18\n\x10\x65xpected_senders\x18\x06 \x01(\r\x12\x14\n\x0cremaining_ms\x18\x07 \x01(\r\x12.\n\nkv_regions\x18\x08 \x03(\x0b\x32\x1a.kvservice.v1.RemoteRegion\x12/\n\x0b\x61ux_regions\x18\t \x03(\x0b\x32\x1a.kvservice.v1.RemoteRegion\x12\x15\n\raux_row_bytes\x18\n \x03(\x04\x12\x11\n\taux_names\x18\x0b \x03(\t\x12\x19\n\x11\x64st_buffer_set_id\x18\x0c \x01(\t\x12&\n\x05route\x18\r \x01(\x0b\x32\x17.kvservice.v1.HeadRoute\x12\x11\n\tdirect_ok\x18\x0e \x01(\x08\x12(\n\nkv_handles\x18\x0f \x03(\x0b\x32\x14.kvservice.v1.Region\x12\x19\n\x11same_host_refusal\x18\x10 \x01(\t\"\xb8\x03\n\x12\x43ommitChunkRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11sender_service_id\x18\x02 \x01(\t\x12\x13\n\x0bsrc_tp_rank\x18\x03 \x01(\r\x12\x11\n\tchunk_seq\x18\x04 \x01(\r\x12\x12\n\nlast_chunk\x18\x05 \x01(\x08\x12(\n\x04path\x18\x06 \x01(\x0e\x32\x1a.kvservice.v1.TransferPath\x12\x14\n\x0cstaging_slot\x18\x07 \x01(\x04\x12\x11\n\tpositions\x18\x08 \x03(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x15\n\rpages_skipped\x18\n \x01(\r\x12\x13\n\x0b\x64\x65scriptors\x18\x0b \x01(\x04\x12\x0f\n\x07pack_us\x18\x0c \x01(\x04\x12\x0f\n\x07wire_us\x18\r \x01(\x04\x12\x19\n\x11\x64st_buffer_set_id\x18\x0e \x01(\t\x12\x16\n\x0e\x64st_head_start\x18\x0f \x01(\r\x12\x11\n\tnum_heads\x18\x10 \x01(\r\x12\x15\n\raux_delivered\x18\x11 \x01(\x08\x12\x14\n\x0crelease_only\x18\x12 \x01(\x08\x12\x13\n\x0b\x63redit_slot\x18\x13 \x01(\x08\"A\n\x13\x43ommitChunkResponse\x12*\n\x05state\x18\x01 \x01(\x0e\x32\x1b.kvservice.v1.TransferState\"f\n\x10PeerAbortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x19\n\x11origin_service_id\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\t\"\"\n\x11PeerAbortResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xe6\x03\n\x06KVPeer\x12L\n\tHandshake\x12\x1e.kvservice.v1.HandshakeRequest\x1a\x1f.kvservice.v1.HandshakeResponse\x12S\n\x0eGetReceivePlan\x12#.kvservice.v1.GetReceivePlanRequest\x1a\x1c.kvservice.v1.ReceivePlanSet\x12P\n\x0eReserveStaging\x12#.kvservice.v1.ReserveStagingRequest\x1a\x19.kvservice.v1.StagingSlot\x12R\n\x0b\x43ommitChunk\x12 .kvservice.v1.CommitChunkRequest\x1a!.kvservice.v1.CommitChunkResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvservice.v1.PeerAbortRequest\x1a\x1f.kvservice.v1.PeerAbortResponse\x12I\n\x07\x43hannel\x12\x1c.kvservice.v1.ChannelMessage\x1a\x1c.kvservice.v1.ChannelMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDSHAKEREQUEST']._serialized_start=69
-  _globals['_HANDSHAKEREQUEST']._serialized_end=261
-  _globals['_HANDSHAKERESPONSE']._serialized_start=264
-  _globals['_HANDSHAKERESPONSE']._serialized_end=464
-  _globals['_GETRECEIVEPLANREQUEST']._serialized_start=467
-  _globals['_GETRECEIVEPLANREQUEST']._serialized_end=645
-  _globals['_HEADROUTE']._serialized_start=647
-  _globals['_HEADROUTE']._serialized_end=725
-  _globals['_RECEIVEPLANSET']._serialized_start=727
-  _globals['_RECEIVEPLANSET']._serialized_end=809
-  _globals['_RESERVESTAGINGREQUEST']._serialized_start=811
-  _globals['_RESERVESTAGINGREQUEST']._serialized_end=898
-  _globals['_STAGINGSLOT']._serialized_start=900
-  _globals['_STAGINGSLOT']._serialized_end=1004
-  _globals['_REMOTEREGION']._serialized_start=1006
-  _globals['_REMOTEREGION']._serialized_end=1094
-  _globals['_RECEIVEPLAN']._serialized_start=1097
-  _globals['_RECEIVEPLAN']._serialized_end=1599
-  _globals['_COMMITCHUNKREQUEST']._serialized_start=1602
-  _globals['_COMMITCHUNKREQUEST']._serialized_end=2021
-  _globals['_COMMITCHUNKRESPONSE']._serialized_start=2023
-  _globals['_COMMITCHUNKRESPONSE']._serialized_end=2088
-  _globals['_PEERABORTREQUEST']._serialized_start=2090
-  _globals['_PEERABORTREQUEST']._serialized_end=2192
-  _globals['_PEERABORTRESPONSE']._serialized_start=2194
-  _globals['_PEERABORTRESPONSE']._serialized_end=2228
-  _globals['_KVPEER']._serialized_start=2231
-  _globals['_KVPEER']._serialized_end=2642
+  _globals['_CHANNELMESSAGE']._serialized_start=69
+  _globals['_CHANNELMESSAGE']._serialized_end=389
+  _globals['_CREDITRELEASE']._serialized_start=391
+  _globals['_CREDITRELEASE']._serialized_end=424
+  _globals['_CHANNELOPEN']._serialized_start=426
+  _globals['_CHANNELOPEN']._serialized_end=490
+  _globals['_CREDITREQUEST']._serialized_start=492
+  _globals['_CREDITREQUEST']._serialized_end=544
+  _globals['_CREDITGRANT']._serialized_start=546
+  _globals['_CREDITGRANT']._serialized_end=638
+  _globals['_CHANNELACK']._serialized_start=640
+  _globals['_CHANNELACK']._serialized_end=755
+  _globals['_HANDSHAKEREQUEST']._serialized_start=758
+  _globals['_HANDSHAKEREQUEST']._serialized_end=950
+  _globals['_HANDSHAKERESPONSE']._serialized_start=953
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1153
+  _globals['_GETRECEIVEPLANREQUEST']._serialized_start=1156
+  _globals['_GETRECEIVEPLANREQUEST']._serialized_end=1334
+  _globals['_HEADROUTE']._serialized_start=1336
+  _globals['_HEADROUTE']._serialized_end=1414
+  _globals['_RECEIVEPLANSET']._serialized_start=1416
+  _globals['_RECEIVEPLANSET']._serialized_end=1498
+  _globals['_RESERVESTAGINGREQUEST']._serialized_start=1500
+  _globals['_RESERVESTAGINGREQUEST']._serialized_end=1587
+  _globals['_STAGINGSLOT']._serialized_start=1589
+  _globals['_STAGINGSLOT']._serialized_end=1693
+  _globals['_REMOTEREGION']._serialized_start=1695
+  _globals['_REMOTEREGION']._serialized_end=1783
+  _globals['_RECEIVEPLAN']._serialized_start=1786
+  _globals['_RECEIVEPLAN']._serialized_end=2288
+  _globals['_COMMITCHUNKREQUEST']._serialized_start=2291
+  _globals['_COMMITCHUNKREQUEST']._serialized_end=2731
+  _globals['_COMMITCHUNKRESPONSE']._serialized_start=2733
+  _globals['_COMMITCHUNKRESPONSE']._serialized_end=2798
+  _globals['_PEERABORTREQUEST']._serialized_start=2800
+  _globals['_PEERABORTREQUEST']._serialized_end=2902
+  _globals['_PEERABORTRESPONSE']._serialized_start=2904
+  _globals['_PEERABORTRESPONSE']._serialized_end=2938
+  _globals['_KVPEER']._serialized_start=2941
+  _globals['_KVPEER']._serialized_end=3427
 # @@protoc_insertion_point(module_scope)

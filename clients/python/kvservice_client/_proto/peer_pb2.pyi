@@ -7,6 +7,68 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ChannelMessage(_message.Message):
+    __slots__ = ("seq", "open", "credit_request", "grant", "commit", "ack", "release")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    open: ChannelOpen
+    credit_request: CreditRequest
+    grant: CreditGrant
+    commit: CommitChunkRequest
+    ack: ChannelAck
+    release: CreditRelease
+    def __init__(self, seq: _Optional[int] = ..., open: _Optional[_Union[ChannelOpen, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., grant: _Optional[_Union[CreditGrant, _Mapping]] = ..., commit: _Optional[_Union[CommitChunkRequest, _Mapping]] = ..., ack: _Optional[_Union[ChannelAck, _Mapping]] = ..., release: _Optional[_Union[CreditRelease, _Mapping]] = ...) -> None: ...
+
+class CreditRelease(_message.Message):
+    __slots__ = ("slot_ids",)
+    SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChannelOpen(_message.Message):
+    __slots__ = ("sender_service_id", "sender_address")
+    SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    sender_service_id: str
+    sender_address: str
+    def __init__(self, sender_service_id: _Optional[str] = ..., sender_address: _Optional[str] = ...) -> None: ...
+
+class CreditRequest(_message.Message):
+    __slots__ = ("mem_kind", "device_id")
+    MEM_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    mem_kind: str
+    device_id: int
+    def __init__(self, mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class CreditGrant(_message.Message):
+    __slots__ = ("mem_kind", "device_id", "slots")
+    MEM_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    mem_kind: str
+    device_id: int
+    slots: _containers.RepeatedCompositeFieldContainer[StagingSlot]
+    def __init__(self, mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[StagingSlot, _Mapping]]] = ...) -> None: ...
+
+class ChannelAck(_message.Message):
+    __slots__ = ("state", "error_code", "error", "credit_revoked")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_REVOKED_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.TransferState
+    error_code: str
+    error: str
+    credit_revoked: bool
+    def __init__(self, state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., credit_revoked: bool = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "address", "boot_id", "hostname")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -158,7 +220,7 @@ class ReceivePlan(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only")
+    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +239,7 @@ class CommitChunkRequest(_message.Message):
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     AUX_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_SLOT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_service_id: str
     src_tp_rank: int
@@ -195,7 +258,8 @@ class CommitChunkRequest(_message.Message):
     num_heads: int
     aux_delivered: bool
     release_only: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ...) -> None: ...
+    credit_slot: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ..., credit_slot: bool = ...) -> None: ...
 
 class CommitChunkResponse(_message.Message):
     __slots__ = ("state",)

@@ -60,6 +60,11 @@ class KVPeerStub(object):
                 request_serializer=kvservice_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
                 _registered_method=True)
+        self.Channel = channel.stream_stream(
+                '/kvservice.v1.KVPeer/Channel',
+                request_serializer=kvservice_dot_v1_dot_peer__pb2.ChannelMessage.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_peer__pb2.ChannelMessage.FromString,
+                _registered_method=True)
 
 
 class KVPeerServicer(object):
@@ -105,6 +110,18 @@ class KVPeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Channel(self, request_iterator, context):
+        """One persistent stream per sending service -> receiving service pair (data path v2). The
+        sender opens it and asks for credits; the receiver grants a window of its staging slots
+        (reserved for this channel until it closes); the sender writes packed batches into them
+        without asking and sends each batch's commit on the stream; the receiver unpacks, answers
+        the commit and the slot's credit is back. No unary call per batch. A broken stream fails the
+        commits in flight on the sender and frees the channel's slots on the receiver.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +149,11 @@ def add_KVPeerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvservice_dot_v1_dot_peer__pb2.PeerAbortRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_peer__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'Channel': grpc.stream_stream_rpc_method_handler(
+                    servicer.Channel,
+                    request_deserializer=kvservice_dot_v1_dot_peer__pb2.ChannelMessage.FromString,
+                    response_serializer=kvservice_dot_v1_dot_peer__pb2.ChannelMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +291,33 @@ class KVPeer(object):
             '/kvservice.v1.KVPeer/Abort',
             kvservice_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
             kvservice_dot_v1_dot_peer__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Channel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvservice.v1.KVPeer/Channel',
+            kvservice_dot_v1_dot_peer__pb2.ChannelMessage.SerializeToString,
+            kvservice_dot_v1_dot_peer__pb2.ChannelMessage.FromString,
             options,
             channel_credentials,
             insecure,
