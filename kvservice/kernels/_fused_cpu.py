@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copy_regions", "warm"]
+__all__ = ["copy_regions", "ready", "warm"]
 
 _lock = threading.Lock()
 PARALLEL_BYTES = 4 << 20  # smaller copies run on the calling thread alone
@@ -28,6 +28,7 @@ _run_lock = threading.Lock()
 PARALLEL_BYTES = 4 << 20  # smaller copies run on the calling thread alone
 
 _impl: Any = None
+_warmed = False
 
 
 def _build() -> Any:
@@ -133,6 +134,11 @@ def _compiled() -> Any:
         return _impl
 
 
+def ready() -> bool:
+    """Whether ``warm`` compiled both builds (calls will not wait for the JIT)."""
+    return _warmed
+
+
 def copy_regions(
     src_base: np.ndarray,
     dst_base: np.ndarray,
@@ -169,5 +175,7 @@ def warm() -> None:
         np.array([16], dtype=np.int64),
         4,
     )
+    global _warmed
     for build in _compiled():
         build(*args)
+    _warmed = True

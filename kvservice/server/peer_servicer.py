@@ -97,7 +97,9 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         if e is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KVPeer: this service has no transfer engine")
             return
-        await serve_channel(request_iterator, context, e.pool_of, e.apply_commit, e.credit_broker)
+        await serve_channel(
+            request_iterator, context, e.pool_of, e.apply_commit, e.credit_broker, e.sender_gone
+        )
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:

@@ -398,6 +398,12 @@ class TransferEngine:
             descriptors=req.descriptors,
         )
 
+    async def sender_gone(self, sender_service_id: str, why: str) -> None:
+        """A sending service's channel ended: its live incoming transfers fail now (UNAVAILABLE)."""
+        for inc in list(self.receiver.incoming.values()):
+            if not inc.rec.terminal and sender_service_id in inc.senders:
+                await self._abort_in(inc, "UNAVAILABLE", f"sender {sender_service_id}: {why}", notify=False)
+
     def pool_of(self, mem_kind: str, device: int) -> StagingPool:
         """The staging pool a receiver uses for buffer sets in ``mem_kind`` memory (on ``device``)."""
         if mem_kind != "VRAM":

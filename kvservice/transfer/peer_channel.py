@@ -22,7 +22,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -215,6 +215,7 @@ async def serve_channel(
     pool_of: Callable[[str, int], StagingPool],
     apply: Callable[..., Awaitable[str]],
     broker: CreditBroker,
+    sender_gone: Callable[[str, str], Coroutine[Any, Any, None]],
 ) -> None:
     """Run one inbound channel on a grpc.aio stream-stream call (reader/writer API)."""
     out: asyncio.Queue[peer_pb2.ChannelMessage | None] = asyncio.Queue()
@@ -228,11 +229,17 @@ async def serve_channel(
 
     chan = InboundChannel(pool_of, apply, send, broker)
     wtask = asyncio.get_running_loop().create_task(writer())
+    why = "the sending service closed its channel"
     try:
         async for msg in requests:
             await chan.on_message(msg)
+    except asyncio.CancelledError:
+        why = "the sending service's channel broke (service gone or connection lost)"
+        raise
     finally:
         chan.close()
+        if chan.peer:  # its transfers fail now, not at their deadline
+            asyncio.get_running_loop().create_task(sender_gone(chan.peer, why))
         await out.put(None)
         try:
             await asyncio.wait_for(wtask, 1.0)

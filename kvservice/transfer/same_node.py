@@ -6,7 +6,8 @@
 Per receiver rank one call (one kernel launch on CUDA, one compiled loop on the CPU). CUDA
 launches go on a service-owned stream of the source device and completion is an event queried
 without blocking the loop; host pools copy in a worker thread (the compiled loop releases the
-GIL), or inline when the copy is small (``INLINE_BYTES``). The receiver's declaration is held
+GIL), or inline when the copy is small (``INLINE_BYTES``) and the compiled loop is ready (the
+event loop never waits for the JIT). The receiver's declaration is held
 ``busy`` while a copy runs, so an Abort returns only after it ended, and a copy never starts once
 the receiver's record is terminal: no byte lands after an acknowledged Abort.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import Aborted
-from ..kernels import KVRegions
+from ..kernels import KVRegions, _fused_cpu
 from ..kernels.fused import copy_pages, fused_nbytes
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream, service_stream, wait_event
@@ -101,7 +102,7 @@ class SameNode:
                 dev,
                 lambda: copy_pages(src, dst, sp, dp, backend="torch", **kw),  # type: ignore[arg-type]
             )
-        if fused_nbytes(src, int(sp.size), route.num_heads) <= INLINE_BYTES:
+        if fused_nbytes(src, int(sp.size), route.num_heads) <= INLINE_BYTES and _fused_cpu.ready():
             return copy_pages(src, dst, sp, dp, **kw)  # type: ignore[arg-type]
         return await asyncio.to_thread(copy_pages, src, dst, sp, dp, **kw)  # type: ignore[arg-type]
 

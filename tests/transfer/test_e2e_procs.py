@@ -209,7 +209,7 @@ def test_same_host_services_take_the_fused_route(nodes) -> None:
     e.call(
         "send_delta", "sh-1", e.bs, src_page_indices=[1, 2, 3, 4, 5], peer_address=peer_f, aux={"meta": [9]}
     )
-    r, s = wait_eng(f, "sh-1"), wait_eng(e, "sh-1")
+    r, s = wait_eng(f, "sh-1", timeout=60), wait_eng(e, "sh-1")  # the first copy may wait for the JIT
     assert (r.state, s.state, r.path, s.path, s.route_note) == ("DONE", "DONE", "FUSED", "FUSED", ""), (r, s)
     assert (s.pages_sent, s.pages_skipped) == (3, 2), s
     assert_pages_equal(f.pool, [40, 41, 42], e.pool, [3, 4, 5])
