@@ -10,132 +10,129 @@ every layer's K and V; no temporary gather buffer and no Python loop per page or
 
 A run is a whole page when the copied rows are whole token rows, else one token row. On x86 a
 16-byte aligned run is copied with non-temporal (streaming) stores, then ``sfence``; other runs
-use libc ``memcpy``. ``parallel`` spreads the (region, page) jobs over numba's threads.
+use LLVM's memcpy. ``parallel`` spreads the (region, page) jobs over numba's threads. Both builds
+are cached on disk (``jit_cache``), so only the first process on a machine compiles them.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
+import types as pytypes
 from typing import Any
 
 import numpy as np
+from kvservice_client.jit_cache import njit
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 __all__ = ["copy_regions", "ready", "warm"]
 
-_lock = threading.Lock()
 PARALLEL_BYTES = 4 << 20  # smaller copies run on the calling thread alone
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
 _run_lock = threading.Lock()
-PARALLEL_BYTES = 4 << 20  # smaller copies run on the calling thread alone
-
-_impl: Any = None
 _warmed = False
 
 
-def _build() -> Any:
-    import ctypes
-    import ctypes.util
-    import platform
+@intrinsic
+def stream(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:  # pragma: no cover - compiled
+    """Copy 16-byte aligned ``nbytes`` (a multiple of 16) with non-temporal stores."""
 
-    import numba
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, s, n = args
+        vp = ir.VectorType(ir.IntType(64), 2).as_pointer()
+        dp, sp = builder.inttoptr(d, vp), builder.inttoptr(s, vp)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range(builder, builder.udiv(n, ir.Constant(ir.IntType(64), 16))) as loop:
+            v = builder.load(builder.gep(sp, [loop.index]), align=16)
+            store = builder.store(v, builder.gep(dp, [loop.index]), align=16)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    memcpy = libc.memcpy
-    memcpy.restype = ctypes.c_void_p
-    memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return types.void(types.int64, types.int64, types.int64), codegen
 
-    def as_ptr_typer(typingctx: Any, addr: Any) -> Any:  # pragma: no cover - compiled
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], cgutils.voidptr_t)
 
-        return types.voidptr(types.int64), codegen
+@intrinsic
+def plain(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:  # pragma: no cover - compiled
+    """LLVM's memcpy of ``nbytes`` bytes (any alignment)."""
 
-    def stream_typer(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:  # pragma: no cover
-        """Copy 16-byte aligned ``nbytes`` (a multiple of 16) with non-temporal stores."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, s, n = args
+        cgutils.raw_memcpy(
+            builder, builder.inttoptr(d, cgutils.voidptr_t), builder.inttoptr(s, cgutils.voidptr_t), n, 1
+        )
+        return context.get_dummy_value()
 
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            d, s, n = args
-            vp = ir.VectorType(ir.IntType(64), 2).as_pointer()
-            dp, sp = builder.inttoptr(d, vp), builder.inttoptr(s, vp)
-            nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-            with cgutils.for_range(builder, builder.udiv(n, ir.Constant(ir.IntType(64), 16))) as loop:
-                v = builder.load(builder.gep(sp, [loop.index]), align=16)
-                store = builder.store(v, builder.gep(dp, [loop.index]), align=16)
-                store.set_metadata("nontemporal", nontemporal)
-            return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
 
-        return types.void(types.int64, types.int64, types.int64), codegen
 
-    def fence_typer(typingctx: Any) -> Any:  # pragma: no cover - compiled
-        """Order the non-temporal stores before whatever follows (x86 ``sfence``)."""
+@intrinsic
+def fence(typingctx: Any) -> Any:  # pragma: no cover - compiled
+    """Order the non-temporal stores before whatever follows (x86 ``sfence``)."""
 
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            fn = builder.module.declare_intrinsic(
-                "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), [])
-            )
-            builder.call(fn, [])
-            return context.get_dummy_value()
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
+        builder.call(fn, [])
+        return context.get_dummy_value()
 
-        return types.void(), codegen
+    return types.void(), codegen
 
-    as_ptr: Any = intrinsic(as_ptr_typer)
-    stream: Any = intrinsic(stream_typer)
-    fence: Any = intrinsic(fence_typer)
 
-    @numba.njit(inline="always")
-    def run(d: int, s: int, nbytes: int) -> None:  # pragma: no cover - compiled
-        # NOTE: streaming stores skip the read-for-ownership of destination lines: ~1.5x on
-        # scattered 4 KiB pages (bench_transfer --same-node); the engine reads the pages later.
-        if x86 and ((d | s | nbytes) & 15) == 0:
-            stream(d, s, nbytes)
+@njit(inline="always")
+def run(d: int, s: int, nbytes: int) -> None:  # pragma: no cover - compiled
+    # NOTE: streaming stores skip the read-for-ownership of destination lines: ~1.5x on
+    # scattered 4 KiB pages (bench_transfer --same-node); the engine reads the pages later.
+    if _X86 and ((d | s | nbytes) & 15) == 0:
+        stream(d, s, nbytes)  # type: ignore[call-arg]
+    else:
+        plain(d, s, nbytes)  # type: ignore[call-arg]
+
+
+def body(
+    src_base: np.ndarray,  # int64 [R] region base addresses
+    dst_base: np.ndarray,
+    src_pages: np.ndarray,  # int64 [n]
+    dst_pages: np.ndarray,
+    geom: np.ndarray,  # int64 [R, 6] bytes: src_page, src_token, src_off, dst_page, dst_token, dst_off
+    rows: np.ndarray,  # int64 [R] bytes of a token row copied
+    page_size: int,
+) -> None:  # pragma: no cover - compiled
+    n = src_pages.size
+    for job in prange(src_base.size * n):
+        r = job // n
+        i = job % n
+        st, dt, row = geom[r, 1], geom[r, 4], rows[r]
+        s0 = src_base[r] + src_pages[i] * geom[r, 0] + geom[r, 2]
+        d0 = dst_base[r] + dst_pages[i] * geom[r, 3] + geom[r, 5]
+        if row == st and row == dt:  # whole token rows on both sides: the page is one run
+            run(d0, s0, row * page_size)
         else:
-            memcpy(as_ptr(d), as_ptr(s), nbytes)
-
-    def copy(  # pragma: no cover - compiled
-        src_base: np.ndarray,  # int64 [R] region base addresses
-        dst_base: np.ndarray,
-        src_pages: np.ndarray,  # int64 [n]
-        dst_pages: np.ndarray,
-        geom: np.ndarray,  # int64 [R, 6] bytes: src_page, src_token, src_off, dst_page, dst_token, dst_off
-        rows: np.ndarray,  # int64 [R] bytes of a token row copied
-        page_size: int,
-    ) -> None:
-        n = src_pages.size
-        for job in numba.prange(src_base.size * n):
-            r = job // n
-            i = job % n
-            st, dt, row = geom[r, 1], geom[r, 4], rows[r]
-            s0 = src_base[r] + src_pages[i] * geom[r, 0] + geom[r, 2]
-            d0 = dst_base[r] + dst_pages[i] * geom[r, 3] + geom[r, 5]
-            if row == st and row == dt:  # whole token rows on both sides: the page is one run
-                run(d0, s0, row * page_size)
-            else:
-                for t in range(page_size):
-                    run(d0 + t * dt, s0 + t * st, row)
-            if x86:
-                fence()
-
-    # NOTE: not cached on disk: numba cannot pickle the ctypes memcpy it calls (~1-2 s to compile,
-    # paid once per process, in the background when the transfer engine starts: ``warm``). Small
-    # copies take the serial build: waking the parallel build's thread team costs more than they
-    # do, and its threads then spin, taking the CPU from the event loop on small hosts.
-    return numba.njit(nogil=True)(copy), numba.njit(nogil=True, parallel=True)(copy)
+            for t in range(page_size):
+                run(d0 + t * dt, s0 + t * st, row)
+        if _X86:
+            fence()  # type: ignore[call-arg]
 
 
-def _compiled() -> Any:
-    global _impl
-    with _lock:
-        if _impl is None:
-            _impl = _build()
-        return _impl
+# NOTE: small copies take the serial build: waking the parallel build's thread team costs more
+# than they do, and its threads then spin, taking the CPU from the event loop on small hosts.
+# NOTE: numba's disk cache keys a function by its name and line, not by its flags: the parallel
+# build gets a copy of ``body`` under its own name, or it would load the serial build from cache.
+_serial = njit(nogil=True)(body)
+_body_parallel = pytypes.FunctionType(
+    body.__code__.replace(co_name="body_parallel"), globals(), "body_parallel"
+)
+_body_parallel.__qualname__ = "body_parallel"
+_parallel = njit(nogil=True, parallel=True)(_body_parallel)
+
+
+def _compiled() -> tuple[Any, Any]:
+    return _serial, _parallel
 
 
 def ready() -> bool:
-    """Whether ``warm`` compiled both builds (calls will not wait for the JIT)."""
+    """Whether ``warm`` compiled (or loaded) both builds: calls will not wait for the JIT."""
     return _warmed
 
 
@@ -150,7 +147,7 @@ def copy_regions(
 ) -> None:
     """Copy (byte geometry, checked by the caller: every address lies in a mapped region).
 
-    Calls are serialised: each one already uses every numba thread, and numba's fallback
+    Parallel calls are serialised: each one already uses every numba thread, and numba's fallback
     threading layer ("workqueue", when neither TBB nor OpenMP loads) aborts the process on
     concurrent parallel calls from two threads.
     """
@@ -163,7 +160,8 @@ def copy_regions(
 
 
 def warm() -> None:
-    """Compile both builds now (scratch buffers), so no transfer pays for it."""
+    """Compile (or load from the disk cache) both builds now, on scratch buffers."""
+    global _warmed
     a, b = np.ones(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
     one = np.zeros(1, dtype=np.int64)
     args = (
@@ -175,7 +173,6 @@ def warm() -> None:
         np.array([16], dtype=np.int64),
         4,
     )
-    global _warmed
     for build in _compiled():
         build(*args)
     _warmed = True

@@ -5,14 +5,12 @@ from __future__ import annotations
 from typing import TypeAlias
 
 import grpc
-from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from .. import host
 from ..node import VERSION, Node
 from ..transfer.peer_channel import serve_channel
 from ..transfer.peers import CAPABILITIES
-from ..transfer.receiver import plan_message
 from .convert import STATE_PB
 from .errors import grpc_errors
 
@@ -48,26 +46,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     async def GetReceivePlan(
         self, request: peer_pb2.GetReceivePlanRequest, context: Ctx
     ) -> peer_pb2.ReceivePlanSet:
-        e = self.engine
-        src = Layout.from_proto(request.src_layout)
-        wait = min(request.wait_ms / 1000, e.config.max_deadline_ms / 1000)
-        found = await e.receiver.plans(
-            request.transfer_id, src, request.sender_service_id, request.sender_address, wait
-        )
-        out = peer_pb2.ReceivePlanSet(metadata_epoch=e.metadata_epoch)
-        same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
-        refusal = ""
-        if same_host and e.config.same_host_route != "auto":
-            refusal = "the receiver's same_host_route is 'off'"
-        elif same_host and not host.is_local_peer(context.peer()):
-            refusal = f"the plan was asked over {context.peer()}, not a Unix socket or loopback"
-        for inc, route in found:
-            plan = plan_message(inc, route, inc.bs.buffer_set_id not in e.no_direct)
-            if same_host and not refusal:
-                plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
-            plan.same_host_refusal = refusal
-            out.plans.append(plan)
-        return out
+        return await self.engine.receive_plans(request, context.peer())
 
     @grpc_errors
     async def ReserveStaging(
@@ -97,9 +76,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         if e is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KVPeer: this service has no transfer engine")
             return
-        await serve_channel(
-            request_iterator, context, e.pool_of, e.apply_commit, e.credit_broker, e.sender_gone
-        )
+        await serve_channel(request_iterator, context, e)
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:

@@ -111,6 +111,7 @@ class TransferEngine:
         self.receiver = Receiver(self.table, self.pool_for)
         self.mover = Mover(self)
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
+        self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
@@ -398,6 +399,36 @@ class TransferEngine:
             descriptors=req.descriptors,
         )
 
+    async def receive_plans(self, request: Any, peer: str) -> Any:
+        """GetReceivePlan (unary or on a channel; ``peer`` is the caller's gRPC peer string): wait
+        for the declarations this sender rank writes to, then say where its pages go — with the
+        receiver's pool handles for a same-host sender on a local connection."""
+        from kvservice_client import Layout
+        from kvservice_client._proto import peer_pb2
+
+        from .. import host
+        from .receiver import plan_message
+
+        src = Layout.from_proto(request.src_layout)
+        wait = min(request.wait_ms / 1000, self.config.max_deadline_ms / 1000)
+        found = await self.receiver.plans(
+            request.transfer_id, src, request.sender_service_id, request.sender_address, wait
+        )
+        out = peer_pb2.ReceivePlanSet(metadata_epoch=self.metadata_epoch)
+        same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
+        refusal = ""
+        if same_host and self.config.same_host_route != "auto":
+            refusal = "the receiver's same_host_route is 'off'"
+        elif same_host and not host.is_local_peer(peer):
+            refusal = f"the plan was asked over {peer}, not a Unix socket or loopback"
+        for inc, route in found:
+            plan = plan_message(inc, route, inc.bs.buffer_set_id not in self.no_direct)
+            if same_host and not refusal:
+                plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
+            plan.same_host_refusal = refusal
+            out.plans.append(plan)
+        return out
+
     async def sender_gone(self, sender_service_id: str, why: str) -> None:
         """A sending service's channel ended: its live incoming transfers fail now (UNAVAILABLE)."""
         for inc in list(self.receiver.incoming.values()):
@@ -538,6 +569,8 @@ class TransferEngine:
             self._reaper.cancel()
         await self.abort_all("service shutting down")
         await self.mover.close_channels()
+        for task in list(self.inbound_channels):
+            task.cancel()
         await self.peers.close()
         self.mover.peer_pools.close()
         for pool in self._pools():

@@ -94,8 +94,12 @@ class Mover:
             sender_address=self.e.address,
             sender_boot_id=host.boot_id() if same_host else "",
         )
+        chan = self._channel(peer)
         try:
-            resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
+            if chan is not None:  # one message each way on the open channel
+                resp = await chan.plans(req, self._left(out) + 1.0)
+            else:
+                resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
         except NotFound as exc:
             if time.monotonic() >= out.rec.deadline - 0.05:  # the wait was bounded by our deadline
                 raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
@@ -182,12 +186,13 @@ class Mover:
                     "path: DIRECT needs both pools registered with the transport; use AUTO"
                 )
             self.e.table.update(out.rec, path=path)
-            if path == "FUSED" and same:
+            if path in ("DIRECT", "FUSED") and not same:  # one commit carries the chunk's end too
+                aux = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
+                mover = self._direct if path == "DIRECT" else self._fused_remote
+                await mover(out, target, chunk, cmap, aux)
+                return
+            if path == "FUSED":
                 await self.same_node.move(out, target, cmap)
-            elif path == "FUSED":
-                await self._fused_remote(out, target, chunk, cmap)
-            elif path == "DIRECT":
-                await self._direct(out, target, chunk, cmap)
             else:
                 await self._packed(out, target, chunk, cmap)
         aux_bytes, aux_descs = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
@@ -206,15 +211,31 @@ class Mover:
                 last=chunk.last,
             )
 
-    async def _fused_remote(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
-        """Same host, another service: copy into its mapped pools, then CommitChunk (FUSED)."""
+    async def _fused_remote(
+        self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap, aux: tuple[int, int]
+    ) -> None:
+        """Same host, another service: copy into its mapped pools, then commit (FUSED) with the
+        chunk's end (skipped pages, aux rows written, last) in the same message."""
         assert target.dst_regions is not None
         self.e.sender.check_live(out)
         t0 = time.monotonic()
         src = self.e.kv_regions[out.bs.buffer_set_id]
         nbytes = await self.same_node.copy(src, target.dst_regions, cmap.src, cmap.dst, target.route)
         us = int((time.monotonic() - t0) * 1e6)
-        await self._commit(out, target, chunk, cmap.positions, nbytes, 0, 0, "FUSED", 0, False, wire_us=us)
+        await self._commit(
+            out,
+            target,
+            chunk,
+            cmap.positions,
+            nbytes + aux[0],
+            cmap.skipped,
+            aux[1],
+            "FUSED",
+            0,
+            aux[1] > 0,
+            wire_us=us,
+            last=chunk.last,
+        )
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
         regions = len(bs.regions)
@@ -227,7 +248,9 @@ class Mover:
         )
         return choose_path(descs, total, kind, self.e.calibration).upper()
 
-    async def _direct(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
+    async def _direct(
+        self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap, aux: tuple[int, int]
+    ) -> None:
         bs, plan = out.bs, target.plan
         peer = self.peers.get(out.peer_address)
         local = self.e.local_lists[bs.buffer_set_id]
@@ -259,13 +282,14 @@ class Mover:
             target,
             chunk,
             cmap.positions,
-            idx.total_bytes,
-            0,
-            idx.count,
+            idx.total_bytes + aux[0],
+            cmap.skipped,
+            idx.count + aux[1],
             "DIRECT",
             0,
-            False,
+            aux[1] > 0,
             wire_us=wire,
+            last=chunk.last,
         )
 
     async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ from kvservice_client._proto import common_pb2, peer_pb2
 
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..staging import Slot, StagingPool
+from .peers import error_from_code
 
 __all__ = ["CreditBroker", "InboundChannel", "OutboundChannel", "WINDOW", "serve_channel"]
 
@@ -105,7 +106,9 @@ class InboundChannel:
         apply: Callable[[peer_pb2.CommitChunkRequest, dict[int, tuple[StagingPool, Slot]]], Awaitable[str]],
         send: Callable[[peer_pb2.ChannelMessage], Awaitable[None]],
         broker: CreditBroker,
+        plans: Callable[[peer_pb2.GetReceivePlanRequest], Awaitable[peer_pb2.ReceivePlanSet]],
     ) -> None:
+        self._plans = plans
         self._pool_of = pool_of
         self._apply = apply
         self._send = send
@@ -126,6 +129,23 @@ class InboundChannel:
             self._spawn(self._commit(msg.seq, msg.commit))
         elif which == "release":
             self._release([int(i) for i in msg.release.slot_ids])
+        elif which == "plan_request":
+            self._spawn(self._plan(msg.seq, msg.plan_request))
+
+    async def _plan(self, seq: int, req: peer_pb2.GetReceivePlanRequest) -> None:
+        try:
+            reply = peer_pb2.ChannelMessage(seq=seq, plan=await self._plans(req))
+        except KVServiceError as exc:
+            reply = peer_pb2.ChannelMessage(
+                seq=seq, ack=peer_pb2.ChannelAck(error_code=exc.code.name, error=exc.message)
+            )
+        except Exception as exc:
+            log.exception("channel plan request failed", extra={"transfer_id": req.transfer_id})
+            reply = peer_pb2.ChannelMessage(
+                seq=seq, ack=peer_pb2.ChannelAck(error_code="INTERNAL", error=f"{type(exc).__name__}: {exc}")
+            )
+        if not self.closed:
+            await self._send(reply)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -209,15 +229,8 @@ class InboundChannel:
         self._release([sid for sid in self.slots if sid not in self._in_use])
 
 
-async def serve_channel(
-    requests: AsyncIterator[peer_pb2.ChannelMessage],
-    context: Any,
-    pool_of: Callable[[str, int], StagingPool],
-    apply: Callable[..., Awaitable[str]],
-    broker: CreditBroker,
-    sender_gone: Callable[[str, str], Coroutine[Any, Any, None]],
-) -> None:
-    """Run one inbound channel on a grpc.aio stream-stream call (reader/writer API)."""
+async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], context: Any, engine: Any) -> None:
+    """Run one inbound channel on a grpc.aio stream-stream call for the receiving ``engine``."""
     out: asyncio.Queue[peer_pb2.ChannelMessage | None] = asyncio.Queue()
 
     async def send(msg: peer_pb2.ChannelMessage) -> None:
@@ -227,9 +240,17 @@ async def serve_channel(
         while (msg := await out.get()) is not None:
             await context.write(msg)
 
-    chan = InboundChannel(pool_of, apply, send, broker)
+    peer = context.peer()
+
+    async def plans(req: peer_pb2.GetReceivePlanRequest) -> peer_pb2.ReceivePlanSet:
+        return await engine.receive_plans(req, peer)  # type: ignore[no-any-return]
+
+    chan = InboundChannel(engine.pool_of, engine.apply_commit, send, engine.credit_broker, plans)
     wtask = asyncio.get_running_loop().create_task(writer())
     why = "the sending service closed its channel"
+    me = asyncio.current_task()
+    if me is not None:  # the engine ends open channels when it closes (server stop would wait on them)
+        engine.inbound_channels.add(me)
     try:
         async for msg in requests:
             await chan.on_message(msg)
@@ -237,9 +258,10 @@ async def serve_channel(
         why = "the sending service's channel broke (service gone or connection lost)"
         raise
     finally:
+        engine.inbound_channels.discard(me)
         chan.close()
         if chan.peer:  # its transfers fail now, not at their deadline
-            asyncio.get_running_loop().create_task(sender_gone(chan.peer, why))
+            asyncio.get_running_loop().create_task(engine.sender_gone(chan.peer, why))
         await out.put(None)
         try:
             await asyncio.wait_for(wtask, 1.0)
@@ -258,7 +280,7 @@ class OutboundChannel:
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._seq = 0
-        self._pending: dict[int, asyncio.Future[peer_pb2.ChannelAck]] = {}
+        self._pending: dict[int, asyncio.Future[peer_pb2.ChannelMessage]] = {}
         self._credits: dict[tuple[str, int], collections.deque[peer_pb2.StagingSlot]] = {}
         self._asked: set[tuple[str, int]] = set()
         self._granted: dict[tuple[str, int], int] = {}
@@ -299,10 +321,10 @@ class OutboundChannel:
         try:
             async for msg in call:
                 which = msg.WhichOneof("body")
-                if which == "ack":
+                if which in ("ack", "plan"):
                     fut = self._pending.pop(msg.seq, None)
                     if fut is not None and not fut.done():
-                        fut.set_result(msg.ack)
+                        fut.set_result(msg)
                 elif which == "grant":
                     key = (msg.grant.mem_kind, msg.grant.device_id)
                     self._credits.setdefault(key, collections.deque()).extend(msg.grant.slots)
@@ -403,6 +425,31 @@ class OutboundChannel:
             if key in self._credits and self._granted.get(key, 0) == 0 and self.epoch == epoch:
                 self._asked.discard(key)  # granted nothing: ask again (room may have freed)
 
+    async def _ask_reply(
+        self, msg: peer_pb2.ChannelMessage, timeout: float, what: str
+    ) -> peer_pb2.ChannelMessage:
+        self._seq += 1
+        msg.seq = seq = self._seq
+        fut: asyncio.Future[peer_pb2.ChannelMessage] = asyncio.get_running_loop().create_future()
+        self._pending[seq] = fut
+        try:
+            await self._write(msg)
+            return await asyncio.wait_for(fut, max(timeout, 0.001))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"peer {self.address} did not {what} in time") from None
+        finally:
+            self._pending.pop(seq, None)
+
+    async def plans(self, req: peer_pb2.GetReceivePlanRequest, timeout: float) -> peer_pb2.ReceivePlanSet:
+        """GetReceivePlan on the channel; raises the receiver's error."""
+        await self._ensure_open()
+        reply = await self._ask_reply(
+            peer_pb2.ChannelMessage(plan_request=req), timeout, "answer a plan request"
+        )
+        if reply.WhichOneof("body") != "plan":
+            raise error_from_code(reply.ack.error_code, f"peer {self.address}: {reply.ack.error}")
+        return reply.plan
+
     def give_back(self, key: tuple[str, int], slot: peer_pb2.StagingSlot, epoch: int) -> None:
         """A credit is free again (its batch was acknowledged, or never committed)."""
         if epoch == self.epoch and self._call is not None:
@@ -448,17 +495,9 @@ class OutboundChannel:
         await self._ensure_open()
         if credit is not None and credit[2] != self.epoch:
             raise Unavailable(f"peer channel to {self.address} broke before the commit")
-        self._seq += 1
-        seq = self._seq
-        fut: asyncio.Future[peer_pb2.ChannelAck] = asyncio.get_running_loop().create_future()
-        self._pending[seq] = fut
-        try:
-            await self._write(peer_pb2.ChannelMessage(seq=seq, commit=req))
-            ack = await asyncio.wait_for(fut, max(timeout, 0.001))
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"peer {self.address} did not acknowledge a commit in time") from None
-        finally:
-            self._pending.pop(seq, None)
+        ack = (
+            await self._ask_reply(peer_pb2.ChannelMessage(commit=req), timeout, "acknowledge a commit")
+        ).ack
         if credit is not None:
             if ack.credit_revoked:  # the receiver took the slot back for another channel
                 self._granted[credit[0]] = self._granted.get(credit[0], 1) - 1

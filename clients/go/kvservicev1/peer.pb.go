@@ -37,6 +37,8 @@ type ChannelMessage struct {
 	//	*ChannelMessage_Commit
 	//	*ChannelMessage_Ack
 	//	*ChannelMessage_Release
+	//	*ChannelMessage_PlanRequest
+	//	*ChannelMessage_Plan
 	Body          isChannelMessage_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -140,6 +142,24 @@ func (x *ChannelMessage) GetRelease() *CreditRelease {
 	return nil
 }
 
+func (x *ChannelMessage) GetPlanRequest() *GetReceivePlanRequest {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_PlanRequest); ok {
+			return x.PlanRequest
+		}
+	}
+	return nil
+}
+
+func (x *ChannelMessage) GetPlan() *ReceivePlanSet {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_Plan); ok {
+			return x.Plan
+		}
+	}
+	return nil
+}
+
 type isChannelMessage_Body interface {
 	isChannelMessage_Body()
 }
@@ -176,6 +196,17 @@ type ChannelMessage_Release struct {
 	Release *CreditRelease `protobuf:"bytes,7,opt,name=release,proto3,oneof"`
 }
 
+type ChannelMessage_PlanRequest struct {
+	// sender -> receiver: GetReceivePlan on the channel; answered by `plan` (or by an `ack`
+	// carrying the error) with the same seq.
+	PlanRequest *GetReceivePlanRequest `protobuf:"bytes,8,opt,name=plan_request,json=planRequest,proto3,oneof"`
+}
+
+type ChannelMessage_Plan struct {
+	// receiver -> sender: the answer to plan_request.
+	Plan *ReceivePlanSet `protobuf:"bytes,9,opt,name=plan,proto3,oneof"`
+}
+
 func (*ChannelMessage_Open) isChannelMessage_Body() {}
 
 func (*ChannelMessage_CreditRequest) isChannelMessage_Body() {}
@@ -187,6 +218,10 @@ func (*ChannelMessage_Commit) isChannelMessage_Body() {}
 func (*ChannelMessage_Ack) isChannelMessage_Body() {}
 
 func (*ChannelMessage_Release) isChannelMessage_Body() {}
+
+func (*ChannelMessage_PlanRequest) isChannelMessage_Body() {}
+
+func (*ChannelMessage_Plan) isChannelMessage_Body() {}
 
 // Credits a sender gives back unused.
 type CreditRelease struct {
@@ -1709,7 +1744,7 @@ var File_kvservice_v1_peer_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
-	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xf7\x02\n" +
+	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xf5\x03\n" +
 	"\x0eChannelMessage\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12/\n" +
 	"\x04open\x18\x02 \x01(\v2\x19.kvservice.v1.ChannelOpenH\x00R\x04open\x12D\n" +
@@ -1717,7 +1752,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\x05grant\x18\x04 \x01(\v2\x19.kvservice.v1.CreditGrantH\x00R\x05grant\x12:\n" +
 	"\x06commit\x18\x05 \x01(\v2 .kvservice.v1.CommitChunkRequestH\x00R\x06commit\x12,\n" +
 	"\x03ack\x18\x06 \x01(\v2\x18.kvservice.v1.ChannelAckH\x00R\x03ack\x127\n" +
-	"\arelease\x18\a \x01(\v2\x1b.kvservice.v1.CreditReleaseH\x00R\areleaseB\x06\n" +
+	"\arelease\x18\a \x01(\v2\x1b.kvservice.v1.CreditReleaseH\x00R\arelease\x12H\n" +
+	"\fplan_request\x18\b \x01(\v2#.kvservice.v1.GetReceivePlanRequestH\x00R\vplanRequest\x122\n" +
+	"\x04plan\x18\t \x01(\v2\x1c.kvservice.v1.ReceivePlanSetH\x00R\x04planB\x06\n" +
 	"\x04body\"*\n" +
 	"\rCreditRelease\x12\x19\n" +
 	"\bslot_ids\x18\x01 \x03(\x04R\aslotIds\"`\n" +
@@ -1908,35 +1945,37 @@ var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	15, // 3: kvservice.v1.ChannelMessage.commit:type_name -> kvservice.v1.CommitChunkRequest
 	5,  // 4: kvservice.v1.ChannelMessage.ack:type_name -> kvservice.v1.ChannelAck
 	1,  // 5: kvservice.v1.ChannelMessage.release:type_name -> kvservice.v1.CreditRelease
-	12, // 6: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
-	19, // 7: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
-	20, // 8: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
-	14, // 9: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
-	20, // 10: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
-	21, // 11: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
-	13, // 12: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
-	13, // 13: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
-	9,  // 14: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
-	22, // 15: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
-	23, // 16: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
-	19, // 17: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
-	6,  // 18: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
-	8,  // 19: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
-	11, // 20: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
-	15, // 21: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
-	17, // 22: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
-	0,  // 23: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
-	7,  // 24: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
-	10, // 25: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
-	12, // 26: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
-	16, // 27: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
-	18, // 28: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
-	0,  // 29: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
-	24, // [24:30] is the sub-list for method output_type
-	18, // [18:24] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	8,  // 6: kvservice.v1.ChannelMessage.plan_request:type_name -> kvservice.v1.GetReceivePlanRequest
+	10, // 7: kvservice.v1.ChannelMessage.plan:type_name -> kvservice.v1.ReceivePlanSet
+	12, // 8: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
+	19, // 9: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
+	20, // 10: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
+	14, // 11: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
+	20, // 12: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
+	21, // 13: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
+	13, // 14: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
+	13, // 15: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
+	9,  // 16: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
+	22, // 17: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
+	23, // 18: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
+	19, // 19: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
+	6,  // 20: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
+	8,  // 21: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
+	11, // 22: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
+	15, // 23: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
+	17, // 24: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
+	0,  // 25: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
+	7,  // 26: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
+	10, // 27: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
+	12, // 28: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
+	16, // 29: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
+	18, // 30: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
+	0,  // 31: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
+	26, // [26:32] is the sub-list for method output_type
+	20, // [20:26] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_peer_proto_init() }
@@ -1952,6 +1991,8 @@ func file_kvservice_v1_peer_proto_init() {
 		(*ChannelMessage_Commit)(nil),
 		(*ChannelMessage_Ack)(nil),
 		(*ChannelMessage_Release)(nil),
+		(*ChannelMessage_PlanRequest)(nil),
+		(*ChannelMessage_Plan)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

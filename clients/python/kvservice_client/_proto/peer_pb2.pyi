@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChannelMessage(_message.Message):
-    __slots__ = ("seq", "open", "credit_request", "grant", "commit", "ack", "release")
+    __slots__ = ("seq", "open", "credit_request", "grant", "commit", "ack", "release", "plan_request", "plan")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CREDIT_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class ChannelMessage(_message.Message):
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     seq: int
     open: ChannelOpen
     credit_request: CreditRequest
@@ -23,7 +25,9 @@ class ChannelMessage(_message.Message):
     commit: CommitChunkRequest
     ack: ChannelAck
     release: CreditRelease
-    def __init__(self, seq: _Optional[int] = ..., open: _Optional[_Union[ChannelOpen, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., grant: _Optional[_Union[CreditGrant, _Mapping]] = ..., commit: _Optional[_Union[CommitChunkRequest, _Mapping]] = ..., ack: _Optional[_Union[ChannelAck, _Mapping]] = ..., release: _Optional[_Union[CreditRelease, _Mapping]] = ...) -> None: ...
+    plan_request: GetReceivePlanRequest
+    plan: ReceivePlanSet
+    def __init__(self, seq: _Optional[int] = ..., open: _Optional[_Union[ChannelOpen, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., grant: _Optional[_Union[CreditGrant, _Mapping]] = ..., commit: _Optional[_Union[CommitChunkRequest, _Mapping]] = ..., ack: _Optional[_Union[ChannelAck, _Mapping]] = ..., release: _Optional[_Union[CreditRelease, _Mapping]] = ..., plan_request: _Optional[_Union[GetReceivePlanRequest, _Mapping]] = ..., plan: _Optional[_Union[ReceivePlanSet, _Mapping]] = ...) -> None: ...
 
 class CreditRelease(_message.Message):
     __slots__ = ("slot_ids",)
