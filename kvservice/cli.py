@@ -45,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_flags(serve_p)
     demo_p = sub.add_parser("demo", help="multi-turn transfer demo: two services, two engines, shm")
     demo_p.add_argument("--turns", type=int, default=4)
+    demo_p.add_argument(
+        "--same-host",
+        action="store_true",
+        help="let the two services use the same-host fused route (default: they act as two nodes, NIXL)",
+    )
     health_p = sub.add_parser("health", help="exit 0 if the service at --address is SERVING")
     health_p.add_argument("--address", required=True, help='"unix:/path" or "host:port"')
     health_p.add_argument("--timeout", type=float, default=3.0)
@@ -57,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "demo":
         from .demo import run_demo
 
-        return run_demo(turns=ns.turns)
+        return run_demo(turns=ns.turns, same_host=ns.same_host)
     try:
         config = load_config(vars(ns), yaml_path=ns.config)
     except ConfigError as exc:

@@ -1,7 +1,8 @@
 """Multi-turn transfer demo on the CPU default: two kvservice processes, two engine processes.
 
     router (this process)
-      ├── kvservice "prefill node" (python -m kvservice, NIXL over UCX on DRAM)
+      ├── kvservice "prefill node" (python -m kvservice, NIXL over UCX on DRAM; with
+      │   --same-host the two services map each other's pools and copy page to page: FUSED)
       ├── kvservice "decode node"
       ├── prefill engine process: KV pool in POSIX shm, "computes" KV, SendDelta
       └── decode engine process:  KV pool in POSIX shm, MatchPrefix → ExpectDelta → verify
@@ -124,22 +125,24 @@ def _engine(role: str, address: str, conn: Any) -> None:
         pool.close()
 
 
-def _start_service(name: str, sock: str) -> subprocess.Popen[bytes]:
+def _start_service(name: str, sock: str, same_host: bool) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "KVSERVICE_LOG_LEVEL": "WARNING",
         "KVSERVICE_LOG_FORMAT": "text",
         "KVSERVICE_SERVICE_NAME": name,
+        # NOTE: both "nodes" run on this host; unless asked, they talk as two hosts would (NIXL)
+        "KVSERVICE_SAME_HOST_ROUTE": "auto" if same_host else "off",
     }
     return subprocess.Popen(
         [sys.executable, "-m", "kvservice", "serve", "--uds-path", sock], env=env, stdout=subprocess.DEVNULL
     )
 
 
-def run_demo(turns: int = 4) -> int:
+def run_demo(turns: int = 4, same_host: bool = False) -> int:
     tmp = tempfile.mkdtemp(prefix="kvservice-demo-")
     socks = {n: os.path.join(tmp, f"{n}.sock") for n in ("prefill", "decode")}
-    services = [_start_service(n, s) for n, s in socks.items()]
+    services = [_start_service(n, s, same_host) for n, s in socks.items()]
     ctx = mp.get_context("spawn")
     engines, conns = [], {}
     try:
