@@ -439,6 +439,8 @@ class OutboundChannel:
             raise DeadlineExceeded(f"peer {self.address} did not {what} in time") from None
         finally:
             self._pending.pop(seq, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # a break failed it: reported by the raise, not as "never retrieved"
 
     async def plans(self, req: peer_pb2.GetReceivePlanRequest, timeout: float) -> peer_pb2.ReceivePlanSet:
         """GetReceivePlan on the channel; raises the receiver's error."""
