@@ -168,13 +168,13 @@ def test_receiver_service_killed_mid_transfer(nodes) -> None:
 
 
 def test_sender_service_killed_mid_transfer(nodes) -> None:
-    """SIGKILL the sender's service mid-transfer: the receiver ends FAILED by its deadline with a reason,
-    no staging slot stays reserved, no later byte lands, and unregistration leaves nothing behind."""
+    """SIGKILL the sender's service mid-transfer: the receiver notices when the sender's peer channel
+    ends and fails the transfer UNAVAILABLE with the reason — seconds before its 20 s deadline —; no
+    staging slot stays reserved, no later byte lands, and unregistration leaves nothing behind."""
     d, b = nodes["eng"]["D"], nodes["eng"]["Bk"]
     svc_b, svc_d = nodes["svc"]["B"], nodes["svc"]["D"]
-    t0 = time.monotonic()
     b.call(
-        "expect_delta", "kill-tx", b.bs, prefix_pages=0, dst_page_indices=list(range(30)), deadline_ms=2500
+        "expect_delta", "kill-tx", b.bs, prefix_pages=0, dst_page_indices=list(range(30)), deadline_ms=20_000
     )
     d.call(
         "send_delta",
@@ -186,11 +186,12 @@ def test_sender_service_killed_mid_transfer(nodes) -> None:
         path="packed",
     )
     eventually(lambda: b.call("poll", ["kill-tx"])[0].pages_sent == 10, 10, "first chunk landed")
+    t0 = time.monotonic()
     svc_d.kill()
     after_kill = snapshot(b.pool)
-    r = wait_eng(b, "kill-tx", timeout=6)
-    assert r.state == "FAILED" and r.error_code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and r.error, r
-    assert time.monotonic() - t0 < 2.5 + 1.0
+    r = wait_eng(b, "kill-tx", timeout=10)
+    assert (r.state, r.error_code) == ("FAILED", "UNAVAILABLE") and "channel" in r.error, r
+    assert time.monotonic() - t0 < 5.0  # the channel's end, not the deadline
     assert_unchanged(b.pool, after_kill)
     st = stats(svc_b)
     assert all(p.slots_in_use == 0 for p in st.staging), st.staging
