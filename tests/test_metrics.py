@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -115,7 +116,14 @@ def test_metrics_endpoint_serves_and_frees_its_port() -> None:
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             with pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        # NOTE: the server accounts a call after the client got its status: scrape until it shows
+        want = 'kvservice_rpc_duration_seconds_count{method="Check",service="Health"} 2.0'
+        end = time.monotonic() + 5
+        while True:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            if want in text or time.monotonic() > end:
+                break
+            time.sleep(0.05)
     finally:
         s.stop()
     assert 'kvservice_rpc_handled_total{code="OK",method="Check",service="Health"} 1.0' in text
