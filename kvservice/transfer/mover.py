@@ -152,13 +152,7 @@ class Mover:
             Target(
                 plan_message(inc, route, inc.bs.buffer_set_id not in self.e.no_direct, with_pages=False),
                 inc.dst_pages,
-                HeadRoute(
-                    lay.tp_rank,
-                    inc.bs.layout.tp_rank,
-                    route.src_head_start,
-                    route.dst_head_start,
-                    route.num_heads,
-                ),
+                route,  # plan_heads' route of this sender rank to that receiver rank, as is
                 route.num_heads == lay.local_kv_heads == inc.bs.layout.local_kv_heads,
             )
             for inc, route in found
