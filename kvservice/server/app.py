@@ -50,6 +50,7 @@ class App:
     metrics: Metrics | None = None
     metrics_port: int = 0  # bound /metrics port once started (0: off)
     peer_servicer: KVPeerServicer | None = None
+    servicer: KVServiceServicer | None = None
     credential_socket: socket.socket | None = None  # <uds_path>.cred, bound in build_server
     credential_server: asyncio.AbstractServer | None = None  # serving it (local identity)
 
@@ -121,7 +122,8 @@ def build_server(config: Config) -> App:
         interceptors=[metrics.interceptor],
         options=message_size_options(config.max_message_mb) + config.keepalive.server_options(),
     )
-    kvservice_pb2_grpc.add_KVServiceServicer_to_server(KVServiceServicer(node), server)
+    servicer = KVServiceServicer(node)
+    kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
     peer_servicer = KVPeerServicer(node)
     peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -155,6 +157,7 @@ def build_server(config: Config) -> App:
         tcp_port,
         metrics,
         peer_servicer=peer_servicer,
+        servicer=servicer,
         credential_socket=cred_sock,
     )
 

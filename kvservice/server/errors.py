@@ -12,13 +12,18 @@ import grpc
 
 from ..errors import KVServiceError
 
-__all__ = ["grpc_errors"]
+__all__ = ["STATUS_ORIGIN_METADATA_KEY", "grpc_errors"]
+
+STATUS_ORIGIN_METADATA_KEY = "kvservice-status-origin"
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str, request: Any) -> None:
+    # NOTE: tells a client this status is the service's answer, not a broken connection's (which
+    # it may retry: server/replay.py)
+    context.set_trailing_metadata(((STATUS_ORIGIN_METADATA_KEY, "service"),))
     if isinstance(exc, KVServiceError):
         await context.abort(exc.code, exc.message)
     # NOTE: lines about a transfer carry its transfer_id (requests that name one have the field)

@@ -17,6 +17,7 @@ from ..transfer.requests import build_chunk, build_incoming
 from . import convert
 from .credentials import CREDENTIAL_METADATA_KEY
 from .errors import grpc_errors
+from .replay import ReplayCache, replayable
 
 __all__ = ["KVServiceServicer"]
 
@@ -26,6 +27,7 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.replay = ReplayCache()
 
     def _session(self, context: Ctx) -> str:
         return self.node.sessions.require(convert.session_of(context)).session_id
@@ -50,6 +52,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             self.node.session_stream_ended(session.session_id, epoch)
 
     @grpc_errors
+    @replayable
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Ctx) -> pb.CloseSessionResponse:
         session_id = self._session(context)
         owned = sum(b.session_id == session_id for b in self.node.buffers.all())
@@ -57,6 +60,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return pb.CloseSessionResponse(buffer_sets_released=owned)
 
     @grpc_errors
+    @replayable
     async def RegisterBuffers(
         self, request: pb.RegisterBuffersRequest, context: Ctx
     ) -> pb.RegisterBuffersResponse:
@@ -77,6 +81,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         )
 
     @grpc_errors
+    @replayable
     async def UnregisterBuffers(
         self, request: pb.UnregisterBuffersRequest, context: Ctx
     ) -> pb.UnregisterBuffersResponse:
@@ -86,6 +91,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         )
 
     @grpc_errors
+    @replayable
     async def MatchPrefix(self, request: pb.MatchPrefixRequest, context: Ctx) -> pb.MatchPrefixResponse:
         node = self.node
         session = convert.session_of(context)
@@ -109,11 +115,13 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return resp
 
     @grpc_errors
+    @replayable
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:
         self.node.index.release_lease(request.lease_id, self._session(context))
         return pb.ReleaseLeaseResponse()
 
     @grpc_errors
+    @replayable
     async def PublishPages(self, request: pb.PublishPagesRequest, context: Ctx) -> pb.PublishPagesResponse:
         tokens, hashes = convert.key(request, "tokens")
         n = self.node.publish_pages(
@@ -127,6 +135,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return pb.PublishPagesResponse(inserted_pages=n)
 
     @grpc_errors
+    @replayable
     async def EvictPages(self, request: pb.EvictPagesRequest, context: Ctx) -> pb.EvictPagesResponse:
         n = self.node.evict_pages(
             self._session(context),
@@ -137,6 +146,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return pb.EvictPagesResponse(evicted_pages=n)
 
     @grpc_errors
+    @replayable
     async def ExpectDelta(self, request: pb.ExpectDeltaRequest, context: Ctx) -> pb.ExpectDeltaResponse:
         engine = self.node.require_transfers("ExpectDelta")
         which = request.WhichOneof("publish")
@@ -162,6 +172,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
     @grpc_errors
+    @replayable
     async def SendDelta(self, request: pb.SendDeltaRequest, context: Ctx) -> pb.SendDeltaResponse:
         engine = self.node.require_transfers("SendDelta")
         out, chunk = build_chunk(
@@ -195,6 +206,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             yield convert.transfer_status(rec)
 
     @grpc_errors
+    @replayable
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         engine = self.node.require_transfers("Abort")
         recs = await engine.abort(

@@ -454,7 +454,7 @@ class Mover:
                     np.array([[credit.address, nbytes, credit.device_id]], dtype=np.int64),
                     None,
                     "VRAM" if pool.kind == "vram" else "DRAM",
-                    credit.mem_kind or "DRAM",
+                    "VRAM" if credit.mem_kind == "VRAM" else "DRAM",
                 )
                 await self._await(out, h)
                 t2 = time.monotonic()

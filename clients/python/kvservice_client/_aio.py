@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -80,13 +82,17 @@ class AsyncClient:
                 return await getattr(self._stub, method)(request, timeout=self.timeout)
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
-        metadata = ((rq.SESSION_METADATA_KEY, await self.session_id()),)
-        try:
-            return await getattr(self._stub, method)(
-                request, timeout=self.timeout, metadata=metadata, wait_for_ready=True
-            )
-        except grpc.RpcError as exc:
-            raise await self._owned_error(exc) from None
+        metadata = rq.owned_metadata(await self.session_id())
+        end = time.monotonic() + self.timeout
+        while True:  # as Client._call: a try a broken connection cut short is made again
+            try:
+                return await getattr(self._stub, method)(
+                    request, timeout=max(1e-3, end - time.monotonic()), metadata=metadata, wait_for_ready=True
+                )
+            except grpc.RpcError as exc:
+                if not rq.connection_broke(exc) or time.monotonic() + rq.RETRY_PAUSE_S >= end:
+                    raise await self._owned_error(exc) from None
+            await asyncio.sleep(rq.RETRY_PAUSE_S)
 
     async def _owned_error(self, exc: grpc.RpcError) -> KVClientError:
         err = map_rpc_error(exc)

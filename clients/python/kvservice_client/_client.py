@@ -104,15 +104,20 @@ class Client:
                 return getattr(self._stub, method)(request, timeout=self.timeout)
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
-        metadata = ((rq.SESSION_METADATA_KEY, self.session_id),)
-        try:
-            # NOTE: an owned call waits for a broken connection to come back (the session is
-            # being resumed meanwhile) instead of failing at once.
-            return getattr(self._stub, method)(
-                request, timeout=self.timeout, metadata=metadata, wait_for_ready=True
-            )
-        except grpc.RpcError as exc:
-            raise self._owned_error(exc) from None
+        metadata = rq.owned_metadata(self.session_id)
+        end = time.monotonic() + self.timeout
+        while True:
+            try:
+                # NOTE: an owned call waits for a broken connection to come back (the session is
+                # being resumed meanwhile) instead of failing at once; a try the break cut short
+                # is made again with the same request id (the service runs it at most once).
+                return getattr(self._stub, method)(
+                    request, timeout=max(1e-3, end - time.monotonic()), metadata=metadata, wait_for_ready=True
+                )
+            except grpc.RpcError as exc:
+                if not rq.connection_broke(exc) or time.monotonic() + rq.RETRY_PAUSE_S >= end:
+                    raise self._owned_error(exc) from None
+            time.sleep(rq.RETRY_PAUSE_S)
 
     def _owned_error(self, exc: grpc.RpcError) -> KVClientError:
         err = map_rpc_error(exc)

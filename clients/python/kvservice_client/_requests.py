@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 
+import grpc
 import numpy as np
 
 from ._errors import InvalidArgument
@@ -12,14 +14,32 @@ from ._proto import common_pb2, kvservice_pb2
 from ._regions import AuxSpec, Region
 from .hashing import tokens_to_u32le
 
-__all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED"]
+__all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED", "connection_broke", "owned_metadata"]
 
 SESSION_METADATA_KEY = "kvservice-session"
 SESSION_RELEASED = "was released"  # in the service's UNAUTHENTICATED message for a released session
+REQUEST_ID_METADATA_KEY = "kvservice-request-id"  # one per owned call, the same on each try
+STATUS_ORIGIN_METADATA_KEY = "kvservice-status-origin"  # set on every status the service sends
+RETRY_PAUSE_S = 0.05
 _PATHS = {"auto": 0, "direct": 1, "packed": 2, "fused": 3}
 
 TokensLike = Sequence[int] | np.ndarray | bytes
 HashesLike = Sequence[int] | np.ndarray
+
+
+def owned_metadata(session_id: str) -> tuple[tuple[str, str], ...]:
+    """Metadata of an owned call: its session, and a request id the service runs once."""
+    return ((SESSION_METADATA_KEY, session_id), (REQUEST_ID_METADATA_KEY, secrets.token_hex(12)))
+
+
+def connection_broke(exc: grpc.RpcError) -> bool:
+    """UNAVAILABLE that the service did not send (the connection broke): the same call, with the
+    same request id, may be tried again — the service answers a request id it ran with that
+    call's outcome instead of running it twice."""
+    if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = exc.trailing_metadata() or ()
+    return all(key != STATUS_ORIGIN_METADATA_KEY for key, _ in trailing)
 
 
 def _key(tokens: TokensLike | None, hashes: HashesLike | None) -> dict[str, object]:
