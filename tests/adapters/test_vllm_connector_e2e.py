@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
 INSTANCE = ROOT / "clients" / "vllm" / "e2e" / "vllm_instance.py"
 BLOCK = 32
-RESULT = os.environ.get("KVSERVICE_E2E_RESULT", "")  # scripts/e2e-vllm.sh: where the run's JSON goes
+RESULT = os.environ.get("E2E_VLLM_RESULT", "")  # scripts/e2e-vllm.sh: where the run's JSON goes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM cold starts
 
@@ -61,6 +61,8 @@ class Instance:
                 raise RuntimeError(f"vLLM instance exited: {self.logpath.read_text()[-3000:]}")
             if line.startswith("@@ "):
                 return line[3:].strip()
+            self.log.write(line)  # vLLM logs to stdout too (the engine core's tracebacks)
+            self.log.flush()
 
     def ready(self) -> None:
         assert self._answer() == "ready"

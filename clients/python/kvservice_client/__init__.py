@@ -1,6 +1,7 @@
 """kvservice client SDK: sync and asyncio clients, regions, layouts, hashing, typed results."""
 
 from ._aio import AsyncClient
+from ._background import BackgroundClient
 from ._client import Client
 from ._errors import (
     Aborted,
@@ -28,6 +29,7 @@ __all__ = [
     "Aborted",
     "AlreadyExists",
     "AsyncClient",
+    "BackgroundClient",
     "AuxSpec",
     "Client",
     "DEFAULT_KEEPALIVE",

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from .meta import AbortJob, KVServiceMeta, SendJob
+from .meta import KVServiceMeta, SendJob
 from .scheduler import SchedulerSide
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class KVServiceConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
         for o in self._w().outcomes():
-            if isinstance(o.job, (SendJob, AbortJob)):  # blocks the scheduler held may go now
+            if isinstance(o.job, SendJob):  # blocks the scheduler held may go now
                 res.finished_sending.add(o.job.req_id)
             else:
                 res.finished_recving.add(o.job.req_id)

@@ -9,7 +9,7 @@ Decode instance (``do_remote_prefill``, the params the prefill returned)::
     get_num_new_matched_tokens: prompt - local prefix hit, async
     update_state_after_alloc ─▶ RecvJob(prefix_pages = local hit, the rest of the blocks)
     worker: ExpectDelta ─▶ finished_recving (failed_recving + load-error blocks if it failed)
-    request_finished while still loading ─▶ AbortJob, blocks held until the abort is confirmed
+    request_finished while still loading ─▶ AbortJob; the load is reported finished once it settled
 """
 
 from __future__ import annotations
@@ -75,11 +75,13 @@ class SchedulerSide:
         rid = request.request_id
         self._local_hit.pop(rid, None)
         recv = self.receiving.get(rid)
-        if recv is not None:  # decode: ended while loading; the worker aborts, then we free
-            self._meta.aborts.append(
-                AbortJob(rid, recv.transfer_id, "the request ended while its KV was loading")
-            )
-            return True, None
+        if recv is not None:
+            # decode: ended while loading (aborted, or failed by vLLM for this very load). vLLM
+            # holds the blocks of a request waiting for remote KV until its load is reported
+            # finished; the worker reports it only once the abort has settled (no write after).
+            why = "the request ended while its KV was loading"
+            self._meta.aborts.append(AbortJob(rid, recv.transfer_id, why))
+            return False, None
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or not _capped(request):
             return False, None
@@ -110,7 +112,6 @@ class SchedulerSide:
     def finished(self, sending: set[str] | None, recving: set[str] | None) -> None:
         for rid in sending or ():
             self.sending.discard(rid)
-            self.receiving.pop(rid, None)  # an aborted load is reported as a finished "send"
         for rid in recving or ():
             self.receiving.pop(rid, None)
 

@@ -13,19 +13,17 @@ and is registered through CUDA IPC handles.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
 import os
 import queue
-import threading
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
 import torch
-from kvservice_client import AsyncClient, KVClientError, Layout, Region, TransferStatus
+from kvservice_client import BackgroundClient, Layout, NotFound, Region
 from kvservice_client._regions import cuda_region, shm_region
 from torch.overrides import TorchFunctionMode
 
@@ -35,12 +33,11 @@ __all__ = ["Outcome", "WorkerSide", "kv_layout"]
 
 log = logging.getLogger(__name__)
 _MIN_SHARED_BYTES = 1 << 16  # smaller int8 zeros inside the hook are not the KV cache
-_SAFETY_S = 5.0  # past a transfer's deadline, stop waiting for the service's word
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    job: SendJob | RecvJob | AbortJob
+    job: SendJob | RecvJob
     ok: bool
     why: str = ""
 
@@ -112,44 +109,15 @@ def kv_layout(kv_caches: dict[str, torch.Tensor], block_size: int) -> tuple[Layo
     return layout, flats
 
 
-class _Loop:
-    """A daemon thread running an event loop; ``call`` waits, ``spawn`` does not."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvservice-vllm", daemon=True)
-        self._thread.start()
-
-    def call(self, coro: Any, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def spawn(self, coro: Any) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-
-
 class WorkerSide:
     def __init__(self, address: str, client_name: str, engine_id: str, rpc_timeout_s: float = 10.0) -> None:
-        self.address, self.client_name, self.engine_id = address, client_name, engine_id
-        self.rpc_timeout_s = rpc_timeout_s
+        self.engine_id = engine_id
         self._shm: list[shared_memory.SharedMemory] = []
-        self._io = _Loop()
-        self.kv: AsyncClient = self._io.call(self._open())
+        self.bg = BackgroundClient(address, client_name=client_name, timeout=rpc_timeout_s)
         self.buffer_set_id = ""
         self.layout: Layout | None = None
-        self._waiters: dict[str, asyncio.Future[TransferStatus]] = {}
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        self._watch_ready = threading.Event()
-        self._io.spawn(self._watch())
-        self._watch_ready.wait(10)
-
-    async def _open(self) -> AsyncClient:
-        kv = AsyncClient(self.address, client_name=self.client_name, timeout=self.rpc_timeout_s)
-        await kv.session_id()
-        return kv
+        self._aborts: dict[str, Any] = {}  # transfer id -> the Abort call of a load being stopped
 
     # -- KV cache ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -158,16 +126,15 @@ class WorkerSide:
             yield
 
     def _shared_buffer(self, nbytes: int) -> torch.Tensor:
-        shm = shared_memory.SharedMemory(
-            create=True, size=nbytes, name=f"kvs-vllm-{os.getpid()}-{len(self._shm)}"
-        )
+        name = f"kvs-vllm-{os.getpid()}-{len(self._shm)}"
+        shm = shared_memory.SharedMemory(create=True, size=nbytes, name=name)
         self._shm.append(shm)
         return torch.frombuffer(shm.buf, dtype=torch.int8, count=nbytes)
 
     def register(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         layout, flats = kv_layout(kv_caches, block_size)
         regions = [self._region(f) for f in flats]
-        bs = self._io.call(self.kv.register_buffers(layout, regions, [], engine_id=self.engine_id), 60)
+        bs = self.bg.call(self.bg.kv.register_buffers(layout, regions, [], engine_id=self.engine_id), 60)
         self.layout, self.buffer_set_id = layout, bs.buffer_set_id
         log.info(
             "kvservice: registered %d layers x %d blocks as %s",
@@ -192,9 +159,45 @@ class WorkerSide:
 
     # -- transfers ---------------------------------------------------------------------------
     def submit(self, meta: KVServiceMeta) -> None:
-        """Queue this step's jobs (returns at once)."""
-        for job in (*meta.aborts, *meta.sends, *meta.recvs):
-            self._io.spawn(self._run(job))
+        """Start this step's jobs (returns at once; outcomes arrive in :meth:`outcomes`)."""
+        bs = self.buffer_set_id
+        for abort in meta.aborts:  # settled when Abort returns: no write lands after it
+            self._aborts[abort.transfer_id] = self.bg.submit(_abort(self.bg, abort))
+        for job in (*meta.sends, *meta.recvs):
+            fut: Any
+            if isinstance(job, SendJob):
+                fut = self.bg.transfer(
+                    job.transfer_id,
+                    lambda kv, j=job: kv.send_delta(  # type: ignore[misc]
+                        j.transfer_id,
+                        bs,
+                        src_page_indices=j.pages,
+                        peer_address=j.peer,
+                        deadline_ms=j.deadline_ms,
+                    ),
+                    job.deadline_ms,
+                )
+            else:
+                fut = self.bg.transfer(
+                    job.transfer_id,
+                    lambda kv, j=job: kv.expect_delta(  # type: ignore[misc]
+                        j.transfer_id,
+                        bs,
+                        prefix_pages=j.prefix_pages,
+                        dst_page_indices=j.pages,
+                        deadline_ms=j.deadline_ms,
+                    ),
+                    job.deadline_ms,
+                )
+            fut.add_done_callback(lambda f, j=job: self._finish(j, f))
+
+    def _finish(self, job: SendJob | RecvJob, fut: Any) -> None:
+        """Report a job's outcome; a load that was aborted only once the abort has settled."""
+        abort = self._aborts.pop(job.transfer_id, None) if isinstance(job, RecvJob) else None
+        if abort is not None and not abort.done():
+            abort.add_done_callback(lambda _: self._outcomes.put(_outcome(job, fut)))
+        else:
+            self._outcomes.put(_outcome(job, fut))
 
     def outcomes(self) -> list[Outcome]:
         out: list[Outcome] = []
@@ -204,78 +207,27 @@ class WorkerSide:
             except queue.Empty:
                 return out
 
-    async def _run(self, job: SendJob | RecvJob | AbortJob) -> None:
-        loop = asyncio.get_running_loop()
-        tid = job.transfer_id
-        waiter = self._waiters.setdefault(tid, loop.create_future())  # before the call: no lost event
-        try:
-            if isinstance(job, SendJob):
-                st = await self.kv.send_delta(
-                    tid,
-                    self.buffer_set_id,
-                    src_page_indices=job.pages,
-                    peer_address=job.peer,
-                    deadline_ms=job.deadline_ms,
-                )
-            elif isinstance(job, RecvJob):
-                st = await self.kv.expect_delta(
-                    tid,
-                    self.buffer_set_id,
-                    prefix_pages=job.prefix_pages,
-                    dst_page_indices=job.pages,
-                    deadline_ms=job.deadline_ms,
-                )
-            else:
-                sts = await self.kv.abort(tid, job.reason)  # settled on return: no write after it
-                self._waiters.pop(tid, None)
-                self._outcomes.put(Outcome(job, True, sts[0].error if sts else ""))
-                return
-            st = await self._settle(st, waiter, loop.time() + job.deadline_ms / 1000 + _SAFETY_S)
-            self._outcomes.put(Outcome(job, st.state == "DONE", st.error))
-        except (KVClientError, asyncio.TimeoutError) as exc:
-            self._outcomes.put(Outcome(job, False, f"{type(exc).__name__}: {exc}"))
-        finally:
-            self._waiters.pop(tid, None)
-
-    async def _settle(
-        self, st: TransferStatus, waiter: asyncio.Future[TransferStatus], end: float
-    ) -> TransferStatus:
-        """The transfer's terminal status: from the watch stream, or a poll each second (an event
-        sent before the stream was open is not replayed)."""
-        loop = asyncio.get_running_loop()
-        while not st.terminal:
-            if loop.time() > end:
-                raise asyncio.TimeoutError(f"transfer {st.transfer_id} not settled past its deadline")
-            try:
-                return await asyncio.wait_for(asyncio.shield(waiter), 1.0)
-            except asyncio.TimeoutError:
-                found = await self.kv.poll([st.transfer_id])
-                st = found[0] if found else st
-        return st
-
-    async def _watch(self) -> None:
-        """One stream for every transfer of this session; resolves the jobs' waiters."""
-        while True:
-            try:
-                self._watch_ready.set()
-                async for st in self.kv.watch(include_current=False):
-                    w = self._waiters.get(st.transfer_id)
-                    if st.terminal and w is not None and not w.done():
-                        w.set_result(st)
-            except asyncio.CancelledError:
-                return
-            except KVClientError as exc:  # the session is lost: every job waiting fails now
-                for w in list(self._waiters.values()):
-                    if not w.done():
-                        w.set_exception(exc)
-                await asyncio.sleep(0.5)
-
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._io.call(self.kv.close(), 10)
-        self._io.stop()
+        self.bg.close()
         for shm in self._shm:
             with contextlib.suppress(Exception):
                 shm.close()
             with contextlib.suppress(Exception):
                 shm.unlink()
+
+
+async def _abort(bg: BackgroundClient, job: AbortJob) -> None:
+    try:
+        await bg.kv.abort(job.transfer_id, job.reason)
+    except NotFound:  # it had ended already
+        pass
+    except Exception as exc:  # the load's own outcome still reports the request
+        log.warning("kvservice: abort of %s failed: %s", job.transfer_id, exc)
+
+
+def _outcome(job: SendJob | RecvJob, fut: Any) -> Outcome:
+    exc = fut.exception()
+    if exc is not None:
+        return Outcome(job, False, f"{type(exc).__name__}: {exc}")
+    st = fut.result()
+    return Outcome(job, st.state == "DONE", st.error)

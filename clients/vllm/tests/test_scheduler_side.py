@@ -81,11 +81,12 @@ def test_a_decode_request_ending_mid_load_aborts_before_its_blocks_go() -> None:
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks([1, 2]), 40)
     s.build_connector_meta()
-    assert s.request_finished(r, [1, 2]) == (True, None)  # held until the abort is settled
-    assert s.build_connector_meta().aborts == [
-        AbortJob("d-2", "t2", "the request ended while its KV was loading")
-    ]
-    s.finished({"d-2"}, None)
+    # vLLM holds the blocks of a request waiting for remote KV; the worker reports the load
+    # finished once the abort has settled
+    assert s.request_finished(r, [1, 2]) == (False, None)
+    aborts = s.build_connector_meta().aborts
+    assert aborts == [AbortJob("d-2", "t2", "the request ended while its KV was loading")]
+    s.finished(None, {"d-2"})
     assert not s.receiving
 
 

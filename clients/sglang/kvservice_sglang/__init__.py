@@ -1,0 +1,27 @@
+"""kvservice as an SGLang PD-disaggregation transfer backend (sglang 0.5.23).
+
+SGLang picks backends from a fixed enum, so run it through the launcher, which adds ``kvservice``::
+
+    python -m kvservice_sglang.launch_server --model-path M --disaggregation-mode prefill \\
+        --disaggregation-transfer-backend kvservice ...
+
+Environment: ``SGLANG_KVSERVICE_ADDRESS`` (the local service, default ``unix:/tmp/kvservice-<uid>.sock``),
+``SGLANG_KVSERVICE_PEER_ADDRESS`` (the address other nodes' services reach it at; a decode instance
+publishes it to the prefill's bootstrap server), ``SGLANG_KVSERVICE_DEADLINE_MS`` (30000).
+"""
+
+from .conn import (
+    KVServiceBootstrapServer,
+    KVServiceManager,
+    KVServiceReceiver,
+    KVServiceSender,
+    KVServiceTransferError,
+)
+
+__all__ = [
+    "KVServiceBootstrapServer",
+    "KVServiceManager",
+    "KVServiceReceiver",
+    "KVServiceSender",
+    "KVServiceTransferError",
+]

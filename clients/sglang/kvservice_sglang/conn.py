@@ -1,0 +1,379 @@
+"""SGLang's BaseKVManager / BaseKVSender / BaseKVReceiver / BaseKVBootstrapServer on kvservice.
+
+One request (``bootstrap_room``) is one kvservice transfer, ``sgl-<room>``::
+
+    decode  Receiver.init ─▶ send_metadata(kv_indices, aux_index, decode_prefix_len)
+              ├─ ExpectDelta(dst = kv_indices: the pages past decode_prefix_len, aux row)
+              └─ PUT /room/<room> {peer: its kvservice, decode_prefix_len} ─▶ prefill's bootstrap server
+    prefill Sender.poll: Bootstrapping until the room is there, then WaitingForInput
+              pop_decode_prefix_len ─▶ init(num_pages, aux_index) ─▶ send(pages) per chunk
+              └─ SendDelta(chunk_offset = pages sent so far, last chunk carries the aux row)
+    both    poll: Transferring ─▶ Success (DONE) or Failed (FAILED / ABORTED, with the reason)
+
+Only the delta moves: SGLang's prefill sends from the decode's prefix on (seed 000's
+``decode_prefix_len``, which the prefill learns from the room), so the transfer is exactly the
+pages past it. Every RPC runs on the manager's :class:`BackgroundClient` thread; the
+scheduler's calls only look at futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+from kvservice_client import BackgroundClient, TransferStatus
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferMetric,
+)
+
+from .regions import kv_args_registration
+
+__all__ = [
+    "KVServiceBootstrapServer",
+    "KVServiceManager",
+    "KVServiceReceiver",
+    "KVServiceSender",
+    "KVServiceTransferError",
+]
+
+log = logging.getLogger(__name__)
+_ROOM_TTL_S = 600.0
+_LOOKUP_EVERY_S = 0.01
+
+
+class KVServiceTransferError(RuntimeError):
+    def __init__(self, room: int, reason: str) -> None:
+        super().__init__(f"kvservice transfer of bootstrap_room {room} failed: {reason}")
+        self.room, self.reason = room, reason
+
+
+def transfer_id(room: int) -> str:
+    return f"sgl-{int(room)}"
+
+
+# -- rendezvous -----------------------------------------------------------------------------------
+class KVServiceBootstrapServer(BaseKVBootstrapServer):
+    """On the prefill node: decode instances post where a room's pages go; its senders read it."""
+
+    def __init__(self, host: str, port: int, **_: Any) -> None:
+        rooms: dict[int, tuple[float, dict[str, Any]]] = {}
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def _room(self) -> int | None:
+                parts = self.path.strip("/").split("/")
+                return (
+                    int(parts[1]) if len(parts) == 2 and parts[0] == "room" and parts[1].isdigit() else None
+                )
+
+            def _reply(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+                room = self._room()
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    ok = room is not None and isinstance(body.get("peer"), str) and body["peer"]
+                except ValueError:
+                    ok = False
+                if not ok:
+                    return self._reply(400, {"error": "PUT /room/<int> with {peer, decode_prefix_len}"})
+                now = time.monotonic()
+                with lock:
+                    for r in [r for r, (t, _) in rooms.items() if now - t > _ROOM_TTL_S]:
+                        del rooms[r]
+                    rooms[room] = (
+                        now,
+                        {"peer": body["peer"], "decode_prefix_len": int(body.get("decode_prefix_len", 0))},
+                    )
+                self._reply(200, {})
+
+            def do_GET(self) -> None:  # noqa: N802
+                room = self._room()
+                with lock:
+                    found = rooms.pop(room, None) if room is not None else None
+                self._reply(200, found[1]) if found else self._reply(404, {})
+
+            def log_message(self, *a: Any) -> None:
+                return
+
+        self.server = ThreadingHTTPServer((host, int(port)), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="kvservice-bootstrap", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
+# -- manager --------------------------------------------------------------------------------------
+class KVServiceManager(BaseKVManager):
+    def __init__(
+        self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
+    ) -> None:
+        self.kv_args, self.mode = args, str(getattr(disaggregation_mode, "value", disaggregation_mode))
+        self.address = os.environ.get("SGLANG_KVSERVICE_ADDRESS", f"unix:/tmp/kvservice-{os.getuid()}.sock")
+        self.peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS", self.address)
+        self.deadline_ms = int(os.environ.get("SGLANG_KVSERVICE_DEADLINE_MS", "30000"))
+        self.bootstrap_timeout_s = float(os.environ.get("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "300"))
+        reg = kv_args_registration(args, bool(is_mla_backend))
+        self.page_size, self.aux_names = int(args.page_size), reg.aux_names
+        self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
+        self.buffer_set_id = self.bg.call(
+            self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux), 60
+        ).buffer_set_id
+        log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
+
+    def register_to_bootstrap(self) -> None:
+        return  # nothing to announce: decode instances post each room to the prefill's server
+
+    def aux_rows(self, aux_index: int | None) -> dict[str, list[int]]:
+        return {} if aux_index is None else {n: [int(aux_index)] for n in self.aux_names}
+
+    def close(self) -> None:
+        self.bg.close()
+
+
+class _Side:
+    """What the sender and the receiver share: the transfer future and the poll states."""
+
+    def __init__(self, mgr: KVServiceManager, room: int | None) -> None:
+        self.mgr, self.room = mgr, int(room or 0)
+        self.tid = transfer_id(self.room)
+        self.fut: concurrent.futures.Future[TransferStatus] | None = None
+        self.failed = ""
+        self.started = time.monotonic()
+
+    def _transfer_poll(self) -> int:
+        if self.failed:
+            return KVPoll.Failed
+        if self.fut is None:
+            return KVPoll.WaitingForInput
+        if not self.fut.done():
+            return KVPoll.Transferring
+        exc = self.fut.exception()
+        if exc is not None:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            return KVPoll.Failed
+        st = self.fut.result()
+        if st.state != "DONE":
+            self.failed = f"{st.state} {st.error_code}: {st.error}"
+            return KVPoll.Failed
+        return KVPoll.Success
+
+    def failure_exception(self) -> None:
+        raise KVServiceTransferError(self.room, self.failed or "the transfer failed")
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        st = (
+            self.fut.result()
+            if self.fut is not None and self.fut.done() and not self.fut.exception()
+            else None
+        )
+        return KVTransferMetric(
+            transfer_latency_s=(time.monotonic() - self.started) if st is not None else None,
+            transfer_total_bytes=st.bytes_sent if st is not None else None,
+        )
+
+    def abort(self) -> None:
+        """Stop the transfer on both services; Failed from now on (the abort settles off-thread)."""
+        self.failed = self.failed or "aborted"
+        self.mgr.bg.submit(_abort_quietly(self.mgr, self.tid))
+
+
+async def _abort_quietly(mgr: KVServiceManager, tid: str) -> None:
+    try:
+        await mgr.bg.kv.abort(tid, "aborted by SGLang")
+    except Exception as exc:  # NotFound: never started or already ended
+        log.debug("abort of %s: %s", tid, exc)
+
+
+# -- prefill --------------------------------------------------------------------------------------
+class KVServiceSender(_Side, BaseKVSender):
+    def __init__(
+        self,
+        mgr: KVServiceManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        _Side.__init__(self, mgr, bootstrap_room)
+        self.url = f"http://{bootstrap_addr}/room/{self.room}"
+        self.target: concurrent.futures.Future[dict[str, Any]] = mgr.bg.submit(self._lookup())
+        self.num_pages: int | None = None
+        self.aux_index: int | None = None
+        self.sent = 0
+        self._chain: concurrent.futures.Future[Any] | None = None
+
+    async def _lookup(self) -> dict[str, Any]:
+        """Wait for the decode instance to post this room (its peer and prefix)."""
+        end = time.monotonic() + self.mgr.bootstrap_timeout_s
+        while not self.failed:
+            code, body = await asyncio.to_thread(_http, "GET", self.url)
+            if code == 200:
+                return body
+            if time.monotonic() > end:
+                wait = self.mgr.bootstrap_timeout_s
+                raise TimeoutError(f"no decode instance claimed bootstrap_room {self.room} within {wait}s")
+            await asyncio.sleep(_LOOKUP_EVERY_S)
+        raise KVServiceTransferError(self.room, self.failed)
+
+    def poll(self) -> int:
+        if self.failed:
+            return KVPoll.Failed
+        if not self.target.done():
+            return KVPoll.Bootstrapping
+        if self.target.exception() is not None:
+            self.failed = str(self.target.exception())
+            return KVPoll.Failed
+        return self._transfer_poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        return (
+            int(self.target.result()["decode_prefix_len"])
+            if self.target.done() and not self.target.exception()
+            else 0
+        )
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+
+    def send(
+        self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any
+    ) -> None:
+        if self.num_pages is None:
+            raise RuntimeError(f"bootstrap_room {self.room}: send before init")
+        if state_indices is not None and any(s is not None for s in state_indices):
+            self.failed = "state buffers (Mamba/SWA/DSA) are not supported by kvservice_sglang"
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        offset, self.sent = self.sent, self.sent + int(pages.size)
+        last = self.sent >= self.num_pages
+        peer = str(self.target.result()["peer"])
+        aux = self.mgr.aux_rows(self.aux_index) if last else {}
+        prev, mgr, tid = self._chain, self.mgr, self.tid
+
+        async def one(kv: Any) -> TransferStatus:
+            if prev is not None:  # chunks go in sequence order
+                await asyncio.wrap_future(prev)
+            return await kv.send_delta(  # type: ignore[no-any-return]
+                tid,
+                mgr.buffer_set_id,
+                src_page_indices=pages,
+                chunk_offset=offset,
+                last_chunk=last,
+                peer_address=peer,
+                aux=aux,
+                deadline_ms=mgr.deadline_ms,
+            )
+
+        if last:
+            self.fut = self._chain = mgr.bg.transfer(tid, one, mgr.deadline_ms)
+        else:
+            self._chain = mgr.bg.submit(one(mgr.bg.kv))
+            self._chain.add_done_callback(self._chunk_done)
+
+    def _chunk_done(self, fut: concurrent.futures.Future[Any]) -> None:
+        exc = fut.exception()
+        if exc is not None and not self.failed:
+            self.failed = f"{type(exc).__name__}: {exc}"
+
+    def clear(self) -> None:
+        return
+
+
+# -- decode ---------------------------------------------------------------------------------------
+class KVServiceReceiver(_Side, BaseKVReceiver):
+    def __init__(
+        self, mgr: KVServiceManager, bootstrap_addr: str, bootstrap_room: int | None = None, **_: Any
+    ) -> None:
+        _Side.__init__(self, mgr, bootstrap_room)
+        self.url = f"http://{bootstrap_addr}/room/{self.room}"
+        self.inited = False
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        self.inited = True
+
+    def poll(self) -> int:
+        if not self.inited and not self.failed:
+            return KVPoll.Bootstrapping
+        return self._transfer_poll()
+
+    def send_metadata(
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+        destination: Any = None,
+    ) -> None:
+        mgr, tid = self.mgr, self.tid
+        prefix_len = int(decode_prefix_len or 0)
+        if prefix_len % mgr.page_size:
+            self.failed = f"decode_prefix_len {prefix_len} is not a multiple of page_size {mgr.page_size}"
+            return
+        if str(getattr(destination, "value", destination or "device")) != "device":
+            self.failed = "host destinations are not supported by kvservice_sglang"
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len}
+        url = self.url
+
+        async def declare(kv: Any) -> TransferStatus:
+            st = await kv.expect_delta(
+                tid,
+                mgr.buffer_set_id,
+                prefix_pages=0,  # SGLang's prefill sends from decode_prefix_len on: all of it moves
+                dst_page_indices=pages,
+                aux=mgr.aux_rows(aux_index),
+                deadline_ms=mgr.deadline_ms,
+            )
+            try:
+                code, _ = await asyncio.to_thread(_http, "PUT", url, body)  # now the prefill may send
+                why = f"it answered {code}"
+            except OSError as exc:
+                code, why = 0, str(exc)
+            if code != 200:
+                await kv.abort(
+                    tid, f"the prefill's bootstrap server {url} did not take room {self.room}: {why}"
+                )
+            return st  # type: ignore[no-any-return]
+
+        self.fut = mgr.bg.transfer(tid, declare, mgr.deadline_ms)
+
+    def clear(self) -> None:
+        return

@@ -1,0 +1,142 @@
+"""SGLang's KVArgs (raw pointers, lengths, per-page item lengths) as a kvservice registration.
+
+SGLang hands the transfer backend raw pointers. kvservice must map that memory in its own
+process, so each pointer is resolved to something it can open:
+
+* host memory: the POSIX shared-memory object it lies in, found in ``/proc/self/maps``. Memory
+  that is not in ``/dev/shm`` (plain malloc) cannot be shared, and is refused with the reason.
+* CUDA memory: a CUDA IPC handle of its allocation, with the offset inside it
+  (``cuMemGetAddressRange``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvservice_client import AuxSpec, Layout, Region
+from kvservice_client._regions import shm_region
+
+__all__ = ["Registration", "kv_args_registration", "region_of_pointer"]
+
+_ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+_SHM = "/dev/shm/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    layout: Layout
+    k_regions: list[Region]
+    v_regions: list[Region]
+    aux: list[AuxSpec]
+    aux_names: list[str]
+
+
+def _dtype(name: str) -> str:
+    d = str(name).removeprefix("torch.")
+    d = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "half": "float16", "float": "float32"}.get(
+        d, d
+    )
+    if d not in _ITEMSIZE:
+        raise ValueError(f"kv_cache_dtype_str: {name!r} is not a dtype kvservice knows")
+    return d
+
+
+def region_of_pointer(ptr: int, nbytes: int, gpu_id: int = 0) -> Region:
+    """A Region kvservice can open for ``[ptr, ptr + nbytes)`` of this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                path = parts[5].strip() if len(parts) > 5 else ""
+                if path.startswith(_SHM) and ptr + nbytes <= hi:
+                    return shm_region(path[len(_SHM) :], nbytes, int(parts[2], 16) + ptr - lo)
+                break
+    try:
+        from kvservice_client.cuda_ipc import CudaError, export_pointer
+    except ImportError:  # no CUDA stack here
+        export_pointer = None  # type: ignore[assignment]
+    if export_pointer is not None:
+        try:
+            exp = export_pointer(ptr, gpu_id)
+        except (CudaError, OSError):
+            pass
+        else:
+            return Region(
+                size_bytes=nbytes,
+                offset=exp.offset,
+                cuda_handle=exp.handle,
+                allocation_size=exp.allocation_size,
+                device_index=exp.device_index,
+                device_uuid=exp.device_uuid,
+            )
+    raise ValueError(
+        f"kv_data_ptrs: 0x{ptr:x} (+{nbytes} bytes) is neither in a POSIX shared-memory object nor CUDA "
+        "memory; kvservice cannot map it (host pools must be allocated in /dev/shm)"
+    )
+
+
+def kv_args_registration(args: Any, is_mla: bool) -> Registration:
+    """Layout and regions of SGLang's pools: per layer ``[pages * page_size, heads, head_dim]``
+    buffers, K then V (MHA) or one latent buffer (MLA); aux buffers as rows."""
+    if getattr(args, "state_data_ptrs", None) and any(args.state_data_ptrs):
+        raise NotImplementedError("kvservice_sglang: state buffers (Mamba/SWA/DSA) are not supported yet")
+    ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
+    if not ptrs or len(set(items)) != 1 or len(set(lens)) != 1:
+        raise ValueError(
+            "kv_data_ptrs: kvservice needs one buffer a layer (K, V) of equal size and item length"
+        )
+    dtype = _dtype(args.kv_cache_dtype_str)
+    page, item = int(args.page_size), int(items[0])
+    num_pages = int(lens[0]) // item
+    gpu = int(getattr(args, "gpu_id", 0) or 0)
+    regions = [region_of_pointer(int(p), int(n), gpu) for p, n in zip(ptrs, lens, strict=True)]
+    if is_mla:
+        layout = Layout.mla(
+            num_layers=len(ptrs),
+            page_size=page,
+            num_pages=num_pages,
+            latent_dim=item // (page * _ITEMSIZE[dtype]),
+            dtype=dtype,
+        )
+        k, v = regions, []
+    else:
+        if len(ptrs) % 2:
+            raise ValueError(f"kv_data_ptrs: {len(ptrs)} buffers is not K and V for each layer")
+        local, total = int(args.kv_head_num), int(args.total_kv_head_num)
+        head_dim = item // (page * local * _ITEMSIZE[dtype])
+        tp_size = max(1, total // local)
+        layout = Layout.mha(
+            num_layers=len(ptrs) // 2,
+            page_size=page,
+            num_pages=num_pages,
+            total_kv_heads=total,
+            head_dim=head_dim,
+            dtype=dtype,
+            tp_size=tp_size,
+            tp_rank=int(args.engine_rank) % tp_size,
+        )
+        k, v = regions[: len(ptrs) // 2], regions[len(ptrs) // 2 :]
+    aux, names = [], []
+    for i, (p, n, row) in enumerate(
+        zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True)
+    ):
+        names.append(f"aux{i}")
+        aux.append(
+            AuxSpec(
+                name=names[-1],
+                region=region_of_pointer(int(p), int(n), gpu),
+                row_bytes=int(row),
+                num_rows=int(n) // int(row),
+            )
+        )
+    return Registration(layout, k, v, aux, names)

@@ -1,0 +1,256 @@
+"""kvservice_sglang against the pinned sglang 0.5.23 package: the backend's classes driven in the
+order SGLang's prefill and decode schedulers call them, over two real kvservice processes
+(addresses in KVS_TEST_PREFILL / KVS_TEST_DECODE, started by tests/adapters/test_sglang_backend.py).
+
+Host pools live in POSIX shared memory, as kvservice needs for CPU memory; the backend finds each
+raw pointer's shm object from /proc/self/maps, as it would for an SGLang CPU pool put there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+from kvservice_sglang import (
+    KVServiceBootstrapServer,
+    KVServiceManager,
+    KVServiceReceiver,
+    KVServiceSender,
+    KVServiceTransferError,
+)
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+
+PREFILL, DECODE = os.environ.get("KVS_TEST_PREFILL", ""), os.environ.get("KVS_TEST_DECODE", "")
+pytestmark = pytest.mark.skipif(not (PREFILL and DECODE), reason="needs two kvservice processes (KVS_TEST_*)")
+
+LAYERS, PAGE, HEADS, DIM, PAGES = 2, 4, 2, 16, 64
+ITEM = PAGE * HEADS * DIM * 2  # float16 bytes per page per buffer
+AUX_ROW, AUX_ROWS = 64, 16
+
+
+class Pools:
+    """SGLang-shaped pools in shm: K_0..K_{L-1}, V_0..V_{L-1}, then one aux buffer."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.shm = shared_memory.SharedMemory(
+            create=True, size=2 * LAYERS * PAGES * ITEM + AUX_ROWS * AUX_ROW
+        )
+        raw = np.frombuffer(self.shm.buf, dtype=np.uint8)
+        if seed is not None:
+            raw[:] = np.random.default_rng(seed).integers(0, 255, raw.size, dtype=np.uint8)
+        self.bufs = [
+            raw[i * PAGES * ITEM : (i + 1) * PAGES * ITEM].reshape(PAGES, ITEM) for i in range(2 * LAYERS)
+        ]
+        self.aux = raw[2 * LAYERS * PAGES * ITEM :].reshape(AUX_ROWS, AUX_ROW)
+
+    def kv_args(self) -> KVArgs:
+        a = KVArgs()
+        a.engine_rank, a.gpu_id, a.page_size = 0, 0, PAGE
+        a.kv_data_ptrs = [b.ctypes.data for b in self.bufs]
+        a.kv_data_lens = [PAGES * ITEM] * len(self.bufs)
+        a.kv_item_lens = [ITEM] * len(self.bufs)
+        a.kv_cache_dtype_str = "torch.float16"
+        a.kv_head_num = a.total_kv_head_num = HEADS
+        a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = (
+            [self.aux.ctypes.data],
+            [AUX_ROWS * AUX_ROW],
+            [AUX_ROW],
+        )
+        a.state_data_ptrs = []
+        return a
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [b.copy() for b in self.bufs] + [self.aux.copy()]
+
+    def close(self) -> None:
+        del self.bufs, self.aux
+        self.shm.close()
+        self.shm.unlink()
+
+
+def _manager(monkeypatch, address: str, mode: str, pools: Pools, **env: str) -> KVServiceManager:
+    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", address)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return KVServiceManager(pools.kv_args(), mode, None, False)
+
+
+@pytest.fixture
+def node(monkeypatch):
+    p_pools, d_pools = Pools(1), Pools(None)
+    server = KVServiceBootstrapServer("127.0.0.1", 0)
+    mp = _manager(monkeypatch, PREFILL, "prefill", p_pools, SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S="5")
+    md = _manager(monkeypatch, DECODE, "decode", d_pools, SGLANG_KVSERVICE_DEADLINE_MS="8000")
+    yield {"mp": mp, "md": md, "p": p_pools, "d": d_pools, "addr": f"127.0.0.1:{server.port}"}
+    mp.close()
+    md.close()
+    server.close()
+    p_pools.close()
+    d_pools.close()
+
+
+def _until(pred, timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "not within time"
+        time.sleep(0.005)
+
+
+class Trace:
+    """Poll states as seen by a scheduler loop (consecutive repeats dropped)."""
+
+    def __init__(self, side) -> None:
+        self.side, self.states = side, []
+
+    def poll(self) -> int:
+        s = self.side.poll()
+        if not self.states or self.states[-1] != s:
+            self.states.append(s)
+        return s
+
+
+def test_chunked_delta_transfer_in_sglang_order(node) -> None:
+    room, prefix_len, prompt = 7, 12, 40  # the decode side holds 3 pages of the prompt already
+    src = np.arange(10, 20)  # prefill's pages of the 10-page prompt
+    dst = np.array([50, 41, 33, 60, 2, 9, 17])  # decode's pages past its prefix
+    recv = Trace(KVServiceReceiver(node["md"], node["addr"], room))
+    send = Trace(KVServiceSender(node["mp"], node["addr"], room))
+    before = node["d"].snapshot()
+    assert recv.poll() == KVPoll.Bootstrapping
+    assert send.poll() == KVPoll.Bootstrapping  # no decode instance has claimed the room yet
+    recv.side.init(0)
+    assert recv.poll() == KVPoll.WaitingForInput
+    recv.side.send_metadata(dst, aux_index=3, decode_prefix_len=prefix_len)
+    _until(lambda: send.poll() == KVPoll.WaitingForInput)
+    assert send.side.pop_decode_prefix_len() == prefix_len
+    num_pages = -(-(prompt - prefix_len) // PAGE)
+    send.side.init(num_pages, aux_index=5)
+    send.side.send(src[3:7])  # chunked prefill: first chunk
+    assert send.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring), send.side.failed
+    send.side.send(src[7:])  # last chunk (carries the aux row)
+    _until(
+        lambda: (
+            send.poll() in (KVPoll.Success, KVPoll.Failed) and recv.poll() in (KVPoll.Success, KVPoll.Failed)
+        )
+    )
+    assert send.states[:2] == [KVPoll.Bootstrapping, KVPoll.WaitingForInput], send.states
+    assert send.states[-1] == recv.states[-1] == KVPoll.Success, (send.side.failed, recv.side.failed)
+    assert sorted(send.states) == send.states and sorted(recv.states) == recv.states
+    after = node["d"].snapshot()
+    for i, buf in enumerate(node["p"].bufs):
+        np.testing.assert_array_equal(after[i][dst], buf[src[3:]])  # the delta landed in order
+        untouched = np.setdiff1d(np.arange(PAGES), dst)
+        np.testing.assert_array_equal(after[i][untouched], before[i][untouched])  # nothing else
+    np.testing.assert_array_equal(after[-1][3], node["p"].aux[5])
+    assert np.array_equal(np.delete(after[-1], 3, 0), np.delete(before[-1], 3, 0))
+    m = send.side.get_transfer_metric()
+    assert m.transfer_total_bytes == num_pages * ITEM * 2 * LAYERS + AUX_ROW
+
+
+def test_decode_abort_mid_transfer_fails_both_and_writes_nothing_after(node) -> None:
+    room = 8
+    recv = KVServiceReceiver(node["md"], node["addr"], room)
+    send = KVServiceSender(node["mp"], node["addr"], room)
+    recv.init(0)
+    recv.send_metadata(np.array([1, 2, 3, 4]), aux_index=0, decode_prefix_len=0)
+    _until(lambda: send.poll() == KVPoll.WaitingForInput)
+    send.init(4, aux_index=0)
+    send.send(np.array([10, 11]))
+    _until(lambda: recv.poll() == KVPoll.Transferring)
+    recv.abort()
+    assert recv.poll() == KVPoll.Failed
+    with pytest.raises(KVServiceTransferError, match="aborted"):
+        recv.failure_exception()
+    time.sleep(0.3)  # the abort settles off-thread
+    frozen = node["d"].snapshot()
+    send.send(np.array([12, 13]))  # the prefill's next chunk: refused, the sender fails
+    _until(lambda: send.poll() == KVPoll.Failed)
+    with pytest.raises(KVServiceTransferError):
+        send.failure_exception()
+    for a, b in zip(node["d"].snapshot(), frozen, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_prefill_abort_fails_the_decode_side_too(node) -> None:
+    room = 9
+    recv = KVServiceReceiver(node["md"], node["addr"], room)
+    send = KVServiceSender(node["mp"], node["addr"], room)
+    recv.init(0)
+    recv.send_metadata(np.array([5, 6]), aux_index=1, decode_prefix_len=0)
+    _until(lambda: send.poll() == KVPoll.WaitingForInput)
+    send.init(2, aux_index=1)
+    send.send(np.array([30]))
+    send.abort()
+    assert send.poll() == KVPoll.Failed
+    _until(lambda: recv.poll() == KVPoll.Failed)
+    with pytest.raises(KVServiceTransferError):
+        recv.failure_exception()
+
+
+def test_a_dead_decode_peer_fails_the_sender_with_the_reason(node, monkeypatch) -> None:
+    room = 10
+    monkeypatch.setenv("SGLANG_KVSERVICE_PEER_ADDRESS", "127.0.0.1:1")  # nobody listens there
+    monkeypatch.setenv("SGLANG_KVSERVICE_DEADLINE_MS", "3000")
+    d2 = Pools(None)
+    md2 = _manager(monkeypatch, DECODE, "decode", d2)
+    try:
+        recv = KVServiceReceiver(md2, node["addr"], room)
+        send = KVServiceSender(node["mp"], node["addr"], room)
+        recv.init(0)
+        recv.send_metadata(np.array([1]), aux_index=0, decode_prefix_len=0)
+        _until(lambda: send.poll() == KVPoll.WaitingForInput)
+        send.init(1, aux_index=0)
+        send.send(np.array([3]))
+        _until(lambda: send.poll() == KVPoll.Failed, 20)
+        with pytest.raises(KVServiceTransferError, match="127.0.0.1:1|UNAVAILABLE|unreachable"):
+            send.failure_exception()
+        _until(lambda: recv.poll() == KVPoll.Failed, 20)  # no sender came: its deadline
+    finally:
+        md2.close()
+        d2.close()
+
+
+def test_no_decode_instance_fails_the_sender_at_the_bootstrap_timeout(node) -> None:
+    send = KVServiceSender(node["mp"], node["addr"], 11)
+    node["mp"].bootstrap_timeout_s = 0.5
+    _until(lambda: send.poll() == KVPoll.Failed, 10)
+    with pytest.raises(KVServiceTransferError, match="no decode instance claimed bootstrap_room 11"):
+        send.failure_exception()
+
+
+def test_malloc_memory_is_refused_with_the_reason(monkeypatch) -> None:
+    from kvservice_sglang.regions import region_of_pointer
+
+    plain = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(ValueError, match="neither in a POSIX shared-memory object nor CUDA"):
+        region_of_pointer(plain.ctypes.data, plain.nbytes)
+
+
+def test_the_plugin_adds_the_backend_to_sglang() -> None:
+    """In a fresh process, as SGLang does at start: load_plugins() finds the entry point; the CLI
+    choice, the enum member and get_kv_class (also where imported by name) know kvservice."""
+    code = """
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+from sglang.srt.disaggregation import utils
+from sglang.srt.disaggregation.base.conn import KVArgs
+b = utils.TransferBackend("kvservice")
+assert "kvservice" in DISAGG_TRANSFER_BACKEND_CHOICES and utils.TransferBackend.KVSERVICE is b
+names = [utils.get_kv_class(b, t).__name__ for t in (utils.KVClassType.MANAGER, utils.KVClassType.SENDER,
+         utils.KVClassType.RECEIVER, utils.KVClassType.BOOTSTRAP_SERVER)]
+assert utils.get_kv_class(b, utils.KVClassType.KVARGS) is KVArgs
+from sglang.srt.managers import disagg_service
+print(",".join(names), disagg_service.get_kv_class is utils.get_kv_class)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == [
+        "KVServiceManager,KVServiceSender,KVServiceReceiver,KVServiceBootstrapServer",
+        "True",
+    ], r.stdout
