@@ -113,9 +113,39 @@ def test_k8s_sidecar_example() -> None:
     assert shared == {"socket-dir", "dshm"}
 
 
+def _sidecar(name: str) -> tuple[dict, dict]:
+    (dep,) = _docs(DEPLOY / "k8s" / name)
+    spec = _pod_spec(dep)
+    shared = set.intersection(*({m["name"] for m in c["volumeMounts"]} for c in spec["containers"]))
+    assert shared == {"socket-dir", "dshm"}, name
+    engine, kv = spec["containers"]
+    uds = next(e["value"] for e in kv["env"] if e["name"] == "KVSERVICE_UDS_PATH")
+    return engine, {"uds": "unix:" + uds}
+
+
+def test_engine_sidecars_use_the_adapters_with_the_services_socket() -> None:
+    """vLLM: the connector flag names kvservice_vllm and the sidecar's socket; SGLang: the
+    kvservice transfer backend, the socket, and the address other nodes reach the service at."""
+    engine, kv = _sidecar("vllm-sidecar-example.yaml")
+    cmd = engine["command"]
+    conf = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert (conf["kv_connector"], conf["kv_connector_module_path"]) == (
+        "KVServiceConnector",
+        "kvservice_vllm",
+    )
+    assert conf["kv_connector_extra_config"]["kvservice_address"] == kv["uds"]
+    engine, kv = _sidecar("sidecar-example.yaml")
+    cmd = engine["command"]
+    assert cmd[cmd.index("--disaggregation-transfer-backend") + 1] == "kvservice"
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env["SGLANG_KVSERVICE_ADDRESS"] == kv["uds"] and env["SGLANG_KVSERVICE_PEER_ADDRESS"].endswith(
+        ":50051"
+    )
+
+
 def test_raw_manifests_and_compose_run_the_service_locked_down() -> None:
     """k8s manifests and compose: read-only root, non-root, /tmp writable, caps dropped but IPC_LOCK."""
-    for name in ("daemonset.yaml", "sidecar-example.yaml"):
+    for name in ("daemonset.yaml", "sidecar-example.yaml", "vllm-sidecar-example.yaml"):
         docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
         pod = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))["spec"]["template"]["spec"]
         kv = next(c for c in pod["containers"] if c["name"] == "kvservice")
