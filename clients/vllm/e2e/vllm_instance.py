@@ -7,7 +7,9 @@
         -> {"tokens": [...], "finish_reason": "...", "kv_transfer_params": {...} | null}
     {"op": "quit"}
 
-With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service.
+With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service;
+with "nixl" it runs vLLM's own NixlConnector (kv_buffer_device="cpu"; VLLM_NIXL_SIDE_CHANNEL_PORT
+must differ per instance).
 Answers are prefixed "@@ " (vLLM prints to stdout too).
 """
 
@@ -54,7 +56,11 @@ def serve(model: str, kvservice: str) -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if kvservice:
+    if kvservice == "nixl":  # vLLM's own NixlConnector (host buffer), for the side-by-side bench
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu"
+        )
+    elif kvservice:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVServiceConnector",
             kv_connector_module_path="kvservice_vllm",

