@@ -16,7 +16,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,10 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "transfer"))
+sys.path.insert(0, str(ROOT / "clients" / "vllm" / "e2e"))
 from e2e_helpers import ServiceProc  # noqa: E402
+from instance_proc import VllmInstance  # noqa: E402
 
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
-INSTANCE = ROOT / "clients" / "vllm" / "e2e" / "vllm_instance.py"
 BLOCK = 32
 
 
@@ -36,42 +35,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class Instance:
-    def __init__(self, model: str, connector: str, log: Path, env: dict[str, str]) -> None:
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [str(VLLM_PY), str(INSTANCE), "serve", model, connector],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=dict(os.environ, **env),
-        )
-
-    def _answer(self) -> str:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"vLLM instance exited; see {self.log.name}")
-            if line.startswith("@@ "):
-                return line[3:].strip()
-            self.log.write(line)
-
-    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
-        assert self.proc.stdin is not None
-        msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._answer())  # type: ignore[no-any-return]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self.log.close()
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -108,11 +71,12 @@ def run(connector: str, model: str, convs: int, turns: int, out_dir: Path) -> di
         env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port())}
         conn_p = conn_d = "nixl"
     t0 = time.monotonic()
-    p = Instance(model, conn_p, out_dir / f"{connector}-prefill.log", env_p)
-    d = Instance(model, conn_d, out_dir / f"{connector}-decode.log", env_d)
+    p = VllmInstance(model, conn_p, out_dir / f"{connector}-prefill.log", env_p)
+    d = VllmInstance(model, conn_d, out_dir / f"{connector}-decode.log", env_d)
     rows = []
     try:
-        p._answer(), d._answer()
+        p.ready()
+        d.ready()
         startup = time.monotonic() - t0
         for i in range(convs):
             history: list[int] = []
@@ -168,7 +132,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         model = str(Path(d) / "model")
-        subprocess.run([str(VLLM_PY), str(INSTANCE), "build", model], check=True, capture_output=True)
+        VllmInstance.build_model(model)
         logs = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
         results = [run(c, model, a.conversations, a.turns, logs) for c in a.connectors.split(",")]
     res = {

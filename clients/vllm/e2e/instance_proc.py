@@ -1,0 +1,71 @@
+"""The parent's handle on one vllm_instance.py process (used by tests/adapters and bench/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+
+
+class VllmInstance:
+    """``connector``: a kvservice address, "nixl" (vLLM's NixlConnector) or "" (none)."""
+
+    def __init__(self, model: str, connector: str, log: Path, env: dict[str, str] | None = None) -> None:
+        self.logpath = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PY), str(HERE / "vllm_instance.py"), "serve", model, connector],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=dict(os.environ, **(env or {})),
+        )
+
+    @staticmethod
+    def build_model(path: str) -> None:
+        subprocess.run(
+            [str(VLLM_PY), str(HERE / "vllm_instance.py"), "build", path], check=True, capture_output=True
+        )
+
+    def _answer(self) -> str:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.log.flush()
+                raise RuntimeError(f"vLLM instance exited: {self.logpath.read_text()[-3000:]}")
+            if line.startswith("@@ "):
+                return line[3:].strip()
+            self.log.write(line)  # vLLM logs to stdout too (the engine core's tracebacks)
+            self.log.flush()
+
+    def ready(self) -> None:
+        assert self._answer() == "ready"
+
+    def generate(
+        self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._answer())  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.log.close()
