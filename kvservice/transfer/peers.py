@@ -76,6 +76,9 @@ class _LocalContext:
     def invocation_metadata(self) -> tuple[()]:
         return ()
 
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        return  # in-process: the status travels as the exception itself
+
 
 class Self:
     """What we tell peers about ourselves in a handshake; ``local`` serves our own calls."""
