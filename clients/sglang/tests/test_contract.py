@@ -254,3 +254,26 @@ print(",".join(names), disagg_service.get_kv_class is utils.get_kv_class)
         "KVServiceManager,KVServiceSender,KVServiceReceiver,KVServiceBootstrapServer",
         "True",
     ], r.stdout
+
+
+def test_the_rest_of_the_base_class_surface(node) -> None:
+    """What SGLang calls besides the transfer itself: registration, clear, the defaults it reads."""
+    mp, md = node["mp"], node["md"]
+    mp.register_to_bootstrap()  # nothing to announce: decode instances post rooms
+    assert not mp.supports_role_switch and not mp.enable_deferred_decode_kv_release
+    with pytest.raises(NotImplementedError):
+        mp.teardown()  # role switch is not offered
+    send = KVServiceSender(mp, node["addr"], 12)
+    recv = KVServiceReceiver(md, node["addr"], 12)
+    assert send.get_max_transfer_tokens() is None and send.should_send_kv_chunk(3, False)
+    assert not send.should_send_kv_chunk(0, True)
+    assert not recv.supports_host_destination
+    recv.init(0)
+    recv.send_metadata(np.array([1]), aux_index=0, decode_prefix_len=2)  # not page-aligned
+    assert recv.poll() == KVPoll.Failed
+    with pytest.raises(KVServiceTransferError, match="not a multiple of page_size"):
+        recv.failure_exception()
+    send.abort()
+    send.clear()
+    recv.clear()
+    assert send.poll() == KVPoll.Failed
