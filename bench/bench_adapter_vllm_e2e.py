@@ -14,37 +14,19 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "transfer"))
 sys.path.insert(0, str(ROOT / "clients" / "vllm" / "e2e"))
-from e2e_helpers import ServiceProc  # noqa: E402
+from e2e_helpers import MeteredService, free_port  # noqa: E402
 from instance_proc import VllmInstance  # noqa: E402
 
 BLOCK = 32
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        for k in ("bytes", "pages_sent", "pages_skipped"):
-            if line.startswith(f'kvservice_transfer_{k}_total{{role="receiver"}}'):
-                out[k] = float(line.split()[-1])
-    return out
 
 
 def _conversation(i: int, turns: int) -> list[list[int]]:
@@ -55,20 +37,19 @@ def _conversation(i: int, turns: int) -> list[list[int]]:
 
 
 def run(connector: str, model: str, convs: int, turns: int, out_dir: Path) -> dict:
-    services: list[ServiceProc] = []
+    services: list[MeteredService] = []
     env_p, env_d = {}, {}
     if connector == "kvservice":
-        mp, md = _port(), _port()
         services = [
-            ServiceProc("bench-p", "--metrics-port", str(mp)),
-            ServiceProc("bench-d", "--metrics-port", str(md)),
+            MeteredService("bench-p"),
+            MeteredService("bench-d"),
         ]
         for s in services:
             s.wait_ready()
         conn_p, conn_d = services[0].address, services[1].address
     else:
-        env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port())}
-        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port())}
+        env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
         conn_p = conn_d = "nixl"
     t0 = time.monotonic()
     p = VllmInstance(model, conn_p, out_dir / f"{connector}-prefill.log", env_p)
@@ -83,7 +64,7 @@ def run(connector: str, model: str, convs: int, turns: int, out_dir: Path) -> di
             for t, msg in enumerate(_conversation(i, turns)):
                 prompt = history + msg
                 alone = p.generate(prompt, 8)["tokens"]
-                before = _metrics(md) if connector == "kvservice" else None
+                before = services[1].moved() if connector == "kvservice" else None
                 params = {"do_remote_decode": True}
                 if connector == "kvservice":
                     params.update(kvservice_peer=services[1].address, transfer_id=f"c{i}-t{t}")
@@ -98,7 +79,7 @@ def run(connector: str, model: str, convs: int, turns: int, out_dir: Path) -> di
                     "equal_to_one_instance": out["tokens"] == alone,
                 }
                 if before is not None:
-                    after = _metrics(md)
+                    after = services[1].moved()
                     row.update({k: after[k] - before[k] for k in after})
                 rows.append(row)
                 history = prompt + out["tokens"]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ..errors import InvalidArgument
 from . import convert
 
 __all__ = ["REQUEST_ID_METADATA_KEY", "ReplayCache", "replayable"]
@@ -82,8 +83,6 @@ def replayable(fn: F) -> F:
         if not rid or not session:
             return await fn(self, request, context)
         if len(rid) > _MAX_ID:
-            from ..errors import InvalidArgument
-
             raise InvalidArgument(REQUEST_ID_METADATA_KEY, f"longer than {_MAX_ID} characters")
         task = self.replay.run((session, rid), lambda: fn(self, request, context))
         # NOTE: shielded: the caller going away (its RPC cancelled) must not cancel the work.

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
 sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import ServiceProc  # noqa: E402
+from e2e_helpers import MeteredService  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,34 +29,6 @@ BLOCK = 32
 RESULT = os.environ.get("E2E_VLLM_RESULT", "")  # scripts/e2e-vllm.sh: where the run's JSON goes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM cold starts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Service(ServiceProc):
-    def __init__(self, name: str) -> None:
-        self.metrics_port = _free_port()
-        super().__init__(name, "--metrics-port", str(self.metrics_port))
-
-    def counter(self, name: str, role: str = "receiver") -> float:
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        )
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == name + "_total" and s.labels.get("role") == role:
-                    return float(s.value)
-        raise AssertionError(f"{name} not in /metrics")
-
-    def moved(self) -> dict[str, float]:
-        return {
-            k: self.counter(f"kvservice_transfer_{k}")
-            for k in ("bytes", "pages_sent", "pages_skipped", "skipped_bytes")
-        }
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -75,7 +44,7 @@ def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm-e2e")
     model = str(d / "model")
     VllmInstance.build_model(model)
-    svc_p, svc_d = Service("prefill"), Service("decode")
+    svc_p, svc_d = MeteredService("prefill"), MeteredService("decode")
     svc_p.wait_ready()
     svc_d.wait_ready()
     t0 = time.monotonic()

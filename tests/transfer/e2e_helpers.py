@@ -16,10 +16,12 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -214,6 +216,41 @@ class ServiceProc:
                 self.kill()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MeteredService(ServiceProc):
+    """A service process with /metrics on a free port; :meth:`moved` reads its transfer counters."""
+
+    COUNTERS = ("bytes", "pages_sent", "pages_skipped", "skipped_bytes")
+
+    def __init__(self, name: str, *args: str) -> None:
+        self.metrics_port = free_port()
+        super().__init__(name, "--metrics-port", str(self.metrics_port), *args)
+
+    def moved(self, role: str = "receiver") -> dict[str, float]:
+        """``kvservice_transfer_{bytes,pages_sent,pages_skipped,skipped_bytes}_total`` of ``role``
+        (one scrape)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        wanted = {f"kvservice_transfer_{k}_total": k for k in self.COUNTERS}
+        out = {
+            wanted[smp.name]: float(smp.value)
+            for fam in text_string_to_metric_families(text)
+            for smp in fam.samples
+            if smp.name in wanted and smp.labels.get("role") == role
+        }
+        missing = set(self.COUNTERS) - set(out)
+        if missing:
+            raise AssertionError(f"{sorted(missing)} not in /metrics")
+        return out
 
 
 # -- engine processes ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from ._errors import (
 )
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
-from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, shm_region
+from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, pointer_region, shm_region
 from ._types import MatchResult, PrefixMatch, RegisteredBuffers, TransferStatus
 from .hashing import page_hashes, tokens_to_u32le
 
@@ -54,6 +54,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "cuda_region",
+    "pointer_region",
     "page_hashes",
     "shm_region",
     "tokens_to_u32le",

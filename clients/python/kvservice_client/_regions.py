@@ -16,7 +16,9 @@ import numpy as np
 from ._layout import Layout
 from ._proto import common_pb2
 
-__all__ = ["AuxSpec", "Region", "ShmKVPool", "cuda_region", "shm_region"]
+__all__ = ["AuxSpec", "Region", "ShmKVPool", "cuda_region", "pointer_region", "shm_region"]
+
+_DEV_SHM = "/dev/shm/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +77,38 @@ def cuda_region(tensor: Any) -> Region:
     """Region of a contiguous CUDA tensor (which may sit at an offset inside a larger block)."""
     from .cuda_ipc import tensor_export
 
-    exp = tensor_export(tensor)
+    return _exported(tensor_export(tensor), tensor.numel() * tensor.element_size())
+
+
+def pointer_region(ptr: int, nbytes: int, device_index: int = 0) -> Region:
+    """Region of ``[ptr, ptr + nbytes)`` of this process, for engines that hand out raw pointers:
+    the POSIX shared-memory object it lies in (found in ``/proc/self/maps``), or the CUDA
+    allocation holding it (an IPC handle and the offset inside). Other memory (plain malloc)
+    cannot be opened by the service: ValueError says so."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                path = parts[5].strip() if len(parts) > 5 else ""
+                if path.startswith(_DEV_SHM) and ptr + nbytes <= hi:
+                    return shm_region(path[len(_DEV_SHM) :], nbytes, int(parts[2], 16) + ptr - lo)
+                break
+    try:
+        from .cuda_ipc import CudaError, export_pointer
+
+        return _exported(export_pointer(ptr, device_index), nbytes)
+    except (CudaError, OSError):  # no CUDA here, or not device memory
+        pass
+    raise ValueError(
+        f"0x{ptr:x} (+{nbytes} bytes) is neither in a POSIX shared-memory object nor CUDA memory; "
+        "kvservice cannot map it (host memory must be allocated in /dev/shm)"
+    )
+
+
+def _exported(exp: Any, nbytes: int) -> Region:
     return Region(
-        size_bytes=tensor.numel() * tensor.element_size(),
+        size_bytes=nbytes,
         offset=exp.offset,
         cuda_handle=exp.handle,
         allocation_size=exp.allocation_size,

@@ -14,10 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvservice_client import AuxSpec, Layout, Region
-from kvservice_client._regions import shm_region
+from kvservice_client import AuxSpec, Layout, Region, pointer_region
 
-__all__ = ["Registration", "kv_args_registration", "region_of_pointer"]
+__all__ = ["Registration", "kv_args_registration"]
 
 _ITEMSIZE = {
     "float32": 4,
@@ -28,7 +27,6 @@ _ITEMSIZE = {
     "uint8": 1,
     "int8": 1,
 }
-_SHM = "/dev/shm/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,39 +48,11 @@ def _dtype(name: str) -> str:
     return d
 
 
-def region_of_pointer(ptr: int, nbytes: int, gpu_id: int = 0) -> Region:
-    """A Region kvservice can open for ``[ptr, ptr + nbytes)`` of this process."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= ptr < hi:
-                path = parts[5].strip() if len(parts) > 5 else ""
-                if path.startswith(_SHM) and ptr + nbytes <= hi:
-                    return shm_region(path[len(_SHM) :], nbytes, int(parts[2], 16) + ptr - lo)
-                break
+def _region(ptr: int, nbytes: int, gpu: int) -> Region:
     try:
-        from kvservice_client.cuda_ipc import CudaError, export_pointer
-    except ImportError:  # no CUDA stack here
-        export_pointer = None  # type: ignore[assignment]
-    if export_pointer is not None:
-        try:
-            exp = export_pointer(ptr, gpu_id)
-        except (CudaError, OSError):
-            pass
-        else:
-            return Region(
-                size_bytes=nbytes,
-                offset=exp.offset,
-                cuda_handle=exp.handle,
-                allocation_size=exp.allocation_size,
-                device_index=exp.device_index,
-                device_uuid=exp.device_uuid,
-            )
-    raise ValueError(
-        f"kv_data_ptrs: 0x{ptr:x} (+{nbytes} bytes) is neither in a POSIX shared-memory object nor CUDA "
-        "memory; kvservice cannot map it (host pools must be allocated in /dev/shm)"
-    )
+        return pointer_region(ptr, nbytes, gpu)
+    except ValueError as exc:
+        raise ValueError(f"kv_data_ptrs: {exc}") from None
 
 
 def kv_args_registration(args: Any, is_mla: bool) -> Registration:
@@ -99,7 +69,7 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
     page, item = int(args.page_size), int(items[0])
     num_pages = int(lens[0]) // item
     gpu = int(getattr(args, "gpu_id", 0) or 0)
-    regions = [region_of_pointer(int(p), int(n), gpu) for p, n in zip(ptrs, lens, strict=True)]
+    regions = [_region(int(p), int(n), gpu) for p, n in zip(ptrs, lens, strict=True)]
     if is_mla:
         layout = Layout.mla(
             num_layers=len(ptrs),
@@ -134,7 +104,7 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
         aux.append(
             AuxSpec(
                 name=names[-1],
-                region=region_of_pointer(int(p), int(n), gpu),
+                region=_region(int(p), int(n), gpu),
                 row_bytes=int(row),
                 num_rows=int(n) // int(row),
             )

@@ -224,11 +224,11 @@ def test_no_decode_instance_fails_the_sender_at_the_bootstrap_timeout(node) -> N
 
 
 def test_malloc_memory_is_refused_with_the_reason(monkeypatch) -> None:
-    from kvservice_sglang.regions import region_of_pointer
+    from kvservice_client import pointer_region
 
     plain = np.zeros(4096, dtype=np.uint8)
     with pytest.raises(ValueError, match="neither in a POSIX shared-memory object nor CUDA"):
-        region_of_pointer(plain.ctypes.data, plain.nbytes)
+        pointer_region(plain.ctypes.data, plain.nbytes)
 
 
 def test_the_plugin_adds_the_backend_to_sglang() -> None:

@@ -23,8 +23,7 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import torch
-from kvservice_client import BackgroundClient, Layout, NotFound, Region
-from kvservice_client._regions import cuda_region, shm_region
+from kvservice_client import BackgroundClient, Layout, NotFound, Region, pointer_region
 from torch.overrides import TorchFunctionMode
 
 from .meta import AbortJob, KVServiceMeta, RecvJob, SendJob
@@ -144,18 +143,12 @@ class WorkerSide:
         )
 
     def _region(self, flat: torch.Tensor) -> Region:
-        nbytes = flat.numel() * flat.element_size()
-        if flat.is_cuda:
-            return cuda_region(flat)
-        for shm in self._shm:
-            base = torch.frombuffer(shm.buf, dtype=torch.int8, count=1).data_ptr()
-            off = flat.data_ptr() - base
-            if 0 <= off and off + nbytes <= shm.size:
-                return shm_region(shm.name, nbytes, off)
-        raise ValueError(
-            "kv_caches: the CPU KV cache is not in the connector's shared memory (vLLM did not "
-            "allocate it inside get_mem_pool_context); kvservice cannot map it"
-        )
+        try:
+            return pointer_region(flat.data_ptr(), flat.numel() * flat.element_size(), flat.device.index or 0)
+        except ValueError as exc:
+            raise ValueError(
+                f"kv_caches: {exc} (on CPU, vLLM must allocate the cache inside get_mem_pool_context)"
+            ) from None
 
     # -- transfers ---------------------------------------------------------------------------
     def submit(self, meta: KVServiceMeta) -> None:
