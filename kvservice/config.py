@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 from kvservice_client._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
+from kvservice_client._security import PEER_TOKEN_METADATA_KEY, ChannelSecurity
 
 __all__ = ["Config", "ConfigError", "load_config"]
 
@@ -97,6 +98,49 @@ class Config:
         "Where SendDelta may send KV: comma-separated CIDRs, DNS suffixes ('.svc.cluster.local'), "
         "host names and 'unix'. Empty: anywhere (logged as a warning at start).",
     )
+    insecure: bool = _opt(
+        False,
+        "Allow TCP listeners that authenticate nobody (no client certificates, no token). Logged as "
+        "insecure at every start; without it such a listener is refused at start-up.",
+    )
+    tls_cert: str = _opt("", "PEM certificate of the engine TCP listener (TLS); with tls_key.")
+    tls_key: str = _opt("", "PEM private key of tls_cert.")
+    tls_client_ca: str = _opt(
+        "",
+        "PEM CA bundle; when set, TCP callers must present a client certificate it signed (mutual "
+        "TLS). Certificate files are re-read when they change (cert-manager rotation).",
+    )
+    token_file: str = _opt(
+        "",
+        "File of bearer tokens, one per line, TCP engine callers must send ('authorization: Bearer "
+        "<token>'); re-read when it changes (Kubernetes projected tokens, rotation with overlap).",
+    )
+    peer_tcp_address: str = _opt(
+        "",
+        "Own TCP listener for KVPeer (service to service), host:port. When set, KVPeer is served "
+        "there (and on the UDS), never on tcp_address.",
+    )
+    peer_tls_cert: str = _opt(
+        "",
+        "PEM certificate this service presents to peers, as server and as client (one cluster CA; "
+        "its common name is the service's peer identity).",
+    )
+    peer_tls_key: str = _opt("", "PEM private key of peer_tls_cert.")
+    peer_tls_ca: str = _opt(
+        "", "PEM CA bundle of the cluster: peers must present a certificate it signed (mutual TLS)."
+    )
+    peer_token_file: str = _opt(
+        "",
+        "File of shared peer tokens, one per line: KVPeer calls over TCP must carry one "
+        "('kvservice-peer-token'); this service sends the first. Re-read when it changes.",
+    )
+    max_pages_per_call: int = _opt(
+        1_048_576, "Most page indices one call may name (ExpectDelta, SendDelta, PublishPages, ...)."
+    )
+    max_tokens_per_call: int = _opt(4_194_304, "Most token ids one MatchPrefix or publish call may carry.")
+    max_buffer_sets_per_session: int = _opt(256, "Most buffer sets one session may hold registered.")
+    max_transfers_per_session: int = _opt(16_384, "Most unfinished transfers one session may have.")
+    max_leases_per_session: int = _opt(65_536, "Most live prefix leases one session may hold.")
     cache_dir: str = _opt(
         "",
         "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
@@ -117,9 +161,7 @@ class Config:
         if not 0 <= mode <= 0o777:
             raise ConfigError(f"uds_mode: {self.uds_mode!r} is outside 0000..0777")
         if self.tcp_address:
-            host, sep, port = self.tcp_address.rpartition(":")
-            if not sep or not host or not port.isdigit() or int(port) > 65535:
-                raise ConfigError(f"tcp_address: {self.tcp_address!r} is not host:port")
+            _check_host_port("tcp_address", self.tcp_address)
         if self.grace_period_s < 0:
             raise ConfigError("grace_period_s: must be >= 0")
         if not 0 < self.default_deadline_ms <= self.max_deadline_ms:
@@ -157,6 +199,16 @@ class Config:
             self.peer_allowlist_entries  # noqa: B018
         except ValueError as exc:
             raise ConfigError(f"peer_allowlist: {exc}") from None
+        self._validate_security()
+        for name in (
+            "max_pages_per_call",
+            "max_tokens_per_call",
+            "max_buffer_sets_per_session",
+            "max_transfers_per_session",
+            "max_leases_per_session",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port: must be -1, 0 or a port number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -164,6 +216,66 @@ class Config:
         if self.log_format not in ("json", "text"):
             raise ConfigError(f"log_format: {self.log_format!r} is not 'json' or 'text'")
         return self
+
+    def _validate_security(self) -> None:
+        """TLS files in pairs and readable; no TCP listener that authenticates nobody unless
+        ``insecure`` (see docs/security.md)."""
+        if self.peer_tcp_address:
+            _check_host_port("peer_tcp_address", self.peer_tcp_address)
+        for cert, key, ca in (
+            ("tls_cert", "tls_key", "tls_client_ca"),
+            ("peer_tls_cert", "peer_tls_key", "peer_tls_ca"),
+        ):
+            if bool(getattr(self, cert)) != bool(getattr(self, key)):
+                raise ConfigError(f"{cert}/{key}: give both or neither")
+            if getattr(self, ca) and not getattr(self, cert):
+                raise ConfigError(f"{ca}: needs {cert} and {key} (client certificates need TLS)")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "peer_tls_cert", "peer_tls_key", "peer_tls_ca"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{name}: cannot read {path}")
+        for name in ("token_file", "peer_token_file"):
+            path = getattr(self, name)
+            if path:
+                from kvservice_client._tokens import TokenFile, TokenFileError
+
+                try:
+                    TokenFile(path).tokens()
+                except TokenFileError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        if self.insecure:
+            return
+        if self.tcp_address and not (self.tls_client_ca or self.token_file):
+            raise ConfigError(
+                "tcp_address: a TCP listener must authenticate its callers: set tls_client_ca (mutual "
+                "TLS, with tls_cert/tls_key) or token_file, or pass --insecure to run it open"
+            )
+        if self.peer_tcp_address and not (self.peer_tls_ca or self.peer_token_file):
+            raise ConfigError(
+                "peer_tcp_address: peers must authenticate: set peer_tls_ca (mutual TLS, with "
+                "peer_tls_cert/peer_tls_key) or peer_token_file, or pass --insecure to run it open"
+            )
+
+    @property
+    def peer_security(self) -> ChannelSecurity:
+        """How this service's peer channels authenticate to other services."""
+        return ChannelSecurity(
+            ca_file=self.peer_tls_ca,
+            cert_file=self.peer_tls_cert,
+            key_file=self.peer_tls_key,
+            token_file=self.peer_token_file,
+            token_key=PEER_TOKEN_METADATA_KEY,
+        )
+
+    @property
+    def peers_on_engine_tcp(self) -> bool:
+        """KVPeer rides the engine TCP listener: no listener of its own, and peers either
+        authenticate with the peer token or nobody is authenticated (``insecure``)."""
+        return (
+            bool(self.tcp_address)
+            and not self.peer_tcp_address
+            and (self.insecure or bool(self.peer_token_file))
+        )
 
     def event_streams(self) -> list[dict[str, Any]]:
         """The parsed ``kv_events`` list, validated."""
@@ -218,6 +330,12 @@ class Config:
         return int(self.uds_mode, 8)
 
 
+def _check_host_port(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{name}: {value!r} is not host:port")
+
+
 def _object_list(name: str, text: str, keys: set[str], required: tuple[str, ...]) -> list[dict[str, Any]]:
     """A JSON list of objects with only ``keys`` and non-empty strings at ``required``."""
     if not text:
@@ -268,8 +386,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add one ``--option-name`` flag per config field (all default to 'not given')."""
     parser.add_argument("--config", help="YAML file with options (keys as in KVSERVICE_*).")
     for name, field in _FIELDS.items():
+        # NOTE: a boolean flag alone means true ("--insecure"); "--insecure false" also parses
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if isinstance(field.default, bool) else {}
         parser.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, help=field.metadata["help"]
+            "--" + name.replace("_", "-"), dest=name, default=None, help=field.metadata["help"], **extra
         )
 
 

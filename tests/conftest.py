@@ -64,7 +64,9 @@ class ServerThread:
 
 def make_config(**overrides: Any) -> Config:
     d = tempfile.mkdtemp(prefix="kvs-")
-    base = Config(uds_path=os.path.join(d, "kv.sock"), tcp_address="127.0.0.1:0", log_format="text")
+    base = Config(
+        uds_path=os.path.join(d, "kv.sock"), tcp_address="127.0.0.1:0", insecure=True, log_format="text"
+    )
     return dataclasses.replace(base, **overrides).validate()
 
 

@@ -22,14 +22,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvservice_client._client import message_size_options
 from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvservice_client._tokens import TokenFile
 
 from ..config import Config
 from ..errors import InvalidArgument
 from ..metrics import Metrics, metrics_host
 from ..node import Node
 from .credentials import bind_credentials, serve_credentials
+from .guard import Guard, ListenerPolicy
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
+from .tls import server_credentials
 
 __all__ = ["App", "build_server", "serve"]
 
@@ -53,6 +56,8 @@ class App:
     servicer: KVServiceServicer | None = None
     credential_socket: socket.socket | None = None  # <uds_path>.cred, bound in build_server
     credential_server: asyncio.AbstractServer | None = None  # serving it (local identity)
+    peer_server: grpc.aio.Server | None = None  # KVPeer's own listener (peer_tcp_address)
+    peer_port: int = 0
 
     @property
     def address(self) -> str:
@@ -64,7 +69,10 @@ class App:
         cfg = self.node.config
         if cfg.advertise_address:
             return cfg.advertise_address
-        if self.tcp_port:
+        if self.peer_port:
+            host = cfg.peer_tcp_address.rpartition(":")[0]
+            return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.peer_port}"
+        if self.tcp_port and cfg.peers_on_engine_tcp:
             host = cfg.tcp_address.rpartition(":")[0]
             return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.tcp_port}"
         return self.address
@@ -73,6 +81,8 @@ class App:
         from ..transfer.engine import TransferEngine
 
         await self.server.start()
+        if self.peer_server is not None:
+            await self.peer_server.start()
         self.node.transfers = TransferEngine(self.node, self.peer_address)
         self.node.transfers.peers.me.local = self.peer_servicer
         self.node.transfers.start()
@@ -90,8 +100,7 @@ class App:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
         if self.credential_socket is not None:
             self.credential_server = await serve_credentials(self.credential_socket, self.node.credentials)
-        if not self.node.config.peer_allowlist:
-            log.warning("peer_allowlist is empty: SendDelta may send KV to any address a caller names")
+        _log_exposure(self.node.config)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("kvservice serving", extra={"address": self.address, "peer_address": self.peer_address})
@@ -102,6 +111,8 @@ class App:
         await self.health.enter_graceful_shutdown()
         await self.node.drain(grace)
         await self.server.stop(min(grace, 1.0))
+        if self.peer_server is not None:
+            await self.peer_server.stop(min(grace, 1.0))
         await self.node.close()
         if self.metrics is not None:
             self.metrics.close()
@@ -114,14 +125,14 @@ class App:
 
 
 def build_server(config: Config) -> App:
-    """Create the server and bind its ports (call ``await app.start()`` next)."""
+    """Create the server(s) and bind their ports (call ``await app.start()`` next)."""
     node = Node(config)
     metrics = Metrics(node)
-    # NOTE: one keepalive policy for every listener (UDS, TCP, peers); see kvservice_client._keepalive.
-    server = grpc.aio.server(
-        interceptors=[metrics.interceptor],
-        options=message_size_options(config.max_message_mb) + config.keepalive.server_options(),
-    )
+    token = TokenFile(config.token_file) if config.token_file else None
+    peer_token = TokenFile(config.peer_token_file) if config.peer_token_file else None
+    # NOTE: metrics outermost, so refused calls are counted by their status too
+    guard = Guard(ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address"))
+    server = _grpc_server(config, metrics, guard)
     servicer = KVServiceServicer(node)
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
     peer_servicer = KVPeerServicer(node)
@@ -146,9 +157,23 @@ def build_server(config: Config) -> App:
             raise InvalidArgument("uds_path", f"cannot listen on {uds_path}")
     tcp_port = 0
     if config.tcp_address:
-        tcp_port = server.add_insecure_port(config.tcp_address)
-        if not tcp_port:
-            raise InvalidArgument("tcp_address", f"cannot listen on {config.tcp_address}")
+        tcp_port = _add_port(
+            server, "tcp_address", config.tcp_address, config.tls_cert, config.tls_key, config.tls_client_ca
+        )
+    peer_server, peer_port = None, 0
+    if config.peer_tcp_address:
+        peer_guard = Guard(ListenerPolicy(False, True, None, peer_token, "peer_tcp_address"))
+        peer_server = _grpc_server(config, metrics, peer_guard)
+        peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, peer_server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, peer_server)
+        peer_port = _add_port(
+            peer_server,
+            "peer_tcp_address",
+            config.peer_tcp_address,
+            config.peer_tls_cert,
+            config.peer_tls_key,
+            config.peer_tls_ca,
+        )
     return App(
         server,
         node,
@@ -159,7 +184,53 @@ def build_server(config: Config) -> App:
         peer_servicer=peer_servicer,
         servicer=servicer,
         credential_socket=cred_sock,
+        peer_server=peer_server,
+        peer_port=peer_port,
     )
+
+
+def _grpc_server(config: Config, metrics: Metrics, guard: Guard) -> grpc.aio.Server:
+    # NOTE: one keepalive policy for every listener (UDS, TCP, peers); see kvservice_client._keepalive.
+    return grpc.aio.server(
+        interceptors=[metrics.interceptor, guard],
+        options=message_size_options(config.max_message_mb) + config.keepalive.server_options(),
+    )
+
+
+def _add_port(server: grpc.aio.Server, field: str, address: str, cert: str, key: str, ca: str) -> int:
+    """Bind a TCP port, with TLS (and client certificates when ``ca``) if ``cert`` is given."""
+    if cert:
+        port = server.add_secure_port(address, server_credentials(cert, key, ca))
+    else:
+        port = server.add_insecure_port(address)
+    if not port:
+        raise InvalidArgument(field, f"cannot listen on {address}")
+    return port
+
+
+def _log_exposure(cfg: Config) -> None:
+    """Say at every start what is open: an insecure listener, an empty peer allowlist."""
+    if cfg.insecure and (cfg.tcp_address or cfg.peer_tcp_address):
+        open_ports = [
+            name
+            for name, addr, authed in (
+                ("tcp_address", cfg.tcp_address, cfg.tls_client_ca or cfg.token_file),
+                ("peer_tcp_address", cfg.peer_tcp_address, cfg.peer_tls_ca or cfg.peer_token_file),
+            )
+            if addr and not authed
+        ]
+        if open_ports or (cfg.peers_on_engine_tcp and not cfg.peer_token_file):
+            log.warning(
+                "INSECURE: --insecure is set and %s accept(s) unauthenticated callers; anyone who "
+                "reaches the port can use the API",
+                ", ".join(open_ports) or "KVPeer on tcp_address",
+            )
+    if cfg.tcp_address and cfg.token_file and not cfg.tls_cert:
+        log.warning("token_file without tls_cert: bearer tokens cross tcp_address in clear text")
+    if cfg.tcp_address and not cfg.peers_on_engine_tcp and not cfg.peer_tcp_address:
+        log.info("KVPeer is served on the Unix socket only (set peer_tcp_address for other nodes)")
+    if not cfg.peer_allowlist:
+        log.warning("peer_allowlist is empty: SendDelta may send KV to any address a caller names")
 
 
 def _clear_stale_socket(path: str) -> None:

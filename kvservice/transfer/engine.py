@@ -98,6 +98,7 @@ class TransferEngine:
         self.peers = PeerDirectory(
             Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch),
             cfg.keepalive,
+            cfg.peer_security,
         )
         self._pool_regs: dict[int, RegHandle] = {}
         self.host_pool = StagingPool(

@@ -19,6 +19,7 @@ import grpc
 from kvservice_client._client import channel_options
 from kvservice_client._keepalive import KeepalivePolicy
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
+from kvservice_client._security import PLAIN, ChannelSecurity
 
 from .. import errors, host
 from .transport import Transport
@@ -109,10 +110,16 @@ class Self:
 class PeerClient:
     """A handshaken connection to one peer service."""
 
-    def __init__(self, address: str, me: Self, options: Sequence[tuple[str, Any]]) -> None:
+    def __init__(
+        self,
+        address: str,
+        me: Self,
+        options: Sequence[tuple[str, Any]],
+        security: ChannelSecurity = PLAIN,
+    ) -> None:
         self.address = address
         self._me = me
-        self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._channel = security.aio_channel(address, options)
         self.stub = peer_pb2_grpc.KVPeerStub(self._channel)
         self.service_id = ""
         self.agent = ""
@@ -170,15 +177,16 @@ class PeerClient:
 class PeerDirectory:
     """Cache of peer clients by address."""
 
-    def __init__(self, me: Self, keepalive: KeepalivePolicy) -> None:
+    def __init__(self, me: Self, keepalive: KeepalivePolicy, security: ChannelSecurity = PLAIN) -> None:
         self.me = me
         self._options = channel_options(keepalive=keepalive)
+        self._security = security
         self._peers: dict[str, PeerClient] = {}
 
     def get(self, address: str) -> PeerClient:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = PeerClient(address, self.me, self._options)
+            peer = self._peers[address] = PeerClient(address, self.me, self._options, self._security)
         return peer
 
     async def close(self) -> None:

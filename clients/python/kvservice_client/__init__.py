@@ -22,6 +22,7 @@ from ._errors import (
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
 from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, pointer_region, shm_region
+from ._security import ChannelSecurity
 from ._types import MatchResult, PrefixMatch, RegisteredBuffers, TransferStatus
 from .hashing import page_hashes, tokens_to_u32le
 
@@ -30,6 +31,7 @@ __all__ = [
     "AlreadyExists",
     "AsyncClient",
     "BackgroundClient",
+    "ChannelSecurity",
     "AuxSpec",
     "Client",
     "DEFAULT_KEEPALIVE",

@@ -19,6 +19,7 @@ from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
+from ._security import PLAIN, ChannelSecurity
 from ._session import Owned, RegisterArgs, find_credential_path
 from ._types import MatchResult, RegisteredBuffers, TransferStatus
 
@@ -41,11 +42,12 @@ class AsyncClient:
         keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
         on_session_lost: Callable[[SessionLost], Any] | None = None,
         credential_path: str | None = None,
+        security: ChannelSecurity = PLAIN,
     ) -> None:
         self.target = target
         self.client_name = client_name
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=channel_options(keepalive=keepalive))
+        self._channel = security.aio_channel(target, channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
         self._session = AsyncSessionKeeper(

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ._aio import AsyncClient
+from ._security import PLAIN, ChannelSecurity
 from ._errors import KVClientError
 from ._types import TransferStatus
 
@@ -31,16 +32,20 @@ _SAFETY_S = 5.0  # past a transfer's deadline, stop waiting for the service's wo
 
 
 class BackgroundClient:
-    def __init__(self, target: str, *, client_name: str = "", timeout: float = 10.0) -> None:
+    def __init__(
+        self, target: str, *, client_name: str = "", timeout: float = 10.0, security: ChannelSecurity = PLAIN
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvservice-client", daemon=True)
         self._thread.start()
         self._waiters: dict[str, asyncio.Future[TransferStatus]] = {}
-        self.kv: AsyncClient = self.call(self._open(target, client_name, timeout), timeout + 5)
+        self.kv: AsyncClient = self.call(self._open(target, client_name, timeout, security), timeout + 5)
         self._watcher = self.submit(self._watch())
 
-    async def _open(self, target: str, client_name: str, timeout: float) -> AsyncClient:
-        kv = AsyncClient(target, client_name=client_name, timeout=timeout)
+    async def _open(
+        self, target: str, client_name: str, timeout: float, security: ChannelSecurity
+    ) -> AsyncClient:
+        kv = AsyncClient(target, client_name=client_name, timeout=timeout, security=security)
         await kv.session_id()
         return kv
 

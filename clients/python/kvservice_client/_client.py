@@ -21,6 +21,7 @@ from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
+from ._security import PLAIN, ChannelSecurity
 from ._session import Owned, RegisterArgs, SessionKeeper, find_credential_path
 from ._types import MatchResult, RegisteredBuffers, TransferStatus
 
@@ -47,6 +48,8 @@ class Client:
     ``credential_path``: the service's credential socket, from which the client proves its local
     identity (needed to register memory); default ``<socket>.cred`` for "unix:" targets, none for
     TCP targets (pass it to register over TCP on the same host; "" turns it off).
+    ``security``: TLS files and/or a bearer token file for a TCP service that requires them
+    (:class:`ChannelSecurity`); Unix-socket targets need none.
     """
 
     def __init__(
@@ -58,11 +61,12 @@ class Client:
         keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
         on_session_lost: Callable[[SessionLost], None] | None = None,
         credential_path: str | None = None,
+        security: ChannelSecurity = PLAIN,
     ) -> None:
         self.target = target
         self.client_name = client_name
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=channel_options(keepalive=keepalive))
+        self._channel = security.channel(target, channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
         self._session = SessionKeeper(
