@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ._aio import AsyncClient
-from ._security import PLAIN, ChannelSecurity
 from ._errors import KVClientError
+from ._security import PLAIN, ChannelSecurity
 from ._types import TransferStatus
 
 __all__ = ["BackgroundClient"]
