@@ -10,8 +10,16 @@ import dataclasses
 import secrets
 import threading
 import time
+from typing import Any
 
-__all__ = ["CREDENTIAL_TTL_S", "CredentialBook", "Identity"]
+__all__ = [
+    "CREDENTIAL_TTL_S",
+    "LOCAL_PEER",
+    "CredentialBook",
+    "Identity",
+    "certificate_identity",
+    "peer_identity",
+]
 
 CREDENTIAL_TTL_S = 30.0
 
@@ -47,3 +55,28 @@ class CredentialBook:
         if entry is None or entry[1] < time.monotonic():
             return None
         return entry[0]
+
+
+LOCAL_PEER = "local"  # a service on this host's Unix socket, or this service itself
+
+
+def certificate_identity(context: Any) -> str:
+    """The verified client certificate's common name (else its first DNS name), or ''."""
+    try:
+        auth = context.auth_context()
+    except Exception:
+        return ""
+    for key in ("x509_common_name", "peer_dns"):
+        values = auth.get(key) or []
+        if values:
+            return bytes(values[0]).decode(errors="replace")
+    return ""
+
+
+def peer_identity(context: Any) -> str:
+    """Who a KVPeer call comes from, as far as it was proven: ``local`` over the Unix socket
+    (gated by its file mode) or in-process, the certificate's name over mutual TLS, else ''
+    (a peer token proves membership, not which service)."""
+    if str(context.peer()).startswith("unix"):
+        return LOCAL_PEER
+    return certificate_identity(context)

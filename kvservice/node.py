@@ -22,7 +22,15 @@ from kvservice_client.hashing import page_hashes
 
 from .buffers import BufferRegistry, BufferSet
 from .config import Config
-from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable, Unimplemented
+from .errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
 from .identity import CredentialBook
 from .index import Lease, Match, PrefixIndex, as_hashes
 from .peers_allow import peer_allowed
@@ -128,6 +136,11 @@ class Node:
         )
         lease = None
         if lease_ttl_ms and any(m.matched_pages for m in matches):
+            cap = self.config.max_leases_per_session
+            if self.index.lease_count(session_id) >= cap:  # type: ignore[arg-type]
+                raise ResourceExhausted(
+                    f"max_leases_per_session: this session already holds {cap} live leases; release some"
+                )
             lease = self.index.lease(matches, lease_ttl_ms, session_id)  # type: ignore[arg-type]
         return matches, lease
 
@@ -224,6 +237,12 @@ class Node:
             raise PermissionDenied(
                 "RegisterBuffers: memory is registered only by an identified local caller; open the "
                 "session over the service's Unix socket (the SDK fetches a credential from <socket>.cred)"
+            )
+        cap = self.config.max_buffer_sets_per_session
+        if self.buffers.owned_by(session.session_id) >= cap:
+            raise ResourceExhausted(
+                f"max_buffer_sets_per_session: this session already holds {cap} buffer sets; "
+                "unregister one first"
             )
         return self.buffers.register(
             session.session_id, engine_id, layout, k_regions, v_regions, aux_regions, session.identity.uid

@@ -176,6 +176,10 @@ class BufferRegistry:
             owned = [b.buffer_set_id for b in self._sets.values() if b.session_id == session_id]
         return [self.unregister(b, None) for b in owned]
 
+    def owned_by(self, session_id: str) -> int:
+        with self._lock:
+            return sum(1 for b in self._sets.values() if b.session_id == session_id)
+
     def all(self) -> list[BufferSet]:
         with self._lock:
             return list(self._sets.values())

@@ -7,6 +7,7 @@ its pages were evicted (the "detach" policy of ``base``) without the evictor kno
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import uuid
 
@@ -45,6 +46,7 @@ class LeaseBook:
 
     def __init__(self) -> None:
         self.leases: dict[str, LeaseRecord] = {}
+        self.per_owner: collections.Counter[str] = collections.Counter()  # live leases by session
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -56,6 +58,7 @@ class LeaseBook:
             sets[part.buffer_set_id].E[part.slots, K.PINS] += 1
         rec = LeaseRecord(uuid.uuid4().hex, owner, expires_unix_ms, tuple(parts))
         self.leases[rec.lease_id] = rec
+        self.per_owner[owner] += 1
         return rec
 
     def get(self, lease_id: str, owner: str) -> LeaseRecord:
@@ -80,6 +83,9 @@ class LeaseBook:
 
     def release(self, lease_id: str, sets: dict[str, BufferSetIndex]) -> None:
         rec = self.leases.pop(lease_id)
+        self.per_owner[rec.owner] -= 1
+        if not self.per_owner[rec.owner]:
+            del self.per_owner[rec.owner]
         for part in rec.parts:
             bs = sets.get(part.buffer_set_id)
             if bs is not None:

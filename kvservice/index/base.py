@@ -183,6 +183,10 @@ class PrefixIndexBase(abc.ABC):
         """Pin every matched entry of ``matches`` until ``now + ttl_ms``; presence-only raise."""
 
     @abc.abstractmethod
+    def lease_count(self, owner: str) -> int:
+        """Live leases of ``owner`` (a session), for the per-session cap."""
+
+    @abc.abstractmethod
     def check_lease(self, lease_id: str, owner: str) -> None:
         """Raise NotFound (unknown/expired), PermissionDenied, or FailedPrecondition (evicted)."""
 

@@ -242,6 +242,11 @@ class PrefixIndex(PrefixIndexBase):
             rec = self._leases.add(owner, expires, parts, self._sets)
             return _lease(rec)
 
+    def lease_count(self, owner: str) -> int:
+        """Live leases of ``owner`` (a session)."""
+        with self._lock:
+            return self._leases.per_owner.get(owner, 0)
+
     def check_lease(self, lease_id: str, owner: str) -> None:
         with self._lock:
             rec = self._leases.get(lease_id, owner)

@@ -30,6 +30,7 @@ from ..metrics import Metrics, metrics_host
 from ..node import Node
 from .credentials import bind_credentials, serve_credentials
 from .guard import Guard, ListenerPolicy
+from .limits import CallLimits
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
 from .tls import server_credentials
@@ -131,7 +132,8 @@ def build_server(config: Config) -> App:
     token = TokenFile(config.token_file) if config.token_file else None
     peer_token = TokenFile(config.peer_token_file) if config.peer_token_file else None
     # NOTE: metrics outermost, so refused calls are counted by their status too
-    guard = Guard(ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address"))
+    limits = CallLimits(config.max_pages_per_call, config.max_tokens_per_call)
+    guard = Guard(ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits))
     server = _grpc_server(config, metrics, guard)
     servicer = KVServiceServicer(node)
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
@@ -162,7 +164,7 @@ def build_server(config: Config) -> App:
         )
     peer_server, peer_port = None, 0
     if config.peer_tcp_address:
-        peer_guard = Guard(ListenerPolicy(False, True, None, peer_token, "peer_tcp_address"))
+        peer_guard = Guard(ListenerPolicy(False, True, None, peer_token, "peer_tcp_address", limits))
         peer_server = _grpc_server(config, metrics, peer_guard)
         peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, peer_server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, peer_server)

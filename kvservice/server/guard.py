@@ -9,6 +9,7 @@ One ``Guard`` (a grpc.aio server interceptor) per server. Before any servicer co
   one of its tokens (``kvservice-peer-token``); all other calls need the listener to serve
   engines and, when a token file is set, ``authorization: Bearer <token>``. Client
   certificates, when required, were checked by the TLS handshake before the call existed.
+* A request over a per-call cap (server/limits.py) is answered INVALID_ARGUMENT naming it.
 * A request that does not decode is answered INVALID_ARGUMENT naming the message type (gRPC
   itself would answer UNKNOWN, which reads as the service's fault).
 """
@@ -21,10 +22,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from kvservice_client._security import BEARER_METADATA_KEY, PEER_TOKEN_METADATA_KEY
 from kvservice_client._tokens import TokenFile
 
 from .errors import STATUS_ORIGIN_METADATA_KEY
+from .limits import CallLimits
 
 __all__ = ["Guard", "ListenerPolicy"]
 
@@ -48,6 +51,7 @@ class ListenerPolicy:
     token: TokenFile | None = None  # engine bearer tokens
     peer_token: TokenFile | None = None  # peer tokens
     listener: str = "tcp_address"  # named in refusals
+    limits: CallLimits = CallLimits()  # per-call caps (every listener, the Unix socket too)
 
 
 class _Undecodable:
@@ -129,6 +133,10 @@ class Guard(grpc.aio.ServerInterceptor):
                 return _checked_stream(request, context, type_name)
             if isinstance(request, _Undecodable):
                 await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, _bad(type_name, request))
+            if isinstance(request, Message):
+                why = self.policy.limits.breach(request)
+                if why:
+                    await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, why)
             return request
 
         if inspect.isasyncgenfunction(fn):

@@ -8,6 +8,7 @@ import grpc
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from .. import host
+from ..identity import peer_identity
 from ..node import VERSION, Node
 from ..transfer.peer_channel import serve_channel
 from ..transfer.peers import CAPABILITIES
@@ -46,7 +47,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     async def GetReceivePlan(
         self, request: peer_pb2.GetReceivePlanRequest, context: Ctx
     ) -> peer_pb2.ReceivePlanSet:
-        return await self.engine.receive_plans(request, context.peer())
+        return await self.engine.receive_plans(request, context.peer(), peer_identity(context))
 
     @grpc_errors
     async def ReserveStaging(
@@ -67,7 +68,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     async def CommitChunk(
         self, request: peer_pb2.CommitChunkRequest, context: Ctx
     ) -> peer_pb2.CommitChunkResponse:
-        state = await self.engine.apply_commit(request)
+        state = await self.engine.apply_commit(request, identity=peer_identity(context))
         return peer_pb2.CommitChunkResponse(state=STATE_PB[state])
 
     async def Channel(self, request_iterator, context: Ctx) -> None:  # type: ignore[no-untyped-def]
@@ -80,15 +81,11 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:
-        e = self.engine
-        known = bool(e.table.find(request.transfer_id))
-        if known:
-            reason = f"peer {request.origin_service_id}: {request.reason}"
-            await e.abort(
-                None,
-                request.transfer_id,
-                request.error_code or "ABORTED",
-                reason,
-                origin=request.origin_service_id,
-            )
+        known = await self.engine.abort_from_peer(
+            request.transfer_id,
+            request.error_code or "ABORTED",
+            f"peer {request.origin_service_id}: {request.reason}",
+            request.origin_service_id,
+            peer_identity(context),
+        )
         return peer_pb2.PeerAbortResponse(known=known)

@@ -167,6 +167,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             if which == "publish_hashes"
             else None,
             prefix_page_indices=request.prefix_page_indices,
+            allowed_senders=request.allowed_senders,
         )
         rec = await engine.expect(inc)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))

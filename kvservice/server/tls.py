@@ -1,15 +1,13 @@
-"""TLS server credentials from PEM files, re-read when they change (cert-manager rotation),
-and the peer identity a verified client certificate carries."""
+"""TLS server credentials from PEM files, re-read when they change (cert-manager rotation)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import grpc
 
-__all__ = ["certificate_identity", "server_credentials"]
+__all__ = ["server_credentials"]
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +52,3 @@ def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCreden
     return grpc.dynamic_ssl_server_credentials(
         _config(cert, key, client_ca), fetch, require_client_authentication=bool(client_ca)
     )
-
-
-def certificate_identity(context: Any) -> str:
-    """The verified client certificate's common name (else its first DNS name), or ''."""
-    try:
-        auth = context.auth_context()
-    except Exception:
-        return ""
-    for key in ("x509_common_name", "peer_dns"):
-        values = auth.get(key) or []
-        if values:
-            return bytes(values[0]).decode(errors="replace")
-    return ""

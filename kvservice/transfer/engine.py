@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import Aborted, InvalidArgument, KVServiceError, NotFound
+from ..errors import Aborted, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
 from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
@@ -221,13 +221,24 @@ class TransferEngine:
             self.transport.deregister(reg)
 
     # -- engine API ----------------------------------------------------------------------------
+    def _check_transfer_cap(self, session_id: str) -> None:
+        cap = self.config.max_transfers_per_session
+        if self.table.live_per_session.get(session_id, 0) >= cap:
+            raise ResourceExhausted(
+                f"max_transfers_per_session: this session already has {cap} unfinished transfers"
+            )
+
     async def expect(self, inc: Incoming) -> Record:
+        self._check_transfer_cap(inc.rec.session_id)
         await self.receiver.expect(inc)
         return inc.rec
 
     async def send(self, out: Outgoing, chunk: Any) -> Record:
+        new = self.table.get(out.rec.key) is None
+        if new:
+            self._check_transfer_cap(out.rec.session_id)
         self.sender.outgoing[(out.rec.transfer_id, out.bs.buffer_set_id)] = out
-        if self.table.get(out.rec.key) is None:
+        if new:
             self.table.add(out.rec)
         self.sender.enqueue(out, chunk)
         return out.rec
@@ -283,6 +294,32 @@ class TransferEngine:
             *(self._abort_in(i, code, reason, notify, origin) for i in incs),
         )
         return [o.rec.snapshot() for o in outs] + [i.rec.snapshot() for i in incs]
+
+    async def abort_from_peer(
+        self, transfer_id: str, code: str, reason: str, origin: str, identity: str
+    ) -> bool:
+        """A peer's Abort: only the sides of ``transfer_id`` that peer is a party to stop — ours
+        that send to it, and ours it sends to (as the identity that fetched the plan; before any
+        plan, an identity the declaration would let send). Returns whether any side stopped."""
+        outs = [
+            o
+            for (t, _), o in self.sender.outgoing.items()
+            if t == transfer_id and self.peers.get(o.peer_address).service_id == origin
+        ]
+        incs = [
+            i
+            for i in self.receiver.of(transfer_id)
+            if (
+                i.identities[origin] == identity
+                if origin in i.identities
+                else not i.allowed_senders or identity in i.allowed_senders
+            )
+        ]
+        await asyncio.gather(
+            *(self._abort_out(o, code, reason, False) for o in outs),
+            *(self._abort_in(i, code, reason, True, origin) for i in incs),
+        )
+        return bool(outs or incs)
 
     async def _abort_out(self, out: Outgoing, code: str, reason: str, notify: bool) -> None:
         self.sender.stop(out, code, reason)
@@ -364,10 +401,13 @@ class TransferEngine:
         self.table.update(inc.rec, add_unpack=int((time.monotonic() - t0) * 1e6))
 
     async def apply_commit(
-        self, req: Any, credit_slots: dict[int, tuple[StagingPool, Any]] | None = None
+        self, req: Any, credit_slots: dict[int, tuple[StagingPool, Any]] | None = None, *, identity: str
     ) -> str:
-        """A sender's CommitChunk (unary or on its channel): unpack a packed batch, account it."""
+        """A sender's CommitChunk (unary or on its channel): unpack a packed batch, account it.
+        Only a sender that fetched this transfer's plan, over a connection of the same peer
+        ``identity``, may commit (or release) into it."""
         inc = self.receiver.get(req.transfer_id, req.dst_buffer_set_id)
+        self.receiver.check_sender(inc, req.sender_service_id, identity)
         if req.release_only:
             held = inc.slots.pop(req.staging_slot, None)
             if held is not None:
@@ -400,10 +440,11 @@ class TransferEngine:
             descriptors=req.descriptors,
         )
 
-    async def receive_plans(self, request: Any, peer: str) -> Any:
-        """GetReceivePlan (unary or on a channel; ``peer`` is the caller's gRPC peer string): wait
-        for the declarations this sender rank writes to, then say where its pages go — with the
-        receiver's pool handles for a same-host sender on a local connection."""
+    async def receive_plans(self, request: Any, peer: str, identity: str) -> Any:
+        """GetReceivePlan (unary or on a channel; ``peer`` is the caller's gRPC peer string,
+        ``identity`` what it proved, see kvservice.identity): wait for the declarations this
+        sender rank writes to, then say where its pages go — with the receiver's pool handles for
+        a same-host sender on a local connection."""
         from kvservice_client import Layout
         from kvservice_client._proto import peer_pb2
 
@@ -413,7 +454,7 @@ class TransferEngine:
         src = Layout.from_proto(request.src_layout)
         wait = min(request.wait_ms / 1000, self.config.max_deadline_ms / 1000)
         found = await self.receiver.plans(
-            request.transfer_id, src, request.sender_service_id, request.sender_address, wait
+            request.transfer_id, src, request.sender_service_id, request.sender_address, wait, identity
         )
         out = peer_pb2.ReceivePlanSet(metadata_epoch=self.metadata_epoch)
         same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()

@@ -22,6 +22,7 @@ from kvservice_client._proto import common_pb2, peer_pb2
 from .. import host, kernels
 from ..buffers import BufferSet
 from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
+from ..identity import LOCAL_PEER
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream
@@ -144,7 +145,7 @@ class Mover:
         lay = out.bs.layout
         try:
             found = await self.e.receiver.plans(
-                out.rec.transfer_id, lay, self.e.service_id, self.e.address, self._left(out)
+                out.rec.transfer_id, lay, self.e.service_id, self.e.address, self._left(out), LOCAL_PEER
             )
         except NotFound as exc:
             raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None

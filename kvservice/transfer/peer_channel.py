@@ -29,6 +29,7 @@ import grpc
 from kvservice_client._proto import common_pb2, peer_pb2
 
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
+from ..identity import peer_identity
 from ..staging import Slot, StagingPool
 from .peers import error_from_code
 
@@ -241,11 +242,15 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
             await context.write(msg)
 
     peer = context.peer()
+    identity = peer_identity(context)  # proven once, at the channel's connection
 
     async def plans(req: peer_pb2.GetReceivePlanRequest) -> peer_pb2.ReceivePlanSet:
-        return await engine.receive_plans(req, peer)  # type: ignore[no-any-return]
+        return await engine.receive_plans(req, peer, identity)  # type: ignore[no-any-return]
 
-    chan = InboundChannel(engine.pool_of, engine.apply_commit, send, engine.credit_broker, plans)
+    async def apply(req: peer_pb2.CommitChunkRequest, slots: dict[int, tuple[StagingPool, Slot]]) -> str:
+        return await engine.apply_commit(req, slots, identity=identity)  # type: ignore[no-any-return]
+
+    chan = InboundChannel(engine.pool_of, apply, send, engine.credit_broker, plans)
     wtask = asyncio.get_running_loop().create_task(writer())
     why = "the sending service closed its channel"
     me = asyncio.current_task()

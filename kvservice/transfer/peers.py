@@ -37,6 +37,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.KVServiceError]] = {
         errors.NotFound,
         errors.AlreadyExists,
         errors.PermissionDenied,
+        errors.Unauthenticated,
         errors.FailedPrecondition,
         errors.ResourceExhausted,
         errors.DeadlineExceeded,
@@ -76,6 +77,12 @@ class _LocalContext:
 
     def invocation_metadata(self) -> tuple[()]:
         return ()
+
+    def peer(self) -> str:
+        return "unix:in-process"  # this very service: as local as a peer gets
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
 
     def set_trailing_metadata(self, metadata: Any) -> None:
         return  # in-process: the status travels as the exception itself

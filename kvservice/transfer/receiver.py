@@ -22,7 +22,15 @@ from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2
 
 from ..buffers import BufferSet, MappedRegion
-from ..errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KVServiceError, NotFound
+from ..errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KVServiceError,
+    NotFound,
+    PermissionDenied,
+)
 from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
 from .records import Record, TransferTable
@@ -46,6 +54,8 @@ class Incoming:
     covered: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     finished: set[str] = dataclasses.field(default_factory=set)
     senders: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> address
+    identities: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> peer identity
+    allowed_senders: frozenset[str] = frozenset()  # ExpectDelta.allowed_senders (empty: any)
     slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
     aux_done: bool = False
     busy: int = 0
@@ -132,9 +142,11 @@ class Receiver:
 
     # -- GetReceivePlan ----------------------------------------------------------------------
     async def plans(
-        self, transfer_id: str, src: Layout, sender_id: str, sender_address: str, wait_s: float
+        self, transfer_id: str, src: Layout, sender_id: str, sender_address: str, wait_s: float, identity: str
     ) -> list[tuple[Incoming, HeadRoute]]:
-        """Wait until the ranks this sender routes to have declared; return them with routes."""
+        """Wait until the ranks this sender routes to have declared; return them with routes.
+        A sender whose peer ``identity`` a declaration does not allow is refused (the transfer
+        goes on: the allowed sender may still come)."""
         deadline = time.monotonic() + wait_s
 
         def ready() -> list[tuple[Incoming, HeadRoute]] | None:
@@ -160,6 +172,12 @@ class Receiver:
                 except asyncio.TimeoutError:
                     pass
         for inc, _ in found:
+            if inc.allowed_senders and identity not in inc.allowed_senders:
+                raise PermissionDenied(
+                    f"allowed_senders: peer {identity or '(no certificate identity)'!r} may not send "
+                    f"transfer {transfer_id!r}"
+                )
+        for inc, _ in found:
             if inc.rec.terminal:
                 raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
             try:
@@ -180,9 +198,23 @@ class Receiver:
                 raise
             inc.expected_senders = derived
             inc.senders[sender_id] = sender_address
+            inc.identities[sender_id] = identity
             inc.covered.setdefault(f"{sender_id}/{src.tp_rank}", np.zeros(inc.dst_pages.size, dtype=bool))
             self.table.update(inc.rec, state="TRANSFERRING")
         return found
+
+    @staticmethod
+    def check_sender(inc: Incoming, sender_id: str, identity: str) -> None:
+        """A commit comes from a sender that fetched this transfer's plan, as the same peer."""
+        if sender_id not in inc.senders:
+            raise PermissionDenied(
+                f"sender_service_id: {sender_id!r} has no receive plan for transfer {inc.rec.transfer_id!r}"
+            )
+        if inc.identities.get(sender_id) != identity:
+            raise PermissionDenied(
+                f"sender_service_id: {sender_id!r} fetched the plan of {inc.rec.transfer_id!r} as peer "
+                f"{inc.identities.get(sender_id)!r}; this commit comes from {identity!r}"
+            )
 
     def get(self, transfer_id: str, bs_id: str) -> Incoming:
         inc = self.incoming.get((transfer_id, bs_id))

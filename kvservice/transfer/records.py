@@ -87,13 +87,15 @@ class TransferTable:
         self.retain_s = retain_s
         self.on_terminal = on_terminal
         self.counts = {"DONE": 0, "FAILED": 0, "ABORTED": 0}
+        self.live_per_session: collections.Counter[str] = collections.Counter()
 
     def add(self, rec: Record) -> Record:
         with self._lock:
             self._records[rec.key] = rec
             self._by_tid.setdefault(rec.transfer_id, set()).add(rec.key)
-            if not rec.terminal:
+            if not rec.terminal and rec.key not in self._live:
                 self._live[rec.key] = rec
+                self.live_per_session[rec.session_id] += 1
         self._publish(rec)
         return rec
 
@@ -139,7 +141,10 @@ class TransferTable:
                 return False
             rec.state, rec.error_code, rec.error = state, code, error
             rec.ended = time.monotonic()
-            self._live.pop(rec.key, None)
+            if self._live.pop(rec.key, None) is not None:
+                self.live_per_session[rec.session_id] -= 1
+                if not self.live_per_session[rec.session_id]:
+                    del self.live_per_session[rec.session_id]
             self._ended.append((rec.ended, rec.key))
             rec.updated_unix_ms = int(time.time() * 1000)
             self.counts[state] += 1

@@ -6,6 +6,7 @@ Every check happens before anything changes; errors name the request field.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from .sender import Chunk, Outgoing
 __all__ = ["build_chunk", "build_incoming"]
 
 MAX_ID = 256
+MAX_ALLOWED_SENDERS = 64
 
 
 def _transfer_id(tid: str) -> str:
@@ -64,8 +66,14 @@ def build_incoming(
     publish_tokens: np.ndarray | None,
     publish_hashes: np.ndarray | None,
     prefix_page_indices: Any,
+    allowed_senders: Sequence[str] = (),
 ) -> Incoming:
     tid = _transfer_id(transfer_id)
+    if len(allowed_senders) > MAX_ALLOWED_SENDERS:
+        raise InvalidArgument("allowed_senders", f"at most {MAX_ALLOWED_SENDERS} identities")
+    for i, name in enumerate(allowed_senders):
+        if not name or len(name) > 255:
+            raise InvalidArgument(f"allowed_senders[{i}]", "must be a peer identity of 1..255 characters")
     bs = engine.node.buffers.get(buffer_set_id, session_id)
     if publish_tokens is not None:
         from kvservice_client.hashing import page_hashes
@@ -99,6 +107,7 @@ def build_incoming(
         publish_hashes,
         prefix_idx,
         publish_tokens,
+        allowed_senders=frozenset(allowed_senders),
     )
 
 

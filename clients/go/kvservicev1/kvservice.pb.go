@@ -1231,8 +1231,12 @@ type ExpectDeltaRequest struct {
 	Publish isExpectDeltaRequest_Publish `protobuf_oneof:"publish"`
 	// Page index of every prefix page (needed with publish; the prefix pages are then re-published).
 	PrefixPageIndices []uint32 `protobuf:"varint,10,rep,packed,name=prefix_page_indices,json=prefixPageIndices,proto3" json:"prefix_page_indices,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// Sender services allowed to write this transfer, by authenticated peer identity: the common
+	// name of the peer's verified certificate (peer mutual TLS), or "local" for a service on this
+	// host's Unix socket (or this service itself). Empty: any authenticated peer.
+	AllowedSenders []string `protobuf:"bytes,11,rep,name=allowed_senders,json=allowedSenders,proto3" json:"allowed_senders,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ExpectDeltaRequest) Reset() {
@@ -1342,6 +1346,13 @@ func (x *ExpectDeltaRequest) GetPublishHashes() *PageHashes {
 func (x *ExpectDeltaRequest) GetPrefixPageIndices() []uint32 {
 	if x != nil {
 		return x.PrefixPageIndices
+	}
+	return nil
+}
+
+func (x *ExpectDeltaRequest) GetAllowedSenders() []string {
+	if x != nil {
+		return x.AllowedSenders
 	}
 	return nil
 }
@@ -2670,7 +2681,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x10\n" +
 	"\x03all\x18\x03 \x01(\bR\x03all\"9\n" +
 	"\x12EvictPagesResponse\x12#\n" +
-	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xda\x03\n" +
+	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\x83\x04\n" +
 	"\x12ExpectDeltaRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
@@ -2684,7 +2695,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x0epublish_tokens\x18\b \x01(\v2\x16.kvservice.v1.TokenIdsH\x00R\rpublishTokens\x12A\n" +
 	"\x0epublish_hashes\x18\t \x01(\v2\x18.kvservice.v1.PageHashesH\x00R\rpublishHashes\x12.\n" +
 	"\x13prefix_page_indices\x18\n" +
-	" \x03(\rR\x11prefixPageIndicesB\t\n" +
+	" \x03(\rR\x11prefixPageIndices\x12'\n" +
+	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSendersB\t\n" +
 	"\apublish\"K\n" +
 	"\x13ExpectDeltaResponse\x124\n" +
 	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\"\xe0\x02\n" +

@@ -222,6 +222,7 @@ class Client:
         aux: Mapping[str, Iterable[int]] | None = None,
         publish_tokens: rq.TokensLike | None = None,
         prefix_page_indices: Iterable[int] | np.ndarray = (),
+        allowed_senders: Iterable[str] = (),
     ) -> TransferStatus:
         req = rq.expect(
             transfer_id,
@@ -233,6 +234,7 @@ class Client:
             aux,
             publish_tokens,
             prefix_page_indices,
+            allowed_senders,
         )
         status = TransferStatus.from_proto(self._call("ExpectDelta", req).status)
         self.owned.add_transfer(transfer_id)

@@ -133,6 +133,7 @@ def expect(
     aux: Mapping[str, Iterable[int]] | None,
     publish_tokens: TokensLike | None,
     prefix_page_indices: Iterable[int] | np.ndarray,
+    allowed_senders: Iterable[str] = (),
 ) -> kvservice_pb2.ExpectDeltaRequest:
     req = kvservice_pb2.ExpectDeltaRequest(
         transfer_id=transfer_id,
@@ -143,6 +144,7 @@ def expect(
         deadline_ms=_u32(deadline_ms, "deadline_ms"),
         aux=_aux(aux),
         prefix_page_indices=_idx(prefix_page_indices, "prefix_page_indices"),
+        allowed_senders=list(allowed_senders),
     )
     if publish_tokens is not None:
         req.publish_tokens.u32le = tokens_to_u32le(publish_tokens)
