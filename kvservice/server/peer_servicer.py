@@ -54,7 +54,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         self, request: peer_pb2.ReserveStagingRequest, context: Ctx
     ) -> peer_pb2.StagingSlot:
         pool, slot = await self.engine.receiver.reserve(
-            request.transfer_id, request.dst_buffer_set_id, request.nbytes
+            request.transfer_id, request.dst_buffer_set_id, request.nbytes, peer_identity(context)
         )
         return peer_pb2.StagingSlot(
             slot_id=slot.serial,

@@ -225,8 +225,15 @@ class Receiver:
         return inc
 
     # -- ReserveStaging ----------------------------------------------------------------------
-    async def reserve(self, transfer_id: str, bs_id: str, nbytes: int) -> tuple[StagingPool, Slot]:
+    async def reserve(
+        self, transfer_id: str, bs_id: str, nbytes: int, identity: str
+    ) -> tuple[StagingPool, Slot]:
+        """Room for one packed chunk, for a peer that fetched the transfer's plan (as ``identity``)."""
         inc = self.get(transfer_id, bs_id)
+        if identity not in inc.identities.values():
+            raise PermissionDenied(
+                f"transfer_id: no sender of {transfer_id!r} fetched its plan as peer {identity!r}"
+            )
         pool = self._pool_for(inc.bs)
         slot = await pool.reserve(nbytes, inc.rec.deadline)
         if inc.rec.terminal:  # aborted while we waited
