@@ -103,7 +103,7 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
-    from conftest import ServerThread, make_config
+    from service_thread import ServerThread, make_config
 
     server = ServerThread(
         make_config(
