@@ -17,9 +17,8 @@ from prometheus_client import CollectorRegistry
 from kvservice.metrics import Metrics, TransferMetrics, metrics_host
 
 sys.path.insert(0, str(Path(__file__).parent / "deploy"))
-from metrics_workload import root_conftest  # noqa: E402
 
-ServerThread, make_config = root_conftest().ServerThread, root_conftest().make_config
+from service_thread import ServerThread, make_config  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "deploy"))
-from metrics_workload import root_conftest, run_workload  # noqa: E402
+from metrics_workload import run_workload  # noqa: E402
+from service_thread import ServerThread, make_config  # noqa: E402
 
 from kvservice.log import JsonFormatter  # noqa: E402
-
-ServerThread, make_config = root_conftest().ServerThread, root_conftest().make_config
 
 TRANSFER_PKG = Path(__file__).parents[1] / "kvservice" / "transfer"
 LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "log"}

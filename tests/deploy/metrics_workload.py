@@ -8,35 +8,16 @@ failure, an abort and a NOT_FOUND call, so every metric family gets samples.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 import time
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 from kvservice_client import Client, KVClientError, Layout, ShmKVPool
 
-__all__ = ["LAYOUT", "root_conftest", "run_workload"]
+__all__ = ["LAYOUT", "run_workload"]
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=8, dtype="float16")
-
-
-def root_conftest() -> ModuleType:
-    """``tests/conftest.py`` (ServerThread, make_config) as a module of its own name.
-
-    ``from conftest import ...`` is ambiguous once pytest has imported another ``conftest.py``
-    (tests/kernels has one), so load the file by path, once.
-    """
-    name = "kvservice_tests_root_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "conftest.py")
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _failures(kb: Client, bs_b: str) -> None:

@@ -24,9 +24,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from metrics_workload import root_conftest, run_workload  # noqa: E402
-
-ServerThread, make_config = root_conftest().ServerThread, root_conftest().make_config
+from metrics_workload import run_workload  # noqa: E402
+from service_thread import ServerThread, make_config  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvservice.json"
