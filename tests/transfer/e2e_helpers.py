@@ -164,33 +164,46 @@ def eventually(pred: Callable[[], Any], timeout: float = 5.0, what: str = "") ->
 
 # -- service processes (python -m kvservice, NIXL) -------------------------------------------
 class ServiceProc:
-    """A ``python -m kvservice`` process on a Unix socket in a fresh temporary directory."""
+    """A ``python -m kvservice`` process on a Unix socket in a fresh temporary directory
+    (``netns``: run it in that network namespace; ``env``: extra environment)."""
 
-    def __init__(self, name: str, *args: str) -> None:
+    def __init__(self, name: str, *args: str, netns: str = "", env: dict[str, str] | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"kvs-e2e-{name}-")
         self.sock = os.path.join(self.dir, "kv.sock")
         self.address = f"unix:{self.sock}"
         self.log = open(os.path.join(self.dir, "log"), "w+b")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvservice",
-                "--uds-path",
-                self.sock,
-                "--log-format",
-                "text",
-                "--log-level",
-                "WARNING",
-                *args,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.argv = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "kvservice",
+            "--uds-path",
+            self.sock,
+            "--log-format",
+            "text",
+            "--log-level",
+            "WARNING",
+            *args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+
+    def restart(self) -> None:
+        """SIGKILL the process and start it again on the same socket (a crashed, restarted service)."""
+        self.kill()
+        self.proc = self._start()
+        self.wait_ready()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
-        while not os.path.exists(self.sock):
+        while not _answers(self.sock):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvservice exited {self.proc.returncode}: {self.output()}")
             if time.monotonic() > end:
@@ -216,6 +229,26 @@ class ServiceProc:
                 self.kill()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def admin_stats(address: str) -> Any:
+    """GetStats as an admin session (this test runs as the service's uid): buffer sets of every
+    session are listed (a call without a session lists none). ``sessions`` counts this one too."""
+    with Client(address, client_name="admin-stats", timeout=5) as kv:
+        assert kv.session_id
+        return kv.get_stats()
+
+
+def _answers(sock: str) -> bool:
+    """The service's socket exists and accepts (a killed one's file may still be there)."""
+    if not os.path.exists(sock):
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(sock)
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:

@@ -19,8 +19,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from e2e_helpers import EngineProc, ServiceProc, assert_pages_equal, assert_unchanged, eventually, snapshot
-from kvservice_client import Client, Layout
+from e2e_helpers import (
+    EngineProc,
+    ServiceProc,
+    admin_stats,
+    assert_pages_equal,
+    assert_unchanged,
+    eventually,
+    snapshot,
+)
+from kvservice_client import Layout
 
 from kvservice.transfer.peer_channel import IDLE_RETURN_S
 
@@ -63,8 +71,7 @@ def wait_eng(eng: EngineProc, tid: str, timeout: float = 10.0) -> Any:
 
 
 def stats(svc: ServiceProc) -> Any:
-    with Client(svc.address, timeout=5) as kv:
-        return kv.get_stats()
+    return admin_stats(svc.address)
 
 
 def test_multi_turn_session_over_nixl(nodes) -> None:
