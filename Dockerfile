@@ -70,10 +70,9 @@ ENV PATH=/opt/kvservice/bin:$PATH \
     UCX_MODULE_DIR=/opt/kvservice/nixl-libs/ucx \
     KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
     KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
-    KVSERVICE_TCP_ADDRESS=0.0.0.0:50051 \
     KVSERVICE_METRICS_PORT=9400
 USER 10001
-EXPOSE 50051 9400
+EXPOSE 50052 9400
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD ["kvservice", "health", "--address", "unix:/run/kvservice/kvservice.sock"]
 ENTRYPOINT ["kvservice", "serve"]
@@ -105,10 +104,9 @@ ENV PATH=/opt/kvservice/bin:$PATH \
     HOME=/tmp \
     KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
     KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
-    KVSERVICE_TCP_ADDRESS=0.0.0.0:50051 \
     KVSERVICE_METRICS_PORT=9400
 USER 10001
-EXPOSE 50051 9400
+EXPOSE 50052 9400
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD ["kvservice", "health", "--address", "unix:/run/kvservice/kvservice.sock"]
 ENTRYPOINT ["kvservice", "serve"]

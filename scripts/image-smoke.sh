@@ -85,7 +85,7 @@ run_way() {  # way userspec
     cid=$(podman create --entrypoint /bin/true "$TAG")
     root=$(podman mount "$cid")
   fi
-  local envs=("${ENV[@]}" "KVSERVICE_TCP_ADDRESS=127.0.0.1:0" "KVSERVICE_METRICS_PORT=0")
+  local envs=("${ENV[@]}" "KVSERVICE_TCP_ADDRESS=127.0.0.1:0" "KVSERVICE_INSECURE=true" "KVSERVICE_METRICS_PORT=0")
   # shellcheck disable=SC2016
   unshare --mount --propagation private bash -c '
     root=$1 sock=$2 spec=$3; shift 3

@@ -57,7 +57,7 @@ def test_lint_is_clean(mode: str) -> None:
 def test_daemonset_mode_renders_a_node_service() -> None:
     """DaemonSet: hostIPC, socket on a hostPath, health probes on the socket, scrape annotations."""
     objs = _render("staging.hostMb=333", "staging.vramMb=444")
-    assert set(objs) == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet"}
+    assert set(objs) == {"ServiceAccount", "ConfigMap", "Service", "DaemonSet", "Secret"}
     pod = objs["DaemonSet"]["spec"]["template"]
     spec = pod["spec"]
     assert spec["hostIPC"] is True and spec["runtimeClassName"] == "nvidia"
@@ -85,7 +85,7 @@ def test_sidecar_mode_renders_engine_and_service_in_one_pod() -> None:
         "gpu.count=1",
         "metrics.serviceMonitor.enabled=true",
     )
-    assert set(objs) == {"ServiceAccount", "ConfigMap", "Service", "Deployment", "ServiceMonitor"}
+    assert set(objs) == {"ServiceAccount", "ConfigMap", "Service", "Deployment", "ServiceMonitor", "Secret"}
     spec = objs["Deployment"]["spec"]["template"]["spec"]
     assert "hostIPC" not in spec
     engine, kv = _container(spec, "engine"), _container(spec, "kvservice")
@@ -98,11 +98,18 @@ def test_sidecar_mode_renders_engine_and_service_in_one_pod() -> None:
 
 def test_ports_and_socket_path_are_configurable() -> None:
     """Changing ports and the socket directory changes env, probes, container ports and annotations."""
-    objs = _render("ports.grpc=6000", "ports.metrics=7000", "uds.dir=/var/run/kv")
+    objs = _render(
+        "ports.grpc=6000",
+        "ports.peer=6001",
+        "ports.metrics=7000",
+        "uds.dir=/var/run/kv",
+        "security.insecure=true",
+    )
     pod = objs["DaemonSet"]["spec"]["template"]
     kv = _container(pod["spec"], "kvservice")
-    assert {p["containerPort"] for p in kv["ports"]} == {6000, 7000}
+    assert {p["containerPort"] for p in kv["ports"]} == {6000, 6001, 7000}
     assert _env(kv)["KVSERVICE_TCP_ADDRESS"] == "0.0.0.0:6000"
+    assert _env(kv)["KVSERVICE_PEER_TCP_ADDRESS"] == "0.0.0.0:6001"
     assert kv["livenessProbe"]["exec"]["command"][-1] == "unix:/var/run/kv/kvservice.sock"
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "7000"
 
@@ -122,3 +129,40 @@ def test_the_service_runs_locked_down_with_only_tmp_and_the_socket_writable(mode
     mounts = {m["mountPath"]: m["name"] for m in kv["volumeMounts"]}
     assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == mounts["/tmp"])
     assert _env(kv)["KVSERVICE_CACHE_DIR"].startswith("/tmp/")
+
+
+def test_tcp_is_authenticated_or_closed() -> None:
+    """Default: no engine TCP port at all; KVPeer on its own port with a generated peer token
+    Secret (kept across upgrades), mounted read-only. Engine TCP opens only with a token or TLS
+    Secret; peer mutual TLS mounts a cert-manager style Secret."""
+    objs = _render()
+    kv = _container(objs["DaemonSet"]["spec"]["template"]["spec"], "kvservice")
+    env = _env(kv)
+    assert "KVSERVICE_TCP_ADDRESS" not in env and "KVSERVICE_INSECURE" not in env
+    assert env["KVSERVICE_PEER_TCP_ADDRESS"] == "0.0.0.0:50052"
+    assert env["KVSERVICE_ADVERTISE_ADDRESS"] == "$(POD_IP):50052"
+    assert env["KVSERVICE_PEER_TOKEN_FILE"] == "/var/run/kvservice-secrets/peer-token/peer-token"
+    secret = objs["Secret"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(secret["data"]["peer-token"]) >= 48
+    mount = next(m for m in kv["volumeMounts"] if m["name"] == "peer-token")
+    assert mount["readOnly"] is True and mount["mountPath"] == "/var/run/kvservice-secrets/peer-token"
+    assert {p["name"] for p in objs["Service"]["spec"]["ports"]} == {"peer", "metrics"}
+
+    objs = _render(
+        "security.engineToken.secretName=etok",
+        "security.engineTLS.secretName=etls",
+        "security.peerTLS.secretName=ptls",
+        "security.peerToken.create=false",
+    )
+    assert "Secret" not in objs
+    spec = objs["DaemonSet"]["spec"]["template"]["spec"]
+    env = _env(_container(spec, "kvservice"))
+    assert env["KVSERVICE_TCP_ADDRESS"] == "0.0.0.0:50051"
+    assert env["KVSERVICE_TOKEN_FILE"].endswith("engine-token/token")
+    assert env["KVSERVICE_TLS_CLIENT_CA"].endswith("engine-tls/ca.crt")
+    assert (
+        env["KVSERVICE_PEER_TLS_CERT"].endswith("peer-tls/tls.crt") and "KVSERVICE_PEER_TOKEN_FILE" not in env
+    )
+    volumes = {v["name"]: v.get("secret", {}).get("secretName") for v in spec["volumes"]}
+    assert (volumes["engine-token"], volumes["engine-tls"], volumes["peer-tls"]) == ("etok", "etls", "ptls")

@@ -54,6 +54,7 @@ def test_compose_wires_services_engines_prometheus_and_grafana() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     svcs = compose["services"]
     assert set(svcs) == {
+        "kvservice-token",
         "kvservice-prefill",
         "kvservice-decode",
         "engine-prefill",
@@ -68,6 +69,17 @@ def test_compose_wires_services_engines_prometheus_and_grafana() -> None:
         assert kv["volumes"][0] in engine["volumes"]
         assert SOCKET in engine["command"]
         assert kv["environment"]["KVSERVICE_METRICS_PORT"] == "9400"
+        # trust: no engine TCP port; KVPeer on its own port with the one-shot's peer token
+        env = kv["environment"]
+        assert "KVSERVICE_TCP_ADDRESS" not in env and "KVSERVICE_INSECURE" not in env
+        assert env["KVSERVICE_PEER_TOKEN_FILE"] == "/secrets/peer-token"
+        assert "peer-token:/secrets:ro" in kv["volumes"]
+        assert kv["depends_on"]["kvservice-token"] == {"condition": "service_completed_successfully"}
+    assert "peer-token:/secrets" in svcs["kvservice-token"]["volumes"]
+    assert (
+        svcs["engine-prefill"]["command"][-1]
+        == svcs["kvservice-decode"]["environment"]["KVSERVICE_ADVERTISE_ADDRESS"]
+    )
     for svc in svcs.values():
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]
@@ -139,8 +151,24 @@ def test_engine_sidecars_use_the_adapters_with_the_services_socket() -> None:
     assert cmd[cmd.index("--disaggregation-transfer-backend") + 1] == "kvservice"
     env = {e["name"]: e.get("value") for e in engine["env"]}
     assert env["SGLANG_KVSERVICE_ADDRESS"] == kv["uds"] and env["SGLANG_KVSERVICE_PEER_ADDRESS"].endswith(
-        ":50051"
+        ":50052"
     )
+
+
+def test_raw_manifests_speak_kvpeer_on_its_own_port_with_the_peer_token() -> None:
+    """No engine TCP port; KVPeer on :50052 with the peer token Secret mounted read-only."""
+    for name in ("daemonset.yaml", "sidecar-example.yaml", "vllm-sidecar-example.yaml"):
+        docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()) if d]
+        pod = next(d for d in docs if d["kind"] in ("DaemonSet", "Deployment"))["spec"]["template"]["spec"]
+        kv = next(c for c in pod["containers"] if c["name"] == "kvservice")
+        env = {e["name"]: e.get("value") for e in kv["env"]}
+        assert "KVSERVICE_TCP_ADDRESS" not in env and "KVSERVICE_INSECURE" not in env, name
+        assert env["KVSERVICE_PEER_TCP_ADDRESS"] == "0.0.0.0:50052", name
+        token = env["KVSERVICE_PEER_TOKEN_FILE"]
+        mount = next(m for m in kv["volumeMounts"] if m["name"] == "peer-token")
+        assert token.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True, name
+        vol = next(v for v in pod["volumes"] if v["name"] == "peer-token")
+        assert vol["secret"]["secretName"] == "kvservice-peer-token", name
 
 
 def test_raw_manifests_and_compose_run_the_service_locked_down() -> None:
@@ -156,7 +184,12 @@ def test_raw_manifests_and_compose_run_the_service_locked_down() -> None:
         tmp = next(m for m in kv["volumeMounts"] if m["mountPath"] == "/tmp")["name"]
         assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == tmp), name
     svcs = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
-    for name in ("kvservice-prefill", "kvservice-decode", "engine-prefill", "engine-decode"):
+    for name in (
+        "kvservice-prefill",
+        "kvservice-decode",
+        "engine-prefill",
+        "engine-decode",
+    ):  # token: root once
         svc = svcs[name]
         assert svc["read_only"] is True and svc["tmpfs"] == ["/tmp"] and svc["user"] == "10001:0", name
         assert svc["cap_drop"] == ["ALL"] and svc["image"] == "kvservice:cpu", name

@@ -78,10 +78,19 @@ class Pair:
 
     def __init__(self, *extra: str) -> None:
         self.stx, self.srx = ServiceProc("tx", *FAST, *extra), ServiceProc("rx", *FAST, *extra)
-        self.stx.wait_ready()
-        self.srx.wait_ready()
-        self.tx = EngineProc(self.stx.address, LAYOUT, seed=1).ready()
-        self.rx = EngineProc(self.srx.address, LAYOUT, seed=2).ready()
+        self.engines: list[EngineProc] = []
+        try:
+            self.stx.wait_ready()
+            self.srx.wait_ready()
+            self.tx = EngineProc(self.stx.address, LAYOUT, seed=1)
+            self.engines.append(self.tx)
+            self.rx = EngineProc(self.srx.address, LAYOUT, seed=2)
+            self.engines.append(self.rx)
+            self.tx.ready()
+            self.rx.ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def start(self, tid: str, first: int = 10, total: int = 30) -> None:
         """Declare ``total`` pages, send the first ``first`` and wait until they landed."""
@@ -109,7 +118,7 @@ class Pair:
         for p in (self.stx, self.srx):
             if p.proc.poll() is None:
                 p.signal(signal.SIGCONT)
-        for e in (self.tx, self.rx):
+        for e in self.engines:
             if e.proc.is_alive():
                 os.kill(e.proc.pid, signal.SIGCONT)
             e.stop()

@@ -34,6 +34,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* Name of the peer token Secret ("" when peers use no token). */}}
+{{- define "kvservice.peerTokenSecret" -}}
+{{- if .Values.security.peerToken.secretName -}}
+{{- .Values.security.peerToken.secretName -}}
+{{- else if .Values.security.peerToken.create -}}
+{{- printf "%s-peer-token" (include "kvservice.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the engine API listens on TCP. */}}
+{{- define "kvservice.engineTcp" -}}
+{{- if or .Values.security.engineToken.secretName .Values.security.engineTLS.secretName .Values.security.insecure -}}true{{- end -}}
+{{- end -}}
+
 {{- define "kvservice.socket" -}}
 {{- printf "%s/%s" (trimSuffix "/" .Values.uds.dir) .Values.uds.socketName -}}
 {{- end -}}
@@ -63,8 +77,33 @@ prometheus.io/path: /metrics
     - {name: KVSERVICE_SERVICE_NAME, value: "$(NODE_NAME)"}
     - {name: KVSERVICE_UDS_PATH, value: {{ include "kvservice.socket" . | quote }}}
     - {name: KVSERVICE_UDS_MODE, value: {{ .Values.uds.mode | quote }}}
+    {{- if include "kvservice.engineTcp" . }}
     - {name: KVSERVICE_TCP_ADDRESS, value: "0.0.0.0:{{ .Values.ports.grpc }}"}
-    - {name: KVSERVICE_ADVERTISE_ADDRESS, value: "$(POD_IP):{{ .Values.ports.grpc }}"}
+    {{- end }}
+    - {name: KVSERVICE_PEER_TCP_ADDRESS, value: "0.0.0.0:{{ .Values.ports.peer }}"}
+    - {name: KVSERVICE_ADVERTISE_ADDRESS, value: "$(POD_IP):{{ .Values.ports.peer }}"}
+    {{- if .Values.security.insecure }}
+    - {name: KVSERVICE_INSECURE, value: "true"}
+    {{- end }}
+    {{- with .Values.security.peerAllowlist }}
+    - {name: KVSERVICE_PEER_ALLOWLIST, value: {{ . | quote }}}
+    {{- end }}
+    {{- if include "kvservice.peerTokenSecret" . }}
+    - {name: KVSERVICE_PEER_TOKEN_FILE, value: /var/run/kvservice-secrets/peer-token/peer-token}
+    {{- end }}
+    {{- if .Values.security.peerTLS.secretName }}
+    - {name: KVSERVICE_PEER_TLS_CERT, value: /var/run/kvservice-secrets/peer-tls/tls.crt}
+    - {name: KVSERVICE_PEER_TLS_KEY, value: /var/run/kvservice-secrets/peer-tls/tls.key}
+    - {name: KVSERVICE_PEER_TLS_CA, value: /var/run/kvservice-secrets/peer-tls/ca.crt}
+    {{- end }}
+    {{- if .Values.security.engineToken.secretName }}
+    - {name: KVSERVICE_TOKEN_FILE, value: /var/run/kvservice-secrets/engine-token/token}
+    {{- end }}
+    {{- if .Values.security.engineTLS.secretName }}
+    - {name: KVSERVICE_TLS_CERT, value: /var/run/kvservice-secrets/engine-tls/tls.crt}
+    - {name: KVSERVICE_TLS_KEY, value: /var/run/kvservice-secrets/engine-tls/tls.key}
+    - {name: KVSERVICE_TLS_CLIENT_CA, value: /var/run/kvservice-secrets/engine-tls/ca.crt}
+    {{- end }}
     - {name: KVSERVICE_METRICS_PORT, value: {{ .Values.ports.metrics | quote }}}
     - {name: KVSERVICE_HOST_STAGING_MB, value: {{ .Values.staging.hostMb | quote }}}
     - {name: KVSERVICE_VRAM_STAGING_MB, value: {{ .Values.staging.vramMb | quote }}}
@@ -82,7 +121,10 @@ prometheus.io/path: /metrics
     {{- toYaml . | nindent 4 }}
     {{- end }}
   ports:
+    {{- if include "kvservice.engineTcp" . }}
     - {name: grpc, containerPort: {{ .Values.ports.grpc }}}
+    {{- end }}
+    - {name: peer, containerPort: {{ .Values.ports.peer }}}
     - {name: metrics, containerPort: {{ .Values.ports.metrics }}}
   startupProbe:
     exec: {command: {{ toJson $health }}}
@@ -107,6 +149,32 @@ prometheus.io/path: /metrics
     {{- if or (eq .Values.mode "sidecar") .Values.mountHostShm }}
     - {name: dshm, mountPath: /dev/shm}
     {{- end }}
+    {{- range $name := list "peer-token" "peer-tls" "engine-token" "engine-tls" }}
+    {{- if include "kvservice.secretOf" (list $ $name) }}
+    - {name: {{ $name }}, mountPath: /var/run/kvservice-secrets/{{ $name }}, readOnly: true}
+    {{- end }}
+    {{- end }}
+{{- end -}}
+
+{{/* The Secret behind one of the mounted credentials ("" when not configured). */}}
+{{- define "kvservice.secretOf" -}}
+{{- $ := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- if eq $name "peer-token" -}}{{ include "kvservice.peerTokenSecret" $ }}
+{{- else if eq $name "peer-tls" -}}{{ $.Values.security.peerTLS.secretName }}
+{{- else if eq $name "engine-token" -}}{{ $.Values.security.engineToken.secretName }}
+{{- else if eq $name "engine-tls" -}}{{ $.Values.security.engineTLS.secretName }}
+{{- end -}}
+{{- end -}}
+
+{{/* Secret volumes of the credentials in use. */}}
+{{- define "kvservice.secretVolumes" -}}
+{{- range $name := list "peer-token" "peer-tls" "engine-token" "engine-tls" }}
+{{- with include "kvservice.secretOf" (list $ $name) }}
+- name: {{ $name }}
+  secret: {secretName: {{ . }}, defaultMode: 0440}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* Pod-level settings shared by both modes. */}}
