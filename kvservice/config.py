@@ -93,6 +93,12 @@ class Config:
         "Comma-separated uids (besides root and the service's own uid) whose local sessions are "
         "admin: GetStats lists every buffer set to them, to others only their own.",
     )
+    allowed_uids: str = _opt(
+        "",
+        "Comma-separated uids that may open sessions over the Unix socket (root and the service's "
+        "own uid always may); such sessions must then be identified (the SDK does it). Empty: "
+        "any uid the socket's file mode lets in.",
+    )
     peer_allowlist: str = _opt(
         "",
         "Where SendDelta may send KV: comma-separated CIDRs, DNS suffixes ('.svc.cluster.local'), "
@@ -194,6 +200,12 @@ class Config:
         except ValueError:
             raise ConfigError(
                 f"admin_uids: {self.admin_uids!r} is not a comma-separated list of uids"
+            ) from None
+        try:
+            self.allowed_uid_set  # noqa: B018  (validates)
+        except ValueError:
+            raise ConfigError(
+                f"allowed_uids: {self.allowed_uids!r} is not a comma-separated list of uids"
             ) from None
         try:
             self.peer_allowlist_entries  # noqa: B018
@@ -306,6 +318,12 @@ class Config:
     def admin_uid_set(self) -> frozenset[int]:
         extra = {int(u) for u in self.admin_uids.split(",") if u.strip()}
         return frozenset({0, os.getuid(), *extra})
+
+    @functools.cached_property
+    def allowed_uid_set(self) -> frozenset[int] | None:
+        """Uids allowed on the Unix socket, or None (no allowlist)."""
+        extra = {int(u) for u in self.allowed_uids.split(",") if u.strip()}
+        return frozenset({0, os.getuid(), *extra}) if extra else None
 
     @functools.cached_property
     def peer_allowlist_entries(self) -> tuple[Any, ...]:

@@ -169,10 +169,11 @@ class Node:
 
     # -- sessions --------------------------------------------------------------------------
     def open_session(
-        self, client_name: str, resume_session_id: str = "", credential: str = ""
+        self, client_name: str, resume_session_id: str = "", credential: str = "", local: bool = False
     ) -> tuple[Session, int]:
         """Open a session (identified when ``credential`` came from the credential socket), or
-        attach a new stream to ``resume_session_id``; returns (session, epoch)."""
+        attach a new stream to ``resume_session_id``; returns (session, epoch). ``local``: the
+        call came over the Unix socket (``allowed_uids`` applies)."""
         if resume_session_id:
             return self.sessions.resume(resume_session_id)
         identity = None
@@ -180,6 +181,14 @@ class Node:
             identity = self.credentials.take(credential)
             if identity is None:
                 raise Unauthenticated("kvservice-credential: unknown or expired (fetch a new one)")
+        allowed = self.config.allowed_uid_set
+        if allowed is not None and local and identity is None:
+            raise PermissionDenied(
+                "allowed_uids: sessions over the Unix socket must be identified (present a "
+                "kvservice-credential from <socket>.cred; the SDK does)"
+            )
+        if allowed is not None and identity is not None and identity.uid not in allowed:
+            raise PermissionDenied(f"allowed_uids: uid {identity.uid} may not use this service")
         admin = identity is not None and identity.uid in self.config.admin_uid_set
         return self.sessions.open(client_name, identity, admin)
 

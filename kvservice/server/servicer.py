@@ -40,7 +40,12 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         self, request: pb.OpenSessionRequest, context: Ctx
     ) -> AsyncIterator[pb.SessionEvent]:
         credential = convert.metadata_value(context, CREDENTIAL_METADATA_KEY) or ""
-        session, epoch = self.node.open_session(request.client_name, request.resume_session_id, credential)
+        session, epoch = self.node.open_session(
+            request.client_name,
+            request.resume_session_id,
+            credential,
+            local=context.peer().startswith("unix"),
+        )
         try:
             yield pb.SessionEvent(
                 session_id=session.session_id,

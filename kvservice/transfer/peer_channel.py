@@ -36,6 +36,7 @@ from .peers import error_from_code
 __all__ = ["CreditBroker", "InboundChannel", "OutboundChannel", "WINDOW", "serve_channel"]
 
 log = logging.getLogger(__name__)
+MAX_PENDING_PER_CHANNEL = 4096  # commits and plan requests being handled for one sender
 WINDOW = 4  # credit slots a receiver grants one channel per pool, while it has room
 IDLE_RETURN_S = 1.0  # a channel unused this long gives its credits back
 _SLOT_FRACTION = 8  # a credit slot is 1/8 of the receiver's pool
@@ -126,6 +127,16 @@ class InboundChannel:
             self.peer = msg.open.sender_service_id
         elif which == "credit_request":
             await self._grant(msg.credit_request.mem_kind, msg.credit_request.device_id)
+        elif which in ("commit", "plan_request") and len(self._tasks) >= MAX_PENDING_PER_CHANNEL:
+            await self._send(  # a sender this far ahead is misbehaving: refuse, keep memory bounded
+                peer_pb2.ChannelMessage(
+                    seq=msg.seq,
+                    ack=peer_pb2.ChannelAck(
+                        error_code="RESOURCE_EXHAUSTED",
+                        error=f"more than {MAX_PENDING_PER_CHANNEL} requests pending on this channel",
+                    ),
+                )
+            )
         elif which == "commit":
             self._spawn(self._commit(msg.seq, msg.commit))
         elif which == "release":

@@ -81,9 +81,7 @@ class TransferTable:
         self._live: dict[tuple[str, str, str], Record] = {}
         self._by_tid: dict[str, set[tuple[str, str, str]]] = {}
         self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
-        self._watchers: list[
-            tuple[asyncio.AbstractEventLoop, asyncio.Queue[Record], Callable[[Record], bool]]
-        ] = []
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, _Latest, Callable[[Record], bool]]] = []
         self.retain_s = retain_s
         self.on_terminal = on_terminal
         self.counts = {"DONE": 0, "FAILED": 0, "ABORTED": 0}
@@ -195,9 +193,11 @@ class TransferTable:
 
     # -- watchers --------------------------------------------------------------------------
     async def watch(self, pred: Callable[[Record], bool], include_current: bool) -> AsyncIterator[Record]:
-        """Yield snapshots of matching records as they change (current ones first if asked)."""
+        """Yield snapshots of matching records as they change (current ones first if asked).
+        A watcher slower than the changes gets each record's latest snapshot once (bounded by
+        the records it matches; a terminal state is always the last one it sees)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Record] = asyncio.Queue()
+        queue = _Latest()
         entry = (loop, queue, pred)
         with self._lock:
             self._watchers.append(entry)
@@ -216,4 +216,22 @@ class TransferTable:
         with self._lock:
             targets = [(loop, q) for loop, q, pred in self._watchers if pred(rec)]
         for loop, q in targets:
-            loop.call_soon_threadsafe(q.put_nowait, snap)
+            loop.call_soon_threadsafe(q.put, snap)
+
+
+class _Latest:
+    """A watcher's queue that keeps only the newest snapshot per record (FIFO by first change)."""
+
+    def __init__(self) -> None:
+        self._items: collections.OrderedDict[tuple[str, str, str], Record] = collections.OrderedDict()
+        self._ready = asyncio.Event()
+
+    def put(self, rec: Record) -> None:
+        self._items[rec.key] = rec  # an update keeps its place; the value is the newest
+        self._ready.set()
+
+    async def get(self) -> Record:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popitem(last=False)[1]

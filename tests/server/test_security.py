@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 import grpc
 import numpy as np
@@ -112,3 +113,32 @@ def test_allowlist_matching() -> None:
     with pytest.raises(ValueError):
         parse_allowlist("10.0.0.0/99")
     assert np.array_equal(np.array(parse_allowlist("")), np.array(()))
+
+
+def test_allowed_uids_decide_who_opens_sessions_on_the_socket(make_server) -> None:
+    """With allowed_uids, a credential the kernel issued to another uid is refused on OpenSession,
+    naming the uid; a listed uid opens an identified session; an anonymous session over the
+    socket is refused. (The kernel's side, SO_PEERCRED, is test_the_uds_session_carries_...)"""
+    s = make_server(allowed_uids="12345")
+
+    def open_as(uid: int, server: Any) -> Any:
+        credential = server.node.credentials.issue(Identity(uid, uid, 4242))
+        with grpc.insecure_channel(server.address) as ch:
+            call = kvservice_pb2_grpc.KVServiceStub(ch).OpenSession(
+                pb.OpenSessionRequest(), metadata=(("kvservice-credential", credential),) if uid >= 0 else ()
+            )
+            try:
+                return next(call).session_id
+            except grpc.RpcError as exc:
+                return exc
+            finally:
+                call.cancel()
+
+    refused = open_as(65534, s)
+    assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "allowed_uids: uid 65534" in refused.details()
+    assert isinstance(open_as(12345, s), str) and isinstance(open_as(0, s), str)  # listed; root
+    anonymous = open_as(-1, s)
+    assert isinstance(anonymous, grpc.RpcError) and "identified" in anonymous.details()
+    with Client(s.address) as kv:  # the SDK always identifies itself over the socket
+        assert kv.session_id
