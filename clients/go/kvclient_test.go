@@ -3,7 +3,15 @@ package kvclient_test
 import (
 	"bufio"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"fmt"
+	"math/big"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,12 +19,16 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	kvclient "github.com/kvservice/kvservice/clients/go"
 	pb "github.com/kvservice/kvservice/clients/go/kvservicev1"
 )
 
-// liveService starts a real kvservice (KVCLIENT_TEST_SERVICE, default the repo's .venv) on a temp socket.
-func liveService(t *testing.T) string {
+// liveService starts a real kvservice (KVCLIENT_TEST_SERVICE, default the repo's .venv) on a
+// temp socket; extra flags are passed on.
+func liveService(t *testing.T, extra ...string) string {
 	t.Helper()
 	bin := os.Getenv("KVCLIENT_TEST_SERVICE") // not KVSERVICE_*: the service rejects unknown options
 	if bin == "" {
@@ -30,7 +42,7 @@ func liveService(t *testing.T) string {
 	}
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "kv.sock")
-	cmd := exec.Command(bin, "serve", "--uds-path", sock, "--log-format", "text")
+	cmd := exec.Command(bin, append([]string{"serve", "--uds-path", sock, "--log-format", "text"}, extra...)...)
 	out, _ := cmd.StdoutPipe()
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
@@ -166,5 +178,134 @@ func TestRouterPicksTheDecodeEngineWithTheLongestPrefix(t *testing.T) {
 	st, _ = c.Stats(ctx)
 	if st.Index.Entries != 0 || st.Sessions != 0 {
 		t.Fatalf("closing the session must release its buffer sets: %d pages indexed, %d sessions", st.Index.Entries, st.Sessions)
+	}
+}
+
+// freePort is a TCP port free right now on 127.0.0.1.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// A router on TCP: refused without the bearer token, served with it (re-read from its file).
+func TestRouterOverTCPNeedsTheBearerToken(t *testing.T) {
+	token := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(token, []byte("router-secret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	liveService(t, "--tcp-address", fmt.Sprintf("127.0.0.1:%d", port), "--token-file", token)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	target := fmt.Sprintf("127.0.0.1:%d", port)
+	key := kvclient.Tokens(make([]uint32, 32))
+
+	anon, err := kvclient.Dial(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer anon.Close()
+	if _, err := anon.MatchPrefix(ctx, key, 16, kvclient.MatchOptions{}); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("without a token: %v, want UNAUTHENTICATED", err)
+	}
+	if ok, err := anon.Healthy(ctx); err != nil || !ok { // probes need no credential
+		t.Fatalf("health without a token: %v %v", ok, err)
+	}
+	c, err := kvclient.Dial(target, kvclient.WithBearerTokenFile(token))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.MatchPrefix(ctx, key, 16, kvclient.MatchOptions{}); err != nil {
+		t.Fatalf("with the token: %v", err)
+	}
+}
+
+// A router on TCP with mutual TLS: a certificate of the service's client CA is required.
+func TestRouterOverMutualTLS(t *testing.T) {
+	dir := t.TempDir()
+	ca := newTestCA(t, dir)
+	srvCert, srvKey := ca.leaf(t, dir, "kvservice")
+	cliCert, cliKey := ca.leaf(t, dir, "router")
+	port := freePort(t)
+	liveService(t, "--tcp-address", fmt.Sprintf("127.0.0.1:%d", port),
+		"--tls-cert", srvCert, "--tls-key", srvKey, "--tls-client-ca", ca.certFile)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	target := fmt.Sprintf("127.0.0.1:%d", port)
+	opt, err := kvclient.WithMutualTLS(ca.certFile, cliCert, cliKey, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kvclient.Dial(target, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.MatchPrefix(ctx, kvclient.Tokens(make([]uint32, 32)), 16, kvclient.MatchOptions{}); err != nil {
+		t.Fatalf("with a client certificate: %v", err)
+	}
+	plain, err := kvclient.Dial(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	short, cancel2 := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel2()
+	if _, err := plain.MatchPrefix(short, kvclient.Tokens(make([]uint32, 32)), 16, kvclient.MatchOptions{}); err == nil {
+		t.Fatal("plain text to a TLS port succeeded")
+	}
+}
+
+type testCA struct {
+	cert     *x509.Certificate
+	key      *ecdsa.PrivateKey
+	certFile string
+}
+
+func newTestCA(t *testing.T, dir string) *testCA {
+	t.Helper()
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test-ca"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, _ := x509.ParseCertificate(der)
+	file := filepath.Join(dir, "ca.crt")
+	writePEM(t, file, "CERTIFICATE", der)
+	return &testCA{cert, key, file}
+}
+
+func (ca *testCA) leaf(t *testing.T, dir, name string) (string, string) {
+	t.Helper()
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: name},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+		DNSNames: []string{name, "localhost"}, IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		KeyUsage:    x509.KeyUsageDigitalSignature}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, _ := x509.MarshalPKCS8PrivateKey(key)
+	certFile, keyFile := filepath.Join(dir, name+".crt"), filepath.Join(dir, name+".key")
+	writePEM(t, certFile, "CERTIFICATE", der)
+	writePEM(t, keyFile, "PRIVATE KEY", keyDER)
+	return certFile, keyFile
+}
+
+func writePEM(t *testing.T, path, kind string, der []byte) {
+	t.Helper()
+	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: kind, Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
 	}
 }

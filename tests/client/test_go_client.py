@@ -27,3 +27,5 @@ def test_go_client_matches_leases_watches_against_a_live_service() -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "--- PASS: TestRouterPicksTheDecodeEngineWithTheLongestPrefix" in r.stdout
+    assert "--- PASS: TestRouterOverTCPNeedsTheBearerToken" in r.stdout  # token refused/accepted
+    assert "--- PASS: TestRouterOverMutualTLS" in r.stdout
