@@ -156,3 +156,35 @@ def test_the_peer_listener_serves_peers_only(make_server: Any, tmp_path: Any) ->
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNIMPLEMENTED,  # KVService is not even registered there
     )
+
+
+def test_grpcurl_with_a_token_and_with_client_certificates(make_server: Any, tmp_path: Any) -> None:
+    """grpcurl (a client we did not write) against the secured TCP port: refused without the
+    token, served with ``-H 'authorization: Bearer ...'``; with mutual TLS, served with
+    ``-cacert -cert -key`` and refused without a certificate."""
+    import shutil
+    import subprocess
+
+    g = shutil.which("grpcurl") or os.path.expanduser("~/go/bin/grpcurl")
+    if not os.path.exists(g):
+        pytest.skip("grpcurl not installed (scripts/test.sh installs it)")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([g, *args], capture_output=True, text=True, timeout=30)
+
+    token = str(tmp_path / "token")
+    _write(token, "grpcurl-secret\n")
+    s = make_server(insecure=False, token_file=token)
+    method = ("-d", "{}", _tcp(s), "kvservice.v1.KVService/GetStats")
+    denied = run("-plaintext", *method)
+    assert denied.returncode != 0 and "Unauthenticated" in denied.stderr, denied.stderr
+    ok = run("-plaintext", "-H", "authorization: Bearer grpcurl-secret", *method)
+    assert ok.returncode == 0 and s.node.service_id in ok.stdout, ok.stderr
+
+    ca = CA(str(tmp_path), "grpcurl-ca")
+    srv, cli = ca.leaf("kvservice"), ca.leaf("grpcurl")
+    t = make_server(insecure=False, tls_cert=srv.cert, tls_key=srv.key, tls_client_ca=ca.cert)
+    method = ("-d", "{}", _tcp(t), "kvservice.v1.KVService/GetStats")
+    ok = run("-cacert", ca.cert, "-cert", cli.cert, "-key", cli.key, *method)
+    assert ok.returncode == 0 and t.node.service_id in ok.stdout, ok.stderr
+    assert run("-cacert", ca.cert, *method).returncode != 0  # no client certificate
