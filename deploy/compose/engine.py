@@ -1,7 +1,7 @@
 """A stand-in inference engine for the compose demo (no model: KV bytes are synthetic).
 
     python engine.py --role decode  --address unix:/run/kvservice/kvservice.sock
-    python engine.py --role prefill --address unix:/run/kvservice/kvservice.sock --peer kvservice-decode:50051
+    python engine.py --role prefill --address unix:/run/kvservice/kvservice.sock --peer kvservice-decode:50052
 
 Both roles walk the same deterministic schedule of chat sessions (``--seed``), one transfer per
 turn with id ``<run>-s<session>-t<turn>``, so they need no channel besides kvservice itself:
