@@ -5,7 +5,8 @@ After every method's batch: the service answers health, a real transfer still ve
 for byte, and no byte of the pools' shared memory outside the regions the engine registered
 changed (each registered layer sits between canary pages). No caller's mistake may come back
 INTERNAL or UNKNOWN. ``KVS_FUZZ_EXAMPLES`` sets examples per method (CI: a bounded number;
-e.g. ``KVS_FUZZ_EXAMPLES=5000 pytest tests/server/test_fuzz.py`` for a long run).
+e.g. ``KVS_FUZZ_EXAMPLES=5000 pytest --timeout=0 tests/server/test_fuzz.py`` for a long run;
+streaming RPCs wait out a 0.5 s deadline per example, so a long run outlasts the 300 s default).
 """
 
 from __future__ import annotations
