@@ -10,6 +10,7 @@ fi
 stamp=.venv/.kvservice-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ clients/python/pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ./clients/python -e ".[dev]"
+  # NOTE: torch pulls ~3 GB of CUDA wheels from PyPI; resume broken downloads instead of failing
+  .venv/bin/python -m pip install -q --resume-retries 20 -e ./clients/python -e ".[dev]"
   touch "$stamp"
 fi
