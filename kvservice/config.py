@@ -257,16 +257,26 @@ class Config:
                     raise ConfigError(f"{name}: {exc}") from None
         if self.insecure:
             return
-        if self.tcp_address and not (self.tls_client_ca or self.token_file):
+        if self.tcp_address and not self.engine_tcp_authenticated:
             raise ConfigError(
                 "tcp_address: a TCP listener must authenticate its callers: set tls_client_ca (mutual "
                 "TLS, with tls_cert/tls_key) or token_file, or pass --insecure to run it open"
             )
-        if self.peer_tcp_address and not (self.peer_tls_ca or self.peer_token_file):
+        if self.peer_tcp_address and not self.peer_tcp_authenticated:
             raise ConfigError(
                 "peer_tcp_address: peers must authenticate: set peer_tls_ca (mutual TLS, with "
                 "peer_tls_cert/peer_tls_key) or peer_token_file, or pass --insecure to run it open"
             )
+
+    @property
+    def engine_tcp_authenticated(self) -> bool:
+        """tcp_address requires client certificates or a bearer token."""
+        return bool(self.tls_client_ca or self.token_file)
+
+    @property
+    def peer_tcp_authenticated(self) -> bool:
+        """peer_tcp_address requires peer certificates or a peer token."""
+        return bool(self.peer_tls_ca or self.peer_token_file)
 
     @property
     def peer_security(self) -> ChannelSecurity:

@@ -22,16 +22,10 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..rpc_handlers import rewrap
 from ._buckets import LATENCY_BUCKETS
 
 __all__ = ["RpcMetricsInterceptor"]
-
-_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
 
 
 def _split(full_method: str) -> tuple[str, str]:
@@ -86,16 +80,8 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         labels = _split(handler_call_details.method)
-        for kind, factory in _FACTORIES.items():
-            behaviour = getattr(handler, kind, None)
-            if behaviour is not None:
-                timed = not handler.response_streaming
-                return factory(
-                    self._wrap(behaviour, labels, timed),
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
+        timed = not handler.response_streaming
+        return rewrap(handler, lambda fn: self._wrap(fn, labels, timed))
 
     def _done(
         self, labels: tuple[str, str], t0: float, timed: bool, context: Any, exc: BaseException | None

@@ -216,8 +216,8 @@ def _log_exposure(cfg: Config) -> None:
         open_ports = [
             name
             for name, addr, authed in (
-                ("tcp_address", cfg.tcp_address, cfg.tls_client_ca or cfg.token_file),
-                ("peer_tcp_address", cfg.peer_tcp_address, cfg.peer_tls_ca or cfg.peer_token_file),
+                ("tcp_address", cfg.tcp_address, cfg.engine_tcp_authenticated),
+                ("peer_tcp_address", cfg.peer_tcp_address, cfg.peer_tcp_authenticated),
             )
             if addr and not authed
         ]

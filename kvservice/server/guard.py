@@ -26,6 +26,7 @@ from google.protobuf.message import Message
 from kvservice_client._security import BEARER_METADATA_KEY, PEER_TOKEN_METADATA_KEY
 from kvservice_client._tokens import TokenFile
 
+from ..rpc_handlers import rewrap
 from .errors import STATUS_ORIGIN_METADATA_KEY
 from .limits import CallLimits
 
@@ -33,13 +34,6 @@ __all__ = ["Guard", "ListenerPolicy"]
 
 _HEALTH = "/grpc.health.v1.Health/"
 _PEER = "/kvservice.v1.KVPeer/"
-
-_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +104,12 @@ class Guard(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        method = details.method
-        type_name = _request_type(handler)
-        for kind, factory in _FACTORIES.items():
-            behaviour = getattr(handler, kind, None)
-            if behaviour is not None:
-                return factory(
-                    self._wrap(behaviour, method, handler.request_streaming, type_name),
-                    request_deserializer=_tolerant(handler.request_deserializer),
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
+        method, type_name = details.method, _request_type(handler)
+        return rewrap(
+            handler,
+            lambda fn: self._wrap(fn, method, handler.request_streaming, type_name),
+            _tolerant(handler.request_deserializer),
+        )
 
     def _wrap(
         self, fn: Callable[..., Any], method: str, streaming: bool, type_name: str

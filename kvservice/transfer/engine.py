@@ -269,9 +269,9 @@ class TransferEngine:
         code: str,
         reason: str,
         notify: bool = True,
-        origin: str = "",
     ) -> list[Record]:
-        """Stop every side of ``transfer_id`` (of ``session_id`` if given); settled on return."""
+        """Stop every side of ``transfer_id`` (of ``session_id`` if given); settled on return.
+        (A peer's abort goes through :meth:`abort_from_peer`.)"""
         if not transfer_id:
             raise InvalidArgument("transfer_id", "is required")
         outs = [
@@ -286,12 +286,10 @@ class TransferEngine:
             raise NotFound(f"transfer_id: no transfer {transfer_id!r} of this client on this service")
         await asyncio.gather(
             *(
-                self._abort_out(
-                    o, code, reason, notify and self.peers.get(o.peer_address).service_id != origin
-                )
+                self._abort_out(o, code, reason, notify and bool(self.peers.get(o.peer_address).service_id))
                 for o in outs
             ),
-            *(self._abort_in(i, code, reason, notify, origin) for i in incs),
+            *(self._abort_in(i, code, reason, notify) for i in incs),
         )
         return [o.rec.snapshot() for o in outs] + [i.rec.snapshot() for i in incs]
 

@@ -81,9 +81,6 @@ class _LocalContext:
     def peer(self) -> str:
         return "unix:in-process"  # this very service: as local as a peer gets
 
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return {}
-
     def set_trailing_metadata(self, metadata: Any) -> None:
         return  # in-process: the status travels as the exception itself
 
