@@ -147,6 +147,29 @@ class Config:
     max_buffer_sets_per_session: int = _opt(256, "Most buffer sets one session may hold registered.")
     max_transfers_per_session: int = _opt(16_384, "Most unfinished transfers one session may have.")
     max_leases_per_session: int = _opt(65_536, "Most live prefix leases one session may hold.")
+    inbound_max_transfers: int = _opt(
+        0,
+        "Default inbound budget of a buffer set: most unfinished inbound transfers (0: unlimited). "
+        "Over it ExpectDelta is refused at once with RESOURCE_EXHAUSTED; RegisterBuffers may override.",
+    )
+    inbound_max_bytes: int = _opt(
+        0,
+        "Default inbound budget of a buffer set: most bytes still to arrive over its unfinished "
+        "inbound transfers (0: unlimited); RegisterBuffers may override.",
+    )
+    duplicate_policy: str = _opt(
+        "lower",
+        "What a sender's index does with pages a DONE transfer copied to a receiver that indexes "
+        "them (the P/D duplicate): 'keep' (mark only), 'lower' (eviction priority lowered to "
+        "duplicate_priority while the mark holds) or 'off' (no marks).",
+    )
+    duplicate_priority: int = _opt(-1000, "Eviction priority of duplicated pages under policy 'lower'.")
+    duplicate_check_ms: int = _opt(
+        1000,
+        "How often a sender checks with the receivers' services that its duplicate marks still "
+        "hold; a mark whose receiver evicted the pages, unregistered or went away is cleared "
+        "within this period (plus one peer call timeout).",
+    )
     cache_dir: str = _opt(
         "",
         "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
@@ -221,6 +244,15 @@ class Config:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
+        for name in ("inbound_max_transfers", "inbound_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0 (0: unlimited)")
+        if self.duplicate_policy not in ("keep", "lower", "off"):
+            raise ConfigError(f"duplicate_policy: {self.duplicate_policy!r} is not 'keep', 'lower' or 'off'")
+        if not -(2**31) <= self.duplicate_priority < 2**31:
+            raise ConfigError("duplicate_priority: must fit in int32")
+        if not 50 <= self.duplicate_check_ms <= 3_600_000:
+            raise ConfigError("duplicate_check_ms: must be in 50..3600000")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError("metrics_port: must be -1, 0 or a port number")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

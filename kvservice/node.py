@@ -157,6 +157,21 @@ class Node:
         h = self.hashes(tokens, hashes, bs.layout.page_size, "key")
         return self.index.publish(buffer_set_id, h, page_indices, priority, tokens=tokens)
 
+    async def suggest_evictions(
+        self, session_id: str, buffer_set_id: str, max_pages: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pages to evict first (see ``PrefixIndex.suggest_evictions``). Duplicate marks of the
+        buffer set are checked with the receivers first, so a page offered as duplicated was
+        held there a moment ago; with policy 'lower' they carry ``duplicate_priority``."""
+        self.buffers.get(buffer_set_id, session_id)
+        if max_pages <= 0:
+            raise InvalidArgument("max_pages", "must be > 0")
+        dup_priority = None
+        if self.transfers is not None:
+            await self.transfers.duplicates.check(buffer_set_id)
+            dup_priority = self.transfers.duplicates.dup_priority
+        return self.index.suggest_evictions(buffer_set_id, max_pages, dup_priority)
+
     def evict_pages(
         self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool
     ) -> int:
@@ -240,8 +255,11 @@ class Node:
         k_regions: Any,
         v_regions: Any,
         aux_regions: Any,
+        inbound_max_transfers: int = 0,
+        inbound_max_bytes: int = 0,
     ) -> BufferSet:
-        """Only an identified local caller registers memory, and shm only if it owns it."""
+        """Only an identified local caller registers memory, and shm only if it owns it.
+        ``inbound_max_*`` (0: the service default) is the buffer set's inbound budget."""
         if session.identity is None:
             raise PermissionDenied(
                 "RegisterBuffers: memory is registered only by an identified local caller; open the "
@@ -253,9 +271,21 @@ class Node:
                 f"max_buffer_sets_per_session: this session already holds {cap} buffer sets; "
                 "unregister one first"
             )
-        return self.buffers.register(
+        bs = self.buffers.register(
             session.session_id, engine_id, layout, k_regions, v_regions, aux_regions, session.identity.uid
         )
+        if self.transfers is not None:
+            self.transfers.load.set_budget(bs.buffer_set_id, inbound_max_transfers, inbound_max_bytes)
+        return bs
+
+    def load_of(self, buffer_set_id: str) -> Any:
+        """Transfer load of a buffer set (``transfer.load.Load``); zeros without a transfer engine
+        or for a presence-only (KV-event) set."""
+        from .transfer.load import EMPTY_LOAD
+
+        if self.transfers is None:
+            return EMPTY_LOAD
+        return self.transfers.load.load(buffer_set_id)
 
     async def unregister_buffers(self, session_id: str, buffer_set_id: str) -> Unregistered:
         self.buffers.get(buffer_set_id, session_id)  # ownership check before anything changes

@@ -1,7 +1,8 @@
 """The index of one buffer set: numpy-backed entry rows plus a hash table (see ``_kernels``).
 
-Memory per entry: 8 (hash) + 32 (row) + 8 (recency) bytes, plus 12 bytes per hash-table bucket
-at a load factor kept in [0.35, 0.7]; plus 4 bytes per page of the pool (page -> slot).
+Memory per entry: 8 (hash) + 32 (row) + 8 (recency) + 8 (duplicate mark) bytes, plus 12 bytes
+per hash-table bucket at a load factor kept in [0.35, 0.7]; plus 4 bytes per page of the pool
+(page -> slot).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class BufferSetIndex:
         self.E[0, K.PARENT] = -1  # the root
         self.H = np.zeros(capacity, dtype=np.uint64)
         self.tick = np.zeros(capacity, dtype=np.int64)
+        # P/D duplicate marks: how many receivers hold the entry's page too, valid while the
+        # entry's EPOCH equals dup_epoch (a reused slot starts unmarked).
+        self.dup = np.zeros(capacity, dtype=np.int32)
+        self.dup_epoch = np.zeros(capacity, dtype=np.int32)
         self.free = np.arange(capacity - 1, 0, -1, dtype=np.int32)  # a stack: slot 1 pops first
         self.nfree = capacity - 1
         self.page_slot = np.full(max(spec.num_pages, 0) if not spec.presence_only else 0, -1, dtype=np.int32)
@@ -42,7 +47,17 @@ class BufferSetIndex:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.E, self.H, self.tick, self.free, self.page_slot, self._tk, self._tv)
+        arrays = (
+            self.E,
+            self.H,
+            self.tick,
+            self.dup,
+            self.dup_epoch,
+            self.free,
+            self.page_slot,
+            self._tk,
+            self._tv,
+        )
         return sum(a.nbytes for a in arrays)
 
     def _reserve(self, extra: int) -> None:
@@ -56,6 +71,8 @@ class BufferSetIndex:
             self.E = E
             self.H = np.concatenate([self.H, np.zeros(new - old, np.uint64)])
             self.tick = np.concatenate([self.tick, np.zeros(new - old, np.int64)])
+            self.dup = np.concatenate([self.dup, np.zeros(new - old, np.int32)])
+            self.dup_epoch = np.concatenate([self.dup_epoch, np.zeros(new - old, np.int32)])
             free = np.empty(new, dtype=np.int32)
             free[: self.nfree] = self.free[: self.nfree]
             free[self.nfree : self.nfree + new - old] = np.arange(new - 1, old - 1, -1, dtype=np.int32)
@@ -173,6 +190,45 @@ class BufferSetIndex:
         rows = self.E[live]
         leaf = live[(rows[:, K.CHILD] == -1) & (rows[:, K.PINS] == 0)]
         return leaf[np.lexsort((self.tick[leaf], self.E[leaf, K.PRIO]))]
+
+    # --- P/D duplicates and eviction order ---------------------------------------------------
+
+    def duplicated(self, slots: np.ndarray) -> np.ndarray:
+        """Whether each (live) slot carries a valid duplicate mark."""
+        return (self.dup[slots] > 0) & (self.dup_epoch[slots] == self.E[slots, K.EPOCH])
+
+    def mark(self, slots: np.ndarray) -> np.ndarray:
+        """Add one duplicate mark to each of ``slots`` (distinct, live); returns their epochs."""
+        epochs = self.E[slots, K.EPOCH].copy()
+        stale = self.dup_epoch[slots] != epochs
+        self.dup[slots[stale]] = 0
+        self.dup_epoch[slots] = epochs
+        self.dup[slots] += 1
+        return epochs
+
+    def unmark(self, slots: np.ndarray, epochs: np.ndarray) -> None:
+        """Remove one mark from each slot still holding the entry it was marked on."""
+        same = (self.dup_epoch[slots] == epochs) & (self.E[slots, K.EPOCH] == epochs) & (self.dup[slots] > 0)
+        self.dup[slots[same]] -= 1
+
+    def eviction_order(self, dup_priority: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, effective priorities) of every entry that may be evicted, first to go first:
+        lowest priority, then least recently used, each entry after the entries extending it;
+        an entry with a leased page in its subtree never appears. With ``dup_priority``, a
+        duplicated entry's priority is at most that."""
+        live = self.live_slots()
+        prio = self.E[:, K.PRIO].astype(np.int64)
+        if dup_priority is not None and live.size:
+            dup = live[self.duplicated(live)]
+            prio[dup] = np.minimum(prio[dup], dup_priority)
+        eff = prio.copy()
+        aggt = self.tick.copy()
+        blocked = self.E[:, K.PINS] > 0
+        pos = np.full(self.E.shape[0], -1, dtype=np.int64)
+        K.eviction_order(self.E, prio, aggt, blocked, pos)
+        ok = live[~blocked[live]]
+        order = ok[np.lexsort((pos[ok], aggt[ok], prio[ok]))]
+        return order, eff[order]
 
     # --- integrity -------------------------------------------------------------------------
 

@@ -230,3 +230,38 @@ def is_in_subtree(E: np.ndarray, node: int, root: int) -> bool:  # pragma: no co
             return True
         node = E[node, PARENT]
     return node == root
+
+
+@_jit
+def eviction_order(
+    E: np.ndarray, aggp: np.ndarray, aggt: np.ndarray, blocked: np.ndarray, pos: np.ndarray
+) -> int:  # pragma: no cover
+    """Post-order walk of the tree from the root: each entry's ``pos`` comes after its
+    descendants', and ``aggp`` / ``aggt`` / ``blocked`` (initialised per entry by the caller)
+    become the max / max / any over the entry's subtree. Returns entries visited."""
+    cur = E[0, CHILD]
+    if cur < 0:
+        return 0
+    while E[cur, CHILD] >= 0:
+        cur = E[cur, CHILD]
+    k = 0
+    while True:
+        pos[cur] = k
+        k += 1
+        p = E[cur, PARENT]
+        if p > 0:
+            if aggp[cur] > aggp[p]:
+                aggp[p] = aggp[cur]
+            if aggt[cur] > aggt[p]:
+                aggt[p] = aggt[cur]
+            if blocked[cur]:
+                blocked[p] = True
+        nxt = E[cur, NEXT]
+        if nxt >= 0:
+            cur = nxt
+            while E[cur, CHILD] >= 0:
+                cur = E[cur, CHILD]
+        else:
+            cur = p
+            if cur <= 0:
+                return k

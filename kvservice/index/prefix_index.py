@@ -269,6 +269,52 @@ class PrefixIndex(PrefixIndexBase):
             now = self._clock() if now_ms is None else now_ms
             return self._leases.release_where(lambda r: r.expires_unix_ms <= now, self._sets)
 
+    # --- P/D duplicates and eviction suggestions --------------------------------------------
+
+    def mark_duplicates(
+        self, buffer_set_id: str, page_indices: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Mark the indexed entries on ``page_indices`` as also held by another engine; returns
+        (slots, epochs, hashes) of the entries marked (pages holding no entry are skipped)."""
+        with self._lock:
+            bs = self._set(buffer_set_id)
+            pages = np.unique(bs.check_pages(page_indices))
+            slots = bs.page_slot[pages]
+            slots = slots[slots >= 0]
+            return slots, bs.mark(slots), bs.H[slots].copy()
+
+    def unmark_duplicates(self, buffer_set_id: str, slots: np.ndarray, epochs: np.ndarray) -> None:
+        """Undo ``mark_duplicates`` for these entries (a no-op for entries since evicted)."""
+        with self._lock:
+            bs = self._sets.get(buffer_set_id)
+            if bs is not None and slots.size:
+                bs.unmark(slots, epochs)
+
+    def duplicated_pages(self, buffer_set_id: str) -> int:
+        with self._lock:
+            bs = self._set(buffer_set_id)
+            live = bs.live_slots()
+            return int(np.count_nonzero(bs.duplicated(live)))
+
+    def held(self, buffer_set_id: str, hashes: np.ndarray) -> np.ndarray:
+        """Whether each hash is indexed in the buffer set (bool array)."""
+        h = as_hashes(hashes)
+        with self._lock:
+            return self._set(buffer_set_id).find(h) >= 0
+
+    def suggest_evictions(
+        self, buffer_set_id: str, max_pages: int, dup_priority: int | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(page indices, effective priorities, duplicated) of up to ``max_pages`` entries to
+        evict first; see ``BufferSetIndex.eviction_order``. Never a leased page."""
+        with self._lock:
+            bs = self._set(buffer_set_id)
+            if bs.spec.presence_only:
+                raise FailedPrecondition(f"buffer set {buffer_set_id} is presence-only: it names no pages")
+            slots, prios = bs.eviction_order(dup_priority)
+            slots, prios = slots[:max_pages], prios[:max_pages]
+            return bs.E[slots, K.PAGE].copy(), prios.astype(np.int32), bs.duplicated(slots)
+
     # --- reporting -------------------------------------------------------------------------
 
     def evictable_leaves(self, buffer_set_id: str, limit: int) -> list[EvictableLeaf]:

@@ -42,7 +42,7 @@ class NodeCollector(Collector):
         )
         info.add_metric((self._version, str(self._node.service_id), self._node.config.transport), 1)
         yield info
-        for part in (self._sessions, self._transfers, self._staging, self._index):
+        for part in (self._sessions, self._transfers, self._engines, self._staging, self._index):
             try:
                 yield from part()
             except Exception:
@@ -91,6 +91,64 @@ class NodeCollector(Collector):
         for peer, n in sorted(depth.items()):
             queue.add_metric((peer,), max(n, 0))
         yield queue
+
+    def _engines(self) -> Iterator[Metric]:
+        """Routing figures per engine (the sum over its buffer sets; latency: the worst rank).
+        The label set is bounded by the registered buffer sets: an engine's series go with it."""
+        node, engine = self._node, self._node.transfers
+        per: dict[str, list[Any]] = {}
+        if engine is not None:
+            for bs in node.buffers.all():
+                per.setdefault(bs.engine_id or bs.buffer_set_id, []).append(
+                    (engine.load.load(bs.buffer_set_id), node.index.duplicated_pages(bs.buffer_set_id))
+                )
+        fams = {
+            "in": GaugeMetricFamily(
+                "kvservice_engine_inbound_transfers",
+                "Inbound transfers declared, unfinished.",
+                labels=("engine",),
+            ),
+            "bytes": GaugeMetricFamily(
+                "kvservice_engine_inbound_bytes_pending", "Bytes still to arrive inbound.", labels=("engine",)
+            ),
+            "out": GaugeMetricFamily(
+                "kvservice_engine_outbound_transfers", "Outbound transfers in flight.", labels=("engine",)
+            ),
+            "lat": GaugeMetricFamily(
+                "kvservice_engine_inbound_transfer_seconds",
+                "Recent inbound transfer time (ExpectDelta to DONE, sliding window), by quantile.",
+                labels=("engine", "quantile"),
+            ),
+            "budget": GaugeMetricFamily(
+                "kvservice_engine_inbound_budget_transfers",
+                "Inbound transfer budget of the engine (0: unlimited).",
+                labels=("engine",),
+            ),
+            "dup": GaugeMetricFamily(
+                "kvservice_engine_duplicated_pages",
+                "Indexed pages another engine also holds (P/D duplicates).",
+                labels=("engine",),
+            ),
+        }
+        for name, rows in sorted(per.items()):
+            loads = [r[0] for r in rows]
+            fams["in"].add_metric((name,), sum(ld.inbound_transfers for ld in loads))
+            fams["bytes"].add_metric((name,), sum(ld.inbound_bytes_pending for ld in loads))
+            fams["out"].add_metric((name,), sum(ld.outbound_transfers for ld in loads))
+            fams["lat"].add_metric((name, "0.5"), max(ld.inbound_p50_us for ld in loads) / 1e6)
+            fams["lat"].add_metric((name, "0.99"), max(ld.inbound_p99_us for ld in loads) / 1e6)
+            fams["budget"].add_metric((name,), sum(ld.budget.max_transfers for ld in loads))
+            fams["dup"].add_metric((name,), sum(r[1] for r in rows))
+        yield from fams.values()
+        refused = CounterMetricFamily(
+            "kvservice_admission_refused",
+            "ExpectDeltas refused at once because the receiving buffer set was over its inbound budget.",
+            labels=("budget",),
+        )
+        counts = engine.load.refused_total if engine is not None else {}
+        for budget in ("inbound_max_transfers", "inbound_max_bytes"):
+            refused.add_metric((budget,), counts.get(budget, 0))
+        yield refused
 
     def _staging(self) -> Iterator[Metric]:
         engine = self._node.transfers

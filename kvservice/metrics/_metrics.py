@@ -50,7 +50,7 @@ class Metrics:
 
     def attach(self, transfers: Any) -> None:
         """Observe every transfer record of ``transfers`` (a TransferEngine) when it ends."""
-        transfers.table.on_terminal = self.transfers.observe
+        transfers.table.terminal_listeners.append(self.transfers.observe)
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics endpoint (port 0 or -1: a free port); returns the bound port."""

@@ -1,6 +1,6 @@
 """Per-transfer metrics, observed once when a transfer record reaches a terminal state.
 
-``TransferMetrics.observe`` is the ``TransferTable.on_terminal`` callback: it is called
+``TransferMetrics.observe`` is a ``TransferTable.terminal_listeners`` callback: it is called
 exactly once per record (``finish`` is idempotent), from whatever thread finished it, and
 must not raise (a metrics bug must never fail a transfer), so it logs and swallows errors.
 

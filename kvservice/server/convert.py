@@ -13,6 +13,7 @@ from ..buffers import BufferSet
 from ..errors import InvalidArgument
 from ..index import IndexStats, Match
 from ..staging import StagingStats
+from ..transfer.load import Load
 from ..transfer.records import Record
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ def key(request: object, tokens_field: str) -> tuple[np.ndarray | None, np.ndarr
     return None, None
 
 
-def prefix_match(m: Match) -> kvservice_pb2.PrefixMatch:
+def prefix_match(m: Match, load: Load) -> kvservice_pb2.PrefixMatch:
     return kvservice_pb2.PrefixMatch(
         buffer_set_id=m.buffer_set_id,
         engine_id=m.engine_id,
@@ -142,6 +143,23 @@ def prefix_match(m: Match) -> kvservice_pb2.PrefixMatch:
         matched_pages=m.matched_pages,
         page_indices=m.page_indices.tolist(),
         min_priority=m.min_priority,
+        load=transfer_load(load),
+    )
+
+
+def transfer_load(ld: Load) -> kvservice_pb2.TransferLoad:
+    return kvservice_pb2.TransferLoad(
+        inbound_transfers=ld.inbound_transfers,
+        inbound_bytes_pending=ld.inbound_bytes_pending,
+        outbound_transfers=ld.outbound_transfers,
+        staging_waiters=ld.staging_waiters,
+        inbound_p50_us=ld.inbound_p50_us,
+        inbound_p99_us=ld.inbound_p99_us,
+        inbound_samples=ld.inbound_samples,
+        inbound_max_transfers=ld.budget.max_transfers,
+        inbound_max_bytes=ld.budget.max_bytes,
+        inbound_refused=ld.inbound_refused,
+        admits=ld.admits,
     )
 
 

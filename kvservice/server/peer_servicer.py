@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeAlias
 
 import grpc
+import numpy as np
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from .. import host
@@ -78,6 +79,11 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KVPeer: this service has no transfer engine")
             return
         await serve_channel(request_iterator, context, e)
+
+    @grpc_errors
+    async def HeldPages(self, request: peer_pb2.HeldPagesRequest, context: Ctx) -> peer_pb2.HeldPagesResponse:
+        held = self.node.index.held(request.buffer_set_id, np.asarray(request.hashes, dtype=np.uint64))
+        return peer_pb2.HeldPagesResponse(held=held.tolist(), service_id=self.node.service_id)
 
     @grpc_errors
     async def Abort(self, request: peer_pb2.PeerAbortRequest, context: Ctx) -> peer_pb2.PeerAbortResponse:

@@ -78,6 +78,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             request.k_regions,
             request.v_regions,
             request.aux_regions,
+            request.inbound_max_transfers,
+            request.inbound_max_bytes,
         )
         return pb.RegisterBuffersResponse(
             buffer_set_id=bs.buffer_set_id,
@@ -114,7 +116,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         )
         resp = pb.MatchPrefixResponse(query_pages=int(hashes.size))
         for m in matches:
-            resp.matches.append(convert.prefix_match(m))
+            resp.matches.append(convert.prefix_match(m, node.load_of(m.buffer_set_id)))
         if lease is not None:
             resp.lease_id, resp.lease_expires_unix_ms = lease.lease_id, lease.expires_unix_ms
         return resp
@@ -221,6 +223,17 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return pb.AbortResponse(statuses=[convert.transfer_status(r) for r in recs])
 
     @grpc_errors
+    async def SuggestEvictions(
+        self, request: pb.SuggestEvictionsRequest, context: Ctx
+    ) -> pb.SuggestEvictionsResponse:
+        pages, prios, dup = await self.node.suggest_evictions(
+            self._session(context), request.buffer_set_id, request.max_pages
+        )
+        return pb.SuggestEvictionsResponse(
+            page_indices=pages.tolist(), priorities=prios.tolist(), duplicated=dup.tolist()
+        )
+
+    @grpc_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
         node = self.node
         resp = pb.GetStatsResponse(
@@ -231,9 +244,10 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         viewer = node.sessions.find(sid) if sid else None
         for bs in node.buffers.all():
             if viewer is not None and (viewer.admin or bs.session_id == viewer.session_id):
-                resp.buffer_sets.append(
-                    convert.buffer_set_info(bs, node.index.indexed_pages(bs.buffer_set_id))
-                )
+                info = convert.buffer_set_info(bs, node.index.indexed_pages(bs.buffer_set_id))
+                info.load.CopyFrom(convert.transfer_load(node.load_of(bs.buffer_set_id)))
+                info.duplicated_pages = node.index.duplicated_pages(bs.buffer_set_id)
+                resp.buffer_sets.append(info)
         resp.index.CopyFrom(convert.index_stats(node.index.stats()))
         if node.transfers is not None:
             for st in node.transfers.staging_stats():

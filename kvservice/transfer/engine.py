@@ -23,6 +23,8 @@ from ..errors import Aborted, InvalidArgument, KVServiceError, NotFound, Resourc
 from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
+from .duplicates import DuplicateBook
+from .load import Budget, LoadBook
 from .mover import Mover
 from .peer_channel import CreditBroker
 from .peers import PeerDirectory, Self
@@ -95,6 +97,9 @@ class TransferEngine:
         self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
         self.metadata_epoch = 0
         self.table = TransferTable(cfg.transfer_retain_s)
+        self.load = LoadBook(
+            self.table, Budget(cfg.inbound_max_transfers, cfg.inbound_max_bytes), self._staging_waiters
+        )
         self.peers = PeerDirectory(
             Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch),
             cfg.keepalive,
@@ -114,6 +119,7 @@ class TransferEngine:
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
+        self.duplicates = DuplicateBook(self)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
         self._fused_warm: threading.Thread | None = None
@@ -121,6 +127,7 @@ class TransferEngine:
 
     def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="transfer-reaper")
+        self.duplicates.start()
 
     # -- memory --------------------------------------------------------------------------------
     def _reg_pool(self, addr: int, size: int, kind: str, dev: int) -> None:
@@ -211,7 +218,18 @@ class TransferEngine:
             raise
         return regs
 
+    def _staging_waiters(self, buffer_set_id: str) -> int:
+        """Reservations waiting in the staging pool ``buffer_set_id``'s packed chunks use."""
+        try:
+            bs = self.node.buffers.get(buffer_set_id)
+        except NotFound:
+            return 0
+        pool = self.host_pool if bs.memory != "cuda_ipc" else self.vram_pools.get(bs.k[0].device)
+        return pool.stats().waiters if pool is not None else 0
+
     def _on_unregister(self, bs: BufferSet) -> None:
+        self.load.drop(bs.buffer_set_id)
+        self.duplicates.drop_buffer_set(bs.buffer_set_id)
         self.no_direct.discard(bs.buffer_set_id)
         self.kv_regions.pop(bs.buffer_set_id, None)
         lst = self.local_lists.pop(bs.buffer_set_id, None)
@@ -230,6 +248,8 @@ class TransferEngine:
 
     async def expect(self, inc: Incoming) -> Record:
         self._check_transfer_cap(inc.rec.session_id)
+        # NOTE: no await between admission and the record's add in receiver.expect: one step.
+        self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)
         await self.receiver.expect(inc)
         return inc.rec
 
@@ -607,6 +627,7 @@ class TransferEngine:
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        await self.duplicates.close()
         await self.abort_all("service shutting down")
         await self.mover.close_channels()
         for task in list(self.inbound_channels):

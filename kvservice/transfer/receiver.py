@@ -87,6 +87,7 @@ def plan_message(
         aux_names=[a.name for a in bs.aux],
         dst_buffer_set_id=bs.buffer_set_id,
         direct_ok=direct_ok,
+        publishes=inc.publish_hashes is not None,
         route=peer_pb2.HeadRoute(
             src_head_start=route.src_head_start,
             dst_head_start=route.dst_head_start,

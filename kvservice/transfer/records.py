@@ -37,6 +37,7 @@ class Record:
     created: float = dataclasses.field(default_factory=time.monotonic)
     state: str = "PENDING"
     bytes_sent: int = 0
+    expected_bytes: int = 0  # receiver: KV and aux bytes the declaration waits for
     pages_sent: int = 0
     pages_skipped: int = 0
     descriptors: int = 0
@@ -73,17 +74,20 @@ class TransferTable:
     Terminal records are kept for ``retain_s`` so late Polls still see how a transfer ended.
     """
 
-    def __init__(self, retain_s: float = 300.0, on_terminal: Callable[[Record], None] | None = None) -> None:
+    def __init__(self, retain_s: float = 300.0) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str, str], Record] = {}
         # NOTE: indexes so hot paths never scan retained (finished) records: live ones, by
         # transfer id, and finished ones in the order they will be pruned.
         self._live: dict[tuple[str, str, str], Record] = {}
+        self._live_by_bs: dict[str, dict[tuple[str, str, str], Record]] = {}
         self._by_tid: dict[str, set[tuple[str, str, str]]] = {}
         self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, _Latest, Callable[[Record], bool]]] = []
         self.retain_s = retain_s
-        self.on_terminal = on_terminal
+        # Told of every record that reaches a terminal state (metrics, the load book), outside
+        # the lock; they must be quick.
+        self.terminal_listeners: list[Callable[[Record], None]] = []
         self.counts = {"DONE": 0, "FAILED": 0, "ABORTED": 0}
         self.live_per_session: collections.Counter[str] = collections.Counter()
 
@@ -93,6 +97,7 @@ class TransferTable:
             self._by_tid.setdefault(rec.transfer_id, set()).add(rec.key)
             if not rec.terminal and rec.key not in self._live:
                 self._live[rec.key] = rec
+                self._live_by_bs.setdefault(rec.buffer_set_id, {})[rec.key] = rec
                 self.live_per_session[rec.session_id] += 1
         self._publish(rec)
         return rec
@@ -110,6 +115,11 @@ class TransferTable:
         """Records not yet terminal."""
         with self._lock:
             return list(self._live.values())
+
+    def live_of(self, buffer_set_id: str) -> list[Record]:
+        """Records of one buffer set not yet terminal (O(its live records))."""
+        with self._lock:
+            return list(self._live_by_bs.get(buffer_set_id, {}).values())
 
     def select(self, pred: Callable[[Record], bool]) -> list[Record]:
         with self._lock:
@@ -140,6 +150,10 @@ class TransferTable:
             rec.state, rec.error_code, rec.error = state, code, error
             rec.ended = time.monotonic()
             if self._live.pop(rec.key, None) is not None:
+                per_bs = self._live_by_bs[rec.buffer_set_id]
+                del per_bs[rec.key]
+                if not per_bs:
+                    del self._live_by_bs[rec.buffer_set_id]
                 self.live_per_session[rec.session_id] -= 1
                 if not self.live_per_session[rec.session_id]:
                     del self.live_per_session[rec.session_id]
@@ -163,8 +177,8 @@ class TransferTable:
                 "total_us": rec.total_us,
             },
         )
-        if self.on_terminal is not None:
-            self.on_terminal(rec)
+        for listener in self.terminal_listeners:
+            listener(rec)
         self._publish(rec)
         return True
 

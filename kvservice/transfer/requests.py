@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FailedPrecondition, InvalidArgument
+from .load import expected_bytes
 from .plan import src_pages_array
 from .receiver import Incoming
 from .records import Record
@@ -97,12 +98,14 @@ def build_incoming(
             raise InvalidArgument("prefix_page_indices", "overlap dst_page_indices")
         publish_hashes = publish_hashes[:total]
     rec = Record(tid, "RECEIVER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
+    aux = _aux(bs, aux)
+    rec.expected_bytes = expected_bytes(bs, int(dst.size), aux)
     return Incoming(
         rec,
         bs,
         prefix_pages,
         dst,
-        _aux(bs, aux),
+        aux,
         expected_senders,
         publish_hashes,
         prefix_idx,

@@ -73,6 +73,7 @@ class Outgoing:
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    sent_src: list[np.ndarray] = dataclasses.field(default_factory=list)  # every chunk's source pages
 
 
 class Sender:
@@ -88,6 +89,7 @@ class Sender:
 
     def enqueue(self, out: Outgoing, chunk: Chunk) -> None:
         out.chunks.append(chunk)
+        out.sent_src.append(chunk.src)
         self.queue_depth[out.peer_address] += 1
         if out.task is None:
             out.task = asyncio.get_running_loop().create_task(

@@ -298,9 +298,14 @@ type RegisterBuffersRequest struct {
 	// Optional auxiliary regions.
 	AuxRegions []*AuxRegion `protobuf:"bytes,4,rep,name=aux_regions,json=auxRegions,proto3" json:"aux_regions,omitempty"`
 	// Label of the engine (e.g. "decode-0"); buffer sets of the same engine share it (TP ranks).
-	EngineId      string `protobuf:"bytes,5,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	EngineId string `protobuf:"bytes,5,opt,name=engine_id,json=engineId,proto3" json:"engine_id,omitempty"`
+	// Inbound budget of this buffer set (an engine rank): most unfinished inbound transfers, and
+	// most bytes still to arrive over them. An ExpectDelta over either is refused at once with
+	// RESOURCE_EXHAUSTED. 0: the service default (--inbound-max-transfers / --inbound-max-bytes).
+	InboundMaxTransfers uint32 `protobuf:"varint,6,opt,name=inbound_max_transfers,json=inboundMaxTransfers,proto3" json:"inbound_max_transfers,omitempty"`
+	InboundMaxBytes     uint64 `protobuf:"varint,7,opt,name=inbound_max_bytes,json=inboundMaxBytes,proto3" json:"inbound_max_bytes,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *RegisterBuffersRequest) Reset() {
@@ -366,6 +371,20 @@ func (x *RegisterBuffersRequest) GetEngineId() string {
 		return x.EngineId
 	}
 	return ""
+}
+
+func (x *RegisterBuffersRequest) GetInboundMaxTransfers() uint32 {
+	if x != nil {
+		return x.InboundMaxTransfers
+	}
+	return 0
+}
+
+func (x *RegisterBuffersRequest) GetInboundMaxBytes() uint64 {
+	if x != nil {
+		return x.InboundMaxBytes
+	}
+	return 0
 }
 
 // The registered buffer set.
@@ -691,7 +710,9 @@ type PrefixMatch struct {
 	PageIndices []uint32 `protobuf:"varint,6,rep,packed,name=page_indices,json=pageIndices,proto3" json:"page_indices,omitempty"`
 	// Lowest eviction priority among the matched pages (see PublishPagesRequest.priority); 0 when
 	// nothing matched.
-	MinPriority   int32 `protobuf:"varint,7,opt,name=min_priority,json=minPriority,proto3" json:"min_priority,omitempty"`
+	MinPriority int32 `protobuf:"varint,7,opt,name=min_priority,json=minPriority,proto3" json:"min_priority,omitempty"`
+	// Transfer load of this buffer set now: whether it can take a transfer (see TransferLoad).
+	Load          *TransferLoad `protobuf:"bytes,8,opt,name=load,proto3" json:"load,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -775,6 +796,149 @@ func (x *PrefixMatch) GetMinPriority() int32 {
 	return 0
 }
 
+func (x *PrefixMatch) GetLoad() *TransferLoad {
+	if x != nil {
+		return x.Load
+	}
+	return nil
+}
+
+// Transfer load of one buffer set (an engine rank), as routers see it in MatchPrefix.
+type TransferLoad struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Inbound transfers declared (ExpectDelta) and not yet finished.
+	InboundTransfers uint32 `protobuf:"varint,1,opt,name=inbound_transfers,json=inboundTransfers,proto3" json:"inbound_transfers,omitempty"`
+	// Bytes (KV and aux) still to arrive over those transfers.
+	InboundBytesPending uint64 `protobuf:"varint,2,opt,name=inbound_bytes_pending,json=inboundBytesPending,proto3" json:"inbound_bytes_pending,omitempty"`
+	// Outbound transfers (SendDelta) from this buffer set not yet finished.
+	OutboundTransfers uint32 `protobuf:"varint,3,opt,name=outbound_transfers,json=outboundTransfers,proto3" json:"outbound_transfers,omitempty"`
+	// Staging reservations waiting for space in the pool this buffer set's packed chunks use.
+	StagingWaiters uint32 `protobuf:"varint,4,opt,name=staging_waiters,json=stagingWaiters,proto3" json:"staging_waiters,omitempty"`
+	// Inbound transfer time (ExpectDelta to DONE) over the recent window, microseconds; 0 with no
+	// sample. inbound_samples: how many DONE transfers the window holds.
+	InboundP50Us   uint64 `protobuf:"varint,5,opt,name=inbound_p50_us,json=inboundP50Us,proto3" json:"inbound_p50_us,omitempty"`
+	InboundP99Us   uint64 `protobuf:"varint,6,opt,name=inbound_p99_us,json=inboundP99Us,proto3" json:"inbound_p99_us,omitempty"`
+	InboundSamples uint32 `protobuf:"varint,7,opt,name=inbound_samples,json=inboundSamples,proto3" json:"inbound_samples,omitempty"`
+	// The buffer set's inbound budget (0: unlimited); an ExpectDelta that would exceed it is refused.
+	InboundMaxTransfers uint32 `protobuf:"varint,8,opt,name=inbound_max_transfers,json=inboundMaxTransfers,proto3" json:"inbound_max_transfers,omitempty"`
+	InboundMaxBytes     uint64 `protobuf:"varint,9,opt,name=inbound_max_bytes,json=inboundMaxBytes,proto3" json:"inbound_max_bytes,omitempty"`
+	// ExpectDeltas refused over budget since the buffer set was registered.
+	InboundRefused uint64 `protobuf:"varint,10,opt,name=inbound_refused,json=inboundRefused,proto3" json:"inbound_refused,omitempty"`
+	// True when inbound_transfers < inbound_max_transfers and inbound_bytes_pending <
+	// inbound_max_bytes (or the budget is unlimited): an ExpectDelta now would be admitted unless it
+	// alone carries more than the bytes left.
+	Admits        bool `protobuf:"varint,11,opt,name=admits,proto3" json:"admits,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TransferLoad) Reset() {
+	*x = TransferLoad{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TransferLoad) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TransferLoad) ProtoMessage() {}
+
+func (x *TransferLoad) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TransferLoad.ProtoReflect.Descriptor instead.
+func (*TransferLoad) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *TransferLoad) GetInboundTransfers() uint32 {
+	if x != nil {
+		return x.InboundTransfers
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundBytesPending() uint64 {
+	if x != nil {
+		return x.InboundBytesPending
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetOutboundTransfers() uint32 {
+	if x != nil {
+		return x.OutboundTransfers
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetStagingWaiters() uint32 {
+	if x != nil {
+		return x.StagingWaiters
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundP50Us() uint64 {
+	if x != nil {
+		return x.InboundP50Us
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundP99Us() uint64 {
+	if x != nil {
+		return x.InboundP99Us
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundSamples() uint32 {
+	if x != nil {
+		return x.InboundSamples
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundMaxTransfers() uint32 {
+	if x != nil {
+		return x.InboundMaxTransfers
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundMaxBytes() uint64 {
+	if x != nil {
+		return x.InboundMaxBytes
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetInboundRefused() uint64 {
+	if x != nil {
+		return x.InboundRefused
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetAdmits() bool {
+	if x != nil {
+		return x.Admits
+	}
+	return false
+}
+
 // Matches for the query, and the lease when one was asked for.
 type MatchPrefixResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -792,7 +956,7 @@ type MatchPrefixResponse struct {
 
 func (x *MatchPrefixResponse) Reset() {
 	*x = MatchPrefixResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -804,7 +968,7 @@ func (x *MatchPrefixResponse) String() string {
 func (*MatchPrefixResponse) ProtoMessage() {}
 
 func (x *MatchPrefixResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -817,7 +981,7 @@ func (x *MatchPrefixResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchPrefixResponse.ProtoReflect.Descriptor instead.
 func (*MatchPrefixResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{10}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *MatchPrefixResponse) GetMatches() []*PrefixMatch {
@@ -860,7 +1024,7 @@ type ReleaseLeaseRequest struct {
 
 func (x *ReleaseLeaseRequest) Reset() {
 	*x = ReleaseLeaseRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -872,7 +1036,7 @@ func (x *ReleaseLeaseRequest) String() string {
 func (*ReleaseLeaseRequest) ProtoMessage() {}
 
 func (x *ReleaseLeaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -885,7 +1049,7 @@ func (x *ReleaseLeaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseLeaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseLeaseRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{11}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ReleaseLeaseRequest) GetLeaseId() string {
@@ -904,7 +1068,7 @@ type ReleaseLeaseResponse struct {
 
 func (x *ReleaseLeaseResponse) Reset() {
 	*x = ReleaseLeaseResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -916,7 +1080,7 @@ func (x *ReleaseLeaseResponse) String() string {
 func (*ReleaseLeaseResponse) ProtoMessage() {}
 
 func (x *ReleaseLeaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -929,7 +1093,7 @@ func (x *ReleaseLeaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseLeaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseLeaseResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{12}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{13}
 }
 
 // Adds a cached sequence's pages to the index.
@@ -955,7 +1119,7 @@ type PublishPagesRequest struct {
 
 func (x *PublishPagesRequest) Reset() {
 	*x = PublishPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -967,7 +1131,7 @@ func (x *PublishPagesRequest) String() string {
 func (*PublishPagesRequest) ProtoMessage() {}
 
 func (x *PublishPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -980,7 +1144,7 @@ func (x *PublishPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishPagesRequest.ProtoReflect.Descriptor instead.
 func (*PublishPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{13}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PublishPagesRequest) GetBufferSetId() string {
@@ -1058,7 +1222,7 @@ type PublishPagesResponse struct {
 
 func (x *PublishPagesResponse) Reset() {
 	*x = PublishPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1070,7 +1234,7 @@ func (x *PublishPagesResponse) String() string {
 func (*PublishPagesResponse) ProtoMessage() {}
 
 func (x *PublishPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1083,7 +1247,7 @@ func (x *PublishPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishPagesResponse.ProtoReflect.Descriptor instead.
 func (*PublishPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{14}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PublishPagesResponse) GetInsertedPages() uint32 {
@@ -1109,7 +1273,7 @@ type EvictPagesRequest struct {
 
 func (x *EvictPagesRequest) Reset() {
 	*x = EvictPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1121,7 +1285,7 @@ func (x *EvictPagesRequest) String() string {
 func (*EvictPagesRequest) ProtoMessage() {}
 
 func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1134,7 +1298,7 @@ func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesRequest.ProtoReflect.Descriptor instead.
 func (*EvictPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{15}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *EvictPagesRequest) GetBufferSetId() string {
@@ -1169,7 +1333,7 @@ type EvictPagesResponse struct {
 
 func (x *EvictPagesResponse) Reset() {
 	*x = EvictPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1181,7 +1345,7 @@ func (x *EvictPagesResponse) String() string {
 func (*EvictPagesResponse) ProtoMessage() {}
 
 func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1194,7 +1358,7 @@ func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesResponse.ProtoReflect.Descriptor instead.
 func (*EvictPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{16}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EvictPagesResponse) GetEvictedPages() uint32 {
@@ -1241,7 +1405,7 @@ type ExpectDeltaRequest struct {
 
 func (x *ExpectDeltaRequest) Reset() {
 	*x = ExpectDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1253,7 +1417,7 @@ func (x *ExpectDeltaRequest) String() string {
 func (*ExpectDeltaRequest) ProtoMessage() {}
 
 func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1266,7 +1430,7 @@ func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaRequest.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{17}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ExpectDeltaRequest) GetTransferId() string {
@@ -1386,7 +1550,7 @@ type ExpectDeltaResponse struct {
 
 func (x *ExpectDeltaResponse) Reset() {
 	*x = ExpectDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1398,7 +1562,7 @@ func (x *ExpectDeltaResponse) String() string {
 func (*ExpectDeltaResponse) ProtoMessage() {}
 
 func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1411,7 +1575,7 @@ func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaResponse.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{18}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ExpectDeltaResponse) GetStatus() *TransferStatus {
@@ -1449,7 +1613,7 @@ type SendDeltaRequest struct {
 
 func (x *SendDeltaRequest) Reset() {
 	*x = SendDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1461,7 +1625,7 @@ func (x *SendDeltaRequest) String() string {
 func (*SendDeltaRequest) ProtoMessage() {}
 
 func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1474,7 +1638,7 @@ func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaRequest.ProtoReflect.Descriptor instead.
 func (*SendDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{19}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SendDeltaRequest) GetTransferId() string {
@@ -1551,7 +1715,7 @@ type SendDeltaResponse struct {
 
 func (x *SendDeltaResponse) Reset() {
 	*x = SendDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1563,7 +1727,7 @@ func (x *SendDeltaResponse) String() string {
 func (*SendDeltaResponse) ProtoMessage() {}
 
 func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1576,7 +1740,7 @@ func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaResponse.ProtoReflect.Descriptor instead.
 func (*SendDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SendDeltaResponse) GetStatus() *TransferStatus {
@@ -1597,7 +1761,7 @@ type PollRequest struct {
 
 func (x *PollRequest) Reset() {
 	*x = PollRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1609,7 +1773,7 @@ func (x *PollRequest) String() string {
 func (*PollRequest) ProtoMessage() {}
 
 func (x *PollRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1622,7 +1786,7 @@ func (x *PollRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollRequest.ProtoReflect.Descriptor instead.
 func (*PollRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *PollRequest) GetTransferIds() []string {
@@ -1644,7 +1808,7 @@ type PollResponse struct {
 
 func (x *PollResponse) Reset() {
 	*x = PollResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1656,7 +1820,7 @@ func (x *PollResponse) String() string {
 func (*PollResponse) ProtoMessage() {}
 
 func (x *PollResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1669,7 +1833,7 @@ func (x *PollResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollResponse.ProtoReflect.Descriptor instead.
 func (*PollResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *PollResponse) GetStatuses() []*TransferStatus {
@@ -1692,7 +1856,7 @@ type WatchTransfersRequest struct {
 
 func (x *WatchTransfersRequest) Reset() {
 	*x = WatchTransfersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1704,7 +1868,7 @@ func (x *WatchTransfersRequest) String() string {
 func (*WatchTransfersRequest) ProtoMessage() {}
 
 func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1717,7 +1881,7 @@ func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchTransfersRequest.ProtoReflect.Descriptor instead.
 func (*WatchTransfersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *WatchTransfersRequest) GetTransferIds() []string {
@@ -1747,7 +1911,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1759,7 +1923,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1772,7 +1936,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *AbortRequest) GetTransferId() string {
@@ -1800,7 +1964,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1812,7 +1976,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1825,7 +1989,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *AbortResponse) GetStatuses() []*TransferStatus {
@@ -1856,7 +2020,7 @@ type PhaseTimings struct {
 
 func (x *PhaseTimings) Reset() {
 	*x = PhaseTimings{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1868,7 +2032,7 @@ func (x *PhaseTimings) String() string {
 func (*PhaseTimings) ProtoMessage() {}
 
 func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1881,7 +2045,7 @@ func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PhaseTimings.ProtoReflect.Descriptor instead.
 func (*PhaseTimings) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *PhaseTimings) GetQueueUs() uint64 {
@@ -1964,7 +2128,7 @@ type TransferStatus struct {
 
 func (x *TransferStatus) Reset() {
 	*x = TransferStatus{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1976,7 +2140,7 @@ func (x *TransferStatus) String() string {
 func (*TransferStatus) ProtoMessage() {}
 
 func (x *TransferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1989,7 +2153,7 @@ func (x *TransferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferStatus.ProtoReflect.Descriptor instead.
 func (*TransferStatus) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *TransferStatus) GetTransferId() string {
@@ -2113,7 +2277,7 @@ type GetStatsRequest struct {
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2125,7 +2289,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2138,7 +2302,7 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
 }
 
 // One registered buffer set.
@@ -2157,14 +2321,18 @@ type BufferSetInfo struct {
 	// Its pages that the prefix index currently holds.
 	IndexedPages uint64 `protobuf:"varint,6,opt,name=indexed_pages,json=indexedPages,proto3" json:"indexed_pages,omitempty"`
 	// Session that owns it; it is released when that session ends.
-	SessionId     string `protobuf:"bytes,7,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SessionId string `protobuf:"bytes,7,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	// Its transfer load now (the figures MatchPrefix reports).
+	Load *TransferLoad `protobuf:"bytes,8,opt,name=load,proto3" json:"load,omitempty"`
+	// Its pages that another engine also holds (marked after DONE transfers it sent).
+	DuplicatedPages uint64 `protobuf:"varint,9,opt,name=duplicated_pages,json=duplicatedPages,proto3" json:"duplicated_pages,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *BufferSetInfo) Reset() {
 	*x = BufferSetInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2176,7 +2344,7 @@ func (x *BufferSetInfo) String() string {
 func (*BufferSetInfo) ProtoMessage() {}
 
 func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2189,7 +2357,7 @@ func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BufferSetInfo.ProtoReflect.Descriptor instead.
 func (*BufferSetInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *BufferSetInfo) GetBufferSetId() string {
@@ -2241,6 +2409,140 @@ func (x *BufferSetInfo) GetSessionId() string {
 	return ""
 }
 
+func (x *BufferSetInfo) GetLoad() *TransferLoad {
+	if x != nil {
+		return x.Load
+	}
+	return nil
+}
+
+func (x *BufferSetInfo) GetDuplicatedPages() uint64 {
+	if x != nil {
+		return x.DuplicatedPages
+	}
+	return 0
+}
+
+// Asks which pages of a buffer set to evict first.
+type SuggestEvictionsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Buffer set (must belong to the calling session).
+	BufferSetId string `protobuf:"bytes,1,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
+	// Most pages to suggest (> 0).
+	MaxPages      uint32 `protobuf:"varint,2,opt,name=max_pages,json=maxPages,proto3" json:"max_pages,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SuggestEvictionsRequest) Reset() {
+	*x = SuggestEvictionsRequest{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SuggestEvictionsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SuggestEvictionsRequest) ProtoMessage() {}
+
+func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SuggestEvictionsRequest.ProtoReflect.Descriptor instead.
+func (*SuggestEvictionsRequest) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *SuggestEvictionsRequest) GetBufferSetId() string {
+	if x != nil {
+		return x.BufferSetId
+	}
+	return ""
+}
+
+func (x *SuggestEvictionsRequest) GetMaxPages() uint32 {
+	if x != nil {
+		return x.MaxPages
+	}
+	return 0
+}
+
+// Pages to evict first, in order; evicting them in this order never evicts a page before the
+// pages that extend its prefix. Leased pages (and their ancestors) are never suggested.
+type SuggestEvictionsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Page indices, first to evict first.
+	PageIndices []uint32 `protobuf:"varint,1,rep,packed,name=page_indices,json=pageIndices,proto3" json:"page_indices,omitempty"`
+	// Eviction priority of each (after duplicate marks, see DESIGN "Routing support").
+	Priorities []int32 `protobuf:"varint,2,rep,packed,name=priorities,proto3" json:"priorities,omitempty"`
+	// Whether each page is also held by another engine (a verified P/D duplicate).
+	Duplicated    []bool `protobuf:"varint,3,rep,packed,name=duplicated,proto3" json:"duplicated,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SuggestEvictionsResponse) Reset() {
+	*x = SuggestEvictionsResponse{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SuggestEvictionsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SuggestEvictionsResponse) ProtoMessage() {}
+
+func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SuggestEvictionsResponse.ProtoReflect.Descriptor instead.
+func (*SuggestEvictionsResponse) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *SuggestEvictionsResponse) GetPageIndices() []uint32 {
+	if x != nil {
+		return x.PageIndices
+	}
+	return nil
+}
+
+func (x *SuggestEvictionsResponse) GetPriorities() []int32 {
+	if x != nil {
+		return x.Priorities
+	}
+	return nil
+}
+
+func (x *SuggestEvictionsResponse) GetDuplicated() []bool {
+	if x != nil {
+		return x.Duplicated
+	}
+	return nil
+}
+
 // Prefix index counters, over all buffer sets of the node.
 type IndexStats struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2262,7 +2564,7 @@ type IndexStats struct {
 
 func (x *IndexStats) Reset() {
 	*x = IndexStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2274,7 +2576,7 @@ func (x *IndexStats) String() string {
 func (*IndexStats) ProtoMessage() {}
 
 func (x *IndexStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2287,7 +2589,7 @@ func (x *IndexStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexStats.ProtoReflect.Descriptor instead.
 func (*IndexStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *IndexStats) GetEntries() uint64 {
@@ -2351,7 +2653,7 @@ type StagingStats struct {
 
 func (x *StagingStats) Reset() {
 	*x = StagingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2363,7 +2665,7 @@ func (x *StagingStats) String() string {
 func (*StagingStats) ProtoMessage() {}
 
 func (x *StagingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2376,7 +2678,7 @@ func (x *StagingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingStats.ProtoReflect.Descriptor instead.
 func (*StagingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *StagingStats) GetKind() string {
@@ -2431,7 +2733,7 @@ type TransferCounts struct {
 
 func (x *TransferCounts) Reset() {
 	*x = TransferCounts{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2443,7 +2745,7 @@ func (x *TransferCounts) String() string {
 func (*TransferCounts) ProtoMessage() {}
 
 func (x *TransferCounts) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2456,7 +2758,7 @@ func (x *TransferCounts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferCounts.ProtoReflect.Descriptor instead.
 func (*TransferCounts) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *TransferCounts) GetInFlight() uint64 {
@@ -2519,7 +2821,7 @@ type GetStatsResponse struct {
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2531,7 +2833,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2544,7 +2846,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *GetStatsResponse) GetServiceId() string {
@@ -2619,14 +2921,16 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\aresumed\x18\x03 \x01(\bR\aresumed\"\x15\n" +
 	"\x13CloseSessionRequest\"H\n" +
 	"\x14CloseSessionResponse\x120\n" +
-	"\x14buffer_sets_released\x18\x01 \x01(\rR\x12bufferSetsReleased\"\x83\x02\n" +
+	"\x14buffer_sets_released\x18\x01 \x01(\rR\x12bufferSetsReleased\"\xe3\x02\n" +
 	"\x16RegisterBuffersRequest\x12,\n" +
 	"\x06layout\x18\x01 \x01(\v2\x14.kvservice.v1.LayoutR\x06layout\x121\n" +
 	"\tk_regions\x18\x02 \x03(\v2\x14.kvservice.v1.RegionR\bkRegions\x121\n" +
 	"\tv_regions\x18\x03 \x03(\v2\x14.kvservice.v1.RegionR\bvRegions\x128\n" +
 	"\vaux_regions\x18\x04 \x03(\v2\x17.kvservice.v1.AuxRegionR\n" +
 	"auxRegions\x12\x1b\n" +
-	"\tengine_id\x18\x05 \x01(\tR\bengineId\"\x81\x01\n" +
+	"\tengine_id\x18\x05 \x01(\tR\bengineId\x122\n" +
+	"\x15inbound_max_transfers\x18\x06 \x01(\rR\x13inboundMaxTransfers\x12*\n" +
+	"\x11inbound_max_bytes\x18\a \x01(\x04R\x0finboundMaxBytes\"\x81\x01\n" +
 	"\x17RegisterBuffersResponse\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12 \n" +
 	"\fpage_bytes_k\x18\x02 \x01(\x04R\n" +
@@ -2649,7 +2953,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"scoresOnly\x12 \n" +
 	"\flease_ttl_ms\x18\b \x01(\rR\n" +
 	"leaseTtlMsB\x05\n" +
-	"\x03key\"\xeb\x01\n" +
+	"\x03key\"\x9b\x02\n" +
 	"\vPrefixMatch\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
@@ -2657,7 +2961,21 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\adp_rank\x18\x04 \x01(\rR\x06dpRank\x12#\n" +
 	"\rmatched_pages\x18\x05 \x01(\rR\fmatchedPages\x12!\n" +
 	"\fpage_indices\x18\x06 \x03(\rR\vpageIndices\x12!\n" +
-	"\fmin_priority\x18\a \x01(\x05R\vminPriority\"\xb9\x01\n" +
+	"\fmin_priority\x18\a \x01(\x05R\vminPriority\x12.\n" +
+	"\x04load\x18\b \x01(\v2\x1a.kvservice.v1.TransferLoadR\x04load\"\xdd\x03\n" +
+	"\fTransferLoad\x12+\n" +
+	"\x11inbound_transfers\x18\x01 \x01(\rR\x10inboundTransfers\x122\n" +
+	"\x15inbound_bytes_pending\x18\x02 \x01(\x04R\x13inboundBytesPending\x12-\n" +
+	"\x12outbound_transfers\x18\x03 \x01(\rR\x11outboundTransfers\x12'\n" +
+	"\x0fstaging_waiters\x18\x04 \x01(\rR\x0estagingWaiters\x12$\n" +
+	"\x0einbound_p50_us\x18\x05 \x01(\x04R\finboundP50Us\x12$\n" +
+	"\x0einbound_p99_us\x18\x06 \x01(\x04R\finboundP99Us\x12'\n" +
+	"\x0finbound_samples\x18\a \x01(\rR\x0einboundSamples\x122\n" +
+	"\x15inbound_max_transfers\x18\b \x01(\rR\x13inboundMaxTransfers\x12*\n" +
+	"\x11inbound_max_bytes\x18\t \x01(\x04R\x0finboundMaxBytes\x12'\n" +
+	"\x0finbound_refused\x18\n" +
+	" \x01(\x04R\x0einboundRefused\x12\x16\n" +
+	"\x06admits\x18\v \x01(\bR\x06admits\"\xb9\x01\n" +
 	"\x13MatchPrefixResponse\x123\n" +
 	"\amatches\x18\x01 \x03(\v2\x19.kvservice.v1.PrefixMatchR\amatches\x12\x1f\n" +
 	"\vquery_pages\x18\x02 \x01(\rR\n" +
@@ -2759,7 +3077,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x0fupdated_unix_ms\x18\x0f \x01(\x04R\rupdatedUnixMs\x12\x1d\n" +
 	"\n" +
 	"route_note\x18\x10 \x01(\tR\trouteNote\"\x11\n" +
-	"\x0fGetStatsRequest\"\xfb\x01\n" +
+	"\x0fGetStatsRequest\"\xd6\x02\n" +
 	"\rBufferSetInfo\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12,\n" +
@@ -2769,7 +3087,20 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"totalBytes\x12#\n" +
 	"\rindexed_pages\x18\x06 \x01(\x04R\findexedPages\x12\x1d\n" +
 	"\n" +
-	"session_id\x18\a \x01(\tR\tsessionId\"\xbd\x02\n" +
+	"session_id\x18\a \x01(\tR\tsessionId\x12.\n" +
+	"\x04load\x18\b \x01(\v2\x1a.kvservice.v1.TransferLoadR\x04load\x12)\n" +
+	"\x10duplicated_pages\x18\t \x01(\x04R\x0fduplicatedPages\"Z\n" +
+	"\x17SuggestEvictionsRequest\x12\"\n" +
+	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
+	"\tmax_pages\x18\x02 \x01(\rR\bmaxPages\"}\n" +
+	"\x18SuggestEvictionsResponse\x12!\n" +
+	"\fpage_indices\x18\x01 \x03(\rR\vpageIndices\x12\x1e\n" +
+	"\n" +
+	"priorities\x18\x02 \x03(\x05R\n" +
+	"priorities\x12\x1e\n" +
+	"\n" +
+	"duplicated\x18\x03 \x03(\bR\n" +
+	"duplicated\"\xbd\x02\n" +
 	"\n" +
 	"IndexStats\x12\x18\n" +
 	"\aentries\x18\x01 \x01(\x04R\aentries\x12\x16\n" +
@@ -2814,7 +3145,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fTransferRole\x12\x1d\n" +
 	"\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n" +
-	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\x8f\t\n" +
+	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xf2\t\n" +
 	"\tKVService\x12M\n" +
 	"\vOpenSession\x12 .kvservice.v1.OpenSessionRequest\x1a\x1a.kvservice.v1.SessionEvent0\x01\x12U\n" +
 	"\fCloseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\".kvservice.v1.CloseSessionResponse\x12^\n" +
@@ -2830,7 +3161,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x04Poll\x12\x19.kvservice.v1.PollRequest\x1a\x1a.kvservice.v1.PollResponse\x12U\n" +
 	"\x0eWatchTransfers\x12#.kvservice.v1.WatchTransfersRequest\x1a\x1c.kvservice.v1.TransferStatus0\x01\x12@\n" +
 	"\x05Abort\x12\x1a.kvservice.v1.AbortRequest\x1a\x1b.kvservice.v1.AbortResponse\x12I\n" +
-	"\bGetStats\x12\x1d.kvservice.v1.GetStatsRequest\x1a\x1e.kvservice.v1.GetStatsResponseb\x06proto3"
+	"\bGetStats\x12\x1d.kvservice.v1.GetStatsRequest\x1a\x1e.kvservice.v1.GetStatsResponse\x12a\n" +
+	"\x10SuggestEvictions\x12%.kvservice.v1.SuggestEvictionsRequest\x1a&.kvservice.v1.SuggestEvictionsResponseb\x06proto3"
 
 var (
 	file_kvservice_v1_kvservice_proto_rawDescOnce sync.Once
@@ -2845,7 +3177,7 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
 	(*OpenSessionRequest)(nil),        // 1: kvservice.v1.OpenSessionRequest
@@ -2858,104 +3190,111 @@ var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(*UnregisterBuffersResponse)(nil), // 8: kvservice.v1.UnregisterBuffersResponse
 	(*MatchPrefixRequest)(nil),        // 9: kvservice.v1.MatchPrefixRequest
 	(*PrefixMatch)(nil),               // 10: kvservice.v1.PrefixMatch
-	(*MatchPrefixResponse)(nil),       // 11: kvservice.v1.MatchPrefixResponse
-	(*ReleaseLeaseRequest)(nil),       // 12: kvservice.v1.ReleaseLeaseRequest
-	(*ReleaseLeaseResponse)(nil),      // 13: kvservice.v1.ReleaseLeaseResponse
-	(*PublishPagesRequest)(nil),       // 14: kvservice.v1.PublishPagesRequest
-	(*PublishPagesResponse)(nil),      // 15: kvservice.v1.PublishPagesResponse
-	(*EvictPagesRequest)(nil),         // 16: kvservice.v1.EvictPagesRequest
-	(*EvictPagesResponse)(nil),        // 17: kvservice.v1.EvictPagesResponse
-	(*ExpectDeltaRequest)(nil),        // 18: kvservice.v1.ExpectDeltaRequest
-	(*ExpectDeltaResponse)(nil),       // 19: kvservice.v1.ExpectDeltaResponse
-	(*SendDeltaRequest)(nil),          // 20: kvservice.v1.SendDeltaRequest
-	(*SendDeltaResponse)(nil),         // 21: kvservice.v1.SendDeltaResponse
-	(*PollRequest)(nil),               // 22: kvservice.v1.PollRequest
-	(*PollResponse)(nil),              // 23: kvservice.v1.PollResponse
-	(*WatchTransfersRequest)(nil),     // 24: kvservice.v1.WatchTransfersRequest
-	(*AbortRequest)(nil),              // 25: kvservice.v1.AbortRequest
-	(*AbortResponse)(nil),             // 26: kvservice.v1.AbortResponse
-	(*PhaseTimings)(nil),              // 27: kvservice.v1.PhaseTimings
-	(*TransferStatus)(nil),            // 28: kvservice.v1.TransferStatus
-	(*GetStatsRequest)(nil),           // 29: kvservice.v1.GetStatsRequest
-	(*BufferSetInfo)(nil),             // 30: kvservice.v1.BufferSetInfo
-	(*IndexStats)(nil),                // 31: kvservice.v1.IndexStats
-	(*StagingStats)(nil),              // 32: kvservice.v1.StagingStats
-	(*TransferCounts)(nil),            // 33: kvservice.v1.TransferCounts
-	(*GetStatsResponse)(nil),          // 34: kvservice.v1.GetStatsResponse
-	nil,                               // 35: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 36: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 37: kvservice.v1.Layout
-	(*Region)(nil),                    // 38: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 39: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 40: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 41: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 42: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 43: kvservice.v1.TransferPath
-	(TransferState)(0),                // 44: kvservice.v1.TransferState
+	(*TransferLoad)(nil),              // 11: kvservice.v1.TransferLoad
+	(*MatchPrefixResponse)(nil),       // 12: kvservice.v1.MatchPrefixResponse
+	(*ReleaseLeaseRequest)(nil),       // 13: kvservice.v1.ReleaseLeaseRequest
+	(*ReleaseLeaseResponse)(nil),      // 14: kvservice.v1.ReleaseLeaseResponse
+	(*PublishPagesRequest)(nil),       // 15: kvservice.v1.PublishPagesRequest
+	(*PublishPagesResponse)(nil),      // 16: kvservice.v1.PublishPagesResponse
+	(*EvictPagesRequest)(nil),         // 17: kvservice.v1.EvictPagesRequest
+	(*EvictPagesResponse)(nil),        // 18: kvservice.v1.EvictPagesResponse
+	(*ExpectDeltaRequest)(nil),        // 19: kvservice.v1.ExpectDeltaRequest
+	(*ExpectDeltaResponse)(nil),       // 20: kvservice.v1.ExpectDeltaResponse
+	(*SendDeltaRequest)(nil),          // 21: kvservice.v1.SendDeltaRequest
+	(*SendDeltaResponse)(nil),         // 22: kvservice.v1.SendDeltaResponse
+	(*PollRequest)(nil),               // 23: kvservice.v1.PollRequest
+	(*PollResponse)(nil),              // 24: kvservice.v1.PollResponse
+	(*WatchTransfersRequest)(nil),     // 25: kvservice.v1.WatchTransfersRequest
+	(*AbortRequest)(nil),              // 26: kvservice.v1.AbortRequest
+	(*AbortResponse)(nil),             // 27: kvservice.v1.AbortResponse
+	(*PhaseTimings)(nil),              // 28: kvservice.v1.PhaseTimings
+	(*TransferStatus)(nil),            // 29: kvservice.v1.TransferStatus
+	(*GetStatsRequest)(nil),           // 30: kvservice.v1.GetStatsRequest
+	(*BufferSetInfo)(nil),             // 31: kvservice.v1.BufferSetInfo
+	(*SuggestEvictionsRequest)(nil),   // 32: kvservice.v1.SuggestEvictionsRequest
+	(*SuggestEvictionsResponse)(nil),  // 33: kvservice.v1.SuggestEvictionsResponse
+	(*IndexStats)(nil),                // 34: kvservice.v1.IndexStats
+	(*StagingStats)(nil),              // 35: kvservice.v1.StagingStats
+	(*TransferCounts)(nil),            // 36: kvservice.v1.TransferCounts
+	(*GetStatsResponse)(nil),          // 37: kvservice.v1.GetStatsResponse
+	nil,                               // 38: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 39: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 40: kvservice.v1.Layout
+	(*Region)(nil),                    // 41: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 42: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 43: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 44: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 45: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 46: kvservice.v1.TransferPath
+	(TransferState)(0),                // 47: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
-	37, // 0: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	38, // 1: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	38, // 2: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	39, // 3: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	40, // 4: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	41, // 5: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
-	10, // 6: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	40, // 7: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	41, // 8: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	42, // 9: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	40, // 10: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	41, // 11: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
-	28, // 12: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	42, // 13: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	43, // 14: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
-	28, // 15: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	28, // 16: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	28, // 17: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	0,  // 18: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	44, // 19: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	43, // 20: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
-	27, // 21: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	37, // 22: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
-	35, // 23: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	36, // 24: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
-	30, // 25: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
-	31, // 26: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
-	32, // 27: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
-	33, // 28: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	1,  // 29: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	3,  // 30: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	5,  // 31: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	7,  // 32: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	9,  // 33: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	12, // 34: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	14, // 35: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	16, // 36: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	18, // 37: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	20, // 38: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	22, // 39: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	24, // 40: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	25, // 41: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	29, // 42: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	2,  // 43: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	4,  // 44: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	6,  // 45: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	8,  // 46: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	11, // 47: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	13, // 48: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	15, // 49: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	17, // 50: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	19, // 51: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	21, // 52: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	23, // 53: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	28, // 54: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	26, // 55: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	34, // 56: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	43, // [43:57] is the sub-list for method output_type
-	29, // [29:43] is the sub-list for method input_type
-	29, // [29:29] is the sub-list for extension type_name
-	29, // [29:29] is the sub-list for extension extendee
-	0,  // [0:29] is the sub-list for field type_name
+	40, // 0: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	41, // 1: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	41, // 2: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	42, // 3: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	43, // 4: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	44, // 5: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	11, // 6: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
+	10, // 7: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
+	43, // 8: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	44, // 9: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	45, // 10: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	43, // 11: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	44, // 12: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	29, // 13: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	45, // 14: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	46, // 15: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	29, // 16: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	29, // 17: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	29, // 18: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	0,  // 19: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
+	47, // 20: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	46, // 21: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	28, // 22: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
+	40, // 23: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	11, // 24: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
+	38, // 25: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	39, // 26: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	31, // 27: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
+	34, // 28: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
+	35, // 29: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
+	36, // 30: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
+	1,  // 31: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	3,  // 32: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	5,  // 33: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	7,  // 34: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	9,  // 35: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	13, // 36: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	15, // 37: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	17, // 38: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	19, // 39: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	21, // 40: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	23, // 41: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	25, // 42: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	26, // 43: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	30, // 44: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	32, // 45: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	2,  // 46: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	4,  // 47: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	6,  // 48: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	8,  // 49: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	12, // 50: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	14, // 51: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	16, // 52: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	18, // 53: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	20, // 54: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	22, // 55: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	24, // 56: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	29, // 57: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	27, // 58: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	37, // 59: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	33, // 60: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	46, // [46:61] is the sub-list for method output_type
+	31, // [31:46] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -2968,11 +3307,11 @@ func file_kvservice_v1_kvservice_proto_init() {
 		(*MatchPrefixRequest_Tokens)(nil),
 		(*MatchPrefixRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[13].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[14].OneofWrappers = []any{
 		(*PublishPagesRequest_Tokens)(nil),
 		(*PublishPagesRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[17].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[18].OneofWrappers = []any{
 		(*ExpectDeltaRequest_PublishTokens)(nil),
 		(*ExpectDeltaRequest_PublishHashes)(nil),
 	}
@@ -2982,7 +3321,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   36,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

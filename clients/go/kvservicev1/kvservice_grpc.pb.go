@@ -42,6 +42,7 @@ const (
 	KVService_WatchTransfers_FullMethodName    = "/kvservice.v1.KVService/WatchTransfers"
 	KVService_Abort_FullMethodName             = "/kvservice.v1.KVService/Abort"
 	KVService_GetStats_FullMethodName          = "/kvservice.v1.KVService/GetStats"
+	KVService_SuggestEvictions_FullMethodName  = "/kvservice.v1.KVService/SuggestEvictions"
 )
 
 // KVServiceClient is the client API for KVService service.
@@ -79,6 +80,10 @@ type KVServiceClient interface {
 	Abort(ctx context.Context, in *AbortRequest, opts ...grpc.CallOption) (*AbortResponse, error)
 	// Operator view: buffer sets, index, staging, transfers.
 	GetStats(ctx context.Context, in *GetStatsRequest, opts ...grpc.CallOption) (*GetStatsResponse, error)
+	// Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
+	// used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
+	// checked with that engine's service before they are suggested.
+	SuggestEvictions(ctx context.Context, in *SuggestEvictionsRequest, opts ...grpc.CallOption) (*SuggestEvictionsResponse, error)
 }
 
 type kVServiceClient struct {
@@ -247,6 +252,16 @@ func (c *kVServiceClient) GetStats(ctx context.Context, in *GetStatsRequest, opt
 	return out, nil
 }
 
+func (c *kVServiceClient) SuggestEvictions(ctx context.Context, in *SuggestEvictionsRequest, opts ...grpc.CallOption) (*SuggestEvictionsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SuggestEvictionsResponse)
+	err := c.cc.Invoke(ctx, KVService_SuggestEvictions_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // KVServiceServer is the server API for KVService service.
 // All implementations must embed UnimplementedKVServiceServer
 // for forward compatibility.
@@ -282,6 +297,10 @@ type KVServiceServer interface {
 	Abort(context.Context, *AbortRequest) (*AbortResponse, error)
 	// Operator view: buffer sets, index, staging, transfers.
 	GetStats(context.Context, *GetStatsRequest) (*GetStatsResponse, error)
+	// Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
+	// used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
+	// checked with that engine's service before they are suggested.
+	SuggestEvictions(context.Context, *SuggestEvictionsRequest) (*SuggestEvictionsResponse, error)
 	mustEmbedUnimplementedKVServiceServer()
 }
 
@@ -333,6 +352,9 @@ func (UnimplementedKVServiceServer) Abort(context.Context, *AbortRequest) (*Abor
 }
 func (UnimplementedKVServiceServer) GetStats(context.Context, *GetStatsRequest) (*GetStatsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetStats not implemented")
+}
+func (UnimplementedKVServiceServer) SuggestEvictions(context.Context, *SuggestEvictionsRequest) (*SuggestEvictionsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method SuggestEvictions not implemented")
 }
 func (UnimplementedKVServiceServer) mustEmbedUnimplementedKVServiceServer() {}
 func (UnimplementedKVServiceServer) testEmbeddedByValue()                   {}
@@ -593,6 +615,24 @@ func _KVService_GetStats_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVService_SuggestEvictions_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SuggestEvictionsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVServiceServer).SuggestEvictions(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVService_SuggestEvictions_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVServiceServer).SuggestEvictions(ctx, req.(*SuggestEvictionsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // KVService_ServiceDesc is the grpc.ServiceDesc for KVService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -647,6 +687,10 @@ var KVService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetStats",
 			Handler:    _KVService_GetStats_Handler,
+		},
+		{
+			MethodName: "SuggestEvictions",
+			Handler:    _KVService_SuggestEvictions_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -1221,8 +1221,11 @@ type ReceivePlan struct {
 	// Why kv_handles is empty although the sender asked from the same boot id (logged by the
 	// sender, shown in its TransferStatus.route_note).
 	SameHostRefusal string `protobuf:"bytes,16,opt,name=same_host_refusal,json=sameHostRefusal,proto3" json:"same_host_refusal,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The receiver indexes the pages on DONE (ExpectDelta with publish): the sender may then mark
+	// them in its own index as also held there (the P/D duplicate) and check the mark with HeldPages.
+	Publishes     bool `protobuf:"varint,17,opt,name=publishes,proto3" json:"publishes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReceivePlan) Reset() {
@@ -1365,6 +1368,13 @@ func (x *ReceivePlan) GetSameHostRefusal() string {
 		return x.SameHostRefusal
 	}
 	return ""
+}
+
+func (x *ReceivePlan) GetPublishes() bool {
+	if x != nil {
+		return x.Publishes
+	}
+	return false
 }
 
 // A sender reports one chunk as written (or, with last_chunk, that it has finished).
@@ -1740,6 +1750,115 @@ func (x *PeerAbortResponse) GetKnown() bool {
 	return false
 }
 
+// Asks whether a receiver's buffer set still holds pages (by chained page hash).
+type HeldPagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The receiver's buffer set (ReceivePlan.dst_buffer_set_id).
+	BufferSetId string `protobuf:"bytes,1,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
+	// Page hashes to check.
+	Hashes        []uint64 `protobuf:"varint,2,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HeldPagesRequest) Reset() {
+	*x = HeldPagesRequest{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HeldPagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HeldPagesRequest) ProtoMessage() {}
+
+func (x *HeldPagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HeldPagesRequest.ProtoReflect.Descriptor instead.
+func (*HeldPagesRequest) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *HeldPagesRequest) GetBufferSetId() string {
+	if x != nil {
+		return x.BufferSetId
+	}
+	return ""
+}
+
+func (x *HeldPagesRequest) GetHashes() []uint64 {
+	if x != nil {
+		return x.Hashes
+	}
+	return nil
+}
+
+// One flag per asked hash. NOT_FOUND when the buffer set is gone.
+type HeldPagesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Held  []bool                 `protobuf:"varint,1,rep,packed,name=held,proto3" json:"held,omitempty"`
+	// The answering service's id: a different one than at the transfer means it restarted.
+	ServiceId     string `protobuf:"bytes,2,opt,name=service_id,json=serviceId,proto3" json:"service_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HeldPagesResponse) Reset() {
+	*x = HeldPagesResponse{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HeldPagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HeldPagesResponse) ProtoMessage() {}
+
+func (x *HeldPagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HeldPagesResponse.ProtoReflect.Descriptor instead.
+func (*HeldPagesResponse) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *HeldPagesResponse) GetHeld() []bool {
+	if x != nil {
+		return x.Held
+	}
+	return nil
+}
+
+func (x *HeldPagesResponse) GetServiceId() string {
+	if x != nil {
+		return x.ServiceId
+	}
+	return ""
+}
+
 var File_kvservice_v1_peer_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_peer_proto_rawDesc = "" +
@@ -1832,7 +1951,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\x12\x19\n" +
 	"\bmem_kind\x18\x03 \x01(\tR\amemKind\x12\x1b\n" +
-	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\xb8\x05\n" +
+	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\xd6\x05\n" +
 	"\vReceivePlan\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x123\n" +
@@ -1855,7 +1974,8 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\tdirect_ok\x18\x0e \x01(\bR\bdirectOk\x123\n" +
 	"\n" +
 	"kv_handles\x18\x0f \x03(\v2\x14.kvservice.v1.RegionR\tkvHandles\x12*\n" +
-	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\"\x94\x05\n" +
+	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\x12\x1c\n" +
+	"\tpublishes\x18\x11 \x01(\bR\tpublishes\"\x94\x05\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -1890,12 +2010,20 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"error_code\x18\x04 \x01(\tR\terrorCode\")\n" +
 	"\x11PeerAbortResponse\x12\x14\n" +
-	"\x05known\x18\x01 \x01(\bR\x05known2\xe6\x03\n" +
+	"\x05known\x18\x01 \x01(\bR\x05known\"N\n" +
+	"\x10HeldPagesRequest\x12\"\n" +
+	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x16\n" +
+	"\x06hashes\x18\x02 \x03(\x04R\x06hashes\"F\n" +
+	"\x11HeldPagesResponse\x12\x12\n" +
+	"\x04held\x18\x01 \x03(\bR\x04held\x12\x1d\n" +
+	"\n" +
+	"service_id\x18\x02 \x01(\tR\tserviceId2\xb4\x04\n" +
 	"\x06KVPeer\x12L\n" +
 	"\tHandshake\x12\x1e.kvservice.v1.HandshakeRequest\x1a\x1f.kvservice.v1.HandshakeResponse\x12S\n" +
 	"\x0eGetReceivePlan\x12#.kvservice.v1.GetReceivePlanRequest\x1a\x1c.kvservice.v1.ReceivePlanSet\x12P\n" +
 	"\x0eReserveStaging\x12#.kvservice.v1.ReserveStagingRequest\x1a\x19.kvservice.v1.StagingSlot\x12R\n" +
-	"\vCommitChunk\x12 .kvservice.v1.CommitChunkRequest\x1a!.kvservice.v1.CommitChunkResponse\x12H\n" +
+	"\vCommitChunk\x12 .kvservice.v1.CommitChunkRequest\x1a!.kvservice.v1.CommitChunkResponse\x12L\n" +
+	"\tHeldPages\x12\x1e.kvservice.v1.HeldPagesRequest\x1a\x1f.kvservice.v1.HeldPagesResponse\x12H\n" +
 	"\x05Abort\x12\x1e.kvservice.v1.PeerAbortRequest\x1a\x1f.kvservice.v1.PeerAbortResponse\x12I\n" +
 	"\aChannel\x12\x1c.kvservice.v1.ChannelMessage\x1a\x1c.kvservice.v1.ChannelMessage(\x010\x01b\x06proto3"
 
@@ -1911,7 +2039,7 @@ func file_kvservice_v1_peer_proto_rawDescGZIP() []byte {
 	return file_kvservice_v1_peer_proto_rawDescData
 }
 
-var file_kvservice_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_kvservice_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_kvservice_v1_peer_proto_goTypes = []any{
 	(*ChannelMessage)(nil),        // 0: kvservice.v1.ChannelMessage
 	(*CreditRelease)(nil),         // 1: kvservice.v1.CreditRelease
@@ -1932,11 +2060,13 @@ var file_kvservice_v1_peer_proto_goTypes = []any{
 	(*CommitChunkResponse)(nil),   // 16: kvservice.v1.CommitChunkResponse
 	(*PeerAbortRequest)(nil),      // 17: kvservice.v1.PeerAbortRequest
 	(*PeerAbortResponse)(nil),     // 18: kvservice.v1.PeerAbortResponse
-	(TransferState)(0),            // 19: kvservice.v1.TransferState
-	(*Layout)(nil),                // 20: kvservice.v1.Layout
-	(*AuxRows)(nil),               // 21: kvservice.v1.AuxRows
-	(*Region)(nil),                // 22: kvservice.v1.Region
-	(TransferPath)(0),             // 23: kvservice.v1.TransferPath
+	(*HeldPagesRequest)(nil),      // 19: kvservice.v1.HeldPagesRequest
+	(*HeldPagesResponse)(nil),     // 20: kvservice.v1.HeldPagesResponse
+	(TransferState)(0),            // 21: kvservice.v1.TransferState
+	(*Layout)(nil),                // 22: kvservice.v1.Layout
+	(*AuxRows)(nil),               // 23: kvservice.v1.AuxRows
+	(*Region)(nil),                // 24: kvservice.v1.Region
+	(TransferPath)(0),             // 25: kvservice.v1.TransferPath
 }
 var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	2,  // 0: kvservice.v1.ChannelMessage.open:type_name -> kvservice.v1.ChannelOpen
@@ -1948,31 +2078,33 @@ var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	8,  // 6: kvservice.v1.ChannelMessage.plan_request:type_name -> kvservice.v1.GetReceivePlanRequest
 	10, // 7: kvservice.v1.ChannelMessage.plan:type_name -> kvservice.v1.ReceivePlanSet
 	12, // 8: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
-	19, // 9: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
-	20, // 10: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
+	21, // 9: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
+	22, // 10: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
 	14, // 11: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
-	20, // 12: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
-	21, // 13: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
+	22, // 12: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
+	23, // 13: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
 	13, // 14: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
 	13, // 15: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
 	9,  // 16: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
-	22, // 17: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
-	23, // 18: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
-	19, // 19: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
+	24, // 17: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
+	25, // 18: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
+	21, // 19: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
 	6,  // 20: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
 	8,  // 21: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
 	11, // 22: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
 	15, // 23: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
-	17, // 24: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
-	0,  // 25: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
-	7,  // 26: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
-	10, // 27: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
-	12, // 28: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
-	16, // 29: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
-	18, // 30: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
-	0,  // 31: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
-	26, // [26:32] is the sub-list for method output_type
-	20, // [20:26] is the sub-list for method input_type
+	19, // 24: kvservice.v1.KVPeer.HeldPages:input_type -> kvservice.v1.HeldPagesRequest
+	17, // 25: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
+	0,  // 26: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
+	7,  // 27: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
+	10, // 28: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
+	12, // 29: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
+	16, // 30: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
+	20, // 31: kvservice.v1.KVPeer.HeldPages:output_type -> kvservice.v1.HeldPagesResponse
+	18, // 32: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
+	0,  // 33: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
+	27, // [27:34] is the sub-list for method output_type
+	20, // [20:27] is the sub-list for method input_type
 	20, // [20:20] is the sub-list for extension type_name
 	20, // [20:20] is the sub-list for extension extendee
 	0,  // [0:20] is the sub-list for field type_name
@@ -2000,7 +2132,7 @@ func file_kvservice_v1_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_peer_proto_rawDesc), len(file_kvservice_v1_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   19,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

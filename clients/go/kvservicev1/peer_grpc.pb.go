@@ -26,6 +26,7 @@ const (
 	KVPeer_GetReceivePlan_FullMethodName = "/kvservice.v1.KVPeer/GetReceivePlan"
 	KVPeer_ReserveStaging_FullMethodName = "/kvservice.v1.KVPeer/ReserveStaging"
 	KVPeer_CommitChunk_FullMethodName    = "/kvservice.v1.KVPeer/CommitChunk"
+	KVPeer_HeldPages_FullMethodName      = "/kvservice.v1.KVPeer/HeldPages"
 	KVPeer_Abort_FullMethodName          = "/kvservice.v1.KVPeer/Abort"
 	KVPeer_Channel_FullMethodName        = "/kvservice.v1.KVPeer/Channel"
 )
@@ -48,6 +49,10 @@ type KVPeerClient interface {
 	CommitChunk(ctx context.Context, in *CommitChunkRequest, opts ...grpc.CallOption) (*CommitChunkResponse, error)
 	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
 	// written (in-flight transport handles settled).
+	// Which of the given pages a buffer set of this service still holds in its index. A sender
+	// service asks it for the pages it marked as duplicated at this receiver after a DONE transfer;
+	// marks whose pages are gone (or whose buffer set or service is) are cleared.
+	HeldPages(ctx context.Context, in *HeldPagesRequest, opts ...grpc.CallOption) (*HeldPagesResponse, error)
 	Abort(ctx context.Context, in *PeerAbortRequest, opts ...grpc.CallOption) (*PeerAbortResponse, error)
 	// One persistent stream per sending service -> receiving service pair (data path v2). The
 	// sender opens it and asks for credits; the receiver grants a window of its staging slots
@@ -106,6 +111,16 @@ func (c *kVPeerClient) CommitChunk(ctx context.Context, in *CommitChunkRequest, 
 	return out, nil
 }
 
+func (c *kVPeerClient) HeldPages(ctx context.Context, in *HeldPagesRequest, opts ...grpc.CallOption) (*HeldPagesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(HeldPagesResponse)
+	err := c.cc.Invoke(ctx, KVPeer_HeldPages_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *kVPeerClient) Abort(ctx context.Context, in *PeerAbortRequest, opts ...grpc.CallOption) (*PeerAbortResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(PeerAbortResponse)
@@ -147,6 +162,10 @@ type KVPeerServer interface {
 	CommitChunk(context.Context, *CommitChunkRequest) (*CommitChunkResponse, error)
 	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
 	// written (in-flight transport handles settled).
+	// Which of the given pages a buffer set of this service still holds in its index. A sender
+	// service asks it for the pages it marked as duplicated at this receiver after a DONE transfer;
+	// marks whose pages are gone (or whose buffer set or service is) are cleared.
+	HeldPages(context.Context, *HeldPagesRequest) (*HeldPagesResponse, error)
 	Abort(context.Context, *PeerAbortRequest) (*PeerAbortResponse, error)
 	// One persistent stream per sending service -> receiving service pair (data path v2). The
 	// sender opens it and asks for credits; the receiver grants a window of its staging slots
@@ -176,6 +195,9 @@ func (UnimplementedKVPeerServer) ReserveStaging(context.Context, *ReserveStaging
 }
 func (UnimplementedKVPeerServer) CommitChunk(context.Context, *CommitChunkRequest) (*CommitChunkResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CommitChunk not implemented")
+}
+func (UnimplementedKVPeerServer) HeldPages(context.Context, *HeldPagesRequest) (*HeldPagesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method HeldPages not implemented")
 }
 func (UnimplementedKVPeerServer) Abort(context.Context, *PeerAbortRequest) (*PeerAbortResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Abort not implemented")
@@ -276,6 +298,24 @@ func _KVPeer_CommitChunk_Handler(srv interface{}, ctx context.Context, dec func(
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVPeer_HeldPages_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(HeldPagesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVPeerServer).HeldPages(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVPeer_HeldPages_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVPeerServer).HeldPages(ctx, req.(*HeldPagesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _KVPeer_Abort_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(PeerAbortRequest)
 	if err := dec(in); err != nil {
@@ -323,6 +363,10 @@ var KVPeer_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CommitChunk",
 			Handler:    _KVPeer_CommitChunk_Handler,
+		},
+		{
+			MethodName: "HeldPages",
+			Handler:    _KVPeer_HeldPages_Handler,
 		},
 		{
 			MethodName: "Abort",

@@ -23,7 +23,14 @@ from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
 from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, pointer_region, shm_region
 from ._security import ChannelSecurity
-from ._types import MatchResult, PrefixMatch, RegisteredBuffers, TransferStatus
+from ._types import (
+    EvictionSuggestion,
+    MatchResult,
+    PrefixMatch,
+    RegisteredBuffers,
+    TransferLoad,
+    TransferStatus,
+)
 from .hashing import page_hashes, tokens_to_u32le
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "Client",
     "DEFAULT_KEEPALIVE",
     "DeadlineExceeded",
+    "EvictionSuggestion",
     "FailedPrecondition",
     "InvalidArgument",
     "KVClientError",
@@ -51,6 +59,7 @@ __all__ = [
     "ServerError",
     "SessionLost",
     "ShmKVPool",
+    "TransferLoad",
     "TransferStatus",
     "Unauthenticated",
     "Unavailable",

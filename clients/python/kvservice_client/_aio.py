@@ -74,7 +74,15 @@ class AsyncClient:
         if not reregister:
             return {}
         return {
-            bs_id: await self.register_buffers(a.layout, a.k_regions, a.v_regions, a.aux, a.engine_id)
+            bs_id: await self.register_buffers(
+                a.layout,
+                a.k_regions,
+                a.v_regions,
+                a.aux,
+                a.engine_id,
+                inbound_max_transfers=a.inbound_max_transfers,
+                inbound_max_bytes=a.inbound_max_bytes,
+            )  # fmt: skip
             for bs_id, a in old.items()
         }
 
@@ -129,11 +137,18 @@ class AsyncClient:
         v_regions: Sequence[Region] = (),
         aux: Sequence[AuxSpec] = (),
         engine_id: str = "",
+        *,
+        inbound_max_transfers: int = 0,
+        inbound_max_bytes: int = 0,
     ) -> RegisteredBuffers:
-        r = await self._call("RegisterBuffers", rq.register(layout, k_regions, v_regions, aux, engine_id))
-        self.owned.add_buffer_set(
-            r.buffer_set_id, RegisterArgs(layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id)
-        )
+        """``inbound_max_*``: this buffer set's inbound budget (0: the service default); over it
+        ExpectDelta is refused at once with RESOURCE_EXHAUSTED (see TransferLoad)."""
+        args = RegisterArgs(
+            layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id,
+            inbound_max_transfers, inbound_max_bytes,
+        )  # fmt: skip
+        r = await self._call("RegisterBuffers", rq.register_args(args))
+        self.owned.add_buffer_set(r.buffer_set_id, args)
         return RegisteredBuffers(r.buffer_set_id, r.page_bytes_k, r.page_bytes_v)
 
     async def unregister_buffers(self, buffer_set_id: str) -> pb.UnregisterBuffersResponse:

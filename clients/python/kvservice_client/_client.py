@@ -23,7 +23,7 @@ from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
 from ._security import PLAIN, ChannelSecurity
 from ._session import Owned, RegisterArgs, SessionKeeper, find_credential_path
-from ._types import MatchResult, RegisteredBuffers, TransferStatus
+from ._types import EvictionSuggestion, MatchResult, RegisteredBuffers, TransferStatus
 
 __all__ = ["Client", "channel_options", "message_size_options"]
 
@@ -98,7 +98,15 @@ class Client:
         if not reregister:
             return {}
         return {
-            bs_id: self.register_buffers(a.layout, a.k_regions, a.v_regions, a.aux, a.engine_id)
+            bs_id: self.register_buffers(
+                a.layout,
+                a.k_regions,
+                a.v_regions,
+                a.aux,
+                a.engine_id,
+                inbound_max_transfers=a.inbound_max_transfers,
+                inbound_max_bytes=a.inbound_max_bytes,
+            )  # fmt: skip
             for bs_id, a in old.items()
         }
 
@@ -158,11 +166,18 @@ class Client:
         v_regions: Sequence[Region] = (),
         aux: Sequence[AuxSpec] = (),
         engine_id: str = "",
+        *,
+        inbound_max_transfers: int = 0,
+        inbound_max_bytes: int = 0,
     ) -> RegisteredBuffers:
-        r = self._call("RegisterBuffers", rq.register(layout, k_regions, v_regions, aux, engine_id))
-        self.owned.add_buffer_set(
-            r.buffer_set_id, RegisterArgs(layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id)
-        )
+        """``inbound_max_*``: this buffer set's inbound budget (0: the service default); over it
+        ExpectDelta is refused at once with RESOURCE_EXHAUSTED (see TransferLoad)."""
+        args = RegisterArgs(
+            layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id,
+            inbound_max_transfers, inbound_max_bytes,
+        )  # fmt: skip
+        r = self._call("RegisterBuffers", rq.register_args(args))
+        self.owned.add_buffer_set(r.buffer_set_id, args)
         return RegisteredBuffers(r.buffer_set_id, r.page_bytes_k, r.page_bytes_v)
 
     def unregister_buffers(self, buffer_set_id: str) -> pb.UnregisterBuffersResponse:
@@ -202,6 +217,13 @@ class Client:
     ) -> int:
         req = rq.publish(buffer_set_id, page_indices, tokens, hashes, priority)
         return int(self._call("PublishPages", req).inserted_pages)
+
+    def suggest_evictions(self, buffer_set_id: str, max_pages: int) -> EvictionSuggestion:
+        """Pages of the buffer set to evict first (unpinned; lowest priority, then least
+        recently used; leaves before parents; verified P/D duplicates carry their lowered
+        priority). Evict them in the order given."""
+        req = pb.SuggestEvictionsRequest(buffer_set_id=buffer_set_id, max_pages=max_pages)
+        return EvictionSuggestion.from_proto(self._call("SuggestEvictions", req))
 
     def evict_pages(self, buffer_set_id: str, page_indices: Iterable[int] = (), *, all: bool = False) -> int:
         req = pb.EvictPagesRequest(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -72,12 +73,28 @@ def _u32(value: int, field: str) -> int:
     return int(value)
 
 
+def _u64(value: int, field: str) -> int:
+    if not 0 <= int(value) < 2**64:
+        raise InvalidArgument(f"{field}: {value} is outside 0..2**64-1")
+    return int(value)
+
+
+def register_args(args: Any) -> kvservice_pb2.RegisterBuffersRequest:
+    """The request for a ``_session.RegisterArgs``."""
+    return register(
+        args.layout, args.k_regions, args.v_regions, args.aux, args.engine_id,
+        args.inbound_max_transfers, args.inbound_max_bytes,
+    )  # fmt: skip
+
+
 def register(
     layout: Layout,
     k_regions: Sequence[Region],
     v_regions: Sequence[Region],
     aux: Sequence[AuxSpec],
     engine_id: str,
+    inbound_max_transfers: int = 0,
+    inbound_max_bytes: int = 0,
 ) -> kvservice_pb2.RegisterBuffersRequest:
     return kvservice_pb2.RegisterBuffersRequest(
         layout=layout.to_proto(),
@@ -85,6 +102,8 @@ def register(
         v_regions=[r.to_proto() for r in v_regions],
         aux_regions=[a.to_proto() for a in aux],
         engine_id=engine_id,
+        inbound_max_transfers=_u32(inbound_max_transfers, "inbound_max_transfers"),
+        inbound_max_bytes=_u64(inbound_max_bytes, "inbound_max_bytes"),
     )
 
 

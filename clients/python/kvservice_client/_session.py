@@ -89,6 +89,8 @@ class RegisterArgs:
     v_regions: tuple[Any, ...]
     aux: tuple[Any, ...]
     engine_id: str
+    inbound_max_transfers: int = 0
+    inbound_max_bytes: int = 0
 
 
 class Owned:

@@ -7,7 +7,14 @@ from typing import Literal
 
 from ._proto import common_pb2, kvservice_pb2
 
-__all__ = ["MatchResult", "PrefixMatch", "RegisteredBuffers", "TransferStatus"]
+__all__ = [
+    "EvictionSuggestion",
+    "MatchResult",
+    "PrefixMatch",
+    "RegisteredBuffers",
+    "TransferLoad",
+    "TransferStatus",
+]
 
 State = Literal["PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED", "UNSPECIFIED"]
 TERMINAL = frozenset({"DONE", "FAILED", "ABORTED"})
@@ -21,6 +28,34 @@ class RegisteredBuffers:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransferLoad:
+    """Transfer load of one buffer set (an engine rank): can it take a transfer now?"""
+
+    inbound_transfers: int = 0
+    inbound_bytes_pending: int = 0
+    outbound_transfers: int = 0
+    staging_waiters: int = 0
+    inbound_p50_us: int = 0
+    inbound_p99_us: int = 0
+    inbound_samples: int = 0
+    inbound_max_transfers: int = 0  # 0: unlimited
+    inbound_max_bytes: int = 0  # 0: unlimited
+    inbound_refused: int = 0
+    admits: bool = True
+
+    @property
+    def transfers_free(self) -> int | None:
+        """Inbound transfers it can still take (None: unlimited)."""
+        if not self.inbound_max_transfers:
+            return None
+        return max(self.inbound_max_transfers - self.inbound_transfers, 0)
+
+    @classmethod
+    def from_proto(cls, pb: kvservice_pb2.TransferLoad) -> TransferLoad:
+        return cls(**{f.name: getattr(pb, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefixMatch:
     buffer_set_id: str
     engine_id: str
@@ -29,6 +64,20 @@ class PrefixMatch:
     matched_pages: int
     page_indices: tuple[int, ...]
     min_priority: int
+    load: TransferLoad = TransferLoad()
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionSuggestion:
+    """Pages to evict first, in order, with their priority and whether another engine holds them."""
+
+    page_indices: tuple[int, ...]
+    priorities: tuple[int, ...]
+    duplicated: tuple[bool, ...]
+
+    @classmethod
+    def from_proto(cls, pb: kvservice_pb2.SuggestEvictionsResponse) -> EvictionSuggestion:
+        return cls(tuple(pb.page_indices), tuple(pb.priorities), tuple(pb.duplicated))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +103,7 @@ class MatchResult:
                     matched_pages=m.matched_pages,
                     page_indices=tuple(m.page_indices),
                     min_priority=m.min_priority,
+                    load=TransferLoad.from_proto(m.load),
                 )
                 for m in pb.matches
             ),

@@ -46,18 +46,22 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, buffer_sets_released: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
-    __slots__ = ("layout", "k_regions", "v_regions", "aux_regions", "engine_id")
+    __slots__ = ("layout", "k_regions", "v_regions", "aux_regions", "engine_id", "inbound_max_transfers", "inbound_max_bytes")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     K_REGIONS_FIELD_NUMBER: _ClassVar[int]
     V_REGIONS_FIELD_NUMBER: _ClassVar[int]
     AUX_REGIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_MAX_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.Layout
     k_regions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Region]
     v_regions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Region]
     aux_regions: _containers.RepeatedCompositeFieldContainer[_common_pb2.AuxRegion]
     engine_id: str
-    def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., k_regions: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., v_regions: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[_common_pb2.AuxRegion, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    inbound_max_transfers: int
+    inbound_max_bytes: int
+    def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., k_regions: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., v_regions: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[_common_pb2.AuxRegion, _Mapping]]] = ..., engine_id: _Optional[str] = ..., inbound_max_transfers: _Optional[int] = ..., inbound_max_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterBuffersResponse(_message.Message):
     __slots__ = ("buffer_set_id", "page_bytes_k", "page_bytes_v")
@@ -104,7 +108,7 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., page_size: _Optional[int] = ..., buffer_set_ids: _Optional[_Iterable[str]] = ..., has_dp_rank: bool = ..., dp_rank: _Optional[int] = ..., scores_only: bool = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefixMatch(_message.Message):
-    __slots__ = ("buffer_set_id", "engine_id", "tp_rank", "dp_rank", "matched_pages", "page_indices", "min_priority")
+    __slots__ = ("buffer_set_id", "engine_id", "tp_rank", "dp_rank", "matched_pages", "page_indices", "min_priority", "load")
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +116,7 @@ class PrefixMatch(_message.Message):
     MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     buffer_set_id: str
     engine_id: str
     tp_rank: int
@@ -119,7 +124,34 @@ class PrefixMatch(_message.Message):
     matched_pages: int
     page_indices: _containers.RepeatedScalarFieldContainer[int]
     min_priority: int
-    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_pages: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., min_priority: _Optional[int] = ...) -> None: ...
+    load: TransferLoad
+    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_pages: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., min_priority: _Optional[int] = ..., load: _Optional[_Union[TransferLoad, _Mapping]] = ...) -> None: ...
+
+class TransferLoad(_message.Message):
+    __slots__ = ("inbound_transfers", "inbound_bytes_pending", "outbound_transfers", "staging_waiters", "inbound_p50_us", "inbound_p99_us", "inbound_samples", "inbound_max_transfers", "inbound_max_bytes", "inbound_refused", "admits")
+    INBOUND_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_BYTES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_WAITERS_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_P50_US_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_P99_US_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_MAX_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ADMITS_FIELD_NUMBER: _ClassVar[int]
+    inbound_transfers: int
+    inbound_bytes_pending: int
+    outbound_transfers: int
+    staging_waiters: int
+    inbound_p50_us: int
+    inbound_p99_us: int
+    inbound_samples: int
+    inbound_max_transfers: int
+    inbound_max_bytes: int
+    inbound_refused: int
+    admits: bool
+    def __init__(self, inbound_transfers: _Optional[int] = ..., inbound_bytes_pending: _Optional[int] = ..., outbound_transfers: _Optional[int] = ..., staging_waiters: _Optional[int] = ..., inbound_p50_us: _Optional[int] = ..., inbound_p99_us: _Optional[int] = ..., inbound_samples: _Optional[int] = ..., inbound_max_transfers: _Optional[int] = ..., inbound_max_bytes: _Optional[int] = ..., inbound_refused: _Optional[int] = ..., admits: bool = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("matches", "query_pages", "lease_id", "lease_expires_unix_ms")
@@ -330,7 +362,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferSetInfo(_message.Message):
-    __slots__ = ("buffer_set_id", "engine_id", "layout", "memory", "total_bytes", "indexed_pages", "session_id")
+    __slots__ = ("buffer_set_id", "engine_id", "layout", "memory", "total_bytes", "indexed_pages", "session_id", "load", "duplicated_pages")
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +370,8 @@ class BufferSetInfo(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     INDEXED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATED_PAGES_FIELD_NUMBER: _ClassVar[int]
     buffer_set_id: str
     engine_id: str
     layout: _common_pb2.Layout
@@ -345,7 +379,27 @@ class BufferSetInfo(_message.Message):
     total_bytes: int
     indexed_pages: int
     session_id: str
-    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., memory: _Optional[str] = ..., total_bytes: _Optional[int] = ..., indexed_pages: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    load: TransferLoad
+    duplicated_pages: int
+    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., memory: _Optional[str] = ..., total_bytes: _Optional[int] = ..., indexed_pages: _Optional[int] = ..., session_id: _Optional[str] = ..., load: _Optional[_Union[TransferLoad, _Mapping]] = ..., duplicated_pages: _Optional[int] = ...) -> None: ...
+
+class SuggestEvictionsRequest(_message.Message):
+    __slots__ = ("buffer_set_id", "max_pages")
+    BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    buffer_set_id: str
+    max_pages: int
+    def __init__(self, buffer_set_id: _Optional[str] = ..., max_pages: _Optional[int] = ...) -> None: ...
+
+class SuggestEvictionsResponse(_message.Message):
+    __slots__ = ("page_indices", "priorities", "duplicated")
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    priorities: _containers.RepeatedScalarFieldContainer[int]
+    duplicated: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, page_indices: _Optional[_Iterable[int]] = ..., priorities: _Optional[_Iterable[int]] = ..., duplicated: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class IndexStats(_message.Message):
     __slots__ = ("entries", "leases", "lookups", "hit_pages", "query_pages", "entries_by_priority")

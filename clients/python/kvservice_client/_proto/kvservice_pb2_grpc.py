@@ -105,6 +105,11 @@ class KVServiceStub(object):
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.SuggestEvictions = channel.unary_unary(
+                '/kvservice.v1.KVService/SuggestEvictions',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsResponse.FromString,
+                _registered_method=True)
 
 
 class KVServiceServicer(object):
@@ -211,6 +216,15 @@ class KVServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SuggestEvictions(self, request, context):
+        """Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
+        used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
+        checked with that engine's service before they are suggested.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -283,6 +297,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.GetStatsRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'SuggestEvictions': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuggestEvictions,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -663,6 +682,33 @@ class KVService(object):
             '/kvservice.v1.KVService/GetStats',
             kvservice_dot_v1_dot_kvservice__pb2.GetStatsRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuggestEvictions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVService/SuggestEvictions',
+            kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

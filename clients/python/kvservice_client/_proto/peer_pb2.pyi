@@ -188,7 +188,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReceivePlan(_message.Message):
-    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal")
+    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal", "publishes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class ReceivePlan(_message.Message):
     DIRECT_OK_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_layout: _common_pb2.Layout
     prefix_pages: int
@@ -221,7 +222,8 @@ class ReceivePlan(_message.Message):
     direct_ok: bool
     kv_handles: _containers.RepeatedCompositeFieldContainer[_common_pb2.Region]
     same_host_refusal: str
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ...) -> None: ...
+    publishes: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot")
@@ -288,3 +290,19 @@ class PeerAbortResponse(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     def __init__(self, known: bool = ...) -> None: ...
+
+class HeldPagesRequest(_message.Message):
+    __slots__ = ("buffer_set_id", "hashes")
+    BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    buffer_set_id: str
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, buffer_set_id: _Optional[str] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HeldPagesResponse(_message.Message):
+    __slots__ = ("held", "service_id")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedScalarFieldContainer[bool]
+    service_id: str
+    def __init__(self, held: _Optional[_Iterable[bool]] = ..., service_id: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class KVPeerStub(object):
                 request_serializer=kvservice_dot_v1_dot_peer__pb2.CommitChunkRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_peer__pb2.CommitChunkResponse.FromString,
                 _registered_method=True)
+        self.HeldPages = channel.unary_unary(
+                '/kvservice.v1.KVPeer/HeldPages',
+                request_serializer=kvservice_dot_v1_dot_peer__pb2.HeldPagesRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_peer__pb2.HeldPagesResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvservice.v1.KVPeer/Abort',
                 request_serializer=kvservice_dot_v1_dot_peer__pb2.PeerAbortRequest.SerializeToString,
@@ -102,10 +107,19 @@ class KVPeerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
+    def HeldPages(self, request, context):
         """Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
         written (in-flight transport handles settled).
+        Which of the given pages a buffer set of this service still holds in its index. A sender
+        service asks it for the pages it marked as duplicated at this receiver after a DONE transfer;
+        marks whose pages are gone (or whose buffer set or service is) are cleared.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -144,6 +158,11 @@ def add_KVPeerServicer_to_server(servicer, server):
                     servicer.CommitChunk,
                     request_deserializer=kvservice_dot_v1_dot_peer__pb2.CommitChunkRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_peer__pb2.CommitChunkResponse.SerializeToString,
+            ),
+            'HeldPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldPages,
+                    request_deserializer=kvservice_dot_v1_dot_peer__pb2.HeldPagesRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_peer__pb2.HeldPagesResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -264,6 +283,33 @@ class KVPeer(object):
             '/kvservice.v1.KVPeer/CommitChunk',
             kvservice_dot_v1_dot_peer__pb2.CommitChunkRequest.SerializeToString,
             kvservice_dot_v1_dot_peer__pb2.CommitChunkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVPeer/HeldPages',
+            kvservice_dot_v1_dot_peer__pb2.HeldPagesRequest.SerializeToString,
+            kvservice_dot_v1_dot_peer__pb2.HeldPagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

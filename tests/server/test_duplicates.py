@@ -1,0 +1,131 @@
+"""P/D duplicate marks (set on DONE, cleared when the receiver's copy goes) and SuggestEvictions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvservice_client import Client, InvalidArgument, Layout, NotFound, ShmKVPool
+
+from tests.service_thread import ServerThread, make_config
+from tests.transfer.e2e_helpers import eventually
+
+LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
+TOKENS = np.arange(500, 500 + 6 * 4)  # 6 pages
+SRC = [0, 1, 2, 3, 4, 5]
+DST = [10, 11, 12, 13, 14, 15]
+
+
+def _dup(client: Client, bs_id: str) -> int:
+    (info,) = [i for i in client.get_stats().buffer_sets if i.buffer_set_id == bs_id]
+    return info.duplicated_pages
+
+
+def _transfer(make_server, publish: bool = True, check_ms: int = 100, b=None, **cfg):  # noqa: ANN001, ANN202
+    """A prefill service (a) whose engine published the sequence, a decode service (b)."""
+    a = make_server(transport="loopback", duplicate_check_ms=check_ms, **cfg)
+    b = b or make_server(transport="loopback")
+    pa, pb = ShmKVPool.create(LAYOUT), ShmKVPool.create(LAYOUT)
+    ka, kb = Client(a.address), Client(b.address)
+    sa = ka.register_buffers(LAYOUT, pa.k_regions, pa.v_regions).buffer_set_id
+    sb = kb.register_buffers(LAYOUT, pb.k_regions, pb.v_regions).buffer_set_id
+    ka.publish_pages(sa, SRC, tokens=TOKENS)
+    ka.publish_pages(sa, [20, 21], tokens=np.arange(9000, 9008))  # another sequence, not sent
+    kb.expect_delta("t", sb, prefix_pages=0, dst_page_indices=DST, publish_tokens=TOKENS if publish else None)
+    ka.send_delta("t", sa, src_page_indices=SRC, peer_address=b.app.peer_address)
+    assert {s.state for s in kb.wait("t", timeout=20)} == {"DONE"}
+    eventually(lambda: {s.state for s in ka.poll(["t"])} == {"DONE"}, 10, "sender DONE")
+    return a, b, ka, kb, sa, sb, (pa, pb)
+
+
+@pytest.fixture
+def closing():  # noqa: ANN201
+    held: list = []
+    yield held.append
+    for x in held:
+        for obj in x:
+            obj.close()
+
+
+def test_marks_set_on_done_and_offered_first(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server)
+    closing((ka, kb, *pools))
+    assert eventually(lambda: _dup(ka, sa) == 6, 5, "6 duplicated pages")
+    sug = ka.suggest_evictions(sa, 32)
+    assert sug.page_indices[:6] == (5, 4, 3, 2, 1, 0)  # leaves before parents, all duplicated
+    assert sug.duplicated == (True,) * 6 + (False,) * 2
+    assert sug.priorities[:6] == (-1000,) * 6 and sug.priorities[6:] == (0, 0)
+    assert _dup(kb, sb) == 0  # the receiver marks nothing
+
+
+def test_no_mark_when_the_receiver_does_not_index_the_pages(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, publish=False)
+    closing((ka, kb, *pools))
+    assert _dup(ka, sa) == 0
+    assert not any(ka.suggest_evictions(sa, 32).duplicated)
+
+
+def test_cleared_when_the_receiver_evicts(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server)
+    closing((ka, kb, *pools))
+    eventually(lambda: _dup(ka, sa) == 6, 5)
+    kb.evict_pages(sb, [13])  # drops pages 13, 14, 15 (the tail below it)
+    eventually(lambda: _dup(ka, sa) == 3, 5, "tail marks cleared by the periodic check")
+    kb.evict_pages(sb, all=True)
+    eventually(lambda: _dup(ka, sa) == 0, 5, "all marks cleared")
+
+
+def test_suggestion_rechecks_marks_at_once(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, check_ms=3_600_000)
+    closing((ka, kb, *pools))
+    assert _dup(ka, sa) == 6
+    kb.evict_pages(sb, all=True)
+    sug = ka.suggest_evictions(sa, 32)  # verified with the receiver before answering
+    assert not any(sug.duplicated) and _dup(ka, sa) == 0
+
+
+def test_cleared_when_the_receiver_unregisters(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server)
+    closing((ka, kb, *pools))
+    eventually(lambda: _dup(ka, sa) == 6, 5)
+    kb.unregister_buffers(sb)
+    eventually(lambda: _dup(ka, sa) == 0, 5, "marks cleared after unregister")
+
+
+def test_cleared_when_the_receiver_service_goes_away(make_server, closing) -> None:
+    own = ServerThread(make_config(transport="loopback"))  # stopped here, not by the fixture
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, b=own)
+    closing((ka, *pools))
+    eventually(lambda: _dup(ka, sa) == 6, 5)
+    kb.close()
+    b.stop()
+    eventually(lambda: _dup(ka, sa) == 0, 10, "marks cleared after the receiver's service stopped")
+
+
+def test_keep_policy_marks_without_lowering(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, duplicate_policy="keep")
+    closing((ka, kb, *pools))
+    eventually(lambda: _dup(ka, sa) == 6, 5)
+    sug = ka.suggest_evictions(sa, 32)
+    assert set(sug.priorities) == {0} and sum(sug.duplicated) == 6
+
+
+def test_suggestions_never_include_leased_pages_or_their_ancestors(make_server) -> None:
+    srv = make_server(transport="loopback")
+    with ShmKVPool.create(LAYOUT) as pool, Client(srv.address) as kc:
+        bs = kc.register_buffers(LAYOUT, pool.k_regions, pool.v_regions).buffer_set_id
+        base = np.arange(4 * 4)
+        kc.publish_pages(bs, [0, 1, 2, 3], tokens=base)
+        kc.publish_pages(bs, [0, 1, 6, 7], tokens=np.concatenate([base[:8], np.arange(70, 78)]))
+        kc.publish_pages(bs, [9], tokens=np.arange(900, 904), priority=5)
+        lease = kc.match_prefix(tokens=base, page_size=4, buffer_set_ids=[bs], lease_ttl_ms=60_000)
+        sug = kc.suggest_evictions(bs, 32)
+        assert set(sug.page_indices) == {6, 7, 9}  # 0..3 leased; 0, 1 are also ancestors of 6, 7
+        assert sug.page_indices.index(7) < sug.page_indices.index(6)  # a leaf before its parent
+        assert sug.page_indices[-1] == 9  # higher priority goes last
+        kc.release_lease(lease.lease_id)
+        assert set(kc.suggest_evictions(bs, 32).page_indices) == {0, 1, 2, 3, 6, 7, 9}
+        assert len(kc.suggest_evictions(bs, 2).page_indices) == 2
+        with pytest.raises(InvalidArgument, match="max_pages"):
+            kc.suggest_evictions(bs, 0)
+        with pytest.raises(NotFound):
+            kc.suggest_evictions("no-such-set", 4)
