@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,30 @@ from . import VERSION
 log = logging.getLogger(__name__)
 
 
+class _Notices:
+    """Latest duplicate count per buffer set, waiting for the session stream to send it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._ready = asyncio.Event()
+
+    def put(self, buffer_set_id: str, duplicated: int) -> None:
+        with self._lock:
+            self._pending[buffer_set_id] = duplicated
+        self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> tuple[str, int]:
+        while True:
+            with self._lock:
+                if self._pending:
+                    key = next(iter(self._pending))
+                    return key, self._pending.pop(key)
+                self._ready.clear()
+            await self._ready.wait()
+
+
 @dataclasses.dataclass(frozen=True)
 class Unregistered:
     transfers_aborted: int
@@ -67,6 +92,7 @@ class Node:
         self.event_subscribers: list[Any] = []
         self.republishers: list[Any] = []
         self.draining = False
+        self._notices: dict[str, _Notices] = {}  # session id -> its stream's pending notices
         self.sessions.on_close(self._release_session)
         self.buffers.add_hooks(self._index_add, self._index_drop)
 
@@ -242,7 +268,26 @@ class Node:
         self.sessions.release(session, reason)
         return True
 
+    def session_notices(self, session_id: str) -> _Notices:
+        """The pending notices of a session's stream (a resumed stream takes over the same)."""
+        box = self._notices.get(session_id)
+        if box is None:
+            box = self._notices[session_id] = _Notices(asyncio.get_running_loop())
+        return box
+
+    def notify_duplicates(self, buffer_set_id: str) -> None:
+        """Tell the owner session of ``buffer_set_id`` how many of its pages are P/D duplicates
+        now (coalesced: a slow stream gets the latest count once)."""
+        try:
+            bs = self.buffers.get(buffer_set_id)
+        except NotFound:
+            return
+        box = self._notices.get(bs.session_id)
+        if box is not None:
+            box.put(buffer_set_id, self.index.duplicated_pages(buffer_set_id))
+
     def _release_session(self, session_id: str) -> None:
+        self._notices.pop(session_id, None)
         self.index.release_owner(session_id)
         self.buffers.release_session(session_id)
 

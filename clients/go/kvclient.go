@@ -162,6 +162,38 @@ type PrefixMatch struct {
 	DPRank       uint32
 	MatchedPages uint32
 	PageIndices  []uint32
+	MinPriority  int32
+	Load         TransferLoad // can it take a transfer now (see TransferLoad)
+}
+
+// TransferLoad is one buffer set's transfer load as MatchPrefix reports it: routers admit a
+// transfer to an engine only while Admits is true, and fall back to plain P/D otherwise.
+type TransferLoad struct {
+	InboundTransfers    uint32        // declared (ExpectDelta) and unfinished
+	InboundBytesPending uint64        // still to arrive over those
+	OutboundTransfers   uint32        // SendDelta from this buffer set, unfinished
+	StagingWaiters      uint32        // reservations waiting in its staging pool
+	InboundP50          time.Duration // recent inbound transfer time (0: no sample in the window)
+	InboundP99          time.Duration
+	InboundSamples      uint32
+	MaxTransfers        uint32 // inbound budget (0: unlimited)
+	MaxBytes            uint64
+	Refused             uint64 // ExpectDeltas refused over budget since registration
+	Admits              bool   // under both budgets now
+}
+
+func loadOf(l *pb.TransferLoad) TransferLoad {
+	if l == nil {
+		return TransferLoad{Admits: true}
+	}
+	return TransferLoad{
+		InboundTransfers: l.InboundTransfers, InboundBytesPending: l.InboundBytesPending,
+		OutboundTransfers: l.OutboundTransfers, StagingWaiters: l.StagingWaiters,
+		InboundP50: time.Duration(l.InboundP50Us) * time.Microsecond,
+		InboundP99: time.Duration(l.InboundP99Us) * time.Microsecond, InboundSamples: l.InboundSamples,
+		MaxTransfers: l.InboundMaxTransfers, MaxBytes: l.InboundMaxBytes, Refused: l.InboundRefused,
+		Admits: l.Admits,
+	}
 }
 
 // MatchResult lists every candidate buffer set, longest prefix first as the service returns them.
@@ -170,6 +202,24 @@ type MatchResult struct {
 	QueryPages     uint32
 	LeaseID        string
 	LeaseExpiresAt time.Time
+}
+
+// BestAdmitting is the candidate with the most matched pages among those whose load admits a
+// transfer now (fewest inbound transfers on ties), or nil when none admits: the router then falls
+// back to plain P/D on another node.
+func (m *MatchResult) BestAdmitting() *PrefixMatch {
+	var best *PrefixMatch
+	for i := range m.Matches {
+		c := &m.Matches[i]
+		if !c.Load.Admits {
+			continue
+		}
+		if best == nil || c.MatchedPages > best.MatchedPages ||
+			(c.MatchedPages == best.MatchedPages && c.Load.InboundTransfers < best.Load.InboundTransfers) {
+			best = c
+		}
+	}
+	return best
 }
 
 // Best is the candidate with the most matched pages (the first on ties), or nil when none matched.
@@ -217,7 +267,8 @@ func (c *Client) MatchPrefix(ctx context.Context, key Key, pageSize uint32, o Ma
 	for _, m := range r.Matches {
 		out.Matches = append(out.Matches, PrefixMatch{
 			BufferSetID: m.BufferSetId, EngineID: m.EngineId, TPRank: m.TpRank, DPRank: m.DpRank,
-			MatchedPages: m.MatchedPages, PageIndices: m.PageIndices,
+			MatchedPages: m.MatchedPages, PageIndices: m.PageIndices, MinPriority: m.MinPriority,
+			Load: loadOf(m.Load),
 		})
 	}
 	return out, nil

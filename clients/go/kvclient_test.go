@@ -155,6 +155,11 @@ func TestRouterPicksTheDecodeEngineWithTheLongestPrefix(t *testing.T) {
 		DstPageIndices: []uint32{6}, DeadlineMs: 30000}); err != nil {
 		t.Fatal(err)
 	}
+	declared, err := c.MatchPrefix(ctx, kvclient.Tokens(prompt), 16, kvclient.MatchOptions{BufferSetIDs: []string{bsB}})
+	if err != nil || declared.Matches[0].Load.InboundTransfers != 1 || declared.Matches[0].Load.InboundBytesPending == 0 ||
+		!declared.Matches[0].Load.Admits || declared.BestAdmitting() == nil {
+		t.Fatalf("load after ExpectDelta: %+v %v", declared, err)
+	}
 	go func() {
 		time.Sleep(200 * time.Millisecond)
 		_, _ = c.Raw().Abort(sctx, &pb.AbortRequest{TransferId: "go-t1", Reason: "router changed its mind"})

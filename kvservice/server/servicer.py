@@ -52,7 +52,13 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
                 grace_ms=int(self.node.config.session_grace_s * 1000),
                 resumed=bool(request.resume_session_id),
             )
-            await asyncio.Event().wait()  # held until the stream ends (cancellation)
+            notices = self.node.session_notices(session.session_id)
+            while True:  # held until the stream ends (cancellation); carries notices meanwhile
+                bs_id, count = await notices.get()
+                yield pb.SessionEvent(
+                    session_id=session.session_id,
+                    duplicates=pb.DuplicateNotice(buffer_set_id=bs_id, duplicated_pages=count),
+                )
         finally:
             self.node.session_stream_ended(session.session_id, epoch)
 

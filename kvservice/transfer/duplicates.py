@@ -106,6 +106,7 @@ class DuplicateBook:
             tuple(t.plan.dst_buffer_set_id for t in out.targets),
         )
         self.marks[m.mark_id] = m
+        self._e.node.notify_duplicates(rec.buffer_set_id)
 
     def _drop(self, m: Mark, keep: np.ndarray | None = None) -> None:
         """Clear ``m`` entirely, or only the entries where ``keep`` is False."""
@@ -116,6 +117,7 @@ class DuplicateBook:
         else:
             m.slots, m.epochs, m.hashes = m.slots[keep], m.epochs[keep], m.hashes[keep]
         self.cleared += 1
+        self._e.node.notify_duplicates(m.src_bs)
 
     def drop_buffer_set(self, buffer_set_id: str) -> None:
         """The source buffer set was unregistered: its marks go with it."""

@@ -26,6 +26,8 @@ def _transfer(make_server, publish: bool = True, check_ms: int = 100, b=None, **
     b = b or make_server(transport="loopback")
     pa, pb = ShmKVPool.create(LAYOUT), ShmKVPool.create(LAYOUT)
     ka, kb = Client(a.address), Client(b.address)
+    ka.duplicate_events = []  # type: ignore[attr-defined]
+    ka.on_duplicates(lambda bs, n: ka.duplicate_events.append((bs, n)))  # type: ignore[attr-defined]
     sa = ka.register_buffers(LAYOUT, pa.k_regions, pa.v_regions).buffer_set_id
     sb = kb.register_buffers(LAYOUT, pb.k_regions, pb.v_regions).buffer_set_id
     ka.publish_pages(sa, SRC, tokens=TOKENS)
@@ -55,6 +57,7 @@ def test_marks_set_on_done_and_offered_first(make_server, closing) -> None:
     assert sug.duplicated == (True,) * 6 + (False,) * 2
     assert sug.priorities[:6] == (-1000,) * 6 and sug.priorities[6:] == (0, 0)
     assert _dup(kb, sb) == 0  # the receiver marks nothing
+    assert eventually(lambda: (sa, 6) in ka.duplicate_events, 5, "a notice on the session stream")
 
 
 def test_no_mark_when_the_receiver_does_not_index_the_pages(make_server, closing) -> None:
@@ -72,6 +75,7 @@ def test_cleared_when_the_receiver_evicts(make_server, closing) -> None:
     eventually(lambda: _dup(ka, sa) == 3, 5, "tail marks cleared by the periodic check")
     kb.evict_pages(sb, all=True)
     eventually(lambda: _dup(ka, sa) == 0, 5, "all marks cleared")
+    eventually(lambda: ka.duplicate_events[-1] == (sa, 0), 5, "the engine is told")
 
 
 def test_suggestion_rechecks_marks_at_once(make_server, closing) -> None:

@@ -147,7 +147,11 @@ type SessionEvent struct {
 	// How long the session outlives a broken stream before its resources are released.
 	GraceMs uint32 `protobuf:"varint,2,opt,name=grace_ms,json=graceMs,proto3" json:"grace_ms,omitempty"`
 	// True when this stream resumed an existing session.
-	Resumed       bool `protobuf:"varint,3,opt,name=resumed,proto3" json:"resumed,omitempty"`
+	Resumed bool `protobuf:"varint,3,opt,name=resumed,proto3" json:"resumed,omitempty"`
+	// Later events: the P/D duplicates of one of the session's buffer sets changed (pages another
+	// engine also holds after a DONE transfer this service sent, or such marks cleared). Ask
+	// SuggestEvictions which pages to evict first.
+	Duplicates    *DuplicateNotice `protobuf:"bytes,4,opt,name=duplicates,proto3" json:"duplicates,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -203,6 +207,68 @@ func (x *SessionEvent) GetResumed() bool {
 	return false
 }
 
+func (x *SessionEvent) GetDuplicates() *DuplicateNotice {
+	if x != nil {
+		return x.Duplicates
+	}
+	return nil
+}
+
+// How many of a buffer set's indexed pages another engine also holds now.
+type DuplicateNotice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The session's buffer set.
+	BufferSetId string `protobuf:"bytes,1,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
+	// Its pages with a valid duplicate mark now.
+	DuplicatedPages uint64 `protobuf:"varint,2,opt,name=duplicated_pages,json=duplicatedPages,proto3" json:"duplicated_pages,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *DuplicateNotice) Reset() {
+	*x = DuplicateNotice{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DuplicateNotice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DuplicateNotice) ProtoMessage() {}
+
+func (x *DuplicateNotice) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DuplicateNotice.ProtoReflect.Descriptor instead.
+func (*DuplicateNotice) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *DuplicateNotice) GetBufferSetId() string {
+	if x != nil {
+		return x.BufferSetId
+	}
+	return ""
+}
+
+func (x *DuplicateNotice) GetDuplicatedPages() uint64 {
+	if x != nil {
+		return x.DuplicatedPages
+	}
+	return 0
+}
+
 // Ends the session named by the call's `kvservice-session` metadata.
 type CloseSessionRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -212,7 +278,7 @@ type CloseSessionRequest struct {
 
 func (x *CloseSessionRequest) Reset() {
 	*x = CloseSessionRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -224,7 +290,7 @@ func (x *CloseSessionRequest) String() string {
 func (*CloseSessionRequest) ProtoMessage() {}
 
 func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -237,7 +303,7 @@ func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionRequest.ProtoReflect.Descriptor instead.
 func (*CloseSessionRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{2}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{3}
 }
 
 // What closing released.
@@ -251,7 +317,7 @@ type CloseSessionResponse struct {
 
 func (x *CloseSessionResponse) Reset() {
 	*x = CloseSessionResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -263,7 +329,7 @@ func (x *CloseSessionResponse) String() string {
 func (*CloseSessionResponse) ProtoMessage() {}
 
 func (x *CloseSessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -276,7 +342,7 @@ func (x *CloseSessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionResponse.ProtoReflect.Descriptor instead.
 func (*CloseSessionResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{3}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *CloseSessionResponse) GetBufferSetsReleased() uint32 {
@@ -310,7 +376,7 @@ type RegisterBuffersRequest struct {
 
 func (x *RegisterBuffersRequest) Reset() {
 	*x = RegisterBuffersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -322,7 +388,7 @@ func (x *RegisterBuffersRequest) String() string {
 func (*RegisterBuffersRequest) ProtoMessage() {}
 
 func (x *RegisterBuffersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -335,7 +401,7 @@ func (x *RegisterBuffersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterBuffersRequest.ProtoReflect.Descriptor instead.
 func (*RegisterBuffersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{4}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RegisterBuffersRequest) GetLayout() *Layout {
@@ -402,7 +468,7 @@ type RegisterBuffersResponse struct {
 
 func (x *RegisterBuffersResponse) Reset() {
 	*x = RegisterBuffersResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -414,7 +480,7 @@ func (x *RegisterBuffersResponse) String() string {
 func (*RegisterBuffersResponse) ProtoMessage() {}
 
 func (x *RegisterBuffersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -427,7 +493,7 @@ func (x *RegisterBuffersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterBuffersResponse.ProtoReflect.Descriptor instead.
 func (*RegisterBuffersResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{5}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RegisterBuffersResponse) GetBufferSetId() string {
@@ -462,7 +528,7 @@ type UnregisterBuffersRequest struct {
 
 func (x *UnregisterBuffersRequest) Reset() {
 	*x = UnregisterBuffersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -474,7 +540,7 @@ func (x *UnregisterBuffersRequest) String() string {
 func (*UnregisterBuffersRequest) ProtoMessage() {}
 
 func (x *UnregisterBuffersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -487,7 +553,7 @@ func (x *UnregisterBuffersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnregisterBuffersRequest.ProtoReflect.Descriptor instead.
 func (*UnregisterBuffersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{6}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *UnregisterBuffersRequest) GetBufferSetId() string {
@@ -510,7 +576,7 @@ type UnregisterBuffersResponse struct {
 
 func (x *UnregisterBuffersResponse) Reset() {
 	*x = UnregisterBuffersResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -522,7 +588,7 @@ func (x *UnregisterBuffersResponse) String() string {
 func (*UnregisterBuffersResponse) ProtoMessage() {}
 
 func (x *UnregisterBuffersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -535,7 +601,7 @@ func (x *UnregisterBuffersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnregisterBuffersResponse.ProtoReflect.Descriptor instead.
 func (*UnregisterBuffersResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{7}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *UnregisterBuffersResponse) GetTransfersAborted() uint32 {
@@ -581,7 +647,7 @@ type MatchPrefixRequest struct {
 
 func (x *MatchPrefixRequest) Reset() {
 	*x = MatchPrefixRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -593,7 +659,7 @@ func (x *MatchPrefixRequest) String() string {
 func (*MatchPrefixRequest) ProtoMessage() {}
 
 func (x *MatchPrefixRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -606,7 +672,7 @@ func (x *MatchPrefixRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchPrefixRequest.ProtoReflect.Descriptor instead.
 func (*MatchPrefixRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{8}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *MatchPrefixRequest) GetKey() isMatchPrefixRequest_Key {
@@ -719,7 +785,7 @@ type PrefixMatch struct {
 
 func (x *PrefixMatch) Reset() {
 	*x = PrefixMatch{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -731,7 +797,7 @@ func (x *PrefixMatch) String() string {
 func (*PrefixMatch) ProtoMessage() {}
 
 func (x *PrefixMatch) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -744,7 +810,7 @@ func (x *PrefixMatch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefixMatch.ProtoReflect.Descriptor instead.
 func (*PrefixMatch) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{9}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PrefixMatch) GetBufferSetId() string {
@@ -834,7 +900,7 @@ type TransferLoad struct {
 
 func (x *TransferLoad) Reset() {
 	*x = TransferLoad{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -846,7 +912,7 @@ func (x *TransferLoad) String() string {
 func (*TransferLoad) ProtoMessage() {}
 
 func (x *TransferLoad) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -859,7 +925,7 @@ func (x *TransferLoad) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferLoad.ProtoReflect.Descriptor instead.
 func (*TransferLoad) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{10}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *TransferLoad) GetInboundTransfers() uint32 {
@@ -956,7 +1022,7 @@ type MatchPrefixResponse struct {
 
 func (x *MatchPrefixResponse) Reset() {
 	*x = MatchPrefixResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -968,7 +1034,7 @@ func (x *MatchPrefixResponse) String() string {
 func (*MatchPrefixResponse) ProtoMessage() {}
 
 func (x *MatchPrefixResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -981,7 +1047,7 @@ func (x *MatchPrefixResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchPrefixResponse.ProtoReflect.Descriptor instead.
 func (*MatchPrefixResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{11}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *MatchPrefixResponse) GetMatches() []*PrefixMatch {
@@ -1024,7 +1090,7 @@ type ReleaseLeaseRequest struct {
 
 func (x *ReleaseLeaseRequest) Reset() {
 	*x = ReleaseLeaseRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1036,7 +1102,7 @@ func (x *ReleaseLeaseRequest) String() string {
 func (*ReleaseLeaseRequest) ProtoMessage() {}
 
 func (x *ReleaseLeaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1049,7 +1115,7 @@ func (x *ReleaseLeaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseLeaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseLeaseRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{12}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ReleaseLeaseRequest) GetLeaseId() string {
@@ -1068,7 +1134,7 @@ type ReleaseLeaseResponse struct {
 
 func (x *ReleaseLeaseResponse) Reset() {
 	*x = ReleaseLeaseResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1080,7 +1146,7 @@ func (x *ReleaseLeaseResponse) String() string {
 func (*ReleaseLeaseResponse) ProtoMessage() {}
 
 func (x *ReleaseLeaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1093,7 +1159,7 @@ func (x *ReleaseLeaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseLeaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseLeaseResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{13}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{14}
 }
 
 // Adds a cached sequence's pages to the index.
@@ -1119,7 +1185,7 @@ type PublishPagesRequest struct {
 
 func (x *PublishPagesRequest) Reset() {
 	*x = PublishPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1131,7 +1197,7 @@ func (x *PublishPagesRequest) String() string {
 func (*PublishPagesRequest) ProtoMessage() {}
 
 func (x *PublishPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1144,7 +1210,7 @@ func (x *PublishPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishPagesRequest.ProtoReflect.Descriptor instead.
 func (*PublishPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{14}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PublishPagesRequest) GetBufferSetId() string {
@@ -1222,7 +1288,7 @@ type PublishPagesResponse struct {
 
 func (x *PublishPagesResponse) Reset() {
 	*x = PublishPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1234,7 +1300,7 @@ func (x *PublishPagesResponse) String() string {
 func (*PublishPagesResponse) ProtoMessage() {}
 
 func (x *PublishPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1247,7 +1313,7 @@ func (x *PublishPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishPagesResponse.ProtoReflect.Descriptor instead.
 func (*PublishPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{15}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *PublishPagesResponse) GetInsertedPages() uint32 {
@@ -1273,7 +1339,7 @@ type EvictPagesRequest struct {
 
 func (x *EvictPagesRequest) Reset() {
 	*x = EvictPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1285,7 +1351,7 @@ func (x *EvictPagesRequest) String() string {
 func (*EvictPagesRequest) ProtoMessage() {}
 
 func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1298,7 +1364,7 @@ func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesRequest.ProtoReflect.Descriptor instead.
 func (*EvictPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{16}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EvictPagesRequest) GetBufferSetId() string {
@@ -1333,7 +1399,7 @@ type EvictPagesResponse struct {
 
 func (x *EvictPagesResponse) Reset() {
 	*x = EvictPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1345,7 +1411,7 @@ func (x *EvictPagesResponse) String() string {
 func (*EvictPagesResponse) ProtoMessage() {}
 
 func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1358,7 +1424,7 @@ func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesResponse.ProtoReflect.Descriptor instead.
 func (*EvictPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{17}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *EvictPagesResponse) GetEvictedPages() uint32 {
@@ -1405,7 +1471,7 @@ type ExpectDeltaRequest struct {
 
 func (x *ExpectDeltaRequest) Reset() {
 	*x = ExpectDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1417,7 +1483,7 @@ func (x *ExpectDeltaRequest) String() string {
 func (*ExpectDeltaRequest) ProtoMessage() {}
 
 func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1430,7 +1496,7 @@ func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaRequest.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{18}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ExpectDeltaRequest) GetTransferId() string {
@@ -1550,7 +1616,7 @@ type ExpectDeltaResponse struct {
 
 func (x *ExpectDeltaResponse) Reset() {
 	*x = ExpectDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1562,7 +1628,7 @@ func (x *ExpectDeltaResponse) String() string {
 func (*ExpectDeltaResponse) ProtoMessage() {}
 
 func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1575,7 +1641,7 @@ func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaResponse.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{19}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ExpectDeltaResponse) GetStatus() *TransferStatus {
@@ -1613,7 +1679,7 @@ type SendDeltaRequest struct {
 
 func (x *SendDeltaRequest) Reset() {
 	*x = SendDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1625,7 +1691,7 @@ func (x *SendDeltaRequest) String() string {
 func (*SendDeltaRequest) ProtoMessage() {}
 
 func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1638,7 +1704,7 @@ func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaRequest.ProtoReflect.Descriptor instead.
 func (*SendDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *SendDeltaRequest) GetTransferId() string {
@@ -1715,7 +1781,7 @@ type SendDeltaResponse struct {
 
 func (x *SendDeltaResponse) Reset() {
 	*x = SendDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1727,7 +1793,7 @@ func (x *SendDeltaResponse) String() string {
 func (*SendDeltaResponse) ProtoMessage() {}
 
 func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1740,7 +1806,7 @@ func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaResponse.ProtoReflect.Descriptor instead.
 func (*SendDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *SendDeltaResponse) GetStatus() *TransferStatus {
@@ -1761,7 +1827,7 @@ type PollRequest struct {
 
 func (x *PollRequest) Reset() {
 	*x = PollRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1773,7 +1839,7 @@ func (x *PollRequest) String() string {
 func (*PollRequest) ProtoMessage() {}
 
 func (x *PollRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1786,7 +1852,7 @@ func (x *PollRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollRequest.ProtoReflect.Descriptor instead.
 func (*PollRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *PollRequest) GetTransferIds() []string {
@@ -1808,7 +1874,7 @@ type PollResponse struct {
 
 func (x *PollResponse) Reset() {
 	*x = PollResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1820,7 +1886,7 @@ func (x *PollResponse) String() string {
 func (*PollResponse) ProtoMessage() {}
 
 func (x *PollResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1833,7 +1899,7 @@ func (x *PollResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollResponse.ProtoReflect.Descriptor instead.
 func (*PollResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *PollResponse) GetStatuses() []*TransferStatus {
@@ -1856,7 +1922,7 @@ type WatchTransfersRequest struct {
 
 func (x *WatchTransfersRequest) Reset() {
 	*x = WatchTransfersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1868,7 +1934,7 @@ func (x *WatchTransfersRequest) String() string {
 func (*WatchTransfersRequest) ProtoMessage() {}
 
 func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1881,7 +1947,7 @@ func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchTransfersRequest.ProtoReflect.Descriptor instead.
 func (*WatchTransfersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *WatchTransfersRequest) GetTransferIds() []string {
@@ -1911,7 +1977,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1923,7 +1989,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1936,7 +2002,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *AbortRequest) GetTransferId() string {
@@ -1964,7 +2030,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1976,7 +2042,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1989,7 +2055,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *AbortResponse) GetStatuses() []*TransferStatus {
@@ -2020,7 +2086,7 @@ type PhaseTimings struct {
 
 func (x *PhaseTimings) Reset() {
 	*x = PhaseTimings{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2032,7 +2098,7 @@ func (x *PhaseTimings) String() string {
 func (*PhaseTimings) ProtoMessage() {}
 
 func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2045,7 +2111,7 @@ func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PhaseTimings.ProtoReflect.Descriptor instead.
 func (*PhaseTimings) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *PhaseTimings) GetQueueUs() uint64 {
@@ -2128,7 +2194,7 @@ type TransferStatus struct {
 
 func (x *TransferStatus) Reset() {
 	*x = TransferStatus{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2140,7 +2206,7 @@ func (x *TransferStatus) String() string {
 func (*TransferStatus) ProtoMessage() {}
 
 func (x *TransferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2153,7 +2219,7 @@ func (x *TransferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferStatus.ProtoReflect.Descriptor instead.
 func (*TransferStatus) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *TransferStatus) GetTransferId() string {
@@ -2277,7 +2343,7 @@ type GetStatsRequest struct {
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2289,7 +2355,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2302,7 +2368,7 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
 }
 
 // One registered buffer set.
@@ -2332,7 +2398,7 @@ type BufferSetInfo struct {
 
 func (x *BufferSetInfo) Reset() {
 	*x = BufferSetInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2344,7 +2410,7 @@ func (x *BufferSetInfo) String() string {
 func (*BufferSetInfo) ProtoMessage() {}
 
 func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2357,7 +2423,7 @@ func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BufferSetInfo.ProtoReflect.Descriptor instead.
 func (*BufferSetInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *BufferSetInfo) GetBufferSetId() string {
@@ -2436,7 +2502,7 @@ type SuggestEvictionsRequest struct {
 
 func (x *SuggestEvictionsRequest) Reset() {
 	*x = SuggestEvictionsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2448,7 +2514,7 @@ func (x *SuggestEvictionsRequest) String() string {
 func (*SuggestEvictionsRequest) ProtoMessage() {}
 
 func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2461,7 +2527,7 @@ func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsRequest.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SuggestEvictionsRequest) GetBufferSetId() string {
@@ -2494,7 +2560,7 @@ type SuggestEvictionsResponse struct {
 
 func (x *SuggestEvictionsResponse) Reset() {
 	*x = SuggestEvictionsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2506,7 +2572,7 @@ func (x *SuggestEvictionsResponse) String() string {
 func (*SuggestEvictionsResponse) ProtoMessage() {}
 
 func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2519,7 +2585,7 @@ func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsResponse.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SuggestEvictionsResponse) GetPageIndices() []uint32 {
@@ -2564,7 +2630,7 @@ type IndexStats struct {
 
 func (x *IndexStats) Reset() {
 	*x = IndexStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2576,7 +2642,7 @@ func (x *IndexStats) String() string {
 func (*IndexStats) ProtoMessage() {}
 
 func (x *IndexStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2589,7 +2655,7 @@ func (x *IndexStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexStats.ProtoReflect.Descriptor instead.
 func (*IndexStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *IndexStats) GetEntries() uint64 {
@@ -2653,7 +2719,7 @@ type StagingStats struct {
 
 func (x *StagingStats) Reset() {
 	*x = StagingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2665,7 +2731,7 @@ func (x *StagingStats) String() string {
 func (*StagingStats) ProtoMessage() {}
 
 func (x *StagingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2678,7 +2744,7 @@ func (x *StagingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingStats.ProtoReflect.Descriptor instead.
 func (*StagingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *StagingStats) GetKind() string {
@@ -2733,7 +2799,7 @@ type TransferCounts struct {
 
 func (x *TransferCounts) Reset() {
 	*x = TransferCounts{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2745,7 +2811,7 @@ func (x *TransferCounts) String() string {
 func (*TransferCounts) ProtoMessage() {}
 
 func (x *TransferCounts) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2758,7 +2824,7 @@ func (x *TransferCounts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferCounts.ProtoReflect.Descriptor instead.
 func (*TransferCounts) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *TransferCounts) GetInFlight() uint64 {
@@ -2821,7 +2887,7 @@ type GetStatsResponse struct {
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2833,7 +2899,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2846,7 +2912,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *GetStatsResponse) GetServiceId() string {
@@ -2913,12 +2979,18 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x12OpenSessionRequest\x12\x1f\n" +
 	"\vclient_name\x18\x01 \x01(\tR\n" +
 	"clientName\x12*\n" +
-	"\x11resume_session_id\x18\x02 \x01(\tR\x0fresumeSessionId\"b\n" +
+	"\x11resume_session_id\x18\x02 \x01(\tR\x0fresumeSessionId\"\xa1\x01\n" +
 	"\fSessionEvent\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x19\n" +
 	"\bgrace_ms\x18\x02 \x01(\rR\agraceMs\x12\x18\n" +
-	"\aresumed\x18\x03 \x01(\bR\aresumed\"\x15\n" +
+	"\aresumed\x18\x03 \x01(\bR\aresumed\x12=\n" +
+	"\n" +
+	"duplicates\x18\x04 \x01(\v2\x1d.kvservice.v1.DuplicateNoticeR\n" +
+	"duplicates\"`\n" +
+	"\x0fDuplicateNotice\x12\"\n" +
+	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12)\n" +
+	"\x10duplicated_pages\x18\x02 \x01(\x04R\x0fduplicatedPages\"\x15\n" +
 	"\x13CloseSessionRequest\"H\n" +
 	"\x14CloseSessionResponse\x120\n" +
 	"\x14buffer_sets_released\x18\x01 \x01(\rR\x12bufferSetsReleased\"\xe3\x02\n" +
@@ -3177,124 +3249,126 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
 	(*OpenSessionRequest)(nil),        // 1: kvservice.v1.OpenSessionRequest
 	(*SessionEvent)(nil),              // 2: kvservice.v1.SessionEvent
-	(*CloseSessionRequest)(nil),       // 3: kvservice.v1.CloseSessionRequest
-	(*CloseSessionResponse)(nil),      // 4: kvservice.v1.CloseSessionResponse
-	(*RegisterBuffersRequest)(nil),    // 5: kvservice.v1.RegisterBuffersRequest
-	(*RegisterBuffersResponse)(nil),   // 6: kvservice.v1.RegisterBuffersResponse
-	(*UnregisterBuffersRequest)(nil),  // 7: kvservice.v1.UnregisterBuffersRequest
-	(*UnregisterBuffersResponse)(nil), // 8: kvservice.v1.UnregisterBuffersResponse
-	(*MatchPrefixRequest)(nil),        // 9: kvservice.v1.MatchPrefixRequest
-	(*PrefixMatch)(nil),               // 10: kvservice.v1.PrefixMatch
-	(*TransferLoad)(nil),              // 11: kvservice.v1.TransferLoad
-	(*MatchPrefixResponse)(nil),       // 12: kvservice.v1.MatchPrefixResponse
-	(*ReleaseLeaseRequest)(nil),       // 13: kvservice.v1.ReleaseLeaseRequest
-	(*ReleaseLeaseResponse)(nil),      // 14: kvservice.v1.ReleaseLeaseResponse
-	(*PublishPagesRequest)(nil),       // 15: kvservice.v1.PublishPagesRequest
-	(*PublishPagesResponse)(nil),      // 16: kvservice.v1.PublishPagesResponse
-	(*EvictPagesRequest)(nil),         // 17: kvservice.v1.EvictPagesRequest
-	(*EvictPagesResponse)(nil),        // 18: kvservice.v1.EvictPagesResponse
-	(*ExpectDeltaRequest)(nil),        // 19: kvservice.v1.ExpectDeltaRequest
-	(*ExpectDeltaResponse)(nil),       // 20: kvservice.v1.ExpectDeltaResponse
-	(*SendDeltaRequest)(nil),          // 21: kvservice.v1.SendDeltaRequest
-	(*SendDeltaResponse)(nil),         // 22: kvservice.v1.SendDeltaResponse
-	(*PollRequest)(nil),               // 23: kvservice.v1.PollRequest
-	(*PollResponse)(nil),              // 24: kvservice.v1.PollResponse
-	(*WatchTransfersRequest)(nil),     // 25: kvservice.v1.WatchTransfersRequest
-	(*AbortRequest)(nil),              // 26: kvservice.v1.AbortRequest
-	(*AbortResponse)(nil),             // 27: kvservice.v1.AbortResponse
-	(*PhaseTimings)(nil),              // 28: kvservice.v1.PhaseTimings
-	(*TransferStatus)(nil),            // 29: kvservice.v1.TransferStatus
-	(*GetStatsRequest)(nil),           // 30: kvservice.v1.GetStatsRequest
-	(*BufferSetInfo)(nil),             // 31: kvservice.v1.BufferSetInfo
-	(*SuggestEvictionsRequest)(nil),   // 32: kvservice.v1.SuggestEvictionsRequest
-	(*SuggestEvictionsResponse)(nil),  // 33: kvservice.v1.SuggestEvictionsResponse
-	(*IndexStats)(nil),                // 34: kvservice.v1.IndexStats
-	(*StagingStats)(nil),              // 35: kvservice.v1.StagingStats
-	(*TransferCounts)(nil),            // 36: kvservice.v1.TransferCounts
-	(*GetStatsResponse)(nil),          // 37: kvservice.v1.GetStatsResponse
-	nil,                               // 38: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 39: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 40: kvservice.v1.Layout
-	(*Region)(nil),                    // 41: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 42: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 43: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 44: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 45: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 46: kvservice.v1.TransferPath
-	(TransferState)(0),                // 47: kvservice.v1.TransferState
+	(*DuplicateNotice)(nil),           // 3: kvservice.v1.DuplicateNotice
+	(*CloseSessionRequest)(nil),       // 4: kvservice.v1.CloseSessionRequest
+	(*CloseSessionResponse)(nil),      // 5: kvservice.v1.CloseSessionResponse
+	(*RegisterBuffersRequest)(nil),    // 6: kvservice.v1.RegisterBuffersRequest
+	(*RegisterBuffersResponse)(nil),   // 7: kvservice.v1.RegisterBuffersResponse
+	(*UnregisterBuffersRequest)(nil),  // 8: kvservice.v1.UnregisterBuffersRequest
+	(*UnregisterBuffersResponse)(nil), // 9: kvservice.v1.UnregisterBuffersResponse
+	(*MatchPrefixRequest)(nil),        // 10: kvservice.v1.MatchPrefixRequest
+	(*PrefixMatch)(nil),               // 11: kvservice.v1.PrefixMatch
+	(*TransferLoad)(nil),              // 12: kvservice.v1.TransferLoad
+	(*MatchPrefixResponse)(nil),       // 13: kvservice.v1.MatchPrefixResponse
+	(*ReleaseLeaseRequest)(nil),       // 14: kvservice.v1.ReleaseLeaseRequest
+	(*ReleaseLeaseResponse)(nil),      // 15: kvservice.v1.ReleaseLeaseResponse
+	(*PublishPagesRequest)(nil),       // 16: kvservice.v1.PublishPagesRequest
+	(*PublishPagesResponse)(nil),      // 17: kvservice.v1.PublishPagesResponse
+	(*EvictPagesRequest)(nil),         // 18: kvservice.v1.EvictPagesRequest
+	(*EvictPagesResponse)(nil),        // 19: kvservice.v1.EvictPagesResponse
+	(*ExpectDeltaRequest)(nil),        // 20: kvservice.v1.ExpectDeltaRequest
+	(*ExpectDeltaResponse)(nil),       // 21: kvservice.v1.ExpectDeltaResponse
+	(*SendDeltaRequest)(nil),          // 22: kvservice.v1.SendDeltaRequest
+	(*SendDeltaResponse)(nil),         // 23: kvservice.v1.SendDeltaResponse
+	(*PollRequest)(nil),               // 24: kvservice.v1.PollRequest
+	(*PollResponse)(nil),              // 25: kvservice.v1.PollResponse
+	(*WatchTransfersRequest)(nil),     // 26: kvservice.v1.WatchTransfersRequest
+	(*AbortRequest)(nil),              // 27: kvservice.v1.AbortRequest
+	(*AbortResponse)(nil),             // 28: kvservice.v1.AbortResponse
+	(*PhaseTimings)(nil),              // 29: kvservice.v1.PhaseTimings
+	(*TransferStatus)(nil),            // 30: kvservice.v1.TransferStatus
+	(*GetStatsRequest)(nil),           // 31: kvservice.v1.GetStatsRequest
+	(*BufferSetInfo)(nil),             // 32: kvservice.v1.BufferSetInfo
+	(*SuggestEvictionsRequest)(nil),   // 33: kvservice.v1.SuggestEvictionsRequest
+	(*SuggestEvictionsResponse)(nil),  // 34: kvservice.v1.SuggestEvictionsResponse
+	(*IndexStats)(nil),                // 35: kvservice.v1.IndexStats
+	(*StagingStats)(nil),              // 36: kvservice.v1.StagingStats
+	(*TransferCounts)(nil),            // 37: kvservice.v1.TransferCounts
+	(*GetStatsResponse)(nil),          // 38: kvservice.v1.GetStatsResponse
+	nil,                               // 39: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 40: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 41: kvservice.v1.Layout
+	(*Region)(nil),                    // 42: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 43: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 44: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 45: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 46: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 47: kvservice.v1.TransferPath
+	(TransferState)(0),                // 48: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
-	40, // 0: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	41, // 1: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	41, // 2: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	42, // 3: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	43, // 4: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	44, // 5: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
-	11, // 6: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
-	10, // 7: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	43, // 8: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	44, // 9: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	45, // 10: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	43, // 11: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	44, // 12: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
-	29, // 13: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	45, // 14: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	46, // 15: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
-	29, // 16: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	29, // 17: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	29, // 18: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	0,  // 19: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	47, // 20: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	46, // 21: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
-	28, // 22: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	40, // 23: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
-	11, // 24: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
-	38, // 25: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	39, // 26: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
-	31, // 27: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
-	34, // 28: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
-	35, // 29: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
-	36, // 30: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	1,  // 31: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	3,  // 32: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	5,  // 33: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	7,  // 34: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	9,  // 35: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	13, // 36: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	15, // 37: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	17, // 38: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	19, // 39: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	21, // 40: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	23, // 41: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	25, // 42: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	26, // 43: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	30, // 44: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	32, // 45: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
-	2,  // 46: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	4,  // 47: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	6,  // 48: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	8,  // 49: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	12, // 50: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	14, // 51: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	16, // 52: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	18, // 53: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	20, // 54: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	22, // 55: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	24, // 56: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	29, // 57: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	27, // 58: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	37, // 59: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	33, // 60: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
-	46, // [46:61] is the sub-list for method output_type
-	31, // [31:46] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	3,  // 0: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
+	41, // 1: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	42, // 2: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	42, // 3: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	43, // 4: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	44, // 5: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	45, // 6: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	12, // 7: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
+	11, // 8: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
+	44, // 9: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	45, // 10: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	46, // 11: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	44, // 12: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	45, // 13: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	30, // 14: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	46, // 15: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	47, // 16: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	30, // 17: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	30, // 18: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	30, // 19: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	0,  // 20: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
+	48, // 21: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	47, // 22: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	29, // 23: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
+	41, // 24: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	12, // 25: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
+	39, // 26: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	40, // 27: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	32, // 28: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
+	35, // 29: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
+	36, // 30: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
+	37, // 31: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
+	1,  // 32: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	4,  // 33: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	6,  // 34: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	8,  // 35: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	10, // 36: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	14, // 37: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	16, // 38: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	18, // 39: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	20, // 40: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	22, // 41: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	24, // 42: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	26, // 43: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	27, // 44: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	31, // 45: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	33, // 46: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	2,  // 47: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	5,  // 48: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	7,  // 49: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	9,  // 50: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	13, // 51: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	15, // 52: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	17, // 53: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	19, // 54: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	21, // 55: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	23, // 56: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	25, // 57: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	30, // 58: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	28, // 59: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	38, // 60: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	34, // 61: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	47, // [47:62] is the sub-list for method output_type
+	32, // [32:47] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -3303,15 +3377,15 @@ func file_kvservice_v1_kvservice_proto_init() {
 		return
 	}
 	file_kvservice_v1_common_proto_init()
-	file_kvservice_v1_kvservice_proto_msgTypes[8].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[9].OneofWrappers = []any{
 		(*MatchPrefixRequest_Tokens)(nil),
 		(*MatchPrefixRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[14].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[15].OneofWrappers = []any{
 		(*PublishPagesRequest_Tokens)(nil),
 		(*PublishPagesRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[18].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[19].OneofWrappers = []any{
 		(*ExpectDeltaRequest_PublishTokens)(nil),
 		(*ExpectDeltaRequest_PublishHashes)(nil),
 	}
@@ -3321,7 +3395,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   39,
+			NumMessages:   40,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

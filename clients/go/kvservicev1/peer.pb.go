@@ -1808,7 +1808,8 @@ func (x *HeldPagesRequest) GetHashes() []uint64 {
 // One flag per asked hash. NOT_FOUND when the buffer set is gone.
 type HeldPagesResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Held  []bool                 `protobuf:"varint,1,rep,packed,name=held,proto3" json:"held,omitempty"`
+	// Whether the buffer set's index holds each asked hash, in request order.
+	Held []bool `protobuf:"varint,1,rep,packed,name=held,proto3" json:"held,omitempty"`
 	// The answering service's id: a different one than at the transfer means it restarted.
 	ServiceId     string `protobuf:"bytes,2,opt,name=service_id,json=serviceId,proto3" json:"service_id,omitempty"`
 	unknownFields protoimpl.UnknownFields

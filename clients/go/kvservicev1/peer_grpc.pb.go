@@ -47,12 +47,12 @@ type KVPeerClient interface {
 	// Tells the receiver that a chunk's bytes have landed (direct path) or sit in its staging slot
 	// (packed path, the receiver then unpacks). Answers once the receiver has applied it.
 	CommitChunk(ctx context.Context, in *CommitChunkRequest, opts ...grpc.CallOption) (*CommitChunkResponse, error)
-	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
-	// written (in-flight transport handles settled).
 	// Which of the given pages a buffer set of this service still holds in its index. A sender
 	// service asks it for the pages it marked as duplicated at this receiver after a DONE transfer;
 	// marks whose pages are gone (or whose buffer set or service is) are cleared.
 	HeldPages(ctx context.Context, in *HeldPagesRequest, opts ...grpc.CallOption) (*HeldPagesResponse, error)
+	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
+	// written (in-flight transport handles settled).
 	Abort(ctx context.Context, in *PeerAbortRequest, opts ...grpc.CallOption) (*PeerAbortResponse, error)
 	// One persistent stream per sending service -> receiving service pair (data path v2). The
 	// sender opens it and asks for credits; the receiver grants a window of its staging slots
@@ -160,12 +160,12 @@ type KVPeerServer interface {
 	// Tells the receiver that a chunk's bytes have landed (direct path) or sit in its staging slot
 	// (packed path, the receiver then unpacks). Answers once the receiver has applied it.
 	CommitChunk(context.Context, *CommitChunkRequest) (*CommitChunkResponse, error)
-	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
-	// written (in-flight transport handles settled).
 	// Which of the given pages a buffer set of this service still holds in its index. A sender
 	// service asks it for the pages it marked as duplicated at this receiver after a DONE transfer;
 	// marks whose pages are gone (or whose buffer set or service is) are cleared.
 	HeldPages(context.Context, *HeldPagesRequest) (*HeldPagesResponse, error)
+	// Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
+	// written (in-flight transport handles settled).
 	Abort(context.Context, *PeerAbortRequest) (*PeerAbortResponse, error)
 	// One persistent stream per sending service -> receiving service pair (data path v2). The
 	// sender opens it and asks for credits; the receiver grants a window of its staging slots

@@ -40,6 +40,8 @@ class AsyncSessionKeeper:
         self._target = target
         self._owned = owned
         self._on_lost = on_lost
+        # Told of every later event on the stream (P/D duplicate notices), on the event loop.
+        self.listeners: list[Callable[[Any], None]] = []
         self._changed = asyncio.Condition()
         self._state = "idle"
         self._error: KVClientError | None = None
@@ -111,8 +113,12 @@ class AsyncSessionKeeper:
             return
         while call is not None:
             try:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
+                while (event := await call.read()) is not grpc.aio.EOF:
+                    for listener in list(self.listeners):
+                        try:
+                            listener(event)
+                        except Exception:  # a listener's bug must not end the session
+                            log.exception("session event listener failed")
             except (grpc.RpcError, asyncio.CancelledError):
                 if self._state == "closed":
                     return

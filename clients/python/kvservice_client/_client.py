@@ -218,6 +218,17 @@ class Client:
         req = rq.publish(buffer_set_id, page_indices, tokens, hashes, priority)
         return int(self._call("PublishPages", req).inserted_pages)
 
+    def on_duplicates(self, fn: Callable[[str, int], None]) -> None:
+        """Call ``fn(buffer_set_id, duplicated_pages)`` whenever the service reports that the
+        P/D duplicates of one of this session's buffer sets changed (a DONE transfer it sent to
+        an engine that indexes the pages, or marks cleared). Runs on the session's stream thread."""
+
+        def listener(event: Any) -> None:
+            if event.HasField("duplicates"):
+                fn(event.duplicates.buffer_set_id, event.duplicates.duplicated_pages)
+
+        self._session.listeners.append(listener)
+
     def suggest_evictions(self, buffer_set_id: str, max_pages: int) -> EvictionSuggestion:
         """Pages of the buffer set to evict first (unpinned; lowest priority, then least
         recently used; leaves before parents; verified P/D duplicates carry their lowered

@@ -170,6 +170,8 @@ class SessionKeeper:
         self._target = target
         self._owned = owned
         self._on_lost = on_lost
+        # Told of every later event on the stream (P/D duplicate notices), on the stream thread.
+        self.listeners: list[Callable[[Any], None]] = []
         self._cond = threading.Condition()
         self._state = "idle"
         self._error: KVClientError | None = None
@@ -240,8 +242,12 @@ class SessionKeeper:
             return
         while call is not None:
             try:
-                for _ in call:
-                    pass
+                for event in call:
+                    for listener in list(self.listeners):
+                        try:
+                            listener(event)
+                        except Exception:  # a listener's bug must not end the session
+                            log.exception("session event listener failed")
             except grpc.RpcError:
                 pass
             call = self._resume(call)

@@ -26,14 +26,24 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "grace_ms", "resumed")
+    __slots__ = ("session_id", "grace_ms", "resumed", "duplicates")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     grace_ms: int
     resumed: bool
-    def __init__(self, session_id: _Optional[str] = ..., grace_ms: _Optional[int] = ..., resumed: bool = ...) -> None: ...
+    duplicates: DuplicateNotice
+    def __init__(self, session_id: _Optional[str] = ..., grace_ms: _Optional[int] = ..., resumed: bool = ..., duplicates: _Optional[_Union[DuplicateNotice, _Mapping]] = ...) -> None: ...
+
+class DuplicateNotice(_message.Message):
+    __slots__ = ("buffer_set_id", "duplicated_pages")
+    BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    buffer_set_id: str
+    duplicated_pages: int
+    def __init__(self, buffer_set_id: _Optional[str] = ..., duplicated_pages: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ()

@@ -108,9 +108,7 @@ class KVPeerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def HeldPages(self, request, context):
-        """Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
-        written (in-flight transport handles settled).
-        Which of the given pages a buffer set of this service still holds in its index. A sender
+        """Which of the given pages a buffer set of this service still holds in its index. A sender
         service asks it for the pages it marked as duplicated at this receiver after a DONE transfer;
         marks whose pages are gone (or whose buffer set or service is) are cleared.
         """
@@ -119,7 +117,9 @@ class KVPeerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cancels a transfer on the peer. Answers once the peer guarantees no further byte of it is
+        written (in-flight transport handles settled).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

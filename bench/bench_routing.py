@@ -1,0 +1,571 @@
+"""KV-centric P/D routing on xPyD (seed 002): a trace replayed against real kvservices.
+
+    .venv/bin/python bench/bench_routing.py                 # CPU: 2P2D and 2P4D, both traces
+    .venv/bin/python bench/bench_routing.py --small         # CI size (seconds)
+
+One real kvservice per node (P + D service processes on this host); the engines are simulated
+in this process: each owns a shared-memory KV pool of fixed capacity and evicts its own cache
+(asking its service ``SuggestEvictions``, then ``EvictPages``); compute is modelled as time per
+new prefill token (a prefill engine runs one prefill at a time) and per decode token (a decode
+engine runs ``decode_slots`` requests at once); the constants are in the JSON. KV bytes are
+real: every page written carries its own chained page hash in every word, and every page a
+decode engine received is checked word for word before it decodes.
+
+The router uses only kvservice's public API: ``MatchPrefix`` (scores and ``TransferLoad``) on
+each node, ``ExpectDelta``'s RESOURCE_EXHAUSTED. Policies, same trace, same engines, one run:
+
+  rr           round-robin P/D: P and D round-robin, the decode engine keeps no cache (full KV
+               moves every turn)
+  prefix       prefix-aware P/D, delta-only: P and D with the longest cached prefix
+  admission    prefix + transfer-aware admission: a turn goes direct to the decode engine that
+               holds its prefix when the append is small and that engine's inbound transfers are
+               low; otherwise P/D to the best-prefix D that admits (TransferLoad.admits, budget
+               ``--budget``), falling back at once to the next D on RESOURCE_EXHAUSTED
+  admission+dup  the same, plus duplicate-aware eviction on the prefill services
+               (duplicate_policy=lower: pages the decode side also holds are evicted first);
+               the other policies run the services with duplicate_policy=off (LRU)
+
+Per policy: ok/total, errors by type, end-to-end and TTFT mean/p50/p90/p99, cached tokens,
+prefill new tokens, prefill-side cached tokens, bytes moved, decode transfer queue mean/p90
+(sampled from MatchPrefix load), pages verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import itertools
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from _harness import ROOT, Services, progress, summarize, write_json
+from kvservice_client import Client, KVClientError, Layout, ResourceExhausted, ShmKVPool
+from kvservice_client.hashing import page_hashes
+from routing_trace import Trace, Turn, generate, profile
+
+POLICIES = ("rr", "prefix", "admission", "admission+dup")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Compute model and sizes (written to the JSON)."""
+
+    page_size: int = 16
+    layers: int = 2
+    heads: int = 1
+    head_dim: int = 64  # 4 KiB per page per region (fp16)
+    prefill_us_per_token: float = 8.0
+    decode_ms_per_token: float = 0.5
+    decode_slots: int = 8
+    prefill_pages: int = 3072  # per prefill engine: cache pressure
+    decode_pages: int = 4096
+    request_timeout_s: float = 6.0
+    time_scale: float = 1.0  # multiplies the trace's think times and session starts
+    direct_max_append: int = 1024  # tokens a decode engine prefills itself (direct-to-D)
+    direct_max_inbound: int = 1  # ... only while its inbound transfers are at most this
+    budget: int = 3  # inbound_max_transfers per decode engine (admission policies)
+
+
+class Fail(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class Engine:
+    """A simulated engine: a shm KV pool registered with its node's kvservice, a free list,
+    eviction through SuggestEvictions, and a compute model."""
+
+    def __init__(self, name: str, role: str, address: str, m: Model, budget: int = 0) -> None:
+        self.name, self.role, self.address, self.m = name, role, address, m
+        pages = m.prefill_pages if role == "P" else m.decode_pages
+        self.layout = Layout.mha(
+            num_layers=m.layers,
+            page_size=m.page_size,
+            num_pages=pages,
+            total_kv_heads=m.heads,
+            head_dim=m.head_dim,
+            dtype="float16",
+        )
+        self.pool = ShmKVPool.create(self.layout)
+        self.client = Client(address, client_name=name, timeout=30)
+        self.bs = self.client.register_buffers(
+            self.layout,
+            self.pool.k_regions,
+            self.pool.v_regions,
+            engine_id=name,
+            inbound_max_transfers=budget,
+        ).buffer_set_id
+        self.words = [
+            r.view(np.uint64).reshape(pages, -1)
+            for i in range(m.layers)
+            for r in (self.pool.k(i), self.pool.v(i))
+        ]
+        self.free = list(range(pages))
+        self.protected: set[int] = set()  # pages of running requests not yet leased
+        self.lock = threading.Lock()
+        self.compute = threading.Semaphore(1 if role == "P" else m.decode_slots)
+        self.evicted_pages = 0
+
+    def close(self) -> None:
+        self.client.close()
+        self.pool.close()
+
+    # -- memory ----------------------------------------------------------------------------
+    def alloc(self, n: int, deadline: float, kind: str) -> list[int]:
+        """``n`` free pages, evicting cached ones (the service suggests which) as needed; waits
+        (the prealloc queue) until ``deadline``, then fails with ``kind``."""
+        while True:
+            with self.lock:
+                if len(self.free) < n:
+                    want = n - len(self.free)
+                    sug = self.client.suggest_evictions(self.bs, want + len(self.protected) + 16)
+                    take = []
+                    for p in sug.page_indices:  # cut at a protected page: its ancestors follow it
+                        if p in self.protected or len(take) >= want:
+                            break
+                        take.append(p)
+                    if take:
+                        self.client.evict_pages(self.bs, take)
+                        self.free.extend(take)
+                        self.evicted_pages += len(take)
+                if len(self.free) >= n:
+                    out, self.free = self.free[:n], self.free[n:]
+                    self.protected.update(out)
+                    return out
+            if time.monotonic() > deadline:
+                raise Fail(kind)
+            time.sleep(0.005)
+
+    def give(self, pages: list[int]) -> None:
+        with self.lock:
+            self.free.extend(pages)
+            self.protected.difference_update(pages)
+
+    def unprotect(self, pages: list[int]) -> None:
+        with self.lock:
+            self.protected.difference_update(pages)
+
+    # -- KV bytes --------------------------------------------------------------------------
+    def write(self, pages: list[int], hashes: np.ndarray) -> None:
+        idx = np.asarray(pages, dtype=np.int64)
+        for i, w in enumerate(self.words):
+            w[idx] = (hashes ^ np.uint64(i))[:, None]
+
+    def verify(self, pages: list[int], hashes: np.ndarray) -> bool:
+        idx = np.asarray(pages, dtype=np.int64)
+        return all(bool((w[idx] == (hashes ^ np.uint64(i))[:, None]).all()) for i, w in enumerate(self.words))
+
+    def match(self, tokens: np.ndarray, lease_ms: int = 0) -> Any:
+        return self.client.match_prefix(
+            tokens=tokens, page_size=self.m.page_size, buffer_set_ids=[self.bs], lease_ttl_ms=lease_ms
+        )
+
+    def release(self, lease_id: str) -> None:
+        if lease_id:
+            try:
+                self.client.release_lease(lease_id)
+            except KVClientError:
+                pass  # expired
+
+
+@dataclasses.dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    e2e_s: float = 0.0
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens not computed for this request
+    p_cached_tokens: int = 0  # of those, found in the prefill engine's cache
+    new_tokens: int = 0  # prompt tokens computed (prefill or direct on decode)
+    bytes_moved: int = 0
+    route: str = ""
+    fallbacks: int = 0
+    verified_pages: int = 0
+
+
+class Router:
+    """Routes one request with the policy; uses only kvservice's public API."""
+
+    def __init__(self, policy: str, prefill: list[Engine], decode: list[Engine], m: Model) -> None:
+        self.policy, self.P, self.D, self.m = policy, prefill, decode, m
+        self._rr = itertools.count()
+        self._tid = itertools.count()
+
+    def scores(self, engines: list[Engine], prompt: np.ndarray) -> list[tuple[int, Any, Engine]]:
+        """(matched pages, load, engine) per engine: one MatchPrefix (scores_only) per node."""
+        out = []
+        for e in engines:
+            (m,) = e.client.match_prefix(
+                tokens=prompt, page_size=self.m.page_size, buffer_set_ids=[e.bs], scores_only=True
+            ).matches
+            out.append((m.matched_pages, m.load, e))
+        return out
+
+    def serve(self, turn: Turn) -> Result:
+        m, res = self.m, Result(prompt_tokens=turn.prompt_tokens)
+        t0 = time.monotonic()
+        deadline = t0 + m.request_timeout_s
+        tid = f"r{next(self._tid)}-s{turn.session}-t{turn.turn}"
+        n_pages = turn.prompt_tokens // m.page_size
+        hashes = page_hashes(turn.prompt, m.page_size)
+        try:
+            rr = next(self._rr)
+            if self.policy == "rr":
+                plan = [(0, self.D[rr % len(self.D)])]
+                p_eng = self.P[rr % len(self.P)]
+            else:
+                d_scores = self.scores(self.D, turn.prompt)
+                if self.policy == "prefix":
+                    best = max(s[0] for s in d_scores)
+                    ties = [s for s in d_scores if s[0] == best]
+                    plan = [(ties[rr % len(ties)][0], ties[rr % len(ties)][2])]
+                else:
+                    ranked = sorted(
+                        d_scores, key=lambda s: (-s[0] if s[1].admits else 1, s[1].inbound_transfers)
+                    )
+                    top_pages, top_load, top = ranked[0]
+                    append = turn.prompt_tokens - top_pages * m.page_size
+                    if (
+                        top_pages
+                        and append <= m.direct_max_append
+                        and top_load.inbound_transfers <= m.direct_max_inbound
+                    ):
+                        return self._direct(turn, top, hashes, res, t0, deadline)
+                    plan = [(s[0], s[2]) for s in ranked]
+                p_scores = self.scores(self.P, turn.prompt)
+                best = max(s[0] for s in p_scores)
+                ties = [s for s in p_scores if s[0] == best]
+                p_eng = ties[rr % len(ties)][2]
+            return self._pd(turn, plan, p_eng, hashes, n_pages, tid, res, t0, deadline)
+        except Fail as f:
+            res.error = f.kind
+        except KVClientError as exc:
+            res.error = f"rpc:{type(exc).__name__}"
+        res.e2e_s = time.monotonic() - t0
+        return res
+
+    # -- direct to the decode engine that holds the prefix ---------------------------------------
+    def _direct(
+        self, turn: Turn, d: Engine, hashes: np.ndarray, res: Result, t0: float, deadline: float
+    ) -> Result:
+        m = self.m
+        res.route = "direct"
+        lease = d.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
+        try:
+            have = lease.best.matched_pages if lease.best else 0
+            prefix = list(lease.best.page_indices) if lease.best else []
+            new_pages = d.alloc(hashes.size - have, deadline, "decode_prealloc_timeout")
+            try:
+                with d.compute:
+                    time.sleep((turn.prompt_tokens - have * m.page_size) * m.prefill_us_per_token / 1e6)
+                d.write(new_pages, hashes[have:])
+                d.client.publish_pages(d.bs, prefix + new_pages, tokens=turn.prompt)
+            except BaseException:
+                d.give(new_pages)
+                raise
+            d.unprotect(new_pages)
+            res.cached_tokens = have * m.page_size
+            res.new_tokens = turn.prompt_tokens - res.cached_tokens
+            res.ttft_s = time.monotonic() - t0
+            self._decode(turn, d, prefix + new_pages, deadline)
+        finally:
+            d.release(lease.lease_id)
+        res.ok, res.e2e_s = True, time.monotonic() - t0
+        return res
+
+    # -- prefill -> decode ---------------------------------------------------------------------
+    def _pd(
+        self,
+        turn: Turn,
+        plan: list[tuple[int, Engine]],
+        p: Engine,
+        hashes: np.ndarray,
+        n_pages: int,
+        tid: str,
+        res: Result,
+        t0: float,
+        deadline: float,
+    ) -> Result:
+        m = self.m
+        res.route = "pd"
+        keep_cache = self.policy != "rr"
+        d_lease, dst, d, d_done = "", [], None, False
+        for _, cand in plan:  # decode side first: declare where the pages go
+            ml = cand.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000)) if keep_cache else None
+            have = ml.best.matched_pages if ml is not None and ml.best else 0
+            prefix = list(ml.best.page_indices) if ml is not None and ml.best else []
+            try:
+                pages = cand.alloc(n_pages - have, deadline, "decode_prealloc_timeout")
+            except Fail:
+                if ml is not None:
+                    cand.release(ml.lease_id)
+                raise
+            try:
+                cand.client.expect_delta(
+                    tid,
+                    cand.bs,
+                    prefix_pages=have,
+                    dst_page_indices=pages,
+                    deadline_ms=max(int((deadline - time.monotonic()) * 1000), 1),
+                    publish_tokens=turn.prompt if keep_cache else None,
+                    prefix_page_indices=prefix if keep_cache else (),
+                )
+            except ResourceExhausted:  # over its inbound budget: the next candidate, at once
+                cand.give(pages)
+                if ml is not None:
+                    cand.release(ml.lease_id)
+                res.fallbacks += 1
+                continue
+            d, dst, d_lease, d_have, d_prefix = cand, pages, ml.lease_id if ml else "", have, prefix
+            break
+        if d is None:
+            raise Fail("refused_everywhere")
+        p_lease, new, published = "", [], False
+        try:
+            pl = p.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
+            p_lease = pl.lease_id
+            p_have = pl.best.matched_pages if pl.best else 0
+            p_prefix = list(pl.best.page_indices) if pl.best else []
+            with p.compute:
+                time.sleep((turn.prompt_tokens - p_have * m.page_size) * m.prefill_us_per_token / 1e6)
+            new = p.alloc(n_pages - p_have, deadline, "prefill_alloc_timeout")
+            p.write(new, hashes[p_have:])
+            with p.lock:  # publish and pin together (no eviction between)
+                p.client.publish_pages(p.bs, p_prefix + new, tokens=turn.prompt)
+                published = True
+                pl2 = p.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
+                p.protected.difference_update(new)
+            p.release(p_lease)
+            p_lease = pl2.lease_id
+            src = list(pl2.best.page_indices)[:n_pages]
+            p.client.send_delta(
+                tid,
+                p.bs,
+                src_page_indices=src,
+                peer_address=d.address,
+                deadline_ms=max(int((deadline - time.monotonic()) * 1000), 1),
+            )
+            res.p_cached_tokens = p_have * m.page_size
+            res.new_tokens = turn.prompt_tokens - res.p_cached_tokens
+            res.cached_tokens = res.p_cached_tokens
+            left = max(deadline - time.monotonic(), 0.01)
+            try:
+                (st,) = d.client.wait(tid, timeout=left)
+            except KVClientError:
+                raise Fail("transfer_timeout") from None
+            if st.state != "DONE":
+                raise Fail(f"transfer_{st.error_code or st.state}".lower())
+            d_done = keep_cache  # published by the service on DONE: cached, no longer ours to free
+            res.bytes_moved = st.bytes_sent
+            with d.lock:  # pin what the decode runs on before anyone may evict it
+                dl2 = d.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000)) if keep_cache else None
+                d.protected.difference_update(dst)
+            d.release(d_lease)
+            d_lease = dl2.lease_id if dl2 else ""
+            if not d.verify(dst, hashes[d_have:]):
+                raise Fail("kv_mismatch")
+            res.verified_pages = len(dst)
+            res.ttft_s = time.monotonic() - t0
+            self._decode(turn, d, d_prefix + dst, deadline)
+            if not keep_cache:
+                d.give(dst)
+        except BaseException:
+            if not published:
+                p.give(new)
+            try:
+                d.client.abort(tid, "request failed")
+            except KVClientError:
+                pass
+            if d_done:
+                d.unprotect(dst)
+            else:
+                d.give(dst)  # never published (or aborted): back to the free list
+            raise
+        finally:
+            p.release(p_lease)
+            d.release(d_lease)
+        res.ok, res.e2e_s = True, time.monotonic() - t0
+        return res
+
+    def _decode(self, turn: Turn, d: Engine, pages: list[int], deadline: float) -> None:
+        """Decode the output; its KV pages join the decode engine's cache for the next turn."""
+        m = self.m
+        with d.compute:
+            time.sleep(turn.output.size * m.decode_ms_per_token / 1e3)
+        if self.policy == "rr":
+            return
+        seq = np.concatenate([turn.prompt, turn.output])
+        h = page_hashes(seq, m.page_size)
+        extra = h.size - len(pages)
+        if extra <= 0:
+            return
+        try:
+            out = d.alloc(extra, deadline, "decode_output_alloc")
+        except Fail:
+            return  # the answer stands; its KV is just not cached
+        d.write(out, h[len(pages) :])
+        d.client.publish_pages(d.bs, pages + out, tokens=seq)
+        d.unprotect(out)
+
+
+def replay(trace: Trace, router: Router, m: Model, concurrency: int) -> list[Result]:
+    """Sessions run concurrently; a session's next turn starts a think time after the answer."""
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def session(turns: list[Turn]) -> None:
+        time.sleep(turns[0].start_s * m.time_scale)
+        for t in turns:
+            if t.turn:
+                time.sleep(t.start_s * m.time_scale)
+            r = router.serve(t)
+            with lock:
+                results.append(r)
+            if not r.ok:
+                break  # a failed turn ends the session, as a user would see it
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(progress(pool.map(session, trace.sessions), "sessions", total=len(trace.sessions)))
+    # turns never run because an earlier turn failed count as failed (ok/total stays honest)
+    missing = trace.requests - len(results)
+    results += [Result(error="session_ended_by_earlier_failure")] * missing
+    return results
+
+
+class QueueSampler:
+    """Every 50 ms: each decode engine's inbound transfers, read from MatchPrefix's load."""
+
+    def __init__(self, decode: list[Engine], page_size: int) -> None:
+        self.D, self.ps = decode, page_size
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        probe = np.zeros(self.ps, dtype=np.uint32)
+        while not self._stop.wait(0.05):
+            for e in self.D:
+                (mt,) = e.client.match_prefix(
+                    tokens=probe, page_size=self.ps, buffer_set_ids=[e.bs], scores_only=True
+                ).matches
+                self.samples.append(mt.load.inbound_transfers)
+
+    def __enter__(self) -> QueueSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+
+def run_policy(policy: str, trace: Trace, n_p: int, n_d: int, m: Model, concurrency: int) -> dict[str, Any]:
+    admission = policy.startswith("admission")
+    p_env = {"KVSERVICE_DUPLICATE_POLICY": "lower" if policy == "admission+dup" else "off",
+             "KVSERVICE_DUPLICATE_CHECK_MS": "200"}  # fmt: skip
+    with Services(n_p, env=p_env) as ps, Services(n_d, env={"KVSERVICE_DUPLICATE_POLICY": "off"}) as ds:
+        P = [Engine(f"prefill-{i}", "P", a, m) for i, a in enumerate(ps.addresses)]
+        D = [
+            Engine(f"decode-{i}", "D", a, m, m.budget if admission else 0) for i, a in enumerate(ds.addresses)
+        ]
+        try:
+            router = Router(policy, P, D, m)
+            t0 = time.monotonic()
+            with QueueSampler(D, m.page_size) as q:
+                results = replay(trace, router, m, concurrency)
+            wall = time.monotonic() - t0
+            dup_pages = [
+                next(b.duplicated_pages for b in e.client.get_stats().buffer_sets if b.buffer_set_id == e.bs)
+                for e in P
+            ]
+        finally:
+            for e in P + D:
+                e.close()
+    ok = [r for r in results if r.ok]
+    errors = collections.Counter(r.error for r in results if not r.ok)
+    qs = np.asarray(q.samples or [0], dtype=np.float64)
+    return {
+        "policy": policy,
+        "ok": len(ok),
+        "total": len(results),
+        "errors": dict(sorted(errors.items())),
+        "e2e": summarize([r.e2e_s for r in ok]),
+        "ttft": summarize([r.ttft_s for r in ok]),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "prefill_cached_tokens": sum(r.p_cached_tokens for r in ok),
+        "prefill_new_tokens": sum(r.new_tokens for r in ok),
+        "bytes_moved": sum(r.bytes_moved for r in ok),
+        "routes": dict(collections.Counter(r.route for r in ok)),
+        "fallbacks": sum(r.fallbacks for r in results),
+        "decode_transfer_queue": {
+            "mean": float(qs.mean()),
+            "p90": float(np.percentile(qs, 90)),
+            "max": float(qs.max()),
+        },
+        "pages_verified": sum(r.verified_pages for r in ok),
+        "prefill_evicted_pages": sum(e.evicted_pages for e in P),
+        "prefill_duplicated_pages_at_end": dup_pages,
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="CI size: one config, short traces")
+    ap.add_argument("--configs", default=None, help="default 2P2D,2P4D (--small: 2P2D)")
+    ap.add_argument("--shapes", default=None, help="default micro,small-append (--small: small-append)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=64, help="sessions replayed at once (threads)")
+    ap.add_argument("--device", default="cpu", help="cpu only for now (shm pools)")
+    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    ap.add_argument("--tag", default="")
+    for f in dataclasses.fields(Model):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    args = ap.parse_args()
+    if args.device != "cpu":
+        sys.exit("bench_routing: --device cuda is not built yet (engines are simulated on shm pools)")
+    over = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(Model) if getattr(args, f.name) is not None
+    }
+    scale = 1.0
+    if args.small:
+        over = {"prefill_pages": 1024, "decode_pages": 1536, **over}
+        scale = 0.25
+    args.configs = args.configs or ("2P2D" if args.small else "2P2D,2P4D")
+    args.shapes = args.shapes or ("small-append" if args.small else "micro,small-append")
+    m = Model(**over)
+    runs = []
+    for shape in args.shapes.split(","):
+        trace = generate(shape, args.seed, scale)
+        if args.small:  # a few sessions only
+            trace = Trace(trace.shape, trace.seed, trace.sessions[:10])
+        for cfg in args.configs.split(","):
+            n_p, n_d = (int(x) for x in cfg.upper().rstrip("D").split("P"))
+            for policy in args.policies.split(","):
+                r = run_policy(policy, trace, n_p, n_d, m, args.concurrency)
+                r.update(config=cfg, shape=shape, trace=profile(trace, m.page_size))
+                runs.append(r)
+                q = r["decode_transfer_queue"]
+                print(
+                    f"{shape:12s} {cfg} {policy:14s} ok {r['ok']}/{r['total']} errors {r['errors']} "
+                    f"e2e p50 {r['e2e'].get('p50_ms', 0):.0f} p99 {r['e2e'].get('p99_ms', 0):.0f} ms  "
+                    f"cached {r['cached_tokens']}  P-cached {r['prefill_cached_tokens']}  "
+                    f"queue mean {q['mean']:.2f} p90 {q['p90']:.0f}",
+                    file=sys.stderr,
+                )
+    tag = "cpu" + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
+    write_json(
+        args.out, f"routing_{tag}", {"benchmark": "routing", "model": dataclasses.asdict(m), "runs": runs}
+    )
+
+
+if __name__ == "__main__":
+    main()
