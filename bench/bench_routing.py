@@ -68,7 +68,7 @@ class Model:
     time_scale: float = 1.0  # multiplies the trace's think times and session starts
     direct_max_append: int = 1024  # tokens a decode engine prefills itself (direct-to-D)
     direct_max_inbound: int = 1  # ... only while its inbound transfers are at most this
-    budget: int = 3  # inbound_max_transfers per decode engine (admission policies)
+    budget: int = 4  # inbound_max_transfers per decode engine (admission policies)
 
 
 class Fail(Exception):
@@ -151,6 +151,25 @@ class Engine:
         with self.lock:
             self.protected.difference_update(pages)
 
+    def settle(self, tokens: np.ndarray, pages: list[int], old_lease: str) -> tuple[list[int], str]:
+        """Cache ``tokens`` (whose full pages are ``pages``, written by this request) and pin it
+        for the rest of the request: like a radix cache insert, pages already cached under the
+        same prefix (another request was first) are kept and this request's copies freed.
+        Returns (the pages now holding the sequence, the new lease id); releases ``old_lease``."""
+        n = len(pages)
+        with self.lock:
+            m = self.match(tokens)
+            have = list(m.best.page_indices)[:n] if m.best else []
+            keep = have + pages[len(have) :]
+            dup = [p for p, q in zip(pages[: len(have)], have, strict=True) if p != q]
+            if len(have) < n:
+                self.client.publish_pages(self.bs, keep, tokens=tokens[: n * self.m.page_size])
+            lease = self.match(tokens[: n * self.m.page_size], lease_ms=int(self.m.request_timeout_s * 1000))
+            self.protected.difference_update(pages)
+            self.free.extend(dup)
+        self.release(old_lease)
+        return keep, lease.lease_id
+
     # -- KV bytes --------------------------------------------------------------------------
     def write(self, pages: list[int], hashes: np.ndarray) -> None:
         idx = np.asarray(pages, dtype=np.int64)
@@ -188,6 +207,7 @@ class Result:
     route: str = ""
     fallbacks: int = 0
     verified_pages: int = 0
+    detail: str = ""  # the first words of an RPC error
 
 
 class Router:
@@ -247,7 +267,7 @@ class Router:
         except Fail as f:
             res.error = f.kind
         except KVClientError as exc:
-            res.error = f"rpc:{type(exc).__name__}"
+            res.error, res.detail = f"rpc:{type(exc).__name__}", str(exc)[:300]
         res.e2e_s = time.monotonic() - t0
         return res
 
@@ -258,6 +278,7 @@ class Router:
         m = self.m
         res.route = "direct"
         lease = d.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
+        lease_id = lease.lease_id
         try:
             have = lease.best.matched_pages if lease.best else 0
             prefix = list(lease.best.page_indices) if lease.best else []
@@ -266,17 +287,16 @@ class Router:
                 with d.compute:
                     time.sleep((turn.prompt_tokens - have * m.page_size) * m.prefill_us_per_token / 1e6)
                 d.write(new_pages, hashes[have:])
-                d.client.publish_pages(d.bs, prefix + new_pages, tokens=turn.prompt)
+                pages, lease_id = d.settle(turn.prompt, prefix + new_pages, lease.lease_id)
             except BaseException:
                 d.give(new_pages)
                 raise
-            d.unprotect(new_pages)
             res.cached_tokens = have * m.page_size
             res.new_tokens = turn.prompt_tokens - res.cached_tokens
             res.ttft_s = time.monotonic() - t0
-            self._decode(turn, d, prefix + new_pages, deadline)
+            self._decode(turn, d, pages, deadline)
         finally:
-            d.release(lease.lease_id)
+            d.release(lease_id)
         res.ok, res.e2e_s = True, time.monotonic() - t0
         return res
 
@@ -297,7 +317,13 @@ class Router:
         res.route = "pd"
         keep_cache = self.policy != "rr"
         d_lease, dst, d, d_done = "", [], None, False
-        for _, cand in plan:  # decode side first: declare where the pages go
+        # Decode side first: declare where the pages go. Refused everywhere (every D over its
+        # budget): wait a little and ask again, within the request's deadline.
+        for cand in itertools.chain.from_iterable(itertools.repeat([c for _, c in plan])):
+            if cand is plan[0][1] and res.fallbacks and time.monotonic() > deadline:
+                raise Fail("admission_timeout")
+            if cand is plan[0][1] and res.fallbacks >= len(plan):
+                time.sleep(0.02)
             ml = cand.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000)) if keep_cache else None
             have = ml.best.matched_pages if ml is not None and ml.best else 0
             prefix = list(ml.best.page_indices) if ml is not None and ml.best else []
@@ -325,8 +351,6 @@ class Router:
                 continue
             d, dst, d_lease, d_have, d_prefix = cand, pages, ml.lease_id if ml else "", have, prefix
             break
-        if d is None:
-            raise Fail("refused_everywhere")
         p_lease, new, published = "", [], False
         try:
             pl = p.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
@@ -337,14 +361,8 @@ class Router:
                 time.sleep((turn.prompt_tokens - p_have * m.page_size) * m.prefill_us_per_token / 1e6)
             new = p.alloc(n_pages - p_have, deadline, "prefill_alloc_timeout")
             p.write(new, hashes[p_have:])
-            with p.lock:  # publish and pin together (no eviction between)
-                p.client.publish_pages(p.bs, p_prefix + new, tokens=turn.prompt)
-                published = True
-                pl2 = p.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
-                p.protected.difference_update(new)
-            p.release(p_lease)
-            p_lease = pl2.lease_id
-            src = list(pl2.best.page_indices)[:n_pages]
+            src, p_lease = p.settle(turn.prompt, p_prefix + new, p_lease)
+            published = True
             p.client.send_delta(
                 tid,
                 p.bs,
@@ -364,16 +382,14 @@ class Router:
                 raise Fail(f"transfer_{st.error_code or st.state}".lower())
             d_done = keep_cache  # published by the service on DONE: cached, no longer ours to free
             res.bytes_moved = st.bytes_sent
-            with d.lock:  # pin what the decode runs on before anyone may evict it
-                dl2 = d.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000)) if keep_cache else None
-                d.protected.difference_update(dst)
-            d.release(d_lease)
-            d_lease = dl2.lease_id if dl2 else ""
             if not d.verify(dst, hashes[d_have:]):
                 raise Fail("kv_mismatch")
             res.verified_pages = len(dst)
             res.ttft_s = time.monotonic() - t0
-            self._decode(turn, d, d_prefix + dst, deadline)
+            pages = d_prefix + dst
+            if keep_cache:  # the service published on DONE; settle pins it (or dedups a race)
+                pages, d_lease = d.settle(turn.prompt, pages, d_lease)
+            self._decode(turn, d, pages, deadline)
             if not keep_cache:
                 d.give(dst)
         except BaseException:
@@ -411,8 +427,12 @@ class Router:
         except Fail:
             return  # the answer stands; its KV is just not cached
         d.write(out, h[len(pages) :])
-        d.client.publish_pages(d.bs, pages + out, tokens=seq)
-        d.unprotect(out)
+        try:
+            _, lease_id = d.settle(seq, pages + out, "")
+        except BaseException:
+            d.give(out)
+            raise
+        d.release(lease_id)
 
 
 def replay(trace: Trace, router: Router, m: Model, concurrency: int) -> list[Result]:
@@ -496,6 +516,7 @@ def run_policy(policy: str, trace: Trace, n_p: int, n_d: int, m: Model, concurre
         "ok": len(ok),
         "total": len(results),
         "errors": dict(sorted(errors.items())),
+        "error_details": sorted({f"{r.error}: {r.detail}" for r in results if r.detail})[:10],
         "e2e": summarize([r.e2e_s for r in ok]),
         "ttft": summarize([r.ttft_s for r in ok]),
         "cached_tokens": sum(r.cached_tokens for r in ok),

@@ -63,6 +63,7 @@ class DuplicateBook:
         self.marks: dict[int, Mark] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self._checking = asyncio.Lock()  # one check at a time: a check mutates the marks it read
         self.cleared = 0  # marks (or parts) cleared because the receiver's copy went
         if self.policy != "off":
             engine.table.terminal_listeners.append(self._ended)
@@ -136,7 +137,12 @@ class DuplicateBook:
     async def check(self, src_bs: str | None = None) -> None:
         """Ask the receivers whether they still hold the marked pages (of ``src_bs`` only, if
         given); clear what they do not. One HeldPages call per receiver buffer set."""
+        async with self._checking:
+            await self._check(src_bs)
+
+    async def _check(self, src_bs: str | None) -> None:
         marks = [m for m in self.marks.values() if src_bs is None or m.src_bs == src_bs]
+        asked = {m.mark_id: m.hashes for m in marks}  # a mark shrunk meanwhile is checked next time
         by_target: dict[tuple[str, str], list[Mark]] = {}
         for m in marks:
             for t in m.targets:
@@ -148,7 +154,7 @@ class DuplicateBook:
                 held[m.mark_id] = mask if m.mark_id not in held else held[m.mark_id] & mask
         for m in marks:
             got = held.get(m.mark_id)
-            if m.mark_id in self.marks and got is not None and not got.all():
+            if m.mark_id in self.marks and got is not None and m.hashes is asked[m.mark_id] and not got.all():
                 self._drop(m, got)
 
     async def _held(self, address: str, target: str, marks: list[Mark]) -> list[np.ndarray]:

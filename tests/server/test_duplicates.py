@@ -133,3 +133,21 @@ def test_suggestions_never_include_leased_pages_or_their_ancestors(make_server) 
             kc.suggest_evictions(bs, 0)
         with pytest.raises(NotFound):
             kc.suggest_evictions("no-such-set", 4)
+
+
+def test_concurrent_checks_do_not_trip_over_each_other(make_server, closing) -> None:
+    """The periodic check and SuggestEvictions' check may overlap; each mark is cleared once."""
+    import asyncio
+
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, check_ms=3_600_000)
+    closing((ka, kb, *pools))
+    assert _dup(ka, sa) == 6
+    kb.evict_pages(sb, [13])
+    book = a.node.transfers.duplicates
+
+    async def both() -> None:
+        await asyncio.gather(book.check(), book.check(sa), book.check())
+
+    a.call(both())
+    assert _dup(ka, sa) == 3
+    assert ka.suggest_evictions(sa, 32).duplicated.count(True) == 3
