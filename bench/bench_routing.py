@@ -12,7 +12,10 @@ real: every page written carries its own chained page hash in every word, and ev
 decode engine received is checked word for word before it decodes.
 
 The router uses only kvservice's public API: ``MatchPrefix`` (scores and ``TransferLoad``) on
-each node, ``ExpectDelta``'s RESOURCE_EXHAUSTED. Policies, same trace, same engines, one run:
+each node, ``ExpectDelta``'s RESOURCE_EXHAUSTED; besides, like any router, it counts the requests
+it has sent to each prefill engine and not yet seen answered (admission policies pick the least
+busy of the prefill engines that hold most of the prefix). A failed turn is counted and the
+session goes on with its next turn. Policies, same trace, same engines, one run:
 
   rr           round-robin P/D: P and D round-robin, the decode engine keeps no cache (full KV
                moves every turn)
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import itertools
 import sys
@@ -59,13 +63,13 @@ class Model:
     layers: int = 2
     heads: int = 1
     head_dim: int = 64  # 4 KiB per page per region (fp16)
-    prefill_us_per_token: float = 8.0
+    prefill_us_per_token: float = 50.0
     decode_ms_per_token: float = 0.5
     decode_slots: int = 8
     prefill_pages: int = 3072  # per prefill engine: cache pressure
     decode_pages: int = 4096
     request_timeout_s: float = 6.0
-    time_scale: float = 1.0  # multiplies the trace's think times and session starts
+    time_scale: float = 0.35  # multiplies the trace's think times and session starts
     direct_max_append: int = 1024  # tokens a decode engine prefills itself (direct-to-D)
     direct_max_inbound: int = 1  # ... only while its inbound transfers are at most this
     budget: int = 4  # inbound_max_transfers per decode engine (admission policies)
@@ -108,7 +112,7 @@ class Engine:
         ]
         self.free = list(range(pages))
         self.protected: set[int] = set()  # pages of running requests not yet leased
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # eviction, leases and publishes of this engine, one at a time
         self.compute = threading.Semaphore(1 if role == "P" else m.decode_slots)
         self.evicted_pages = 0
 
@@ -181,9 +185,12 @@ class Engine:
         return all(bool((w[idx] == (hashes ^ np.uint64(i))[:, None]).all()) for i, w in enumerate(self.words))
 
     def match(self, tokens: np.ndarray, lease_ms: int = 0) -> Any:
-        return self.client.match_prefix(
-            tokens=tokens, page_size=self.m.page_size, buffer_set_ids=[self.bs], lease_ttl_ms=lease_ms
-        )
+        """The engine's cached prefix of ``tokens``; with ``lease_ms`` pinned, under the engine's
+        lock so an eviction in progress cannot free a page as it is being pinned."""
+        with self.lock if lease_ms else contextlib.nullcontext():
+            return self.client.match_prefix(
+                tokens=tokens, page_size=self.m.page_size, buffer_set_ids=[self.bs], lease_ttl_ms=lease_ms
+            )
 
     def release(self, lease_id: str) -> None:
         if lease_id:
@@ -217,6 +224,7 @@ class Router:
         self.policy, self.P, self.D, self.m = policy, prefill, decode, m
         self._rr = itertools.count()
         self._tid = itertools.count()
+        self.busy: collections.Counter[str] = collections.Counter()  # requests this router sent to a P
 
     def scores(self, engines: list[Engine], prompt: np.ndarray) -> list[tuple[int, Any, Engine]]:
         """(matched pages, load, engine) per engine: one MatchPrefix (scores_only) per node."""
@@ -261,9 +269,19 @@ class Router:
                     plan = [(s[0], s[2]) for s in ranked]
                 p_scores = self.scores(self.P, turn.prompt)
                 best = max(s[0] for s in p_scores)
-                ties = [s for s in p_scores if s[0] == best]
-                p_eng = ties[rr % len(ties)][2]
-            return self._pd(turn, plan, p_eng, hashes, n_pages, tid, res, t0, deadline)
+                if self.policy == "prefix":
+                    ties = [s for s in p_scores if s[0] == best]
+                    p_eng = ties[rr % len(ties)][2]
+                else:  # load-aware: among P's holding most of the best prefix, the least busy
+                    near = [s[2] for s in p_scores if s[0] >= best * 3 // 4]
+                    p_eng = min(
+                        near, key=lambda e: (self.busy[e.name], -next(x[0] for x in p_scores if x[2] is e))
+                    )
+            self.busy[p_eng.name] += 1
+            try:
+                return self._pd(turn, plan, p_eng, hashes, n_pages, tid, res, t0, deadline)
+            finally:
+                self.busy[p_eng.name] -= 1
         except Fail as f:
             res.error = f.kind
         except KVClientError as exc:
@@ -448,14 +466,11 @@ def replay(trace: Trace, router: Router, m: Model, concurrency: int) -> list[Res
             r = router.serve(t)
             with lock:
                 results.append(r)
-            if not r.ok:
-                break  # a failed turn ends the session, as a user would see it
+            # a failed turn is counted; the conversation goes on with the trace's next turn
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(progress(pool.map(session, trace.sessions), "sessions", total=len(trace.sessions)))
-    # turns never run because an earlier turn failed count as failed (ok/total stays honest)
-    missing = trace.requests - len(results)
-    results += [Result(error="session_ended_by_earlier_failure")] * missing
+    assert len(results) == trace.requests
     return results
 
 
@@ -465,6 +480,7 @@ class QueueSampler:
     def __init__(self, decode: list[Engine], page_size: int) -> None:
         self.D, self.ps = decode, page_size
         self.samples: list[int] = []
+        self.call_s: list[float] = []  # MatchPrefix latency as a router sees it, under the load
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -472,9 +488,11 @@ class QueueSampler:
         probe = np.zeros(self.ps, dtype=np.uint32)
         while not self._stop.wait(0.05):
             for e in self.D:
+                t0 = time.perf_counter()
                 (mt,) = e.client.match_prefix(
                     tokens=probe, page_size=self.ps, buffer_set_ids=[e.bs], scores_only=True
                 ).matches
+                self.call_s.append(time.perf_counter() - t0)
                 self.samples.append(mt.load.inbound_transfers)
 
     def __enter__(self) -> QueueSampler:
@@ -531,10 +549,66 @@ def run_policy(policy: str, trace: Trace, n_p: int, n_d: int, m: Model, concurre
             "max": float(qs.max()),
         },
         "pages_verified": sum(r.verified_pages for r in ok),
+        "router_match_prefix_under_load": summarize(q.call_s),
         "prefill_evicted_pages": sum(e.evicted_pages for e in P),
         "prefill_duplicated_pages_at_end": dup_pages,
         "wall_s": wall,
     }
+
+
+def router_latency(iters: int, prompt_tokens: int = 131_072) -> dict[str, Any]:
+    """Goals: MatchPrefix with load <= 5 ms p50 at 128K tokens; an over-budget ExpectDelta refused
+    in <= 1 ms p50. Baseline in the same run: a health check (one empty RPC on the same socket)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    ps = 16
+    big = Layout.mha(num_layers=1, page_size=ps, num_pages=prompt_tokens // ps + 8, total_kv_heads=1,
+                     head_dim=8, dtype="float16")  # fmt: skip
+    small = Layout.mha(
+        num_layers=1, page_size=ps, num_pages=64, total_kv_heads=1, head_dim=8, dtype="float16"
+    )
+    prompt = np.random.default_rng(1).integers(0, 150_000, prompt_tokens, dtype=np.int64)
+    lat: dict[str, list[float]] = {"health": [], "match_prefix_128k_scores": [], "expect_delta_refused": []}
+    with Services(1) as svc, Client(svc.addresses[0], client_name="router-latency") as kc:
+        pools = [ShmKVPool.create(big)] + [ShmKVPool.create(small) for _ in range(3)]
+        try:
+            ib = kc.register_buffers(
+                big, pools[0].k_regions, pools[0].v_regions, engine_id="idx"
+            ).buffer_set_id
+            kc.publish_pages(ib, np.arange(prompt_tokens // ps), tokens=prompt)
+            busy = []
+            for i, p in enumerate(pools[1:]):  # engines with a transfer in flight and a full budget
+                b = kc.register_buffers(
+                    small, p.k_regions, p.v_regions, engine_id=f"d{i}", inbound_max_transfers=1
+                )
+                kc.expect_delta(f"held-{i}", b.buffer_set_id, prefix_pages=0, dst_page_indices=[0, 1],
+                                deadline_ms=600_000)  # fmt: skip
+                busy.append(b.buffer_set_id)
+            with grpc.insecure_channel(svc.addresses[0]) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                for i in range(iters + 5):
+                    t0 = time.perf_counter()
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    t1 = time.perf_counter()
+                    res = kc.match_prefix(tokens=prompt, page_size=ps, scores_only=True)
+                    t2 = time.perf_counter()
+                    try:
+                        kc.expect_delta(f"over-{i}", busy[i % 3], prefix_pages=0, dst_page_indices=[5])
+                        raise RuntimeError("an over-budget ExpectDelta was admitted")
+                    except ResourceExhausted:
+                        pass
+                    t3 = time.perf_counter()
+                    if i >= 5:  # warm-up
+                        lat["health"].append(t1 - t0)
+                        lat["match_prefix_128k_scores"].append(t2 - t1)
+                        lat["expect_delta_refused"].append(t3 - t2)
+            assert res.best is not None and res.best.matched_pages == prompt_tokens // ps
+            assert all(m.load.inbound_transfers == 1 for m in res.matches if m.buffer_set_id in busy)
+        finally:
+            for p in pools:
+                p.close()
+    return {k: summarize(v) for k, v in lat.items()}
 
 
 def main() -> None:
@@ -548,6 +622,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu only for now (shm pools)")
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--latency-only", action="store_true", help="only the router call latencies")
     for f in dataclasses.fields(Model):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     args = ap.parse_args()
@@ -564,7 +639,7 @@ def main() -> None:
     args.shapes = args.shapes or ("small-append" if args.small else "micro,small-append")
     m = Model(**over)
     runs = []
-    for shape in args.shapes.split(","):
+    for shape in [] if args.latency_only else args.shapes.split(","):
         trace = generate(shape, args.seed, scale)
         if args.small:  # a few sessions only
             trace = Trace(trace.shape, trace.seed, trace.sessions[:10])
@@ -582,9 +657,18 @@ def main() -> None:
                     f"queue mean {q['mean']:.2f} p90 {q['p90']:.0f}",
                     file=sys.stderr,
                 )
+    latency = router_latency(50 if args.small else 300)
+    print(
+        f"router calls: MatchPrefix 128K scores p50 {latency['match_prefix_128k_scores']['p50_ms']:.2f} ms, "
+        f"over-budget ExpectDelta p50 {latency['expect_delta_refused']['p50_ms']:.2f} ms, "
+        f"health p50 {latency['health']['p50_ms']:.2f} ms",
+        file=sys.stderr,
+    )
     tag = "cpu" + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
     write_json(
-        args.out, f"routing_{tag}", {"benchmark": "routing", "model": dataclasses.asdict(m), "runs": runs}
+        args.out,
+        f"routing_{tag}",
+        {"benchmark": "routing", "model": dataclasses.asdict(m), "runs": runs, "router_calls": latency},
     )
 
 

@@ -26,7 +26,13 @@ def _load(d: Path) -> dict[str, dict[str, Any]]:
             j = json.loads(f.read_text())
         except ValueError:
             continue
-        if isinstance(j, dict) and j.get("benchmark") in ("transfer", "mixed_tp", "multiturn", "control"):
+        if isinstance(j, dict) and j.get("benchmark") in (
+            "transfer",
+            "mixed_tp",
+            "multiturn",
+            "control",
+            "routing",
+        ):
             out[f.stem] = j
     return out
 
@@ -173,6 +179,43 @@ def _control(name: str, j: dict) -> list[str]:
     return lines
 
 
+def _routing(name: str, j: dict) -> list[str]:
+    m = j["model"]
+    lines = [
+        f"### {name} — CPU, shm pools, host {j['meta']['host']} ({j['meta']['cpus']} CPUs)",
+        "",
+        f"Engines simulated: prefill {m['prefill_us_per_token']} us/token (one at a time), decode "
+        f"{m['decode_ms_per_token']} ms/token ({m['decode_slots']} at once), pools P {m['prefill_pages']} / "
+        f"D {m['decode_pages']} pages of {m['page_size']} tokens, request timeout {m['request_timeout_s']} s, "
+        f"think times x{m['time_scale']}, budget {m['budget']} inbound transfers per D (admission policies).",
+        "",
+        "| trace | xPyD | policy | ok/total | errors | e2e p50 / p90 / p99 s | TTFT p50 / p99 s | cached tok "
+        "| P cached tok | prefill new tok | MiB moved | D queue mean / p90 | direct | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in j["runs"]:
+        e, t, q = r["e2e"], r["ttft"], r["decode_transfer_queue"]
+        errs = ", ".join(f"{k} {v}" for k, v in r["errors"].items()) or "-"
+        lines.append(
+            f"| {r['shape']} | {r['config']} | {r['policy']} | {r['ok']}/{r['total']} | {errs} "
+            f"| {_f(e.get('p50_ms', 0) / 1e3)} / {_f(e.get('p90_ms', 0) / 1e3)} / {_f(e.get('p99_ms', 0) / 1e3)} "
+            f"| {_f(t.get('p50_ms', 0) / 1e3)} / {_f(t.get('p99_ms', 0) / 1e3)} | {r['cached_tokens']:,} "
+            f"| {r['prefill_cached_tokens']:,} | {r['prefill_new_tokens']:,} | {r['bytes_moved'] / 2**20:,.0f} "
+            f"| {_f(q['mean'])} / {_f(q['p90'], 0)} | {r['routes'].get('direct', 0)} | {r['fallbacks']} |"
+        )
+    rc = j.get("router_calls")
+    if rc:
+        lines += [
+            "",
+            f"Router calls (one service, idle): MatchPrefix 131,072 tokens scores_only with load p50 "
+            f"{_f(rc['match_prefix_128k_scores']['p50_ms'], 3)} ms (p99 {_f(rc['match_prefix_128k_scores']['p99_ms'], 3)}); "
+            f"over-budget ExpectDelta refused p50 {_f(rc['expect_delta_refused']['p50_ms'], 3)} ms "
+            f"(p99 {_f(rc['expect_delta_refused']['p99_ms'], 3)}); baseline health check p50 "
+            f"{_f(rc['health']['p50_ms'], 3)} ms.",
+        ]
+    return lines + [""]
+
+
 def _goals(runs: dict[str, dict]) -> list[str]:
     rows = []
 
@@ -212,12 +255,53 @@ def _goals(runs: dict[str, dict]) -> list[str]:
         if j["benchmark"] == "multiturn":
             x = max(e["wire_bytes_over_needed"] for e in j["modes"].values())
             add("wire bytes <= 1.02x unsent", name, f"{x:.3f}x", x <= 1.02)
+        if j["benchmark"] == "routing":
+            _routing_goals(name, j, add)
         if j["benchmark"] == "control":
             o = j["overhead_per_transfer_p50_ms"]
             add("control overhead <= 1 ms p50", name, f"{o:.2f} ms", o <= 1.0)
             m = j["rpc"]["match_prefix"]["p50_ms"]
             add("MatchPrefix 131K tokens <= 5 ms p50", name, f"{m:.2f} ms", m <= 5.0)
     return ["## Goals", "", "| goal | run | value | status |", "|---|---|---|---|", *rows, ""]
+
+
+def _routing_goals(name: str, j: dict, add: Any) -> None:
+    by = {(r["shape"], r["config"], r["policy"]): r for r in j["runs"]}
+    for (shape, cfg, pol), r in by.items():
+        if pol != "admission":
+            continue
+        base = by.get((shape, cfg, "prefix"))
+        if base is None:
+            continue
+        where = f"{name} {shape} {cfg}"
+        if base["ok"] < base["total"] or base["decode_transfer_queue"]["p90"] >= 4:  # prefix saturates
+            full = r["ok"] == r["total"]
+            add(
+                "admission: 100% ok/total where prefix-aware saturates",
+                where,
+                f"{r['ok']}/{r['total']}",
+                full,
+            )
+            a99, b99 = r["e2e"].get("p99_ms", 0), base["e2e"].get("p99_ms", 0)
+            add(
+                "admission: p99 e2e below prefix-aware",
+                where,
+                f"{a99 / 1e3:.2f} s vs {b99 / 1e3:.2f} s",
+                a99 < b99,
+            )
+            tmo = sum(v for k, v in r["errors"].items() if "timeout" in k or "deadline" in k)
+            add("admission: no transfer-timeout failure", where, str(tmo), tmo == 0)
+        dup = by.get((shape, cfg, "admission+dup"))
+        if dup is not None and r["prefill_evicted_pages"]:
+            gain = dup["prefill_cached_tokens"] / max(r["prefill_cached_tokens"], 1) - 1
+            bad = dup["errors"].get("kv_mismatch", 0)
+            add("dup-aware eviction raises P cached tokens over LRU", where, f"{gain:+.1%}", gain > 0)
+            add("no transfer sourced from an evicted page", where, f"{bad} mismatches", bad == 0)
+    rc = j.get("router_calls")
+    if rc:
+        mp, ed = rc["match_prefix_128k_scores"]["p50_ms"], rc["expect_delta_refused"]["p50_ms"]
+        add("MatchPrefix with load 128K tokens <= 5 ms p50", name, f"{mp:.2f} ms", mp <= 5.0)
+        add("over-budget ExpectDelta refused <= 1 ms p50", name, f"{ed:.2f} ms", ed <= 1.0)
 
 
 def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
@@ -256,6 +340,10 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
             ax.set_yscale("log")
             ax.set_ylabel("ms (p50, log)")
             ax.legend()
+        elif j["benchmark"] == "routing":
+            plt.close(fig)
+            made += _routing_plot(plt, d, name, j)
+            continue
         elif j["benchmark"] == "multiturn":
             for m, e in j["modes"].items():
                 lat = sorted(r["latency_ms"] for r in e["rows"] if r.get("ok"))
@@ -288,6 +376,40 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
     return made
 
 
+def _routing_plot(plt: Any, d: Path, name: str, j: dict) -> list[str]:
+    groups = sorted({(r["shape"], r["config"]) for r in j["runs"]})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.4), squeeze=False)
+    for ax, (shape, cfg) in zip(axes[0], groups, strict=True):
+        rs = [r for r in j["runs"] if (r["shape"], r["config"]) == (shape, cfg)]
+        x = range(len(rs))
+        ax.bar(
+            [i - 0.2 for i in x],
+            [r["e2e"].get("p50_ms", 0) / 1e3 for r in rs],
+            0.4,
+            label="e2e p50",
+            color="#2a7",
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            [r["e2e"].get("p99_ms", 0) / 1e3 for r in rs],
+            0.4,
+            label="e2e p99",
+            color="#999",
+        )
+        for i, r in enumerate(rs):
+            ax.annotate(
+                f"{r['ok']}/{r['total']}", (i, r["e2e"].get("p99_ms", 0) / 1e3), ha="center", fontsize=7
+            )
+        ax.set_xticks(list(x), [r["policy"] for r in rs], rotation=20, fontsize=7)
+        ax.set_ylabel("s")
+        ax.set_title(f"{shape} {cfg}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(d / f"{name}.png", dpi=110)
+    plt.close(fig)
+    return [f"{name}.png"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
@@ -314,6 +436,7 @@ def main() -> None:
         ("mixed_tp", "Mixed TP", _mixed),
         ("multiturn", "Multi-turn workload", _multi),
         ("control", "Control plane", _control),
+        ("routing", "KV-centric P/D routing (seed 002)", _routing),
     ):
         sel = {k: v for k, v in runs.items() if v["benchmark"] == kind}
         if sel:

@@ -48,3 +48,27 @@ def test_every_benchmark_runs_small_and_writes_json(tmp_path: Path) -> None:
         report = json.loads(files[0].read_text())
         assert report["benchmark"] == name.removeprefix("bench_")
         assert report["meta"]["argv"]
+
+
+@pytest.mark.timeout(420)
+def test_bench_routing_small_replays_every_policy(tmp_path: Path) -> None:
+    """bench_routing --small: every policy serves the short trace against real services, every
+    received page is verified, and no transfer read an evicted page."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_routing.py"), "--small", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("routing_*.json")
+    report = json.loads(path.read_text())
+    assert [r["policy"] for r in report["runs"]] == ["rr", "prefix", "admission", "admission+dup"]
+    for r in report["runs"]:
+        assert r["total"] == report["runs"][0]["total"] > 0
+        assert r["errors"].get("kv_mismatch", 0) == 0, r
+        assert r["ok"] > 0 and (r["pages_verified"] > 0 or r["routes"].get("direct", 0) == r["ok"]), r
+    assert report["router_calls"]["expect_delta_refused"]["n"] > 0

@@ -290,6 +290,14 @@ class PrefixIndex(PrefixIndexBase):
             if bs is not None and slots.size:
                 bs.unmark(slots, epochs)
 
+    def entries_alive(self, buffer_set_id: str, slots: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+        """Whether each entry is still the one ``mark_duplicates`` returned (not evicted since)."""
+        with self._lock:
+            bs = self._sets.get(buffer_set_id)
+            if bs is None:
+                return np.zeros(slots.size, dtype=bool)
+            return (bs.E[slots, K.PARENT] != K.FREE) & (bs.E[slots, K.EPOCH] == epochs)
+
     def duplicated_pages(self, buffer_set_id: str) -> int:
         with self._lock:
             bs = self._set(buffer_set_id)

@@ -51,6 +51,11 @@ class Mark:
     targets: tuple[str, ...]  # receiver buffer sets; a page counts only if every one holds it
 
 
+def _ids(slots: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+    """One int64 per (slot, epoch): an index entry's identity."""
+    return (slots.astype(np.int64) << 32) | epochs.astype(np.int64)
+
+
 class DuplicateBook:
     """Sender-side marks, checked against the receivers' services. Runs on the event loop."""
 
@@ -61,6 +66,9 @@ class DuplicateBook:
         self.dup_priority: int | None = cfg.duplicate_priority if self.policy == "lower" else None
         self.period_s = cfg.duplicate_check_ms / 1000
         self.marks: dict[int, Mark] = {}
+        # One mark per (source set, receiver service, receiver sets): a prefix sent again to the
+        # same receiver extends its mark instead of stacking another (bounded by the index).
+        self._by_key: dict[tuple[str, str, tuple[str, ...]], Mark] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._checking = asyncio.Lock()  # one check at a time: a check mutates the marks it read
@@ -89,24 +97,35 @@ class DuplicateBook:
         if not all(t.plan.publishes for t in out.targets):
             return  # the receiver does not index them: its copy could not be tracked
         pages = np.concatenate(out.sent_src)
+        index = self._e.node.index
         try:
-            slots, epochs, hashes = self._e.node.index.mark_duplicates(rec.buffer_set_id, pages)
+            slots, epochs, hashes = index.mark_duplicates(rec.buffer_set_id, pages)
         except KVServiceError:  # the buffer set went meanwhile
             return
+        key = (rec.buffer_set_id, out.peer_address, tuple(t.plan.dst_buffer_set_id for t in out.targets))
+        old = self._by_key.get(key)
+        if old is not None:  # entries it already marks count once
+            known = np.isin(_ids(slots, epochs), _ids(old.slots, old.epochs))
+            index.unmark_duplicates(rec.buffer_set_id, slots[known], epochs[known])
+            slots, epochs, hashes = slots[~known], epochs[~known], hashes[~known]
         if not slots.size:
             return
-        peer = self._e.peers.get(out.peer_address)
-        m = Mark(
-            next(self._ids),
-            rec.buffer_set_id,
-            slots,
-            epochs,
-            hashes,
-            out.peer_address,
-            peer.service_id,
-            tuple(t.plan.dst_buffer_set_id for t in out.targets),
-        )
-        self.marks[m.mark_id] = m
+        if old is not None:
+            old.slots = np.concatenate([old.slots, slots])
+            old.epochs = np.concatenate([old.epochs, epochs])
+            old.hashes = np.concatenate([old.hashes, hashes])
+        else:
+            m = Mark(
+                next(self._ids),
+                rec.buffer_set_id,
+                slots,
+                epochs,
+                hashes,
+                out.peer_address,
+                self._e.peers.get(out.peer_address).service_id,
+                key[2],
+            )
+            self.marks[m.mark_id] = self._by_key[key] = m
         self._e.node.notify_duplicates(rec.buffer_set_id)
 
     def _drop(self, m: Mark, keep: np.ndarray | None = None) -> None:
@@ -114,16 +133,22 @@ class DuplicateBook:
         gone = slice(None) if keep is None else ~keep
         self._e.node.index.unmark_duplicates(m.src_bs, m.slots[gone], m.epochs[gone])
         if keep is None or not keep.any():
-            self.marks.pop(m.mark_id, None)
+            self._forget(m)
         else:
             m.slots, m.epochs, m.hashes = m.slots[keep], m.epochs[keep], m.hashes[keep]
         self.cleared += 1
         self._e.node.notify_duplicates(m.src_bs)
 
+    def _forget(self, m: Mark) -> None:
+        self.marks.pop(m.mark_id, None)
+        key = (m.src_bs, m.address, m.targets)
+        if self._by_key.get(key) is m:
+            del self._by_key[key]
+
     def drop_buffer_set(self, buffer_set_id: str) -> None:
         """The source buffer set was unregistered: its marks go with it."""
         for m in [m for m in self.marks.values() if m.src_bs == buffer_set_id]:
-            self.marks.pop(m.mark_id, None)
+            self._forget(m)
 
     # -- checking ----------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -141,6 +166,11 @@ class DuplicateBook:
             await self._check(src_bs)
 
     async def _check(self, src_bs: str | None) -> None:
+        index = self._e.node.index
+        for m in [m for m in self.marks.values() if src_bs is None or m.src_bs == src_bs]:
+            alive = index.entries_alive(m.src_bs, m.slots, m.epochs)
+            if not alive.all():  # this service evicted (or reused) them: nothing left to check
+                self._drop(m, alive)
         marks = [m for m in self.marks.values() if src_bs is None or m.src_bs == src_bs]
         asked = {m.mark_id: m.hashes for m in marks}  # a mark shrunk meanwhile is checked next time
         by_target: dict[tuple[str, str], list[Mark]] = {}

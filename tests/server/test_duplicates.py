@@ -151,3 +151,23 @@ def test_concurrent_checks_do_not_trip_over_each_other(make_server, closing) -> 
     a.call(both())
     assert _dup(ka, sa) == 3
     assert ka.suggest_evictions(sa, 32).duplicated.count(True) == 3
+
+
+def test_resending_a_prefix_marks_it_once_and_own_evictions_prune_the_mark(make_server, closing) -> None:
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, check_ms=3_600_000)
+    closing((ka, kb, *pools))
+    book = a.node.transfers.duplicates
+    # turn 2 of the conversation: the receiver holds the 6 pages, 2 new ones move
+    turn2 = np.concatenate([TOKENS, np.arange(7000, 7008)])
+    ka.publish_pages(sa, [*SRC, 6, 7], tokens=turn2)
+    kb.expect_delta(
+        "t2", sb, prefix_pages=6, dst_page_indices=[16, 17], publish_tokens=turn2, prefix_page_indices=DST
+    )
+    ka.send_delta("t2", sa, src_page_indices=[*SRC, 6, 7], peer_address=b.app.peer_address)
+    assert {s.state for s in kb.wait("t2", timeout=20)} == {"DONE"}
+    eventually(lambda: _dup(ka, sa) == 8, 5, "the 2 new pages join the mark")
+    (mark,) = book.marks.values()
+    assert mark.slots.size == 8  # not 6 + 8: one mark per receiver, each entry once
+    ka.evict_pages(sa, [3])  # the sender evicts 3.. itself (pages 3, 4, 5, 6, 7)
+    a.call(book.check())
+    assert _dup(ka, sa) == 3 and book.marks[mark.mark_id].slots.size == 3
