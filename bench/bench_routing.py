@@ -13,9 +13,11 @@ decode engine received is checked word for word before it decodes.
 
 The router uses only kvservice's public API: ``MatchPrefix`` (scores and ``TransferLoad``) on
 each node, ``ExpectDelta``'s RESOURCE_EXHAUSTED; besides, like any router, it counts the requests
-it has sent to each prefill engine and not yet seen answered (admission policies pick the least
-busy of the prefill engines that hold most of the prefix). A failed turn is counted and the
-session goes on with its next turn. Policies, same trace, same engines, one run:
+it has sent to each prefill engine and not yet seen answered (admission policies break ties
+between the prefill engines with the longest prefix by that count, prefix-aware P/D
+round-robin). A failed turn is counted and the session goes on with its next turn.
+
+Policies, same trace, same engines, one run:
 
   rr           round-robin P/D: P and D round-robin, the decode engine keeps no cache (full KV
                moves every turn)
@@ -272,11 +274,8 @@ class Router:
                 if self.policy == "prefix":
                     ties = [s for s in p_scores if s[0] == best]
                     p_eng = ties[rr % len(ties)][2]
-                else:  # load-aware: among P's holding most of the best prefix, the least busy
-                    near = [s[2] for s in p_scores if s[0] >= best * 3 // 4]
-                    p_eng = min(
-                        near, key=lambda e: (self.busy[e.name], -next(x[0] for x in p_scores if x[2] is e))
-                    )
+                else:  # the longest prefix; among those, the prefill engine with the fewest requests
+                    p_eng = min((x for x in p_scores if x[0] == best), key=lambda x: self.busy[x[2].name])[2]
             self.busy[p_eng.name] += 1
             try:
                 return self._pd(turn, plan, p_eng, hashes, n_pages, tid, res, t0, deadline)

@@ -32,6 +32,7 @@ class BufferSetIndex:
         # entry's EPOCH equals dup_epoch (a reused slot starts unmarked).
         self.dup = np.zeros(capacity, dtype=np.int32)
         self.dup_epoch = np.zeros(capacity, dtype=np.int32)
+        self.dup_tick = np.zeros(capacity, dtype=np.int64)  # when last marked
         self.free = np.arange(capacity - 1, 0, -1, dtype=np.int32)  # a stack: slot 1 pops first
         self.nfree = capacity - 1
         self.page_slot = np.full(max(spec.num_pages, 0) if not spec.presence_only else 0, -1, dtype=np.int32)
@@ -73,6 +74,7 @@ class BufferSetIndex:
             self.tick = np.concatenate([self.tick, np.zeros(new - old, np.int64)])
             self.dup = np.concatenate([self.dup, np.zeros(new - old, np.int32)])
             self.dup_epoch = np.concatenate([self.dup_epoch, np.zeros(new - old, np.int32)])
+            self.dup_tick = np.concatenate([self.dup_tick, np.zeros(new - old, np.int64)])
             free = np.empty(new, dtype=np.int32)
             free[: self.nfree] = self.free[: self.nfree]
             free[self.nfree : self.nfree + new - old] = np.arange(new - 1, old - 1, -1, dtype=np.int32)
@@ -197,12 +199,14 @@ class BufferSetIndex:
         """Whether each (live) slot carries a valid duplicate mark."""
         return (self.dup[slots] > 0) & (self.dup_epoch[slots] == self.E[slots, K.EPOCH])
 
-    def mark(self, slots: np.ndarray) -> np.ndarray:
-        """Add one duplicate mark to each of ``slots`` (distinct, live); returns their epochs."""
+    def mark(self, slots: np.ndarray, now: int) -> np.ndarray:
+        """Add one duplicate mark to each of ``slots`` (distinct, live) at tick ``now``; returns
+        their epochs."""
         epochs = self.E[slots, K.EPOCH].copy()
         stale = self.dup_epoch[slots] != epochs
         self.dup[slots[stale]] = 0
         self.dup_epoch[slots] = epochs
+        self.dup_tick[slots] = now
         self.dup[slots] += 1
         return epochs
 
@@ -215,11 +219,13 @@ class BufferSetIndex:
         """(slots, effective priorities) of every entry that may be evicted, first to go first:
         lowest priority, then least recently used, each entry after the entries extending it;
         an entry with a leased page in its subtree never appears. With ``dup_priority``, a
-        duplicated entry's priority is at most that."""
+        duplicated entry not used here since it was marked has a priority of at most that (one
+        used again, e.g. a shared system prompt, is in use on this side and keeps its own)."""
         live = self.live_slots()
         prio = self.E[:, K.PRIO].astype(np.int64)
         if dup_priority is not None and live.size:
             dup = live[self.duplicated(live)]
+            dup = dup[self.tick[dup] <= self.dup_tick[dup]]
             prio[dup] = np.minimum(prio[dup], dup_priority)
         eff = prio.copy()
         aggt = self.tick.copy()

@@ -175,7 +175,9 @@ class PrefixIndexBase(abc.ABC):
         """Longest present prefix per candidate buffer set, most matched pages first.
 
         Candidates: buffer sets of ``page_size`` (0 = any, for opaque hashes), restricted to
-        ``buffer_set_ids`` (unknown ids raise NotFound) and to ``dp_rank`` when given.
+        ``buffer_set_ids`` (unknown ids raise NotFound) and to ``dp_rank`` when given. A match
+        refreshes the matched entries' recency (eviction order), except with ``scores_only``:
+        a router's probe is not a use.
         """
 
     @abc.abstractmethod

@@ -206,7 +206,8 @@ class PrefixIndex(PrefixIndexBase):
             now, out = self._next_tick(), []
             for bs in cands:
                 slots = bs.walk(h)
-                bs.tick[slots] = now
+                if not scores_only:  # a router's probe is not a use: recency stays the engine's
+                    bs.tick[slots] = now
                 rows = bs.E[slots]
                 pages = _EMPTY if scores_only or bs.spec.presence_only else rows[:, K.PAGE].astype(np.int64)
                 s = bs.spec
@@ -281,7 +282,7 @@ class PrefixIndex(PrefixIndexBase):
             pages = np.unique(bs.check_pages(page_indices))
             slots = bs.page_slot[pages]
             slots = slots[slots >= 0]
-            return slots, bs.mark(slots), bs.H[slots].copy()
+            return slots, bs.mark(slots, self._next_tick()), bs.H[slots].copy()
 
     def unmark_duplicates(self, buffer_set_id: str, slots: np.ndarray, epochs: np.ndarray) -> None:
         """Undo ``mark_duplicates`` for these entries (a no-op for entries since evicted)."""

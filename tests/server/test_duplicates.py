@@ -171,3 +171,17 @@ def test_resending_a_prefix_marks_it_once_and_own_evictions_prune_the_mark(make_
     ka.evict_pages(sa, [3])  # the sender evicts 3.. itself (pages 3, 4, 5, 6, 7)
     a.call(book.check())
     assert _dup(ka, sa) == 3 and book.marks[mark.mark_id].slots.size == 3
+
+
+def test_a_duplicate_used_again_here_keeps_its_priority(make_server, closing) -> None:
+    """Only duplicates idle on this side are lowered; a router's scores-only probe is no use."""
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server)
+    closing((ka, kb, *pools))
+    eventually(lambda: _dup(ka, sa) == 6, 5)
+    ka.match_prefix(tokens=TOKENS, page_size=4, buffer_set_ids=[sa], scores_only=True)
+    assert ka.suggest_evictions(sa, 32).priorities[:6] == (-1000,) * 6
+    ka.match_prefix(tokens=TOKENS[:8], page_size=4, buffer_set_ids=[sa])  # the engine uses pages 0, 1
+    sug = ka.suggest_evictions(sa, 32)
+    prio = dict(zip(sug.page_indices, sug.priorities, strict=True))
+    assert (prio[0], prio[1], prio[2], prio[5]) == (0, 0, -1000, -1000)
+    assert all(sug.duplicated[sug.page_indices.index(p)] for p in SRC)

@@ -637,7 +637,8 @@ type MatchPrefixRequest struct {
 	// Restrict to buffer sets of this DP rank when has_dp_rank.
 	HasDpRank bool   `protobuf:"varint,5,opt,name=has_dp_rank,json=hasDpRank,proto3" json:"has_dp_rank,omitempty"`
 	DpRank    uint32 `protobuf:"varint,6,opt,name=dp_rank,json=dpRank,proto3" json:"dp_rank,omitempty"`
-	// Routers: return only matched page counts, no page indices and no lease.
+	// Routers: return only matched page counts, no page indices and no lease. A scores-only probe
+	// does not count as a use of the pages (their recency for SuggestEvictions is unchanged).
 	ScoresOnly bool `protobuf:"varint,7,opt,name=scores_only,json=scoresOnly,proto3" json:"scores_only,omitempty"`
 	// When > 0, pin the matched pages for this long (needs a session); see ReleaseLease.
 	LeaseTtlMs    uint32 `protobuf:"varint,8,opt,name=lease_ttl_ms,json=leaseTtlMs,proto3" json:"lease_ttl_ms,omitempty"`
