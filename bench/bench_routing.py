@@ -568,7 +568,12 @@ def router_latency(iters: int, prompt_tokens: int = 131_072) -> dict[str, Any]:
         num_layers=1, page_size=ps, num_pages=64, total_kv_heads=1, head_dim=8, dtype="float16"
     )
     prompt = np.random.default_rng(1).integers(0, 150_000, prompt_tokens, dtype=np.int64)
-    lat: dict[str, list[float]] = {"health": [], "match_prefix_128k_scores": [], "expect_delta_refused": []}
+    lat: dict[str, list[float]] = {
+        "health": [],
+        "match_prefix_128k_scores": [],
+        "expect_delta_refused": [],
+        "expect_delta_refused_raw_stub": [],  # without the SDK (no request id, no retry wrapper)
+    }
     with Services(1) as svc, Client(svc.addresses[0], client_name="router-latency") as kc:
         pools = [ShmKVPool.create(big)] + [ShmKVPool.create(small) for _ in range(3)]
         try:
@@ -585,7 +590,11 @@ def router_latency(iters: int, prompt_tokens: int = 131_072) -> dict[str, Any]:
                                 deadline_ms=600_000)  # fmt: skip
                 busy.append(b.buffer_set_id)
             with grpc.insecure_channel(svc.addresses[0]) as ch:
+                from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc
+
                 health = health_pb2_grpc.HealthStub(ch)
+                stub = kvservice_pb2_grpc.KVServiceStub(ch)
+                md = (("kvservice-session", kc.session_id),)
                 for i in range(iters + 5):
                     t0 = time.perf_counter()
                     health.Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -598,10 +607,23 @@ def router_latency(iters: int, prompt_tokens: int = 131_072) -> dict[str, Any]:
                     except ResourceExhausted:
                         pass
                     t3 = time.perf_counter()
+                    try:
+                        stub.ExpectDelta(
+                            kvservice_pb2.ExpectDeltaRequest(
+                                transfer_id=f"raw-{i}", buffer_set_id=busy[i % 3], dst_page_indices=[5]
+                            ),
+                            metadata=md,
+                            timeout=5,
+                        )
+                        raise RuntimeError("an over-budget ExpectDelta was admitted")
+                    except grpc.RpcError as exc:
+                        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    t4 = time.perf_counter()
                     if i >= 5:  # warm-up
                         lat["health"].append(t1 - t0)
                         lat["match_prefix_128k_scores"].append(t2 - t1)
                         lat["expect_delta_refused"].append(t3 - t2)
+                        lat["expect_delta_refused_raw_stub"].append(t4 - t3)
             assert res.best is not None and res.best.matched_pages == prompt_tokens // ps
             assert all(m.load.inbound_transfers == 1 for m in res.matches if m.buffer_set_id in busy)
         finally:

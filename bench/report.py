@@ -210,8 +210,9 @@ def _routing(name: str, j: dict) -> list[str]:
             f"Router calls (one service, idle): MatchPrefix 131,072 tokens scores_only with load p50 "
             f"{_f(rc['match_prefix_128k_scores']['p50_ms'], 3)} ms (p99 {_f(rc['match_prefix_128k_scores']['p99_ms'], 3)}); "
             f"over-budget ExpectDelta refused p50 {_f(rc['expect_delta_refused']['p50_ms'], 3)} ms "
-            f"(p99 {_f(rc['expect_delta_refused']['p99_ms'], 3)}); baseline health check p50 "
-            f"{_f(rc['health']['p50_ms'], 3)} ms.",
+            f"(p99 {_f(rc['expect_delta_refused']['p99_ms'], 3)}; without the SDK, raw stub: "
+            f"{_f(rc.get('expect_delta_refused_raw_stub', {}).get('p50_ms'), 3)} ms); baseline health "
+            f"check p50 {_f(rc['health']['p50_ms'], 3)} ms.",
         ]
     return lines + [""]
 
