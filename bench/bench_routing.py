@@ -503,7 +503,22 @@ class QueueSampler:
         self._t.join(5)
 
 
-def run_policy(policy: str, trace: Trace, n_p: int, n_d: int, m: Model, concurrency: int) -> dict[str, Any]:
+def replay_sequential(trace: Trace, router: Router, nominal_s: float = 0.5) -> list[Result]:
+    """Every turn alone, in the trace's arrival order (each answer taking ``nominal_s``): no
+    timing in the routing decisions, so two eviction policies see the same requests."""
+    order = []
+    for turns in trace.sessions:
+        t = 0.0
+        for turn in turns:
+            t += turn.start_s + (nominal_s if turn.turn else 0.0)
+            order.append((t, turn.session, turn.turn, turn))
+    order.sort(key=lambda x: x[:3])
+    return [router.serve(turn) for *_, turn in order]
+
+
+def run_policy(
+    policy: str, trace: Trace, n_p: int, n_d: int, m: Model, concurrency: int, sequential: bool = False
+) -> dict[str, Any]:
     admission = policy.startswith("admission")
     p_env = {"KVSERVICE_DUPLICATE_POLICY": "lower" if policy == "admission+dup" else "off",
              "KVSERVICE_DUPLICATE_CHECK_MS": "200"}  # fmt: skip
@@ -516,7 +531,9 @@ def run_policy(policy: str, trace: Trace, n_p: int, n_d: int, m: Model, concurre
             router = Router(policy, P, D, m)
             t0 = time.monotonic()
             with QueueSampler(D, m.page_size) as q:
-                results = replay(trace, router, m, concurrency)
+                results = (
+                    replay_sequential(trace, router) if sequential else replay(trace, router, m, concurrency)
+                )
             wall = time.monotonic() - t0
             dup_pages = [
                 next(b.duplicated_pages for b in e.client.get_stats().buffer_sets if b.buffer_set_id == e.bs)
@@ -644,6 +661,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--latency-only", action="store_true", help="only the router call latencies")
+    ap.add_argument("--skip-replay", action="store_true", help="no timed replay: eviction and latency parts only")
     for f in dataclasses.fields(Model):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     args = ap.parse_args()
@@ -660,7 +678,7 @@ def main() -> None:
     args.shapes = args.shapes or ("small-append" if args.small else "micro,small-append")
     m = Model(**over)
     runs = []
-    for shape in [] if args.latency_only else args.shapes.split(","):
+    for shape in [] if args.latency_only or args.skip_replay else args.shapes.split(","):
         trace = generate(shape, args.seed, scale)
         if args.small:  # a few sessions only
             trace = Trace(trace.shape, trace.seed, trace.sessions[:10])
@@ -678,6 +696,23 @@ def main() -> None:
                     f"queue mean {q['mean']:.2f} p90 {q['p90']:.0f}",
                     file=sys.stderr,
                 )
+    # Eviction alone: the same requests one at a time (no timing), LRU vs duplicate-aware on P.
+    eviction = []
+    seq_model = dataclasses.replace(m, prefill_us_per_token=0.0, decode_ms_per_token=0.0, time_scale=0.0)
+    for shape in [] if args.latency_only else args.shapes.split(","):
+        trace = generate(shape, args.seed, scale)
+        if args.small:
+            trace = Trace(trace.shape, trace.seed, trace.sessions[:10])
+        for policy in ("admission", "admission+dup"):
+            r = run_policy(policy, trace, 2, 2, seq_model, 1, sequential=True)
+            r.update(config="2P2D", shape=shape, mode="sequential")
+            eviction.append(r)
+            print(
+                f"eviction {shape:12s} {policy:14s} ok {r['ok']}/{r['total']} "
+                f"P-cached {r['prefill_cached_tokens']} new {r['prefill_new_tokens']} "
+                f"P-evicted {r['prefill_evicted_pages']} errors {r['errors']}",
+                file=sys.stderr,
+            )
     latency = router_latency(50 if args.small else 300)
     print(
         f"router calls: MatchPrefix 128K scores p50 {latency['match_prefix_128k_scores']['p50_ms']:.2f} ms, "
@@ -689,7 +724,13 @@ def main() -> None:
     write_json(
         args.out,
         f"routing_{tag}",
-        {"benchmark": "routing", "model": dataclasses.asdict(m), "runs": runs, "router_calls": latency},
+        {
+            "benchmark": "routing",
+            "model": dataclasses.asdict(m),
+            "runs": runs,
+            "eviction_sequential": eviction,
+            "router_calls": latency,
+        },
     )
 
 

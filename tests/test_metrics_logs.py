@@ -21,6 +21,8 @@ NOT_ABOUT_A_TRANSFER = {
     ("peers.py", "peer restarted"),
     ("peer_channel.py", "peer channel broke"),  # the channel's transfers fail with their own lines
     ("peer_pools.py", "closing a peer pool mapping failed"),
+    ("duplicates.py", "duplicate marks on %s/%s cleared: %s"),  # marks outlive their transfers
+    ("duplicates.py", "duplicate mark check failed"),
     (
         "same_node.py",
         "no peer access from cuda:%d to cuda:%d: same-node copies between them go through "
