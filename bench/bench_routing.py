@@ -661,7 +661,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--latency-only", action="store_true", help="only the router call latencies")
-    ap.add_argument("--skip-replay", action="store_true", help="no timed replay (eviction, latency parts only)")
+    ap.add_argument("--skip-replay", action="store_true", help="no timed replay (eviction, latency)")
     for f in dataclasses.fields(Model):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     args = ap.parse_args()
