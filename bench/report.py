@@ -407,6 +407,26 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
 
 def _routing_plot(plt: Any, d: Path, name: str, j: dict) -> list[str]:
     groups = sorted({(r["shape"], r["config"]) for r in j["runs"]})
+    if not groups:
+        ev = j.get("eviction_sequential") or []
+        if not ev:
+            return []
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        shapes = sorted({r["shape"] for r in ev})
+        for k, (pol, label, color) in enumerate(
+            (("admission", "LRU", "#999"), ("admission+dup", "duplicate-aware", "#2a7"))
+        ):
+            vals = [next((r["prefill_cached_tokens"] for r in ev if (r["shape"], r["policy"]) == (sh, pol)), 0)
+                    for sh in shapes]  # fmt: skip
+            ax.bar([i + (k - 0.5) * 0.4 for i in range(len(shapes))], vals, 0.4, label=label, color=color)
+        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_ylabel("prefill cached tokens")
+        ax.set_title(f"{name}: P eviction, same requests one at a time", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(d / f"{name}.png", dpi=110)
+        plt.close(fig)
+        return [f"{name}.png"]
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.4), squeeze=False)
     for ax, (shape, cfg) in zip(axes[0], groups, strict=True):
         rs = [r for r in j["runs"] if (r["shape"], r["config"]) == (shape, cfg)]
