@@ -569,6 +569,10 @@ def run_policy(
         "prefill_evicted_pages": sum(e.evicted_pages for e in P),
         "prefill_duplicated_pages_at_end": dup_pages,
         "wall_s": wall,
+        # per request, in completion order: route, ok, error, e2e and TTFT (ms), for tails' causes
+        "requests": [
+            [r.route, r.ok, r.error, round(r.e2e_s * 1e3, 1), round(r.ttft_s * 1e3, 1)] for r in results
+        ],
     }
 
 
