@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import secrets
 import socket
-import threading
 import time
 from typing import Any
 
@@ -34,6 +33,7 @@ from .errors import (
 )
 from .identity import CredentialBook
 from .index import Lease, Match, PrefixIndex, as_hashes
+from .latest import LatestQueue
 from .peers_allow import peer_allowed
 from .sessions import Session, SessionRegistry
 
@@ -42,30 +42,6 @@ __all__ = ["Node", "VERSION"]
 from . import VERSION
 
 log = logging.getLogger(__name__)
-
-
-class _Notices:
-    """Latest duplicate count per buffer set, waiting for the session stream to send it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}
-        self._ready = asyncio.Event()
-
-    def put(self, buffer_set_id: str, duplicated: int) -> None:
-        with self._lock:
-            self._pending[buffer_set_id] = duplicated
-        self._loop.call_soon_threadsafe(self._ready.set)
-
-    async def get(self) -> tuple[str, int]:
-        while True:
-            with self._lock:
-                if self._pending:
-                    key = next(iter(self._pending))
-                    return key, self._pending.pop(key)
-                self._ready.clear()
-            await self._ready.wait()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +68,8 @@ class Node:
         self.event_subscribers: list[Any] = []
         self.republishers: list[Any] = []
         self.draining = False
-        self._notices: dict[str, _Notices] = {}  # session id -> its stream's pending notices
+        # session id -> its stream's pending duplicate counts, per buffer set (newest only)
+        self._notices: dict[str, LatestQueue[str, int]] = {}
         self.sessions.on_close(self._release_session)
         self.buffers.add_hooks(self._index_add, self._index_drop)
 
@@ -268,12 +245,9 @@ class Node:
         self.sessions.release(session, reason)
         return True
 
-    def session_notices(self, session_id: str) -> _Notices:
+    def session_notices(self, session_id: str) -> LatestQueue[str, int]:
         """The pending notices of a session's stream (a resumed stream takes over the same)."""
-        box = self._notices.get(session_id)
-        if box is None:
-            box = self._notices[session_id] = _Notices(asyncio.get_running_loop())
-        return box
+        return self._notices.setdefault(session_id, LatestQueue())
 
     def notify_duplicates(self, buffer_set_id: str) -> None:
         """Tell the owner session of ``buffer_set_id`` how many of its pages are P/D duplicates
@@ -283,7 +257,7 @@ class Node:
         except NotFound:
             return
         box = self._notices.get(bs.session_id)
-        if box is not None:
+        if box is not None:  # NOTE: on the event loop (the transfer engine's callbacks run there)
             box.put(buffer_set_id, self.index.duplicated_pages(buffer_set_id))
 
     def _release_session(self, session_id: str) -> None:

@@ -55,6 +55,11 @@ class BufferSet:
         return "cuda_ipc" if self.k and self.k[0].mem_kind == "VRAM" else "shm"
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all KV regions (every layer, K and V)."""
+        return sum(r.size for r in self.regions) // max(self.layout.num_pages, 1)
+
+    @property
     def total_bytes(self) -> int:
         return sum(r.size for r in self.regions) + sum(a.region.size for a in self.aux)
 

@@ -227,14 +227,13 @@ class BufferSetIndex:
             dup = live[self.duplicated(live)]
             dup = dup[self.tick[dup] <= self.dup_tick[dup]]
             prio[dup] = np.minimum(prio[dup], dup_priority)
-        eff = prio.copy()
-        aggt = self.tick.copy()
+        aggp, aggt = prio.copy(), self.tick.copy()  # become the subtree max in the walk
         blocked = self.E[:, K.PINS] > 0
         pos = np.full(self.E.shape[0], -1, dtype=np.int64)
-        K.eviction_order(self.E, prio, aggt, blocked, pos)
+        K.eviction_order(self.E, aggp, aggt, blocked, pos)
         ok = live[~blocked[live]]
-        order = ok[np.lexsort((pos[ok], aggt[ok], prio[ok]))]
-        return order, eff[order]
+        order = ok[np.lexsort((pos[ok], aggt[ok], aggp[ok]))]
+        return order, prio[order]
 
     # --- integrity -------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ class Metrics:
             bs = self._node.buffers.get(buffer_set_id)
         except Exception:  # unregistered meanwhile: the bytes saved are unknown, not an error
             return 0
-        return int(sum(r.size for r in bs.regions) // max(bs.layout.num_pages, 1))
+        return int(bs.page_bytes)
 
     def attach(self, transfers: Any) -> None:
         """Observe every transfer record of ``transfers`` (a TransferEngine) when it ends."""

@@ -137,7 +137,6 @@ class DuplicateBook:
         else:
             m.slots, m.epochs, m.hashes = m.slots[keep], m.epochs[keep], m.hashes[keep]
         self.cleared += 1
-        self._e.node.notify_duplicates(m.src_bs)
 
     def _forget(self, m: Mark) -> None:
         self.marks.pop(m.mark_id, None)
@@ -167,10 +166,12 @@ class DuplicateBook:
 
     async def _check(self, src_bs: str | None) -> None:
         index = self._e.node.index
+        changed: set[str] = set()  # source sets whose owners are told once, at the end
         for m in [m for m in self.marks.values() if src_bs is None or m.src_bs == src_bs]:
             alive = index.entries_alive(m.src_bs, m.slots, m.epochs)
             if not alive.all():  # this service evicted (or reused) them: nothing left to check
                 self._drop(m, alive)
+                changed.add(m.src_bs)
         marks = [m for m in self.marks.values() if src_bs is None or m.src_bs == src_bs]
         asked = {m.mark_id: m.hashes for m in marks}  # a mark shrunk meanwhile is checked next time
         by_target: dict[tuple[str, str], list[Mark]] = {}
@@ -186,6 +187,9 @@ class DuplicateBook:
             got = held.get(m.mark_id)
             if m.mark_id in self.marks and got is not None and m.hashes is asked[m.mark_id] and not got.all():
                 self._drop(m, got)
+                changed.add(m.src_bs)
+        for bs_id in changed:
+            self._e.node.notify_duplicates(bs_id)
 
     async def _held(self, address: str, target: str, marks: list[Mark]) -> list[np.ndarray]:
         """Per mark, which of its hashes the receiver buffer set ``target`` holds (all False

@@ -224,6 +224,7 @@ class TransferEngine:
             bs = self.node.buffers.get(buffer_set_id)
         except NotFound:
             return 0
+        # NOTE: a lookup, not pool_for: the metrics thread calls this and must never create a pool
         pool = self.host_pool if bs.memory != "cuda_ipc" else self.vram_pools.get(bs.k[0].device)
         return pool.stats().waiters if pool is not None else 0
 

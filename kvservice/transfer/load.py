@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..buffers import BufferSet
 from ..errors import ResourceExhausted
 from .records import Record, TransferTable
 
@@ -71,13 +72,11 @@ class Load:
 EMPTY_LOAD = Load(0, 0, 0, 0, 0, 0, 0, Budget(), 0)
 
 
-def expected_bytes(bs: object, delta_pages: int, aux_rows: dict[str, np.ndarray]) -> int:
-    """KV and aux bytes a receiver rank waits for: its regions' page bytes times the delta pages
-    (every sender's head slices add up to its local heads), plus the declared aux rows."""
-    regions = bs.regions  # type: ignore[attr-defined]
-    page = sum(r.size for r in regions) // max(bs.layout.num_pages, 1)  # type: ignore[attr-defined]
-    aux = sum(bs.aux_by_name(n).row_bytes * int(rows.size) for n, rows in aux_rows.items())  # type: ignore[attr-defined]
-    return int(page * delta_pages + aux)
+def expected_bytes(bs: BufferSet, delta_pages: int, aux_rows: dict[str, np.ndarray]) -> int:
+    """KV and aux bytes a receiver rank waits for: its page bytes times the delta pages (every
+    sender's head slices add up to its local heads), plus the declared aux rows (validated)."""
+    row_bytes = {a.name: a.row_bytes for a in bs.aux}
+    return bs.page_bytes * delta_pages + sum(row_bytes[n] * int(rows.size) for n, rows in aux_rows.items())
 
 
 class _Window:
@@ -142,7 +141,8 @@ class LoadBook:
             if rec.buffer_set_id in self._budgets:
                 self._windows.setdefault(rec.buffer_set_id, _Window()).add(rec.ended, rec.total_us)
 
-    def load(self, buffer_set_id: str) -> Load:
+    def _live(self, buffer_set_id: str) -> tuple[int, int, int]:
+        """(inbound transfers, inbound bytes still to arrive, outbound transfers) now."""
         inbound = outbound = pending = 0
         for rec in self._table.live_of(buffer_set_id):
             if rec.role == "RECEIVER":
@@ -150,6 +150,10 @@ class LoadBook:
                 pending += max(rec.expected_bytes - rec.bytes_sent, 0)
             else:
                 outbound += 1
+        return inbound, pending, outbound
+
+    def load(self, buffer_set_id: str) -> Load:
+        inbound, pending, outbound = self._live(buffer_set_id)
         now = time.monotonic()
         with self._lock:
             budget = self._budgets.get(buffer_set_id, self._default)
@@ -166,11 +170,7 @@ class LoadBook:
             budget = self._budgets.get(buffer_set_id, self._default)
         if not budget.max_transfers and not budget.max_bytes:
             return
-        inbound = pending = 0
-        for rec in self._table.live_of(buffer_set_id):
-            if rec.role == "RECEIVER":
-                inbound += 1
-                pending += max(rec.expected_bytes - rec.bytes_sent, 0)
+        inbound, pending, _ = self._live(buffer_set_id)
         why = ""
         if budget.max_transfers and inbound >= budget.max_transfers:
             name = "inbound_max_transfers"

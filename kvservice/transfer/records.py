@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+from ..latest import LatestQueue
+
 __all__ = ["PHASES", "TERMINAL", "Record", "TransferTable"]
 
 log = logging.getLogger(__name__)
 TERMINAL = frozenset({"DONE", "FAILED", "ABORTED"})
 PHASES = ("queue", "plan", "pack", "wire", "unpack")
+_Queue = LatestQueue[tuple[str, str, str], "Record"]  # a watcher's: newest snapshot per record
 
 
 @dataclasses.dataclass
@@ -83,7 +86,7 @@ class TransferTable:
         self._live_by_bs: dict[str, dict[tuple[str, str, str], Record]] = {}
         self._by_tid: dict[str, set[tuple[str, str, str]]] = {}
         self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
-        self._watchers: list[tuple[asyncio.AbstractEventLoop, _Latest, Callable[[Record], bool]]] = []
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, _Queue, Callable[[Record], bool]]] = []
         self.retain_s = retain_s
         # Told of every record that reaches a terminal state (metrics, the load book), outside
         # the lock; they must be quick.
@@ -211,7 +214,7 @@ class TransferTable:
         A watcher slower than the changes gets each record's latest snapshot once (bounded by
         the records it matches; a terminal state is always the last one it sees)."""
         loop = asyncio.get_running_loop()
-        queue = _Latest()
+        queue: _Queue = LatestQueue()
         entry = (loop, queue, pred)
         with self._lock:
             self._watchers.append(entry)
@@ -220,7 +223,7 @@ class TransferTable:
             for rec in current:
                 yield rec
             while True:
-                yield await queue.get()
+                yield (await queue.get())[1]
         finally:
             with self._lock:
                 self._watchers.remove(entry)
@@ -230,22 +233,4 @@ class TransferTable:
         with self._lock:
             targets = [(loop, q) for loop, q, pred in self._watchers if pred(rec)]
         for loop, q in targets:
-            loop.call_soon_threadsafe(q.put, snap)
-
-
-class _Latest:
-    """A watcher's queue that keeps only the newest snapshot per record (FIFO by first change)."""
-
-    def __init__(self) -> None:
-        self._items: collections.OrderedDict[tuple[str, str, str], Record] = collections.OrderedDict()
-        self._ready = asyncio.Event()
-
-    def put(self, rec: Record) -> None:
-        self._items[rec.key] = rec  # an update keeps its place; the value is the newest
-        self._ready.set()
-
-    async def get(self) -> Record:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popitem(last=False)[1]
+            loop.call_soon_threadsafe(q.put, snap.key, snap)

@@ -176,7 +176,7 @@ class Client:
             layout, tuple(k_regions), tuple(v_regions), tuple(aux), engine_id,
             inbound_max_transfers, inbound_max_bytes,
         )  # fmt: skip
-        r = self._call("RegisterBuffers", rq.register_args(args))
+        r = self._call("RegisterBuffers", rq.register(args))
         self.owned.add_buffer_set(r.buffer_set_id, args)
         return RegisteredBuffers(r.buffer_set_id, r.page_bytes_k, r.page_bytes_v)
 

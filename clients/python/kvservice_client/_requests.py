@@ -10,9 +10,7 @@ import grpc
 import numpy as np
 
 from ._errors import InvalidArgument
-from ._layout import Layout
 from ._proto import common_pb2, kvservice_pb2
-from ._regions import AuxSpec, Region
 from .hashing import tokens_to_u32le
 
 __all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED", "connection_broke", "owned_metadata"]
@@ -79,31 +77,16 @@ def _u64(value: int, field: str) -> int:
     return int(value)
 
 
-def register_args(args: Any) -> kvservice_pb2.RegisterBuffersRequest:
-    """The request for a ``_session.RegisterArgs``."""
-    return register(
-        args.layout, args.k_regions, args.v_regions, args.aux, args.engine_id,
-        args.inbound_max_transfers, args.inbound_max_bytes,
-    )  # fmt: skip
-
-
-def register(
-    layout: Layout,
-    k_regions: Sequence[Region],
-    v_regions: Sequence[Region],
-    aux: Sequence[AuxSpec],
-    engine_id: str,
-    inbound_max_transfers: int = 0,
-    inbound_max_bytes: int = 0,
-) -> kvservice_pb2.RegisterBuffersRequest:
+def register(args: Any) -> kvservice_pb2.RegisterBuffersRequest:
+    """The request for a ``_session.RegisterArgs`` (kept by the client to register again)."""
     return kvservice_pb2.RegisterBuffersRequest(
-        layout=layout.to_proto(),
-        k_regions=[r.to_proto() for r in k_regions],
-        v_regions=[r.to_proto() for r in v_regions],
-        aux_regions=[a.to_proto() for a in aux],
-        engine_id=engine_id,
-        inbound_max_transfers=_u32(inbound_max_transfers, "inbound_max_transfers"),
-        inbound_max_bytes=_u64(inbound_max_bytes, "inbound_max_bytes"),
+        layout=args.layout.to_proto(),
+        k_regions=[r.to_proto() for r in args.k_regions],
+        v_regions=[r.to_proto() for r in args.v_regions],
+        aux_regions=[a.to_proto() for a in args.aux],
+        engine_id=args.engine_id,
+        inbound_max_transfers=_u32(args.inbound_max_transfers, "inbound_max_transfers"),
+        inbound_max_bytes=_u64(args.inbound_max_bytes, "inbound_max_bytes"),
     )
 
 
