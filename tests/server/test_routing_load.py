@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 
 import numpy as np
@@ -124,5 +126,9 @@ def test_engine_gauges_and_refusal_counter(make_server) -> None:
         assert f'kvservice_engine_inbound_bytes_pending{{engine="decode-7"}} {2 * PAGE_BYTES}.0' in text
         assert 'kvservice_engine_inbound_budget_transfers{engine="decode-7"} 1.0' in text
         assert 'kvservice_admission_refused_total{budget="inbound_max_transfers"} 1.0' in text
+        promtool = shutil.which("promtool")
+        if promtool:  # the real Prometheus linter, on the exposition with these series in it
+            check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+            assert check.returncode == 0, check.stdout + check.stderr
         kc.unregister_buffers(bs)
         assert 'engine="decode-7"' not in srv.app.metrics.exposition().decode()  # bounded label set
