@@ -146,6 +146,23 @@ class Services:
             raise
         return self
 
+    def idle_cpu(self, seconds: float) -> list[float]:
+        """Share of one core each service used over ``seconds`` while nobody called it."""
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def used() -> list[int]:
+            out = []
+            for p in self.procs:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out.append(int(fields[11]) + int(fields[12]))  # utime + stime
+            return out
+
+        before, t0 = used(), time.monotonic()
+        time.sleep(seconds)
+        after, dt = used(), time.monotonic() - t0
+        return [(b - a) / tick / dt for a, b in zip(before, after, strict=True)]
+
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
             if p.poll() is None:

@@ -14,6 +14,7 @@ absolute numbers).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -171,6 +172,7 @@ def main() -> None:
                 for t in ths:
                     t.join()
                 rate = done[0] / (time.perf_counter() - t0)
+                idle = svc.idle_cpu(0.5 if args.small else 3.0)
         finally:
             for p in (ip, sp, rp):
                 p.close()
@@ -190,6 +192,10 @@ def main() -> None:
             "transfers_per_s": rate,
             "errors": errors[:5],
         },
+        # what each service process used of one core afterwards, registered and idle (the NIXL
+        # progress thread's polling dominates it: --nixl-progress-delay-us)
+        "idle_cpu_fraction_of_core": idle,
+        "nixl_progress_delay_us": os.environ.get("KVSERVICE_NIXL_PROGRESS_DELAY_US", "default"),
         "goals": {
             "match_prefix_p50_le_5ms": stats["match_prefix"]["p50_ms"] <= 5.0,
             "overhead_p50_le_1ms": overhead <= 1.0,
@@ -198,6 +204,7 @@ def main() -> None:
     for k, v in stats.items():
         print(f"{k:14s} p50 {v['p50_ms']:.3f} ms p99 {v['p99_ms']:.3f} ms", file=sys.stderr)
     print(f"overhead p50 {overhead:.3f} ms; sustained {rate:.0f} transfers/s", file=sys.stderr)
+    print(f"idle CPU per service: {', '.join(f'{c:.1%}' for c in idle)} of a core", file=sys.stderr)
     args.device = "cpu"
     report["same_node"] = args.same_node
     write_json(args.out, f"control{'_same_node' if args.same_node else ''}_{run_tag(args)}", report)

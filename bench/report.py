@@ -176,6 +176,13 @@ def _control(name: str, j: dict) -> list[str]:
         f"sustained {_f(s['transfers_per_s'], 0)} one-page transfers/s with {s['threads']} threads.",
         "",
     ]
+    if "idle_cpu_fraction_of_core" in j:
+        idle = ", ".join(f"{c:.1%}" for c in j["idle_cpu_fraction_of_core"])
+        lines += [
+            f"Idle CPU afterwards, per service process: {idle} of a core "
+            f"(NIXL progress delay: {j.get('nixl_progress_delay_us', 'default')} us).",
+            "",
+        ]
     return lines
 
 

@@ -64,6 +64,11 @@ class Config:
     )
     max_message_mb: int = _opt(64, "Largest gRPC message, MiB.")
     transport: str = _opt("nixl", "Data transport: 'nixl' (UCX; DRAM and VRAM) or 'loopback' (one process).")
+    nixl_progress_delay_us: int = _opt(
+        1000,
+        "Sleep of NIXL's UCX progress thread between idle polls (us). 0 is nixl's own default: the "
+        "thread never sleeps and takes a whole core even when no transfer runs.",
+    )
     host_staging_mb: int = _opt(256, "Host staging pool, MiB (pinned when CUDA exists).")
     vram_staging_mb: int = _opt(
         2048, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets); bigger = fewer, larger batches."
@@ -210,6 +215,8 @@ class Config:
             raise ConfigError("max_message_mb: must be in 1..2047")
         if self.transport not in ("nixl", "loopback"):
             raise ConfigError(f"transport: {self.transport!r} is not 'nixl' or 'loopback'")
+        if not 0 <= self.nixl_progress_delay_us <= 1_000_000:
+            raise ConfigError("nixl_progress_delay_us: must be in 0..1000000")
         if self.host_staging_mb < 1 or self.vram_staging_mb < 1:
             raise ConfigError("host_staging_mb/vram_staging_mb: must be >= 1")
         if not 1 <= self.workers_per_peer <= 256:

@@ -76,14 +76,14 @@ def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads
 log = logging.getLogger(__name__)
 
 
-def make_transport(kind: str, name: str) -> Transport:
+def make_transport(kind: str, name: str, progress_delay_us: int) -> Transport:
     if kind == "loopback":
         from .loopback import LoopbackTransport
 
         return LoopbackTransport(name)
     from .nixl_transport import NixlTransport
 
-    return NixlTransport(name)
+    return NixlTransport(name, progress_delay_us=progress_delay_us)
 
 
 class TransferEngine:
@@ -93,7 +93,7 @@ class TransferEngine:
         self.config = cfg
         self.service_id = node.service_id
         self.address = address
-        self.transport = make_transport(cfg.transport, f"kvs-{node.service_id}")
+        self.transport = make_transport(cfg.transport, f"kvs-{node.service_id}", cfg.nixl_progress_delay_us)
         self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
         self.metadata_epoch = 0
         self.table = TransferTable(cfg.transfer_retain_s)

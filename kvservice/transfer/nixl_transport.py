@@ -27,7 +27,8 @@ Behaviour worth knowing (all seen here):
 - Telemetry is off unless the agent is created with it; we do not use it.
 
 Measured with ``bench/bench_transport.py`` (two processes, 8,192 x 32 KiB = 256 MiB, median;
-this 2-core box is noisy, runs differ up to 2x because both agents' progress threads spin):
+this 2-core box is noisy; these figures predate the progress delay below, when both agents'
+progress threads spun):
 
 - 1 descriptor: 54-108 ms (2.5-4.9 GB/s) with cma; 223 ms (1.2 GB/s) with tcp.
 - 8,192 scattered descriptors: 114-214 ms (1.2-2.3 GB/s) with cma; 432 ms (0.6 GB/s) with tcp.
@@ -41,6 +42,7 @@ gather of the same bytes 1 ms: tiny descriptors must be packed even on CPU.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +64,7 @@ from .transport import (
 )
 
 try:
+    from nixl import _api as _nixl_api
     from nixl import _bindings as _nixl_bindings
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
@@ -69,7 +72,10 @@ try:
 except Exception as exc:  # ImportError, or a broken wheel raising at import
     NIXL_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "DEFAULT_PROGRESS_DELAY_US",
     "NIXL_ERRORS",
     "NIXL_IMPORT_ERROR",
     "NixlTransport",
@@ -115,6 +121,70 @@ def translate_nixl_error(op: str, exc: BaseException) -> TransportError:
     return TransportError(f"{op}: {reason} ({name}: {exc})")
 
 
+DEFAULT_PROGRESS_DELAY_US = 1000
+_agent_lock = threading.Lock()
+
+
+class _Bindings:
+    """nixl's bindings module (``inner``) seen through one change: the agent config the wrapper
+    builds gets our progress-thread delay (``made`` counts the configs built). Every other name
+    is ``inner``'s."""
+
+    def __init__(self, delay_us: int, inner: Any = None) -> None:
+        self._inner = _nixl_bindings if inner is None else inner
+        base = self._inner.nixlAgentConfig
+        self.made = 0
+        outer = self
+
+        class Config(base):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any) -> None:
+                super().__init__(*args)
+                outer.made += 1
+                base.pthrDelay.__set__(self, delay_us)
+
+            @property
+            def pthrDelay(self) -> int:  # noqa: N802 - the binding's name
+                return int(base.pthrDelay.__get__(self))
+
+            @pthrDelay.setter
+            def pthrDelay(self, value: int) -> None:  # noqa: N802
+                base.pthrDelay.__set__(self, delay_us)
+
+        self.nixlAgentConfig = Config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _create_agent(name: str, conf: Any, progress_delay_us: int) -> Any:
+    """``nixl_agent(name, conf)`` with the progress thread's delay set to ``progress_delay_us``.
+
+    NOTE: nixl's Python wrapper (1.5) hard-codes ``pthrDelay = 0``, and UCX's progress thread then
+    polls without sleeping (~7,000 epoll/poll/read rounds a second): a whole core per service,
+    idle or not. On the 2-core VM that halved the same-node copy and doubled the one-page
+    transfer (bench_transfer / bench_control at 0 vs 1000 us, docs/operations.md). The C++
+    config has the knob; the wrapper builds that config through its module's ``nixlBind``,
+    which we swap for the one construction (under a lock, restored at once).
+    """
+    if progress_delay_us == 0:
+        return nixl_agent(name, conf)
+    with _agent_lock:
+        real = _nixl_api.nixlBind
+        bind = _Bindings(progress_delay_us, real)
+        _nixl_api.nixlBind = bind
+        try:
+            agent = nixl_agent(name, conf)
+        finally:
+            _nixl_api.nixlBind = real
+    if not bind.made:
+        log.warning(
+            "nixl did not build its agent config through nixl._api.nixlBind: progress delay %d us "
+            "not applied, its progress thread may spin a core",
+            progress_delay_us,
+        )
+    return agent
+
+
 @contextmanager
 def _nixl(op: str) -> Iterator[None]:
     try:
@@ -131,7 +201,13 @@ class NixlTransport(Transport):
 
     kind = "nixl"
 
-    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",), num_threads: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        backends: tuple[str, ...] = ("UCX",),
+        num_threads: int = 0,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
+    ) -> None:
         if NIXL_IMPORT_ERROR is not None:
             raise TransportError(f"nixl is not available: {NIXL_IMPORT_ERROR}")
         conf = nixl_agent_config(
@@ -141,7 +217,7 @@ class NixlTransport(Transport):
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         with _nixl("create agent"):
-            self._agent = nixl_agent(name, conf)
+            self._agent = _create_agent(name, conf, progress_delay_us)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise TransportError(f"create agent: backend(s) {missing} not available")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvservice.errors import TransportError
+from kvservice.transfer import nixl_transport
 from kvservice.transfer.descriptors import prepped_indices, prepped_rows
 from kvservice.transfer.nixl_transport import (
     NIXL_ERRORS,
@@ -103,3 +104,45 @@ def test_real_nixl_failure_is_translated() -> None:
             t.add_peer("x", b"not metadata")
     finally:
         t.close()
+
+
+@needs_nixl
+@pytest.mark.parametrize("delay_us", [0, 250])
+def test_progress_delay_reaches_the_agent_config(delay_us: int, caplog: pytest.LogCaptureFixture) -> None:
+    """nixl's wrapper writes pthrDelay = 0; the agent is built with our delay instead (and with
+    nixl's own 0 when asked for 0), and nixl's module is left as it was."""
+    from nixl import _api
+
+    real = _api.nixlBind
+    built: list[int] = []
+    base = real.nixlAgent
+
+    class Spy:  # records the config the wrapper hands to the C++ agent
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802
+            built.append(config.pthrDelay)
+            return base(name, config)
+
+    _api.nixlBind = Spy()
+    try:
+        t = NixlTransport(f"delay-{delay_us}", progress_delay_us=delay_us)
+        t.close()
+    finally:
+        _api.nixlBind = real
+    assert built == [delay_us]
+    assert "not applied" not in caplog.text
+
+
+@needs_nixl
+def test_progress_delay_swap_is_undone_and_counts_configs() -> None:
+    from nixl import _api
+
+    real = _api.nixlBind
+    bind = nixl_transport._Bindings(300)
+    cfg = bind.nixlAgentConfig()
+    cfg.pthrDelay = 0  # what the wrapper writes
+    assert (cfg.pthrDelay, bind.made) == (300, 1)
+    NixlTransport("delay-restore").close()
+    assert _api.nixlBind is real
