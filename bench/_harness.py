@@ -105,12 +105,20 @@ class Services:
     """``n`` kvservice processes on Unix sockets in a temp dir; terminated (then killed) on exit.
 
     ``env`` adds ``KVSERVICE_*`` settings, e.g. ``{"KVSERVICE_VRAM_STAGING_MB": "2048"}``.
+    ``net`` (``--netns``): service ``i`` runs in namespace ``net.names[i]`` and listens for peers
+    on ``net.ips[i]``, UCX over TCP, a peer token between them; engines still reach it over its
+    Unix socket. ``peer_addresses[i]`` is what a SendDelta names to reach service ``i``.
     """
 
-    def __init__(self, n: int = 2, env: dict[str, str] | None = None, timeout_s: float = 120.0) -> None:
-        self.n, self.extra, self.timeout_s = n, env or {}, timeout_s
+    PEER_PORT = 7777
+
+    def __init__(
+        self, n: int = 2, env: dict[str, str] | None = None, timeout_s: float = 120.0, net: Any = None
+    ) -> None:
+        self.n, self.extra, self.timeout_s, self.net = n, env or {}, timeout_s, net
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
+        self.peer_addresses: list[str] = []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def __enter__(self) -> Services:
@@ -124,15 +132,23 @@ class Services:
             ),
             **self.extra,
         }
+        token = Path(self._tmp.name) / "peer-token"
+        token.write_text(os.urandom(16).hex() + "\n")
         try:
             for i in range(self.n):
                 sock = Path(self._tmp.name) / f"svc{i}.sock"
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=env
-                    )
-                )
+                cmd = [sys.executable, "-m", "kvservice", "--uds-path", str(sock)]
+                peer = f"unix:{sock}"
+                if self.net is not None:
+                    from _netns import UCX_TCP_ENV
+
+                    peer = f"{self.net.ips[i]}:{self.PEER_PORT}"
+                    cmd = ["ip", "netns", "exec", self.net.names[i], *cmd]
+                    cmd += ["--peer-tcp-address", peer, "--peer-token-file", str(token)]
+                    env |= UCX_TCP_ENV | {"KVSERVICE_SAME_HOST_ROUTE": "off"}
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
                 self.addresses.append(f"unix:{sock}")
+                self.peer_addresses.append(peer)
             end = time.monotonic() + self.timeout_s
             for p, a in zip(self.procs, self.addresses, strict=False):
                 while not os.path.exists(a[5:]):
@@ -267,8 +283,8 @@ def pools(*specs: tuple[Layout, str | int, int | None]) -> Iterator[list[KVPool]
             p.close()
 
 
-def base_args(ap: Any) -> None:
-    """Flags every benchmark takes."""
+def base_args(ap: Any, netns: bool = False) -> None:
+    """Flags every benchmark takes (``--netns`` only where the benchmark supports it)."""
     ap.add_argument("--device", default="cpu", help="'cpu' (shm pools) or 'cuda'")
     ap.add_argument("--src-gpu", type=int, default=0, help="GPU of the sender engines")
     ap.add_argument("--dst-gpu", type=int, default=0, help="GPU of the receiver engines")
@@ -281,6 +297,27 @@ def base_args(ap: Any) -> None:
         help="two services on this host talk as if on two hosts (same_host_route=off): the transport "
         "carries the pages instead of the same-host fused copy",
     )
+    if not netns:
+        return
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="like --cross-node, and the two services (and the raw NIXL baselines) sit in two network "
+        "namespaces joined by a veth pair, UCX over TCP only (needs root)",
+    )
+
+
+@contextlib.contextmanager
+def network(args: Any) -> Iterator[Any]:
+    """The veth pair of ``--netns`` (None without it); sets ``args.cross_node``."""
+    if not getattr(args, "netns", False):
+        yield None
+        return
+    from _netns import veth_pair
+
+    args.cross_node = True
+    with veth_pair() as net:
+        yield net
 
 
 def route_env(args: Any) -> dict[str, str]:
@@ -299,5 +336,8 @@ def run_tag(args: Any) -> str:
         base = "cpu"
     else:
         base = "gpu" if args.src_gpu == args.dst_gpu else f"gpu{args.src_gpu}to{args.dst_gpu}"
-    base += "_xnode" if getattr(args, "cross_node", False) else ""
+    if getattr(args, "netns", False):
+        base += "_netns"
+    elif getattr(args, "cross_node", False):
+        base += "_xnode"
     return base + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")

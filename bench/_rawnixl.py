@@ -16,6 +16,7 @@ Jobs name memory by offsets from the allocation's start; strided (N, 5) rows
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -58,8 +59,18 @@ def _abs(rows: np.ndarray, base: int, dev: int) -> np.ndarray:
     return r
 
 
-def _receiver(name: str, device: str | int, nbytes: int, up: Any, down: Any) -> None:
+def _place(netns: str | None) -> None:
+    """Child start: into ``netns`` with UCX on TCP (``--netns``), before NIXL opens anything."""
     sys.path[:0] = [str(ROOT)]
+    if netns:
+        from _netns import UCX_TCP_ENV, enter
+
+        enter(netns)
+        os.environ.update(UCX_TCP_ENV)
+
+
+def _receiver(name: str, device: str | int, nbytes: int, up: Any, down: Any, netns: str | None) -> None:
+    _place(netns)
     from kvservice.transfer.nixl_transport import NixlTransport
 
     buf, base, kind, dev = _alloc(device, nbytes, False)
@@ -80,8 +91,9 @@ def _sender(
     iters: int,
     barrier: Any,
     out: Any,
+    netns: str | None,
 ) -> None:
-    sys.path[:0] = [str(ROOT)]
+    _place(netns)
     from kvservice.transfer.nixl_transport import NixlTransport
 
     try:
@@ -135,19 +147,24 @@ def run_raw(
     senders: list[tuple[str | int, int, dict[str, list[Job]]]],
     iters: int,
     timeout_s: float = 600.0,
+    net: Any = None,
 ) -> dict[str, list[float]]:
     """Run the baseline; return per case the per-round seconds (slowest sender of each round).
 
     ``receivers``: (device, nbytes); ``senders``: (device, nbytes, {case: jobs}); every sender
     names the same cases (a sender with nothing to do in a case passes an empty list).
+    ``net`` (a ``_netns.NetPair``): senders run in its first namespace, receivers in its second,
+    UCX over TCP, as the services of a ``--netns`` run do.
     """
+    ns_tx, ns_rx = net.names if net is not None else (None, None)
     ctx = mp.get_context("spawn")
     up, down, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     barrier = ctx.Barrier(len(senders))
     procs = []
     try:
         for i, (dev, nb) in enumerate(receivers):
-            procs.append(ctx.Process(target=_receiver, args=(f"raw-rx{i}", dev, nb, up, down), daemon=True))
+            rx_args = (f"raw-rx{i}", dev, nb, up, down, ns_rx)
+            procs.append(ctx.Process(target=_receiver, args=rx_args, daemon=True))
             procs[-1].start()
         got = {}
         for _ in receivers:
@@ -155,9 +172,8 @@ def run_raw(
             got[name] = (name, meta, base, dev)
         peers = [got[f"raw-rx{i}"] for i in range(len(receivers))]
         for i, (dev, nb, jobs) in enumerate(senders):
-            p = ctx.Process(
-                target=_sender, args=(f"raw-tx{i}", dev, nb, peers, jobs, iters, barrier, out), daemon=True
-            )
+            tx_args = (f"raw-tx{i}", dev, nb, peers, jobs, iters, barrier, out, ns_tx)
+            p = ctx.Process(target=_sender, args=tx_args, daemon=True)
             p.start()
             procs.append(p)
         results = [out.get(timeout=timeout_s) for _ in senders]

@@ -17,7 +17,18 @@ import sys
 import time
 
 import numpy as np
-from _harness import KVPool, Services, base_args, devices, progress, route_env, run_tag, summarize, write_json
+from _harness import (
+    KVPool,
+    Services,
+    base_args,
+    devices,
+    network,
+    progress,
+    route_env,
+    run_tag,
+    summarize,
+    write_json,
+)
 from _rawnixl import Job, run_raw
 from kvservice_client import Client, Layout
 
@@ -95,6 +106,7 @@ def kvservice_run(
 ) -> dict:
     sdev, ddev = devices(args)
     a, b = svc.addresses
+    peer = svc.peer_addresses[-1]
     tx = [KVPool(layout(args, p, s), sdev, 10 + s) for s in range(p)]
     rx = [KVPool(layout(args, d, r), ddev, None) for r in range(d)]
     samples, phases, err, stats = [], [], "", []
@@ -110,7 +122,7 @@ def kvservice_run(
                     )
                 t0 = time.perf_counter()
                 for bs in sb:
-                    ka.send_delta(tid, bs, src_page_indices=src, peer_address=b)
+                    ka.send_delta(tid, bs, src_page_indices=src, peer_address=peer)
                 try:
                     rst = kb.wait(tid, timeout=60)
                     dt = time.perf_counter() - t0
@@ -189,6 +201,7 @@ def one_config(
         [(ddev, rank_bytes(d)) for _ in range(d)],
         [(sdev, rank_bytes(p), {"per_token": jobs[s]}) for s in range(p)],
         args.iters,
+        net=args.net,
     )["per_token"]
     ndesc = sum(int(j.local_idx.size) for js in jobs.values() for j in js)
     base = summarize(t) | {"samples_ms": [x * 1e3 for x in t], "descriptors": ndesc}
@@ -206,7 +219,7 @@ def one_config(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    base_args(ap)
+    base_args(ap, netns=True)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -226,11 +239,12 @@ def main() -> None:
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     results: dict = {}
-    with Services(2, env | route_env(args)) as svc:
+    with network(args) as args.net, Services(2, env | route_env(args), net=args.net) as svc:
         for p, d in configs:
             results[f"{p}->{d}"] = one_config(args, svc, p, d, src, dst, full_bytes)
     report = {
         "benchmark": "mixed_tp",
+        "netns": args.netns,
         "device": args.device,
         "src_gpu": args.src_gpu,
         "dst_gpu": args.dst_gpu,

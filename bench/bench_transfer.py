@@ -21,7 +21,18 @@ import sys
 import time
 
 import numpy as np
-from _harness import Services, base_args, devices, pools, progress, route_env, run_tag, summarize, write_json
+from _harness import (
+    Services,
+    base_args,
+    devices,
+    network,
+    pools,
+    progress,
+    route_env,
+    run_tag,
+    summarize,
+    write_json,
+)
 from _rawnixl import Job, page_rows, region_page_idx, run_raw
 from _same_node import contiguous_copy, contiguous_copy_anon, fused_kernel_only
 from kvservice_client import Client, Layout
@@ -36,13 +47,14 @@ def kvservice_runs(
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     out: dict = {}
     with (
-        Services(1 if args.same_node else 2, env | route_env(args)) as svc,
+        Services(1 if args.same_node else 2, env | route_env(args), net=args.net) as svc,
         pools((layout, sdev, 1), (layout, ddev, None)) as (
             ps,
             pr,
         ),
     ):
         a, b = svc.addresses[0], svc.addresses[-1]
+        peer = svc.peer_addresses[-1]
         with Client(a, client_name="bench-tx") as ka, Client(b, client_name="bench-rx") as kb:
             ra = ka.register_buffers(layout, *ps.regions()).buffer_set_id
             rb = kb.register_buffers(layout, *pr.regions()).buffer_set_id
@@ -52,7 +64,7 @@ def kvservice_runs(
                     tid = f"xfer-{path}-{it}"
                     kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=dst)
                     t0 = time.perf_counter()
-                    ka.send_delta(tid, ra, src_page_indices=src, peer_address=b, path=path)
+                    ka.send_delta(tid, ra, src_page_indices=src, peer_address=peer, path=path)
                     try:
                         (rstat,) = kb.wait(tid, timeout=60)
                         dt = time.perf_counter() - t0
@@ -99,8 +111,14 @@ def kvservice_runs(
 
 
 def main() -> None:
+    args = parse()
+    with network(args) as args.net:
+        run(args)
+
+
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    base_args(ap)
+    base_args(ap, netns=True)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -116,6 +134,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.small:
         args.layers, args.pages, args.pool_pages, args.iters = 2, 32, 64, 2
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
     paths = (
         args.paths.split(",")
         if args.paths
@@ -157,7 +179,7 @@ def main() -> None:
         one = np.array([[0, total, 0, total, 1]], dtype=np.int64)
         ceiling = Job(0, one, one, np.zeros(1, np.int32), np.zeros(1, np.int32))
         cases = {"raw_nixl_per_page": [per_page], "raw_nixl_one_descriptor": [ceiling]}
-        times = run_raw([(ddev, pool_bytes)], [(sdev, pool_bytes, cases)], args.iters)
+        times = run_raw([(ddev, pool_bytes)], [(sdev, pool_bytes, cases)], args.iters, net=args.net)
         for name, t in times.items():
             n = int(cases[name][0].local_idx.size)
             base[name] = summarize(t) | {"samples_ms": [x * 1e3 for x in t], "descriptors": n}
@@ -194,6 +216,7 @@ def main() -> None:
     report = {
         "benchmark": "transfer",
         "same_node": args.same_node,
+        "netns": args.netns,
         "device": args.device,
         "src_gpu": args.src_gpu,
         "dst_gpu": args.dst_gpu,

@@ -168,12 +168,13 @@ def _control(name: str, j: dict) -> list[str]:
         lines.append(f"| {k} | {_f(v['p50_ms'], 3)} | {_f(v['p99_ms'], 3)} |")
     raw = j["raw_nixl_one_page"]
     lines.append(f"| raw NIXL one-page write | {_f(raw['p50_ms'], 3)} | {_f(raw['p99_ms'], 3)} |")
-    s = j["sustained"]
+    rows = j.get("sustained_by_senders") or [j["sustained"]]
+    rates = ", ".join(f"{_f(r['transfers_per_s'], 0)} with {r['threads']}" for r in rows)
     lines += [
         "",
         f"MatchPrefix prompt {j['prompt_tokens']:,} tokens ({j['matched_pages']:,} pages matched); "
         f"overhead per transfer (e2e p50 - raw p50) {_f(j['overhead_per_transfer_p50_ms'], 3)} ms; "
-        f"sustained {_f(s['transfers_per_s'], 0)} one-page transfers/s with {s['threads']} threads.",
+        f"sustained one-page transfers/s by concurrent senders: {rates}.",
         "",
     ]
     if "idle_cpu_fraction_of_core" in j:

@@ -271,8 +271,10 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
         async for msg in requests:
             await chan.on_message(msg)
     except asyncio.CancelledError:
+        # NOTE: not re-raised: the call is over either way (the sender went away, or this service
+        # is stopping and the engine ended its channels), and grpc.aio logs a CancelledError
+        # escaping a servicer as an unhandled exception, with a traceback, at every server stop.
         why = "the sending service's channel broke (service gone or connection lost)"
-        raise
     finally:
         engine.inbound_channels.discard(me)
         chan.close()

@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,9 @@ from e2e_helpers import (
 from kvservice_client import Client, Layout, SessionLost, ShmKVPool
 
 from kvservice.transfer.peer_channel import IDLE_RETURN_S
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from _netns import UCX_TCP_ENV, veth_pair  # noqa: E402
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")
 FAST = (
@@ -255,28 +260,17 @@ def _sh(*cmd: str) -> None:
 @pytest.fixture
 def netns() -> Iterator[tuple[str, str]]:
     """Two network namespaces joined by a veth pair: 10.77.0.1 (ns-a) and 10.77.0.2 (ns-b)."""
-    tag = uuid.uuid4().hex[:6]
-    a, b = f"kvs-a-{tag}", f"kvs-b-{tag}"
+    pair = veth_pair()
     try:
-        _sh("ip", "netns", "add", a)
-        _sh("ip", "netns", "add", b)
-        _sh("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
+        net = pair.__enter__()
     except (OSError, subprocess.CalledProcessError) as exc:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if os.environ.get("CI") and os.geteuid() == 0:
             raise
         pytest.skip(f"network namespaces need root and iproute2 here: {exc}")
     try:
-        for ns, dev, ip in ((a, f"va{tag}", "10.77.0.1"), (b, f"vb{tag}", "10.77.0.2")):
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield a, b
+        yield net.names
     finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pair.__exit__(None, None, None)
 
 
 def test_the_link_between_services_goes_down_and_comes_back(netns: tuple[str, str], tmp_path: Any) -> None:
@@ -286,7 +280,7 @@ def test_the_link_between_services_goes_down_and_comes_back(netns: tuple[str, st
     ns_a, ns_b = netns
     token = tmp_path / "peer-token"
     token.write_text(uuid.uuid4().hex + "\n")
-    env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "all"}
+    env = dict(UCX_TCP_ENV)
     common = (*FAST, "--peer-token-file", str(token))
     stx = ServiceProc("tx", *common, "--peer-tcp-address", "10.77.0.1:0", netns=ns_a, env=env)
     srx = ServiceProc("rx", *common, "--peer-tcp-address", "10.77.0.2:7777", netns=ns_b, env=env)
