@@ -4,26 +4,28 @@
     with veth_pair() as net:             # net.names = ("kvs-a-…", "kvs-b-…")
         ...                              # net.ips   = ("10.77.0.1", "10.77.0.2")
 
-``enter(name)`` moves the calling process into a namespace (for spawned baseline processes,
-before they open any socket). Only these two addresses are ever used; the link carries nothing
-but this machine's own test traffic.
+``python_in(name, dir)`` is an executable that runs this Python inside a namespace (for
+``multiprocessing``'s spawn): like ``ip netns exec`` it gives the process the namespace's view of
+``/sys/class/net`` too, which UCX reads to find its interfaces (``setns`` alone leaves the host's).
+Only these two addresses are ever used; the link carries nothing but this machine's own test
+traffic.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
+import shlex
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
-__all__ = ["UCX_TCP_ENV", "NetPair", "enter", "veth_pair"]
+__all__ = ["UCX_TCP_ENV", "NetPair", "python_in", "veth_pair"]
 
 # UCX on TCP only (plus self): what two hosts without RDMA use, and no shared-memory shortcut
 UCX_TCP_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "all"}
-_CLONE_NEWNET = 0x40000000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +60,10 @@ def veth_pair(ips: tuple[str, str] = ("10.77.0.1", "10.77.0.2")) -> Iterator[Net
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def enter(name: str) -> None:
-    """Move this process (its network view) into namespace ``name``."""
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({name}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
+def python_in(name: str, directory: str) -> str:
+    """Path of a script that runs ``sys.executable`` with its arguments in namespace ``name``."""
+    path = os.path.join(directory, f"python-{name}")
+    with open(path, "w") as f:
+        f.write(f'#!/bin/sh\nexec ip netns exec {shlex.quote(name)} {shlex.quote(sys.executable)} "$@"\n')
+    os.chmod(path, 0o755)
+    return path

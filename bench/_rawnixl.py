@@ -15,10 +15,14 @@ Jobs name memory by offsets from the allocation's start; strided (N, 5) rows
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import queue
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +64,27 @@ def _abs(rows: np.ndarray, base: int, dev: int) -> np.ndarray:
 
 
 def _place(netns: str | None) -> None:
-    """Child start: into ``netns`` with UCX on TCP (``--netns``), before NIXL opens anything."""
+    """Child start (already in its namespace with ``--netns``): UCX on TCP, before NIXL loads."""
     sys.path[:0] = [str(ROOT)]
     if netns:
-        from _netns import UCX_TCP_ENV, enter
+        from _netns import UCX_TCP_ENV
 
-        enter(netns)
         os.environ.update(UCX_TCP_ENV)
+
+
+@contextlib.contextmanager
+def _spawned_in(ctx: Any, netns: str | None, directory: str) -> Iterator[None]:
+    """Processes started inside the block run in ``netns`` (``ip netns exec``)."""
+    if not netns:
+        yield
+        return
+    from _netns import python_in
+
+    ctx.set_executable(python_in(netns, directory))
+    try:
+        yield
+    finally:
+        ctx.set_executable(sys.executable)
 
 
 def _receiver(name: str, device: str | int, nbytes: int, up: Any, down: Any, netns: str | None) -> None:
@@ -142,6 +160,23 @@ def _sender(
             pass
 
 
+def _result(out: Any, procs: list[Any], timeout_s: float) -> Any:
+    """The next sender's report; raises as soon as a baseline process died without one."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(
+                    "raw NIXL baseline process died: "
+                    + ", ".join(f"{p.name} exit {p.exitcode}" for p in dead)
+                ) from None
+            if time.monotonic() > end:
+                raise RuntimeError(f"raw NIXL baseline: no result within {timeout_s} s") from None
+
+
 def run_raw(
     receivers: list[tuple[str | int, int]],
     senders: list[tuple[str | int, int, dict[str, list[Job]]]],
@@ -161,11 +196,13 @@ def run_raw(
     up, down, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     barrier = ctx.Barrier(len(senders))
     procs = []
+    tmp = tempfile.TemporaryDirectory(prefix="kvbench-raw-")
     try:
         for i, (dev, nb) in enumerate(receivers):
             rx_args = (f"raw-rx{i}", dev, nb, up, down, ns_rx)
             procs.append(ctx.Process(target=_receiver, args=rx_args, daemon=True))
-            procs[-1].start()
+            with _spawned_in(ctx, ns_rx, tmp.name):
+                procs[-1].start()
         got = {}
         for _ in receivers:
             name, meta, base, dev = up.get(timeout=timeout_s)
@@ -174,9 +211,10 @@ def run_raw(
         for i, (dev, nb, jobs) in enumerate(senders):
             tx_args = (f"raw-tx{i}", dev, nb, peers, jobs, iters, barrier, out, ns_tx)
             p = ctx.Process(target=_sender, args=tx_args, daemon=True)
-            p.start()
+            with _spawned_in(ctx, ns_tx, tmp.name):
+                p.start()
             procs.append(p)
-        results = [out.get(timeout=timeout_s) for _ in senders]
+        results = [_result(out, procs, timeout_s) for _ in senders]
         errors = [e for _, _, e in results if e]
         if errors:
             raise RuntimeError("raw NIXL baseline failed: " + "; ".join(errors))
@@ -189,6 +227,7 @@ def run_raw(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        tmp.cleanup()
 
 
 def page_rows(num_regions: int, region_bytes: int, page_bytes: int, num_pages: int) -> np.ndarray:

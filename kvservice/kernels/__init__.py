@@ -3,9 +3,10 @@
 ``pack`` gathers the selected pages (and optionally a head slice) of every layer's K and V
 (MHA) or latent (MLA) into staging; ``unpack`` scatters such a buffer into destination pages
 at a head offset. The staging layout is drawn in ``_regions``; mixed-TP head routing lives in
-``heads``. Backends ("auto"): Triton on CUDA tensors, the torch reference (``reference``) on
-CPU; ``backend="triton"`` runs the kernels on CPU under ``TRITON_INTERPRET=1`` (tests). Both
-raise :class:`~kvservice.errors.InvalidArgument` for a bad call and then change nothing.
+``heads``. Backends ("auto"): Triton on CUDA tensors, the compiled CPU copy loop (``_pack_cpu``,
+one pass, no temporary) on host tensors; the torch reference (``reference``, ``backend="torch"``)
+is the oracle; ``backend="triton"`` runs the kernels on CPU under ``TRITON_INTERPRET=1`` (tests).
+All raise :class:`~kvservice.errors.InvalidArgument` for a bad call and then change nothing.
 """
 
 from __future__ import annotations
@@ -14,23 +15,25 @@ from typing import Literal
 
 import torch
 
-from . import reference
-from ._checks import PageIndices
+from . import _pack_cpu, reference
+from ._checks import PageIndices, check_copy
 from ._regions import KVRegions, packed_nbytes
 from .heads import HeadRoute, plan_heads
 
 __all__ = ["Backend", "HeadRoute", "KVRegions", "pack", "packed_nbytes", "plan_heads", "unpack"]
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "triton", "cpu"]
 
 
-def _use_triton(regions: KVRegions, backend: Backend) -> bool:
+def _backend(regions: KVRegions, staging: torch.Tensor | None, backend: Backend) -> str:
     # NOTE: "auto" never picks the Triton interpreter for CPU tensors, even under
     # TRITON_INTERPRET=1: the interpreter is not thread-safe and the service unpacks concurrently.
     # Tests exercise the interpreted kernels with backend="triton".
     if backend != "auto":
-        return backend == "triton"
-    return regions.device.type == "cuda"
+        return backend
+    if regions.device.type == "cuda":
+        return "triton"
+    return "cpu" if staging is None or staging.device.type == "cpu" else "torch"
 
 
 def pack(
@@ -51,12 +54,17 @@ def pack(
     the returned uint8 view is exactly that long. On CUDA the copy is asynchronous on the
     current stream.
     """
-    if _use_triton(regions, backend):
+    kind = _backend(regions, out, backend)
+    if kind == "triton":
         from . import _triton
 
         return _triton.pack(
             regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
         )
+    if kind == "cpu":
+        args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True)
+        _pack_cpu.pack(regions, args)
+        return args.staging
     return reference.pack(
         regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
     )
@@ -77,11 +85,18 @@ def unpack(
     Inverse of :func:`pack` with the same arguments; only heads
     ``[head_start, head_start + num_slices*num_heads)`` of the named pages change.
     """
-    if _use_triton(regions, backend):
+    kind = _backend(regions, staging, backend)
+    if kind == "triton":
         from . import _triton
 
         _triton.unpack(
             regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+        )
+        return
+    if kind == "cpu":
+        _pack_cpu.unpack(
+            regions,
+            check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False),
         )
         return
     reference.unpack(

@@ -149,3 +149,50 @@ def test_pack_into_pinned_host_staging(make_pool) -> None:  # type: ignore[no-un
     _triton.pack(src, pages, host, num_heads=4, num_slices=2)
     torch.cuda.synchronize()
     assert torch.equal(host, reference.pack(src, pages, num_heads=4, num_slices=2).cpu())
+
+
+@pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
+def test_compiled_cpu_pack_and_unpack_match_reference(
+    make_pool, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+):  # type: ignore[no-untyped-def]
+    """The compiled CPU loop (the host path of "auto") packs the reference's bytes, and unpacks
+    into exactly the reference's result: other pages and other heads untouched."""
+    kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype) | {"device": "cpu"}
+    src, dst, ref_dst = make_pool(**kw), make_pool(**kw), make_pool(**kw)
+    for t, r in zip(dst.regions, ref_dst.regions, strict=True):
+        r.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
+    pages_src, pages_dst = _pages(num_pages, num_pages // 2 + 1, 3), _pages(num_pages, num_pages // 2 + 1, 4)
+    want = reference.pack(src, pages_src, head_start=hs, num_heads=nh, num_slices=ns)
+    got = kernels.pack(src, pages_src, head_start=hs, num_heads=nh, num_slices=ns, backend="cpu")
+    assert torch.equal(got, want)
+    before = snapshot(dst)
+    kernels.unpack(dst, want, pages_dst, head_start=hs, num_heads=nh, num_slices=ns, backend="cpu")
+    reference.unpack(ref_dst, want, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
+    he = hs + ns * (nh or heads - hs)
+    outside = np.setdiff1d(np.arange(num_pages), pages_dst)
+    for g, w, b in zip(snapshot(dst), snapshot(ref_dst), before, strict=True):
+        assert torch.equal(g, w)
+        assert torch.equal(g[outside], b[outside])
+        assert torch.equal(g[pages_dst][:, :, :hs], b[pages_dst][:, :, :hs])
+        assert torch.equal(g[pages_dst][:, :, he:], b[pages_dst][:, :, he:])
+
+
+def test_auto_takes_the_compiled_cpu_path_for_host_pools(make_pool, monkeypatch):  # type: ignore[no-untyped-def]
+    """ "auto" on host tensors runs the compiled loop, not the reference (which would pass too)."""
+    from kvservice.kernels import _pack_cpu
+
+    pool = make_pool(layers=1, num_pages=8, page_size=4, heads=2, head_dim=8, device="cpu")
+    calls: list[str] = []
+    monkeypatch.setattr(reference, "pack", lambda *a, **k: calls.append("reference"))
+    real = _pack_cpu.pack
+    monkeypatch.setattr(_pack_cpu, "pack", lambda *a: (calls.append("cpu"), real(*a))[1])
+    kernels.pack(pool, [1, 2])
+    assert calls == ["cpu"]
+
+
+def test_compiled_cpu_backend_refuses_device_tensors(make_pool):  # type: ignore[no-untyped-def]
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA pool to refuse")
+    pool = make_pool(layers=1, num_pages=8, page_size=4, heads=2, head_dim=8, device="cuda")
+    with pytest.raises(InvalidArgument, match="backend"):
+        kernels.pack(pool, [1, 2], backend="cpu")
