@@ -27,8 +27,11 @@ Policies, same trace, same engines, one run:
                low; otherwise P/D to the best-prefix D that admits (TransferLoad.admits, budget
                ``--budget``), falling back at once to the next D on RESOURCE_EXHAUSTED
   admission+dup  the same, plus duplicate-aware eviction on the prefill services
-               (duplicate_policy=lower: pages the decode side also holds are evicted first);
-               the other policies run the services with duplicate_policy=off (LRU)
+               (duplicate_policy=lower: pages the decode side also holds are evicted first),
+               steered by the router: while most later turns of its conversations went back
+               through a prefill engine rather than direct to decode, it sends with
+               SendDelta(no_duplicate_mark), so prefill keeps what it will need again; the other
+               policies run the services with duplicate_policy=off (LRU)
 
 Per policy: ok/total, errors by type, end-to-end and TTFT mean/p50/p90/p99, cached tokens,
 prefill new tokens, prefill-side cached tokens, bytes moved, decode transfer queue mean/p90
@@ -227,6 +230,12 @@ class Router:
         self._rr = itertools.count()
         self._tid = itertools.count()
         self.busy: collections.Counter[str] = collections.Counter()  # requests this router sent to a P
+        self.later: collections.Counter[str] = collections.Counter()  # routes of turns after the first
+
+    def marks_duplicates(self) -> bool:
+        """admission+dup: let the prefill side mark what it sends as a P/D duplicate only while
+        later turns have mostly gone direct to decode (then prefill will not need the pages)."""
+        return self.policy == "admission+dup" and self.later["direct"] >= self.later["pd"]
 
     def scores(self, engines: list[Engine], prompt: np.ndarray) -> list[tuple[int, Any, Engine]]:
         """(matched pages, load, engine) per engine: one MatchPrefix (scores_only) per node."""
@@ -262,11 +271,14 @@ class Router:
                     )
                     top_pages, top_load, top = ranked[0]
                     append = turn.prompt_tokens - top_pages * m.page_size
-                    if (
+                    direct = (
                         top_pages
                         and append <= m.direct_max_append
                         and top_load.inbound_transfers <= m.direct_max_inbound
-                    ):
+                    )
+                    if turn.turn:
+                        self.later["direct" if direct else "pd"] += 1
+                    if direct:
                         return self._direct(turn, top, hashes, res, t0, deadline)
                     plan = [(s[0], s[2]) for s in ranked]
                 p_scores = self.scores(self.P, turn.prompt)
@@ -386,6 +398,7 @@ class Router:
                 src_page_indices=src,
                 peer_address=d.address,
                 deadline_ms=max(int((deadline - time.monotonic()) * 1000), 1),
+                no_duplicate_mark=not self.marks_duplicates(),
             )
             res.p_cached_tokens = p_have * m.page_size
             res.new_tokens = turn.prompt_tokens - res.p_cached_tokens

@@ -201,6 +201,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             aux=convert.aux_rows(request.aux),
             deadline_ms=request.deadline_ms,
             path=convert.path_name(request.path),
+            no_duplicate_mark=request.no_duplicate_mark,
         )
         rec = await engine.send(out, chunk)
         return pb.SendDeltaResponse(status=convert.transfer_status(rec))

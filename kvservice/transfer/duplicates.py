@@ -5,6 +5,8 @@ the prefill cache is short of room. After a sender-side transfer ends DONE and t
 published the pages into its index (ExpectDelta with publish; its plan says ``publishes``),
 the sending service marks the sent pages in its own index as also held there, and the policy
 (``duplicate_policy``) lowers their eviction priority: SuggestEvictions then offers them first.
+A SendDelta with ``no_duplicate_mark`` is never marked: its router will send the conversation's
+next turn back to the sending engine, which then needs the pages itself.
 
 A mark must never outlive the receiver's copy, or a prefill engine would drop the last copy
 believing another exists. The receiver keeps no state for it: every ``duplicate_check_ms`` the
@@ -92,7 +94,7 @@ class DuplicateBook:
         if rec.role != "SENDER" or rec.state != "DONE":
             return
         out = self._e.sender.outgoing.get((rec.transfer_id, rec.buffer_set_id))
-        if out is None or not out.targets or not out.sent_src:
+        if out is None or not out.targets or not out.sent_src or out.no_duplicate_mark:
             return
         if not all(t.plan.publishes for t in out.targets):
             return  # the receiver does not index them: its copy could not be tracked

@@ -127,6 +127,7 @@ def build_chunk(
     aux: dict[str, np.ndarray],
     deadline_ms: int,
     path: str,
+    no_duplicate_mark: bool = False,
 ) -> tuple[Outgoing, Chunk]:
     tid = _transfer_id(transfer_id)
     bs = engine.node.buffers.get(buffer_set_id, session_id)
@@ -142,7 +143,7 @@ def build_chunk(
                 "chunk_offset", f"the first chunk of a transfer starts at 0, got {chunk_offset}"
             )
         rec = Record(tid, "SENDER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
-        out = Outgoing(rec, bs, peer_address, path)
+        out = Outgoing(rec, bs, peer_address, path, no_duplicate_mark=no_duplicate_mark)
     else:
         if out.rec.terminal:
             raise FailedPrecondition(f"transfer_id: {tid!r} already ended {out.rec.state}: {out.rec.error}")

@@ -74,6 +74,7 @@ class Outgoing:
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     sent_src: list[np.ndarray] = dataclasses.field(default_factory=list)  # every chunk's source pages
+    no_duplicate_mark: bool = False  # SendDelta's hint (first chunk): never a P/D duplicate mark
 
 
 class Sender:

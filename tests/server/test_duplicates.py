@@ -20,7 +20,7 @@ def _dup(client: Client, bs_id: str) -> int:
     return info.duplicated_pages
 
 
-def _transfer(make_server, publish: bool = True, check_ms: int = 100, b=None, **cfg):  # noqa: ANN001, ANN202
+def _transfer(make_server, publish: bool = True, check_ms: int = 100, b=None, no_mark: bool = False, **cfg):  # noqa: ANN001, ANN202, E501
     """A prefill service (a) whose engine published the sequence, a decode service (b)."""
     a = make_server(transport="loopback", duplicate_check_ms=check_ms, **cfg)
     b = b or make_server(transport="loopback")
@@ -33,7 +33,7 @@ def _transfer(make_server, publish: bool = True, check_ms: int = 100, b=None, **
     ka.publish_pages(sa, SRC, tokens=TOKENS)
     ka.publish_pages(sa, [20, 21], tokens=np.arange(9000, 9008))  # another sequence, not sent
     kb.expect_delta("t", sb, prefix_pages=0, dst_page_indices=DST, publish_tokens=TOKENS if publish else None)
-    ka.send_delta("t", sa, src_page_indices=SRC, peer_address=b.app.peer_address)
+    ka.send_delta("t", sa, src_page_indices=SRC, peer_address=b.app.peer_address, no_duplicate_mark=no_mark)
     assert {s.state for s in kb.wait("t", timeout=20)} == {"DONE"}
     eventually(lambda: {s.state for s in ka.poll(["t"])} == {"DONE"}, 10, "sender DONE")
     return a, b, ka, kb, sa, sb, (pa, pb)
@@ -65,6 +65,17 @@ def test_no_mark_when_the_receiver_does_not_index_the_pages(make_server, closing
     closing((ka, kb, *pools))
     assert _dup(ka, sa) == 0
     assert not any(ka.suggest_evictions(sa, 32).duplicated)
+
+
+def test_no_mark_when_the_sender_says_it_needs_the_pages_again(make_server, closing) -> None:
+    """SendDelta(no_duplicate_mark): the router sends the next turn back to the prefill engine,
+    so the pages keep their priority although the receiver indexed them."""
+    a, b, ka, kb, sa, sb, pools = _transfer(make_server, no_mark=True)
+    closing((ka, kb, *pools))
+    assert kb.match_prefix(tokens=TOKENS, page_size=4).best.matched_pages == 6  # the receiver holds them
+    assert _dup(ka, sa) == 0
+    sug = ka.suggest_evictions(sa, 32)
+    assert not any(sug.duplicated) and set(sug.priorities) == {0}
 
 
 def test_cleared_when_the_receiver_evicts(make_server, closing) -> None:

@@ -1673,9 +1673,14 @@ type SendDeltaRequest struct {
 	// Deadline for the whole transfer, milliseconds from the first chunk. 0: the service default.
 	DeadlineMs uint32 `protobuf:"varint,8,opt,name=deadline_ms,json=deadlineMs,proto3" json:"deadline_ms,omitempty"`
 	// Path override; AUTO lets the cost model choose.
-	Path          TransferPath `protobuf:"varint,9,opt,name=path,proto3,enum=kvservice.v1.TransferPath" json:"path,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Path TransferPath `protobuf:"varint,9,opt,name=path,proto3,enum=kvservice.v1.TransferPath" json:"path,omitempty"`
+	// The sending engine will need these pages again (its router sends the conversation's next
+	// turn back to it rather than straight to the receiver): do not mark them as a P/D duplicate
+	// when the transfer ends DONE, whatever --duplicate-policy says, so they keep their eviction
+	// priority here. Taken from the first chunk.
+	NoDuplicateMark bool `protobuf:"varint,10,opt,name=no_duplicate_mark,json=noDuplicateMark,proto3" json:"no_duplicate_mark,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *SendDeltaRequest) Reset() {
@@ -1769,6 +1774,13 @@ func (x *SendDeltaRequest) GetPath() TransferPath {
 		return x.Path
 	}
 	return TransferPath_TRANSFER_PATH_AUTO
+}
+
+func (x *SendDeltaRequest) GetNoDuplicateMark() bool {
+	if x != nil {
+		return x.NoDuplicateMark
+	}
+	return false
 }
 
 // The sender-side record after queuing the chunk.
@@ -3090,7 +3102,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSendersB\t\n" +
 	"\apublish\"K\n" +
 	"\x13ExpectDeltaResponse\x124\n" +
-	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\"\xe0\x02\n" +
+	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\"\x8c\x03\n" +
 	"\x10SendDeltaRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
@@ -3103,7 +3115,9 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x03aux\x18\a \x03(\v2\x15.kvservice.v1.AuxRowsR\x03aux\x12\x1f\n" +
 	"\vdeadline_ms\x18\b \x01(\rR\n" +
 	"deadlineMs\x12.\n" +
-	"\x04path\x18\t \x01(\x0e2\x1a.kvservice.v1.TransferPathR\x04path\"I\n" +
+	"\x04path\x18\t \x01(\x0e2\x1a.kvservice.v1.TransferPathR\x04path\x12*\n" +
+	"\x11no_duplicate_mark\x18\n" +
+	" \x01(\bR\x0fnoDuplicateMark\"I\n" +
 	"\x11SendDeltaResponse\x124\n" +
 	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\"0\n" +
 	"\vPollRequest\x12!\n" +

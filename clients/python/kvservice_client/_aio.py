@@ -238,7 +238,13 @@ class AsyncClient:
         aux: Mapping[str, Iterable[int]] | None = None,
         deadline_ms: int = 0,
         path: str = "auto",
+        no_duplicate_mark: bool = False,
     ) -> TransferStatus:
+        """Queue a chunk of transfer ``transfer_id`` towards ``peer_address``.
+
+        ``no_duplicate_mark``: this engine will need the pages again (the conversation's next
+        turn comes back here), so the service must not mark them as a P/D duplicate at DONE.
+        """
         req = rq.send(
             transfer_id,
             buffer_set_id,
@@ -249,6 +255,7 @@ class AsyncClient:
             aux,
             deadline_ms,
             path,
+            no_duplicate_mark,
         )
         status = TransferStatus.from_proto((await self._call("SendDelta", req)).status)
         self.owned.add_transfer(transfer_id)

@@ -285,7 +285,13 @@ class Client:
         aux: Mapping[str, Iterable[int]] | None = None,
         deadline_ms: int = 0,
         path: str = "auto",
+        no_duplicate_mark: bool = False,
     ) -> TransferStatus:
+        """Queue a chunk of transfer ``transfer_id`` towards ``peer_address``.
+
+        ``no_duplicate_mark``: this engine will need the pages again (the conversation's next
+        turn comes back here), so the service must not mark them as a P/D duplicate at DONE.
+        """
         req = rq.send(
             transfer_id,
             buffer_set_id,
@@ -296,6 +302,7 @@ class Client:
             aux,
             deadline_ms,
             path,
+            no_duplicate_mark,
         )
         status = TransferStatus.from_proto(self._call("SendDelta", req).status)
         self.owned.add_transfer(transfer_id)

@@ -163,6 +163,7 @@ def send(
     aux: Mapping[str, Iterable[int]] | None,
     deadline_ms: int,
     path: str,
+    no_duplicate_mark: bool = False,
 ) -> kvservice_pb2.SendDeltaRequest:
     if path not in _PATHS:
         raise InvalidArgument(f"path: must be one of {sorted(_PATHS)}")
@@ -176,4 +177,5 @@ def send(
         aux=_aux(aux),
         deadline_ms=_u32(deadline_ms, "deadline_ms"),
         path=_PATHS[path],  # type: ignore[arg-type]
+        no_duplicate_mark=no_duplicate_mark,
     )

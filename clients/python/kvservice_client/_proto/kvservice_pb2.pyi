@@ -254,7 +254,7 @@ class ExpectDeltaResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class SendDeltaRequest(_message.Message):
-    __slots__ = ("transfer_id", "buffer_set_id", "chunk_offset", "src_page_indices", "last_chunk", "peer_address", "aux", "deadline_ms", "path")
+    __slots__ = ("transfer_id", "buffer_set_id", "chunk_offset", "src_page_indices", "last_chunk", "peer_address", "aux", "deadline_ms", "path", "no_duplicate_mark")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class SendDeltaRequest(_message.Message):
     AUX_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    NO_DUPLICATE_MARK_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     buffer_set_id: str
     chunk_offset: int
@@ -273,7 +274,8 @@ class SendDeltaRequest(_message.Message):
     aux: _containers.RepeatedCompositeFieldContainer[_common_pb2.AuxRows]
     deadline_ms: int
     path: _common_pb2.TransferPath
-    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., chunk_offset: _Optional[int] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., last_chunk: bool = ..., peer_address: _Optional[str] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., deadline_ms: _Optional[int] = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ...) -> None: ...
+    no_duplicate_mark: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., chunk_offset: _Optional[int] = ..., src_page_indices: _Optional[_Iterable[int]] = ..., last_chunk: bool = ..., peer_address: _Optional[str] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., deadline_ms: _Optional[int] = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., no_duplicate_mark: bool = ...) -> None: ...
 
 class SendDeltaResponse(_message.Message):
     __slots__ = ("status",)
