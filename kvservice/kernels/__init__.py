@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from . import _pack_cpu, reference
+from . import reference
 from ._checks import PageIndices, check_copy
 from ._regions import KVRegions, packed_nbytes
 from .heads import HeadRoute, plan_heads
@@ -62,6 +62,8 @@ def pack(
             regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
         )
     if kind == "cpu":
+        from . import _pack_cpu  # numba: imported on first use, like the fused copy
+
         args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True)
         _pack_cpu.pack(regions, args)
         return args.staging
@@ -94,6 +96,8 @@ def unpack(
         )
         return
     if kind == "cpu":
+        from . import _pack_cpu
+
         _pack_cpu.unpack(
             regions,
             check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False),
