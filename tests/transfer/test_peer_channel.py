@@ -28,12 +28,15 @@ def _no_reservations(server, monkeypatch) -> None:  # type: ignore[no-untyped-de
     monkeypatch.setattr(server.app.node.transfers.receiver, "reserve", refuse)
 
 
-def _slow_unpacks(server, monkeypatch, delay: float) -> None:  # type: ignore[no-untyped-def]
+def _slow_unpacks(server, monkeypatch, delay: float, jitter: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+    """Every receiver-side unpack waits ``delay`` (+ up to ``jitter``, random: batches then finish
+    out of order) before it runs."""
     engine = server.app.node.transfers
     real = engine._unpack_held
+    rng = np.random.default_rng(7)
 
     async def slow(*a, **k):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay + jitter * rng.random())
         return await real(*a, **k)
 
     monkeypatch.setattr(engine, "_unpack_held", slow)
@@ -72,6 +75,42 @@ def test_packed_batches_use_credits_and_one_stream(make_server, make_pool, make_
     assert_unchanged(pb, before, except_pages=dst)
     chan = sa.app.node.transfers.mover.channels[sb.app.peer_address]
     assert chan.epoch == 1  # one stream for the whole transfer
+    eventually(lambda: len(chan._credits[("DRAM", 0)]) == chan._granted[("DRAM", 0)], 3, "every credit back")
+
+
+def test_batches_completing_out_of_order_land_byte_exact(
+    make_server, make_pool, make_client, monkeypatch
+) -> None:
+    """Unpacks of a transfer's batches finish in random order (each waits 0-20 ms): the receiver
+    still reports DONE only when every page landed, byte-exact, and every credit comes back."""
+    (sa,), sb = _services(make_server)
+    _no_reservations(sb, monkeypatch)
+    _slow_unpacks(sb, monkeypatch, 0.0, jitter=0.02)
+    started: list[int] = []
+    finished: list[int] = []
+    engine = sb.app.node.transfers
+    inner = engine._unpack_held
+
+    async def record(inc, held, positions, *a, **k):  # type: ignore[no-untyped-def]
+        started.append(int(positions[0]))
+        out = await inner(inc, held, positions, *a, **k)
+        finished.append(int(positions[0]))
+        return out
+
+    monkeypatch.setattr(engine, "_unpack_held", record)
+    ka, pa, a = _register(sa, make_pool, make_client, 3)
+    kb, pb, b = _register(sb, make_pool, make_client, 4)
+    rng = np.random.default_rng(1)
+    src, dst = rng.permutation(256)[:N].tolist(), rng.permutation(256)[:N].tolist()
+    before = snapshot(pb)
+    _send(ka, kb, a, b, sb.app.peer_address, "ooo", src, dst)
+    r, s = one(kb, "ooo", timeout=30), one(ka, "ooo", timeout=30)
+    assert (r.state, s.state) == ("DONE", "DONE"), (r, s)
+    assert sorted(finished) == sorted(started) and len(started) >= 10, "every batch unpacked once"
+    assert finished != started, "batches completed out of order"
+    assert_pages_equal(pb, dst, pa, src)
+    assert_unchanged(pb, before, except_pages=dst)
+    chan = sa.app.node.transfers.mover.channels[sb.app.peer_address]
     eventually(lambda: len(chan._credits[("DRAM", 0)]) == chan._granted[("DRAM", 0)], 3, "every credit back")
 
 
