@@ -23,6 +23,11 @@ NOT_ABOUT_A_TRANSFER = {
     ("peer_pools.py", "closing a peer pool mapping failed"),
     ("duplicates.py", "duplicate marks on %s/%s cleared: %s"),  # marks outlive their transfers
     ("duplicates.py", "duplicate mark check failed"),
+    (  # once, at agent creation
+        "nixl_transport.py",
+        "nixl did not build its agent config through nixl._api.nixlBind: progress delay %d us "
+        "not applied, its progress thread may spin a core",
+    ),
     (
         "same_node.py",
         "no peer access from cuda:%d to cuda:%d: same-node copies between them go through "

@@ -151,7 +151,7 @@ class KVServiceManager(BaseKVManager):
         self.deadline_ms = int(os.environ.get("SGLANG_KVSERVICE_DEADLINE_MS", "30000"))
         self.bootstrap_timeout_s = float(os.environ.get("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "300"))
         reg = kv_args_registration(args, bool(is_mla_backend))
-        self.page_size, self.aux_names = int(args.page_size), reg.aux_names
+        self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
         self.buffer_set_id = self.bg.call(
             self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux), 60
@@ -163,6 +163,19 @@ class KVServiceManager(BaseKVManager):
 
     def aux_rows(self, aux_index: int | None) -> dict[str, list[int]]:
         return {} if aux_index is None else {n: [int(aux_index)] for n in self.aux_names}
+
+    def state_rows(self, state_indices: Any) -> dict[str, list[int]]:
+        """SGLang's per-state-type slot indices as the rows of every component of that type
+        (both sides name theirs; the service copies row i to row i, checking counts and sizes)."""
+        out: dict[str, list[int]] = {}
+        for i, idx in enumerate(state_indices or ()):
+            rows = [] if idx is None else [int(x) for x in np.asarray(idx).reshape(-1)]
+            if not rows:
+                continue
+            if i >= len(self.state_names) or not self.state_names[i]:
+                raise ValueError(f"state_indices[{i}]: this engine registered no state buffer {i}")
+            out.update((name, rows) for name in self.state_names[i])
+        return out
 
     def close(self) -> None:
         self.bg.close()
@@ -236,6 +249,7 @@ class KVServiceSender(_Side, BaseKVSender):
         self.target: concurrent.futures.Future[dict[str, Any]] = mgr.bg.submit(self._lookup())
         self.num_pages: int | None = None
         self.aux_index: int | None = None
+        self.state: dict[str, list[int]] = {}  # state rows, sent with the last chunk
         self.sent = 0
         self._chain: concurrent.futures.Future[Any] | None = None
 
@@ -277,14 +291,16 @@ class KVServiceSender(_Side, BaseKVSender):
     ) -> None:
         if self.num_pages is None:
             raise RuntimeError(f"bootstrap_room {self.room}: send before init")
-        if state_indices is not None and any(s is not None for s in state_indices):
-            self.failed = "state buffers (Mamba/SWA/DSA) are not supported by kvservice_sglang"
+        try:
+            self.state.update(self.mgr.state_rows(state_indices))
+        except ValueError as exc:
+            self.failed = str(exc)
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
         offset, self.sent = self.sent, self.sent + int(pages.size)
         last = self.sent >= self.num_pages
         peer = str(self.target.result()["peer"])
-        aux = self.mgr.aux_rows(self.aux_index) if last else {}
+        aux = {**self.mgr.aux_rows(self.aux_index), **self.state} if last else {}
         prev, mgr, tid = self._chain, self.mgr, self.tid
 
         async def one(kv: Any) -> TransferStatus:
@@ -349,6 +365,11 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
         if str(getattr(destination, "value", destination or "device")) != "device":
             self.failed = "host destinations are not supported by kvservice_sglang"
             return
+        try:
+            aux = {**mgr.aux_rows(aux_index), **mgr.state_rows(state_indices)}
+        except ValueError as exc:
+            self.failed = str(exc)
+            return
         pages = np.asarray(kv_indices, dtype=np.int64)
         body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len}
         url = self.url
@@ -359,7 +380,7 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
                 mgr.buffer_set_id,
                 prefix_pages=0,  # SGLang's prefill sends from decode_prefix_len on: all of it moves
                 dst_page_indices=pages,
-                aux=mgr.aux_rows(aux_index),
+                aux=aux,
                 deadline_ms=mgr.deadline_ms,
             )
             try:

@@ -16,7 +16,27 @@ from typing import Any
 
 from kvservice_client import AuxSpec, Layout, Region, pointer_region
 
-__all__ = ["Registration", "kv_args_registration"]
+__all__ = ["STATE_TYPES", "Registration", "kv_args_registration"]
+
+# SGLang state types whose components are whole fixed-stride slots indexed by ``state_indices``
+# (its NIXL backend's prepared-state set): each component tensor is registered as aux rows and
+# the state rows travel like the aux row, slot for slot. DSA_TAIL (ring sub-ranges) and
+# REQUEST_ROW (per-request rows of another addressing) are not slots and are refused.
+STATE_TYPES = frozenset(
+    {
+        "mamba",
+        "swa",
+        "dsa",
+        "qsa_pending",
+        "qsa_compressed",
+        "swa_ring",
+        "c128_state",
+        "block_scale",
+        "block_scale_swa",
+        "minimax_index_k",
+        "minimax_dense_kv",
+    }
+)
 
 _ITEMSIZE = {
     "float32": 4,
@@ -36,6 +56,7 @@ class Registration:
     v_regions: list[Region]
     aux: list[AuxSpec]
     aux_names: list[str]
+    state_names: list[list[str]] = dataclasses.field(default_factory=list)  # per state type
 
 
 def _dtype(name: str) -> str:
@@ -48,18 +69,47 @@ def _dtype(name: str) -> str:
     return d
 
 
-def _region(ptr: int, nbytes: int, gpu: int) -> Region:
+def _region(ptr: int, nbytes: int, gpu: int, field: str = "kv_data_ptrs") -> Region:
     try:
         return pointer_region(ptr, nbytes, gpu)
     except ValueError as exc:
-        raise ValueError(f"kv_data_ptrs: {exc}") from None
+        raise ValueError(f"{field}: {exc}") from None
+
+
+def _state_aux(args: Any, gpu: int) -> tuple[list[AuxSpec], list[list[str]]]:
+    """Every component tensor of every state type as aux rows ``state<type>.<component>``."""
+    specs: list[AuxSpec] = []
+    names: list[list[str]] = []
+    ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+    types = list(getattr(args, "state_types", None) or [])
+    for i, comp in enumerate(ptrs):
+        kind = str(getattr(types[i], "value", types[i])) if i < len(types) else "?"
+        if comp and kind not in STATE_TYPES:
+            raise ValueError(
+                f"state_types[{i}]: {kind!r} is not a whole-slot state kvservice can move "
+                f"(supported: {sorted(STATE_TYPES)})"
+            )
+        lens, items = list(args.state_data_lens[i]), list(args.state_item_lens[i])
+        names.append([])
+        for j, (p, n, row) in enumerate(zip(comp, lens, items, strict=True)):
+            if int(row) <= 0 or int(n) % int(row):
+                raise ValueError(f"state_item_lens[{i}][{j}]: {row} does not divide the buffer's {n} bytes")
+            names[-1].append(f"state{i}.{j}")
+            specs.append(
+                AuxSpec(
+                    name=names[-1][-1],
+                    region=_region(int(p), int(n), gpu, f"state_data_ptrs[{i}][{j}]"),
+                    row_bytes=int(row),
+                    num_rows=int(n) // int(row),
+                )
+            )
+    return specs, names
 
 
 def kv_args_registration(args: Any, is_mla: bool) -> Registration:
     """Layout and regions of SGLang's pools: per layer ``[pages * page_size, heads, head_dim]``
-    buffers, K then V (MHA) or one latent buffer (MLA); aux buffers as rows."""
-    if getattr(args, "state_data_ptrs", None) and any(args.state_data_ptrs):
-        raise NotImplementedError("kvservice_sglang: state buffers (Mamba/SWA/DSA) are not supported yet")
+    buffers, K then V (MHA) or one latent buffer (MLA); aux buffers and the components of state
+    buffers (Mamba, SWA, DSA, ...: ``STATE_TYPES``) as rows."""
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
     if not ptrs or len(set(items)) != 1 or len(set(lens)) != 1:
         raise ValueError(
@@ -109,4 +159,5 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
                 num_rows=int(n) // int(row),
             )
         )
-    return Registration(layout, k, v, aux, names)
+    state_specs, state_names = _state_aux(args, gpu)
+    return Registration(layout, k, v, aux + state_specs, names, state_names)

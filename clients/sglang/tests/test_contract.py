@@ -31,22 +31,34 @@ pytestmark = pytest.mark.skipif(not (PREFILL and DECODE), reason="needs two kvse
 LAYERS, PAGE, HEADS, DIM, PAGES = 2, 4, 2, 16, 64
 ITEM = PAGE * HEADS * DIM * 2  # float16 bytes per page per buffer
 AUX_ROW, AUX_ROWS = 64, 16
+# state buffers of a hybrid model: (state type, [(slots, bytes per slot) per component tensor])
+STATES = [("mamba", [(8, 96), (8, 40)]), ("swa", [(PAGES, ITEM)])]
+StateSpec = list[tuple[str, list[tuple[int, int]]]]
 
 
 class Pools:
-    """SGLang-shaped pools in shm: K_0..K_{L-1}, V_0..V_{L-1}, then one aux buffer."""
+    """SGLang-shaped pools in shm: K_0..K_{L-1}, V_0..V_{L-1}, one aux buffer, then (``states``)
+    the component tensors of ``STATES``."""
 
-    def __init__(self, seed: int | None) -> None:
-        self.shm = shared_memory.SharedMemory(
-            create=True, size=2 * LAYERS * PAGES * ITEM + AUX_ROWS * AUX_ROW
-        )
+    def __init__(self, seed: int | None, states: StateSpec | None = None) -> None:
+        self.state_types = [t for t, _ in states or []]
+        shapes = [shape for _, comps in states or [] for shape in comps]
+        kv_aux = 2 * LAYERS * PAGES * ITEM + AUX_ROWS * AUX_ROW
+        self.shm = shared_memory.SharedMemory(create=True, size=kv_aux + sum(n * b for n, b in shapes))
         raw = np.frombuffer(self.shm.buf, dtype=np.uint8)
         if seed is not None:
             raw[:] = np.random.default_rng(seed).integers(0, 255, raw.size, dtype=np.uint8)
         self.bufs = [
             raw[i * PAGES * ITEM : (i + 1) * PAGES * ITEM].reshape(PAGES, ITEM) for i in range(2 * LAYERS)
         ]
-        self.aux = raw[2 * LAYERS * PAGES * ITEM :].reshape(AUX_ROWS, AUX_ROW)
+        self.aux = raw[2 * LAYERS * PAGES * ITEM : kv_aux].reshape(AUX_ROWS, AUX_ROW)
+        self.states: list[list[np.ndarray]] = []
+        off = kv_aux
+        for _, comps in states or []:
+            self.states.append([])
+            for n, b in comps:
+                self.states[-1].append(raw[off : off + n * b].reshape(n, b))
+                off += n * b
 
     def kv_args(self) -> KVArgs:
         a = KVArgs()
@@ -61,14 +73,17 @@ class Pools:
             [AUX_ROWS * AUX_ROW],
             [AUX_ROW],
         )
-        a.state_data_ptrs = []
+        a.state_types = list(self.state_types)
+        a.state_data_ptrs = [[t.ctypes.data for t in comps] for comps in self.states]
+        a.state_data_lens = [[t.nbytes for t in comps] for comps in self.states]
+        a.state_item_lens = [[t.shape[1] for t in comps] for comps in self.states]
         return a
 
     def snapshot(self) -> list[np.ndarray]:
         return [b.copy() for b in self.bufs] + [self.aux.copy()]
 
     def close(self) -> None:
-        del self.bufs, self.aux
+        del self.bufs, self.aux, self.states
         self.shm.close()
         self.shm.unlink()
 
@@ -277,3 +292,63 @@ def test_the_rest_of_the_base_class_surface(node) -> None:
     send.clear()
     recv.clear()
     assert send.poll() == KVPoll.Failed
+
+
+def _states_round_trip(mp: KVServiceManager, md: KVServiceManager, addr: str, p: Pools, d: Pools) -> None:
+    room = 21
+    before = [[t.copy() for t in comps] for comps in d.states]
+    recv = KVServiceReceiver(md, addr, room)
+    send = KVServiceSender(mp, addr, room)
+    recv.init(0)
+    recv.send_metadata(np.array([7, 8]), aux_index=1, state_indices=[[2], [30, 31]], decode_prefix_len=0)
+    _until(lambda: send.poll() == KVPoll.WaitingForInput)
+    send.init(2, aux_index=4)
+    send.send(np.array([3]))  # first chunk: no state yet
+    send.send(np.array([4]), state_indices=[[5], [11, 12]])  # last chunk with the state slots
+    ends = (KVPoll.Success, KVPoll.Failed)
+    _until(lambda: send.poll() in ends and recv.poll() in ends)
+    assert (send.poll(), recv.poll()) == (KVPoll.Success, KVPoll.Success), (send.failed, recv.failed)
+    for comp_p, comp_d, was in zip(p.states[0], d.states[0], before[0], strict=True):
+        np.testing.assert_array_equal(comp_d[2], comp_p[5])  # mamba: slot 5 -> slot 2
+        np.testing.assert_array_equal(np.delete(comp_d, 2, 0), np.delete(was, 2, 0))
+    (swa_p,), (swa_d,), (swa_was,) = p.states[1], d.states[1], before[1]
+    np.testing.assert_array_equal(swa_d[[30, 31]], swa_p[[11, 12]])  # window pages, in order
+    np.testing.assert_array_equal(np.delete(swa_d, [30, 31], 0), np.delete(swa_was, [30, 31], 0))
+    m = send.get_transfer_metric()
+    assert m.transfer_total_bytes == 2 * ITEM * 2 * LAYERS + AUX_ROW + 96 + 40 + 2 * ITEM
+
+
+def test_hybrid_model_state_buffers_move_slot_for_slot(monkeypatch) -> None:
+    """Mamba (one slot per request, two component tensors) and SWA (window pages) state buffers:
+    the decode side names its slots in send_metadata, the prefill its own with the last chunk;
+    each component's rows land slot for slot, nothing else in the state buffers changes."""
+    p_pools, d_pools = Pools(1, STATES), Pools(None, STATES)
+    server = KVServiceBootstrapServer("127.0.0.1", 0)
+    mp = _manager(monkeypatch, PREFILL, "prefill", p_pools, SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S="5")
+    md = _manager(monkeypatch, DECODE, "decode", d_pools, SGLANG_KVSERVICE_DEADLINE_MS="8000")
+    try:
+        _states_round_trip(mp, md, f"127.0.0.1:{server.port}", p_pools, d_pools)
+    finally:
+        mp.close()
+        md.close()
+        server.close()
+        p_pools.close()
+        d_pools.close()
+
+
+def test_state_types_that_are_not_whole_slots_are_refused_by_name(monkeypatch) -> None:
+    pools = Pools(None, [("mamba", [(4, 16)]), ("dsa_tail", [(4, 16)])])
+    try:
+        with pytest.raises(ValueError, match=r"state_types\[1\]: 'dsa_tail'"):
+            _manager(monkeypatch, DECODE, "decode", pools)
+    finally:
+        pools.close()
+
+
+def test_state_slots_for_an_unregistered_state_fail_the_request(node) -> None:
+    recv = KVServiceReceiver(node["md"], node["addr"], 22)
+    recv.init(0)
+    recv.send_metadata(np.array([1]), aux_index=0, state_indices=[[3]], decode_prefix_len=0)
+    assert recv.poll() == KVPoll.Failed
+    with pytest.raises(KVServiceTransferError, match=r"state_indices\[0\]"):
+        recv.failure_exception()
