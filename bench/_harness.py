@@ -113,9 +113,16 @@ class Services:
     PEER_PORT = 7777
 
     def __init__(
-        self, n: int = 2, env: dict[str, str] | None = None, timeout_s: float = 120.0, net: Any = None
+        self,
+        n: int = 2,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 120.0,
+        net: Any = None,
+        log_dir: Path | None = None,
     ) -> None:
         self.n, self.extra, self.timeout_s, self.net = n, env or {}, timeout_s, net
+        self.log_dir = log_dir  # service i's stderr (its log) goes to log_dir/svc<i>.log
+        self._logs: list[Any] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.addresses: list[str] = []
         self.peer_addresses: list[str] = []
@@ -146,7 +153,10 @@ class Services:
                     cmd = ["ip", "netns", "exec", self.net.names[i], *cmd]
                     cmd += ["--peer-tcp-address", peer, "--peer-token-file", str(token)]
                     env |= UCX_TCP_ENV | {"KVSERVICE_SAME_HOST_ROUTE": "off"}
-                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
+                if self.log_dir is not None:
+                    self._logs.append(open(self.log_dir / f"svc{i}.log", "w"))
+                err = self._logs[-1] if self.log_dir is not None else None
+                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=err))
                 self.addresses.append(f"unix:{sock}")
                 self.peer_addresses.append(peer)
             end = time.monotonic() + self.timeout_s
@@ -190,6 +200,9 @@ class Services:
                 p.kill()
                 p.wait(5)
         self.procs.clear()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -17,8 +17,12 @@ kvservice time is SendDelta → receiver DONE (gRPC over UDS, watch stream), per
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from _harness import (
@@ -45,9 +49,12 @@ def kvservice_runs(
 ) -> dict:
     sdev, ddev = devices(args)
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
+    logs = Path(tempfile.mkdtemp(prefix="kvbench-logs-")) if args.timeline else None
+    if logs is not None:  # the services' per-batch DEBUG lines (kvservice/transfer/mover.py)
+        env |= {"KVSERVICE_LOG_LEVEL": "DEBUG", "KVSERVICE_LOG_FORMAT": "json"}
     out: dict = {}
     with (
-        Services(1 if args.same_node else 2, env | route_env(args), net=args.net) as svc,
+        Services(1 if args.same_node else 2, env | route_env(args), net=args.net, log_dir=logs) as svc,
         pools((layout, sdev, 1), (layout, ddev, None)) as (
             ps,
             pr,
@@ -107,7 +114,41 @@ def kvservice_runs(
             t = fused_kernel_only(layout, ps, pr, src, dst, args.iters)
             out["_fused_kernel_only"] = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
             print(f"fused kernel alone: {out['_fused_kernel_only']['p50_ms']:.2f} ms", file=sys.stderr)
+    if logs is not None:  # the services have exited: their logs are complete
+        for path in paths:
+            if "p50_ms" in out.get(path, {}):
+                out[path]["timeline"] = timeline(logs, f"xfer-{path}-{args.iters}")
+        shutil.rmtree(logs, ignore_errors=True)
     return out
+
+
+def timeline(logs: Path, transfer_id: str) -> list[dict]:
+    """Per packed batch of ``transfer_id``: ms since its chunk was queued at which the sender
+    started it, held a staging slot, had packed, had written; the receiver's unpack start/end."""
+    sent, unpacked = {}, {}
+    for f in sorted(logs.glob("svc*.log")):
+        for line in f.read_text().splitlines():
+            if '"transfer_id": "' + transfer_id + '"' not in line:
+                continue
+            rec = json.loads(line)
+            if rec.get("msg") == "packed batch":
+                sent[rec["first"]] = rec
+            elif rec.get("msg") == "unpacked batch":
+                unpacked[rec["first"]] = rec["t"]
+    if not sent:
+        return []
+    zero = min(r["t"][0] for r in sent.values())
+    ms = lambda t: round((t - zero) * 1e3, 3)  # noqa: E731
+    rows = []
+    for first, r in sorted(sent.items(), key=lambda kv: kv[1]["t"][1]):
+        _, start, slot, packed, written, _ = r["t"]
+        u = unpacked.get(first)
+        rows.append(
+            {"first": first, "bytes": r["bytes"], "start": ms(start), "slot": ms(slot), "packed": ms(packed),
+             "written": ms(written), "unpack_start": ms(u[0]) if u else None,
+             "unpack_end": ms(u[1]) if u else None}
+        )  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -131,6 +172,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--same-node", action="store_true", help="one service for both engines (fused route)")
     ap.add_argument("--skip-nixl", action="store_true", help="no raw NIXL baselines (same-node runs)")
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="record each packed batch's pack / write / unpack times of the last round per path "
+        "(services log at DEBUG) into the JSON; report.py draws them",
+    )
     args = ap.parse_args()
     if args.small:
         args.layers, args.pages, args.pool_pages, args.iters = 2, 32, 64, 2

@@ -377,6 +377,7 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
             )
             ax.set_xscale("log")
             ax.set_xlabel("ms (p50, log)")
+            made += _timeline_plots(plt, d, name, j)
         elif j["benchmark"] == "mixed_tp":
             ks = list(j["configs"])
             base = [j["configs"][k]["raw_nixl_per_token"]["p50_ms"] for k in ks]
@@ -421,6 +422,36 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
         fig.savefig(d / f"{name}.png", dpi=110)
         plt.close(fig)
         made.append(f"{name}.png")
+    return made
+
+
+def _timeline_plots(plt: Any, d: Path, name: str, j: dict) -> list[str]:
+    """``bench_transfer --timeline``: one row per packed batch of the last round, bars for the wait
+    for a staging slot or credit, pack, write and the receiver's unpack (ms since the chunk)."""
+    made = []
+    for path, v in j["kvservice"].items():
+        rows = v.get("timeline") or []
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.22 * len(rows)))
+        for i, r in enumerate(rows):
+            spans = [("wait", r["start"], r["slot"], "#ddd"), ("pack", r["slot"], r["packed"], "#2a7"),
+                     ("write", r["packed"], r["written"], "#37c")]  # fmt: skip
+            if r.get("unpack_start") is not None:
+                spans.append(("unpack", r["unpack_start"], r["unpack_end"], "#e83"))
+            for label, a, b, color in spans:
+                ax.broken_barh(
+                    [(a, max(b - a, 0.01))], (i - 0.4, 0.8), color=color, label=label if i == 0 else None
+                )
+        ax.set_yticks(range(len(rows)), [f"{r['bytes'] >> 20} MiB" for r in rows], fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms since the chunk was queued")
+        ax.set_title(f"{name}: {path}, packed batches (p50 {v['p50_ms']:.1f} ms)", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(d / f"{name}_{path}_timeline.png", dpi=110)
+        plt.close(fig)
+        made.append(f"{name}_{path}_timeline.png")
     return made
 
 

@@ -5,8 +5,9 @@
 
 Engines are tests/gpu/gpu_engine.py processes (32 layers, 8 KV heads, head_dim 128, bf16, page 16,
 2,048-page pools, 1,024 scattered pages = 2 GiB). Prints end-to-end time and phase sums per
-transfer, then each packed batch's timeline (ms since the chunk was queued: start, reserved,
-packed, written, committed) from the services' DEBUG logs.
+transfer, then each packed batch's timeline (ms since the chunk was queued: queued, start,
+slot held, packed, written, committed) from the services' DEBUG logs. ``bench_transfer.py
+--timeline`` records and plots the same lines for any run.
 """
 
 import json
@@ -81,6 +82,7 @@ for n in ("a", "b"):
     for line in open(f"{tmp}/{n}.log"):
         if '"packed batch"' in line:
             d = json.loads(line)
-            print(n, d["transfer_id"], d["bytes"] >> 20, "MiB", d["ms"])
+            ms = [round((t - d["t"][0]) * 1e3, 3) for t in d["t"]]
+            print(n, d["transfer_id"], d["bytes"] >> 20, "MiB", ms)
         elif "unpack" in line.lower() and "debug" in line.lower():
             pass

@@ -77,15 +77,16 @@ def test_bench_routing_small_replays_every_policy(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_bench_transfer_small_across_network_namespaces(tmp_path: Path) -> None:
     """--netns: the services and the raw baselines sit in two namespaces joined by a veth pair
-    and move the pages over UCX on TCP; kvservice's transfer verifies and is recorded."""
+    and move the pages over UCX on TCP; kvservice's transfer verifies and is recorded, and
+    --timeline records each packed batch's pack / write / unpack in order."""
     if os.geteuid() != 0 or not Path("/usr/sbin/ip").exists() and not Path("/sbin/ip").exists():
         if os.environ.get("CI"):
             pytest.fail("CI runs as root with iproute2: --netns must run there")
         pytest.skip("network namespaces need root and iproute2")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_transfer.py"), "--small", "--netns", "--paths", "auto"]
-        + ["--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "bench_transfer.py"), "--small", "--netns", "--paths", "packed"]
+        + ["--timeline", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -97,6 +98,10 @@ def test_bench_transfer_small_across_network_namespaces(tmp_path: Path) -> None:
     assert "_netns" in path.name
     report = json.loads(path.read_text())
     assert report["netns"] is True
-    assert report["kvservice"]["auto"]["verified"] is True
-    assert report["kvservice"]["auto"]["path_taken"] in ("DIRECT", "PACKED")
+    run = report["kvservice"]["packed"]
+    assert run["verified"] is True and run["path_taken"] == "PACKED"
     assert report["baselines"]["raw_nixl_one_descriptor"]["p50_ms"] > 0
+    assert run["timeline"], "no packed batch logged"
+    for b in run["timeline"]:
+        steps = [b[k] for k in ("start", "slot", "packed", "written", "unpack_start", "unpack_end")]
+        assert steps == sorted(steps), b

@@ -417,7 +417,13 @@ class TransferEngine:
             inc.busy -= 1
             if release:
                 pool.release(slot)
-        self.table.update(inc.rec, add_unpack=int((time.monotonic() - t0) * 1e6))
+        t1 = time.monotonic()
+        self.table.update(inc.rec, add_unpack=int((t1 - t0) * 1e6))
+        if log.isEnabledFor(logging.DEBUG):  # the receiver's half of a batch timeline (monotonic s)
+            log.debug(
+                "unpacked batch",
+                extra={"transfer_id": inc.rec.transfer_id, "first": int(positions[0]), "t": [t0, t1]},
+            )
 
     async def apply_commit(
         self, req: Any, credit_slots: dict[int, tuple[StagingPool, Any]] | None = None, *, identity: str

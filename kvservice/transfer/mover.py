@@ -39,6 +39,27 @@ from .transport import RemoteDescList, Transport, XferHandle
 __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
+
+
+def _trace_batch(out: Outgoing, first: int, nbytes: int, times: tuple[float, ...]) -> None:
+    """DEBUG: one packed batch's timeline (``bench_transfer --timeline`` draws it).
+
+    ``t``: CLOCK_MONOTONIC seconds (one clock for every process of a host) at: chunk queued,
+    batch started (staging asked for), slot held, packed, written, committed or handed on.
+    ``first``: the batch's first sequence position, which the receiver's "unpacked batch" names.
+    """
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "packed batch",
+            extra={
+                "transfer_id": out.rec.transfer_id,
+                "first": int(first),
+                "bytes": nbytes,
+                "t": list(times),
+            },
+        )
+
+
 _PATH_PB = {
     "DIRECT": common_pb2.TRANSFER_PATH_DIRECT,
     "PACKED": common_pb2.TRANSFER_PATH_PACKED,
@@ -403,16 +424,9 @@ class Mover:
                 pack_us=int((t1 - t0) * 1e6),
                 wire_us=int((t2 - t1) * 1e6),
             )
-            if log.isEnabledFor(logging.DEBUG):  # per-batch timeline, ms since the chunk was queued
-                base = chunk.queued
-                log.debug(
-                    "packed batch",
-                    extra={
-                        "transfer_id": out.rec.transfer_id,
-                        "bytes": nbytes,
-                        "ms": [round((t - base) * 1e3, 3) for t in (t_start, t0, t1, t2, time.monotonic())],
-                    },
-                )
+            _trace_batch(
+                out, cmap.positions[start], nbytes, (chunk.queued, t_start, t0, t1, t2, time.monotonic())
+            )
 
         return commit()
 
@@ -441,6 +455,7 @@ class Mover:
         nbytes = per_page * src.size
         key = self._credit_key(target)
         self.e.sender.check_live(out)
+        t_acquire = time.monotonic()
         credit, epoch = await chan.acquire(*key, out.rec.deadline)
         try:
             async with pool.slot(nbytes, out.rec.deadline) as slot:
@@ -462,6 +477,7 @@ class Mover:
         except BaseException:
             chan.give_back(key, credit, epoch)
             raise
+        _trace_batch(out, cmap.positions[start], nbytes, (chunk.queued, t_acquire, t0, t1, t2, t2))
         return self._commit(
             out,
             target,
