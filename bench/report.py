@@ -433,7 +433,7 @@ def _timeline_plots(plt: Any, d: Path, name: str, j: dict) -> list[str]:
         rows = v.get("timeline") or []
         if not rows:
             continue
-        fig, ax = plt.subplots(figsize=(7, 0.5 + 0.22 * len(rows)))
+        fig, ax = plt.subplots(figsize=(7, max(2.4, 1.2 + 0.3 * len(rows))))
         for i, r in enumerate(rows):
             spans = [("wait", r["start"], r["slot"], "#ddd"), ("pack", r["slot"], r["packed"], "#2a7"),
                      ("write", r["packed"], r["written"], "#37c")]  # fmt: skip
@@ -443,11 +443,13 @@ def _timeline_plots(plt: Any, d: Path, name: str, j: dict) -> list[str]:
                 ax.broken_barh(
                     [(a, max(b - a, 0.01))], (i - 0.4, 0.8), color=color, label=label if i == 0 else None
                 )
-        ax.set_yticks(range(len(rows)), [f"{r['bytes'] >> 20} MiB" for r in rows], fontsize=6)
+        ax.set_yticks(
+            range(len(rows)), [f"batch {i}: {r['bytes'] >> 20} MiB" for i, r in enumerate(rows)], fontsize=7
+        )
         ax.invert_yaxis()
         ax.set_xlabel("ms since the chunk was queued")
         ax.set_title(f"{name}: {path}, packed batches (p50 {v['p50_ms']:.1f} ms)", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.5))
         fig.tight_layout()
         fig.savefig(d / f"{name}_{path}_timeline.png", dpi=110)
         plt.close(fig)
