@@ -140,22 +140,24 @@ class Services:
             **self.extra,
         }
         token = Path(self._tmp.name) / "peer-token"
-        token.write_text(os.urandom(16).hex() + "\n")
+        if self.net is not None:
+            from _netns import UCX_TCP_ENV
+
+            token.write_text(os.urandom(16).hex() + "\n")
+            env |= UCX_TCP_ENV | {"KVSERVICE_SAME_HOST_ROUTE": "off"}
         try:
             for i in range(self.n):
                 sock = Path(self._tmp.name) / f"svc{i}.sock"
                 cmd = [sys.executable, "-m", "kvservice", "--uds-path", str(sock)]
                 peer = f"unix:{sock}"
                 if self.net is not None:
-                    from _netns import UCX_TCP_ENV
-
                     peer = f"{self.net.ips[i]}:{self.PEER_PORT}"
                     cmd = ["ip", "netns", "exec", self.net.names[i], *cmd]
                     cmd += ["--peer-tcp-address", peer, "--peer-token-file", str(token)]
-                    env |= UCX_TCP_ENV | {"KVSERVICE_SAME_HOST_ROUTE": "off"}
+                err = None
                 if self.log_dir is not None:
-                    self._logs.append(open(self.log_dir / f"svc{i}.log", "w"))
-                err = self._logs[-1] if self.log_dir is not None else None
+                    err = open(self.log_dir / f"svc{i}.log", "w")
+                    self._logs.append(err)
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=err))
                 self.addresses.append(f"unix:{sock}")
                 self.peer_addresses.append(peer)

@@ -26,7 +26,9 @@ from ._regions import KVRegions
 __all__ = ["pack", "unpack"]
 
 
-def _tables(regions: KVRegions, args: CopyArgs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _tables(
+    regions: KVRegions, args: CopyArgs
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per (slice, region): pool base, staging base, pool-side and staging-side geometry
     ``[page, token, offset]`` in bytes, and row bytes."""
     if regions.device.type != "cpu" or args.staging.device.type != "cpu":
@@ -35,37 +37,32 @@ def _tables(regions: KVRegions, args: CopyArgs) -> tuple[np.ndarray, np.ndarray,
     hb = regions.region_head_bytes  # [R]
     seg = n * ps * h * hb
     seg_off = np.concatenate(([0], np.cumsum(seg)[:-1]))
-    slice_bytes = int(seg.sum())
     s = np.arange(s_count, dtype=np.int64)[:, None]
     pool_base = np.tile(regions.base_addresses, s_count)
-    stg_base = (args.staging.data_ptr() + s * slice_bytes + seg_off[None, :]).reshape(-1)
+    stg_base = (args.staging.data_ptr() + s * int(seg.sum()) + seg_off[None, :]).reshape(-1)
     head_off = ((args.head_start + s * h) * hb[None, :]).reshape(-1)
     hb_all = np.tile(hb, s_count)
     pool_geom = np.stack([ps * regions.num_heads * hb_all, regions.num_heads * hb_all, head_off], axis=1)
     stg_geom = np.stack([ps * h * hb_all, h * hb_all, np.zeros_like(hb_all)], axis=1)
-    return pool_base, stg_base, np.concatenate([pool_geom, stg_geom], axis=1), h * hb_all
+    return pool_base, stg_base, pool_geom, stg_geom, h * hb_all
+
+
+def _copy(regions: KVRegions, args: CopyArgs, to_staging: bool) -> None:
+    n = args.pages.numel()
+    if not n:
+        return
+    pool_base, stg_base, pool_geom, stg_geom, rows = _tables(regions, args)
+    pool = (pool_base, args.pages.numpy(), pool_geom)
+    staged = (stg_base, np.arange(n, dtype=np.int64), stg_geom)
+    (sb, sp, sg), (db, dp, dg) = (pool, staged) if to_staging else (staged, pool)
+    _fused_cpu.copy_regions(sb, db, sp, dp, np.concatenate([sg, dg], axis=1), rows, regions.page_size)
 
 
 def pack(regions: KVRegions, args: CopyArgs) -> None:
     """Gather ``args.pages`` of every region (head slices) into ``args.staging``."""
-    n = args.pages.numel()
-    if not n:
-        return
-    pool_base, stg_base, geom, rows = _tables(regions, args)
-    pages = args.pages.numpy()
-    _fused_cpu.copy_regions(
-        pool_base, stg_base, pages, np.arange(n, dtype=np.int64), geom, rows, regions.page_size
-    )
+    _copy(regions, args, to_staging=True)
 
 
 def unpack(regions: KVRegions, args: CopyArgs) -> None:
     """Scatter ``args.staging`` into the (distinct) ``args.pages`` at the call's head slices."""
-    n = args.pages.numel()
-    if not n:
-        return
-    pool_base, stg_base, geom, rows = _tables(regions, args)
-    swapped = np.ascontiguousarray(geom[:, [3, 4, 5, 0, 1, 2]])  # staging is the source now
-    pages = args.pages.numpy()
-    _fused_cpu.copy_regions(
-        stg_base, pool_base, np.arange(n, dtype=np.int64), pages, swapped, rows, regions.page_size
-    )
+    _copy(regions, args, to_staging=False)

@@ -130,9 +130,9 @@ class _Bindings:
     builds gets our progress-thread delay (``made`` counts the configs built). Every other name
     is ``inner``'s."""
 
-    def __init__(self, delay_us: int, inner: Any = None) -> None:
-        self._inner = _nixl_bindings if inner is None else inner
-        base = self._inner.nixlAgentConfig
+    def __init__(self, delay_us: int, inner: Any) -> None:
+        self._inner = inner
+        base = inner.nixlAgentConfig
         self.made = 0
         outer = self
 

@@ -12,6 +12,7 @@ sets and sessions all come back (read from GetStats).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -260,17 +261,14 @@ def _sh(*cmd: str) -> None:
 @pytest.fixture
 def netns() -> Iterator[tuple[str, str]]:
     """Two network namespaces joined by a veth pair: 10.77.0.1 (ns-a) and 10.77.0.2 (ns-b)."""
-    pair = veth_pair()
-    try:
-        net = pair.__enter__()
-    except (OSError, subprocess.CalledProcessError) as exc:
-        if os.environ.get("CI") and os.geteuid() == 0:
-            raise
-        pytest.skip(f"network namespaces need root and iproute2 here: {exc}")
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            net = stack.enter_context(veth_pair())
+        except (OSError, subprocess.CalledProcessError) as exc:
+            if os.environ.get("CI") and os.geteuid() == 0:
+                raise
+            pytest.skip(f"network namespaces need root and iproute2 here: {exc}")
         yield net.names
-    finally:
-        pair.__exit__(None, None, None)
 
 
 def test_the_link_between_services_goes_down_and_comes_back(netns: tuple[str, str], tmp_path: Any) -> None:

@@ -140,7 +140,7 @@ def test_progress_delay_swap_is_undone_and_counts_configs() -> None:
     from nixl import _api
 
     real = _api.nixlBind
-    bind = nixl_transport._Bindings(300)
+    bind = nixl_transport._Bindings(300, real)
     cfg = bind.nixlAgentConfig()
     cfg.pthrDelay = 0  # what the wrapper writes
     assert (cfg.pthrDelay, bind.made) == (300, 1)
