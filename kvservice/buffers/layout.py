@@ -24,6 +24,10 @@ def validate_layout(layout: Layout) -> None:
     """Check the layout on its own (kinds, ranges, TP consistency, head counts)."""
     if layout.kind not in ("mha", "mla"):
         raise InvalidArgument("layout.kind", "must be BUFFER_KIND_MHA or BUFFER_KIND_MLA")
+    if layout.page_layout not in ("nhd", "hnd", "hnd_kv"):
+        raise InvalidArgument("layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND or _HND_KV")
+    if layout.kind == "mla" and layout.page_layout != "nhd":
+        raise InvalidArgument("layout.page_layout", "MLA pools are NHD (one latent head)")
     if layout.dtype not in DTYPE_ITEMSIZE:
         raise InvalidArgument("layout.dtype", "must be set (DTYPE_UNSPECIFIED is not a dtype)")
     if not 1 <= layout.num_layers <= MAX_LAYERS:
@@ -77,7 +81,11 @@ def validate_region_sizes(layout: Layout, k_sizes: Sequence[int], v_sizes: Seque
             "k_regions", f"expected {layout.num_layers} (one per layer), got {len(k_sizes)}"
         )
     if len(v_sizes) != layout.num_v_regions:
-        want = "none for MLA" if layout.kind == "mla" else f"{layout.num_layers} (one per layer)"
+        want = (
+            f"{layout.num_layers} (one per layer)"
+            if layout.num_v_regions
+            else "none for MLA" if layout.kind == "mla" else "none for PAGE_LAYOUT_HND_KV (V is in the K region)"
+        )
         raise InvalidArgument("v_regions", f"expected {want}, got {len(v_sizes)}")
     for name, sizes, want_size in (
         ("k_regions", k_sizes, layout.region_bytes_k),
@@ -87,6 +95,6 @@ def validate_region_sizes(layout: Layout, k_sizes: Sequence[int], v_sizes: Seque
             if size != want_size:
                 raise InvalidArgument(
                     f"{name}[{i}].size_bytes",
-                    f"must be num_pages x page_bytes = {layout.num_pages} x "
+                    f"must be num_pages x page bytes = {layout.num_pages} x "
                     f"{want_size // layout.num_pages} = {want_size}, got {size}",
                 )

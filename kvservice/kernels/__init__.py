@@ -45,6 +45,8 @@ def pack(
     num_heads: int | None = None,
     num_slices: int = 1,
     backend: Backend = "auto",
+    unit: int | None = None,
+    head_major: bool | None = None,
 ) -> torch.Tensor:
     """Gather ``pages`` (selection order) of every region into staging; return the packed bytes.
 
@@ -52,23 +54,26 @@ def pack(
     defaults to every head from ``head_start``). ``out`` (allocated on the regions' device if
     None; pinned host memory allowed for CUDA regions) needs ``packed_nbytes(...)`` bytes;
     the returned uint8 view is exactly that long. On CUDA the copy is asynchronous on the
-    current stream.
+    current stream. ``unit`` (tokens, dividing the page size) makes ``pages`` unit indices (see
+    ``_regions``); ``head_major`` is the staging order (default the pool's own: pass the
+    receiver's, so that its unpack is the straight copy).
     """
+    kw = {"unit": unit, "head_major": head_major}
     kind = _backend(regions, out, backend)
     if kind == "triton":
         from . import _triton
 
         return _triton.pack(
-            regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+            regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
         )
     if kind == "cpu":
         from . import _pack_cpu  # numba: imported on first use, like the fused copy
 
-        args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True)
+        args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True, **kw)
         _pack_cpu.pack(regions, args)
         return args.staging
     return reference.pack(
-        regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+        regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
     )
 
 
@@ -81,18 +86,21 @@ def unpack(
     num_heads: int | None = None,
     num_slices: int = 1,
     backend: Backend = "auto",
+    unit: int | None = None,
+    head_major: bool | None = None,
 ) -> None:
     """Scatter packed ``staging`` into distinct destination ``pages`` at local head ``head_start``.
 
     Inverse of :func:`pack` with the same arguments; only heads
-    ``[head_start, head_start + num_slices*num_heads)`` of the named pages change.
+    ``[head_start, head_start + num_slices*num_heads)`` of the named pages (units) change.
     """
+    kw = {"unit": unit, "head_major": head_major}
     kind = _backend(regions, staging, backend)
     if kind == "triton":
         from . import _triton
 
         _triton.unpack(
-            regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+            regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
         )
         return
     if kind == "cpu":
@@ -100,9 +108,9 @@ def unpack(
 
         _pack_cpu.unpack(
             regions,
-            check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False),
+            check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False, **kw),
         )
         return
     reference.unpack(
-        regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices
+        regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
     )

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from ._regions import KVRegions, packed_nbytes
+from ._regions import KVRegions, check_unit, packed_nbytes
 
 __all__ = ["CopyArgs", "check_copy", "pages_tensor"]
 
@@ -23,14 +23,21 @@ PageIndices = torch.Tensor | np.ndarray | Sequence[int]
 class CopyArgs:
     """A checked pack/unpack call. ``staging`` is a 1-D uint8 view of exactly the packed bytes."""
 
-    pages: torch.Tensor  # int64 [n] on the regions' device, selection order
+    pages: torch.Tensor  # int64 [n] on the regions' device, selection order: units of ``unit`` tokens
     staging: torch.Tensor
     head_start: int
     num_heads: int
     num_slices: int
+    unit: int  # tokens per unit (a whole page unless the call named a smaller unit)
+    head_major: bool  # staging order inside a unit (see ``_regions``)
+
+    def units_per_page(self, regions: KVRegions) -> int:
+        return regions.page_size // self.unit
 
 
-def pages_tensor(pages: PageIndices, regions: KVRegions, unique: bool, field: str = "pages") -> torch.Tensor:
+def pages_tensor(
+    pages: PageIndices, regions: KVRegions, unique: bool, field: str = "pages", units_per_page: int = 1
+) -> torch.Tensor:
     """Check on whichever side the indices live (host indices: no device sync), then move."""
     ndim = pages.ndim if isinstance(pages, (torch.Tensor, np.ndarray)) else np.ndim(pages)
     if ndim != 1:
@@ -46,8 +53,9 @@ def pages_tensor(pages: PageIndices, regions: KVRegions, unique: bool, field: st
         t = torch.from_numpy(a.astype(np.int64))
     if t.numel():
         lo, hi = (int(x) for x in torch.aminmax(t))
-        if lo < 0 or hi >= regions.num_pages:
-            raise InvalidArgument(field, f"indices must be in [0, {regions.num_pages}), got [{lo}, {hi}]")
+        top = regions.num_pages * units_per_page
+        if lo < 0 or hi >= top:
+            raise InvalidArgument(field, f"indices must be in [0, {top}), got [{lo}, {hi}]")
         if unique and torch.unique(t).numel() != t.numel():
             raise InvalidArgument(field, "destination pages must be distinct")
     return t.to(regions.device).contiguous()
@@ -79,12 +87,17 @@ def check_copy(
     num_slices: int,
     *,
     to_staging: bool,
+    unit: int | None = None,
+    head_major: bool | None = None,
 ) -> CopyArgs:
     """Check a pack (``to_staging``) or unpack call; allocate the staging of a pack if None.
 
     Heads ``[head_start, head_start + num_slices * num_heads)`` must lie in the local heads;
-    unpack's pages must be distinct (two writes to one page would race).
+    unpack's pages must be distinct (two writes to one page would race). ``unit`` (tokens,
+    dividing the page size; default a page) makes ``pages`` unit indices; ``head_major`` is the
+    staging order (default the pool's own).
     """
+    g = check_unit(unit, regions.page_size)
     nh = regions.num_heads - head_start if num_heads is None else num_heads
     if num_slices < 1:
         raise InvalidArgument("num_slices", f"must be >= 1, got {num_slices}")
@@ -94,10 +107,11 @@ def check_copy(
             f"heads [{head_start}, {head_start + num_slices * nh}) not within the "
             f"{regions.num_heads} local heads",
         )
-    idx = pages_tensor(pages, regions, unique=not to_staging)
-    nbytes = packed_nbytes(regions, idx.numel(), nh, num_slices)
+    idx = pages_tensor(pages, regions, unique=not to_staging, units_per_page=regions.page_size // g)
+    nbytes = packed_nbytes(regions, idx.numel(), nh, num_slices, g)
     if staging is None:
         if not to_staging:
             raise InvalidArgument("staging", "required for unpack")
         staging = torch.empty(nbytes, dtype=torch.uint8, device=regions.device)
-    return CopyArgs(idx, _staging_bytes(staging, regions, nbytes), head_start, nh, num_slices)
+    order = regions.head_major if head_major is None else head_major
+    return CopyArgs(idx, _staging_bytes(staging, regions, nbytes), head_start, nh, num_slices, g, order)

@@ -1,14 +1,16 @@
 """The CPU fused copy: one compiled loop over the page table, source pages straight into destination pages.
 
 Regions are reached through their base addresses (an int64 table per side), so one call covers
-every layer's K and V; no temporary gather buffer and no Python loop per page or per region::
+every layer's K and V; no temporary gather buffer and no Python loop per page or per region.
+A call moves units (``_regions``: ``m`` units a page) as ``outer x inner`` runs (``Loops``)::
 
-    for r in regions, i in pages:                 (pages split over threads when there are many)
-        src row  = src_base[r] + src_pages[i]*src_page + t*src_token + src_head_off
-        dst row  = dst_base[r] + dst_pages[i]*dst_page + t*dst_token + dst_head_off
-        copy ``row`` bytes for each token t        (one copy of the whole page when rows are whole)
+    for r in regions, i in units:                 (units split over threads when there are many)
+        src unit = src_base[r] + (su // m_src)*src_page + (su % m_src)*src_unit + src_head_off
+        dst unit = dst_base[r] + (du // m_dst)*dst_page + (du % m_dst)*dst_unit + dst_head_off
+        copy ``row`` bytes at  unit + a*outer + b*inner   for a < outer_count, b < inner_count
 
-A run is a whole page when the copied rows are whole token rows, else one token row. On x86 a
+A run is a whole unit when both sides hold it in one piece, else a token row, a head's tokens or
+one head row (``copy_loops``). On x86 a
 16-byte aligned run is copied with non-temporal (streaming) stores, then ``sfence``; other runs
 use LLVM's memcpy. ``parallel`` spreads the (region, page) jobs over numba's threads. Both builds
 are cached on disk (``jit_cache``), so only the first process on a machine compiles them.
@@ -93,24 +95,24 @@ def run(d: int, s: int, nbytes: int) -> None:  # pragma: no cover - compiled
 def body(
     src_base: np.ndarray,  # int64 [R] region base addresses
     dst_base: np.ndarray,
-    src_pages: np.ndarray,  # int64 [n]
-    dst_pages: np.ndarray,
-    geom: np.ndarray,  # int64 [R, 6] bytes: src_page, src_token, src_off, dst_page, dst_token, dst_off
-    rows: np.ndarray,  # int64 [R] bytes of a token row copied
-    page_size: int,
+    src_units: np.ndarray,  # int64 [n]
+    dst_units: np.ndarray,
+    geom: np.ndarray,  # int64 [R, 10] bytes, per side: page, unit, outer, inner, head offset
+    dims: np.ndarray,  # int64 [R, 3]: outer count, inner count, run bytes
+    m_src: int,  # units per page
+    m_dst: int,
 ) -> None:  # pragma: no cover - compiled
-    n = src_pages.size
+    n = src_units.size
     for job in prange(src_base.size * n):
         r = job // n
         i = job % n
-        st, dt, row = geom[r, 1], geom[r, 4], rows[r]
-        s0 = src_base[r] + src_pages[i] * geom[r, 0] + geom[r, 2]
-        d0 = dst_base[r] + dst_pages[i] * geom[r, 3] + geom[r, 5]
-        if row == st and row == dt:  # whole token rows on both sides: the page is one run
-            run(d0, s0, row * page_size)
-        else:
-            for t in range(page_size):
-                run(d0 + t * dt, s0 + t * st, row)
+        su, du = src_units[i], dst_units[i]
+        s0 = src_base[r] + (su // m_src) * geom[r, 0] + (su % m_src) * geom[r, 1] + geom[r, 4]
+        d0 = dst_base[r] + (du // m_dst) * geom[r, 5] + (du % m_dst) * geom[r, 6] + geom[r, 9]
+        so, si, do, di, row = geom[r, 2], geom[r, 3], geom[r, 7], geom[r, 8], dims[r, 2]
+        for a in range(dims[r, 0]):
+            for b in range(dims[r, 1]):
+                run(d0 + a * do + b * di, s0 + a * so + b * si, row)
         if _X86:
             fence()  # type: ignore[call-arg]
 
@@ -139,11 +141,12 @@ def ready() -> bool:
 def copy_regions(
     src_base: np.ndarray,
     dst_base: np.ndarray,
-    src_pages: np.ndarray,
-    dst_pages: np.ndarray,
+    src_units: np.ndarray,
+    dst_units: np.ndarray,
     geom: np.ndarray,
-    rows: np.ndarray,
-    page_size: int,
+    dims: np.ndarray,
+    m_src: int = 1,
+    m_dst: int = 1,
 ) -> None:
     """Copy (byte geometry, checked by the caller: every address lies in a mapped region).
 
@@ -152,11 +155,12 @@ def copy_regions(
     concurrent parallel calls from two threads.
     """
     serial, parallel = _compiled()
-    if src_pages.size * int(rows.sum()) * page_size <= PARALLEL_BYTES:
-        serial(src_base, dst_base, src_pages, dst_pages, geom, rows, page_size)
+    args = (src_base, dst_base, src_units, dst_units, geom, dims, m_src, m_dst)
+    if src_units.size * int((dims[:, 0] * dims[:, 1] * dims[:, 2]).sum()) <= PARALLEL_BYTES:
+        serial(*args)
         return
     with _run_lock:
-        parallel(src_base, dst_base, src_pages, dst_pages, geom, rows, page_size)
+        parallel(*args)
 
 
 def warm() -> None:
@@ -169,9 +173,10 @@ def warm() -> None:
         np.array([b.ctypes.data], dtype=np.int64),
         one,
         one,
-        np.array([[64, 16, 0, 64, 16, 0]], dtype=np.int64),
-        np.array([16], dtype=np.int64),
-        4,
+        np.array([[64, 32, 16, 0, 0, 64, 32, 16, 0, 0]], dtype=np.int64),
+        np.array([[2, 1, 16]], dtype=np.int64),
+        2,
+        2,
     )
     for build in _compiled():
         build(*args)

@@ -1,11 +1,11 @@
 """Triton fused copy: one launch reads source pages and writes destination pages of every region.
 
-Each program copies ``BLOCK_C`` row chunks of ``ROW_BLOCK`` words of one region; a copied token
-row (``num_heads * head_bytes``) is ``KCH`` chunks::
+Each program copies ``BLOCK_C`` row chunks of ``ROW_BLOCK`` words of one region; a unit is
+``OUTER x INNER`` runs (``FusedArgs.kind_geometry``) and a run is ``KCH`` chunks::
 
-    chunk c = (i * PAGE_SIZE + t) * KCH + k          i page of the call, t token, k chunk of the row
-    src word = src_pages[i]*src_page + t*src_token + src_off + k*ROW_BLOCK + w
-    dst word = dst_pages[i]*dst_page + t*dst_token + dst_off + k*ROW_BLOCK + w
+    chunk c  = ((i * OUTER + a) * INNER + b) * KCH + k          i unit of the call, (a, b) run
+    src word = (su // ms)*src_page + (su % ms)*src_unit + a*src_outer + b*src_inner + src_off
+               + k*ROW_BLOCK + w                                su = src_units[i]; dst alike
 
 Base addresses come from one int64 table per side, so the destination may live on a peer GPU
 (the launch runs on the source device and writes through peer access) — the caller enables
@@ -36,17 +36,24 @@ _MAX_ROW_BLOCK = 64
 def _fused_kernel(
     src_table,  # *int64 [regions]: base byte address of each source region
     dst_table,  # *int64 [regions]: base byte address of each destination region
-    src_pages_ptr,  # *int64 [n]
-    dst_pages_ptr,  # *int64 [n]
-    n_chunks,  # n * PAGE_SIZE * KCH
+    src_units_ptr,  # *int64 [n]
+    dst_units_ptr,  # *int64 [n]
+    n_chunks,  # n * OUTER * INNER * KCH
+    src_m,  # units per source page
     src_page,  # words between consecutive source pages
-    src_token,  # words between consecutive source tokens
-    src_off,  # words from a source token's start to the first copied head
+    src_unit,  # words between consecutive units of a source page
+    src_outer,  # words between outer runs
+    src_inner,  # words between inner runs
+    src_off,  # words from a source unit's start to the first copied head
+    dst_m,
     dst_page,
-    dst_token,
+    dst_unit,
+    dst_outer,
+    dst_inner,
     dst_off,
     WORD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    OUTER: tl.constexpr,
+    INNER: tl.constexpr,
     KCH: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -57,13 +64,16 @@ def _fused_kernel(
     w = tl.arange(0, ROW_BLOCK)
     mask_c = c < n_chunks
     mask = mask_c[:, None] & (w[None, :] < ROW_BLOCK)
-    i = c // (PAGE_SIZE * KCH)
-    t = (c // KCH) % PAGE_SIZE
+    i = c // (OUTER * INNER * KCH)
+    a = (c // (INNER * KCH)) % OUTER
+    b = (c // KCH) % INNER
     k = c % KCH
-    sp = tl.load(src_pages_ptr + i, mask=mask_c, other=0)
-    dp = tl.load(dst_pages_ptr + i, mask=mask_c, other=0)
-    s_row = sp * src_page + t * src_token + src_off + k * ROW_BLOCK
-    d_row = dp * dst_page + t * dst_token + dst_off + k * ROW_BLOCK
+    su = tl.load(src_units_ptr + i, mask=mask_c, other=0)
+    du = tl.load(dst_units_ptr + i, mask=mask_c, other=0)
+    s_row = (su // src_m) * src_page + (su % src_m) * src_unit + a * src_outer + b * src_inner
+    d_row = (du // dst_m) * dst_page + (du % dst_m) * dst_unit + a * dst_outer + b * dst_inner
+    s_row += src_off + k * ROW_BLOCK
+    d_row += dst_off + k * ROW_BLOCK
     s_base = tl.load(src_table + region).to(tl.pointer_type(WORD))
     d_base = tl.load(dst_table + region).to(tl.pointer_type(WORD))
     vals = tl.load(s_base + (s_row[:, None] + w[None, :]), mask=mask)
@@ -72,46 +82,47 @@ def _fused_kernel(
 
 def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK_WORDS) -> None:
     """Launch on the source device's current stream (asynchronous)."""
-    n, h, ps = int(a.src_pages.size), a.num_heads, src.page_size
+    n = int(a.src_pages.size)
     if n == 0:
         return
     src_pages = torch.from_numpy(a.src_pages).to(src.device, non_blocking=True)
     dst_pages = torch.from_numpy(a.dst_pages).to(src.device, non_blocking=True)
     hbs = [src.head_bytes_k] + ([src.head_bytes_v] if src.v else [])
+    kinds = [a.kind_geometry(src, dst, hb) for hb in hbs]
     word = min(
         8,
         src.min_alignment,
         dst.min_alignment,
-        *(_pow2_divisor(hb, 8) for hb in hbs),
+        *(_pow2_divisor(x, 8) for row, lp in kinds for x in (*row, lp.row)),
     )
     _, tl_word = _WORDS[word]
     same = len(hbs) == 1 or hbs[0] == hbs[1]
     tables = ["all" if src.v else "k"] if same else ["k", "v"]
-    for name, hb in zip(tables, hbs, strict=False):
+    for name, (row, loops) in zip(tables, kinds, strict=False):
         s_ptrs = src.pointer_tables[name]
         d_ptrs = dst.pointer_tables[name]
         if d_ptrs.device != s_ptrs.device:
             d_ptrs = d_ptrs.to(s_ptrs.device)
-        row_words = h * hb // word
+        row_words = loops.row // word
         row_block = _pow2_divisor(row_words, _MAX_ROW_BLOCK)
         kch = row_words // row_block
-        n_chunks = n * ps * kch
+        n_chunks = n * loops.outer_count * loops.inner_count * kch
         block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n_chunks)))
         grid = (triton.cdiv(n_chunks, block_c), s_ptrs.numel())
+        words = [x // word for x in row]
         _fused_kernel[grid](
             s_ptrs,
             d_ptrs,
             src_pages,
             dst_pages,
             n_chunks,
-            ps * src.num_heads * hb // word,
-            src.num_heads * hb // word,
-            a.src_head_start * hb // word,
-            ps * dst.num_heads * hb // word,
-            dst.num_heads * hb // word,
-            a.dst_head_start * hb // word,
+            src.page_size // a.unit,
+            *words[:5],
+            dst.page_size // a.unit,
+            *words[5:],
             WORD=tl_word,
-            PAGE_SIZE=ps,
+            OUTER=loops.outer_count,
+            INNER=loops.inner_count,
             KCH=kch,
             ROW_BLOCK=row_block,
             BLOCK_C=block_c,

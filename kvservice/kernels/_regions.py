@@ -1,28 +1,40 @@
 """The KV regions of one buffer set as the pack/unpack kernels see them, and the staging layout.
 
-A region is one layer's K or V (MHA) or latent (MLA) memory, any dtype, viewed as bytes::
+A region is one layer's K or V (MHA) or latent (MLA) memory, any dtype, viewed as bytes. The
+token ``t``, head ``j`` row of page ``p`` (``head_bytes`` long) sits at::
 
-    region:  [num_pages][page_size][num_heads][head_bytes]      head_bytes = head_dim * itemsize
-    page p:  bytes [p * page_bytes, (p + 1) * page_bytes)
+    p * page_stride + t * token_stride + j * head_stride
+
+    page layout   page_stride           token_stride   head_stride        (per region, bytes)
+    nhd           P * H * hb            H * hb         hb                 [page][token][head]
+    hnd           P * H * hb            hb             P * hb             [page][head][token]
+    hnd_kv        P * H * (hbk + hbv)   hb             P * (hbk + hbv)    one region a layer:
+                                                                          [page][head][K rows|V rows]
+
+(``hnd_kv``'s V region is a view of the layer's region ``P * hbk`` bytes in.) A call moves
+*units* of ``g`` tokens (``g`` divides the page size; default a whole page): unit ``u`` is tokens
+``(u % m) * g + [0, g)`` of page ``u // m`` (``m = P / g``), so pools of different page sizes
+exchange tokens through the units of ``gcd`` of both sizes.
 
 Staging layout of one pack/unpack (destination-major; ``S`` head slices of ``h`` heads each)::
 
     [slice s < S]                        one contiguous range per destination rank (one WRITE)
       [layer l < L]
         [K | V]                          MLA: the latent (K) only
-          [page i < n, selection order]  i-th page of the call's page list
-            [token t < page_size]
-              [head j < h]               source head head_start + s*h + j of the local heads
-                [head_bytes]
+          [unit i < n, selection order]  i-th unit of the call's unit list
+            [token t < g] [head j < h]   token-major staging (default for nhd pools), or
+            [head j < h] [token t < g]   head-major staging (default for hnd / hnd_kv pools)
+              [head_bytes]               source head head_start + s*h + j of the local heads
 
-    slice_bytes  = L * n * page_size * h * (head_bytes_k + head_bytes_v)
-    segment(s, l, K) = s * slice_bytes + l * n * page_size * h * (head_bytes_k + head_bytes_v)
-    segment(s, l, V) = segment(s, l, K) + n * page_size * h * head_bytes_k
+    slice_bytes  = L * n * g * h * (head_bytes_k + head_bytes_v)
+    segment(s, l, K) = s * slice_bytes + l * n * g * h * (head_bytes_k + head_bytes_v)
+    segment(s, l, V) = segment(s, l, K) + n * g * h * head_bytes_k
 
-Why: each destination's bytes are one range; within a (slice, layer, K/V) segment a page is
-``page_size`` rows of ``h * head_bytes`` (one run when ``h`` is every local head), so both
-kernels read and write long contiguous runs, and the receiver of a mixed-TP split scatters
-each sender's buffer at its own head offset without reshuffling.
+Why: each destination's bytes are one range; within a segment a unit is ``g`` rows of
+``h * head_bytes`` (token-major) or ``h`` rows of ``g * head_bytes`` (head-major), one run when
+the pool's page is ordered the same way, so both kernels read and write long runs; the
+receiver of a mixed-TP split scatters each sender's buffer at its own head offset, and a
+sender packs in the receiver's order so that the receiver's unpack is the straight copy.
 """
 
 from __future__ import annotations
@@ -36,7 +48,9 @@ import torch
 
 from ..errors import InvalidArgument
 
-__all__ = ["KVRegions", "packed_nbytes"]
+__all__ = ["PAGE_LAYOUTS", "KVRegions", "Loops", "copy_loops", "packed_nbytes"]
+
+PAGE_LAYOUTS = ("nhd", "hnd", "hnd_kv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +58,9 @@ class KVRegions:
     """All layers' regions of one engine rank's KV pool, validated once at registration.
 
     ``k[l]``/``v[l]`` are contiguous tensors (any dtype, any shape) of exactly
-    ``num_pages * page_bytes`` bytes; ``v`` is empty for MLA. Build with :meth:`create`.
+    ``num_pages * page_bytes`` bytes (``hnd_kv``: ``k[l]`` holds the layer's K and V, ``v[l]`` is
+    a byte view of it ``page_size * head_bytes_k`` in); ``v`` is empty for MLA. Build with
+    :meth:`create`.
     """
 
     k: tuple[torch.Tensor, ...]
@@ -54,6 +70,7 @@ class KVRegions:
     head_bytes_k: int
     head_bytes_v: int
     num_pages: int
+    page_layout: str = "nhd"
 
     @classmethod
     def create(
@@ -66,6 +83,7 @@ class KVRegions:
         head_dim_k: int,
         head_dim_v: int | None = None,
         itemsize: int | None = None,
+        page_layout: str = "nhd",
     ) -> KVRegions:
         """Validate and wrap; ``itemsize`` defaults to ``k[0].element_size()``.
 
@@ -74,28 +92,36 @@ class KVRegions:
         k, v = tuple(k), tuple(v or ())
         if not k:
             raise InvalidArgument("regions.k", "need at least one layer")
-        if v and len(v) != len(k):
-            raise InvalidArgument("regions.v", f"{len(v)} V regions for {len(k)} K regions")
+        if page_layout not in PAGE_LAYOUTS:
+            raise InvalidArgument("regions.page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
         if page_size < 1 or num_heads < 1 or head_dim_k < 1:
             raise InvalidArgument("regions", "page_size, num_heads and head_dim_k must be >= 1")
         isz = k[0].element_size() if itemsize is None else itemsize
-        hd_v = (head_dim_k if head_dim_v is None else head_dim_v) if v else 0
-        token_k, token_v = num_heads * head_dim_k * isz, num_heads * hd_v * isz
-        num_pages = k[0].numel() * k[0].element_size() // (page_size * token_k)
+        fused_kv = page_layout == "hnd_kv"
+        if fused_kv and v:
+            raise InvalidArgument("regions.v", "hnd_kv keeps V inside the K regions")
+        if v and len(v) != len(k):
+            raise InvalidArgument("regions.v", f"{len(v)} V regions for {len(k)} K regions")
+        hd_v = (head_dim_k if head_dim_v is None else head_dim_v) if v or fused_kv else 0
+        # NOTE: for hnd_kv the K "page" checked here is the layer's whole page (K and V).
+        page_k = page_size * num_heads * (head_dim_k + (hd_v if fused_kv else 0)) * isz
+        num_pages = k[0].numel() * k[0].element_size() // page_k
         dev = k[0].device
-        for name, regs, token in (("k", k, token_k), ("v", v, token_v)):
+        for name, regs, page in (("k", k, page_k), ("v", v, page_size * num_heads * hd_v * isz)):
             for i, t in enumerate(regs):
                 if t.device != dev:
                     raise InvalidArgument(f"regions.{name}[{i}]", f"on {t.device}, expected {dev}")
                 if not t.is_contiguous():
                     raise InvalidArgument(f"regions.{name}[{i}]", "must be contiguous")
-                if t.numel() * t.element_size() != num_pages * page_size * token or num_pages < 1:
+                if t.numel() * t.element_size() != num_pages * page or num_pages < 1:
                     raise InvalidArgument(
                         f"regions.{name}[{i}]",
-                        f"{t.numel() * t.element_size()} bytes, expected {num_pages} pages of "
-                        f"{page_size * token}",
+                        f"{t.numel() * t.element_size()} bytes, expected {num_pages} pages of {page}",
                     )
-        return cls(k, v, page_size, num_heads, head_dim_k * isz, hd_v * isz, num_pages)
+        if fused_kv:  # V rows start after a head's K rows: a byte view of the same memory
+            skip = page_size * head_dim_k * isz
+            v = tuple(t.reshape(-1).view(torch.uint8)[skip:] for t in k)
+        return cls(k, v, page_size, num_heads, head_dim_k * isz, hd_v * isz, num_pages, page_layout)
 
     @property
     def num_layers(self) -> int:
@@ -120,6 +146,21 @@ class KVRegions:
             return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=self.device)
 
         return {"all": table(self.regions), "k": table(self.k), "v": table(self.v)}
+
+    @property
+    def head_major(self) -> bool:
+        """Whether a page is ordered by head first (``hnd``, ``hnd_kv``): the default staging order."""
+        return self.page_layout != "nhd"
+
+    def strides(self, head_bytes: int) -> tuple[int, int, int]:
+        """(page, token, head) byte strides of a region whose head rows are ``head_bytes`` long."""
+        p, h = self.page_size, self.num_heads
+        if self.page_layout == "nhd":
+            return p * h * head_bytes, h * head_bytes, head_bytes
+        if self.page_layout == "hnd":
+            return p * h * head_bytes, head_bytes, p * head_bytes
+        both = self.head_bytes_k + self.head_bytes_v
+        return p * h * both, head_bytes, p * both
 
     @functools.cached_property
     def base_addresses(self) -> np.ndarray:
@@ -147,7 +188,63 @@ def _pow2_gcd(a: int, b: int) -> int:
     return a
 
 
-def packed_nbytes(regions: KVRegions, num_pages: int, num_heads: int, num_slices: int = 1) -> int:
-    """Bytes a pack of ``num_pages`` pages and ``num_slices`` slices of ``num_heads`` heads fills."""
+def packed_nbytes(
+    regions: KVRegions, num_units: int, num_heads: int, num_slices: int = 1, unit: int | None = None
+) -> int:
+    """Bytes a pack of ``num_units`` units (of ``unit`` tokens, default a page) and ``num_slices``
+    slices of ``num_heads`` heads fills."""
+    g = regions.page_size if unit is None else unit
     head_bytes = regions.head_bytes_k + regions.head_bytes_v
-    return num_slices * regions.num_layers * num_pages * regions.page_size * num_heads * head_bytes
+    return num_slices * regions.num_layers * num_units * g * num_heads * head_bytes
+
+
+def check_unit(unit: int | None, *page_sizes: int) -> int:
+    """The unit (tokens) of a call: divides every page size; default the (first) page size."""
+    g = page_sizes[0] if unit is None else unit
+    if g < 1 or any(p % g for p in page_sizes):
+        raise InvalidArgument("unit", f"{g} tokens must be >= 1 and divide the page size(s) {page_sizes}")
+    return g
+
+
+@dataclasses.dataclass(frozen=True)
+class Loops:
+    """How one unit of one region is copied: ``outer x inner`` runs of ``row`` bytes, the run
+    ``(a, b)`` at ``a * outer + b * inner`` bytes from the unit's first byte on either side."""
+
+    outer_count: int
+    inner_count: int
+    row: int
+    src: tuple[int, int]  # (outer, inner) byte strides on the source side
+    dst: tuple[int, int]
+
+
+def copy_loops(
+    unit: int,
+    heads: int,
+    head_bytes: int,
+    src: tuple[int, int],
+    dst: tuple[int, int],
+    head_major: bool,
+) -> Loops:
+    """Runs that copy ``unit`` tokens x ``heads`` heads between sides of (token, head) byte
+    strides ``src`` and ``dst``, visited head-major or token-major; rows that are contiguous on
+    both sides merge into one run (a whole unit when both sides hold it in one piece)."""
+    counts = (heads, unit) if head_major else (unit, heads)
+    so, si = src[::-1] if head_major else src
+    do, di = dst[::-1] if head_major else dst
+    if si == head_bytes and di == head_bytes:
+        row = counts[1] * head_bytes
+        if so == row and do == row:
+            return Loops(1, 1, counts[0] * row, (0, 0), (0, 0))
+        return Loops(counts[0], 1, row, (so, 0), (do, 0))
+    return Loops(counts[0], counts[1], head_bytes, (so, si), (do, di))
+
+
+def staging_strides(unit: int, heads: int, head_bytes: int, head_major: bool) -> tuple[int, int]:
+    """(token, head) byte strides of a unit in staging (see the module doc)."""
+    return (head_bytes, unit * head_bytes) if head_major else (heads * head_bytes, head_bytes)
+
+
+def fused_order(a: tuple[int, int], b: tuple[int, int], head_bytes: int) -> bool:
+    """Visit order of a pool-to-pool copy: head-major when only that makes runs on both sides."""
+    return not (a[1] == head_bytes and b[1] == head_bytes) and a[0] == head_bytes and b[0] == head_bytes

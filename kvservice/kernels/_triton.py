@@ -1,12 +1,13 @@
 """Triton pack/unpack: one launch moves the selected pages of every layer's K and V.
 
 Staging layout: see ``_regions``. Each program copies ``BLOCK_C`` row chunks of
-``ROW_BLOCK`` words of one (slice, region) segment; a token row of the slice
+``ROW_BLOCK`` words of one (slice, region) segment; a unit is ``OUTER x INNER`` runs
+(``copy_loops``: a token row, a head's tokens, one head row, or the whole unit) and a run
 (``ROW_WORDS`` words) is ``ROW_WORDS // ROW_BLOCK`` chunks::
 
-    segment words:  c = (i * PAGE_SIZE + t) * KCH + k        i page, t token, k chunk of the row
-    region word:    pages[i]*page_stride + t*token_stride + head_offset + s*slice_head_stride
-                    + k*ROW_BLOCK + w                       w < ROW_BLOCK (contiguous)
+    segment words:  c = ((i * OUTER + a) * INNER + b) * KCH + k      i unit, (a, b) run, k chunk
+    region word:    (u // m)*page_stride + (u % m)*unit_stride + a*outer_stride + b*inner_stride
+                    + head_offset + s*slice_head_stride + k*ROW_BLOCK + w     u = units[i], w < ROW_BLOCK
     staging word:   s*slice_stride + region_offset + r*region_stride + c*ROW_BLOCK + w
 
 Bytes are moved as the widest word (8/4/2/1 bytes) that divides every address and stride,
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._checks import CopyArgs, PageIndices, check_copy
-from ._regions import KVRegions
+from ._regions import KVRegions, copy_loops, staging_strides
 
 __all__ = ["pack", "unpack"]
 
@@ -38,18 +39,22 @@ _MAX_ROW_BLOCK = 64
 def _copy_pages_kernel(
     table_ptr,  # *int64 [regions]: base byte address of each region of this launch
     staging_ptr,  # *WORD: first word of the call's staging bytes
-    pages_ptr,  # *int64 [n_pages]: region page of the i-th selected page (selection order)
-    n_chunks,  # row chunks per (slice, region) segment: n_pages * PAGE_SIZE * KCH
+    units_ptr,  # *int64 [n]: region unit of the i-th selected unit (selection order)
+    n_chunks,  # row chunks per (slice, region) segment: n * OUTER * INNER * KCH
+    units_per_page,  # m
     page_stride,  # words between consecutive pages of a region
-    token_stride,  # words between consecutive tokens of a page (all local heads)
-    head_offset,  # words from a token's start to slice 0's first head
+    unit_stride,  # words between consecutive units of a page
+    outer_stride,  # words between consecutive outer runs of a unit
+    inner_stride,  # words between consecutive inner runs
+    head_offset,  # words from a unit's start to slice 0's first head
     slice_head_stride,  # words between the first heads of consecutive slices
     slice_stride,  # staging words between consecutive slices
     region_stride,  # staging words between consecutive regions' segments
     region_offset,  # staging words before this launch's first segment
     WORD: tl.constexpr,  # element type moved: int64 / int32 / int16 / uint8
-    PAGE_SIZE: tl.constexpr,  # tokens per page
-    KCH: tl.constexpr,  # chunks per token row (ROW_WORDS // ROW_BLOCK)
+    OUTER: tl.constexpr,  # outer runs per unit
+    INNER: tl.constexpr,  # inner runs per outer run
+    KCH: tl.constexpr,  # chunks per run (ROW_WORDS // ROW_BLOCK)
     ROW_BLOCK: tl.constexpr,  # contiguous words per chunk (a power of two)
     BLOCK_C: tl.constexpr,  # chunks per program (a power of two)
     ALIGNED: tl.constexpr,  # every address and stride is a multiple of 16 bytes
@@ -64,11 +69,20 @@ def _copy_pages_kernel(
     mask_c = c < n_chunks
     mask = mask_c[:, None] & (w[None, :] < ROW_BLOCK)
 
-    i = c // (PAGE_SIZE * KCH)
-    t = (c // KCH) % PAGE_SIZE
+    i = c // (OUTER * INNER * KCH)
+    a = (c // (INNER * KCH)) % OUTER
+    b = (c // KCH) % INNER
     k = c % KCH
-    page = tl.load(pages_ptr + i, mask=mask_c, other=0)
-    row = page * page_stride + t * token_stride + head_offset + s * slice_head_stride + k * ROW_BLOCK
+    u = tl.load(units_ptr + i, mask=mask_c, other=0)
+    row = (
+        (u // units_per_page) * page_stride
+        + (u % units_per_page) * unit_stride
+        + a * outer_stride
+        + b * inner_stride
+        + head_offset
+        + s * slice_head_stride
+        + k * ROW_BLOCK
+    )
 
     base = tl.load(table_ptr + region).to(tl.pointer_type(WORD))
     reg_ptrs = base + (row[:, None] + w[None, :])
@@ -95,30 +109,36 @@ def _pow2_divisor(x: int, cap: int) -> int:
 
 
 def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: int, num_warps: int) -> None:
-    n, h, ps = args.pages.numel(), args.num_heads, regions.page_size
+    n, h, g = args.pages.numel(), args.num_heads, args.unit
     if n == 0:
         return
     hbs = [regions.head_bytes_k] + ([regions.head_bytes_v] if regions.v else [])
     staging_addr = args.staging.data_ptr()
+    strides = [regions.strides(hb) for hb in hbs]
     word = min(
-        8, regions.min_alignment, _pow2_divisor(staging_addr, 8), *(_pow2_divisor(hb, 8) for hb in hbs)
+        8,
+        regions.min_alignment,
+        _pow2_divisor(staging_addr, 8),
+        *(_pow2_divisor(x, 8) for x in (*hbs, *(st for trio in strides for st in trio))),
     )
-    seg_bytes = [n * ps * h * hb for hb in hbs]
+    seg_bytes = [n * g * h * hb for hb in hbs]
     slice_bytes = regions.num_layers * sum(seg_bytes)
     if len(hbs) == 1 or hbs[0] == hbs[1]:
-        launches = [("all" if regions.v else "k", hbs[0], seg_bytes[0], 0)]
+        launches = [("all" if regions.v else "k", 0, seg_bytes[0], 0)]
     else:  # K and V rows differ in width: one launch each, segments interleaved by layer
-        launches = [("k", hbs[0], sum(seg_bytes), 0), ("v", hbs[1], sum(seg_bytes), seg_bytes[0])]
+        launches = [("k", 0, sum(seg_bytes), 0), ("v", 1, sum(seg_bytes), seg_bytes[0])]
     torch_word, tl_word = _WORDS[word]
     staging = args.staging.view(torch_word)
-    for table, hb, region_stride, region_offset in launches:
+    for table, kind, region_stride, region_offset in launches:
         ptrs = regions.pointer_tables[table]
-        row_words = h * hb // word
+        hb, (page, token, head) = hbs[kind], strides[kind]
+        loops = copy_loops(g, h, hb, (token, head), staging_strides(g, h, hb, args.head_major), args.head_major)
+        row_words = loops.row // word
         row_block = _pow2_divisor(row_words, _MAX_ROW_BLOCK)
         kch = row_words // row_block
-        block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n * ps * kch)))
-        n_chunks = n * ps * kch
-        strides_bytes = (ps * regions.num_heads * hb, regions.num_heads * hb, args.head_start * hb, h * hb)
+        n_chunks = n * loops.outer_count * loops.inner_count * kch
+        block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n_chunks)))
+        strides_bytes = (page, g * token, *loops.src, args.head_start * head, h * head)
         aligned = (
             word * row_block >= 16
             and regions.min_alignment == 16
@@ -131,12 +151,14 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
             staging,
             args.pages,
             n_chunks,
+            args.units_per_page(regions),
             *(b // word for b in strides_bytes),
             slice_bytes // word,
             region_stride // word,
             region_offset // word,
             WORD=tl_word,
-            PAGE_SIZE=ps,
+            OUTER=loops.outer_count,
+            INNER=loops.inner_count,
             KCH=kch,
             ROW_BLOCK=row_block,
             BLOCK_C=block_c,
@@ -154,11 +176,15 @@ def pack(
     head_start: int = 0,
     num_heads: int | None = None,
     num_slices: int = 1,
+    unit: int | None = None,
+    head_major: bool | None = None,
     block_words: int = _BLOCK_WORDS,
     num_warps: int = 8,
 ) -> torch.Tensor:
     """Triton version of :func:`kvservice.kernels.reference.pack` (same contract, async on CUDA)."""
-    args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True)
+    args = check_copy(
+        regions, pages, out, head_start, num_heads, num_slices, to_staging=True, unit=unit, head_major=head_major
+    )
     _launch(regions, args, True, block_words, num_warps)
     return args.staging
 
@@ -171,9 +197,14 @@ def unpack(
     head_start: int = 0,
     num_heads: int | None = None,
     num_slices: int = 1,
+    unit: int | None = None,
+    head_major: bool | None = None,
     block_words: int = _BLOCK_WORDS,
     num_warps: int = 8,
 ) -> None:
     """Triton version of :func:`kvservice.kernels.reference.unpack` (same contract, async on CUDA)."""
-    args = check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False)
+    args = check_copy(
+        regions, pages, staging, head_start, num_heads, num_slices, to_staging=False, unit=unit,
+        head_major=head_major,
+    )
     _launch(regions, args, False, block_words, num_warps)

@@ -8,6 +8,10 @@ heads ``[dst_head_start, +num_heads)`` of destination page ``dst_pages[i]``::
     dst region  [num_pages][page_size][dst heads][head_bytes]     (dst.num_heads = H / receiver TP)
     token row:  src[sp, t, hs:hs+h]  ──▶  dst[dp, t, hd:hd+h]      for every region, page, token
 
+With ``unit`` (tokens dividing both page sizes) the page lists are unit lists (``_regions``), so
+pools of different page sizes exchange tokens; either side may order its pages token-major
+(``nhd``) or head-major (``hnd``, ``hnd_kv``): the runs follow ``copy_loops``.
+
 Backends ("auto"): Triton on CUDA (source and destination on one device, or peer devices with
 peer access), a compiled CPU loop (``_fused_cpu``: one call for every region, threads over
 pages, no temporary buffer) for host memory, and the torch reference (the oracle; also
@@ -25,7 +29,8 @@ import torch
 
 from ..errors import InvalidArgument
 from ._checks import PageIndices
-from ._regions import KVRegions
+from .reference import unit_view
+from ._regions import KVRegions, Loops, check_unit, copy_loops, fused_order
 
 __all__ = ["FusedArgs", "check_fused", "copy_pages", "fused_nbytes"]
 
@@ -36,37 +41,43 @@ FusedBackend = Literal["auto", "torch", "cpu", "triton"]
 class FusedArgs:
     """A checked call: host int64 page arrays and the head geometry in heads."""
 
-    src_pages: np.ndarray
+    src_pages: np.ndarray  # units of ``unit`` tokens
     dst_pages: np.ndarray
     src_head_start: int
     dst_head_start: int
     num_heads: int
+    unit: int
+
+    def kind_geometry(self, src: KVRegions, dst: KVRegions, head_bytes: int) -> tuple[list[int], Loops]:
+        """For regions of ``head_bytes`` rows: [page, unit, outer, inner, head offset] bytes of the
+        source then the destination side, and the runs of one unit."""
+        g = self.unit
+        sp, st, sh = src.strides(head_bytes)
+        dp, dt, dh = dst.strides(head_bytes)
+        order = fused_order((st, sh), (dt, dh), head_bytes)
+        loops = copy_loops(g, self.num_heads, head_bytes, (st, sh), (dt, dh), order)
+        row = [sp, g * st, *loops.src, self.src_head_start * sh, dp, g * dt, *loops.dst, self.dst_head_start * dh]
+        return row, loops
 
     def geometry(self, src: KVRegions, dst: KVRegions) -> tuple[np.ndarray, np.ndarray]:
-        """Per region (staging order): [src_page, src_token, src_off, dst_page, dst_token, dst_off]
-        bytes, and the bytes of a token row copied."""
-        ps = src.page_size
-        coef = np.array(
-            [
-                ps * src.num_heads,
-                src.num_heads,
-                self.src_head_start,
-                ps * dst.num_heads,
-                dst.num_heads,
-                self.dst_head_start,
-            ],
-            dtype=np.int64,
-        )
-        hbs = src.region_head_bytes
-        return hbs[:, None] * coef[None, :], self.num_heads * hbs
+        """Per region (staging order): ``kind_geometry``'s 10 byte columns and the loop dims
+        (outer count, inner count, run bytes)."""
+        hbs = [src.head_bytes_k, src.head_bytes_v] if src.v else [src.head_bytes_k]
+        kinds = [self.kind_geometry(src, dst, hb) for hb in hbs]
+        geom = np.array([row for row, _ in kinds], dtype=np.int64)
+        dims = np.array([[lp.outer_count, lp.inner_count, lp.row] for _, lp in kinds], dtype=np.int64)
+        return np.tile(geom, (src.num_layers, 1)), np.tile(dims, (src.num_layers, 1))
 
 
-def fused_nbytes(src: KVRegions, num_pages: int, num_heads: int) -> int:
-    """Bytes one call with ``num_pages`` pages of ``num_heads`` heads moves."""
-    return src.num_layers * num_pages * src.page_size * num_heads * (src.head_bytes_k + src.head_bytes_v)
+def fused_nbytes(src: KVRegions, num_pages: int, num_heads: int, unit: int | None = None) -> int:
+    """Bytes one call with ``num_pages`` pages (units) of ``num_heads`` heads moves."""
+    g = src.page_size if unit is None else unit
+    return src.num_layers * num_pages * g * num_heads * (src.head_bytes_k + src.head_bytes_v)
 
 
-def _host_pages(values: PageIndices, regions: KVRegions, unique: bool, field: str) -> np.ndarray:
+def _host_pages(
+    values: PageIndices, regions: KVRegions, unique: bool, field: str, units_per_page: int = 1
+) -> np.ndarray:
     """Check page indices on the host (vectorised); an int64 array."""
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
@@ -79,9 +90,9 @@ def _host_pages(values: PageIndices, regions: KVRegions, unique: bool, field: st
         raise InvalidArgument(field, f"must be integers, got {a.dtype}")
     a = a.astype(np.int64, copy=False)
     if a.size:
-        lo, hi = int(a.min()), int(a.max())
-        if lo < 0 or hi >= regions.num_pages:
-            raise InvalidArgument(field, f"indices must be in [0, {regions.num_pages}), got [{lo}, {hi}]")
+        lo, hi, top = int(a.min()), int(a.max()), regions.num_pages * units_per_page
+        if lo < 0 or hi >= top:
+            raise InvalidArgument(field, f"indices must be in [0, {top}), got [{lo}, {hi}]")
         if unique and a.size > 1 and np.unique(a).size != a.size:
             raise InvalidArgument(field, "destination pages must be distinct")
     return a
@@ -95,9 +106,13 @@ def check_fused(
     src_head_start: int = 0,
     dst_head_start: int = 0,
     num_heads: int | None = None,
+    unit: int | None = None,
 ) -> FusedArgs:
     """Raise InvalidArgument (naming the field) unless the copy is well-formed."""
-    for field in ("num_layers", "page_size", "head_bytes_k", "head_bytes_v"):
+    if unit is None and src.page_size != dst.page_size:
+        raise InvalidArgument("dst.page_size", f"{dst.page_size} differs from the source's {src.page_size}")
+    g = check_unit(unit, src.page_size, dst.page_size)
+    for field in ("num_layers", "head_bytes_k", "head_bytes_v"):
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
             raise InvalidArgument(f"dst.{field}", f"{b} differs from the source's {a}")
@@ -108,25 +123,25 @@ def check_fused(
                 f"{side}_head_start",
                 f"heads [{start}, {start + nh}) not within the {regions.num_heads} local heads",
             )
-    sp = _host_pages(src_pages, src, False, "src_pages")
-    dp = _host_pages(dst_pages, dst, True, "dst_pages")
+    sp = _host_pages(src_pages, src, False, "src_pages", src.page_size // g)
+    dp = _host_pages(dst_pages, dst, True, "dst_pages", dst.page_size // g)
     if sp.size != dp.size:
         raise InvalidArgument("dst_pages", f"{dp.size} pages for {sp.size} source pages")
-    return FusedArgs(sp, dp, src_head_start, dst_head_start, nh)
+    return FusedArgs(sp, dp, src_head_start, dst_head_start, nh, g)
 
 
 def _torch_copy(src: KVRegions, dst: KVRegions, a: FusedArgs) -> None:
     hbs = (src.head_bytes_k, src.head_bytes_v) if src.v else (src.head_bytes_k,)
-    hs, hd, h = a.src_head_start, a.dst_head_start, a.num_heads
+    hs, hd, h, g = a.src_head_start, a.dst_head_start, a.num_heads, a.unit
     sp = torch.from_numpy(a.src_pages).to(src.device)
     dp = torch.from_numpy(a.dst_pages).to(dst.device)
+    ms, md = src.page_size // g, dst.page_size // g
     for i, (s, d) in enumerate(zip(src.regions, dst.regions, strict=True)):
         hb = hbs[i % len(hbs)]
-        sv = s.reshape(-1).view(torch.uint8).view(src.num_pages, src.page_size, src.num_heads, hb)
-        dv = d.reshape(-1).view(torch.uint8).view(dst.num_pages, dst.page_size, dst.num_heads, hb)
-        rows = sv.index_select(0, sp)[:, :, hs : hs + h].to(dv.device)
-        target = dv if h == dst.num_heads else dv[:, :, hd : hd + h]
-        target.index_copy_(0, dp, rows)
+        sv = unit_view(src, s, hb, g, 1)
+        dv = unit_view(dst, d, hb, g, 1)
+        rows = sv[sp // ms, sp % ms][:, :, hs : hs + h].to(dv.device)
+        dv[dp // md, dp % md, :, hd : hd + h] = rows
 
 
 def _backend(src: KVRegions, dst: KVRegions, backend: FusedBackend) -> str:
@@ -149,25 +164,27 @@ def copy_pages(
     dst_head_start: int = 0,
     num_heads: int | None = None,
     backend: FusedBackend = "auto",
+    unit: int | None = None,
 ) -> int:
     """Copy the pages (see the module doc); returns the bytes moved. Asynchronous on CUDA
     (the current stream of the source device)."""
-    a = check_fused(src, dst, src_pages, dst_pages, src_head_start, dst_head_start, num_heads)
+    a = check_fused(src, dst, src_pages, dst_pages, src_head_start, dst_head_start, num_heads, unit)
     n = int(a.src_pages.size)
     if n:
         kind = _backend(src, dst, backend)
         if kind == "cpu":
             from . import _fused_cpu
 
-            geom, rows = a.geometry(src, dst)
+            geom, dims = a.geometry(src, dst)
             _fused_cpu.copy_regions(
                 src.base_addresses,
                 dst.base_addresses,
                 a.src_pages,
                 a.dst_pages,
                 geom,
-                rows,
-                src.page_size,
+                dims,
+                src.page_size // a.unit,
+                dst.page_size // a.unit,
             )
         elif kind == "triton":
             from . import _fused_triton
@@ -175,4 +192,4 @@ def copy_pages(
             _fused_triton.copy(src, dst, a)
         else:
             _torch_copy(src, dst, a)
-    return fused_nbytes(src, n, a.num_heads)
+    return fused_nbytes(src, n, a.num_heads, a.unit)

@@ -78,6 +78,63 @@ func (BufferKind) EnumDescriptor() ([]byte, []int) {
 	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{0}
 }
 
+// Byte order of the tokens and heads inside one page of a region. Pools of the same model whose
+// per-token rows agree (layers, heads, head dims, dtype) exchange KV whatever their page layouts and
+// page sizes: the pack/unpack (or fused) pass converts.
+type PageLayout int32
+
+const (
+	// [page_size][local_kv_heads][head_dim]: token-major (SGLang; vLLM's FlashAttention K/V planes).
+	PageLayout_PAGE_LAYOUT_NHD PageLayout = 0
+	// [local_kv_heads][page_size][head_dim]: head-major (vLLM's HND stride order, e.g. FlashInfer).
+	PageLayout_PAGE_LAYOUT_HND PageLayout = 1
+	// MHA with one region per layer holding K and V: a page is [local_kv_heads][K rows
+	// page_size x head_dim_k, then V rows page_size x head_dim_v] (vLLM's CPU attention backend,
+	// [num_blocks, heads, block_size, 2 * head_dim]). No V regions are registered.
+	PageLayout_PAGE_LAYOUT_HND_KV PageLayout = 2
+)
+
+// Enum value maps for PageLayout.
+var (
+	PageLayout_name = map[int32]string{
+		0: "PAGE_LAYOUT_NHD",
+		1: "PAGE_LAYOUT_HND",
+		2: "PAGE_LAYOUT_HND_KV",
+	}
+	PageLayout_value = map[string]int32{
+		"PAGE_LAYOUT_NHD":    0,
+		"PAGE_LAYOUT_HND":    1,
+		"PAGE_LAYOUT_HND_KV": 2,
+	}
+)
+
+func (x PageLayout) Enum() *PageLayout {
+	p := new(PageLayout)
+	*p = x
+	return p
+}
+
+func (x PageLayout) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (PageLayout) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvservice_v1_common_proto_enumTypes[1].Descriptor()
+}
+
+func (PageLayout) Type() protoreflect.EnumType {
+	return &file_kvservice_v1_common_proto_enumTypes[1]
+}
+
+func (x PageLayout) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use PageLayout.Descriptor instead.
+func (PageLayout) EnumDescriptor() ([]byte, []int) {
+	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{1}
+}
+
 // Element type of the KV regions. The service moves raw bytes; the dtype fixes the element size
 // used in layout validation and tells peers whether their pools are compatible.
 type DType int32
@@ -132,11 +189,11 @@ func (x DType) String() string {
 }
 
 func (DType) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvservice_v1_common_proto_enumTypes[1].Descriptor()
+	return file_kvservice_v1_common_proto_enumTypes[2].Descriptor()
 }
 
 func (DType) Type() protoreflect.EnumType {
-	return &file_kvservice_v1_common_proto_enumTypes[1]
+	return &file_kvservice_v1_common_proto_enumTypes[2]
 }
 
 func (x DType) Number() protoreflect.EnumNumber {
@@ -145,7 +202,7 @@ func (x DType) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use DType.Descriptor instead.
 func (DType) EnumDescriptor() ([]byte, []int) {
-	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{1}
+	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{2}
 }
 
 // State machine of a transfer: PENDING -> TRANSFERRING -> DONE | FAILED | ABORTED.
@@ -200,11 +257,11 @@ func (x TransferState) String() string {
 }
 
 func (TransferState) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvservice_v1_common_proto_enumTypes[2].Descriptor()
+	return file_kvservice_v1_common_proto_enumTypes[3].Descriptor()
 }
 
 func (TransferState) Type() protoreflect.EnumType {
-	return &file_kvservice_v1_common_proto_enumTypes[2]
+	return &file_kvservice_v1_common_proto_enumTypes[3]
 }
 
 func (x TransferState) Number() protoreflect.EnumNumber {
@@ -213,7 +270,7 @@ func (x TransferState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use TransferState.Descriptor instead.
 func (TransferState) EnumDescriptor() ([]byte, []int) {
-	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{2}
+	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{3}
 }
 
 // How a chunk's bytes travel.
@@ -259,11 +316,11 @@ func (x TransferPath) String() string {
 }
 
 func (TransferPath) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvservice_v1_common_proto_enumTypes[3].Descriptor()
+	return file_kvservice_v1_common_proto_enumTypes[4].Descriptor()
 }
 
 func (TransferPath) Type() protoreflect.EnumType {
-	return &file_kvservice_v1_common_proto_enumTypes[3]
+	return &file_kvservice_v1_common_proto_enumTypes[4]
 }
 
 func (x TransferPath) Number() protoreflect.EnumNumber {
@@ -272,7 +329,7 @@ func (x TransferPath) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use TransferPath.Descriptor instead.
 func (TransferPath) EnumDescriptor() ([]byte, []int) {
-	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{3}
+	return file_kvservice_v1_common_proto_rawDescGZIP(), []int{4}
 }
 
 // Layout of a registered KV pool (a "buffer set"). Every field is validated at registration.
@@ -301,7 +358,9 @@ type Layout struct {
 	TpSize uint32 `protobuf:"varint,10,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
 	TpRank uint32 `protobuf:"varint,11,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
 	// Data-parallel rank of the engine (for DP attention); 0 when DP is not used.
-	DpRank        uint32 `protobuf:"varint,12,opt,name=dp_rank,json=dpRank,proto3" json:"dp_rank,omitempty"`
+	DpRank uint32 `protobuf:"varint,12,opt,name=dp_rank,json=dpRank,proto3" json:"dp_rank,omitempty"`
+	// Byte order inside a page (MHA; MLA pools are NHD). Default NHD.
+	PageLayout    PageLayout `protobuf:"varint,13,opt,name=page_layout,json=pageLayout,proto3,enum=kvservice.v1.PageLayout" json:"page_layout,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -418,6 +477,13 @@ func (x *Layout) GetDpRank() uint32 {
 		return x.DpRank
 	}
 	return 0
+}
+
+func (x *Layout) GetPageLayout() PageLayout {
+	if x != nil {
+		return x.PageLayout
+	}
+	return PageLayout_PAGE_LAYOUT_NHD
 }
 
 // POSIX shared memory (shm_open name) holding a region, starting at `offset` bytes.
@@ -884,7 +950,7 @@ var File_kvservice_v1_common_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_common_proto_rawDesc = "" +
 	"\n" +
-	"\x19kvservice/v1/common.proto\x12\fkvservice.v1\"\x8d\x03\n" +
+	"\x19kvservice/v1/common.proto\x12\fkvservice.v1\"\xc8\x03\n" +
 	"\x06Layout\x12,\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x18.kvservice.v1.BufferKindR\x04kind\x12\x1d\n" +
 	"\n" +
@@ -901,7 +967,9 @@ const file_kvservice_v1_common_proto_rawDesc = "" +
 	"\atp_size\x18\n" +
 	" \x01(\rR\x06tpSize\x12\x17\n" +
 	"\atp_rank\x18\v \x01(\rR\x06tpRank\x12\x17\n" +
-	"\adp_rank\x18\f \x01(\rR\x06dpRank\"7\n" +
+	"\adp_rank\x18\f \x01(\rR\x06dpRank\x129\n" +
+	"\vpage_layout\x18\r \x01(\x0e2\x18.kvservice.v1.PageLayoutR\n" +
+	"pageLayout\"7\n" +
 	"\tShmMemory\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\"\xac\x01\n" +
@@ -935,7 +1003,12 @@ const file_kvservice_v1_common_proto_rawDesc = "" +
 	"BufferKind\x12\x1b\n" +
 	"\x17BUFFER_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fBUFFER_KIND_MHA\x10\x01\x12\x13\n" +
-	"\x0fBUFFER_KIND_MLA\x10\x02*\x97\x01\n" +
+	"\x0fBUFFER_KIND_MLA\x10\x02*N\n" +
+	"\n" +
+	"PageLayout\x12\x13\n" +
+	"\x0fPAGE_LAYOUT_NHD\x10\x00\x12\x13\n" +
+	"\x0fPAGE_LAYOUT_HND\x10\x01\x12\x16\n" +
+	"\x12PAGE_LAYOUT_HND_KV\x10\x02*\x97\x01\n" +
 	"\x05DType\x12\x15\n" +
 	"\x11DTYPE_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rDTYPE_FLOAT16\x10\x01\x12\x12\n" +
@@ -969,33 +1042,35 @@ func file_kvservice_v1_common_proto_rawDescGZIP() []byte {
 	return file_kvservice_v1_common_proto_rawDescData
 }
 
-var file_kvservice_v1_common_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_kvservice_v1_common_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
 var file_kvservice_v1_common_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_kvservice_v1_common_proto_goTypes = []any{
 	(BufferKind)(0),       // 0: kvservice.v1.BufferKind
-	(DType)(0),            // 1: kvservice.v1.DType
-	(TransferState)(0),    // 2: kvservice.v1.TransferState
-	(TransferPath)(0),     // 3: kvservice.v1.TransferPath
-	(*Layout)(nil),        // 4: kvservice.v1.Layout
-	(*ShmMemory)(nil),     // 5: kvservice.v1.ShmMemory
-	(*CudaIpcMemory)(nil), // 6: kvservice.v1.CudaIpcMemory
-	(*Region)(nil),        // 7: kvservice.v1.Region
-	(*AuxRegion)(nil),     // 8: kvservice.v1.AuxRegion
-	(*AuxRows)(nil),       // 9: kvservice.v1.AuxRows
-	(*TokenIds)(nil),      // 10: kvservice.v1.TokenIds
-	(*PageHashes)(nil),    // 11: kvservice.v1.PageHashes
+	(PageLayout)(0),       // 1: kvservice.v1.PageLayout
+	(DType)(0),            // 2: kvservice.v1.DType
+	(TransferState)(0),    // 3: kvservice.v1.TransferState
+	(TransferPath)(0),     // 4: kvservice.v1.TransferPath
+	(*Layout)(nil),        // 5: kvservice.v1.Layout
+	(*ShmMemory)(nil),     // 6: kvservice.v1.ShmMemory
+	(*CudaIpcMemory)(nil), // 7: kvservice.v1.CudaIpcMemory
+	(*Region)(nil),        // 8: kvservice.v1.Region
+	(*AuxRegion)(nil),     // 9: kvservice.v1.AuxRegion
+	(*AuxRows)(nil),       // 10: kvservice.v1.AuxRows
+	(*TokenIds)(nil),      // 11: kvservice.v1.TokenIds
+	(*PageHashes)(nil),    // 12: kvservice.v1.PageHashes
 }
 var file_kvservice_v1_common_proto_depIdxs = []int32{
 	0, // 0: kvservice.v1.Layout.kind:type_name -> kvservice.v1.BufferKind
-	1, // 1: kvservice.v1.Layout.dtype:type_name -> kvservice.v1.DType
-	5, // 2: kvservice.v1.Region.shm:type_name -> kvservice.v1.ShmMemory
-	6, // 3: kvservice.v1.Region.cuda_ipc:type_name -> kvservice.v1.CudaIpcMemory
-	7, // 4: kvservice.v1.AuxRegion.region:type_name -> kvservice.v1.Region
-	5, // [5:5] is the sub-list for method output_type
-	5, // [5:5] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	2, // 1: kvservice.v1.Layout.dtype:type_name -> kvservice.v1.DType
+	1, // 2: kvservice.v1.Layout.page_layout:type_name -> kvservice.v1.PageLayout
+	6, // 3: kvservice.v1.Region.shm:type_name -> kvservice.v1.ShmMemory
+	7, // 4: kvservice.v1.Region.cuda_ipc:type_name -> kvservice.v1.CudaIpcMemory
+	8, // 5: kvservice.v1.AuxRegion.region:type_name -> kvservice.v1.Region
+	6, // [6:6] is the sub-list for method output_type
+	6, // [6:6] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_common_proto_init() }
@@ -1012,7 +1087,7 @@ func file_kvservice_v1_common_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_common_proto_rawDesc), len(file_kvservice_v1_common_proto_rawDesc)),
-			NumEnums:      4,
+			NumEnums:      5,
 			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   0,

@@ -9,6 +9,12 @@ MHA (one K and one V region per layer, NHD)::
 MLA (one latent region per layer, replicated across TP ranks)::
 
     region k[l]:         [num_pages * page_size, 1, head_dim_k]   (head_dim_k = latent dim)
+
+``page_layout`` orders the bytes inside a page (MHA): "nhd" as above (token-major), "hnd"
+(``[local_kv_heads][page_size][head_dim]`` per page, separate K and V regions), or "hnd_kv" (one
+region per layer, a page ``[local_kv_heads][K: page_size x head_dim_k | V: page_size x
+head_dim_v]``: vLLM's CPU attention cache). Pools whose per-token rows agree exchange KV across
+page layouts and page sizes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from ._proto import common_pb2
 __all__ = ["DTYPE_ITEMSIZE", "Layout"]
 
 Kind = Literal["mha", "mla"]
+PageLayout = Literal["nhd", "hnd", "hnd_kv"]
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
@@ -41,6 +48,12 @@ _DTYPE_PB = {
 _PB_DTYPE = {v: k for k, v in _DTYPE_PB.items()}
 _KIND_PB = {"mha": common_pb2.BUFFER_KIND_MHA, "mla": common_pb2.BUFFER_KIND_MLA}
 _PB_KIND = {v: k for k, v in _KIND_PB.items()}
+_PAGE_LAYOUT_PB = {
+    "nhd": common_pb2.PAGE_LAYOUT_NHD,
+    "hnd": common_pb2.PAGE_LAYOUT_HND,
+    "hnd_kv": common_pb2.PAGE_LAYOUT_HND_KV,
+}
+_PB_PAGE_LAYOUT = {v: k for k, v in _PAGE_LAYOUT_PB.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +72,7 @@ class Layout:
     tp_size: int = 1
     tp_rank: int = 0
     dp_rank: int = 0
+    page_layout: PageLayout = "nhd"
 
     @classmethod
     def mha(
@@ -74,6 +88,7 @@ class Layout:
         tp_rank: int = 0,
         dp_rank: int = 0,
         head_dim_v: int | None = None,
+        page_layout: PageLayout = "nhd",
     ) -> Layout:
         """MHA layout; local heads follow from TP (replicated when tp_size > total_kv_heads)."""
         return cls(
@@ -89,6 +104,7 @@ class Layout:
             tp_size=tp_size,
             tp_rank=tp_rank,
             dp_rank=dp_rank,
+            page_layout=page_layout,
         )
 
     @classmethod
@@ -133,6 +149,9 @@ class Layout:
 
     @property
     def region_bytes_k(self) -> int:
+        """Bytes of a K (or latent) region; with "hnd_kv" the layer's K and V together."""
+        if self.page_layout == "hnd_kv":
+            return self.num_pages * (self.page_bytes_k + self.page_bytes_v)
         return self.num_pages * self.page_bytes_k
 
     @property
@@ -141,7 +160,7 @@ class Layout:
 
     @property
     def num_v_regions(self) -> int:
-        return self.num_layers if self.kind == "mha" else 0
+        return self.num_layers if self.kind == "mha" and self.page_layout != "hnd_kv" else 0
 
     @property
     def page_bytes_all_layers(self) -> int:
@@ -162,6 +181,7 @@ class Layout:
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             dp_rank=self.dp_rank,
+            page_layout=_PAGE_LAYOUT_PB.get(self.page_layout, -1),
         )
 
     @classmethod
@@ -180,4 +200,5 @@ class Layout:
             tp_size=pb.tp_size,
             tp_rank=pb.tp_rank,
             dp_rank=pb.dp_rank,
+            page_layout=_PB_PAGE_LAYOUT.get(pb.page_layout, ""),  # type: ignore[arg-type]
         )

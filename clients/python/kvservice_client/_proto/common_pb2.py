@@ -25,35 +25,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvservice/v1/common.proto\x12\x0ckvservice.v1\"\x99\x02\n\x06Layout\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvservice.v1.BufferKind\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x05 \x01(\r\x12\x16\n\x0elocal_kv_heads\x18\x06 \x01(\r\x12\x12\n\nhead_dim_k\x18\x07 \x01(\r\x12\x12\n\nhead_dim_v\x18\x08 \x01(\r\x12\"\n\x05\x64type\x18\t \x01(\x0e\x32\x13.kvservice.v1.DType\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07tp_rank\x18\x0b \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x0c \x01(\r\")\n\tShmMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"s\n\rCudaIpcMemory\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x17\n\x0f\x61llocation_size\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\"\x7f\n\x06Region\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.ShmMemoryH\x00\x12/\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcMemoryH\x00\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x42\x08\n\x06memory\"d\n\tAuxRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06region\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Region\x12\x11\n\trow_bytes\x18\x03 \x01(\x04\x12\x10\n\x08num_rows\x18\x04 \x01(\r\"%\n\x07\x41uxRows\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x03(\r\"\x19\n\x08TokenIds\x12\r\n\x05u32le\x18\x01 \x01(\x0c\"\x1c\n\nPageHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x04*S\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x42UFFER_KIND_MHA\x10\x01\x12\x13\n\x0f\x42UFFER_KIND_MLA\x10\x02*\x97\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44TYPE_FLOAT8_E4M3\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\xbc\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1a\n\x16TRANSFER_STATE_ABORTED\x10\x05*s\n\x0cTransferPath\x12\x16\n\x12TRANSFER_PATH_AUTO\x10\x00\x12\x18\n\x14TRANSFER_PATH_DIRECT\x10\x01\x12\x18\n\x14TRANSFER_PATH_PACKED\x10\x02\x12\x17\n\x13TRANSFER_PATH_FUSED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvservice/v1/common.proto\x12\x0ckvservice.v1\"\xc8\x02\n\x06Layout\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.kvservice.v1.BufferKind\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x05 \x01(\r\x12\x16\n\x0elocal_kv_heads\x18\x06 \x01(\r\x12\x12\n\nhead_dim_k\x18\x07 \x01(\r\x12\x12\n\nhead_dim_v\x18\x08 \x01(\r\x12\"\n\x05\x64type\x18\t \x01(\x0e\x32\x13.kvservice.v1.DType\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07tp_rank\x18\x0b \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x0c \x01(\r\x12-\n\x0bpage_layout\x18\r \x01(\x0e\x32\x18.kvservice.v1.PageLayout\")\n\tShmMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"s\n\rCudaIpcMemory\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x17\n\x0f\x61llocation_size\x18\x03 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\"\x7f\n\x06Region\x12&\n\x03shm\x18\x01 \x01(\x0b\x32\x17.kvservice.v1.ShmMemoryH\x00\x12/\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1b.kvservice.v1.CudaIpcMemoryH\x00\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x42\x08\n\x06memory\"d\n\tAuxRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06region\x18\x02 \x01(\x0b\x32\x14.kvservice.v1.Region\x12\x11\n\trow_bytes\x18\x03 \x01(\x04\x12\x10\n\x08num_rows\x18\x04 \x01(\r\"%\n\x07\x41uxRows\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x03(\r\"\x19\n\x08TokenIds\x12\r\n\x05u32le\x18\x01 \x01(\x0c\"\x1c\n\nPageHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x04*S\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x42UFFER_KIND_MHA\x10\x01\x12\x13\n\x0f\x42UFFER_KIND_MLA\x10\x02*N\n\nPageLayout\x12\x13\n\x0fPAGE_LAYOUT_NHD\x10\x00\x12\x13\n\x0fPAGE_LAYOUT_HND\x10\x01\x12\x16\n\x12PAGE_LAYOUT_HND_KV\x10\x02*\x97\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44TYPE_FLOAT8_E4M3\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\xbc\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1a\n\x16TRANSFER_STATE_ABORTED\x10\x05*s\n\x0cTransferPath\x12\x16\n\x12TRANSFER_PATH_AUTO\x10\x00\x12\x18\n\x14TRANSFER_PATH_DIRECT\x10\x01\x12\x18\n\x14TRANSFER_PATH_PACKED\x10\x02\x12\x17\n\x13TRANSFER_PATH_FUSED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvservice.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BUFFERKIND']._serialized_start=814
-  _globals['_BUFFERKIND']._serialized_end=897
-  _globals['_DTYPE']._serialized_start=900
-  _globals['_DTYPE']._serialized_end=1051
-  _globals['_TRANSFERSTATE']._serialized_start=1054
-  _globals['_TRANSFERSTATE']._serialized_end=1242
-  _globals['_TRANSFERPATH']._serialized_start=1244
-  _globals['_TRANSFERPATH']._serialized_end=1359
+  _globals['_BUFFERKIND']._serialized_start=861
+  _globals['_BUFFERKIND']._serialized_end=944
+  _globals['_PAGELAYOUT']._serialized_start=946
+  _globals['_PAGELAYOUT']._serialized_end=1024
+  _globals['_DTYPE']._serialized_start=1027
+  _globals['_DTYPE']._serialized_end=1178
+  _globals['_TRANSFERSTATE']._serialized_start=1181
+  _globals['_TRANSFERSTATE']._serialized_end=1369
+  _globals['_TRANSFERPATH']._serialized_start=1371
+  _globals['_TRANSFERPATH']._serialized_end=1486
   _globals['_LAYOUT']._serialized_start=44
-  _globals['_LAYOUT']._serialized_end=325
-  _globals['_SHMMEMORY']._serialized_start=327
-  _globals['_SHMMEMORY']._serialized_end=368
-  _globals['_CUDAIPCMEMORY']._serialized_start=370
-  _globals['_CUDAIPCMEMORY']._serialized_end=485
-  _globals['_REGION']._serialized_start=487
-  _globals['_REGION']._serialized_end=614
-  _globals['_AUXREGION']._serialized_start=616
-  _globals['_AUXREGION']._serialized_end=716
-  _globals['_AUXROWS']._serialized_start=718
-  _globals['_AUXROWS']._serialized_end=755
-  _globals['_TOKENIDS']._serialized_start=757
-  _globals['_TOKENIDS']._serialized_end=782
-  _globals['_PAGEHASHES']._serialized_start=784
-  _globals['_PAGEHASHES']._serialized_end=812
+  _globals['_LAYOUT']._serialized_end=372
+  _globals['_SHMMEMORY']._serialized_start=374
+  _globals['_SHMMEMORY']._serialized_end=415
+  _globals['_CUDAIPCMEMORY']._serialized_start=417
+  _globals['_CUDAIPCMEMORY']._serialized_end=532
+  _globals['_REGION']._serialized_start=534
+  _globals['_REGION']._serialized_end=661
+  _globals['_AUXREGION']._serialized_start=663
+  _globals['_AUXREGION']._serialized_end=763
+  _globals['_AUXROWS']._serialized_start=765
+  _globals['_AUXROWS']._serialized_end=802
+  _globals['_TOKENIDS']._serialized_start=804
+  _globals['_TOKENIDS']._serialized_end=829
+  _globals['_PAGEHASHES']._serialized_start=831
+  _globals['_PAGEHASHES']._serialized_end=859
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,12 @@ class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_KIND_MHA: _ClassVar[BufferKind]
     BUFFER_KIND_MLA: _ClassVar[BufferKind]
 
+class PageLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_LAYOUT_NHD: _ClassVar[PageLayout]
+    PAGE_LAYOUT_HND: _ClassVar[PageLayout]
+    PAGE_LAYOUT_HND_KV: _ClassVar[PageLayout]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -41,6 +47,9 @@ class TransferPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 BUFFER_KIND_UNSPECIFIED: BufferKind
 BUFFER_KIND_MHA: BufferKind
 BUFFER_KIND_MLA: BufferKind
+PAGE_LAYOUT_NHD: PageLayout
+PAGE_LAYOUT_HND: PageLayout
+PAGE_LAYOUT_HND_KV: PageLayout
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
@@ -60,7 +69,7 @@ TRANSFER_PATH_PACKED: TransferPath
 TRANSFER_PATH_FUSED: TransferPath
 
 class Layout(_message.Message):
-    __slots__ = ("kind", "num_layers", "page_size", "num_pages", "total_kv_heads", "local_kv_heads", "head_dim_k", "head_dim_v", "dtype", "tp_size", "tp_rank", "dp_rank")
+    __slots__ = ("kind", "num_layers", "page_size", "num_pages", "total_kv_heads", "local_kv_heads", "head_dim_k", "head_dim_v", "dtype", "tp_size", "tp_rank", "dp_rank", "page_layout")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +82,7 @@ class Layout(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PAGE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     kind: BufferKind
     num_layers: int
     page_size: int
@@ -85,7 +95,8 @@ class Layout(_message.Message):
     tp_size: int
     tp_rank: int
     dp_rank: int
-    def __init__(self, kind: _Optional[_Union[BufferKind, str]] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    page_layout: PageLayout
+    def __init__(self, kind: _Optional[_Union[BufferKind, str]] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., page_layout: _Optional[_Union[PageLayout, str]] = ...) -> None: ...
 
 class ShmMemory(_message.Message):
     __slots__ = ("name", "offset")

@@ -1,0 +1,184 @@
+"""Cross-layout, cross-page-size copies: every backend moves token t of the source to token t of
+the destination, per head, byte-exact, whatever either side's page layout (nhd / hnd / hnd_kv)
+and page size (through units of their gcd), with mixed-TP head slices; nothing else changes.
+
+The oracle is independent of the kernels: each pool is read back as canonical per-token rows
+``[tokens, heads, head_dim]`` through its own tensor shape (a permute of the engine's view).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvservice import kernels
+from kvservice.errors import InvalidArgument
+from kvservice.kernels import KVRegions
+from kvservice.kernels.fused import copy_pages
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PACK_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
+FUSED_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
+PAGE_LAYOUTS = ["nhd", "hnd", "hnd_kv"]
+PAIRS = [(16, 16), (1, 16), (64, 16), (16, 32)]  # (sender page, receiver page): SGLang 1/64, vLLM 16/32
+L, D = 2, 8
+
+
+class Pool:
+    """An engine-shaped KV pool: ``raw`` as the engine allocates it, ``regions`` for the kernels."""
+
+    def __init__(self, layout: str, pages: int, page: int, heads: int, seed: int, dv: int = D) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.layout, self.page, self.heads, self.dv = layout, page, heads, dv
+
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randint(-30000, 30000, shape, generator=gen, dtype=torch.int16).to(DEVICE)
+
+        if layout == "hnd_kv":  # vLLM CPU: [blocks, heads, block_size, K | V] (here dv == D)
+            self.k = [rnd(pages, heads, 2 * page, D) for _ in range(L)]
+            self.v: list[torch.Tensor] = []
+            self.regions = KVRegions.create(
+                self.k, None, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
+            )
+            return
+        kshape = (pages, page, heads, D) if layout == "nhd" else (pages, heads, page, D)
+        vshape = (pages, page, heads, dv) if layout == "nhd" else (pages, heads, page, dv)
+        self.k = [rnd(*kshape) for _ in range(L)]
+        self.v = [rnd(*vshape) for _ in range(L)]
+        self.regions = KVRegions.create(
+            self.k, self.v, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
+        )
+
+    def tokens(self) -> list[torch.Tensor]:
+        """Per layer, K then V: ``[pages * page, heads, dim]`` copies in token order."""
+        out = []
+        for layer in range(L):
+            if self.layout == "hnd_kv":
+                t = self.k[layer]
+                parts = [t[:, :, : self.page], t[:, :, self.page :]]
+            else:
+                parts = [self.k[layer], self.v[layer]]
+            for x in parts:
+                if self.layout != "nhd":
+                    x = x.permute(0, 2, 1, 3)
+                out.append(x.reshape(-1, self.heads, x.shape[-1]).cpu().clone())
+        return out
+
+
+def _token_index(units: np.ndarray, page: int, g: int) -> torch.Tensor:
+    m = page // g
+    first = (units // m) * page + (units % m) * g
+    return torch.from_numpy((first[:, None] + np.arange(g)[None, :]).reshape(-1))
+
+
+def _want(src: Pool, dst: Pool, su: np.ndarray, du: np.ndarray, g: int, hs: int, hd: int, h: int) -> list:
+    want = dst.tokens()
+    si, di = _token_index(su, src.page, g), _token_index(du, dst.page, g)
+    for s, d in zip(src.tokens(), want, strict=True):
+        d[di, hd : hd + h] = s[si, hs : hs + h]
+    return want
+
+
+def _units(pool: Pool, g: int, n: int, seed: int) -> np.ndarray:
+    total = pool.regions.num_pages * pool.page // g
+    return np.random.default_rng(seed).permutation(total)[:n].astype(np.int64)
+
+
+def _check(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"region {i} differs"
+
+
+@pytest.mark.parametrize("pages", PAIRS, ids=lambda p: f"{p[0]}to{p[1]}")
+@pytest.mark.parametrize("dst_layout", PAGE_LAYOUTS)
+@pytest.mark.parametrize("src_layout", PAGE_LAYOUTS)
+@pytest.mark.parametrize("backend", PACK_BACKENDS)
+def test_pack_unpack_converts(backend: str, src_layout: str, dst_layout: str, pages: tuple[int, int]) -> None:
+    ps, pr = pages
+    g = math.gcd(ps, pr)
+    src = Pool(src_layout, 6, ps, 2, seed=1)
+    dst = Pool(dst_layout, 9, pr, 2, seed=2)
+    n = min(6 * ps, 9 * pr) // g // 2
+    su, du = _units(src, g, n, 3), _units(dst, g, n, 4)
+    want = _want(src, dst, su, du, g, 0, 0, 2)
+    staged = kernels.pack(src.regions, su, unit=g, head_major=dst.regions.head_major, backend=backend)  # type: ignore[arg-type]
+    kernels.unpack(dst.regions, staged, du, unit=g, backend=backend)  # type: ignore[arg-type]
+    _check(dst.tokens(), want)
+
+
+@pytest.mark.parametrize("backend", PACK_BACKENDS)
+@pytest.mark.parametrize("staging_head_major", [False, True])
+def test_mixed_tp_slices_convert(backend: str, staging_head_major: bool) -> None:
+    """TP1 hnd_kv (vLLM CPU) with 4 heads -> TP2 nhd page-1 receivers (SGLang): one pack, two slices."""
+    src = Pool("hnd_kv", 5, 16, 4, seed=5)
+    dsts = [Pool("nhd", 80, 1, 2, seed=6 + r) for r in range(2)]
+    # Three 16-token pages as 1-token units (head-major staging orders heads within a unit, so
+    # both sides name the same unit; token-major staging would not care).
+    su = np.repeat(np.array([3, 0, 4]) * 16, 16) + np.tile(np.arange(16), 3)
+    staged = kernels.pack(
+        src.regions, su, num_heads=2, num_slices=2, unit=1, head_major=staging_head_major, backend=backend  # type: ignore[arg-type]
+    )
+    per_slice = staged.numel() // 2
+    rng = np.random.default_rng(7)
+    for r, dst in enumerate(dsts):
+        du = rng.permutation(80)[:48].astype(np.int64)  # 48 single-token pages
+        want = _want(src, dst, su, du, 1, 2 * r, 0, 2)
+        kernels.unpack(
+            dst.regions,
+            staged[r * per_slice : (r + 1) * per_slice],
+            du,
+            unit=1,
+            head_major=staging_head_major,
+            backend=backend,  # type: ignore[arg-type]
+        )
+        _check(dst.tokens(), want)
+
+
+@pytest.mark.parametrize("pages", PAIRS, ids=lambda p: f"{p[0]}to{p[1]}")
+@pytest.mark.parametrize("dst_layout", PAGE_LAYOUTS)
+@pytest.mark.parametrize("src_layout", PAGE_LAYOUTS)
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_fused_converts(backend: str, src_layout: str, dst_layout: str, pages: tuple[int, int]) -> None:
+    ps, pr = pages
+    g = math.gcd(ps, pr)
+    src = Pool(src_layout, 6, ps, 4, seed=11)
+    dst = Pool(dst_layout, 9, pr, 2, seed=12)
+    n = min(6 * ps, 9 * pr) // g // 2
+    su, du = _units(src, g, n, 13), _units(dst, g, n, 14)
+    want = _want(src, dst, su, du, g, 2, 0, 2)  # heads 2..3 of a TP1 sender into a TP2 rank
+    moved = copy_pages(
+        src.regions, dst.regions, su, du, src_head_start=2, num_heads=2, unit=g, backend=backend  # type: ignore[arg-type]
+    )
+    assert moved == L * n * g * 2 * 2 * D * 2
+    _check(dst.tokens(), want)
+
+
+def test_k_and_v_dims_differ_across_layouts() -> None:
+    src = Pool("nhd", 4, 1, 2, seed=21, dv=4)
+    dst = Pool("hnd", 3, 16, 2, seed=22, dv=4)
+    su, du = np.arange(4, dtype=np.int64), np.array([5, 17, 18, 40], dtype=np.int64)
+    want = _want(src, dst, su, du, 1, 0, 0, 2)
+    for backend in PACK_BACKENDS:
+        staged = kernels.pack(src.regions, su, unit=1, head_major=True, backend=backend)  # type: ignore[arg-type]
+        kernels.unpack(dst.regions, staged, du, unit=1, backend=backend)  # type: ignore[arg-type]
+        _check(dst.tokens(), want)
+
+
+def test_bad_units_are_refused_and_change_nothing() -> None:
+    src, dst = Pool("nhd", 4, 64, 2, seed=31), Pool("hnd_kv", 4, 16, 2, seed=32)
+    before = dst.tokens()
+    with pytest.raises(InvalidArgument, match="unit"):
+        kernels.pack(src.regions, [0], unit=24)
+    with pytest.raises(InvalidArgument, match="page_size"):
+        copy_pages(src.regions, dst.regions, [0], [0])  # different page sizes need a unit
+    with pytest.raises(InvalidArgument, match=r"dst_pages.*\[0, 64\)"):
+        copy_pages(src.regions, dst.regions, [0], [64], unit=1)
+    with pytest.raises(InvalidArgument, match="distinct"):
+        staged = kernels.pack(src.regions, [0, 1], unit=16)
+        kernels.unpack(dst.regions, staged, [3, 3], unit=16)
+    with pytest.raises(InvalidArgument, match="regions.v"):
+        KVRegions.create(dst.k, dst.k, page_size=16, num_heads=2, head_dim_k=D, page_layout="hnd_kv")
+    _check(dst.tokens(), before)
