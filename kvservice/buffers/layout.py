@@ -84,7 +84,9 @@ def validate_region_sizes(layout: Layout, k_sizes: Sequence[int], v_sizes: Seque
         want = (
             f"{layout.num_layers} (one per layer)"
             if layout.num_v_regions
-            else "none for MLA" if layout.kind == "mla" else "none for PAGE_LAYOUT_HND_KV (V is in the K region)"
+            else "none for MLA"
+            if layout.kind == "mla"
+            else "none for PAGE_LAYOUT_HND_KV (V is in the K region)"
         )
         raise InvalidArgument("v_regions", f"expected {want}, got {len(v_sizes)}")
     for name, sizes, want_size in (

@@ -11,7 +11,7 @@ All raise :class:`~kvservice.errors.InvalidArgument` for a bad call and then cha
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -58,7 +58,7 @@ def pack(
     ``_regions``); ``head_major`` is the staging order (default the pool's own: pass the
     receiver's, so that its unpack is the straight copy).
     """
-    kw = {"unit": unit, "head_major": head_major}
+    kw: dict[str, Any] = {"unit": unit, "head_major": head_major}
     kind = _backend(regions, out, backend)
     if kind == "triton":
         from . import _triton
@@ -94,7 +94,7 @@ def unpack(
     Inverse of :func:`pack` with the same arguments; only heads
     ``[head_start, head_start + num_slices*num_heads)`` of the named pages (units) change.
     """
-    kw = {"unit": unit, "head_major": head_major}
+    kw: dict[str, Any] = {"unit": unit, "head_major": head_major}
     kind = _backend(regions, staging, backend)
     if kind == "triton":
         from . import _triton

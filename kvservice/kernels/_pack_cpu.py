@@ -36,7 +36,9 @@ def _tables(regions: KVRegions, args: CopyArgs) -> tuple[np.ndarray, ...]:
     pool_kind, stg_kind, dims_kind, head_kind = [], [], [], []
     for hb in hbs:
         page, token, head = regions.strides(hb)
-        loops = copy_loops(g, h, hb, (token, head), staging_strides(g, h, hb, args.head_major), args.head_major)
+        loops = copy_loops(
+            g, h, hb, (token, head), staging_strides(g, h, hb, args.head_major), args.head_major
+        )
         pool_kind.append([page, g * token, *loops.src, 0])
         stg_kind.append([g * h * hb, 0, *loops.dst, 0])
         dims_kind.append([loops.outer_count, loops.inner_count, loops.row])
@@ -47,7 +49,9 @@ def _tables(regions: KVRegions, args: CopyArgs) -> tuple[np.ndarray, ...]:
     seg_off = np.concatenate(([0], np.cumsum(seg)[:-1]))
     s = np.arange(s_count, dtype=np.int64)[:, None]
     pool_geom = np.tile(np.array(pool_kind, dtype=np.int64), (s_count * layers, 1))
-    pool_geom[:, 4] = ((args.head_start + s * h) * np.tile(np.array(head_kind, dtype=np.int64), layers)).reshape(-1)
+    pool_geom[:, 4] = (
+        (args.head_start + s * h) * np.tile(np.array(head_kind, dtype=np.int64), layers)
+    ).reshape(-1)
     stg_geom = np.tile(np.array(stg_kind, dtype=np.int64), (s_count * layers, 1))
     dims = np.tile(np.array(dims_kind, dtype=np.int64), (s_count * layers, 1))
     pool_base = np.tile(regions.base_addresses, s_count)

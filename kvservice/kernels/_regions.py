@@ -93,7 +93,9 @@ class KVRegions:
         if not k:
             raise InvalidArgument("regions.k", "need at least one layer")
         if page_layout not in PAGE_LAYOUTS:
-            raise InvalidArgument("regions.page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
+            raise InvalidArgument(
+                "regions.page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}"
+            )
         if page_size < 1 or num_heads < 1 or head_dim_k < 1:
             raise InvalidArgument("regions", "page_size, num_heads and head_dim_k must be >= 1")
         isz = k[0].element_size() if itemsize is None else itemsize

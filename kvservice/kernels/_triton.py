@@ -132,7 +132,9 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
     for table, kind, region_stride, region_offset in launches:
         ptrs = regions.pointer_tables[table]
         hb, (page, token, head) = hbs[kind], strides[kind]
-        loops = copy_loops(g, h, hb, (token, head), staging_strides(g, h, hb, args.head_major), args.head_major)
+        loops = copy_loops(
+            g, h, hb, (token, head), staging_strides(g, h, hb, args.head_major), args.head_major
+        )
         row_words = loops.row // word
         row_block = _pow2_divisor(row_words, _MAX_ROW_BLOCK)
         kch = row_words // row_block
@@ -183,7 +185,15 @@ def pack(
 ) -> torch.Tensor:
     """Triton version of :func:`kvservice.kernels.reference.pack` (same contract, async on CUDA)."""
     args = check_copy(
-        regions, pages, out, head_start, num_heads, num_slices, to_staging=True, unit=unit, head_major=head_major
+        regions,
+        pages,
+        out,
+        head_start,
+        num_heads,
+        num_slices,
+        to_staging=True,
+        unit=unit,
+        head_major=head_major,
     )
     _launch(regions, args, True, block_words, num_warps)
     return args.staging
@@ -204,7 +214,14 @@ def unpack(
 ) -> None:
     """Triton version of :func:`kvservice.kernels.reference.unpack` (same contract, async on CUDA)."""
     args = check_copy(
-        regions, pages, staging, head_start, num_heads, num_slices, to_staging=False, unit=unit,
+        regions,
+        pages,
+        staging,
+        head_start,
+        num_heads,
+        num_slices,
+        to_staging=False,
+        unit=unit,
         head_major=head_major,
     )
     _launch(regions, args, False, block_words, num_warps)

@@ -29,8 +29,8 @@ import torch
 
 from ..errors import InvalidArgument
 from ._checks import PageIndices
-from .reference import unit_view
 from ._regions import KVRegions, Loops, check_unit, copy_loops, fused_order
+from .reference import unit_view
 
 __all__ = ["FusedArgs", "check_fused", "copy_pages", "fused_nbytes"]
 
@@ -56,7 +56,16 @@ class FusedArgs:
         dp, dt, dh = dst.strides(head_bytes)
         order = fused_order((st, sh), (dt, dh), head_bytes)
         loops = copy_loops(g, self.num_heads, head_bytes, (st, sh), (dt, dh), order)
-        row = [sp, g * st, *loops.src, self.src_head_start * sh, dp, g * dt, *loops.dst, self.dst_head_start * dh]
+        row = [
+            sp,
+            g * st,
+            *loops.src,
+            self.src_head_start * sh,
+            dp,
+            g * dt,
+            *loops.dst,
+            self.dst_head_start * dh,
+        ]
         return row, loops
 
     def geometry(self, src: KVRegions, dst: KVRegions) -> tuple[np.ndarray, np.ndarray]:

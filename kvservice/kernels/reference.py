@@ -19,7 +19,9 @@ __all__ = ["pack", "unpack"]
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def unit_view(regions: KVRegions, region: torch.Tensor, head_bytes: int, unit: int, word: int) -> torch.Tensor:
+def unit_view(
+    regions: KVRegions, region: torch.Tensor, head_bytes: int, unit: int, word: int
+) -> torch.Tensor:
     """``region`` as ``[num_pages, m, unit, heads, head_bytes / word]`` words (``m`` units a page),
     strided as its page layout says (``_regions``): a view, so writes land in the region."""
     ps, ts, hs = regions.strides(head_bytes)
@@ -77,7 +79,15 @@ def pack(
     Heads ``head_start + s*num_heads + [0, num_heads)`` go to slice ``s``. Raises InvalidArgument.
     """
     args = check_copy(
-        regions, pages, out, head_start, num_heads, num_slices, to_staging=True, unit=unit, head_major=head_major
+        regions,
+        pages,
+        out,
+        head_start,
+        num_heads,
+        num_slices,
+        to_staging=True,
+        unit=unit,
+        head_major=head_major,
     )
     if args.pages.numel():
         hs, he = args.head_start, args.head_start + args.num_slices * args.num_heads
@@ -105,7 +115,14 @@ def unpack(
     Only the named units' heads ``[head_start, head_start + num_slices*num_heads)`` change.
     """
     args = check_copy(
-        regions, pages, staging, head_start, num_heads, num_slices, to_staging=False, unit=unit,
+        regions,
+        pages,
+        staging,
+        head_start,
+        num_heads,
+        num_slices,
+        to_staging=False,
+        unit=unit,
         head_major=head_major,
     )
     if not args.pages.numel():

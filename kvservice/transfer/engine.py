@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import kernels
 from ..buffers import BufferSet
-from ..errors import Aborted, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
+from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
 from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
@@ -67,9 +67,10 @@ def _warm_kernels(bs: BufferSet) -> None:
     on_side_stream(dev, warm)
 
 
-def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads: int) -> None:
+def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads: int, unit: int) -> None:
     on_side_stream(
-        view.device, lambda: kernels.unpack(regions, view, dst, head_start=head_start, num_heads=num_heads)
+        view.device,
+        lambda: kernels.unpack(regions, view, dst, head_start=head_start, num_heads=num_heads, unit=unit),
     )
 
 
@@ -380,19 +381,27 @@ class TransferEngine:
             )
 
     async def unpack_chunk(
-        self, inc: Incoming, slot_id: int, positions: np.ndarray, head_start: int, num_heads: int
+        self, inc: Incoming, sender: str, slot_id: int, positions: np.ndarray, head_start: int, num_heads: int
     ) -> None:
-        """Scatter a packed chunk from its staging slot into the engine's pages, then free the slot."""
+        """Scatter a packed chunk of ``sender`` (its key) from its staging slot into the engine's
+        pages, then free the slot."""
         held = inc.slots.pop(slot_id, None)
         if held is None:
             raise NotFound(f"staging_slot: {slot_id} is not reserved for this transfer")
-        await self._unpack_guarded(inc, held, positions, head_start, num_heads, release=True)
+        await self._unpack_guarded(inc, sender, held, positions, head_start, num_heads, release=True)
 
     async def _unpack_guarded(
-        self, inc: Incoming, held: Any, positions: np.ndarray, head_start: int, num_heads: int, release: bool
+        self,
+        inc: Incoming,
+        sender: str,
+        held: Any,
+        positions: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        release: bool,
     ) -> None:
         try:
-            await self._unpack_held(inc, held, positions, head_start, num_heads, release)
+            await self._unpack_held(inc, sender, held, positions, head_start, num_heads, release)
         except (Aborted, NotFound):
             raise
         except KVServiceError as exc:  # a bad unpack fails the transfer on both sides
@@ -400,19 +409,31 @@ class TransferEngine:
             raise
 
     async def _unpack_held(
-        self, inc: Incoming, held: Any, positions: np.ndarray, head_start: int, num_heads: int, release: bool
+        self,
+        inc: Incoming,
+        sender: str,
+        held: Any,
+        positions: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        release: bool,
     ) -> None:
         pool, slot = held
         regions = self.kv_regions[inc.bs.buffer_set_id]
-        dst = inc.dst_pages[positions - inc.prefix_pages]
-        nbytes = kernels.packed_nbytes(regions, int(dst.size), num_heads)
+        units = inc.units.get(sender)
+        if units is None:
+            raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
+        if positions.size and positions.min() < inc.prefix_pages * units.dst_per_page:
+            raise InvalidArgument("positions", "inside the receiver's prefix")
+        dst = units.land(positions, inc.prefix_pages, inc.dst_pages)
+        nbytes = kernels.packed_nbytes(regions, int(dst.size), num_heads, unit=units.tokens)
         inc.busy += 1
         t0 = time.monotonic()
         try:
             if inc.rec.terminal:
                 raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
             view = pool.view(slot)[:nbytes]
-            await asyncio.to_thread(_unpack, regions, view, dst, head_start, num_heads)
+            await asyncio.to_thread(_unpack, regions, view, dst, head_start, num_heads, units.tokens)
         finally:
             inc.busy -= 1
             if release:
@@ -439,6 +460,7 @@ class TransferEngine:
                 held[0].release(held[1])
             return inc.rec.state
         positions = np.asarray(req.positions, dtype=np.int64)
+        sender = f"{req.sender_service_id}/{req.src_tp_rank}"
         path = {1: "DIRECT", 2: "PACKED", 3: "FUSED"}.get(req.path, "DIRECT")
         if path == "PACKED" and positions.size:
             if req.credit_slot:
@@ -446,13 +468,15 @@ class TransferEngine:
                 if held is None:
                     raise NotFound(f"staging_slot: {req.staging_slot} is not a credit of this channel")
                 await self._unpack_guarded(
-                    inc, held, positions, req.dst_head_start, req.num_heads, release=False
+                    inc, sender, held, positions, req.dst_head_start, req.num_heads, release=False
                 )
             else:
-                await self.unpack_chunk(inc, req.staging_slot, positions, req.dst_head_start, req.num_heads)
+                await self.unpack_chunk(
+                    inc, sender, req.staging_slot, positions, req.dst_head_start, req.num_heads
+                )
         return await self.commit(
             inc,
-            f"{req.sender_service_id}/{req.src_tp_rank}",
+            sender,
             positions,
             last=req.last_chunk,
             nbytes=req.bytes,

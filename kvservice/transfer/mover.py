@@ -137,11 +137,12 @@ class Mover:
                 r.dst_head_start,
                 r.num_heads,
             )
-            dst_layout = Layout.from_proto(plan.dst_layout)
-            full = r.num_heads == out.bs.layout.local_kv_heads == dst_layout.local_kv_heads
             mapped = self._same_host(out, peer, plan) if same_host else None
+            dst_pages = np.asarray(plan.dst_page_indices, dtype=np.int64)
             targets.append(
-                Target(plan, np.asarray(plan.dst_page_indices, dtype=np.int64), route, full, mapped)
+                Target.for_layouts(
+                    plan, dst_pages, route, out.bs.layout, Layout.from_proto(plan.dst_layout), mapped
+                )
             )
         return targets
 
@@ -171,11 +172,12 @@ class Mover:
         except NotFound as exc:
             raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
         return [
-            Target(
+            Target.for_layouts(
                 plan_message(inc, route, inc.bs.buffer_set_id not in self.e.no_direct, with_pages=False),
                 inc.dst_pages,
                 route,  # plan_heads' route of this sender rank to that receiver rank, as is
-                route.num_heads == lay.local_kv_heads == inc.bs.layout.local_kv_heads,
+                lay,
+                inc.bs.layout,
             )
             for inc, route in found
         ]
@@ -185,7 +187,9 @@ class Mover:
         path = out.path
         same = self.peers.get(out.peer_address).is_self
         if cmap.num_pages:
-            direct_ok = target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct
+            direct_ok = (
+                target.plan.direct_ok and out.bs.buffer_set_id not in self.e.no_direct and not target.converts
+            )
             if same or target.dst_regions is not None:  # both pools mapped here: fused, unless
                 path = "PACKED" if path == "PACKED" else "FUSED"  # PACKED (staged) was asked for
             elif path == "FUSED":
@@ -197,6 +201,11 @@ class Mover:
                 path = self._choose(out.bs, cmap.num_pages) if target.full_heads and direct_ok else "PACKED"
             elif path == "DIRECT" and not target.full_heads:
                 raise FailedPrecondition("path: DIRECT cannot slice heads (mixed TP); use AUTO or PACKED")
+            elif path == "DIRECT" and target.converts:
+                raise FailedPrecondition(
+                    "path: DIRECT copies pages as they are; the receiver's page size or page layout "
+                    "differs (the kernels convert): use AUTO or PACKED"
+                )
             elif path == "DIRECT" and not direct_ok:
                 raise FailedPrecondition(
                     "path: DIRECT needs both pools registered with the transport; use AUTO"
@@ -236,7 +245,7 @@ class Mover:
         self.e.sender.check_live(out)
         t0 = time.monotonic()
         src = self.e.kv_regions[out.bs.buffer_set_id]
-        nbytes = await self.same_node.copy(src, target.dst_regions, cmap.src, cmap.dst, target.route)
+        nbytes = await self.same_node.copy(src, target.dst_regions, cmap.src, cmap.dst, target)
         us = int((time.monotonic() - t0) * 1e6)
         await self._commit(
             out,
@@ -317,7 +326,9 @@ class Mover:
         """
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
-        per_page = kernels.packed_nbytes(regions, 1, target.route.num_heads)
+        per_page = kernels.packed_nbytes(
+            regions, 1, target.route.num_heads, unit=target.units.tokens if target.converts else None
+        )
         batch = max(1, min(cmap.num_pages, (pool.capacity_bytes // (PIPELINE + 1)) // per_page))
         chan = self._channel(self.peers.get(out.peer_address))
         if chan is not None:
@@ -362,7 +373,7 @@ class Mover:
         """Reserve (a credit, or a slot by RPC), pack and write one batch; returns its commit."""
         if chan is not None:
             return await self._credit_batch(out, target, chunk, cmap, start, batch, per_page, chan)
-        plan, route = target.plan, target.route
+        plan = target.plan
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
         peer = self.peers.get(out.peer_address)
@@ -383,13 +394,13 @@ class Mover:
                 # same node, same device: pack straight into the receiver's slot, no wire
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                await asyncio.to_thread(self._pack, regions, src, dst_view, route)
+                await asyncio.to_thread(self._pack, regions, src, dst_view, target)
                 t1 = t2 = time.monotonic()
             else:
                 async with pool.slot(nbytes, out.rec.deadline) as slot:
                     self.e.sender.check_live(out)
                     t0 = time.monotonic()
-                    await asyncio.to_thread(self._pack, regions, src, pool.view(slot), route)
+                    await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target)
                     t1 = time.monotonic()
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
@@ -461,7 +472,7 @@ class Mover:
             async with pool.slot(nbytes, out.rec.deadline) as slot:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target.route)
+                await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target)
                 t1 = time.monotonic()
                 h = await asyncio.to_thread(
                     self.transport.write_descs,
@@ -495,9 +506,15 @@ class Mover:
         )
 
     @staticmethod
-    def _pack(regions: Any, src: np.ndarray, view: Any, route: Any) -> None:
-        hs, nh = route.src_head_start, route.num_heads
-        on_side_stream(view.device, lambda: kernels.pack(regions, src, view, head_start=hs, num_heads=nh))
+    def _pack(regions: Any, src: np.ndarray, view: Any, target: Target) -> None:
+        """Pack in the receiver's unit and page order: its unpack is then the straight copy."""
+        kw = {
+            "head_start": target.route.src_head_start,
+            "num_heads": target.route.num_heads,
+            "unit": target.units.tokens if target.converts else None,
+            "head_major": target.head_major,
+        }
+        on_side_stream(view.device, lambda: kernels.pack(regions, src, view, **kw))  # type: ignore[arg-type]
 
     async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
         """Write the aux rows into the receiver's rows; returns (bytes, descriptors)."""
@@ -573,13 +590,14 @@ class Mover:
         peer = self.peers.get(out.peer_address)
         if peer.is_self:  # same service: account on the receiver directly, no request to build
             inc = self.e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
+            sender = f"{self.e.service_id}/{out.bs.layout.tp_rank}"
             if path == "PACKED" and positions.size:
                 await self.e.unpack_chunk(
-                    inc, slot_id, positions, target.route.dst_head_start, target.route.num_heads
+                    inc, sender, slot_id, positions, target.route.dst_head_start, target.route.num_heads
                 )
             await self.e.commit(
                 inc,
-                f"{self.e.service_id}/{out.bs.layout.tp_rank}",
+                sender,
                 positions,
                 last=last,
                 nbytes=nbytes,

@@ -10,17 +10,63 @@ already holds) and one destination page per position after them::
 
 Pages of the chunk below ``prefix`` are counted as skipped; a position past ``prefix+n-1`` is
 an error (the sender holds more pages than the receiver made room for).
+
+Pools of different page sizes (an SGLang page of 1 or 64 tokens, a vLLM block of 16) exchange
+*units* of ``g = gcd`` tokens instead (``Units``): page ``p`` of a side is its units
+``p*m + [0, m)``, positions count units, and both sides' page lists are expanded the same way,
+so the table above holds unit for unit. The sequence ends inside a page, so the side with the
+larger last page may hold units the other has no room or no tokens for: units past the
+receiver's room are dropped when they lie in the sender's final page (its padding), and the
+receiver accepts a tail of its last page that no sender wrote (``Units.unsent_ok``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
+from kvservice_client import Layout
 
 from ..errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["ChunkMap", "map_chunk", "src_pages_array"]
+__all__ = ["ChunkMap", "Units", "map_chunk", "src_pages_array"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """What moves between one sender pool and one receiver pool: units of ``tokens`` tokens."""
+
+    tokens: int
+    src_per_page: int
+    dst_per_page: int
+
+    @classmethod
+    def of(cls, src: Layout, dst: Layout) -> Units:
+        g = math.gcd(src.page_size, dst.page_size)
+        return cls(g, src.page_size // g, dst.page_size // g)
+
+    @staticmethod
+    def expand(pages: np.ndarray, per_page: int) -> np.ndarray:
+        """Page indices -> the indices of their units, in order (no copy for whole pages)."""
+        if per_page == 1:
+            return pages
+        return (pages[:, None] * per_page + np.arange(per_page, dtype=np.int64)[None, :]).reshape(-1)
+
+    def land(self, positions: np.ndarray, prefix_pages: int, dst_pages: np.ndarray) -> np.ndarray:
+        """Receiver units of unit ``positions`` (past the receiver's prefix)."""
+        rel = positions - prefix_pages * self.dst_per_page
+        if self.dst_per_page == 1:
+            return dst_pages[rel]
+        return dst_pages[rel // self.dst_per_page] * self.dst_per_page + rel % self.dst_per_page
+
+    def unsent_ok(self, covered: np.ndarray) -> bool:
+        """A finished sender left only a tail of the receiver's last page unwritten (past the
+        sequence's last token), if anything."""
+        missing = np.flatnonzero(~covered)
+        return not missing.size or (
+            covered.size - missing[0] < self.dst_per_page and missing.size == covered.size - missing[0]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +95,33 @@ def src_pages_array(values: object, num_pages: int, field: str = "src_page_indic
     return arr
 
 
-def map_chunk(chunk_offset: int, src: np.ndarray, prefix_pages: int, dst_pages: np.ndarray) -> ChunkMap:
-    """Map a chunk onto the receiver's plan; raises FailedPrecondition if it overruns it."""
-    positions = chunk_offset + np.arange(src.size, dtype=np.int64)
-    keep = positions >= prefix_pages
-    skipped = int(src.size - np.count_nonzero(keep))
+def map_chunk(
+    chunk_offset: int,
+    src: np.ndarray,
+    prefix_pages: int,
+    dst_pages: np.ndarray,
+    units: Units | None = None,
+    last: bool = False,
+) -> ChunkMap:
+    """Map a chunk onto the receiver's plan; raises FailedPrecondition if it overruns it.
+    With ``units`` the map is in units (see the module doc); ``last`` marks the sender's last chunk."""
+    u = units or Units(1, 1, 1)
+    ms, md = u.src_per_page, u.dst_per_page
+    src_units = Units.expand(src, ms)
+    positions = chunk_offset * ms + np.arange(src_units.size, dtype=np.int64)
+    prefix, room = prefix_pages * md, prefix_pages * md + dst_pages.size * md
+    keep = positions >= prefix
+    skipped = int(src.size - np.count_nonzero(keep[ms - 1 :: ms]))  # pages wholly in the prefix
+    over = positions >= room
+    if over.any():
+        first_over = int(positions[over][0])
+        padding = last and ms > 1 and first_over >= positions[-1] + 1 - ms and first_over % ms
+        if not padding:
+            raise FailedPrecondition(
+                f"src_page_indices: chunk reaches sequence page {first_over // ms} but the receiver declared "
+                f"{prefix_pages} prefix + {dst_pages.size} destination pages"
+                + (f" (of {u.tokens * md} tokens; ours hold {u.tokens * ms})" if units and ms != md else "")
+            )
+        keep &= ~over
     positions = positions[keep]
-    if positions.size and positions[-1] >= prefix_pages + dst_pages.size:
-        raise FailedPrecondition(
-            f"src_page_indices: chunk reaches sequence page {int(positions[-1])} but the receiver declared "
-            f"{prefix_pages} prefix + {dst_pages.size} destination pages"
-        )
-    return ChunkMap(src[keep], dst_pages[positions - prefix_pages], positions, skipped)
+    return ChunkMap(src_units[keep], u.land(positions, prefix_pages, dst_pages), positions, skipped)

@@ -33,6 +33,7 @@ from ..errors import (
 )
 from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
+from .plan import Units
 from .records import Record, TransferTable
 
 __all__ = ["Incoming", "Receiver", "check_compatible", "plan_message", "routes_for"]
@@ -51,7 +52,8 @@ class Incoming:
     publish_hashes: np.ndarray | None
     prefix_page_indices: np.ndarray
     publish_tokens: np.ndarray | None = None  # u32, when the receiver published by tokens
-    covered: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    covered: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # sender key -> units
+    units: dict[str, Units] = dataclasses.field(default_factory=dict)  # sender key -> its units here
     finished: set[str] = dataclasses.field(default_factory=set)
     senders: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> address
     identities: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> peer identity
@@ -97,8 +99,9 @@ def plan_message(
 
 
 def check_compatible(src: Layout, dst: Layout) -> None:
-    """FAILED_PRECONDITION unless pages of ``src`` can be written into ``dst``."""
-    for field in ("kind", "num_layers", "page_size", "dtype", "head_dim_k", "head_dim_v", "total_kv_heads"):
+    """FAILED_PRECONDITION unless the tokens of ``src`` can be written into ``dst``: the per-token
+    rows must agree; page size and page layout may differ (the kernels convert)."""
+    for field in ("kind", "num_layers", "dtype", "head_dim_k", "head_dim_v", "total_kv_heads"):
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
             raise FailedPrecondition(f"layout mismatch: sender {field}={a}, receiver {field}={b}")
@@ -200,7 +203,9 @@ class Receiver:
             inc.expected_senders = derived
             inc.senders[sender_id] = sender_address
             inc.identities[sender_id] = identity
-            inc.covered.setdefault(f"{sender_id}/{src.tp_rank}", np.zeros(inc.dst_pages.size, dtype=bool))
+            key = f"{sender_id}/{src.tp_rank}"
+            units = inc.units.setdefault(key, Units.of(src, inc.bs.layout))
+            inc.covered.setdefault(key, np.zeros(inc.dst_pages.size * units.dst_per_page, dtype=bool))
             self.table.update(inc.rec, state="TRANSFERRING")
         return found
 
@@ -260,7 +265,8 @@ class Receiver:
         aux: bool,
         primary: bool = True,
     ) -> None:
-        """Account a landed chunk; on a sender's last chunk check it covered every delta page.
+        """Account a landed chunk (``positions`` in the sender's units); on a sender's last chunk
+        check it covered every delta page (but a tail of the last one, see ``Units.unsent_ok``).
 
         With sender TP > receiver TP several senders deliver head slices of the same pages: pages
         count once, from the ``primary`` sender (the one writing the rank's first head).
@@ -268,7 +274,8 @@ class Receiver:
         cov = inc.covered.get(sender_key)
         if cov is None:
             raise FailedPrecondition(f"sender {sender_key} committed without fetching the plan")
-        rel = positions - inc.prefix_pages
+        units = inc.units[sender_key]
+        rel = positions - inc.prefix_pages * units.dst_per_page
         if rel.size and (rel.min() < 0 or rel.max() >= cov.size):
             raise InvalidArgument("positions", f"outside the declared delta 0..{cov.size - 1}")
         cov[rel] = True
@@ -282,10 +289,11 @@ class Receiver:
         )
         if not last:
             return
-        if not cov.all():
+        if not units.unsent_ok(cov):
             missing = int(cov.size - np.count_nonzero(cov))
+            what = "delta pages" if units.dst_per_page == 1 else f"delta units of {units.tokens} tokens"
             raise FailedPrecondition(
-                f"sender {sender_key} finished with {missing} of {cov.size} delta pages unsent"
+                f"sender {sender_key} finished with {missing} of {cov.size} {what} unsent"
             )
         inc.finished.add(sender_key)
         self.table.update(inc.rec, senders_done=len(inc.finished))

@@ -24,7 +24,6 @@ import numpy as np
 from ..errors import Aborted
 from ..kernels import KVRegions, _fused_cpu
 from ..kernels.fused import copy_pages, fused_nbytes
-from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream, service_stream, wait_event
 from .plan import ChunkMap
 from .sender import Outgoing, Target
@@ -57,7 +56,7 @@ class SameNode:
         inc.busy += 1  # from here an abort of the receiver waits until the copy ended
         t0 = time.monotonic()
         try:
-            nbytes = await self.copy(src, dst, cmap.src, cmap.dst, route)
+            nbytes = await self.copy(src, dst, cmap.src, cmap.dst, target)
         finally:
             inc.busy -= 1
         us = int((time.monotonic() - t0) * 1e6)
@@ -76,13 +75,17 @@ class SameNode:
         )
 
     async def copy(
-        self, src: KVRegions, dst: KVRegions, sp: np.ndarray, dp: np.ndarray, route: HeadRoute
+        self, src: KVRegions, dst: KVRegions, sp: np.ndarray, dp: np.ndarray, target: Target
     ) -> int:
-        """One fused copy; returns when the bytes are in ``dst`` (never blocks the loop)."""
+        """One fused copy of ``target``'s head slice, in its units; returns when the bytes are in
+        ``dst`` (never blocks the loop)."""
+        route = target.route
+        unit = target.units.tokens
         kw = {
             "src_head_start": route.src_head_start,
             "dst_head_start": route.dst_head_start,
             "num_heads": route.num_heads,
+            "unit": unit,
         }
         sd, dd = src.device, dst.device
         if sd.type == "cuda" and dd.type == "cuda" and self._enable_peer(sd.index, dd.index):
@@ -102,7 +105,7 @@ class SameNode:
                 dev,
                 lambda: copy_pages(src, dst, sp, dp, backend="torch", **kw),  # type: ignore[arg-type]
             )
-        if fused_nbytes(src, int(sp.size), route.num_heads) <= INLINE_BYTES and _fused_cpu.ready():
+        if fused_nbytes(src, int(sp.size), route.num_heads, unit) <= INLINE_BYTES and _fused_cpu.ready():
             return copy_pages(src, dst, sp, dp, **kw)  # type: ignore[arg-type]
         return await asyncio.to_thread(copy_pages, src, dst, sp, dp, **kw)  # type: ignore[arg-type]
 

@@ -22,13 +22,14 @@ import logging
 import time
 
 import numpy as np
+from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2
 
 from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
-from .plan import ChunkMap, map_chunk
+from .plan import ChunkMap, Units, map_chunk
 from .records import Record, TransferTable
 
 __all__ = ["Chunk", "Outgoing", "Sender", "Target"]
@@ -55,6 +56,25 @@ class Target:
     route: HeadRoute
     full_heads: bool
     dst_regions: KVRegions | None = None  # the receiver rank's pools, mapped here (fused route)
+    units: Units = Units(1, 1, 1)  # pages of different sizes move as units of their gcd
+    head_major: bool = False  # the receiver's page order: staging is packed that way
+    converts: bool = False  # page size or page layout differ: kernels only (no DIRECT page copy)
+
+    @classmethod
+    def for_layouts(
+        cls,
+        plan: peer_pb2.ReceivePlan,
+        dst_pages: np.ndarray,
+        route: HeadRoute,
+        src: Layout,
+        dst: Layout,
+        dst_regions: KVRegions | None = None,
+    ) -> Target:
+        converts = src.page_size != dst.page_size or src.page_layout != dst.page_layout
+        full = route.num_heads == src.local_kv_heads == dst.local_kv_heads
+        return cls(
+            plan, dst_pages, route, full, dst_regions, Units.of(src, dst), dst.page_layout != "nhd", converts
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -156,7 +176,9 @@ class Sender:
         for i, target in enumerate(out.targets):
             self.check_live(out)
             t0 = time.monotonic()
-            cmap: ChunkMap = map_chunk(chunk.offset, chunk.src, target.plan.prefix_pages, target.dst_pages)
+            cmap: ChunkMap = map_chunk(
+                chunk.offset, chunk.src, target.plan.prefix_pages, target.dst_pages, target.units, chunk.last
+            )
             self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
             await mover.move(out, target, chunk, cmap)  # type: ignore[attr-defined]
             if i == 0:  # pages count once per chunk, whatever the number of receiver ranks

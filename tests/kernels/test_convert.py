@@ -119,7 +119,13 @@ def test_mixed_tp_slices_convert(backend: str, staging_head_major: bool) -> None
     # both sides name the same unit; token-major staging would not care).
     su = np.repeat(np.array([3, 0, 4]) * 16, 16) + np.tile(np.arange(16), 3)
     staged = kernels.pack(
-        src.regions, su, num_heads=2, num_slices=2, unit=1, head_major=staging_head_major, backend=backend  # type: ignore[arg-type]
+        src.regions,
+        su,
+        num_heads=2,
+        num_slices=2,
+        unit=1,
+        head_major=staging_head_major,
+        backend=backend,  # type: ignore[arg-type]
     )
     per_slice = staged.numel() // 2
     rng = np.random.default_rng(7)
@@ -150,7 +156,14 @@ def test_fused_converts(backend: str, src_layout: str, dst_layout: str, pages: t
     su, du = _units(src, g, n, 13), _units(dst, g, n, 14)
     want = _want(src, dst, su, du, g, 2, 0, 2)  # heads 2..3 of a TP1 sender into a TP2 rank
     moved = copy_pages(
-        src.regions, dst.regions, su, du, src_head_start=2, num_heads=2, unit=g, backend=backend  # type: ignore[arg-type]
+        src.regions,
+        dst.regions,
+        su,
+        du,
+        src_head_start=2,
+        num_heads=2,
+        unit=g,
+        backend=backend,  # type: ignore[arg-type]
     )
     assert moved == L * n * g * 2 * 2 * D * 2
     _check(dst.tokens(), want)

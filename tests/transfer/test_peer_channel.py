@@ -91,9 +91,9 @@ def test_batches_completing_out_of_order_land_byte_exact(
     engine = sb.app.node.transfers
     inner = engine._unpack_held
 
-    async def record(inc, held, positions, *a, **k):  # type: ignore[no-untyped-def]
+    async def record(inc, sender, held, positions, *a, **k):  # type: ignore[no-untyped-def]
         started.append(int(positions[0]))
-        out = await inner(inc, held, positions, *a, **k)
+        out = await inner(inc, sender, held, positions, *a, **k)
         finished.append(int(positions[0]))
         return out
 

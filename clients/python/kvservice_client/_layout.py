@@ -181,7 +181,7 @@ class Layout:
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             dp_rank=self.dp_rank,
-            page_layout=_PAGE_LAYOUT_PB.get(self.page_layout, -1),
+            page_layout=_PAGE_LAYOUT_PB.get(self.page_layout, -1),  # type: ignore[arg-type]
         )
 
     @classmethod
