@@ -48,8 +48,8 @@ def _warm_kernels(bs: BufferSet) -> None:
     dev = bs.k[0].tensor.device
 
     def warm() -> None:
-        k = [torch.zeros(2 * lay.page_bytes_k, dtype=torch.uint8, device=dev)]
-        v = [torch.zeros(2 * lay.page_bytes_v, dtype=torch.uint8, device=dev)] if lay.kind == "mha" else None
+        k = [torch.zeros(2 * lay.region_bytes_k // lay.num_pages, dtype=torch.uint8, device=dev)]
+        v = [torch.zeros(2 * lay.page_bytes_v, dtype=torch.uint8, device=dev)] if lay.num_v_regions else None
         regions = kernels.KVRegions.create(
             k,
             v,
@@ -58,6 +58,7 @@ def _warm_kernels(bs: BufferSet) -> None:
             head_dim_k=lay.head_dim_k,
             head_dim_v=lay.head_dim_v or None,
             itemsize=lay.itemsize,
+            page_layout=lay.page_layout,
         )
         idx = np.array([1], dtype=np.int64)
         for heads in sorted({lay.local_kv_heads, max(1, lay.local_kv_heads // 2)}):
@@ -183,6 +184,7 @@ class TransferEngine:
                 head_dim_k=lay.head_dim_k,
                 head_dim_v=lay.head_dim_v or None,
                 itemsize=lay.itemsize,
+                page_layout=lay.page_layout,
             )
         except BaseException:
             lst = self.local_lists.pop(bs.buffer_set_id, None)

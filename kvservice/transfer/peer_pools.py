@@ -52,7 +52,7 @@ class PeerPools:
                 return hit.regions
         lay = Layout.from_proto(plan.dst_layout)
         n = lay.num_layers
-        want = n * (2 if lay.kind == "mha" else 1)
+        want = n + lay.num_v_regions
         if len(plan.kv_handles) != want:
             raise FailedPrecondition(f"kv_handles: {len(plan.kv_handles)} regions, layout needs {want}")
         mapped: list[MappedRegion] = []
@@ -67,6 +67,7 @@ class PeerPools:
                 head_dim_k=lay.head_dim_k,
                 head_dim_v=lay.head_dim_v or None,
                 itemsize=lay.itemsize,
+                page_layout=lay.page_layout,
             )
         except KVServiceError as exc:
             self._release(mapped)

@@ -124,7 +124,8 @@ class ShmKVPool:
 
         [k0][k1]...[k(L-1)][v0]...[v(L-1)][aux0][aux1]...
 
-    ``k(l)``/``v(l)`` are uint8 views ``[num_pages, page_bytes]``; the creator owns (and unlinks)
+    ``k(l)``/``v(l)`` are uint8 views ``[num_pages, page_bytes]`` (``hnd_kv``: ``k(l)`` holds a
+    page's K and V, there is no ``v``); the creator owns (and unlinks)
     the object, ``attach`` maps an existing one.
     """
 
@@ -171,11 +172,11 @@ class ShmKVPool:
 
     def k(self, layer: int) -> np.ndarray:
         off, size = self._kv[layer]
-        return self._view(off, size, self.layout.page_bytes_k)
+        return self._view(off, size, self.layout.region_bytes_k // self.layout.num_pages)
 
     def v(self, layer: int) -> np.ndarray:
-        if self.layout.kind != "mha":
-            raise ValueError("MLA pools have no V regions")
+        if not self.layout.num_v_regions:
+            raise ValueError("MLA and hnd_kv pools have no V regions")
         off, size = self._kv[self.layout.num_layers + layer]
         return self._view(off, size, self.layout.page_bytes_v)
 
