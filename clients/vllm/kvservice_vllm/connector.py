@@ -24,7 +24,7 @@ from .scheduler import SchedulerSide
 if TYPE_CHECKING:
     import torch
 
-    from .worker import WorkerSide
+    from .worker import KVHeads, WorkerSide
 
 __all__ = ["KVServiceConnector"]
 
@@ -45,12 +45,14 @@ class KVServiceConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.block_size, deadline_ms)
         else:
-            tp = vllm_config.parallel_config
-            if tp.tensor_parallel_size != 1 or tp.pipeline_parallel_size != 1:
+            pc, mc = vllm_config.parallel_config, vllm_config.model_config
+            if pc.pipeline_parallel_size != 1:
                 raise NotImplementedError(
-                    "kvservice_vllm: tensor/pipeline parallel size > 1 is not supported yet "
-                    f"(tp={tp.tensor_parallel_size}, pp={tp.pipeline_parallel_size})"
+                    "kvservice_vllm: pipeline parallel size > 1 is not supported yet "
+                    f"(pp={pc.pipeline_parallel_size}): a stage holds a subset of the layers"
                 )
+            if pc.tensor_parallel_size != 1 and mc.use_mla:
+                raise NotImplementedError("kvservice_vllm: MLA models with tensor parallel size > 1")
             from .worker import WorkerSide
 
             timeout = float(extra.get_from_extra_config("rpc_timeout_s", 10.0))
@@ -66,7 +68,27 @@ class KVServiceConnector(KVConnectorBase_V1):
         return self._w().allocation_context() if getattr(device, "type", str(device)) == "cpu" else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w().register(kv_caches, self.block_size)
+        self._w().register(kv_caches, self.block_size, self._heads())
+
+    def _heads(self) -> KVHeads | None:
+        """This rank's KV heads (None for MLA: the latent cache moves as opaque blocks)."""
+        from .worker import KVHeads
+
+        mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
+        if mc.use_mla:
+            return None
+        rank = 0
+        if pc.tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        return KVHeads(
+            total=mc.get_total_num_kv_heads(),
+            local=mc.get_num_kv_heads(pc),
+            head_dim=mc.get_head_size(),
+            tp_size=pc.tensor_parallel_size,
+            tp_rank=rank,
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from .meta import AbortJob, KVServiceMeta, RecvJob, SendJob
 
-__all__ = ["Outcome", "WorkerSide", "kv_layout"]
+__all__ = ["KVHeads", "Outcome", "WorkerSide", "kv_layout"]
 
 log = logging.getLogger(__name__)
 _MIN_SHARED_BYTES = 1 << 16  # smaller int8 zeros inside the hook are not the KV cache
@@ -66,27 +66,96 @@ class _SharedZeros(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def kv_layout(kv_caches: dict[str, torch.Tensor], block_size: int) -> tuple[Layout, list[torch.Tensor]]:
-    """The kvservice Layout of vLLM's per-layer caches, and each layer's blocks as one flat tensor.
+@dataclasses.dataclass(frozen=True)
+class KVHeads:
+    """The model's KV heads as this worker holds them (from vLLM's model and parallel config)."""
 
-    vLLM 0.32 views every layer as ``[num_blocks, ...]`` over one backing buffer (CPU: blocks of
-    ``[heads, block_size, K|V]``; CUDA backends: ``[2, ...]`` K/V planes are refused below). A
-    block of one layer must be one contiguous run of bytes: then the service moves it as one page
-    of a per-token row of ``page_bytes / block_size`` (the MLA-shaped layout, one region a
-    layer), which is byte-exact between instances of the same model and TP layout.
+    total: int  # KV heads of the whole model
+    local: int  # KV heads on this TP rank
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+
+def kv_layout(
+    kv_caches: dict[str, torch.Tensor], block_size: int, heads: KVHeads | None = None
+) -> tuple[Layout, list[torch.Tensor], list[torch.Tensor]]:
+    """The kvservice Layout of vLLM's per-layer caches, and each layer's K (and V) memory as flat
+    tensors, in the cache's own byte order so that any engine of the same model can exchange
+    tokens with it (the service converts page size and order):
+
+    * ``[num_blocks, heads, block_size, 2 * head_dim]`` (vLLM's CPU attention backend; a head's K
+      rows then its V rows): ``hnd_kv``, one region a layer.
+    * ``[2, num_blocks, block_size, heads, head_dim]`` K/V planes (FlashAttention and friends):
+      ``nhd`` when each plane is contiguous, ``hnd`` when its stride order is head-major.
+    * anything else, with ``heads`` unknown or TP 1: each block moved as one opaque page
+      (an MLA-shaped layout of one ``page_bytes / block_size`` row a token): byte-exact between
+      instances of the same model and layout, but no head slicing and no conversion.
     """
     if not kv_caches:
         raise ValueError("kv_caches: vLLM registered no KV cache")
     tensors = list(kv_caches.values())
     first = tensors[0]
+    for name, t in kv_caches.items():
+        if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+            raise ValueError(
+                f"kv_caches[{name}]: shape {tuple(t.shape)} {t.dtype} differs from the first layer's"
+            )
+    dtype = str(first.dtype).removeprefix("torch.")
+    if heads is not None:
+        per_head = _per_head(tensors, block_size, heads)
+        if per_head is not None:
+            page_layout, num_blocks, k, v = per_head
+            layout = Layout.mha(
+                num_layers=len(tensors),
+                page_size=block_size,
+                num_pages=num_blocks,
+                total_kv_heads=heads.total,
+                head_dim=heads.head_dim,
+                dtype=dtype,
+                tp_size=heads.tp_size,
+                tp_rank=heads.tp_rank,
+                page_layout=page_layout,  # type: ignore[arg-type]
+            )
+            return layout, k, v
+        if heads.tp_size > 1:
+            raise ValueError(
+                f"kv_caches: layout shape {tuple(first.shape)} stride {first.stride()} is not one "
+                f"kvservice can slice by head, which TP {heads.tp_size} needs"
+            )
+    return _opaque(kv_caches, block_size, dtype) + ([],)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return torch.as_strided(t, (t.numel(),), (1,))
+
+
+def _per_head(
+    tensors: list[torch.Tensor], block_size: int, heads: KVHeads
+) -> tuple[str, int, list[torch.Tensor], list[torch.Tensor]] | None:
+    t = tensors[0]
+    h, d = heads.local, heads.head_dim
+    if t.dim() == 4 and tuple(t.shape[1:]) == (h, block_size, 2 * d) and t.is_contiguous():
+        return "hnd_kv", int(t.shape[0]), [_flat(x) for x in tensors], []
+    if t.dim() == 5 and t.shape[0] == 2 and tuple(t.shape[2:]) == (block_size, h, d):
+        if t[0].is_contiguous():
+            order = "nhd"
+        elif t[0].permute(0, 2, 1, 3).is_contiguous():
+            order = "hnd"
+        else:
+            return None
+        return order, int(t.shape[1]), [_flat(x[0]) for x in tensors], [_flat(x[1]) for x in tensors]
+    return None
+
+
+def _opaque(
+    kv_caches: dict[str, torch.Tensor], block_size: int, dtype: str
+) -> tuple[Layout, list[torch.Tensor]]:
+    first = next(iter(kv_caches.values()))
     num_blocks = int(first.shape[0])
     block_elems = first[0].numel()
     flats: list[torch.Tensor] = []
     for name, t in kv_caches.items():
-        if t.shape != first.shape or t.dtype != first.dtype:
-            raise ValueError(
-                f"kv_caches[{name}]: shape {tuple(t.shape)} {t.dtype} differs from the first layer's"
-            )
         if not t[0].is_contiguous() or t.stride(0) != block_elems:
             raise ValueError(
                 f"kv_caches[{name}]: a block is not one contiguous run (shape {tuple(t.shape)}, "
@@ -99,11 +168,11 @@ def kv_layout(kv_caches: dict[str, torch.Tensor], block_size: int) -> tuple[Layo
             f"kv_caches: a block of {block_elems} elements is not a multiple of block_size {block_size}"
         )
     layout = Layout.mla(
-        num_layers=len(tensors),
+        num_layers=len(kv_caches),
         page_size=block_size,
         num_pages=num_blocks,
         latent_dim=block_elems // block_size,
-        dtype=str(first.dtype).removeprefix("torch."),
+        dtype=dtype,
     )
     return layout, flats
 
@@ -130,15 +199,21 @@ class WorkerSide:
         self._shm.append(shm)
         return torch.frombuffer(shm.buf, dtype=torch.int8, count=nbytes)
 
-    def register(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
-        layout, flats = kv_layout(kv_caches, block_size)
-        regions = [self._region(f) for f in flats]
-        bs = self.bg.call(self.bg.kv.register_buffers(layout, regions, [], engine_id=self.engine_id), 60)
+    def register(
+        self, kv_caches: dict[str, torch.Tensor], block_size: int, heads: KVHeads | None = None
+    ) -> None:
+        layout, k, v = kv_layout(kv_caches, block_size, heads)
+        regions = [self._region(f) for f in k]
+        v_regions = [self._region(f) for f in v]
+        bs = self.bg.call(
+            self.bg.kv.register_buffers(layout, regions, v_regions, engine_id=self.engine_id), 60
+        )
         self.layout, self.buffer_set_id = layout, bs.buffer_set_id
         log.info(
-            "kvservice: registered %d layers x %d blocks as %s",
+            "kvservice: registered %d layers x %d blocks (%s) as %s",
             layout.num_layers,
             layout.num_pages,
+            layout.page_layout if layout.kind == "mha" else "opaque blocks",
             bs.buffer_set_id,
         )
 

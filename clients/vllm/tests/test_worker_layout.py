@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvservice_vllm.worker import _SharedZeros, kv_layout
+from kvservice_vllm.worker import KVHeads, _SharedZeros, kv_layout
 
 
 class _Owner:
@@ -27,20 +27,49 @@ def _cpu_views(layers: int = 2, blocks: int = 8, heads: int = 2, block: int = 32
     }
 
 
-def test_cpu_layout_is_one_page_a_block_per_layer() -> None:
+def test_cpu_layout_is_hnd_kv_per_head() -> None:
+    """The CPU backend's [blocks, heads, block, K|V] is the hnd_kv page layout, heads and all."""
     buf, views = _cpu_views()
-    layout, flats = kv_layout(views, 32)
+    layout, k, v = kv_layout(views, 32, KVHeads(total=4, local=2, head_dim=64, tp_size=2, tp_rank=1))
     assert (layout.num_layers, layout.page_size, layout.num_pages) == (2, 32, 8)
-    assert layout.page_bytes_k == 2 * 32 * 128 * 4 and layout.dtype == "float32"
-    assert [f.data_ptr() for f in flats] == [v.data_ptr() for v in views.values()]
-    assert flats[1].numel() == 8 * 2 * 32 * 128
+    assert (layout.kind, layout.page_layout, layout.local_kv_heads, layout.total_kv_heads) == (
+        "mha",
+        "hnd_kv",
+        2,
+        4,
+    )
+    assert (layout.tp_size, layout.tp_rank, layout.head_dim_k, layout.head_dim_v) == (2, 1, 64, 64)
+    assert layout.region_bytes_k == 8 * 2 * 32 * 128 * 4 and layout.dtype == "float32" and v == []
+    assert [f.data_ptr() for f in k] == [t.data_ptr() for t in views.values()]
 
 
-def test_kv_planes_are_refused_with_the_reason() -> None:
-    planes = {"l0": torch.zeros(2, 8, 32, 2, 64)}  # [K|V, blocks, ...]: a block is two runs
-    planes["l0"] = planes["l0"].permute(1, 0, 2, 3, 4)
+def test_unknown_heads_fall_back_to_opaque_blocks() -> None:
+    buf, views = _cpu_views()
+    layout, k, v = kv_layout(views, 32)
+    assert (layout.kind, layout.page_size, layout.num_pages) == ("mla", 32, 8)
+    assert layout.page_bytes_k == 2 * 32 * 128 * 4 and k[1].numel() == 8 * 2 * 32 * 128 and v == []
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_kv_planes_are_nhd_or_hnd(hnd: bool) -> None:
+    """[2, blocks, block, heads, dim] K/V planes (CUDA backends), either stride order."""
+    heads = KVHeads(total=2, local=2, head_dim=64)
+    if hnd:
+        t = torch.zeros(2, 8, 2, 32, 64).permute(0, 1, 3, 2, 4)  # physically [2, blocks, heads, block, dim]
+    else:
+        t = torch.zeros(2, 8, 32, 2, 64)
+    layout, k, v = kv_layout({"l0": t, "l1": t.clone()}, 32, heads)
+    assert layout.page_layout == ("hnd" if hnd else "nhd") and len(k) == len(v) == 2
+    assert k[0].data_ptr() == t.data_ptr() and v[0].data_ptr() == t[1].data_ptr()
+    assert k[0].numel() == v[0].numel() == 8 * 32 * 2 * 64
+
+
+def test_block_outermost_planes_are_refused_with_tp() -> None:
+    planes = {"l0": torch.zeros(2, 8, 32, 2, 64).permute(1, 0, 2, 3, 4)}  # [blocks, K|V, ...]
     with pytest.raises(ValueError, match="not one contiguous run"):
         kv_layout(planes, 32)
+    with pytest.raises(ValueError, match="slice by head, which TP 2 needs"):
+        kv_layout(planes, 32, KVHeads(total=4, local=2, head_dim=64, tp_size=2))
 
 
 def test_the_hook_replaces_only_the_kv_backing_buffer() -> None:
