@@ -139,7 +139,12 @@ class BufferRegistry:
             self._sets[bs.buffer_set_id] = bs
         log.info(
             "buffer set registered",
-            extra={"buffer_set_id": bs.buffer_set_id, "engine_id": bs.engine_id, "session_id": session_id},
+            extra={
+                "buffer_set_id": bs.buffer_set_id,
+                "engine_id": bs.engine_id,
+                "session_id": session_id,
+                "layout": _describe(bs.layout),
+            },
         )
         return bs
 
@@ -209,3 +214,12 @@ def _validate_aux(aux_regions: Sequence[Any]) -> None:
                 f"aux_regions[{i}].region.size_bytes",
                 f"must be row_bytes x num_rows = {a.row_bytes * a.num_rows}, got {a.region.size_bytes}",
             )
+
+
+def _describe(lay: Layout) -> str:
+    order = lay.page_layout if lay.kind == "mha" else "latent"
+    return (
+        f"{lay.kind} {order}, {lay.num_layers} layers x {lay.num_pages} pages of {lay.page_size}, "
+        f"{lay.local_kv_heads}/{lay.total_kv_heads} heads x {lay.head_dim_k}, {lay.dtype}, "
+        f"tp {lay.tp_rank}/{lay.tp_size}"
+    )

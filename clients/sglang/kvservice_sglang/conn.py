@@ -7,13 +7,17 @@ One request (``bootstrap_room``) is one kvservice transfer, ``sgl-<room>``::
               └─ PUT /room/<room> {peer: its kvservice, decode_prefix_len} ─▶ prefill's bootstrap server
     prefill Sender.poll: Bootstrapping until the room is there, then WaitingForInput
               pop_decode_prefix_len ─▶ init(num_pages, aux_index) ─▶ send(pages) per chunk
-              └─ SendDelta(chunk_offset = pages sent so far, last chunk carries the aux row)
+              └─ SendDelta(chunk_offset = prefix pages + pages sent so far, the last chunk
+                 carries the aux row)
     both    poll: Transferring ─▶ Success (DONE) or Failed (FAILED / ABORTED, with the reason)
 
 Only the delta moves: SGLang's prefill sends from the decode's prefix on (seed 000's
 ``decode_prefix_len``, which the prefill learns from the room), so the transfer is exactly the
-pages past it. Every RPC runs on the manager's :class:`BackgroundClient` thread; the
-scheduler's calls only look at futures.
+pages past it. Positions are absolute (the receiver declares ``decode_prefix_len`` as its prefix,
+the sender counts from there), so the other side may be any engine: a vLLM receiver whose room
+was posted with ``decode_prefix_len`` 0 gets every page past its own prefix-cache hit (the service
+skips the rest), in its own block size and page layout. Every RPC runs on the manager's
+:class:`BackgroundClient` thread; the scheduler's calls only look at futures.
 """
 
 from __future__ import annotations
@@ -298,6 +302,7 @@ class KVServiceSender(_Side, BaseKVSender):
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
         offset, self.sent = self.sent, self.sent + int(pages.size)
+        offset += self.pop_decode_prefix_len() // self.mgr.page_size  # absolute sequence position
         last = self.sent >= self.num_pages
         peer = str(self.target.result()["peer"])
         aux = {**self.mgr.aux_rows(self.aux_index), **self.state} if last else {}
@@ -378,7 +383,7 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
             st = await kv.expect_delta(
                 tid,
                 mgr.buffer_set_id,
-                prefix_pages=0,  # SGLang's prefill sends from decode_prefix_len on: all of it moves
+                prefix_pages=prefix_len // mgr.page_size,  # the prefill sends from there on
                 dst_page_indices=pages,
                 aux=aux,
                 deadline_ms=mgr.deadline_ms,
