@@ -138,10 +138,9 @@ def build_chunk(
     engine.node.check_peer_address(peer_address)
     out = engine.sender.outgoing.get((tid, bs.buffer_set_id))
     if out is None or (out.rec.terminal and out.got_last):
-        if chunk_offset != 0:
-            raise InvalidArgument(
-                "chunk_offset", f"the first chunk of a transfer starts at 0, got {chunk_offset}"
-            )
+        # NOTE: the first chunk may start past 0 (a sender that knows the receiver's prefix sends
+        # from there, e.g. SGLang's decode_prefix_len); positions it never sends must be in the
+        # receiver's prefix, or the receiver ends FAILED naming the unsent pages.
         rec = Record(tid, "SENDER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
         out = Outgoing(rec, bs, peer_address, path, no_duplicate_mark=no_duplicate_mark)
     else:

@@ -224,3 +224,23 @@ def test_cross_engine_over_nixl(make_server, make_pool, make_client, shape: str)
     pair = tuple(make_server(transport="nixl", same_host_route="off") for _ in range(2))
     sts = run_convert(pair, make_pool, make_client, shape, "auto", f"xn-{shape}", src_tp=2)
     assert all(s.bytes_sent > 0 for s in sts)
+
+
+def test_a_first_chunk_past_zero_must_start_inside_the_receivers_prefix(pair, make_pool, make_client) -> None:  # type: ignore[no-untyped-def]
+    """A sender may start at the receiver's prefix (SGLang's decode_prefix_len); starting past it
+    leaves delta pages unsent, and the receiver says so."""
+    sa, sb = pair
+    src = make_pool(layout("nhd", 16, 16))
+    dst = make_pool(layout("nhd", 16, 16))
+    fill_random(src, 1)
+    ka, kb = make_client(sa), make_client(sb)
+    a = ka.register_buffers(src.layout, src.k_regions, src.v_regions).buffer_set_id
+    b = kb.register_buffers(dst.layout, dst.k_regions, dst.v_regions).buffer_set_id
+    kb.expect_delta("p0", b, prefix_pages=2, dst_page_indices=[7, 8])
+    ka.send_delta("p0", a, src_page_indices=[4, 5], chunk_offset=2, peer_address=sb.app.peer_address)
+    assert [wait_all(k, "p0")[0].state for k in (ka, kb)] == ["DONE", "DONE"]
+    assert np.array_equal(dst.k(0)[[7, 8]], src.k(0)[[4, 5]])
+    kb.expect_delta("p1", b, prefix_pages=1, dst_page_indices=[7, 8, 9])
+    ka.send_delta("p1", a, src_page_indices=[4, 5], chunk_offset=2, peer_address=sb.app.peer_address)
+    st = wait_all(kb, "p1")[0]
+    assert st.state == "FAILED" and "1 of 3 delta pages unsent" in st.error, st

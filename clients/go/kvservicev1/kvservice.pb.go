@@ -1659,7 +1659,8 @@ type SendDeltaRequest struct {
 	TransferId string `protobuf:"bytes,1,opt,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
 	// Source buffer set (must belong to the calling session).
 	BufferSetId string `protobuf:"bytes,2,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
-	// Position in the sequence (in pages) of the first page of this chunk.
+	// Position in the sequence (in pages) of the first page of this chunk. The first chunk may start
+	// past 0 (at the receiver's prefix, when the sender knows it); later chunks follow on contiguously.
 	ChunkOffset uint32 `protobuf:"varint,3,opt,name=chunk_offset,json=chunkOffset,proto3" json:"chunk_offset,omitempty"`
 	// Source page index of every page of the chunk, in sequence order; may be empty.
 	SrcPageIndices []uint32 `protobuf:"varint,4,rep,packed,name=src_page_indices,json=srcPageIndices,proto3" json:"src_page_indices,omitempty"`
