@@ -15,7 +15,14 @@ import pytest
 from kvservice.transfer.nixl_transport import nixl_available
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ["bench_transfer", "bench_mixed_tp", "bench_multiturn", "bench_control", "bench_events"]
+BENCHES = [
+    "bench_transfer",
+    "bench_mixed_tp",
+    "bench_multiturn",
+    "bench_control",
+    "bench_events",
+    "bench_convert",
+]
 
 pytestmark = [
     pytest.mark.slow,

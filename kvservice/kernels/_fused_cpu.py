@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 __all__ = ["copy_regions", "ready", "warm"]
 
 PARALLEL_BYTES = 4 << 20  # smaller copies run on the calling thread alone
+JOBS_PER_FENCE = 16  # (region, unit) jobs between two store fences; a block is one parallel task
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _run_lock = threading.Lock()
 _warmed = False
@@ -103,16 +104,20 @@ def body(
     m_dst: int,
 ) -> None:  # pragma: no cover - compiled
     n = src_units.size
-    for job in prange(src_base.size * n):
-        r = job // n
-        i = job % n
-        su, du = src_units[i], dst_units[i]
-        s0 = src_base[r] + (su // m_src) * geom[r, 0] + (su % m_src) * geom[r, 1] + geom[r, 4]
-        d0 = dst_base[r] + (du // m_dst) * geom[r, 5] + (du % m_dst) * geom[r, 6] + geom[r, 9]
-        so, si, do, di, row = geom[r, 2], geom[r, 3], geom[r, 7], geom[r, 8], dims[r, 2]
-        for a in range(dims[r, 0]):
-            for b in range(dims[r, 1]):
-                run(d0 + a * do + b * di, s0 + a * so + b * si, row)
+    total = src_base.size * n
+    # NOTE: jobs go in blocks of JOBS_PER_FENCE, one sfence a block: with small units (a token of
+    # a page-1 pool) a fence per job cost more than the copy (bench_convert).
+    for blk in prange((total + JOBS_PER_FENCE - 1) // JOBS_PER_FENCE):
+        for job in range(blk * JOBS_PER_FENCE, min(total, (blk + 1) * JOBS_PER_FENCE)):
+            r = job // n
+            i = job % n
+            su, du = src_units[i], dst_units[i]
+            s0 = src_base[r] + (su // m_src) * geom[r, 0] + (su % m_src) * geom[r, 1] + geom[r, 4]
+            d0 = dst_base[r] + (du // m_dst) * geom[r, 5] + (du % m_dst) * geom[r, 6] + geom[r, 9]
+            so, si, do, di, row = geom[r, 2], geom[r, 3], geom[r, 7], geom[r, 8], dims[r, 2]
+            for a in range(dims[r, 0]):
+                for b in range(dims[r, 1]):
+                    run(d0 + a * do + b * di, s0 + a * so + b * si, row)
         if _X86:
             fence()  # type: ignore[call-arg]
 
