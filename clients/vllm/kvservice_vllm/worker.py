@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import queue
+import secrets
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Any
@@ -194,7 +195,7 @@ class WorkerSide:
             yield
 
     def _shared_buffer(self, nbytes: int) -> torch.Tensor:
-        name = f"kvs-vllm-{os.getpid()}-{len(self._shm)}"
+        name = f"kvs-vllm-{os.getpid()}-{secrets.token_hex(4)}"  # unique: several workers a process
         shm = shared_memory.SharedMemory(create=True, size=nbytes, name=name)
         self._shm.append(shm)
         return torch.frombuffer(shm.buf, dtype=torch.int8, count=nbytes)
