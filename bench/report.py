@@ -32,6 +32,7 @@ def _load(d: Path) -> dict[str, dict[str, Any]]:
             "multiturn",
             "control",
             "routing",
+            "convert",
         ):
             out[f.stem] = j
     return out
@@ -362,6 +363,8 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
         return []
     made = []
     for name, j in runs.items():
+        if j["benchmark"] == "convert":  # a table in SUMMARY.md, no plot
+            continue
         fig, ax = plt.subplots(figsize=(7, 3.2))
         if j["benchmark"] == "transfer":
             labels = list(j["baselines"]) + [
@@ -511,6 +514,24 @@ def _routing_plot(plt: Any, d: Path, name: str, j: dict) -> list[str]:
     return [f"{name}.png"]
 
 
+def _convert(name: str, j: dict[str, Any]) -> list[str]:
+    """Each conversion against the same-layout copy of the same bytes, same run."""
+    out = [
+        f"`{name}` ({j['meta'].get('gpu') if j['meta'].get('gpu') not in (None, '', 'none') else 'CPU'}; {j['tokens']} tokens x {j['layers']} layers x "
+        f"{j['heads']} heads x {j['head_dim']}, {j['dtype']}; contiguous copy {j['memcpy_gbps']} GB/s; "
+        f"`{j['command']}`)",
+        "",
+        "| case | unit (tokens) | fused GB/s | vs same layout | pack+unpack GB/s | vs same layout |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in j["cases"]:
+        out.append(
+            f"| {c['case']} | {c['unit_tokens']} | {c['fused_gbps']} | {c['fused_vs_same_layout']}x | "
+            f"{c['pack_unpack_gbps']} | {c['pack_unpack_vs_same_layout']}x |"
+        )
+    return [*out, ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"))
@@ -545,6 +566,9 @@ def main() -> None:
             for name, j in sel.items():
                 lines += fn(name, j)
                 lines += [f"![{name}]({name}.png)", ""]
+    for name, j in runs.items():
+        if j["benchmark"] == "convert":
+            lines += ["## Cross-engine conversion (page size, page layout)", "", *_convert(name, j)]
     plots = _plots(d, runs)
     (d / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {d / 'SUMMARY.md'} and {len(plots)} plots")
