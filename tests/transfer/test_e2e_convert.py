@@ -72,12 +72,16 @@ SHAPES = {
     "vllmcpu16-to-sglang1": (("hnd_kv", 16), ("nhd", 1)),
     "vllm-hnd16-to-sglang64": (("hnd", 16), ("nhd", 64)),
 }
+SAME = {
+    "vllmcpu32-to-vllmcpu32": (("hnd_kv", 32), ("hnd_kv", 32)),
+    "hnd16-to-hnd16": (("hnd", 16), ("hnd", 16)),
+}
 
 
 def run_convert(
     pair, make_pool, make_client, shape: str, path: str, tid: str, src_tp: int = 1, dst_tp: int = 1
 ):  # type: ignore[no-untyped-def]
-    (sl, ps), (dl, pr) = SHAPES[shape]
+    (sl, ps), (dl, pr) = {**SHAPES, **SAME}[shape]
     sa, sb = pair
     prefix = math.ceil(PREFIX_TOKENS / pr)  # receiver pages it already holds
     n_src, n_dst = math.ceil(T / ps), math.ceil(T / pr)
@@ -122,8 +126,10 @@ def run_convert(
     assert [s.state for s in sts] == ["DONE"] * len(sts), sts
     if fused_pair(pair) and path == "auto":  # both pools mapped by the sender: one fused copy
         assert {s.path for s in sts} == {"FUSED"} and not any(s.route_note for s in sts), sts
-    elif not fused_pair(pair):
+    elif not fused_pair(pair) and (sl, ps) != (dl, pr):
         assert {s.path for s in sts} == {"PACKED"}, sts  # DIRECT cannot convert
+    elif not fused_pair(pair) and path == "direct":
+        assert {s.path for s in sts} == {"DIRECT"}, sts
     # Every head of the delta's tokens, from whichever sender rank holds it.
     want = np.concatenate(
         [seq_tokens(tokens_view(pool), src_pages, ps) for _, pool, _ in senders], axis=3
@@ -148,6 +154,15 @@ def test_cross_engine_delta_lands_token_for_token(
     pair, make_pool, make_client, shape: str, path: str
 ) -> None:  # type: ignore[no-untyped-def]
     run_convert(pair, make_pool, make_client, shape, path, f"x-{shape}-{path}")
+
+
+@pytest.mark.parametrize("path", ["auto", "packed", "direct"])
+@pytest.mark.parametrize("shape", sorted(SAME))
+def test_head_major_pools_of_one_layout_move_as_pages(
+    pair, make_pool, make_client, shape: str, path: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Same page layout and size on both sides: nothing converts, pages move whole (DIRECT too)."""
+    run_convert(pair, make_pool, make_client, shape, path, f"s-{shape}-{path}")
 
 
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (4, 2)])
@@ -217,12 +232,19 @@ def test_hnd_kv_layout_is_validated(make_client, server) -> None:  # type: ignor
             kv.register_buffers(bad, pool.k_regions[:L], [])
 
 
-@pytest.mark.parametrize("shape", ["sglang1-to-vllmcpu16", "vllmcpu16-to-sglang1"])
-def test_cross_engine_over_nixl(make_server, make_pool, make_client, shape: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "shape,path",
+    [
+        ("sglang1-to-vllmcpu16", "auto"),
+        ("vllmcpu16-to-sglang1", "auto"),
+        ("vllmcpu32-to-vllmcpu32", "direct"),
+    ],
+)
+def test_cross_engine_over_nixl(make_server, make_pool, make_client, shape: str, path: str) -> None:  # type: ignore[no-untyped-def]
     """The cross-node path on the real transport: NIXL (UCX) between two services, DRAM pools."""
     pytest.importorskip("nixl")
     pair = tuple(make_server(transport="nixl", same_host_route="off") for _ in range(2))
-    sts = run_convert(pair, make_pool, make_client, shape, "auto", f"xn-{shape}", src_tp=2)
+    sts = run_convert(pair, make_pool, make_client, shape, path, f"xn-{shape}", src_tp=src_tp)
     assert all(s.bytes_sent > 0 for s in sts)
 
 
