@@ -233,14 +233,16 @@ def test_hnd_kv_layout_is_validated(make_client, server) -> None:  # type: ignor
 
 
 @pytest.mark.parametrize(
-    "shape,path",
+    "shape,path,src_tp",
     [
-        ("sglang1-to-vllmcpu16", "auto"),
-        ("vllmcpu16-to-sglang1", "auto"),
-        ("vllmcpu32-to-vllmcpu32", "direct"),
+        ("sglang1-to-vllmcpu16", "auto", 2),
+        ("vllmcpu16-to-sglang1", "auto", 2),
+        ("vllmcpu32-to-vllmcpu32", "direct", 1),
     ],
 )
-def test_cross_engine_over_nixl(make_server, make_pool, make_client, shape: str, path: str) -> None:  # type: ignore[no-untyped-def]
+def test_cross_engine_over_nixl(
+    make_server, make_pool, make_client, shape: str, path: str, src_tp: int
+) -> None:  # type: ignore[no-untyped-def]
     """The cross-node path on the real transport: NIXL (UCX) between two services, DRAM pools."""
     pytest.importorskip("nixl")
     pair = tuple(make_server(transport="nixl", same_host_route="off") for _ in range(2))
