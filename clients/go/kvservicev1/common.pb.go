@@ -30,7 +30,8 @@ const (
 	// Not set; rejected by RegisterBuffers.
 	BufferKind_BUFFER_KIND_UNSPECIFIED BufferKind = 0
 	// Multi-head attention: one K and one V region per layer, each
-	// [num_pages * page_size, local_kv_heads, head_dim] (NHD).
+	// [num_pages * page_size, local_kv_heads, head_dim] (NHD; Layout.page_layout may order a page
+	// head-major instead, or keep K and V in one region per layer).
 	BufferKind_BUFFER_KIND_MHA BufferKind = 1
 	// Multi-head latent attention: one region per layer, [num_pages * page_size, 1, head_dim_k]
 	// where head_dim_k is the latent dimension. Replicated across TP ranks.
