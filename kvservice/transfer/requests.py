@@ -137,6 +137,12 @@ def build_chunk(
         raise InvalidArgument("peer_address", "is required (the receiver's kvservice address)")
     engine.node.check_peer_address(peer_address)
     out = engine.sender.outgoing.get((tid, bs.buffer_set_id))
+    if out is not None and out.rec.terminal and out.got_last and 0 < chunk_offset == out.next_offset:
+        raise InvalidArgument(
+            "chunk_offset",
+            f"{chunk_offset} follows the last chunk of transfer {tid!r} (ended {out.rec.state}); "
+            "a new transfer under this id starts with its own first chunk",
+        )
     if out is None or (out.rec.terminal and out.got_last):
         # NOTE: the first chunk may start past 0 (a sender that knows the receiver's prefix sends
         # from there, e.g. SGLang's decode_prefix_len); positions it never sends must be in the

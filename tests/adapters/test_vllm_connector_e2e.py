@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+from kvservice_client import Layout
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
 sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService  # noqa: E402
+from e2e_helpers import MeteredService, admin_stats  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +75,11 @@ def test_two_turns_match_one_instance_and_move_only_the_delta(pair) -> None:
     record: dict = {"startup_s": round(pair["startup_s"], 1)}
     a = _prompt(150, 1)
     alone = p.generate(a, 8)["tokens"]
+    for svc in (pair["svc_p"], svc_d):  # vLLM's CPU cache in its own byte order, per head
+        lay = [Layout.from_proto(b.layout) for b in admin_stats(svc.address).buffer_sets]
+        assert [(x.kind, x.page_layout, x.local_kv_heads, x.page_size) for x in lay] == [
+            ("mha", "hnd_kv", 2, BLOCK)
+        ]
 
     before = svc_d.moved()
     pre = p.generate(

@@ -67,6 +67,10 @@ def serve(model: str, kvservice: str) -> None:
             kv_role="kv_both",
             kv_connector_extra_config={"kvservice_address": kvservice, "rpc_timeout_s": 10},
         )
+    tp = int(os.environ.get("KVS_VLLM_TP", "1"))  # tensor parallel ranks (worker processes)
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+        kw["distributed_executor_backend"] = "mp"
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
