@@ -170,12 +170,6 @@ class KVRegions:
         return np.array([t.data_ptr() for t in self.regions], dtype=np.int64)
 
     @functools.cached_property
-    def region_head_bytes(self) -> np.ndarray:
-        """int64 bytes of one head's row in every region (staging order)."""
-        hbs = [self.head_bytes_k, self.head_bytes_v] if self.v else [self.head_bytes_k]
-        return np.array(hbs * self.num_layers, dtype=np.int64)
-
-    @functools.cached_property
     def min_alignment(self) -> int:
         """Largest power of two (<= 16) dividing every region's base address."""
         gcd = 16
