@@ -280,15 +280,21 @@ class Receiver:
             raise InvalidArgument("positions", f"outside the declared delta 0..{cov.size - 1}")
         cov[rel] = True
         inc.aux_done |= aux
+        # NOTE: page counts are the receiver's pages: a position is one when a unit is a page here;
+        # else the pages touched count once, at the sender's end, and the sender's skipped pages
+        # (its own size) convert through units.
+        md = units.dst_per_page
         self.table.update(
             inc.rec,
             add_bytes_sent=nbytes,
-            add_pages_sent=int(positions.size) if primary else 0,
-            add_pages_skipped=skipped if primary else 0,
+            add_pages_sent=int(positions.size) if primary and md == 1 else 0,
+            add_pages_skipped=skipped * units.src_per_page // md if primary else 0,
             add_chunks_done=int(positions.size > 0),
         )
         if not last:
             return
+        if primary and md > 1:
+            self.table.update(inc.rec, add_pages_sent=int(np.count_nonzero(cov.reshape(-1, md).any(axis=1))))
         if not units.unsent_ok(cov):
             missing = int(cov.size - np.count_nonzero(cov))
             what = "delta pages" if units.dst_per_page == 1 else f"delta units of {units.tokens} tokens"

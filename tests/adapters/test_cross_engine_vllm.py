@@ -156,6 +156,7 @@ def test_vllm_kv_through_sglang_pools_decodes_the_same_tokens(nodes) -> None:
     moved = {k: svc_d.moved()[k] - before[k] for k in before}
     row = 2 * 2 * 2 * 64 * 4  # bytes of one token: layers x (K, V) x heads x dim x fp32
     assert moved["bytes"] == len(a) * row and moved["pages_skipped"] == 0, moved  # 1-token units
+    assert moved["pages_sent"] == -(-len(a) // BLOCK), moved  # counted in the decode's blocks
 
     # second turn: the decode instance holds turn 1's full blocks; the SGLang side offers the
     # whole new sequence from position 0 and only what lies past the decode's hit moves
@@ -168,6 +169,7 @@ def test_vllm_kv_through_sglang_pools_decodes_the_same_tokens(nodes) -> None:
     assert out2["tokens"] == alone2, (out2, alone2)
     moved2 = {k: svc_d.moved()[k] - before[k] for k in before}
     held = (len(a) + len(out["tokens"]) - 1) // BLOCK  # full blocks of computed KV after turn 1
-    assert moved2["pages_skipped"] == held * BLOCK, moved2  # the sender's 1-token pages in the hit
+    assert moved2["pages_skipped"] == held, moved2  # the decode's own blocks (the sender's pages: 1 token)
+    assert moved2["pages_sent"] == -(-len(b) // BLOCK) - held, moved2
     assert moved2["bytes"] == (len(b) - held * BLOCK) * row, (moved2, held)
     assert time.monotonic() - t0 < 30

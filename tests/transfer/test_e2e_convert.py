@@ -130,6 +130,8 @@ def run_convert(
         assert {s.path for s in sts} == {"PACKED"}, sts  # DIRECT cannot convert
     elif not fused_pair(pair) and path == "direct":
         assert {s.path for s in sts} == {"DIRECT"}, sts
+    for st in sts[: len(receivers)]:  # the receiver counts its own pages, whatever the sender's size
+        assert st.pages_sent == n_dst - prefix and st.pages_skipped <= prefix, st
     # Every head of the delta's tokens, from whichever sender rank holds it.
     want = np.concatenate(
         [seq_tokens(tokens_view(pool), src_pages, ps) for _, pool, _ in senders], axis=3
