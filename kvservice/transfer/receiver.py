@@ -54,6 +54,7 @@ class Incoming:
     publish_tokens: np.ndarray | None = None  # u32, when the receiver published by tokens
     covered: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # sender key -> units
     units: dict[str, Units] = dataclasses.field(default_factory=dict)  # sender key -> its units here
+    skipped_src: dict[str, int] = dataclasses.field(default_factory=dict)  # sender pages skipped so far
     finished: set[str] = dataclasses.field(default_factory=set)
     senders: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> address
     identities: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> peer identity
@@ -283,18 +284,24 @@ class Receiver:
         # NOTE: page counts are the receiver's pages: a position is one when a unit is a page here;
         # else the pages touched count once, at the sender's end, and the sender's skipped pages
         # (its own size) convert through units.
-        md = units.dst_per_page
+        md, same = units.dst_per_page, units.src_per_page == units.dst_per_page == 1
+        if primary and not same:
+            inc.skipped_src[sender_key] = inc.skipped_src.get(sender_key, 0) + skipped
         self.table.update(
             inc.rec,
             add_bytes_sent=nbytes,
             add_pages_sent=int(positions.size) if primary and md == 1 else 0,
-            add_pages_skipped=skipped * units.src_per_page // md if primary else 0,
+            add_pages_skipped=skipped if primary and same else 0,
             add_chunks_done=int(positions.size > 0),
         )
         if not last:
             return
-        if primary and md > 1:
-            self.table.update(inc.rec, add_pages_sent=int(np.count_nonzero(cov.reshape(-1, md).any(axis=1))))
+        if primary and not same:
+            self.table.update(
+                inc.rec,
+                add_pages_sent=int(np.count_nonzero(cov.reshape(-1, md).any(axis=1))) if md > 1 else 0,
+                add_pages_skipped=inc.skipped_src.pop(sender_key, 0) * units.src_per_page // md,
+            )
         if not units.unsent_ok(cov):
             missing = int(cov.size - np.count_nonzero(cov))
             what = "delta pages" if units.dst_per_page == 1 else f"delta units of {units.tokens} tokens"
