@@ -11,7 +11,7 @@ All raise :class:`~kvservice.errors.InvalidArgument` for a bad call and then cha
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -58,22 +58,45 @@ def pack(
     ``_regions``); ``head_major`` is the staging order (default the pool's own: pass the
     receiver's, so that its unpack is the straight copy).
     """
-    kw: dict[str, Any] = {"unit": unit, "head_major": head_major}
     kind = _backend(regions, out, backend)
     if kind == "triton":
         from . import _triton
 
         return _triton.pack(
-            regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
+            regions,
+            pages,
+            out,
+            head_start=head_start,
+            num_heads=num_heads,
+            num_slices=num_slices,
+            unit=unit,
+            head_major=head_major,
         )
     if kind == "cpu":
         from . import _pack_cpu  # numba: imported on first use, like the fused copy
 
-        args = check_copy(regions, pages, out, head_start, num_heads, num_slices, to_staging=True, **kw)
+        args = check_copy(
+            regions,
+            pages,
+            out,
+            head_start,
+            num_heads,
+            num_slices,
+            to_staging=True,
+            unit=unit,
+            head_major=head_major,
+        )
         _pack_cpu.pack(regions, args)
         return args.staging
     return reference.pack(
-        regions, pages, out, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
+        regions,
+        pages,
+        out,
+        head_start=head_start,
+        num_heads=num_heads,
+        num_slices=num_slices,
+        unit=unit,
+        head_major=head_major,
     )
 
 
@@ -94,13 +117,19 @@ def unpack(
     Inverse of :func:`pack` with the same arguments; only heads
     ``[head_start, head_start + num_slices*num_heads)`` of the named pages (units) change.
     """
-    kw: dict[str, Any] = {"unit": unit, "head_major": head_major}
     kind = _backend(regions, staging, backend)
     if kind == "triton":
         from . import _triton
 
         _triton.unpack(
-            regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
+            regions,
+            staging,
+            pages,
+            head_start=head_start,
+            num_heads=num_heads,
+            num_slices=num_slices,
+            unit=unit,
+            head_major=head_major,
         )
         return
     if kind == "cpu":
@@ -108,9 +137,26 @@ def unpack(
 
         _pack_cpu.unpack(
             regions,
-            check_copy(regions, pages, staging, head_start, num_heads, num_slices, to_staging=False, **kw),
+            check_copy(
+                regions,
+                pages,
+                staging,
+                head_start,
+                num_heads,
+                num_slices,
+                to_staging=False,
+                unit=unit,
+                head_major=head_major,
+            ),
         )
         return
     reference.unpack(
-        regions, staging, pages, head_start=head_start, num_heads=num_heads, num_slices=num_slices, **kw
+        regions,
+        staging,
+        pages,
+        head_start=head_start,
+        num_heads=num_heads,
+        num_slices=num_slices,
+        unit=unit,
+        head_major=head_major,
     )

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._regions import KVRegions
-from ._triton import _WORDS, _pow2_divisor
+from ._regions import KVRegions, pow2_divisor
+from ._triton import _WORDS
 
 if TYPE_CHECKING:
     from .fused import FusedArgs
@@ -89,11 +89,8 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
     dst_pages = torch.from_numpy(a.dst_pages).to(src.device, non_blocking=True)
     hbs = [src.head_bytes_k] + ([src.head_bytes_v] if src.v else [])
     kinds = [a.kind_geometry(src, dst, hb) for hb in hbs]
-    word = min(
-        8,
-        src.min_alignment,
-        dst.min_alignment,
-        *(_pow2_divisor(x, 8) for row, lp in kinds for x in (*row, lp.row)),
+    word = pow2_divisor(
+        src.min_alignment, dst.min_alignment, *(x for row, lp in kinds for x in (*row, lp.row)), cap=8
     )
     _, tl_word = _WORDS[word]
     same = len(hbs) == 1 or hbs[0] == hbs[1]
@@ -104,7 +101,7 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
         if d_ptrs.device != s_ptrs.device:
             d_ptrs = d_ptrs.to(s_ptrs.device)
         row_words = loops.row // word
-        row_block = _pow2_divisor(row_words, _MAX_ROW_BLOCK)
+        row_block = pow2_divisor(row_words, cap=_MAX_ROW_BLOCK)
         kch = row_words // row_block
         n_chunks = n * loops.outer_count * loops.inner_count * kch
         block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n_chunks)))

@@ -48,7 +48,7 @@ import torch
 
 from ..errors import InvalidArgument
 
-__all__ = ["PAGE_LAYOUTS", "KVRegions", "Loops", "copy_loops", "packed_nbytes"]
+__all__ = ["PAGE_LAYOUTS", "KVRegions", "Loops", "copy_loops", "packed_nbytes", "pow2_divisor"]
 
 PAGE_LAYOUTS = ("nhd", "hnd", "hnd_kv")
 
@@ -172,15 +172,16 @@ class KVRegions:
     @functools.cached_property
     def min_alignment(self) -> int:
         """Largest power of two (<= 16) dividing every region's base address."""
-        gcd = 16
-        for t in self.regions:
-            gcd = _pow2_gcd(gcd, t.data_ptr())
-        return gcd
+        return pow2_divisor(*(t.data_ptr() for t in self.regions), cap=16)
 
 
-def _pow2_gcd(a: int, b: int) -> int:
-    while a > 1 and b % a:
-        a //= 2
+def pow2_divisor(*values: int, cap: int) -> int:
+    """The largest power of two, at most ``cap`` (a power of two), dividing every value: the
+    widest word a copy of rows at these addresses and strides can move."""
+    a = cap
+    for b in values:
+        while a > 1 and b % a:
+            a //= 2
     return a
 
 

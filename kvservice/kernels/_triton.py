@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._checks import CopyArgs, PageIndices, check_copy
-from ._regions import KVRegions, copy_loops, staging_strides
+from ._regions import KVRegions, copy_loops, pow2_divisor, staging_strides
 
 __all__ = ["pack", "unpack"]
 
@@ -101,13 +101,6 @@ def _copy_pages_kernel(
         tl.store(reg_ptrs, tl.load(stg_ptrs, mask=mask), mask=mask)
 
 
-def _pow2_divisor(x: int, cap: int) -> int:
-    d = 1
-    while d < cap and x % (2 * d) == 0:
-        d *= 2
-    return d
-
-
 def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: int, num_warps: int) -> None:
     n, h, g = args.pages.numel(), args.num_heads, args.unit
     if n == 0:
@@ -115,11 +108,8 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
     hbs = [regions.head_bytes_k] + ([regions.head_bytes_v] if regions.v else [])
     staging_addr = args.staging.data_ptr()
     strides = [regions.strides(hb) for hb in hbs]
-    word = min(
-        8,
-        regions.min_alignment,
-        _pow2_divisor(staging_addr, 8),
-        *(_pow2_divisor(x, 8) for x in (*hbs, *(st for trio in strides for st in trio))),
+    word = pow2_divisor(
+        regions.min_alignment, staging_addr, *hbs, *(st for trio in strides for st in trio), cap=8
     )
     seg_bytes = [n * g * h * hb for hb in hbs]
     slice_bytes = regions.num_layers * sum(seg_bytes)
@@ -136,7 +126,7 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
             g, h, hb, (token, head), staging_strides(g, h, hb, args.head_major), args.head_major
         )
         row_words = loops.row // word
-        row_block = _pow2_divisor(row_words, _MAX_ROW_BLOCK)
+        row_block = pow2_divisor(row_words, cap=_MAX_ROW_BLOCK)
         kch = row_words // row_block
         n_chunks = n * loops.outer_count * loops.inner_count * kch
         block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n_chunks)))

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from ._checks import CopyArgs, PageIndices, check_copy
-from ._regions import KVRegions
+from ._regions import KVRegions, pow2_divisor
 
 __all__ = ["pack", "unpack"]
 
@@ -31,11 +31,6 @@ def unit_view(
     return torch.as_strided(words, size, (ps // word, unit * ts // word, ts // word, hs // word, 1))
 
 
-def word_size(*values: int) -> int:
-    """The widest word (8/4/2/1 bytes) dividing every value (addresses, strides, row bytes)."""
-    return next(w for w in (8, 4, 2, 1) if all(v % w == 0 for v in values))
-
-
 def _segments(regions: KVRegions, args: CopyArgs) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (region as ``unit_view``, staging as [S, n, g, h, words] or [S, n, h, g, words]).
 
@@ -50,7 +45,7 @@ def _segments(regions: KVRegions, args: CopyArgs) -> Iterator[tuple[torch.Tensor
         hb = head_bytes[i % len(head_bytes)]
         seg = n * g * h * hb
         staged = by_slice[:, off : off + seg]
-        word = word_size(*regions.strides(hb), hb, reg.data_ptr(), staged.data_ptr(), g * hb)
+        word = pow2_divisor(*regions.strides(hb), hb, reg.data_ptr(), staged.data_ptr(), cap=8)
         shape = (s, n, h, g, hb) if args.head_major else (s, n, g, h, hb)
         staged = staged.view(shape).view(_WORDS[word])
         yield unit_view(regions, reg, hb, g, word), staged

@@ -425,8 +425,6 @@ class TransferEngine:
         units = inc.units.get(sender)
         if units is None:
             raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
-        if positions.size and positions.min() < inc.prefix_pages * units.dst_per_page:
-            raise InvalidArgument("positions", "inside the receiver's prefix")
         dst = units.land(positions, inc.prefix_pages, inc.dst_pages)
         nbytes = kernels.packed_nbytes(regions, int(dst.size), num_heads, unit=units.tokens)
         inc.busy += 1

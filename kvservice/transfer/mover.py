@@ -326,9 +326,7 @@ class Mover:
         """
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
-        per_page = kernels.packed_nbytes(
-            regions, 1, target.route.num_heads, unit=target.units.tokens if target.converts else None
-        )
+        per_page = kernels.packed_nbytes(regions, 1, target.route.num_heads, unit=target.units.tokens)
         batch = max(1, min(cmap.num_pages, (pool.capacity_bytes // (PIPELINE + 1)) // per_page))
         chan = self._channel(self.peers.get(out.peer_address))
         if chan is not None:
@@ -508,13 +506,19 @@ class Mover:
     @staticmethod
     def _pack(regions: Any, src: np.ndarray, view: Any, target: Target) -> None:
         """Pack in the receiver's unit and page order: its unpack is then the straight copy."""
-        kw = {
-            "head_start": target.route.src_head_start,
-            "num_heads": target.route.num_heads,
-            "unit": target.units.tokens if target.converts else None,
-            "head_major": target.head_major,
-        }
-        on_side_stream(view.device, lambda: kernels.pack(regions, src, view, **kw))  # type: ignore[arg-type]
+        r = target.route
+        on_side_stream(
+            view.device,
+            lambda: kernels.pack(
+                regions,
+                src,
+                view,
+                head_start=r.src_head_start,
+                num_heads=r.num_heads,
+                unit=target.units.tokens,
+                head_major=target.head_major,
+            ),
+        )
 
     async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
         """Write the aux rows into the receiver's rows; returns (bytes, descriptors)."""

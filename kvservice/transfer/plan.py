@@ -54,8 +54,13 @@ class Units:
         return (pages[:, None] * per_page + np.arange(per_page, dtype=np.int64)[None, :]).reshape(-1)
 
     def land(self, positions: np.ndarray, prefix_pages: int, dst_pages: np.ndarray) -> np.ndarray:
-        """Receiver units of unit ``positions`` (past the receiver's prefix)."""
+        """Receiver units of unit ``positions``; InvalidArgument unless each lies in the declared
+        delta (past the prefix, within the destination pages)."""
         rel = positions - prefix_pages * self.dst_per_page
+        if rel.size and (rel.min() < 0 or rel.max() >= dst_pages.size * self.dst_per_page):
+            raise InvalidArgument(
+                "positions", f"outside the declared delta 0..{dst_pages.size * self.dst_per_page - 1}"
+            )
         if self.dst_per_page == 1:
             return dst_pages[rel]
         return dst_pages[rel // self.dst_per_page] * self.dst_per_page + rel % self.dst_per_page

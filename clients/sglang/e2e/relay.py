@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -79,8 +80,6 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=1)
     ap.add_argument("--slots", type=int, default=1024)
     a = ap.parse_args()
-    import os
-
     os.environ["SGLANG_KVSERVICE_ADDRESS"] = a.service
     pool = Pool(a.layers, a.heads, a.dim, a.page, a.slots)
     bootstrap = KVServiceBootstrapServer("127.0.0.1", 0)

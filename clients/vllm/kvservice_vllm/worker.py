@@ -163,7 +163,7 @@ def _opaque(
                 f"stride {t.stride()}); this layout (K/V planes or block-outermost packing) is not "
                 "supported by kvservice_vllm yet"
             )
-        flats.append(torch.as_strided(t, (num_blocks * block_elems,), (1,)))
+        flats.append(_flat(t))
     if block_elems % block_size:
         raise ValueError(
             f"kv_caches: a block of {block_elems} elements is not a multiple of block_size {block_size}"
