@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -154,11 +155,31 @@ class Services:
                     peer = f"{self.net.ips[i]}:{self.PEER_PORT}"
                     cmd = ["ip", "netns", "exec", self.net.names[i], *cmd]
                     cmd += ["--peer-tcp-address", peer, "--peer-token-file", str(token)]
+                spy = os.environ.get("BENCH_PYSPY_DIR")
+                if spy:  # profile: py-spy samples every thread, idle ones too (collapsed stacks)
+                    out = Path(spy) / f"svc{i}-{os.getpid()}.txt"
+                    cmd = [
+                        "py-spy",
+                        "record",
+                        "-r",
+                        "2000",
+                        "--idle",
+                        "--threads",
+                        "--nonblocking",
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(out),
+                        "--",
+                        *cmd,
+                    ]
                 err = None
                 if self.log_dir is not None:
                     err = open(self.log_dir / f"svc{i}.log", "w")
                     self._logs.append(err)
-                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=err))
+                self.procs.append(
+                    subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=err, start_new_session=bool(spy))
+                )
                 self.addresses.append(f"unix:{sock}")
                 self.peer_addresses.append(peer)
             end = time.monotonic() + self.timeout_s
@@ -193,7 +214,9 @@ class Services:
 
     def __exit__(self, *exc: object) -> None:
         for p in self.procs:
-            if p.poll() is None:
+            if p.poll() is None and os.environ.get("BENCH_PYSPY_DIR"):
+                os.killpg(p.pid, signal.SIGINT)  # py-spy and the service both stop; py-spy writes
+            elif p.poll() is None:
                 p.terminate()
         for p in self.procs:
             try:

@@ -18,6 +18,7 @@ from . import convert
 from .credentials import CREDENTIAL_METADATA_KEY
 from .errors import grpc_errors
 from .replay import ReplayCache, replayable
+from .transfer_stream import TransferStream
 
 __all__ = ["KVServiceServicer"]
 
@@ -158,14 +159,14 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         )
         return pb.EvictPagesResponse(evicted_pages=n)
 
-    @grpc_errors
-    @replayable
-    async def ExpectDelta(self, request: pb.ExpectDeltaRequest, context: Ctx) -> pb.ExpectDeltaResponse:
+    # NOTE: the transfer calls' bodies (_expect, _send, _abort) serve the unary RPCs and the
+    # Transfers stream alike.
+    async def _expect(self, request: pb.ExpectDeltaRequest, session_id: str) -> pb.ExpectDeltaResponse:
         engine = self.node.require_transfers("ExpectDelta")
         which = request.WhichOneof("publish")
         inc = build_incoming(
             engine,
-            self._session(context),
+            session_id,
             transfer_id=request.transfer_id,
             buffer_set_id=request.buffer_set_id,
             prefix_pages=request.prefix_pages,
@@ -185,13 +186,11 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         rec = await engine.expect(inc)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
-    @grpc_errors
-    @replayable
-    async def SendDelta(self, request: pb.SendDeltaRequest, context: Ctx) -> pb.SendDeltaResponse:
+    async def _send(self, request: pb.SendDeltaRequest, session_id: str) -> pb.SendDeltaResponse:
         engine = self.node.require_transfers("SendDelta")
         out, chunk = build_chunk(
             engine,
-            self._session(context),
+            session_id,
             transfer_id=request.transfer_id,
             buffer_set_id=request.buffer_set_id,
             chunk_offset=request.chunk_offset,
@@ -205,6 +204,23 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         )
         rec = await engine.send(out, chunk)
         return pb.SendDeltaResponse(status=convert.transfer_status(rec))
+
+    async def _abort(self, request: pb.AbortRequest, session_id: str) -> pb.AbortResponse:
+        engine = self.node.require_transfers("Abort")
+        recs = await engine.abort(
+            session_id, request.transfer_id, "ABORTED", request.reason or "aborted by the engine"
+        )
+        return pb.AbortResponse(statuses=[convert.transfer_status(r) for r in recs])
+
+    @grpc_errors
+    @replayable
+    async def ExpectDelta(self, request: pb.ExpectDeltaRequest, context: Ctx) -> pb.ExpectDeltaResponse:
+        return await self._expect(request, self._session(context))
+
+    @grpc_errors
+    @replayable
+    async def SendDelta(self, request: pb.SendDeltaRequest, context: Ctx) -> pb.SendDeltaResponse:
+        return await self._send(request, self._session(context))
 
     @grpc_errors
     async def Poll(self, request: pb.PollRequest, context: Ctx) -> pb.PollResponse:
@@ -223,11 +239,18 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     @grpc_errors
     @replayable
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        engine = self.node.require_transfers("Abort")
-        recs = await engine.abort(
-            self._session(context), request.transfer_id, "ABORTED", request.reason or "aborted by the engine"
+        return await self._abort(request, self._session(context))
+
+    @grpc_errors
+    async def Transfers(
+        self, request_iterator: AsyncIterator[pb.TransferCall], context: Ctx
+    ) -> AsyncIterator[pb.TransferEvent]:
+        engine = self.node.require_transfers("Transfers")
+        stream = TransferStream(
+            self._session(context), engine, self.replay, self._expect, self._send, self._abort
         )
-        return pb.AbortResponse(statuses=[convert.transfer_status(r) for r in recs])
+        async for event in stream.serve(request_iterator):
+            yield event
 
     @grpc_errors
     async def SuggestEvictions(

@@ -91,6 +91,9 @@ class TransferTable:
         # Told of every record that reaches a terminal state (metrics, the load book), outside
         # the lock; they must be quick.
         self.terminal_listeners: list[Callable[[Record], None]] = []
+        # Per session: told of each of its records that reaches a terminal state (engines'
+        # Transfers streams), outside the lock, on the thread that finished it.
+        self._ended_subs: dict[str, list[Callable[[Record], None]]] = {}
         self.counts = {"DONE": 0, "FAILED": 0, "ABORTED": 0}
         self.live_per_session: collections.Counter[str] = collections.Counter()
 
@@ -182,8 +185,26 @@ class TransferTable:
         )
         for listener in self.terminal_listeners:
             listener(rec)
+        for sub in self._ended_subs.get(rec.session_id, ()):
+            sub(rec)
         self._publish(rec)
         return True
+
+    def subscribe(self, session_id: str, fn: Callable[[Record], None]) -> Callable[[], None]:
+        """Call ``fn(record)`` whenever a record of ``session_id`` reaches a terminal state (the
+        record itself: it no longer changes); returns the unsubscribe function."""
+        with self._lock:
+            self._ended_subs.setdefault(session_id, []).append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                subs = self._ended_subs.get(session_id, [])
+                if fn in subs:
+                    subs.remove(fn)
+                if not subs:
+                    self._ended_subs.pop(session_id, None)
+
+        return unsubscribe
 
     def in_flight(self) -> int:
         with self._lock:
@@ -229,8 +250,19 @@ class TransferTable:
                 self._watchers.remove(entry)
 
     def _publish(self, rec: Record) -> None:
-        snap = rec.snapshot()
+        if not self._watchers:  # NOTE: the hot path: no watcher, no snapshot, no lock
+            return
         with self._lock:
             targets = [(loop, q) for loop, q, pred in self._watchers if pred(rec)]
+        if not targets:
+            return
+        snap = rec.snapshot()
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for loop, q in targets:
-            loop.call_soon_threadsafe(q.put, snap.key, snap)
+            if loop is here:  # no self-pipe write (a syscall) when we are on the watcher's loop
+                q.put(snap.key, snap)
+            else:
+                loop.call_soon_threadsafe(q.put, snap.key, snap)

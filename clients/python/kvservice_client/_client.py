@@ -7,6 +7,7 @@ by the service when the client closes or its process dies.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -15,7 +16,15 @@ import grpc
 import numpy as np
 
 from . import _requests as rq
-from ._errors import DeadlineExceeded, KVClientError, SessionLost, Unauthenticated, Unavailable, map_rpc_error
+from ._errors import (
+    DeadlineExceeded,
+    KVClientError,
+    SessionLost,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+    map_rpc_error,
+)
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
@@ -23,6 +32,7 @@ from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
 from ._security import PLAIN, ChannelSecurity
 from ._session import Owned, RegisterArgs, SessionKeeper, find_credential_path
+from ._transfer_stream import Ended, StreamBroken, TransferStream
 from ._types import EvictionSuggestion, MatchResult, RegisteredBuffers, TransferStatus
 
 __all__ = ["Client", "channel_options", "message_size_options"]
@@ -50,6 +60,9 @@ class Client:
     TCP targets (pass it to register over TCP on the same host; "" turns it off).
     ``security``: TLS files and/or a bearer token file for a TCP service that requires them
     (:class:`ChannelSecurity`); Unix-socket targets need none.
+    ``transfer_stream``: make ExpectDelta / SendDelta / Abort on the session's Transfers stream
+    (one held stream; ended transfers arrive on it, so :meth:`wait` opens no watch). False, or
+    a service without that RPC: unary calls and a watch per wait.
     """
 
     def __init__(
@@ -62,6 +75,7 @@ class Client:
         on_session_lost: Callable[[SessionLost], None] | None = None,
         credential_path: str | None = None,
         security: ChannelSecurity = PLAIN,
+        transfer_stream: bool = True,
     ) -> None:
         self.target = target
         self.client_name = client_name
@@ -69,6 +83,10 @@ class Client:
         self._channel = security.channel(target, channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
+        self._tx_book = Ended()
+        self._tx: TransferStream | None = None
+        self._tx_lock = threading.Lock()
+        self._tx_enabled = transfer_stream
         self._session = SessionKeeper(
             self._stub,
             client_name,
@@ -110,13 +128,41 @@ class Client:
             for bs_id, a in old.items()
         }
 
-    def _call(self, method: str, request: Any, owned: bool = True) -> Any:
+    def _transfer_stream(self) -> TransferStream | None:
+        """The session's Transfers stream, opened (again) if needed; None when not used."""
+        with self._tx_lock:
+            tx = self._tx
+            if tx is not None and tx.closed and isinstance(tx.error, Unimplemented):
+                self._tx_enabled = False  # an older service: unary calls from now on
+            if not self._tx_enabled:
+                return None
+            if tx is None or tx.closed:
+                md = ((rq.SESSION_METADATA_KEY, self.session_id),)
+                tx = self._tx = TransferStream(self._stub, md, self._tx_book)
+            return tx
+
+    def _transfer_call(self, which: str, method: str, request: Any) -> Any:
+        """A transfer call on the stream; made again unary (same request id) if the stream broke."""
+        rid = rq.new_request_id()
+        tx = self._transfer_stream()
+        if tx is not None:
+            try:
+                return tx.call(which, request, rid, self.timeout)
+            except StreamBroken:
+                pass
+            except TimeoutError:
+                raise DeadlineExceeded(f"{method}: no answer within {self.timeout} s") from None
+        if getattr(request, "transfer_id", ""):
+            self._tx_book.unsure(request.transfer_id)
+        return self._call(method, request, request_id=rid)
+
+    def _call(self, method: str, request: Any, owned: bool = True, request_id: str = "") -> Any:
         if not owned:
             try:
                 return getattr(self._stub, method)(request, timeout=self.timeout)
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
-        metadata = rq.owned_metadata(self.session_id)
+        metadata = rq.owned_metadata(self.session_id, request_id)
         end = time.monotonic() + self.timeout
         while True:
             try:
@@ -139,6 +185,9 @@ class Client:
 
     def close(self) -> None:
         """End the session (the service releases what it owns at once) and close the channel."""
+        with self._tx_lock:
+            if self._tx is not None:
+                self._tx.close()
         self._session.close(self._close_rpc)
         self._channel.close()
 
@@ -269,8 +318,9 @@ class Client:
             prefix_page_indices,
             allowed_senders,
         )
-        status = TransferStatus.from_proto(self._call("ExpectDelta", req).status)
+        status = TransferStatus.from_proto(self._transfer_call("expect_delta", "ExpectDelta", req).status)
         self.owned.add_transfer(transfer_id)
+        self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
         return status
 
     def send_delta(
@@ -304,8 +354,9 @@ class Client:
             path,
             no_duplicate_mark,
         )
-        status = TransferStatus.from_proto(self._call("SendDelta", req).status)
+        status = TransferStatus.from_proto(self._transfer_call("send_delta", "SendDelta", req).status)
         self.owned.add_transfer(transfer_id)
+        self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
         return status
 
     def poll(self, transfer_ids: Sequence[str] = ()) -> list[TransferStatus]:
@@ -329,8 +380,16 @@ class Client:
 
         Raises DeadlineExceeded when ``timeout`` (default: the client's) passes first.
         """
+        deadline = time.monotonic() + (timeout or self.timeout)
+        try:  # the sides this client made on its Transfers stream: their ends arrive there
+            ended = self._tx_book.wait_all(transfer_id, deadline)
+        except TimeoutError:
+            raise DeadlineExceeded("the transfer did not end before the wait's timeout") from None
+        if ended is not None:
+            self.owned.observe(ended)
+            return ended
         latest: dict[tuple[str, str], TransferStatus] = {}
-        statuses = self._statuses([transfer_id], True, time.monotonic() + (timeout or self.timeout))
+        statuses = self._statuses([transfer_id], True, deadline)
         try:
             for st in statuses:
                 latest[(st.role, st.buffer_set_id)] = st
@@ -367,7 +426,7 @@ class Client:
                 call.cancel()
 
     def abort(self, transfer_id: str, reason: str = "") -> list[TransferStatus]:
-        r = self._call("Abort", pb.AbortRequest(transfer_id=transfer_id, reason=reason))
+        r = self._transfer_call("abort", "Abort", pb.AbortRequest(transfer_id=transfer_id, reason=reason))
         statuses = [TransferStatus.from_proto(s) for s in r.statuses]
         self.owned.observe(statuses)
         return statuses

@@ -13,7 +13,7 @@ from ._errors import InvalidArgument
 from ._proto import common_pb2, kvservice_pb2
 from .hashing import tokens_to_u32le
 
-__all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED", "connection_broke", "owned_metadata"]
+__all__ = ["SESSION_METADATA_KEY", "SESSION_RELEASED", "connection_broke", "new_request_id", "owned_metadata"]
 
 SESSION_METADATA_KEY = "kvservice-session"
 SESSION_RELEASED = "was released"  # in the service's UNAUTHENTICATED message for a released session
@@ -26,9 +26,13 @@ TokensLike = Sequence[int] | np.ndarray | bytes
 HashesLike = Sequence[int] | np.ndarray
 
 
-def owned_metadata(session_id: str) -> tuple[tuple[str, str], ...]:
+def new_request_id() -> str:
+    return secrets.token_hex(12)
+
+
+def owned_metadata(session_id: str, request_id: str = "") -> tuple[tuple[str, str], ...]:
     """Metadata of an owned call: its session, and a request id the service runs once."""
-    return ((SESSION_METADATA_KEY, session_id), (REQUEST_ID_METADATA_KEY, secrets.token_hex(12)))
+    return ((SESSION_METADATA_KEY, session_id), (REQUEST_ID_METADATA_KEY, request_id or new_request_id()))
 
 
 def connection_broke(exc: grpc.RpcError) -> bool:

@@ -17,6 +17,44 @@ TRANSFER_ROLE_UNSPECIFIED: TransferRole
 TRANSFER_ROLE_SENDER: TransferRole
 TRANSFER_ROLE_RECEIVER: TransferRole
 
+class TransferCall(_message.Message):
+    __slots__ = ("call_id", "expect_delta", "send_delta", "abort", "request_id")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    SEND_DELTA_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    expect_delta: ExpectDeltaRequest
+    send_delta: SendDeltaRequest
+    abort: AbortRequest
+    request_id: str
+    def __init__(self, call_id: _Optional[int] = ..., expect_delta: _Optional[_Union[ExpectDeltaRequest, _Mapping]] = ..., send_delta: _Optional[_Union[SendDeltaRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class TransferEvent(_message.Message):
+    __slots__ = ("call_id", "expect_delta", "send_delta", "abort", "error", "status")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    SEND_DELTA_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    expect_delta: ExpectDeltaResponse
+    send_delta: SendDeltaResponse
+    abort: AbortResponse
+    error: CallError
+    status: TransferStatus
+    def __init__(self, call_id: _Optional[int] = ..., expect_delta: _Optional[_Union[ExpectDeltaResponse, _Mapping]] = ..., send_delta: _Optional[_Union[SendDeltaResponse, _Mapping]] = ..., abort: _Optional[_Union[AbortResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("client_name", "resume_session_id")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]

@@ -110,6 +110,11 @@ class KVServiceStub(object):
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsResponse.FromString,
                 _registered_method=True)
+        self.Transfers = channel.stream_stream(
+                '/kvservice.v1.KVService/Transfers',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.TransferCall.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.TransferEvent.FromString,
+                _registered_method=True)
 
 
 class KVServiceServicer(object):
@@ -225,6 +230,17 @@ class KVServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transfers(self, request_iterator, context):
+        """An engine's transfer stream: one per session, held open. It carries the session's
+        ExpectDelta / SendDelta / Abort calls (each answered on the stream with its call_id, in the
+        order they arrive) and, unasked, the final status of every transfer side of the session
+        (DONE, FAILED or ABORTED). A sub-millisecond transfer has no room for a unary call on its
+        path: a stream message costs about half a unary call, and no watch is opened per transfer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +318,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.SuggestEvictions,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsResponse.SerializeToString,
+            ),
+            'Transfers': grpc.stream_stream_rpc_method_handler(
+                    servicer.Transfers,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.TransferCall.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.TransferEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -709,6 +730,33 @@ class KVService(object):
             '/kvservice.v1.KVService/SuggestEvictions',
             kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.SuggestEvictionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfers(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvservice.v1.KVService/Transfers',
+            kvservice_dot_v1_dot_kvservice__pb2.TransferCall.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.TransferEvent.FromString,
             options,
             channel_credentials,
             insecure,
