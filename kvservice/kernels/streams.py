@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["on_side_stream", "service_stream", "wait_event"]
+__all__ = ["on_side_stream", "service_stream"]
 
 _local = threading.local()
 
@@ -46,13 +46,3 @@ def service_stream(index: int) -> Any:
     if stream is None:
         stream = _service_streams[index] = torch.cuda.Stream(device=index)
     return stream
-
-
-async def wait_event(event: Any, max_sleep: float = 2e-4) -> None:
-    """Wait for a CUDA event without blocking the event loop: query, then sleep with backoff."""
-    import asyncio
-
-    delay = 10e-6
-    while not event.query():
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max_sleep)

@@ -20,6 +20,7 @@ import numpy as np
 from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
+from ..kernels import completions
 from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
@@ -660,6 +661,7 @@ class TransferEngine:
             self._reaper.cancel()
         await self.duplicates.close()
         await self.abort_all("service shutting down")
+        completions.shutdown()
         await self.mover.close_channels()
         for task in list(self.inbound_channels):
             task.cancel()

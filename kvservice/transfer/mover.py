@@ -216,8 +216,10 @@ class Mover:
                 mover = self._direct if path == "DIRECT" else self._fused_remote
                 await mover(out, target, chunk, cmap, aux)
                 return
-            if path == "FUSED":
-                await self.same_node.move(out, target, cmap)
+            if path == "FUSED":  # same service: one commit carries the chunk's end too
+                aux = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
+                await self.same_node.move(out, target, cmap, chunk.last, aux)
+                return
             else:
                 await self._packed(out, target, chunk, cmap)
         aux_bytes, aux_descs = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)

@@ -4,12 +4,13 @@
                     ─▶ Engine.commit (receiver accounting, DONE, publish)      no staging, no RPC
 
 Per receiver rank one call (one kernel launch on CUDA, one compiled loop on the CPU). CUDA
-launches go on a service-owned stream of the source device and completion is an event queried
-without blocking the loop; host pools copy in a worker thread (the compiled loop releases the
-GIL), or inline when the copy is small (``INLINE_BYTES``) and the compiled loop is ready (the
-event loop never waits for the JIT). The receiver's declaration is held
-``busy`` while a copy runs, so an Abort returns only after it ended, and a copy never starts once
-the receiver's record is terminal: no byte lands after an acknowledged Abort.
+launches go on a service-owned stream of the source device and completion is an event that a
+completion thread waits for (``kernels.completions``: the loop never polls); host pools copy in
+a worker thread (the compiled loop releases the GIL), or inline when the copy is small
+(``INLINE_BYTES``) and the compiled loop is ready (the event loop never waits for the JIT). The
+receiver's declaration is held ``busy`` while a copy runs, so an Abort returns only after it
+ended, and a copy never starts once the receiver's record is terminal: no byte lands after an
+acknowledged Abort.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import Aborted
-from ..kernels import KVRegions, _fused_cpu
+from ..kernels import KVRegions, _fused_cpu, completions
 from ..kernels.fused import copy_pages, fused_nbytes
-from ..kernels.streams import on_side_stream, service_stream, wait_event
+from ..kernels.streams import on_side_stream, service_stream
 from .plan import ChunkMap
 from .sender import Outgoing, Target
 
@@ -43,8 +44,12 @@ class SameNode:
         self.e = engine
         self._peer_ok: dict[tuple[int, int], bool] = {}
 
-    async def move(self, out: Outgoing, target: Target, cmap: ChunkMap) -> None:
-        """Copy the chunk's pages into the receiver rank's pages, then commit them there."""
+    async def move(
+        self, out: Outgoing, target: Target, cmap: ChunkMap, last: bool, aux: tuple[int, int] = (0, 0)
+    ) -> None:
+        """Copy the chunk's pages into the receiver rank's pages, then commit them there: one
+        commit that also carries the chunk's end (``last``, its skipped pages, ``aux`` = the
+        bytes and rows of aux already written)."""
         e = self.e
         inc = e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
         src = e.kv_regions[out.bs.buffer_set_id]
@@ -60,18 +65,21 @@ class SameNode:
         finally:
             inc.busy -= 1
         us = int((time.monotonic() - t0) * 1e6)
-        e.table.update(out.rec, path="FUSED", add_bytes_sent=nbytes, add_wire=us)
+        e.table.update(
+            out.rec, path="FUSED", add_bytes_sent=nbytes + aux[0], add_descriptors=aux[1], add_wire=us
+        )
         await e.commit(
             inc,
             f"{e.service_id}/{out.bs.layout.tp_rank}",
             cmap.positions,
-            last=False,
-            nbytes=nbytes,
-            skipped=0,
-            aux=False,
+            last=last,
+            nbytes=nbytes + aux[0],
+            skipped=cmap.skipped,
+            aux=aux[1] > 0,
             primary=route.dst_head_start == 0,
             path="FUSED",
             wire_us=us,
+            descriptors=aux[1],
         )
 
     async def copy(
@@ -96,7 +104,7 @@ class SameNode:
                 nbytes = copy_pages(src, dst, sp, dp, **kw)  # type: ignore[arg-type]
                 done = torch.cuda.Event()
                 done.record(stream)
-            await wait_event(done)
+            await completions.done(done, sd.index)
             return nbytes
         if sd.type == "cuda" or dd.type == "cuda":  # host <-> device pool, or GPUs without P2P
             dev = sd if sd.type == "cuda" else dd
