@@ -57,6 +57,7 @@ def _fused_kernel(
     KCH: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every run starts 16-byte aligned on both sides (checked on the host)
 ):
     pid = tl.program_id(0).to(tl.int64)
     region = tl.program_id(1).to(tl.int64)
@@ -76,8 +77,14 @@ def _fused_kernel(
     d_row += dst_off + k * ROW_BLOCK
     s_base = tl.load(src_table + region).to(tl.pointer_type(WORD))
     d_base = tl.load(dst_table + region).to(tl.pointer_type(WORD))
-    vals = tl.load(s_base + (s_row[:, None] + w[None, :]), mask=mask)
-    tl.store(d_base + (d_row[:, None] + w[None, :]), vals, mask=mask)
+    s_ptrs = s_base + (s_row[:, None] + w[None, :])
+    d_ptrs = d_base + (d_row[:, None] + w[None, :])
+    if ALIGNED:
+        # NOTE: the tables hide the bases' alignment from the compiler: say it, so rows move as
+        # 16-byte vectors (the pack kernel does the same).
+        s_ptrs = tl.max_contiguous(tl.multiple_of(s_ptrs, [1, 16]), [1, ROW_BLOCK])
+        d_ptrs = tl.max_contiguous(tl.multiple_of(d_ptrs, [1, 16]), [1, ROW_BLOCK])
+    tl.store(d_ptrs, tl.load(s_ptrs, mask=mask), mask=mask)
 
 
 def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK_WORDS) -> None:
@@ -85,8 +92,14 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
     n = int(a.src_pages.size)
     if n == 0:
         return
-    src_pages = torch.from_numpy(a.src_pages).to(src.device, non_blocking=True)
-    dst_pages = torch.from_numpy(a.dst_pages).to(src.device, non_blocking=True)
+    # NOTE: one asynchronous H2D copy of both page tables from pinned memory (torch's caching host
+    # allocator keeps the block until the copy's stream passed it); a pageable source would make
+    # each copy a synchronous staging copy on the launching thread.
+    host = torch.empty((2, n), dtype=torch.int64, pin_memory=src.device.type == "cuda")
+    host_np = host.numpy()
+    host_np[0], host_np[1] = a.src_pages, a.dst_pages
+    pages = host.to(src.device, non_blocking=True)
+    src_pages, dst_pages = pages[0], pages[1]
     hbs = [src.head_bytes_k] + ([src.head_bytes_v] if src.v else [])
     kinds = [a.kind_geometry(src, dst, hb) for hb in hbs]
     word = pow2_divisor(
@@ -107,6 +120,12 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
         block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n_chunks)))
         grid = (triton.cdiv(n_chunks, block_c), s_ptrs.numel())
         words = [x // word for x in row]
+        aligned = (
+            word * row_block >= 16
+            and src.min_alignment % 16 == 0
+            and dst.min_alignment % 16 == 0
+            and all(x % 16 == 0 for x in row)
+        )
         _fused_kernel[grid](
             s_ptrs,
             d_ptrs,
@@ -123,5 +142,6 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
             KCH=kch,
             ROW_BLOCK=row_block,
             BLOCK_C=block_c,
+            ALIGNED=aligned,
             num_warps=8,
         )
