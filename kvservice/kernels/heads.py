@@ -26,6 +26,7 @@ and consecutive receivers have equal, adjacent source slices, so they can be pac
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import numpy as np
@@ -71,6 +72,7 @@ def rank_heads(total_heads: int, tp: int) -> np.ndarray:
     return ranks * total_heads // tp
 
 
+@functools.lru_cache(maxsize=4096)  # NOTE: a pure function of a few ints, asked once per transfer
 def plan_heads(
     total_heads: int,
     src_tp: int,

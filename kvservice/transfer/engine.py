@@ -21,7 +21,7 @@ from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
 from ..kernels import completions
-from ..kernels.streams import on_side_stream
+from ..kernels.streams import on_side_stream, run_on_device
 from ..staging import StagingPool
 from .descriptors import prepped_rows
 from .duplicates import DuplicateBook
@@ -67,13 +67,6 @@ def _warm_kernels(bs: BufferSet) -> None:
             kernels.unpack(regions, staged, idx, num_heads=heads)
 
     on_side_stream(dev, warm)
-
-
-def _unpack(regions: Any, view: Any, dst: np.ndarray, head_start: int, num_heads: int, unit: int) -> None:
-    on_side_stream(
-        view.device,
-        lambda: kernels.unpack(regions, view, dst, head_start=head_start, num_heads=num_heads, unit=unit),
-    )
 
 
 log = logging.getLogger(__name__)
@@ -434,7 +427,13 @@ class TransferEngine:
             if inc.rec.terminal:
                 raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
             view = pool.view(slot)[:nbytes]
-            await asyncio.to_thread(_unpack, regions, view, dst, head_start, num_heads, units.tokens)
+            await run_on_device(
+                view.device,
+                "unpack",
+                lambda: kernels.unpack(
+                    regions, view, dst, head_start=head_start, num_heads=num_heads, unit=units.tokens
+                ),
+            )
         finally:
             inc.busy -= 1
             if release:
@@ -654,7 +653,7 @@ class TransferEngine:
             del self.sender.outgoing[(tid, bs_id)]
         inc = self.receiver.incoming.get((tid, bs_id))
         if inc is not None and inc.rec.key == key and inc.rec.terminal:
-            del self.receiver.incoming[(tid, bs_id)]
+            self.receiver.forget((tid, bs_id))
 
     async def close(self) -> None:
         if self._reaper is not None:

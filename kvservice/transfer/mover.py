@@ -25,7 +25,7 @@ from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
 from ..identity import LOCAL_PEER
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
-from ..kernels.streams import on_side_stream
+from ..kernels.streams import on_side_stream, run_on_device
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .peer_channel import OutboundChannel
 from .peer_pools import PeerPools
@@ -394,13 +394,13 @@ class Mover:
                 # same node, same device: pack straight into the receiver's slot, no wire
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                await asyncio.to_thread(self._pack, regions, src, dst_view, target)
+                await self._pack(regions, src, dst_view, target)
                 t1 = t2 = time.monotonic()
             else:
                 async with pool.slot(nbytes, out.rec.deadline) as slot:
                     self.e.sender.check_live(out)
                     t0 = time.monotonic()
-                    await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target)
+                    await self._pack(regions, src, pool.view(slot), target)
                     t1 = time.monotonic()
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
@@ -472,7 +472,7 @@ class Mover:
             async with pool.slot(nbytes, out.rec.deadline) as slot:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target)
+                await self._pack(regions, src, pool.view(slot), target)
                 t1 = time.monotonic()
                 h = await asyncio.to_thread(
                     self.transport.write_descs,
@@ -506,11 +506,13 @@ class Mover:
         )
 
     @staticmethod
-    def _pack(regions: Any, src: np.ndarray, view: Any, target: Target) -> None:
-        """Pack in the receiver's unit and page order: its unpack is then the straight copy."""
+    async def _pack(regions: Any, src: np.ndarray, view: Any, target: Target) -> None:
+        """Pack in the receiver's unit and page order: its unpack is then the straight copy.
+        Returns once the bytes are in ``view`` (a completion thread waits on CUDA)."""
         r = target.route
-        on_side_stream(
+        await run_on_device(
             view.device,
+            "pack",
             lambda: kernels.pack(
                 regions,
                 src,

@@ -120,6 +120,7 @@ class Receiver:
         self.table = table
         self._pool_for = pool_for
         self.incoming: dict[tuple[str, str], Incoming] = {}  # (transfer_id, bs_id)
+        self._by_tid: dict[str, dict[str, Incoming]] = {}  # transfer_id -> bs_id -> declaration
         self._declared = asyncio.Condition()
 
     # -- ExpectDelta -------------------------------------------------------------------------
@@ -138,12 +139,25 @@ class Receiver:
                     f"{other.bs.layout.tp_size} (buffer set {other.bs.buffer_set_id})"
                 )
         self.incoming[key] = inc
+        self._by_tid.setdefault(key[0], {})[key[1]] = inc
         self.table.add(inc.rec)
         async with self._declared:
             self._declared.notify_all()
 
     def of(self, transfer_id: str) -> list[Incoming]:
-        return [i for (t, _), i in self.incoming.items() if t == transfer_id]
+        """The declarations of ``transfer_id`` (every rank), in O(their number)."""
+        return list(self._by_tid.get(transfer_id, {}).values())
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """Drop a finished declaration (the table pruned its record)."""
+        inc = self.incoming.pop(key, None)
+        if inc is None:
+            return
+        per = self._by_tid.get(key[0])
+        if per is not None and per.get(key[1]) is inc:
+            del per[key[1]]
+            if not per:
+                del self._by_tid[key[0]]
 
     # -- GetReceivePlan ----------------------------------------------------------------------
     async def plans(

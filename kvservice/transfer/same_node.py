@@ -104,7 +104,7 @@ class SameNode:
                 nbytes = copy_pages(src, dst, sp, dp, **kw)  # type: ignore[arg-type]
                 done = torch.cuda.Event()
                 done.record(stream)
-            await completions.done(done, sd.index)
+            await completions.done(done, (sd.index, "copy"))
             return nbytes
         if sd.type == "cuda" or dd.type == "cuda":  # host <-> device pool, or GPUs without P2P
             dev = sd if sd.type == "cuda" else dd
