@@ -2348,9 +2348,17 @@ func (x *TransferStatus) GetRouteNote() string {
 	return ""
 }
 
-// No parameters: the stats cover the whole node.
+// The stats cover the whole node. Buffer sets, sessions and peers are listed to admin callers
+// (GetStatsResponse.admin_view); a caller identified as an admin needs no session: a uid in
+// admin_uids presenting a `kvservice-credential` (from <socket>.cred) on this call, a client
+// certificate named in admin_identities, or a bearer token in admin_token_file.
 type GetStatsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Window of GetStatsResponse.activity in milliseconds (0: 10 s; at most 300 s).
+	WindowMs uint32 `protobuf:"varint,1,opt,name=window_ms,json=windowMs,proto3" json:"window_ms,omitempty"`
+	// Measure each known peer's round trip now (one health check per peer over its channel,
+	// bounded by 250 ms); otherwise PeerInfo.rtt_us is the last measured one.
+	ProbePeers    bool `protobuf:"varint,2,opt,name=probe_peers,json=probePeers,proto3" json:"probe_peers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2383,6 +2391,20 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
 	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *GetStatsRequest) GetWindowMs() uint32 {
+	if x != nil {
+		return x.WindowMs
+	}
+	return 0
+}
+
+func (x *GetStatsRequest) GetProbePeers() bool {
+	if x != nil {
+		return x.ProbePeers
+	}
+	return false
 }
 
 // One registered buffer set.
@@ -2887,14 +2909,29 @@ type GetStatsResponse struct {
 	UptimeMs uint64 `protobuf:"varint,3,opt,name=uptime_ms,json=uptimeMs,proto3" json:"uptime_ms,omitempty"`
 	// Open sessions.
 	Sessions uint32 `protobuf:"varint,4,opt,name=sessions,proto3" json:"sessions,omitempty"`
-	// Every registered buffer set.
+	// Registered buffer sets in scope (admin_view: every one; otherwise the caller's own).
 	BufferSets []*BufferSetInfo `protobuf:"bytes,5,rep,name=buffer_sets,json=bufferSets,proto3" json:"buffer_sets,omitempty"`
 	// Prefix index counters.
 	Index *IndexStats `protobuf:"bytes,6,opt,name=index,proto3" json:"index,omitempty"`
 	// One entry per staging pool.
 	Staging []*StagingStats `protobuf:"bytes,7,rep,name=staging,proto3" json:"staging,omitempty"`
 	// Transfer counters and queues.
-	Transfers     *TransferCounts `protobuf:"bytes,8,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	Transfers *TransferCounts `protobuf:"bytes,8,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	// True when buffer_sets, session_list and peers cover the whole node (an admin caller); false
+	// when they are scoped to the caller's own session (empty without one).
+	AdminView bool `protobuf:"varint,9,opt,name=admin_view,json=adminView,proto3" json:"admin_view,omitempty"`
+	// Empty for an admin view; otherwise what the lists are scoped to and how to see all of them.
+	ScopeNote string `protobuf:"bytes,10,opt,name=scope_note,json=scopeNote,proto3" json:"scope_note,omitempty"`
+	// Buffer sets registered on the node, whatever the scope of buffer_sets.
+	BufferSetsTotal uint32 `protobuf:"varint,11,opt,name=buffer_sets_total,json=bufferSetsTotal,proto3" json:"buffer_sets_total,omitempty"`
+	// Transfers that ended within the recent window, per role and route.
+	Activity *Activity `protobuf:"bytes,12,opt,name=activity,proto3" json:"activity,omitempty"`
+	// Live transfer sides by where they are now (see InFlight).
+	InFlight []*InFlight `protobuf:"bytes,13,rep,name=in_flight,json=inFlight,proto3" json:"in_flight,omitempty"`
+	// Peer services this node has talked to (admin view only).
+	Peers []*PeerInfo `protobuf:"bytes,14,rep,name=peers,proto3" json:"peers,omitempty"`
+	// Open sessions (admin view: all; otherwise the caller's own).
+	SessionList   []*SessionInfo `protobuf:"bytes,15,rep,name=session_list,json=sessionList,proto3" json:"session_list,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2983,6 +3020,505 @@ func (x *GetStatsResponse) GetTransfers() *TransferCounts {
 		return x.Transfers
 	}
 	return nil
+}
+
+func (x *GetStatsResponse) GetAdminView() bool {
+	if x != nil {
+		return x.AdminView
+	}
+	return false
+}
+
+func (x *GetStatsResponse) GetScopeNote() string {
+	if x != nil {
+		return x.ScopeNote
+	}
+	return ""
+}
+
+func (x *GetStatsResponse) GetBufferSetsTotal() uint32 {
+	if x != nil {
+		return x.BufferSetsTotal
+	}
+	return 0
+}
+
+func (x *GetStatsResponse) GetActivity() *Activity {
+	if x != nil {
+		return x.Activity
+	}
+	return nil
+}
+
+func (x *GetStatsResponse) GetInFlight() []*InFlight {
+	if x != nil {
+		return x.InFlight
+	}
+	return nil
+}
+
+func (x *GetStatsResponse) GetPeers() []*PeerInfo {
+	if x != nil {
+		return x.Peers
+	}
+	return nil
+}
+
+func (x *GetStatsResponse) GetSessionList() []*SessionInfo {
+	if x != nil {
+		return x.SessionList
+	}
+	return nil
+}
+
+// Transfers that reached a terminal state within the last window_ms.
+type Activity struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Length of the window in milliseconds (less right after start: uptime).
+	WindowMs uint64 `protobuf:"varint,1,opt,name=window_ms,json=windowMs,proto3" json:"window_ms,omitempty"`
+	// One entry per (role, route) that ended a transfer in the window.
+	Routes        []*RouteActivity `protobuf:"bytes,2,rep,name=routes,proto3" json:"routes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Activity) Reset() {
+	*x = Activity{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Activity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Activity) ProtoMessage() {}
+
+func (x *Activity) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Activity.ProtoReflect.Descriptor instead.
+func (*Activity) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *Activity) GetWindowMs() uint64 {
+	if x != nil {
+		return x.WindowMs
+	}
+	return 0
+}
+
+func (x *Activity) GetRoutes() []*RouteActivity {
+	if x != nil {
+		return x.Routes
+	}
+	return nil
+}
+
+// Recent transfers of one role over one route.
+type RouteActivity struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "sender" or "receiver".
+	Role string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	// "fused", "direct", "packed" or "auto" (ended before a route was chosen).
+	Route string `protobuf:"bytes,2,opt,name=route,proto3" json:"route,omitempty"`
+	// Transfers that ended DONE / otherwise (FAILED or ABORTED) in the window.
+	Done   uint32 `protobuf:"varint,3,opt,name=done,proto3" json:"done,omitempty"`
+	Failed uint32 `protobuf:"varint,4,opt,name=failed,proto3" json:"failed,omitempty"`
+	// KV and aux bytes those transfers moved.
+	Bytes uint64 `protobuf:"varint,5,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// End-to-end time of the DONE ones (declaration or first chunk to DONE), microseconds.
+	P50Us uint64 `protobuf:"varint,6,opt,name=p50_us,json=p50Us,proto3" json:"p50_us,omitempty"`
+	P99Us uint64 `protobuf:"varint,7,opt,name=p99_us,json=p99Us,proto3" json:"p99_us,omitempty"`
+	// Since start, whatever the window.
+	DoneTotal     uint64 `protobuf:"varint,8,opt,name=done_total,json=doneTotal,proto3" json:"done_total,omitempty"`
+	BytesTotal    uint64 `protobuf:"varint,9,opt,name=bytes_total,json=bytesTotal,proto3" json:"bytes_total,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RouteActivity) Reset() {
+	*x = RouteActivity{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RouteActivity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RouteActivity) ProtoMessage() {}
+
+func (x *RouteActivity) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RouteActivity.ProtoReflect.Descriptor instead.
+func (*RouteActivity) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *RouteActivity) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *RouteActivity) GetRoute() string {
+	if x != nil {
+		return x.Route
+	}
+	return ""
+}
+
+func (x *RouteActivity) GetDone() uint32 {
+	if x != nil {
+		return x.Done
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetFailed() uint32 {
+	if x != nil {
+		return x.Failed
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetP50Us() uint64 {
+	if x != nil {
+		return x.P50Us
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetP99Us() uint64 {
+	if x != nil {
+		return x.P99Us
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetDoneTotal() uint64 {
+	if x != nil {
+		return x.DoneTotal
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetBytesTotal() uint64 {
+	if x != nil {
+		return x.BytesTotal
+	}
+	return 0
+}
+
+// Live transfer sides in one phase. Receivers are "declared" (waiting for a sender) or
+// "receiving"; senders are in "queue", "plan", "pack", "wire" or "unpack": the phase after the
+// last one that recorded time (chunks cycle through the phases, so an estimate per moment).
+type InFlight struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "sender" or "receiver".
+	Role      string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	Phase     string `protobuf:"bytes,2,opt,name=phase,proto3" json:"phase,omitempty"`
+	Transfers uint32 `protobuf:"varint,3,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	// Their bytes moved so far.
+	Bytes         uint64 `protobuf:"varint,4,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InFlight) Reset() {
+	*x = InFlight{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InFlight) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InFlight) ProtoMessage() {}
+
+func (x *InFlight) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InFlight.ProtoReflect.Descriptor instead.
+func (*InFlight) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *InFlight) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *InFlight) GetPhase() string {
+	if x != nil {
+		return x.Phase
+	}
+	return ""
+}
+
+func (x *InFlight) GetTransfers() uint32 {
+	if x != nil {
+		return x.Transfers
+	}
+	return 0
+}
+
+func (x *InFlight) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+// One peer service, as the sending side sees it.
+type PeerInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Its address (SendDelta.peer_address).
+	Address string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	// Its service id from the last Handshake (empty before one).
+	ServiceId string `protobuf:"bytes,2,opt,name=service_id,json=serviceId,proto3" json:"service_id,omitempty"`
+	// The gRPC channel's connectivity: IDLE, CONNECTING, READY, TRANSIENT_FAILURE, SHUTDOWN.
+	ChannelState string `protobuf:"bytes,3,opt,name=channel_state,json=channelState,proto3" json:"channel_state,omitempty"`
+	// Whether the peer channel stream (credits and commits) is open now.
+	StreamOpen bool `protobuf:"varint,4,opt,name=stream_open,json=streamOpen,proto3" json:"stream_open,omitempty"`
+	// True when the peer is this very service.
+	IsSelf bool `protobuf:"varint,5,opt,name=is_self,json=isSelf,proto3" json:"is_self,omitempty"`
+	// Last measured round trip (a health check over the channel), microseconds; 0: not measured.
+	RttUs uint64 `protobuf:"varint,6,opt,name=rtt_us,json=rttUs,proto3" json:"rtt_us,omitempty"`
+	// Chunks queued or moving towards it.
+	QueueDepth    uint64 `protobuf:"varint,7,opt,name=queue_depth,json=queueDepth,proto3" json:"queue_depth,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PeerInfo) Reset() {
+	*x = PeerInfo{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PeerInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PeerInfo) ProtoMessage() {}
+
+func (x *PeerInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PeerInfo.ProtoReflect.Descriptor instead.
+func (*PeerInfo) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *PeerInfo) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *PeerInfo) GetServiceId() string {
+	if x != nil {
+		return x.ServiceId
+	}
+	return ""
+}
+
+func (x *PeerInfo) GetChannelState() string {
+	if x != nil {
+		return x.ChannelState
+	}
+	return ""
+}
+
+func (x *PeerInfo) GetStreamOpen() bool {
+	if x != nil {
+		return x.StreamOpen
+	}
+	return false
+}
+
+func (x *PeerInfo) GetIsSelf() bool {
+	if x != nil {
+		return x.IsSelf
+	}
+	return false
+}
+
+func (x *PeerInfo) GetRttUs() uint64 {
+	if x != nil {
+		return x.RttUs
+	}
+	return 0
+}
+
+func (x *PeerInfo) GetQueueDepth() uint64 {
+	if x != nil {
+		return x.QueueDepth
+	}
+	return 0
+}
+
+// One open session.
+type SessionInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The client's label (OpenSessionRequest.client_name).
+	ClientName string `protobuf:"bytes,1,opt,name=client_name,json=clientName,proto3" json:"client_name,omitempty"`
+	// The first 8 characters of the session id: enough to tell sessions apart, not to use one.
+	SessionRef string `protobuf:"bytes,2,opt,name=session_ref,json=sessionRef,proto3" json:"session_ref,omitempty"`
+	// False while the stream is broken and the session waits for a resume.
+	Attached bool `protobuf:"varint,3,opt,name=attached,proto3" json:"attached,omitempty"`
+	// Opened, unix time in milliseconds.
+	OpenedUnixMs uint64 `protobuf:"varint,4,opt,name=opened_unix_ms,json=openedUnixMs,proto3" json:"opened_unix_ms,omitempty"`
+	// The kernel's uid for an identified local session; -1 when unidentified.
+	Uid   int64 `protobuf:"varint,5,opt,name=uid,proto3" json:"uid,omitempty"`
+	Admin bool  `protobuf:"varint,6,opt,name=admin,proto3" json:"admin,omitempty"`
+	// Buffer sets it owns and unfinished transfers it has.
+	BufferSets        uint32 `protobuf:"varint,7,opt,name=buffer_sets,json=bufferSets,proto3" json:"buffer_sets,omitempty"`
+	TransfersInFlight uint32 `protobuf:"varint,8,opt,name=transfers_in_flight,json=transfersInFlight,proto3" json:"transfers_in_flight,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *SessionInfo) Reset() {
+	*x = SessionInfo{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SessionInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SessionInfo) ProtoMessage() {}
+
+func (x *SessionInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SessionInfo.ProtoReflect.Descriptor instead.
+func (*SessionInfo) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *SessionInfo) GetClientName() string {
+	if x != nil {
+		return x.ClientName
+	}
+	return ""
+}
+
+func (x *SessionInfo) GetSessionRef() string {
+	if x != nil {
+		return x.SessionRef
+	}
+	return ""
+}
+
+func (x *SessionInfo) GetAttached() bool {
+	if x != nil {
+		return x.Attached
+	}
+	return false
+}
+
+func (x *SessionInfo) GetOpenedUnixMs() uint64 {
+	if x != nil {
+		return x.OpenedUnixMs
+	}
+	return 0
+}
+
+func (x *SessionInfo) GetUid() int64 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *SessionInfo) GetAdmin() bool {
+	if x != nil {
+		return x.Admin
+	}
+	return false
+}
+
+func (x *SessionInfo) GetBufferSets() uint32 {
+	if x != nil {
+		return x.BufferSets
+	}
+	return 0
+}
+
+func (x *SessionInfo) GetTransfersInFlight() uint32 {
+	if x != nil {
+		return x.TransfersInFlight
+	}
+	return 0
 }
 
 var File_kvservice_v1_kvservice_proto protoreflect.FileDescriptor
@@ -3164,8 +3700,11 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x05error\x18\x0e \x01(\tR\x05error\x12&\n" +
 	"\x0fupdated_unix_ms\x18\x0f \x01(\x04R\rupdatedUnixMs\x12\x1d\n" +
 	"\n" +
-	"route_note\x18\x10 \x01(\tR\trouteNote\"\x11\n" +
-	"\x0fGetStatsRequest\"\xd6\x02\n" +
+	"route_note\x18\x10 \x01(\tR\trouteNote\"O\n" +
+	"\x0fGetStatsRequest\x12\x1b\n" +
+	"\twindow_ms\x18\x01 \x01(\rR\bwindowMs\x12\x1f\n" +
+	"\vprobe_peers\x18\x02 \x01(\bR\n" +
+	"probePeers\"\xd6\x02\n" +
 	"\rBufferSetInfo\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12,\n" +
@@ -3218,7 +3757,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"queueDepth\x1a=\n" +
 	"\x0fQueueDepthEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xe4\x02\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xa3\x05\n" +
 	"\x10GetStatsResponse\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -3229,7 +3768,60 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"bufferSets\x12.\n" +
 	"\x05index\x18\x06 \x01(\v2\x18.kvservice.v1.IndexStatsR\x05index\x124\n" +
 	"\astaging\x18\a \x03(\v2\x1a.kvservice.v1.StagingStatsR\astaging\x12:\n" +
-	"\ttransfers\x18\b \x01(\v2\x1c.kvservice.v1.TransferCountsR\ttransfers*c\n" +
+	"\ttransfers\x18\b \x01(\v2\x1c.kvservice.v1.TransferCountsR\ttransfers\x12\x1d\n" +
+	"\n" +
+	"admin_view\x18\t \x01(\bR\tadminView\x12\x1d\n" +
+	"\n" +
+	"scope_note\x18\n" +
+	" \x01(\tR\tscopeNote\x12*\n" +
+	"\x11buffer_sets_total\x18\v \x01(\rR\x0fbufferSetsTotal\x122\n" +
+	"\bactivity\x18\f \x01(\v2\x16.kvservice.v1.ActivityR\bactivity\x123\n" +
+	"\tin_flight\x18\r \x03(\v2\x16.kvservice.v1.InFlightR\binFlight\x12,\n" +
+	"\x05peers\x18\x0e \x03(\v2\x16.kvservice.v1.PeerInfoR\x05peers\x12<\n" +
+	"\fsession_list\x18\x0f \x03(\v2\x19.kvservice.v1.SessionInfoR\vsessionList\"\\\n" +
+	"\bActivity\x12\x1b\n" +
+	"\twindow_ms\x18\x01 \x01(\x04R\bwindowMs\x123\n" +
+	"\x06routes\x18\x02 \x03(\v2\x1b.kvservice.v1.RouteActivityR\x06routes\"\xe9\x01\n" +
+	"\rRouteActivity\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12\x14\n" +
+	"\x05route\x18\x02 \x01(\tR\x05route\x12\x12\n" +
+	"\x04done\x18\x03 \x01(\rR\x04done\x12\x16\n" +
+	"\x06failed\x18\x04 \x01(\rR\x06failed\x12\x14\n" +
+	"\x05bytes\x18\x05 \x01(\x04R\x05bytes\x12\x15\n" +
+	"\x06p50_us\x18\x06 \x01(\x04R\x05p50Us\x12\x15\n" +
+	"\x06p99_us\x18\a \x01(\x04R\x05p99Us\x12\x1d\n" +
+	"\n" +
+	"done_total\x18\b \x01(\x04R\tdoneTotal\x12\x1f\n" +
+	"\vbytes_total\x18\t \x01(\x04R\n" +
+	"bytesTotal\"h\n" +
+	"\bInFlight\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12\x14\n" +
+	"\x05phase\x18\x02 \x01(\tR\x05phase\x12\x1c\n" +
+	"\ttransfers\x18\x03 \x01(\rR\ttransfers\x12\x14\n" +
+	"\x05bytes\x18\x04 \x01(\x04R\x05bytes\"\xda\x01\n" +
+	"\bPeerInfo\x12\x18\n" +
+	"\aaddress\x18\x01 \x01(\tR\aaddress\x12\x1d\n" +
+	"\n" +
+	"service_id\x18\x02 \x01(\tR\tserviceId\x12#\n" +
+	"\rchannel_state\x18\x03 \x01(\tR\fchannelState\x12\x1f\n" +
+	"\vstream_open\x18\x04 \x01(\bR\n" +
+	"streamOpen\x12\x17\n" +
+	"\ais_self\x18\x05 \x01(\bR\x06isSelf\x12\x15\n" +
+	"\x06rtt_us\x18\x06 \x01(\x04R\x05rttUs\x12\x1f\n" +
+	"\vqueue_depth\x18\a \x01(\x04R\n" +
+	"queueDepth\"\x8a\x02\n" +
+	"\vSessionInfo\x12\x1f\n" +
+	"\vclient_name\x18\x01 \x01(\tR\n" +
+	"clientName\x12\x1f\n" +
+	"\vsession_ref\x18\x02 \x01(\tR\n" +
+	"sessionRef\x12\x1a\n" +
+	"\battached\x18\x03 \x01(\bR\battached\x12$\n" +
+	"\x0eopened_unix_ms\x18\x04 \x01(\x04R\fopenedUnixMs\x12\x10\n" +
+	"\x03uid\x18\x05 \x01(\x03R\x03uid\x12\x14\n" +
+	"\x05admin\x18\x06 \x01(\bR\x05admin\x12\x1f\n" +
+	"\vbuffer_sets\x18\a \x01(\rR\n" +
+	"bufferSets\x12.\n" +
+	"\x13transfers_in_flight\x18\b \x01(\rR\x11transfersInFlight*c\n" +
 	"\fTransferRole\x12\x1d\n" +
 	"\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n" +
@@ -3265,7 +3857,7 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 45)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
 	(*OpenSessionRequest)(nil),        // 1: kvservice.v1.OpenSessionRequest
@@ -3306,85 +3898,95 @@ var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(*StagingStats)(nil),              // 36: kvservice.v1.StagingStats
 	(*TransferCounts)(nil),            // 37: kvservice.v1.TransferCounts
 	(*GetStatsResponse)(nil),          // 38: kvservice.v1.GetStatsResponse
-	nil,                               // 39: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 40: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 41: kvservice.v1.Layout
-	(*Region)(nil),                    // 42: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 43: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 44: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 45: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 46: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 47: kvservice.v1.TransferPath
-	(TransferState)(0),                // 48: kvservice.v1.TransferState
+	(*Activity)(nil),                  // 39: kvservice.v1.Activity
+	(*RouteActivity)(nil),             // 40: kvservice.v1.RouteActivity
+	(*InFlight)(nil),                  // 41: kvservice.v1.InFlight
+	(*PeerInfo)(nil),                  // 42: kvservice.v1.PeerInfo
+	(*SessionInfo)(nil),               // 43: kvservice.v1.SessionInfo
+	nil,                               // 44: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 45: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 46: kvservice.v1.Layout
+	(*Region)(nil),                    // 47: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 48: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 49: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 50: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 51: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 52: kvservice.v1.TransferPath
+	(TransferState)(0),                // 53: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
 	3,  // 0: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
-	41, // 1: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	42, // 2: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	42, // 3: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	43, // 4: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	44, // 5: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	45, // 6: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	46, // 1: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	47, // 2: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	47, // 3: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	48, // 4: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	49, // 5: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	50, // 6: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
 	12, // 7: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
 	11, // 8: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	44, // 9: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	45, // 10: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	46, // 11: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	44, // 12: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	45, // 13: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	49, // 9: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	50, // 10: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	51, // 11: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	49, // 12: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	50, // 13: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
 	30, // 14: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	46, // 15: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	47, // 16: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	51, // 15: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	52, // 16: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
 	30, // 17: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
 	30, // 18: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
 	30, // 19: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
 	0,  // 20: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	48, // 21: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	47, // 22: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	53, // 21: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	52, // 22: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
 	29, // 23: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	41, // 24: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	46, // 24: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
 	12, // 25: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
-	39, // 26: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	40, // 27: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	44, // 26: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	45, // 27: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
 	32, // 28: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
 	35, // 29: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
 	36, // 30: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
 	37, // 31: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	1,  // 32: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	4,  // 33: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	6,  // 34: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	8,  // 35: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	10, // 36: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	14, // 37: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	16, // 38: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	18, // 39: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	20, // 40: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	22, // 41: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	24, // 42: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	26, // 43: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	27, // 44: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	31, // 45: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	33, // 46: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
-	2,  // 47: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	5,  // 48: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	7,  // 49: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	9,  // 50: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	13, // 51: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	15, // 52: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	17, // 53: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	19, // 54: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	21, // 55: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	23, // 56: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	25, // 57: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	30, // 58: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	28, // 59: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	38, // 60: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	34, // 61: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
-	47, // [47:62] is the sub-list for method output_type
-	32, // [32:47] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	39, // 32: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
+	41, // 33: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
+	42, // 34: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
+	43, // 35: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
+	40, // 36: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
+	1,  // 37: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	4,  // 38: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	6,  // 39: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	8,  // 40: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	10, // 41: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	14, // 42: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	16, // 43: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	18, // 44: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	20, // 45: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	22, // 46: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	24, // 47: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	26, // 48: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	27, // 49: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	31, // 50: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	33, // 51: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	2,  // 52: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	5,  // 53: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	7,  // 54: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	9,  // 55: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	13, // 56: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	15, // 57: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	17, // 58: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	19, // 59: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	21, // 60: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	23, // 61: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	25, // 62: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	30, // 63: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	28, // 64: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	38, // 65: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	34, // 66: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	52, // [52:67] is the sub-list for method output_type
+	37, // [37:52] is the sub-list for method input_type
+	37, // [37:37] is the sub-list for extension type_name
+	37, // [37:37] is the sub-list for extension extendee
+	0,  // [0:37] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -3411,7 +4013,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   40,
+			NumMessages:   45,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -78,7 +78,8 @@ type KVServiceClient interface {
 	WatchTransfers(ctx context.Context, in *WatchTransfersRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[TransferStatus], error)
 	// Cancels a transfer; once acknowledged no further byte lands in the receiver's pages.
 	Abort(ctx context.Context, in *AbortRequest, opts ...grpc.CallOption) (*AbortResponse, error)
-	// Operator view: buffer sets, index, staging, transfers.
+	// Operator view: buffer sets, index, staging, transfers, recent activity, peers, sessions. An
+	// admin caller sees the whole node without a session (see GetStatsRequest).
 	GetStats(ctx context.Context, in *GetStatsRequest, opts ...grpc.CallOption) (*GetStatsResponse, error)
 	// Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
 	// used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
@@ -295,7 +296,8 @@ type KVServiceServer interface {
 	WatchTransfers(*WatchTransfersRequest, grpc.ServerStreamingServer[TransferStatus]) error
 	// Cancels a transfer; once acknowledged no further byte lands in the receiver's pages.
 	Abort(context.Context, *AbortRequest) (*AbortResponse, error)
-	// Operator view: buffer sets, index, staging, transfers.
+	// Operator view: buffer sets, index, staging, transfers, recent activity, peers, sessions. An
+	// admin caller sees the whole node without a session (see GetStatsRequest).
 	GetStats(context.Context, *GetStatsRequest) (*GetStatsResponse, error)
 	// Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
 	// used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
