@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ..config import ConfigError, add_flags, load_config
 from ..log import setup_logging
-from ._connect import add_connect_flags
+from ._connect import add_connect_flags, default_address
 
 __all__ = ["main"]
 
@@ -42,6 +42,17 @@ def _health(address: str, timeout: float) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def _credential(address: str) -> int:
+    from kvservice_client._session import fetch_credential, find_credential_path
+
+    token = fetch_credential(find_credential_path(address, None))
+    if not token:
+        print(f"kvservice credential: no credential socket beside {address}", file=sys.stderr)
+        return 1
+    print(token)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     top_p.add_argument(
         "--no-screen", action="store_true", help="draw in the scrollback, not the alternate screen"
     )
+    cred_p = sub.add_parser(
+        "credential",
+        help="print one single-use kvservice-credential for this uid (for grpcurl -H; see README)",
+    )
+    cred_p.add_argument("--address", default=None, help='"unix:/path" (default: the default socket)')
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         argv.insert(0, "serve")
@@ -83,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._top import run_top
 
         return run_top(ns)
+    if ns.command == "credential":
+        return _credential(ns.address or default_address())
     if ns.command == "health":
         return _health(ns.address, ns.timeout)
     if ns.command == "demo":
