@@ -89,6 +89,8 @@ def in_flight(s: pb.GetStatsResponse) -> Table:
     t = _table("In flight by phase", "role", "phase", "transfers", "moved")
     for g in s.in_flight:
         t.add_row(g.role, g.phase, str(g.transfers), human_bytes(g.bytes))
+    if not s.in_flight:
+        t.add_row(Text("none", style="dim"), "", "", "")
     return t
 
 

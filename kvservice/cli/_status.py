@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from google.protobuf.json_format import MessageToDict
@@ -29,8 +30,12 @@ def run_status(ns: argparse.Namespace) -> int:
         doc = MessageToDict(
             stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
-        json.dump(doc, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        try:
+            json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `| head`: the reader had enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     console = Console()
     if not console.is_terminal:  # a file or a pipe: full rows, no wrapping at 80 columns

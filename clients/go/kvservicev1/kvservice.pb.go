@@ -2356,8 +2356,8 @@ type GetStatsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Window of GetStatsResponse.activity in milliseconds (0: 10 s; at most 300 s).
 	WindowMs uint32 `protobuf:"varint,1,opt,name=window_ms,json=windowMs,proto3" json:"window_ms,omitempty"`
-	// Measure each known peer's round trip now (one health check per peer over its channel,
-	// bounded by 250 ms); otherwise PeerInfo.rtt_us is the last measured one.
+	// Admin callers: measure each known peer's round trip now (one health check per peer over its
+	// channel, bounded by 250 ms); otherwise PeerInfo.rtt_us is the last measured one.
 	ProbePeers    bool `protobuf:"varint,2,opt,name=probe_peers,json=probePeers,proto3" json:"probe_peers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
