@@ -98,6 +98,16 @@ class Config:
         "Comma-separated uids (besides root and the service's own uid) whose local sessions are "
         "admin: GetStats lists every buffer set to them, to others only their own.",
     )
+    admin_identities: str = _opt(
+        "",
+        "Comma-separated client certificate names (common name, else first DNS name) that are admin "
+        "over mutual TLS: GetStats shows them the whole node without a session.",
+    )
+    admin_token_file: str = _opt(
+        "",
+        "File of bearer tokens, one per line, that are admin over TCP (GetStats shows the whole "
+        "node without a session); with token_file set they must be accepted there too.",
+    )
     allowed_uids: str = _opt(
         "",
         "Comma-separated uids that may open sessions over the Unix socket (root and the service's "
@@ -285,7 +295,7 @@ class Config:
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
                 raise ConfigError(f"{name}: cannot read {path}")
-        for name in ("token_file", "peer_token_file"):
+        for name in ("token_file", "peer_token_file", "admin_token_file"):
             path = getattr(self, name)
             if path:
                 from kvservice_client._tokens import TokenFile, TokenFileError
@@ -367,6 +377,10 @@ class Config:
     def admin_uid_set(self) -> frozenset[int]:
         extra = {int(u) for u in self.admin_uids.split(",") if u.strip()}
         return frozenset({0, os.getuid(), *extra})
+
+    @functools.cached_property
+    def admin_identity_set(self) -> frozenset[str]:
+        return frozenset(n.strip() for n in self.admin_identities.split(",") if n.strip())
 
     @functools.cached_property
     def allowed_uid_set(self) -> frozenset[int] | None:

@@ -173,6 +173,11 @@ class SessionRegistry:
         with self._lock:
             return list(self._entries)
 
+    def listing(self) -> list[tuple[Session, bool]]:
+        """Every open session with whether its stream is attached now (the operator view)."""
+        with self._lock:
+            return [(e.session, e.detached_at is None) for e in self._entries.values()]
+
     def detached_count(self) -> int:
         with self._lock:
             return sum(e.detached_at is not None for e in self._entries.values())

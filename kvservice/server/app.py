@@ -90,6 +90,8 @@ class App:
         self.node.start_republishers()  # before the subscribers, so ingested pages are re-published
         self.node.start_event_streams()
         threading.Thread(target=self.node.warm_up, name="warm-up", daemon=True).start()
+        if self.servicer is not None:
+            self.node.transfers.table.terminal_listeners.append(self.servicer.activity.observe)
         if self.metrics is not None:
             self.metrics.attach(self.node.transfers)
             if self.node.config.metrics_port:

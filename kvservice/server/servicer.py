@@ -10,14 +10,18 @@ import grpc
 import numpy as np
 from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc
+from kvservice_client._security import BEARER_METADATA_KEY
 
-from ..node import VERSION, Node
+from ..identity import certificate_identity
+from ..node import Node
+from ..ops import AdminPolicy, PeerRtts, RecentTransfers
 from ..sessions import Session
 from ..transfer.requests import build_chunk, build_incoming
 from . import convert
 from .credentials import CREDENTIAL_METADATA_KEY
 from .errors import grpc_errors
 from .replay import ReplayCache, replayable
+from .stats import stats_response
 from .transfer_stream import TransferStream
 
 __all__ = ["KVServiceServicer"]
@@ -26,9 +30,12 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, activity: RecentTransfers | None = None) -> None:
         self.node = node
         self.replay = ReplayCache()
+        self.admins = AdminPolicy(node.config, node.credentials)
+        self.activity = activity or RecentTransfers()  # App.start feeds it the finished transfers
+        self.rtts = PeerRtts()
 
     def _session(self, context: Ctx) -> str:
         return self.node.sessions.require(convert.session_of(context)).session_id
@@ -265,22 +272,13 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
 
     @grpc_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: Ctx) -> pb.GetStatsResponse:
-        node = self.node
-        resp = pb.GetStatsResponse(
-            service_id=node.service_id, version=VERSION, uptime_ms=node.uptime_ms, sessions=len(node.sessions)
-        )
-        # NOTE: buffer sets (ids, engines, memory) are listed to admin sessions; others see their own.
         sid = convert.session_of(context)
-        viewer = node.sessions.find(sid) if sid else None
-        for bs in node.buffers.all():
-            if viewer is not None and (viewer.admin or bs.session_id == viewer.session_id):
-                info = convert.buffer_set_info(bs, node.index.indexed_pages(bs.buffer_set_id))
-                info.load.CopyFrom(convert.transfer_load(node.load_of(bs.buffer_set_id)))
-                info.duplicated_pages = node.index.duplicated_pages(bs.buffer_set_id)
-                resp.buffer_sets.append(info)
-        resp.index.CopyFrom(convert.index_stats(node.index.stats()))
-        if node.transfers is not None:
-            for st in node.transfers.staging_stats():
-                resp.staging.append(convert.staging_stats(st))
-            resp.transfers.CopyFrom(convert.transfer_counts(node.transfers))
-        return resp
+        viewer = self.admins.viewer(
+            self.node.sessions.find(sid) if sid else None,
+            credential=convert.metadata_value(context, CREDENTIAL_METADATA_KEY) or "",
+            certificate=certificate_identity(context),
+            bearer=convert.metadata_value(context, BEARER_METADATA_KEY) or "",
+        )
+        if request.probe_peers and viewer.admin and self.node.transfers is not None:
+            await self.rtts.probe(self.node.transfers)
+        return stats_response(self.node, viewer, self.activity, self.rtts, request.window_ms)

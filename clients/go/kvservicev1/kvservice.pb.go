@@ -83,6 +83,320 @@ func (TransferRole) EnumDescriptor() ([]byte, []int) {
 	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{0}
 }
 
+// One call on the Transfers stream.
+type TransferCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Chosen by the client, echoed on the answer (0 is not a valid id).
+	CallId uint64 `protobuf:"varint,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
+	// Types that are valid to be assigned to Call:
+	//
+	//	*TransferCall_ExpectDelta
+	//	*TransferCall_SendDelta
+	//	*TransferCall_Abort
+	Call isTransferCall_Call `protobuf_oneof:"call"`
+	// Optional: the call's request id. A call whose answer the stream lost (it broke) can be made
+	// again, on a new stream or as the unary call with `kvservice-request-id` metadata, under the
+	// same id: the service runs an id once per session and answers every try with that outcome.
+	RequestId     string `protobuf:"bytes,5,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TransferCall) Reset() {
+	*x = TransferCall{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TransferCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TransferCall) ProtoMessage() {}
+
+func (x *TransferCall) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TransferCall.ProtoReflect.Descriptor instead.
+func (*TransferCall) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *TransferCall) GetCallId() uint64 {
+	if x != nil {
+		return x.CallId
+	}
+	return 0
+}
+
+func (x *TransferCall) GetCall() isTransferCall_Call {
+	if x != nil {
+		return x.Call
+	}
+	return nil
+}
+
+func (x *TransferCall) GetExpectDelta() *ExpectDeltaRequest {
+	if x != nil {
+		if x, ok := x.Call.(*TransferCall_ExpectDelta); ok {
+			return x.ExpectDelta
+		}
+	}
+	return nil
+}
+
+func (x *TransferCall) GetSendDelta() *SendDeltaRequest {
+	if x != nil {
+		if x, ok := x.Call.(*TransferCall_SendDelta); ok {
+			return x.SendDelta
+		}
+	}
+	return nil
+}
+
+func (x *TransferCall) GetAbort() *AbortRequest {
+	if x != nil {
+		if x, ok := x.Call.(*TransferCall_Abort); ok {
+			return x.Abort
+		}
+	}
+	return nil
+}
+
+func (x *TransferCall) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type isTransferCall_Call interface {
+	isTransferCall_Call()
+}
+
+type TransferCall_ExpectDelta struct {
+	ExpectDelta *ExpectDeltaRequest `protobuf:"bytes,2,opt,name=expect_delta,json=expectDelta,proto3,oneof"`
+}
+
+type TransferCall_SendDelta struct {
+	SendDelta *SendDeltaRequest `protobuf:"bytes,3,opt,name=send_delta,json=sendDelta,proto3,oneof"`
+}
+
+type TransferCall_Abort struct {
+	Abort *AbortRequest `protobuf:"bytes,4,opt,name=abort,proto3,oneof"`
+}
+
+func (*TransferCall_ExpectDelta) isTransferCall_Call() {}
+
+func (*TransferCall_SendDelta) isTransferCall_Call() {}
+
+func (*TransferCall_Abort) isTransferCall_Call() {}
+
+// A call refused on the Transfers stream: the status the unary call would have ended with.
+type CallError struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// gRPC status code name, e.g. "INVALID_ARGUMENT".
+	Code          string `protobuf:"bytes,1,opt,name=code,proto3" json:"code,omitempty"`
+	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CallError) Reset() {
+	*x = CallError{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CallError) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CallError) ProtoMessage() {}
+
+func (x *CallError) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CallError.ProtoReflect.Descriptor instead.
+func (*CallError) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *CallError) GetCode() string {
+	if x != nil {
+		return x.Code
+	}
+	return ""
+}
+
+func (x *CallError) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+// One message of the Transfers stream: the answer to a call, or a transfer side that ended.
+type TransferEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The call answered; 0 for a status event.
+	CallId uint64 `protobuf:"varint,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*TransferEvent_ExpectDelta
+	//	*TransferEvent_SendDelta
+	//	*TransferEvent_Abort
+	//	*TransferEvent_Error
+	//	*TransferEvent_Status
+	Event         isTransferEvent_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TransferEvent) Reset() {
+	*x = TransferEvent{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TransferEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TransferEvent) ProtoMessage() {}
+
+func (x *TransferEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TransferEvent.ProtoReflect.Descriptor instead.
+func (*TransferEvent) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *TransferEvent) GetCallId() uint64 {
+	if x != nil {
+		return x.CallId
+	}
+	return 0
+}
+
+func (x *TransferEvent) GetEvent() isTransferEvent_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *TransferEvent) GetExpectDelta() *ExpectDeltaResponse {
+	if x != nil {
+		if x, ok := x.Event.(*TransferEvent_ExpectDelta); ok {
+			return x.ExpectDelta
+		}
+	}
+	return nil
+}
+
+func (x *TransferEvent) GetSendDelta() *SendDeltaResponse {
+	if x != nil {
+		if x, ok := x.Event.(*TransferEvent_SendDelta); ok {
+			return x.SendDelta
+		}
+	}
+	return nil
+}
+
+func (x *TransferEvent) GetAbort() *AbortResponse {
+	if x != nil {
+		if x, ok := x.Event.(*TransferEvent_Abort); ok {
+			return x.Abort
+		}
+	}
+	return nil
+}
+
+func (x *TransferEvent) GetError() *CallError {
+	if x != nil {
+		if x, ok := x.Event.(*TransferEvent_Error); ok {
+			return x.Error
+		}
+	}
+	return nil
+}
+
+func (x *TransferEvent) GetStatus() *TransferStatus {
+	if x != nil {
+		if x, ok := x.Event.(*TransferEvent_Status); ok {
+			return x.Status
+		}
+	}
+	return nil
+}
+
+type isTransferEvent_Event interface {
+	isTransferEvent_Event()
+}
+
+type TransferEvent_ExpectDelta struct {
+	ExpectDelta *ExpectDeltaResponse `protobuf:"bytes,2,opt,name=expect_delta,json=expectDelta,proto3,oneof"`
+}
+
+type TransferEvent_SendDelta struct {
+	SendDelta *SendDeltaResponse `protobuf:"bytes,3,opt,name=send_delta,json=sendDelta,proto3,oneof"`
+}
+
+type TransferEvent_Abort struct {
+	Abort *AbortResponse `protobuf:"bytes,4,opt,name=abort,proto3,oneof"`
+}
+
+type TransferEvent_Error struct {
+	Error *CallError `protobuf:"bytes,5,opt,name=error,proto3,oneof"`
+}
+
+type TransferEvent_Status struct {
+	// A transfer side of this session reached DONE, FAILED or ABORTED.
+	Status *TransferStatus `protobuf:"bytes,6,opt,name=status,proto3,oneof"`
+}
+
+func (*TransferEvent_ExpectDelta) isTransferEvent_Event() {}
+
+func (*TransferEvent_SendDelta) isTransferEvent_Event() {}
+
+func (*TransferEvent_Abort) isTransferEvent_Event() {}
+
+func (*TransferEvent_Error) isTransferEvent_Event() {}
+
+func (*TransferEvent_Status) isTransferEvent_Event() {}
+
 // Opens an ownership session (see the file header).
 type OpenSessionRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -97,7 +411,7 @@ type OpenSessionRequest struct {
 
 func (x *OpenSessionRequest) Reset() {
 	*x = OpenSessionRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[0]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -109,7 +423,7 @@ func (x *OpenSessionRequest) String() string {
 func (*OpenSessionRequest) ProtoMessage() {}
 
 func (x *OpenSessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[0]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -122,7 +436,7 @@ func (x *OpenSessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenSessionRequest.ProtoReflect.Descriptor instead.
 func (*OpenSessionRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{0}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *OpenSessionRequest) GetClientName() string {
@@ -158,7 +472,7 @@ type SessionEvent struct {
 
 func (x *SessionEvent) Reset() {
 	*x = SessionEvent{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[1]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -170,7 +484,7 @@ func (x *SessionEvent) String() string {
 func (*SessionEvent) ProtoMessage() {}
 
 func (x *SessionEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[1]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -183,7 +497,7 @@ func (x *SessionEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionEvent.ProtoReflect.Descriptor instead.
 func (*SessionEvent) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{1}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SessionEvent) GetSessionId() string {
@@ -227,7 +541,7 @@ type DuplicateNotice struct {
 
 func (x *DuplicateNotice) Reset() {
 	*x = DuplicateNotice{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -239,7 +553,7 @@ func (x *DuplicateNotice) String() string {
 func (*DuplicateNotice) ProtoMessage() {}
 
 func (x *DuplicateNotice) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[2]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -252,7 +566,7 @@ func (x *DuplicateNotice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DuplicateNotice.ProtoReflect.Descriptor instead.
 func (*DuplicateNotice) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{2}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *DuplicateNotice) GetBufferSetId() string {
@@ -278,7 +592,7 @@ type CloseSessionRequest struct {
 
 func (x *CloseSessionRequest) Reset() {
 	*x = CloseSessionRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -290,7 +604,7 @@ func (x *CloseSessionRequest) String() string {
 func (*CloseSessionRequest) ProtoMessage() {}
 
 func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[3]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -303,7 +617,7 @@ func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionRequest.ProtoReflect.Descriptor instead.
 func (*CloseSessionRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{3}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{6}
 }
 
 // What closing released.
@@ -317,7 +631,7 @@ type CloseSessionResponse struct {
 
 func (x *CloseSessionResponse) Reset() {
 	*x = CloseSessionResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -329,7 +643,7 @@ func (x *CloseSessionResponse) String() string {
 func (*CloseSessionResponse) ProtoMessage() {}
 
 func (x *CloseSessionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[4]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -342,7 +656,7 @@ func (x *CloseSessionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionResponse.ProtoReflect.Descriptor instead.
 func (*CloseSessionResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{4}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CloseSessionResponse) GetBufferSetsReleased() uint32 {
@@ -376,7 +690,7 @@ type RegisterBuffersRequest struct {
 
 func (x *RegisterBuffersRequest) Reset() {
 	*x = RegisterBuffersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -388,7 +702,7 @@ func (x *RegisterBuffersRequest) String() string {
 func (*RegisterBuffersRequest) ProtoMessage() {}
 
 func (x *RegisterBuffersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[5]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -401,7 +715,7 @@ func (x *RegisterBuffersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterBuffersRequest.ProtoReflect.Descriptor instead.
 func (*RegisterBuffersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{5}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *RegisterBuffersRequest) GetLayout() *Layout {
@@ -468,7 +782,7 @@ type RegisterBuffersResponse struct {
 
 func (x *RegisterBuffersResponse) Reset() {
 	*x = RegisterBuffersResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -480,7 +794,7 @@ func (x *RegisterBuffersResponse) String() string {
 func (*RegisterBuffersResponse) ProtoMessage() {}
 
 func (x *RegisterBuffersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[6]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -493,7 +807,7 @@ func (x *RegisterBuffersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterBuffersResponse.ProtoReflect.Descriptor instead.
 func (*RegisterBuffersResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{6}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *RegisterBuffersResponse) GetBufferSetId() string {
@@ -528,7 +842,7 @@ type UnregisterBuffersRequest struct {
 
 func (x *UnregisterBuffersRequest) Reset() {
 	*x = UnregisterBuffersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -540,7 +854,7 @@ func (x *UnregisterBuffersRequest) String() string {
 func (*UnregisterBuffersRequest) ProtoMessage() {}
 
 func (x *UnregisterBuffersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[7]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -553,7 +867,7 @@ func (x *UnregisterBuffersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnregisterBuffersRequest.ProtoReflect.Descriptor instead.
 func (*UnregisterBuffersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{7}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *UnregisterBuffersRequest) GetBufferSetId() string {
@@ -576,7 +890,7 @@ type UnregisterBuffersResponse struct {
 
 func (x *UnregisterBuffersResponse) Reset() {
 	*x = UnregisterBuffersResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -588,7 +902,7 @@ func (x *UnregisterBuffersResponse) String() string {
 func (*UnregisterBuffersResponse) ProtoMessage() {}
 
 func (x *UnregisterBuffersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[8]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -601,7 +915,7 @@ func (x *UnregisterBuffersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnregisterBuffersResponse.ProtoReflect.Descriptor instead.
 func (*UnregisterBuffersResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{8}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *UnregisterBuffersResponse) GetTransfersAborted() uint32 {
@@ -648,7 +962,7 @@ type MatchPrefixRequest struct {
 
 func (x *MatchPrefixRequest) Reset() {
 	*x = MatchPrefixRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -660,7 +974,7 @@ func (x *MatchPrefixRequest) String() string {
 func (*MatchPrefixRequest) ProtoMessage() {}
 
 func (x *MatchPrefixRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[9]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -673,7 +987,7 @@ func (x *MatchPrefixRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchPrefixRequest.ProtoReflect.Descriptor instead.
 func (*MatchPrefixRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{9}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *MatchPrefixRequest) GetKey() isMatchPrefixRequest_Key {
@@ -786,7 +1100,7 @@ type PrefixMatch struct {
 
 func (x *PrefixMatch) Reset() {
 	*x = PrefixMatch{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -798,7 +1112,7 @@ func (x *PrefixMatch) String() string {
 func (*PrefixMatch) ProtoMessage() {}
 
 func (x *PrefixMatch) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[10]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -811,7 +1125,7 @@ func (x *PrefixMatch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefixMatch.ProtoReflect.Descriptor instead.
 func (*PrefixMatch) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{10}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *PrefixMatch) GetBufferSetId() string {
@@ -901,7 +1215,7 @@ type TransferLoad struct {
 
 func (x *TransferLoad) Reset() {
 	*x = TransferLoad{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -913,7 +1227,7 @@ func (x *TransferLoad) String() string {
 func (*TransferLoad) ProtoMessage() {}
 
 func (x *TransferLoad) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[11]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -926,7 +1240,7 @@ func (x *TransferLoad) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferLoad.ProtoReflect.Descriptor instead.
 func (*TransferLoad) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{11}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *TransferLoad) GetInboundTransfers() uint32 {
@@ -1023,7 +1337,7 @@ type MatchPrefixResponse struct {
 
 func (x *MatchPrefixResponse) Reset() {
 	*x = MatchPrefixResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1035,7 +1349,7 @@ func (x *MatchPrefixResponse) String() string {
 func (*MatchPrefixResponse) ProtoMessage() {}
 
 func (x *MatchPrefixResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[12]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1048,7 +1362,7 @@ func (x *MatchPrefixResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MatchPrefixResponse.ProtoReflect.Descriptor instead.
 func (*MatchPrefixResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{12}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *MatchPrefixResponse) GetMatches() []*PrefixMatch {
@@ -1091,7 +1405,7 @@ type ReleaseLeaseRequest struct {
 
 func (x *ReleaseLeaseRequest) Reset() {
 	*x = ReleaseLeaseRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1103,7 +1417,7 @@ func (x *ReleaseLeaseRequest) String() string {
 func (*ReleaseLeaseRequest) ProtoMessage() {}
 
 func (x *ReleaseLeaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[13]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1116,7 +1430,7 @@ func (x *ReleaseLeaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseLeaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseLeaseRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{13}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ReleaseLeaseRequest) GetLeaseId() string {
@@ -1135,7 +1449,7 @@ type ReleaseLeaseResponse struct {
 
 func (x *ReleaseLeaseResponse) Reset() {
 	*x = ReleaseLeaseResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1147,7 +1461,7 @@ func (x *ReleaseLeaseResponse) String() string {
 func (*ReleaseLeaseResponse) ProtoMessage() {}
 
 func (x *ReleaseLeaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[14]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1160,7 +1474,7 @@ func (x *ReleaseLeaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseLeaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseLeaseResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{14}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{17}
 }
 
 // Adds a cached sequence's pages to the index.
@@ -1186,7 +1500,7 @@ type PublishPagesRequest struct {
 
 func (x *PublishPagesRequest) Reset() {
 	*x = PublishPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1198,7 +1512,7 @@ func (x *PublishPagesRequest) String() string {
 func (*PublishPagesRequest) ProtoMessage() {}
 
 func (x *PublishPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[15]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1211,7 +1525,7 @@ func (x *PublishPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishPagesRequest.ProtoReflect.Descriptor instead.
 func (*PublishPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{15}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PublishPagesRequest) GetBufferSetId() string {
@@ -1289,7 +1603,7 @@ type PublishPagesResponse struct {
 
 func (x *PublishPagesResponse) Reset() {
 	*x = PublishPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1301,7 +1615,7 @@ func (x *PublishPagesResponse) String() string {
 func (*PublishPagesResponse) ProtoMessage() {}
 
 func (x *PublishPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[16]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1314,7 +1628,7 @@ func (x *PublishPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishPagesResponse.ProtoReflect.Descriptor instead.
 func (*PublishPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{16}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PublishPagesResponse) GetInsertedPages() uint32 {
@@ -1340,7 +1654,7 @@ type EvictPagesRequest struct {
 
 func (x *EvictPagesRequest) Reset() {
 	*x = EvictPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1352,7 +1666,7 @@ func (x *EvictPagesRequest) String() string {
 func (*EvictPagesRequest) ProtoMessage() {}
 
 func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[17]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1365,7 +1679,7 @@ func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesRequest.ProtoReflect.Descriptor instead.
 func (*EvictPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{17}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *EvictPagesRequest) GetBufferSetId() string {
@@ -1400,7 +1714,7 @@ type EvictPagesResponse struct {
 
 func (x *EvictPagesResponse) Reset() {
 	*x = EvictPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1412,7 +1726,7 @@ func (x *EvictPagesResponse) String() string {
 func (*EvictPagesResponse) ProtoMessage() {}
 
 func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[18]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1425,7 +1739,7 @@ func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesResponse.ProtoReflect.Descriptor instead.
 func (*EvictPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{18}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *EvictPagesResponse) GetEvictedPages() uint32 {
@@ -1472,7 +1786,7 @@ type ExpectDeltaRequest struct {
 
 func (x *ExpectDeltaRequest) Reset() {
 	*x = ExpectDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1484,7 +1798,7 @@ func (x *ExpectDeltaRequest) String() string {
 func (*ExpectDeltaRequest) ProtoMessage() {}
 
 func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[19]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1497,7 +1811,7 @@ func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaRequest.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{19}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ExpectDeltaRequest) GetTransferId() string {
@@ -1617,7 +1931,7 @@ type ExpectDeltaResponse struct {
 
 func (x *ExpectDeltaResponse) Reset() {
 	*x = ExpectDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1629,7 +1943,7 @@ func (x *ExpectDeltaResponse) String() string {
 func (*ExpectDeltaResponse) ProtoMessage() {}
 
 func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1642,7 +1956,7 @@ func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaResponse.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ExpectDeltaResponse) GetStatus() *TransferStatus {
@@ -1686,7 +2000,7 @@ type SendDeltaRequest struct {
 
 func (x *SendDeltaRequest) Reset() {
 	*x = SendDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1698,7 +2012,7 @@ func (x *SendDeltaRequest) String() string {
 func (*SendDeltaRequest) ProtoMessage() {}
 
 func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1711,7 +2025,7 @@ func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaRequest.ProtoReflect.Descriptor instead.
 func (*SendDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SendDeltaRequest) GetTransferId() string {
@@ -1795,7 +2109,7 @@ type SendDeltaResponse struct {
 
 func (x *SendDeltaResponse) Reset() {
 	*x = SendDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1807,7 +2121,7 @@ func (x *SendDeltaResponse) String() string {
 func (*SendDeltaResponse) ProtoMessage() {}
 
 func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1820,7 +2134,7 @@ func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaResponse.ProtoReflect.Descriptor instead.
 func (*SendDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SendDeltaResponse) GetStatus() *TransferStatus {
@@ -1841,7 +2155,7 @@ type PollRequest struct {
 
 func (x *PollRequest) Reset() {
 	*x = PollRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1853,7 +2167,7 @@ func (x *PollRequest) String() string {
 func (*PollRequest) ProtoMessage() {}
 
 func (x *PollRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1866,7 +2180,7 @@ func (x *PollRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollRequest.ProtoReflect.Descriptor instead.
 func (*PollRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *PollRequest) GetTransferIds() []string {
@@ -1888,7 +2202,7 @@ type PollResponse struct {
 
 func (x *PollResponse) Reset() {
 	*x = PollResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1900,7 +2214,7 @@ func (x *PollResponse) String() string {
 func (*PollResponse) ProtoMessage() {}
 
 func (x *PollResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1913,7 +2227,7 @@ func (x *PollResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollResponse.ProtoReflect.Descriptor instead.
 func (*PollResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *PollResponse) GetStatuses() []*TransferStatus {
@@ -1936,7 +2250,7 @@ type WatchTransfersRequest struct {
 
 func (x *WatchTransfersRequest) Reset() {
 	*x = WatchTransfersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1948,7 +2262,7 @@ func (x *WatchTransfersRequest) String() string {
 func (*WatchTransfersRequest) ProtoMessage() {}
 
 func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1961,7 +2275,7 @@ func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchTransfersRequest.ProtoReflect.Descriptor instead.
 func (*WatchTransfersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *WatchTransfersRequest) GetTransferIds() []string {
@@ -1991,7 +2305,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2003,7 +2317,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2016,7 +2330,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *AbortRequest) GetTransferId() string {
@@ -2044,7 +2358,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2056,7 +2370,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2069,7 +2383,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AbortResponse) GetStatuses() []*TransferStatus {
@@ -2100,7 +2414,7 @@ type PhaseTimings struct {
 
 func (x *PhaseTimings) Reset() {
 	*x = PhaseTimings{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2112,7 +2426,7 @@ func (x *PhaseTimings) String() string {
 func (*PhaseTimings) ProtoMessage() {}
 
 func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2125,7 +2439,7 @@ func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PhaseTimings.ProtoReflect.Descriptor instead.
 func (*PhaseTimings) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *PhaseTimings) GetQueueUs() uint64 {
@@ -2208,7 +2522,7 @@ type TransferStatus struct {
 
 func (x *TransferStatus) Reset() {
 	*x = TransferStatus{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2220,7 +2534,7 @@ func (x *TransferStatus) String() string {
 func (*TransferStatus) ProtoMessage() {}
 
 func (x *TransferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2233,7 +2547,7 @@ func (x *TransferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferStatus.ProtoReflect.Descriptor instead.
 func (*TransferStatus) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *TransferStatus) GetTransferId() string {
@@ -2348,16 +2662,24 @@ func (x *TransferStatus) GetRouteNote() string {
 	return ""
 }
 
-// No parameters: the stats cover the whole node.
+// The stats cover the whole node. Buffer sets, sessions and peers are listed to admin callers
+// (GetStatsResponse.admin_view); a caller identified as an admin needs no session: a uid in
+// admin_uids presenting a `kvservice-credential` (from <socket>.cred) on this call, a client
+// certificate named in admin_identities, or a bearer token in admin_token_file.
 type GetStatsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Window of GetStatsResponse.activity in milliseconds (0: 10 s; at most 300 s).
+	WindowMs uint32 `protobuf:"varint,1,opt,name=window_ms,json=windowMs,proto3" json:"window_ms,omitempty"`
+	// Admin callers: measure each known peer's round trip now (one health check per peer over its
+	// channel, bounded by 250 ms); otherwise PeerInfo.rtt_us is the last measured one.
+	ProbePeers    bool `protobuf:"varint,2,opt,name=probe_peers,json=probePeers,proto3" json:"probe_peers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2369,7 +2691,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2382,7 +2704,21 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *GetStatsRequest) GetWindowMs() uint32 {
+	if x != nil {
+		return x.WindowMs
+	}
+	return 0
+}
+
+func (x *GetStatsRequest) GetProbePeers() bool {
+	if x != nil {
+		return x.ProbePeers
+	}
+	return false
 }
 
 // One registered buffer set.
@@ -2412,7 +2748,7 @@ type BufferSetInfo struct {
 
 func (x *BufferSetInfo) Reset() {
 	*x = BufferSetInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2424,7 +2760,7 @@ func (x *BufferSetInfo) String() string {
 func (*BufferSetInfo) ProtoMessage() {}
 
 func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2437,7 +2773,7 @@ func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BufferSetInfo.ProtoReflect.Descriptor instead.
 func (*BufferSetInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *BufferSetInfo) GetBufferSetId() string {
@@ -2516,7 +2852,7 @@ type SuggestEvictionsRequest struct {
 
 func (x *SuggestEvictionsRequest) Reset() {
 	*x = SuggestEvictionsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2528,7 +2864,7 @@ func (x *SuggestEvictionsRequest) String() string {
 func (*SuggestEvictionsRequest) ProtoMessage() {}
 
 func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2541,7 +2877,7 @@ func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsRequest.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *SuggestEvictionsRequest) GetBufferSetId() string {
@@ -2574,7 +2910,7 @@ type SuggestEvictionsResponse struct {
 
 func (x *SuggestEvictionsResponse) Reset() {
 	*x = SuggestEvictionsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2586,7 +2922,7 @@ func (x *SuggestEvictionsResponse) String() string {
 func (*SuggestEvictionsResponse) ProtoMessage() {}
 
 func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2599,7 +2935,7 @@ func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsResponse.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *SuggestEvictionsResponse) GetPageIndices() []uint32 {
@@ -2644,7 +2980,7 @@ type IndexStats struct {
 
 func (x *IndexStats) Reset() {
 	*x = IndexStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2656,7 +2992,7 @@ func (x *IndexStats) String() string {
 func (*IndexStats) ProtoMessage() {}
 
 func (x *IndexStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2669,7 +3005,7 @@ func (x *IndexStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexStats.ProtoReflect.Descriptor instead.
 func (*IndexStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *IndexStats) GetEntries() uint64 {
@@ -2733,7 +3069,7 @@ type StagingStats struct {
 
 func (x *StagingStats) Reset() {
 	*x = StagingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2745,7 +3081,7 @@ func (x *StagingStats) String() string {
 func (*StagingStats) ProtoMessage() {}
 
 func (x *StagingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2758,7 +3094,7 @@ func (x *StagingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingStats.ProtoReflect.Descriptor instead.
 func (*StagingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *StagingStats) GetKind() string {
@@ -2813,7 +3149,7 @@ type TransferCounts struct {
 
 func (x *TransferCounts) Reset() {
 	*x = TransferCounts{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2825,7 +3161,7 @@ func (x *TransferCounts) String() string {
 func (*TransferCounts) ProtoMessage() {}
 
 func (x *TransferCounts) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2838,7 +3174,7 @@ func (x *TransferCounts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferCounts.ProtoReflect.Descriptor instead.
 func (*TransferCounts) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *TransferCounts) GetInFlight() uint64 {
@@ -2887,21 +3223,36 @@ type GetStatsResponse struct {
 	UptimeMs uint64 `protobuf:"varint,3,opt,name=uptime_ms,json=uptimeMs,proto3" json:"uptime_ms,omitempty"`
 	// Open sessions.
 	Sessions uint32 `protobuf:"varint,4,opt,name=sessions,proto3" json:"sessions,omitempty"`
-	// Every registered buffer set.
+	// Registered buffer sets in scope (admin_view: every one; otherwise the caller's own).
 	BufferSets []*BufferSetInfo `protobuf:"bytes,5,rep,name=buffer_sets,json=bufferSets,proto3" json:"buffer_sets,omitempty"`
 	// Prefix index counters.
 	Index *IndexStats `protobuf:"bytes,6,opt,name=index,proto3" json:"index,omitempty"`
 	// One entry per staging pool.
 	Staging []*StagingStats `protobuf:"bytes,7,rep,name=staging,proto3" json:"staging,omitempty"`
 	// Transfer counters and queues.
-	Transfers     *TransferCounts `protobuf:"bytes,8,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	Transfers *TransferCounts `protobuf:"bytes,8,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	// True when buffer_sets, session_list and peers cover the whole node (an admin caller); false
+	// when they are scoped to the caller's own session (empty without one).
+	AdminView bool `protobuf:"varint,9,opt,name=admin_view,json=adminView,proto3" json:"admin_view,omitempty"`
+	// Empty for an admin view; otherwise what the lists are scoped to and how to see all of them.
+	ScopeNote string `protobuf:"bytes,10,opt,name=scope_note,json=scopeNote,proto3" json:"scope_note,omitempty"`
+	// Buffer sets registered on the node, whatever the scope of buffer_sets.
+	BufferSetsTotal uint32 `protobuf:"varint,11,opt,name=buffer_sets_total,json=bufferSetsTotal,proto3" json:"buffer_sets_total,omitempty"`
+	// Transfers that ended within the recent window, per role and route.
+	Activity *Activity `protobuf:"bytes,12,opt,name=activity,proto3" json:"activity,omitempty"`
+	// Live transfer sides by where they are now (see InFlight).
+	InFlight []*InFlight `protobuf:"bytes,13,rep,name=in_flight,json=inFlight,proto3" json:"in_flight,omitempty"`
+	// Peer services this node has talked to (admin view only).
+	Peers []*PeerInfo `protobuf:"bytes,14,rep,name=peers,proto3" json:"peers,omitempty"`
+	// Open sessions (admin view: all; otherwise the caller's own).
+	SessionList   []*SessionInfo `protobuf:"bytes,15,rep,name=session_list,json=sessionList,proto3" json:"session_list,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2913,7 +3264,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2926,7 +3277,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *GetStatsResponse) GetServiceId() string {
@@ -2985,11 +3336,531 @@ func (x *GetStatsResponse) GetTransfers() *TransferCounts {
 	return nil
 }
 
+func (x *GetStatsResponse) GetAdminView() bool {
+	if x != nil {
+		return x.AdminView
+	}
+	return false
+}
+
+func (x *GetStatsResponse) GetScopeNote() string {
+	if x != nil {
+		return x.ScopeNote
+	}
+	return ""
+}
+
+func (x *GetStatsResponse) GetBufferSetsTotal() uint32 {
+	if x != nil {
+		return x.BufferSetsTotal
+	}
+	return 0
+}
+
+func (x *GetStatsResponse) GetActivity() *Activity {
+	if x != nil {
+		return x.Activity
+	}
+	return nil
+}
+
+func (x *GetStatsResponse) GetInFlight() []*InFlight {
+	if x != nil {
+		return x.InFlight
+	}
+	return nil
+}
+
+func (x *GetStatsResponse) GetPeers() []*PeerInfo {
+	if x != nil {
+		return x.Peers
+	}
+	return nil
+}
+
+func (x *GetStatsResponse) GetSessionList() []*SessionInfo {
+	if x != nil {
+		return x.SessionList
+	}
+	return nil
+}
+
+// Transfers that reached a terminal state within the last window_ms.
+type Activity struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Length of the window in milliseconds (less right after start: uptime).
+	WindowMs uint64 `protobuf:"varint,1,opt,name=window_ms,json=windowMs,proto3" json:"window_ms,omitempty"`
+	// One entry per (role, route) that ended a transfer in the window.
+	Routes        []*RouteActivity `protobuf:"bytes,2,rep,name=routes,proto3" json:"routes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Activity) Reset() {
+	*x = Activity{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Activity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Activity) ProtoMessage() {}
+
+func (x *Activity) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Activity.ProtoReflect.Descriptor instead.
+func (*Activity) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *Activity) GetWindowMs() uint64 {
+	if x != nil {
+		return x.WindowMs
+	}
+	return 0
+}
+
+func (x *Activity) GetRoutes() []*RouteActivity {
+	if x != nil {
+		return x.Routes
+	}
+	return nil
+}
+
+// Recent transfers of one role over one route.
+type RouteActivity struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "sender" or "receiver".
+	Role string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	// "fused", "direct", "packed" or "auto" (ended before a route was chosen).
+	Route string `protobuf:"bytes,2,opt,name=route,proto3" json:"route,omitempty"`
+	// Transfers that ended DONE / otherwise (FAILED or ABORTED) in the window.
+	Done   uint32 `protobuf:"varint,3,opt,name=done,proto3" json:"done,omitempty"`
+	Failed uint32 `protobuf:"varint,4,opt,name=failed,proto3" json:"failed,omitempty"`
+	// KV and aux bytes those transfers moved.
+	Bytes uint64 `protobuf:"varint,5,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// End-to-end time of the DONE ones (declaration or first chunk to DONE), microseconds.
+	P50Us uint64 `protobuf:"varint,6,opt,name=p50_us,json=p50Us,proto3" json:"p50_us,omitempty"`
+	P99Us uint64 `protobuf:"varint,7,opt,name=p99_us,json=p99Us,proto3" json:"p99_us,omitempty"`
+	// Since start, whatever the window.
+	DoneTotal     uint64 `protobuf:"varint,8,opt,name=done_total,json=doneTotal,proto3" json:"done_total,omitempty"`
+	BytesTotal    uint64 `protobuf:"varint,9,opt,name=bytes_total,json=bytesTotal,proto3" json:"bytes_total,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RouteActivity) Reset() {
+	*x = RouteActivity{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RouteActivity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RouteActivity) ProtoMessage() {}
+
+func (x *RouteActivity) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RouteActivity.ProtoReflect.Descriptor instead.
+func (*RouteActivity) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *RouteActivity) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *RouteActivity) GetRoute() string {
+	if x != nil {
+		return x.Route
+	}
+	return ""
+}
+
+func (x *RouteActivity) GetDone() uint32 {
+	if x != nil {
+		return x.Done
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetFailed() uint32 {
+	if x != nil {
+		return x.Failed
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetP50Us() uint64 {
+	if x != nil {
+		return x.P50Us
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetP99Us() uint64 {
+	if x != nil {
+		return x.P99Us
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetDoneTotal() uint64 {
+	if x != nil {
+		return x.DoneTotal
+	}
+	return 0
+}
+
+func (x *RouteActivity) GetBytesTotal() uint64 {
+	if x != nil {
+		return x.BytesTotal
+	}
+	return 0
+}
+
+// Live transfer sides in one phase. Receivers are "declared" (waiting for a sender) or
+// "receiving"; senders are in "queue", "plan", "pack", "wire" or "unpack": the phase after the
+// last one that recorded time (chunks cycle through the phases, so an estimate per moment).
+type InFlight struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "sender" or "receiver".
+	Role      string `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	Phase     string `protobuf:"bytes,2,opt,name=phase,proto3" json:"phase,omitempty"`
+	Transfers uint32 `protobuf:"varint,3,opt,name=transfers,proto3" json:"transfers,omitempty"`
+	// Their bytes moved so far.
+	Bytes         uint64 `protobuf:"varint,4,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InFlight) Reset() {
+	*x = InFlight{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InFlight) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InFlight) ProtoMessage() {}
+
+func (x *InFlight) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InFlight.ProtoReflect.Descriptor instead.
+func (*InFlight) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *InFlight) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
+func (x *InFlight) GetPhase() string {
+	if x != nil {
+		return x.Phase
+	}
+	return ""
+}
+
+func (x *InFlight) GetTransfers() uint32 {
+	if x != nil {
+		return x.Transfers
+	}
+	return 0
+}
+
+func (x *InFlight) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+// One peer service, as the sending side sees it.
+type PeerInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Its address (SendDelta.peer_address).
+	Address string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	// Its service id from the last Handshake (empty before one).
+	ServiceId string `protobuf:"bytes,2,opt,name=service_id,json=serviceId,proto3" json:"service_id,omitempty"`
+	// The gRPC channel's connectivity: IDLE, CONNECTING, READY, TRANSIENT_FAILURE, SHUTDOWN.
+	ChannelState string `protobuf:"bytes,3,opt,name=channel_state,json=channelState,proto3" json:"channel_state,omitempty"`
+	// Whether the peer channel stream (credits and commits) is open now.
+	StreamOpen bool `protobuf:"varint,4,opt,name=stream_open,json=streamOpen,proto3" json:"stream_open,omitempty"`
+	// True when the peer is this very service.
+	IsSelf bool `protobuf:"varint,5,opt,name=is_self,json=isSelf,proto3" json:"is_self,omitempty"`
+	// Last measured round trip (a health check over the channel), microseconds; 0: not measured.
+	RttUs uint64 `protobuf:"varint,6,opt,name=rtt_us,json=rttUs,proto3" json:"rtt_us,omitempty"`
+	// Chunks queued or moving towards it.
+	QueueDepth    uint64 `protobuf:"varint,7,opt,name=queue_depth,json=queueDepth,proto3" json:"queue_depth,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PeerInfo) Reset() {
+	*x = PeerInfo{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PeerInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PeerInfo) ProtoMessage() {}
+
+func (x *PeerInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PeerInfo.ProtoReflect.Descriptor instead.
+func (*PeerInfo) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *PeerInfo) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *PeerInfo) GetServiceId() string {
+	if x != nil {
+		return x.ServiceId
+	}
+	return ""
+}
+
+func (x *PeerInfo) GetChannelState() string {
+	if x != nil {
+		return x.ChannelState
+	}
+	return ""
+}
+
+func (x *PeerInfo) GetStreamOpen() bool {
+	if x != nil {
+		return x.StreamOpen
+	}
+	return false
+}
+
+func (x *PeerInfo) GetIsSelf() bool {
+	if x != nil {
+		return x.IsSelf
+	}
+	return false
+}
+
+func (x *PeerInfo) GetRttUs() uint64 {
+	if x != nil {
+		return x.RttUs
+	}
+	return 0
+}
+
+func (x *PeerInfo) GetQueueDepth() uint64 {
+	if x != nil {
+		return x.QueueDepth
+	}
+	return 0
+}
+
+// One open session.
+type SessionInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The client's label (OpenSessionRequest.client_name).
+	ClientName string `protobuf:"bytes,1,opt,name=client_name,json=clientName,proto3" json:"client_name,omitempty"`
+	// The first 8 characters of the session id: enough to tell sessions apart, not to use one.
+	SessionRef string `protobuf:"bytes,2,opt,name=session_ref,json=sessionRef,proto3" json:"session_ref,omitempty"`
+	// False while the stream is broken and the session waits for a resume.
+	Attached bool `protobuf:"varint,3,opt,name=attached,proto3" json:"attached,omitempty"`
+	// Opened, unix time in milliseconds.
+	OpenedUnixMs uint64 `protobuf:"varint,4,opt,name=opened_unix_ms,json=openedUnixMs,proto3" json:"opened_unix_ms,omitempty"`
+	// The kernel's uid for an identified local session; -1 when unidentified.
+	Uid   int64 `protobuf:"varint,5,opt,name=uid,proto3" json:"uid,omitempty"`
+	Admin bool  `protobuf:"varint,6,opt,name=admin,proto3" json:"admin,omitempty"`
+	// Buffer sets it owns and unfinished transfers it has.
+	BufferSets        uint32 `protobuf:"varint,7,opt,name=buffer_sets,json=bufferSets,proto3" json:"buffer_sets,omitempty"`
+	TransfersInFlight uint32 `protobuf:"varint,8,opt,name=transfers_in_flight,json=transfersInFlight,proto3" json:"transfers_in_flight,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *SessionInfo) Reset() {
+	*x = SessionInfo{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SessionInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SessionInfo) ProtoMessage() {}
+
+func (x *SessionInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SessionInfo.ProtoReflect.Descriptor instead.
+func (*SessionInfo) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *SessionInfo) GetClientName() string {
+	if x != nil {
+		return x.ClientName
+	}
+	return ""
+}
+
+func (x *SessionInfo) GetSessionRef() string {
+	if x != nil {
+		return x.SessionRef
+	}
+	return ""
+}
+
+func (x *SessionInfo) GetAttached() bool {
+	if x != nil {
+		return x.Attached
+	}
+	return false
+}
+
+func (x *SessionInfo) GetOpenedUnixMs() uint64 {
+	if x != nil {
+		return x.OpenedUnixMs
+	}
+	return 0
+}
+
+func (x *SessionInfo) GetUid() int64 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *SessionInfo) GetAdmin() bool {
+	if x != nil {
+		return x.Admin
+	}
+	return false
+}
+
+func (x *SessionInfo) GetBufferSets() uint32 {
+	if x != nil {
+		return x.BufferSets
+	}
+	return 0
+}
+
+func (x *SessionInfo) GetTransfersInFlight() uint32 {
+	if x != nil {
+		return x.TransfersInFlight
+	}
+	return 0
+}
+
 var File_kvservice_v1_kvservice_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\n" +
-	"\x1ckvservice/v1/kvservice.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"a\n" +
+	"\x1ckvservice/v1/kvservice.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\x8a\x02\n" +
+	"\fTransferCall\x12\x17\n" +
+	"\acall_id\x18\x01 \x01(\x04R\x06callId\x12E\n" +
+	"\fexpect_delta\x18\x02 \x01(\v2 .kvservice.v1.ExpectDeltaRequestH\x00R\vexpectDelta\x12?\n" +
+	"\n" +
+	"send_delta\x18\x03 \x01(\v2\x1e.kvservice.v1.SendDeltaRequestH\x00R\tsendDelta\x122\n" +
+	"\x05abort\x18\x04 \x01(\v2\x1a.kvservice.v1.AbortRequestH\x00R\x05abort\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x05 \x01(\tR\trequestIdB\x06\n" +
+	"\x04call\"9\n" +
+	"\tCallError\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\tR\x04code\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"\xd9\x02\n" +
+	"\rTransferEvent\x12\x17\n" +
+	"\acall_id\x18\x01 \x01(\x04R\x06callId\x12F\n" +
+	"\fexpect_delta\x18\x02 \x01(\v2!.kvservice.v1.ExpectDeltaResponseH\x00R\vexpectDelta\x12@\n" +
+	"\n" +
+	"send_delta\x18\x03 \x01(\v2\x1f.kvservice.v1.SendDeltaResponseH\x00R\tsendDelta\x123\n" +
+	"\x05abort\x18\x04 \x01(\v2\x1b.kvservice.v1.AbortResponseH\x00R\x05abort\x12/\n" +
+	"\x05error\x18\x05 \x01(\v2\x17.kvservice.v1.CallErrorH\x00R\x05error\x126\n" +
+	"\x06status\x18\x06 \x01(\v2\x1c.kvservice.v1.TransferStatusH\x00R\x06statusB\a\n" +
+	"\x05event\"a\n" +
 	"\x12OpenSessionRequest\x12\x1f\n" +
 	"\vclient_name\x18\x01 \x01(\tR\n" +
 	"clientName\x12*\n" +
@@ -3164,8 +4035,11 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x05error\x18\x0e \x01(\tR\x05error\x12&\n" +
 	"\x0fupdated_unix_ms\x18\x0f \x01(\x04R\rupdatedUnixMs\x12\x1d\n" +
 	"\n" +
-	"route_note\x18\x10 \x01(\tR\trouteNote\"\x11\n" +
-	"\x0fGetStatsRequest\"\xd6\x02\n" +
+	"route_note\x18\x10 \x01(\tR\trouteNote\"O\n" +
+	"\x0fGetStatsRequest\x12\x1b\n" +
+	"\twindow_ms\x18\x01 \x01(\rR\bwindowMs\x12\x1f\n" +
+	"\vprobe_peers\x18\x02 \x01(\bR\n" +
+	"probePeers\"\xd6\x02\n" +
 	"\rBufferSetInfo\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12,\n" +
@@ -3218,7 +4092,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"queueDepth\x1a=\n" +
 	"\x0fQueueDepthEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xe4\x02\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xa3\x05\n" +
 	"\x10GetStatsResponse\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -3229,11 +4103,65 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"bufferSets\x12.\n" +
 	"\x05index\x18\x06 \x01(\v2\x18.kvservice.v1.IndexStatsR\x05index\x124\n" +
 	"\astaging\x18\a \x03(\v2\x1a.kvservice.v1.StagingStatsR\astaging\x12:\n" +
-	"\ttransfers\x18\b \x01(\v2\x1c.kvservice.v1.TransferCountsR\ttransfers*c\n" +
+	"\ttransfers\x18\b \x01(\v2\x1c.kvservice.v1.TransferCountsR\ttransfers\x12\x1d\n" +
+	"\n" +
+	"admin_view\x18\t \x01(\bR\tadminView\x12\x1d\n" +
+	"\n" +
+	"scope_note\x18\n" +
+	" \x01(\tR\tscopeNote\x12*\n" +
+	"\x11buffer_sets_total\x18\v \x01(\rR\x0fbufferSetsTotal\x122\n" +
+	"\bactivity\x18\f \x01(\v2\x16.kvservice.v1.ActivityR\bactivity\x123\n" +
+	"\tin_flight\x18\r \x03(\v2\x16.kvservice.v1.InFlightR\binFlight\x12,\n" +
+	"\x05peers\x18\x0e \x03(\v2\x16.kvservice.v1.PeerInfoR\x05peers\x12<\n" +
+	"\fsession_list\x18\x0f \x03(\v2\x19.kvservice.v1.SessionInfoR\vsessionList\"\\\n" +
+	"\bActivity\x12\x1b\n" +
+	"\twindow_ms\x18\x01 \x01(\x04R\bwindowMs\x123\n" +
+	"\x06routes\x18\x02 \x03(\v2\x1b.kvservice.v1.RouteActivityR\x06routes\"\xe9\x01\n" +
+	"\rRouteActivity\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12\x14\n" +
+	"\x05route\x18\x02 \x01(\tR\x05route\x12\x12\n" +
+	"\x04done\x18\x03 \x01(\rR\x04done\x12\x16\n" +
+	"\x06failed\x18\x04 \x01(\rR\x06failed\x12\x14\n" +
+	"\x05bytes\x18\x05 \x01(\x04R\x05bytes\x12\x15\n" +
+	"\x06p50_us\x18\x06 \x01(\x04R\x05p50Us\x12\x15\n" +
+	"\x06p99_us\x18\a \x01(\x04R\x05p99Us\x12\x1d\n" +
+	"\n" +
+	"done_total\x18\b \x01(\x04R\tdoneTotal\x12\x1f\n" +
+	"\vbytes_total\x18\t \x01(\x04R\n" +
+	"bytesTotal\"h\n" +
+	"\bInFlight\x12\x12\n" +
+	"\x04role\x18\x01 \x01(\tR\x04role\x12\x14\n" +
+	"\x05phase\x18\x02 \x01(\tR\x05phase\x12\x1c\n" +
+	"\ttransfers\x18\x03 \x01(\rR\ttransfers\x12\x14\n" +
+	"\x05bytes\x18\x04 \x01(\x04R\x05bytes\"\xda\x01\n" +
+	"\bPeerInfo\x12\x18\n" +
+	"\aaddress\x18\x01 \x01(\tR\aaddress\x12\x1d\n" +
+	"\n" +
+	"service_id\x18\x02 \x01(\tR\tserviceId\x12#\n" +
+	"\rchannel_state\x18\x03 \x01(\tR\fchannelState\x12\x1f\n" +
+	"\vstream_open\x18\x04 \x01(\bR\n" +
+	"streamOpen\x12\x17\n" +
+	"\ais_self\x18\x05 \x01(\bR\x06isSelf\x12\x15\n" +
+	"\x06rtt_us\x18\x06 \x01(\x04R\x05rttUs\x12\x1f\n" +
+	"\vqueue_depth\x18\a \x01(\x04R\n" +
+	"queueDepth\"\x8a\x02\n" +
+	"\vSessionInfo\x12\x1f\n" +
+	"\vclient_name\x18\x01 \x01(\tR\n" +
+	"clientName\x12\x1f\n" +
+	"\vsession_ref\x18\x02 \x01(\tR\n" +
+	"sessionRef\x12\x1a\n" +
+	"\battached\x18\x03 \x01(\bR\battached\x12$\n" +
+	"\x0eopened_unix_ms\x18\x04 \x01(\x04R\fopenedUnixMs\x12\x10\n" +
+	"\x03uid\x18\x05 \x01(\x03R\x03uid\x12\x14\n" +
+	"\x05admin\x18\x06 \x01(\bR\x05admin\x12\x1f\n" +
+	"\vbuffer_sets\x18\a \x01(\rR\n" +
+	"bufferSets\x12.\n" +
+	"\x13transfers_in_flight\x18\b \x01(\rR\x11transfersInFlight*c\n" +
 	"\fTransferRole\x12\x1d\n" +
 	"\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n" +
-	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xf2\t\n" +
+	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xbc\n" +
+	"\n" +
 	"\tKVService\x12M\n" +
 	"\vOpenSession\x12 .kvservice.v1.OpenSessionRequest\x1a\x1a.kvservice.v1.SessionEvent0\x01\x12U\n" +
 	"\fCloseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\".kvservice.v1.CloseSessionResponse\x12^\n" +
@@ -3250,7 +4178,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x0eWatchTransfers\x12#.kvservice.v1.WatchTransfersRequest\x1a\x1c.kvservice.v1.TransferStatus0\x01\x12@\n" +
 	"\x05Abort\x12\x1a.kvservice.v1.AbortRequest\x1a\x1b.kvservice.v1.AbortResponse\x12I\n" +
 	"\bGetStats\x12\x1d.kvservice.v1.GetStatsRequest\x1a\x1e.kvservice.v1.GetStatsResponse\x12a\n" +
-	"\x10SuggestEvictions\x12%.kvservice.v1.SuggestEvictionsRequest\x1a&.kvservice.v1.SuggestEvictionsResponseb\x06proto3"
+	"\x10SuggestEvictions\x12%.kvservice.v1.SuggestEvictionsRequest\x1a&.kvservice.v1.SuggestEvictionsResponse\x12H\n" +
+	"\tTransfers\x12\x1a.kvservice.v1.TransferCall\x1a\x1b.kvservice.v1.TransferEvent(\x010\x01b\x06proto3"
 
 var (
 	file_kvservice_v1_kvservice_proto_rawDescOnce sync.Once
@@ -3265,126 +4194,149 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 48)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
-	(*OpenSessionRequest)(nil),        // 1: kvservice.v1.OpenSessionRequest
-	(*SessionEvent)(nil),              // 2: kvservice.v1.SessionEvent
-	(*DuplicateNotice)(nil),           // 3: kvservice.v1.DuplicateNotice
-	(*CloseSessionRequest)(nil),       // 4: kvservice.v1.CloseSessionRequest
-	(*CloseSessionResponse)(nil),      // 5: kvservice.v1.CloseSessionResponse
-	(*RegisterBuffersRequest)(nil),    // 6: kvservice.v1.RegisterBuffersRequest
-	(*RegisterBuffersResponse)(nil),   // 7: kvservice.v1.RegisterBuffersResponse
-	(*UnregisterBuffersRequest)(nil),  // 8: kvservice.v1.UnregisterBuffersRequest
-	(*UnregisterBuffersResponse)(nil), // 9: kvservice.v1.UnregisterBuffersResponse
-	(*MatchPrefixRequest)(nil),        // 10: kvservice.v1.MatchPrefixRequest
-	(*PrefixMatch)(nil),               // 11: kvservice.v1.PrefixMatch
-	(*TransferLoad)(nil),              // 12: kvservice.v1.TransferLoad
-	(*MatchPrefixResponse)(nil),       // 13: kvservice.v1.MatchPrefixResponse
-	(*ReleaseLeaseRequest)(nil),       // 14: kvservice.v1.ReleaseLeaseRequest
-	(*ReleaseLeaseResponse)(nil),      // 15: kvservice.v1.ReleaseLeaseResponse
-	(*PublishPagesRequest)(nil),       // 16: kvservice.v1.PublishPagesRequest
-	(*PublishPagesResponse)(nil),      // 17: kvservice.v1.PublishPagesResponse
-	(*EvictPagesRequest)(nil),         // 18: kvservice.v1.EvictPagesRequest
-	(*EvictPagesResponse)(nil),        // 19: kvservice.v1.EvictPagesResponse
-	(*ExpectDeltaRequest)(nil),        // 20: kvservice.v1.ExpectDeltaRequest
-	(*ExpectDeltaResponse)(nil),       // 21: kvservice.v1.ExpectDeltaResponse
-	(*SendDeltaRequest)(nil),          // 22: kvservice.v1.SendDeltaRequest
-	(*SendDeltaResponse)(nil),         // 23: kvservice.v1.SendDeltaResponse
-	(*PollRequest)(nil),               // 24: kvservice.v1.PollRequest
-	(*PollResponse)(nil),              // 25: kvservice.v1.PollResponse
-	(*WatchTransfersRequest)(nil),     // 26: kvservice.v1.WatchTransfersRequest
-	(*AbortRequest)(nil),              // 27: kvservice.v1.AbortRequest
-	(*AbortResponse)(nil),             // 28: kvservice.v1.AbortResponse
-	(*PhaseTimings)(nil),              // 29: kvservice.v1.PhaseTimings
-	(*TransferStatus)(nil),            // 30: kvservice.v1.TransferStatus
-	(*GetStatsRequest)(nil),           // 31: kvservice.v1.GetStatsRequest
-	(*BufferSetInfo)(nil),             // 32: kvservice.v1.BufferSetInfo
-	(*SuggestEvictionsRequest)(nil),   // 33: kvservice.v1.SuggestEvictionsRequest
-	(*SuggestEvictionsResponse)(nil),  // 34: kvservice.v1.SuggestEvictionsResponse
-	(*IndexStats)(nil),                // 35: kvservice.v1.IndexStats
-	(*StagingStats)(nil),              // 36: kvservice.v1.StagingStats
-	(*TransferCounts)(nil),            // 37: kvservice.v1.TransferCounts
-	(*GetStatsResponse)(nil),          // 38: kvservice.v1.GetStatsResponse
-	nil,                               // 39: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 40: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 41: kvservice.v1.Layout
-	(*Region)(nil),                    // 42: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 43: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 44: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 45: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 46: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 47: kvservice.v1.TransferPath
-	(TransferState)(0),                // 48: kvservice.v1.TransferState
+	(*TransferCall)(nil),              // 1: kvservice.v1.TransferCall
+	(*CallError)(nil),                 // 2: kvservice.v1.CallError
+	(*TransferEvent)(nil),             // 3: kvservice.v1.TransferEvent
+	(*OpenSessionRequest)(nil),        // 4: kvservice.v1.OpenSessionRequest
+	(*SessionEvent)(nil),              // 5: kvservice.v1.SessionEvent
+	(*DuplicateNotice)(nil),           // 6: kvservice.v1.DuplicateNotice
+	(*CloseSessionRequest)(nil),       // 7: kvservice.v1.CloseSessionRequest
+	(*CloseSessionResponse)(nil),      // 8: kvservice.v1.CloseSessionResponse
+	(*RegisterBuffersRequest)(nil),    // 9: kvservice.v1.RegisterBuffersRequest
+	(*RegisterBuffersResponse)(nil),   // 10: kvservice.v1.RegisterBuffersResponse
+	(*UnregisterBuffersRequest)(nil),  // 11: kvservice.v1.UnregisterBuffersRequest
+	(*UnregisterBuffersResponse)(nil), // 12: kvservice.v1.UnregisterBuffersResponse
+	(*MatchPrefixRequest)(nil),        // 13: kvservice.v1.MatchPrefixRequest
+	(*PrefixMatch)(nil),               // 14: kvservice.v1.PrefixMatch
+	(*TransferLoad)(nil),              // 15: kvservice.v1.TransferLoad
+	(*MatchPrefixResponse)(nil),       // 16: kvservice.v1.MatchPrefixResponse
+	(*ReleaseLeaseRequest)(nil),       // 17: kvservice.v1.ReleaseLeaseRequest
+	(*ReleaseLeaseResponse)(nil),      // 18: kvservice.v1.ReleaseLeaseResponse
+	(*PublishPagesRequest)(nil),       // 19: kvservice.v1.PublishPagesRequest
+	(*PublishPagesResponse)(nil),      // 20: kvservice.v1.PublishPagesResponse
+	(*EvictPagesRequest)(nil),         // 21: kvservice.v1.EvictPagesRequest
+	(*EvictPagesResponse)(nil),        // 22: kvservice.v1.EvictPagesResponse
+	(*ExpectDeltaRequest)(nil),        // 23: kvservice.v1.ExpectDeltaRequest
+	(*ExpectDeltaResponse)(nil),       // 24: kvservice.v1.ExpectDeltaResponse
+	(*SendDeltaRequest)(nil),          // 25: kvservice.v1.SendDeltaRequest
+	(*SendDeltaResponse)(nil),         // 26: kvservice.v1.SendDeltaResponse
+	(*PollRequest)(nil),               // 27: kvservice.v1.PollRequest
+	(*PollResponse)(nil),              // 28: kvservice.v1.PollResponse
+	(*WatchTransfersRequest)(nil),     // 29: kvservice.v1.WatchTransfersRequest
+	(*AbortRequest)(nil),              // 30: kvservice.v1.AbortRequest
+	(*AbortResponse)(nil),             // 31: kvservice.v1.AbortResponse
+	(*PhaseTimings)(nil),              // 32: kvservice.v1.PhaseTimings
+	(*TransferStatus)(nil),            // 33: kvservice.v1.TransferStatus
+	(*GetStatsRequest)(nil),           // 34: kvservice.v1.GetStatsRequest
+	(*BufferSetInfo)(nil),             // 35: kvservice.v1.BufferSetInfo
+	(*SuggestEvictionsRequest)(nil),   // 36: kvservice.v1.SuggestEvictionsRequest
+	(*SuggestEvictionsResponse)(nil),  // 37: kvservice.v1.SuggestEvictionsResponse
+	(*IndexStats)(nil),                // 38: kvservice.v1.IndexStats
+	(*StagingStats)(nil),              // 39: kvservice.v1.StagingStats
+	(*TransferCounts)(nil),            // 40: kvservice.v1.TransferCounts
+	(*GetStatsResponse)(nil),          // 41: kvservice.v1.GetStatsResponse
+	(*Activity)(nil),                  // 42: kvservice.v1.Activity
+	(*RouteActivity)(nil),             // 43: kvservice.v1.RouteActivity
+	(*InFlight)(nil),                  // 44: kvservice.v1.InFlight
+	(*PeerInfo)(nil),                  // 45: kvservice.v1.PeerInfo
+	(*SessionInfo)(nil),               // 46: kvservice.v1.SessionInfo
+	nil,                               // 47: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 48: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 49: kvservice.v1.Layout
+	(*Region)(nil),                    // 50: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 51: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 52: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 53: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 54: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 55: kvservice.v1.TransferPath
+	(TransferState)(0),                // 56: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
-	3,  // 0: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
-	41, // 1: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	42, // 2: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	42, // 3: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	43, // 4: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	44, // 5: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	45, // 6: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
-	12, // 7: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
-	11, // 8: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	44, // 9: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	45, // 10: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	46, // 11: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	44, // 12: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	45, // 13: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
-	30, // 14: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	46, // 15: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	47, // 16: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
-	30, // 17: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	30, // 18: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	30, // 19: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	0,  // 20: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	48, // 21: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	47, // 22: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
-	29, // 23: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	41, // 24: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
-	12, // 25: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
-	39, // 26: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	40, // 27: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
-	32, // 28: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
-	35, // 29: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
-	36, // 30: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
-	37, // 31: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	1,  // 32: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	4,  // 33: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	6,  // 34: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	8,  // 35: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	10, // 36: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	14, // 37: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	16, // 38: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	18, // 39: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	20, // 40: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	22, // 41: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	24, // 42: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	26, // 43: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	27, // 44: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	31, // 45: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	33, // 46: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
-	2,  // 47: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	5,  // 48: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	7,  // 49: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	9,  // 50: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	13, // 51: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	15, // 52: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	17, // 53: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	19, // 54: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	21, // 55: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	23, // 56: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	25, // 57: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	30, // 58: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	28, // 59: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	38, // 60: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	34, // 61: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
-	47, // [47:62] is the sub-list for method output_type
-	32, // [32:47] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	23, // 0: kvservice.v1.TransferCall.expect_delta:type_name -> kvservice.v1.ExpectDeltaRequest
+	25, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
+	30, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
+	24, // 3: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
+	26, // 4: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
+	31, // 5: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
+	2,  // 6: kvservice.v1.TransferEvent.error:type_name -> kvservice.v1.CallError
+	33, // 7: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
+	6,  // 8: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
+	49, // 9: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	50, // 10: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	50, // 11: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	51, // 12: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	52, // 13: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	53, // 14: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	15, // 15: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
+	14, // 16: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
+	52, // 17: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	53, // 18: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	54, // 19: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	52, // 20: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	53, // 21: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	33, // 22: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	54, // 23: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	55, // 24: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	33, // 25: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	33, // 26: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	33, // 27: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	0,  // 28: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
+	56, // 29: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	55, // 30: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	32, // 31: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
+	49, // 32: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	15, // 33: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
+	47, // 34: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	48, // 35: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	35, // 36: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
+	38, // 37: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
+	39, // 38: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
+	40, // 39: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
+	42, // 40: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
+	44, // 41: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
+	45, // 42: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
+	46, // 43: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
+	43, // 44: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
+	4,  // 45: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	7,  // 46: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	9,  // 47: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	11, // 48: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	13, // 49: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	17, // 50: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	19, // 51: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	21, // 52: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	23, // 53: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	25, // 54: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	27, // 55: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	29, // 56: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	30, // 57: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	34, // 58: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	36, // 59: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	1,  // 60: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
+	5,  // 61: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	8,  // 62: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	10, // 63: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	12, // 64: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	16, // 65: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	18, // 66: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	20, // 67: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	22, // 68: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	24, // 69: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	26, // 70: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	28, // 71: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	33, // 72: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	31, // 73: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	41, // 74: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	37, // 75: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	3,  // 76: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
+	61, // [61:77] is the sub-list for method output_type
+	45, // [45:61] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -3393,15 +4345,27 @@ func file_kvservice_v1_kvservice_proto_init() {
 		return
 	}
 	file_kvservice_v1_common_proto_init()
-	file_kvservice_v1_kvservice_proto_msgTypes[9].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[0].OneofWrappers = []any{
+		(*TransferCall_ExpectDelta)(nil),
+		(*TransferCall_SendDelta)(nil),
+		(*TransferCall_Abort)(nil),
+	}
+	file_kvservice_v1_kvservice_proto_msgTypes[2].OneofWrappers = []any{
+		(*TransferEvent_ExpectDelta)(nil),
+		(*TransferEvent_SendDelta)(nil),
+		(*TransferEvent_Abort)(nil),
+		(*TransferEvent_Error)(nil),
+		(*TransferEvent_Status)(nil),
+	}
+	file_kvservice_v1_kvservice_proto_msgTypes[12].OneofWrappers = []any{
 		(*MatchPrefixRequest_Tokens)(nil),
 		(*MatchPrefixRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[15].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[18].OneofWrappers = []any{
 		(*PublishPagesRequest_Tokens)(nil),
 		(*PublishPagesRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[19].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[22].OneofWrappers = []any{
 		(*ExpectDeltaRequest_PublishTokens)(nil),
 		(*ExpectDeltaRequest_PublishHashes)(nil),
 	}
@@ -3411,7 +4375,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   40,
+			NumMessages:   48,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

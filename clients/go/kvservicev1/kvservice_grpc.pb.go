@@ -43,6 +43,7 @@ const (
 	KVService_Abort_FullMethodName             = "/kvservice.v1.KVService/Abort"
 	KVService_GetStats_FullMethodName          = "/kvservice.v1.KVService/GetStats"
 	KVService_SuggestEvictions_FullMethodName  = "/kvservice.v1.KVService/SuggestEvictions"
+	KVService_Transfers_FullMethodName         = "/kvservice.v1.KVService/Transfers"
 )
 
 // KVServiceClient is the client API for KVService service.
@@ -78,12 +79,19 @@ type KVServiceClient interface {
 	WatchTransfers(ctx context.Context, in *WatchTransfersRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[TransferStatus], error)
 	// Cancels a transfer; once acknowledged no further byte lands in the receiver's pages.
 	Abort(ctx context.Context, in *AbortRequest, opts ...grpc.CallOption) (*AbortResponse, error)
-	// Operator view: buffer sets, index, staging, transfers.
+	// Operator view: buffer sets, index, staging, transfers, recent activity, peers, sessions. An
+	// admin caller sees the whole node without a session (see GetStatsRequest).
 	GetStats(ctx context.Context, in *GetStatsRequest, opts ...grpc.CallOption) (*GetStatsResponse, error)
 	// Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
 	// used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
 	// checked with that engine's service before they are suggested.
 	SuggestEvictions(ctx context.Context, in *SuggestEvictionsRequest, opts ...grpc.CallOption) (*SuggestEvictionsResponse, error)
+	// An engine's transfer stream: one per session, held open. It carries the session's
+	// ExpectDelta / SendDelta / Abort calls (each answered on the stream with its call_id, in the
+	// order they arrive) and, unasked, the final status of every transfer side of the session
+	// (DONE, FAILED or ABORTED). A sub-millisecond transfer has no room for a unary call on its
+	// path: a stream message costs about half a unary call, and no watch is opened per transfer.
+	Transfers(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TransferCall, TransferEvent], error)
 }
 
 type kVServiceClient struct {
@@ -262,6 +270,19 @@ func (c *kVServiceClient) SuggestEvictions(ctx context.Context, in *SuggestEvict
 	return out, nil
 }
 
+func (c *kVServiceClient) Transfers(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TransferCall, TransferEvent], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &KVService_ServiceDesc.Streams[2], KVService_Transfers_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[TransferCall, TransferEvent]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVService_TransfersClient = grpc.BidiStreamingClient[TransferCall, TransferEvent]
+
 // KVServiceServer is the server API for KVService service.
 // All implementations must embed UnimplementedKVServiceServer
 // for forward compatibility.
@@ -295,12 +316,19 @@ type KVServiceServer interface {
 	WatchTransfers(*WatchTransfersRequest, grpc.ServerStreamingServer[TransferStatus]) error
 	// Cancels a transfer; once acknowledged no further byte lands in the receiver's pages.
 	Abort(context.Context, *AbortRequest) (*AbortResponse, error)
-	// Operator view: buffer sets, index, staging, transfers.
+	// Operator view: buffer sets, index, staging, transfers, recent activity, peers, sessions. An
+	// admin caller sees the whole node without a session (see GetStatsRequest).
 	GetStats(context.Context, *GetStatsRequest) (*GetStatsResponse, error)
 	// Which pages of a buffer set to evict first: unpinned, lowest priority then least recently
 	// used, leaves before their parents; pages another engine also holds (the P/D duplicate) are
 	// checked with that engine's service before they are suggested.
 	SuggestEvictions(context.Context, *SuggestEvictionsRequest) (*SuggestEvictionsResponse, error)
+	// An engine's transfer stream: one per session, held open. It carries the session's
+	// ExpectDelta / SendDelta / Abort calls (each answered on the stream with its call_id, in the
+	// order they arrive) and, unasked, the final status of every transfer side of the session
+	// (DONE, FAILED or ABORTED). A sub-millisecond transfer has no room for a unary call on its
+	// path: a stream message costs about half a unary call, and no watch is opened per transfer.
+	Transfers(grpc.BidiStreamingServer[TransferCall, TransferEvent]) error
 	mustEmbedUnimplementedKVServiceServer()
 }
 
@@ -355,6 +383,9 @@ func (UnimplementedKVServiceServer) GetStats(context.Context, *GetStatsRequest) 
 }
 func (UnimplementedKVServiceServer) SuggestEvictions(context.Context, *SuggestEvictionsRequest) (*SuggestEvictionsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SuggestEvictions not implemented")
+}
+func (UnimplementedKVServiceServer) Transfers(grpc.BidiStreamingServer[TransferCall, TransferEvent]) error {
+	return status.Error(codes.Unimplemented, "method Transfers not implemented")
 }
 func (UnimplementedKVServiceServer) mustEmbedUnimplementedKVServiceServer() {}
 func (UnimplementedKVServiceServer) testEmbeddedByValue()                   {}
@@ -633,6 +664,13 @@ func _KVService_SuggestEvictions_Handler(srv interface{}, ctx context.Context, d
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVService_Transfers_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(KVServiceServer).Transfers(&grpc.GenericServerStream[TransferCall, TransferEvent]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type KVService_TransfersServer = grpc.BidiStreamingServer[TransferCall, TransferEvent]
+
 // KVService_ServiceDesc is the grpc.ServiceDesc for KVService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -703,6 +741,12 @@ var KVService_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "WatchTransfers",
 			Handler:       _KVService_WatchTransfers_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "Transfers",
+			Handler:       _KVService_Transfers_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "kvservice/v1/kvservice.proto",

@@ -167,6 +167,10 @@ class AsyncClient:
         scores_only: bool = False,
         lease_ttl_ms: int = 0,
     ) -> MatchResult:
+        """Which buffer sets hold the longest prefix of ``tokens`` (or ``hashes``). Deliberately
+        outside the session unless ``lease_ttl_ms`` asks for a lease (a lease is owned by the
+        session, so then the call opens it): routers ask without ever opening one.
+        """
         req = rq.match(tokens, hashes, page_size, buffer_set_ids, dp_rank, scores_only, lease_ttl_ms)
         result = MatchResult.from_proto(await self._call("MatchPrefix", req, owned=lease_ttl_ms > 0))
         self.owned.add_lease(result.lease_id, result.lease_expires_unix_ms)
@@ -296,11 +300,12 @@ class AsyncClient:
         self.owned.observe(statuses)
         return statuses
 
-    async def get_stats(self) -> pb.GetStatsResponse:
-        """Operator view; buffer sets listed are this client's own (all of them for an admin uid)."""
-        sid = self._session.peek()
-        md = ((rq.SESSION_METADATA_KEY, sid),) if sid else ()
-        try:
-            return await self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=md)
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
+    async def get_stats(self, *, window_ms: int = 0, probe_peers: bool = False) -> pb.GetStatsResponse:
+        """Operator view, in this client's session from the first call (the call opens it when
+        needed), so what it lists depends on who the client is, never on earlier calls: every buffer
+        set, session and peer for an admin (a uid in ``admin_uids`` over the socket; an admin
+        certificate or token over TCP), this session's own otherwise (``scope_note`` says so).
+        ``window_ms``: span of ``activity`` (0: 10 s); ``probe_peers``: measure peer round trips now.
+        """
+        req = pb.GetStatsRequest(window_ms=window_ms, probe_peers=probe_peers)
+        return await self._call("GetStats", req)

@@ -408,8 +408,12 @@ class TransferStatus(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., buffer_set_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., bytes_sent: _Optional[int] = ..., pages_sent: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., chunks_done: _Optional[int] = ..., senders_done: _Optional[int] = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., updated_unix_ms: _Optional[int] = ..., route_note: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("window_ms", "probe_peers")
+    WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    window_ms: int
+    probe_peers: bool
+    def __init__(self, window_ms: _Optional[int] = ..., probe_peers: bool = ...) -> None: ...
 
 class BufferSetInfo(_message.Message):
     __slots__ = ("buffer_set_id", "engine_id", "layout", "memory", "total_bytes", "indexed_pages", "session_id", "load", "duplicated_pages")
@@ -510,7 +514,7 @@ class TransferCounts(_message.Message):
     def __init__(self, in_flight: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., aborted: _Optional[int] = ..., queue_depth: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("service_id", "version", "uptime_ms", "sessions", "buffer_sets", "index", "staging", "transfers")
+    __slots__ = ("service_id", "version", "uptime_ms", "sessions", "buffer_sets", "index", "staging", "transfers", "admin_view", "scope_note", "buffer_sets_total", "activity", "in_flight", "peers", "session_list")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -519,6 +523,13 @@ class GetStatsResponse(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STAGING_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_VIEW_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_NOTE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SETS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     uptime_ms: int
@@ -527,4 +538,91 @@ class GetStatsResponse(_message.Message):
     index: IndexStats
     staging: _containers.RepeatedCompositeFieldContainer[StagingStats]
     transfers: TransferCounts
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., sessions: _Optional[int] = ..., buffer_sets: _Optional[_Iterable[_Union[BufferSetInfo, _Mapping]]] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., staging: _Optional[_Iterable[_Union[StagingStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferCounts, _Mapping]] = ...) -> None: ...
+    admin_view: bool
+    scope_note: str
+    buffer_sets_total: int
+    activity: Activity
+    in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., sessions: _Optional[int] = ..., buffer_sets: _Optional[_Iterable[_Union[BufferSetInfo, _Mapping]]] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., staging: _Optional[_Iterable[_Union[StagingStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferCounts, _Mapping]] = ..., admin_view: bool = ..., scope_note: _Optional[str] = ..., buffer_sets_total: _Optional[int] = ..., activity: _Optional[_Union[Activity, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class Activity(_message.Message):
+    __slots__ = ("window_ms", "routes")
+    WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    window_ms: int
+    routes: _containers.RepeatedCompositeFieldContainer[RouteActivity]
+    def __init__(self, window_ms: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[RouteActivity, _Mapping]]] = ...) -> None: ...
+
+class RouteActivity(_message.Message):
+    __slots__ = ("role", "route", "done", "failed", "bytes", "p50_us", "p99_us", "done_total", "bytes_total")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    P50_US_FIELD_NUMBER: _ClassVar[int]
+    P99_US_FIELD_NUMBER: _ClassVar[int]
+    DONE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    route: str
+    done: int
+    failed: int
+    bytes: int
+    p50_us: int
+    p99_us: int
+    done_total: int
+    bytes_total: int
+    def __init__(self, role: _Optional[str] = ..., route: _Optional[str] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., p50_us: _Optional[int] = ..., p99_us: _Optional[int] = ..., done_total: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+
+class InFlight(_message.Message):
+    __slots__ = ("role", "phase", "transfers", "bytes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    phase: str
+    transfers: int
+    bytes: int
+    def __init__(self, role: _Optional[str] = ..., phase: _Optional[str] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("address", "service_id", "channel_state", "stream_open", "is_self", "rtt_us", "queue_depth")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_STATE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_OPEN_FIELD_NUMBER: _ClassVar[int]
+    IS_SELF_FIELD_NUMBER: _ClassVar[int]
+    RTT_US_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    service_id: str
+    channel_state: str
+    stream_open: bool
+    is_self: bool
+    rtt_us: int
+    queue_depth: int
+    def __init__(self, address: _Optional[str] = ..., service_id: _Optional[str] = ..., channel_state: _Optional[str] = ..., stream_open: bool = ..., is_self: bool = ..., rtt_us: _Optional[int] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("client_name", "session_ref", "attached", "opened_unix_ms", "uid", "admin", "buffer_sets", "transfers_in_flight")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_REF_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SETS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    session_ref: str
+    attached: bool
+    opened_unix_ms: int
+    uid: int
+    admin: bool
+    buffer_sets: int
+    transfers_in_flight: int
+    def __init__(self, client_name: _Optional[str] = ..., session_ref: _Optional[str] = ..., attached: bool = ..., opened_unix_ms: _Optional[int] = ..., uid: _Optional[int] = ..., admin: bool = ..., buffer_sets: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ...) -> None: ...

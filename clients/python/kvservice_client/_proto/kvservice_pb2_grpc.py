@@ -215,7 +215,8 @@ class KVServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Operator view: buffer sets, index, staging, transfers.
+        """Operator view: buffer sets, index, staging, transfers, recent activity, peers, sessions. An
+        admin caller sees the whole node without a session (see GetStatsRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
