@@ -185,14 +185,17 @@ type isTransferCall_Call interface {
 }
 
 type TransferCall_ExpectDelta struct {
+	// Receiver: declares a transfer (as the ExpectDelta RPC).
 	ExpectDelta *ExpectDeltaRequest `protobuf:"bytes,2,opt,name=expect_delta,json=expectDelta,proto3,oneof"`
 }
 
 type TransferCall_SendDelta struct {
+	// Sender: queues one chunk (as the SendDelta RPC).
 	SendDelta *SendDeltaRequest `protobuf:"bytes,3,opt,name=send_delta,json=sendDelta,proto3,oneof"`
 }
 
 type TransferCall_Abort struct {
+	// Either side: cancels a transfer (as the Abort RPC); answered once it settled.
 	Abort *AbortRequest `protobuf:"bytes,4,opt,name=abort,proto3,oneof"`
 }
 
@@ -206,7 +209,8 @@ func (*TransferCall_Abort) isTransferCall_Call() {}
 type CallError struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// gRPC status code name, e.g. "INVALID_ARGUMENT".
-	Code          string `protobuf:"bytes,1,opt,name=code,proto3" json:"code,omitempty"`
+	Code string `protobuf:"bytes,1,opt,name=code,proto3" json:"code,omitempty"`
+	// What was wrong, naming the field.
 	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -367,18 +371,22 @@ type isTransferEvent_Event interface {
 }
 
 type TransferEvent_ExpectDelta struct {
+	// The answer to an expect_delta call.
 	ExpectDelta *ExpectDeltaResponse `protobuf:"bytes,2,opt,name=expect_delta,json=expectDelta,proto3,oneof"`
 }
 
 type TransferEvent_SendDelta struct {
+	// The answer to a send_delta call.
 	SendDelta *SendDeltaResponse `protobuf:"bytes,3,opt,name=send_delta,json=sendDelta,proto3,oneof"`
 }
 
 type TransferEvent_Abort struct {
+	// The answer to an abort call.
 	Abort *AbortResponse `protobuf:"bytes,4,opt,name=abort,proto3,oneof"`
 }
 
 type TransferEvent_Error struct {
+	// The call was refused; nothing changed.
 	Error *CallError `protobuf:"bytes,5,opt,name=error,proto3,oneof"`
 }
 
