@@ -104,6 +104,12 @@ class Config:
         "own uid always may); such sessions must then be identified (the SDK does it). Empty: "
         "any uid the socket's file mode lets in.",
     )
+    peer_uids: str = _opt(
+        "",
+        "Comma-separated uids of co-located kvservices (besides this service's own uid) that may "
+        "call KVPeer over the Unix socket; each proves its uid with a credential from "
+        "<socket>.cred. Engines never may.",
+    )
     peer_allowlist: str = _opt(
         "",
         "Where SendDelta may send KV: comma-separated CIDRs, DNS suffixes ('.svc.cluster.local'), "
@@ -236,6 +242,12 @@ class Config:
         except ValueError:
             raise ConfigError(
                 f"allowed_uids: {self.allowed_uids!r} is not a comma-separated list of uids"
+            ) from None
+        try:
+            self.peer_uid_set  # noqa: B018  (validates)
+        except ValueError:
+            raise ConfigError(
+                f"peer_uids: {self.peer_uids!r} is not a comma-separated list of uids"
             ) from None
         try:
             self.peer_allowlist_entries  # noqa: B018
@@ -373,6 +385,11 @@ class Config:
         """Uids allowed on the Unix socket, or None (no allowlist)."""
         extra = {int(u) for u in self.allowed_uids.split(",") if u.strip()}
         return frozenset({0, os.getuid(), *extra}) if extra else None
+
+    @functools.cached_property
+    def peer_uid_set(self) -> frozenset[int]:
+        """Uids whose processes may call KVPeer over the Unix socket (this service's own, always)."""
+        return frozenset({os.getuid(), *(int(u) for u in self.peer_uids.split(",") if u.strip())})
 
     @functools.cached_property
     def peer_allowlist_entries(self) -> tuple[Any, ...]:

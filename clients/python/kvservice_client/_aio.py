@@ -16,6 +16,7 @@ from ._client import channel_options
 from ._errors import KVClientError, SessionLost, Unauthenticated, map_rpc_error
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
+from ._local_identity import CREDENTIAL_METADATA_KEY, fetch_credential_async
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
@@ -50,13 +51,9 @@ class AsyncClient:
         self._channel = security.aio_channel(target, channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
+        self._credential_path = find_credential_path(target, credential_path)
         self._session = AsyncSessionKeeper(
-            self._stub,
-            client_name,
-            target,
-            self.owned,
-            on_session_lost,
-            find_credential_path(target, credential_path),
+            self._stub, client_name, target, self.owned, on_session_lost, self._credential_path
         )
 
     async def session_id(self) -> str:
@@ -86,10 +83,19 @@ class AsyncClient:
             for bs_id, a in old.items()
         }
 
+    async def _identified(self) -> tuple[tuple[str, str], ...]:
+        """The open session, else a fresh local credential (see :meth:`Client._identified`)."""
+        sid = self._session.peek()
+        if sid:
+            return ((rq.SESSION_METADATA_KEY, sid),)
+        cred = await fetch_credential_async(self._credential_path) if self._credential_path else ""
+        return ((CREDENTIAL_METADATA_KEY, cred),) if cred else ()
+
     async def _call(self, method: str, request: Any, owned: bool = True) -> Any:
         if not owned:
             try:
-                return await getattr(self._stub, method)(request, timeout=self.timeout)
+                md = await self._identified()
+                return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=md)
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
         metadata = rq.owned_metadata(await self.session_id())
@@ -298,8 +304,7 @@ class AsyncClient:
 
     async def get_stats(self) -> pb.GetStatsResponse:
         """Operator view; buffer sets listed are this client's own (all of them for an admin uid)."""
-        sid = self._session.peek()
-        md = ((rq.SESSION_METADATA_KEY, sid),) if sid else ()
+        md = await self._identified()
         try:
             return await self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=md)
         except grpc.RpcError as exc:

@@ -22,7 +22,14 @@ from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
 from ._security import PLAIN, ChannelSecurity
-from ._session import Owned, RegisterArgs, SessionKeeper, find_credential_path
+from ._session import (
+    CREDENTIAL_METADATA_KEY,
+    Owned,
+    RegisterArgs,
+    SessionKeeper,
+    fetch_credential,
+    find_credential_path,
+)
 from ._types import EvictionSuggestion, MatchResult, RegisteredBuffers, TransferStatus
 
 __all__ = ["Client", "channel_options", "message_size_options"]
@@ -69,13 +76,9 @@ class Client:
         self._channel = security.channel(target, channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
+        self._credential_path = find_credential_path(target, credential_path)
         self._session = SessionKeeper(
-            self._stub,
-            client_name,
-            target,
-            self.owned,
-            on_session_lost,
-            find_credential_path(target, credential_path),
+            self._stub, client_name, target, self.owned, on_session_lost, self._credential_path
         )
 
     # -- session ---------------------------------------------------------------------------
@@ -110,10 +113,19 @@ class Client:
             for bs_id, a in old.items()
         }
 
+    def _identified(self) -> tuple[tuple[str, str], ...]:
+        """Metadata naming who calls without owning anything: the open session, else a fresh local
+        credential (a service with ``allowed_uids`` refuses anonymous calls on its socket)."""
+        sid = self._session.peek()
+        if sid:
+            return ((rq.SESSION_METADATA_KEY, sid),)
+        cred = fetch_credential(self._credential_path)
+        return ((CREDENTIAL_METADATA_KEY, cred),) if cred else ()
+
     def _call(self, method: str, request: Any, owned: bool = True) -> Any:
         if not owned:
             try:
-                return getattr(self._stub, method)(request, timeout=self.timeout)
+                return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._identified())
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
         metadata = rq.owned_metadata(self.session_id)
@@ -374,9 +386,9 @@ class Client:
 
     def get_stats(self) -> pb.GetStatsResponse:
         """Operator view; buffer sets listed are this client's own (all of them for an admin uid)."""
-        sid = self._session.peek()
-        md = ((rq.SESSION_METADATA_KEY, sid),) if sid else ()
         try:
-            return self._stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=md)
+            return self._stub.GetStats(
+                pb.GetStatsRequest(), timeout=self.timeout, metadata=self._identified()
+            )
         except grpc.RpcError as exc:
             raise map_rpc_error(exc) from None
