@@ -26,6 +26,7 @@ from .descriptors import prepped_rows
 from .duplicates import DuplicateBook
 from .load import Budget, LoadBook
 from .mover import Mover
+from .parties import may_abort_in, may_abort_out
 from .peer_channel import CreditBroker
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
@@ -318,25 +319,18 @@ class TransferEngine:
         return [o.rec.snapshot() for o in outs] + [i.rec.snapshot() for i in incs]
 
     async def abort_from_peer(
-        self, transfer_id: str, code: str, reason: str, origin: str, identity: str
+        self, transfer_id: str, code: str, reason: str, origin: str, identity: str, ticket: str = ""
     ) -> bool:
-        """A peer's Abort: only the sides of ``transfer_id`` that peer is a party to stop — ours
-        that send to it, and ours it sends to (as the identity that fetched the plan; before any
-        plan, an identity the declaration would let send). Returns whether any side stopped."""
+        """A peer's Abort: only the sides of ``transfer_id`` that peer is a party to stop (see
+        :func:`parties.may_abort_in` / :func:`parties.may_abort_out`). Returns whether any side stopped."""
         outs = [
             o
             for (t, _), o in self.sender.outgoing.items()
-            if t == transfer_id and self.peers.get(o.peer_address).service_id == origin
+            if t == transfer_id
+            and self.peers.get(o.peer_address).service_id == origin
+            and may_abort_out(o, identity, ticket)
         ]
-        incs = [
-            i
-            for i in self.receiver.of(transfer_id)
-            if (
-                i.identities[origin] == identity
-                if origin in i.identities
-                else not i.allowed_senders or identity in i.allowed_senders
-            )
-        ]
+        incs = [i for i in self.receiver.of(transfer_id) if may_abort_in(i, origin, identity, ticket)]
         await asyncio.gather(
             *(self._abort_out(o, code, reason, False) for o in outs),
             *(self._abort_in(i, code, reason, True, origin) for i in incs),
@@ -357,23 +351,27 @@ class TransferEngine:
         if notify:  # senders settle their in-flight writes before they answer
             await asyncio.gather(
                 *(
-                    self._tell(addr, inc.rec.transfer_id, code, reason)
-                    for sid, addr in inc.senders.items()
-                    if sid != origin
+                    self._tell(inc.senders[key.rpartition("/")[0]], inc.rec.transfer_id, code, reason, ticket)
+                    for key, ticket in inc.tickets.items()
+                    if key.rpartition("/")[0] != origin and key.rpartition("/")[0] in inc.senders
                 )
             )
         while inc.busy:  # an unpack in progress finishes first
             await asyncio.sleep(0.001)
         self.receiver.release_slots(inc)
 
-    async def _tell(self, address: str, transfer_id: str, code: str, reason: str) -> None:
+    async def _tell(self, address: str, transfer_id: str, code: str, reason: str, ticket: str = "") -> None:
         from kvservice_client._proto import peer_pb2
 
         try:
             await self.peers.get(address).call(
                 "Abort",
                 peer_pb2.PeerAbortRequest(
-                    transfer_id=transfer_id, reason=reason, origin_service_id=self.service_id, error_code=code
+                    transfer_id=transfer_id,
+                    reason=reason,
+                    origin_service_id=self.service_id,
+                    error_code=code,
+                    sender_ticket=ticket,
                 ),
                 5.0,
             )
@@ -453,14 +451,14 @@ class TransferEngine:
         Only a sender that fetched this transfer's plan, over a connection of the same peer
         ``identity``, may commit (or release) into it."""
         inc = self.receiver.get(req.transfer_id, req.dst_buffer_set_id)
-        self.receiver.check_sender(inc, req.sender_service_id, identity)
+        sender = f"{req.sender_service_id}/{req.src_tp_rank}"
+        self.receiver.check_sender(inc, req.sender_service_id, identity, sender, req.sender_ticket)
         if req.release_only:
             held = inc.slots.pop(req.staging_slot, None)
             if held is not None:
                 held[0].release(held[1])
             return inc.rec.state
         positions = np.asarray(req.positions, dtype=np.int64)
-        sender = f"{req.sender_service_id}/{req.src_tp_rank}"
         path = {1: "DIRECT", 2: "PACKED", 3: "FUSED"}.get(req.path, "DIRECT")
         if path == "PACKED" and positions.size:
             if req.credit_slot:
@@ -512,8 +510,9 @@ class TransferEngine:
             refusal = "the receiver's same_host_route is 'off'"
         elif same_host and not host.is_local_peer(peer):
             refusal = f"the plan was asked over {peer}, not a Unix socket or loopback"
+        key = f"{request.sender_service_id}/{src.tp_rank}"
         for inc, route in found:
-            plan = plan_message(inc, route, inc.bs.buffer_set_id not in self.no_direct)
+            plan = plan_message(inc, route, inc.bs.buffer_set_id not in self.no_direct, sender_key=key)
             if same_host and not refusal:
                 plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
             plan.same_host_refusal = refusal

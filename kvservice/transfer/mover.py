@@ -173,7 +173,13 @@ class Mover:
             raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
         return [
             Target.for_layouts(
-                plan_message(inc, route, inc.bs.buffer_set_id not in self.e.no_direct, with_pages=False),
+                plan_message(
+                    inc,
+                    route,
+                    inc.bs.buffer_set_id not in self.e.no_direct,
+                    False,
+                    f"{self.e.service_id}/{lay.tp_rank}",
+                ),
                 inc.dst_pages,
                 route,  # plan_heads' route of this sender rank to that receiver rank, as is
                 lay,
@@ -382,7 +388,10 @@ class Mover:
         resp = await peer.call(
             "ReserveStaging",
             peer_pb2.ReserveStagingRequest(
-                transfer_id=out.rec.transfer_id, dst_buffer_set_id=plan.dst_buffer_set_id, nbytes=nbytes
+                transfer_id=out.rec.transfer_id,
+                dst_buffer_set_id=plan.dst_buffer_set_id,
+                nbytes=nbytes,
+                sender_ticket=plan.sender_ticket,
             ),
             self._left(out) + 1.0,
         )
@@ -415,7 +424,7 @@ class Mover:
                         await self._await(out, h)
                 t2 = time.monotonic()
         except BaseException:
-            await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)
+            await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id, plan.sender_ticket)
             raise
 
         async def commit() -> None:
@@ -636,6 +645,7 @@ class Mover:
             dst_head_start=target.route.dst_head_start,
             num_heads=target.route.num_heads,
             credit_slot=credit is not None,
+            sender_ticket=target.plan.sender_ticket,
         )
         chan = self._channel(peer)
         if chan is None:
@@ -667,7 +677,7 @@ class Mover:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2e-4 if self.transport.kind == "nixl" else 2e-3)
 
-    async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str) -> None:
+    async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str, ticket: str) -> None:
         try:
             await peer.call(
                 "CommitChunk",
@@ -678,6 +688,7 @@ class Mover:
                     src_tp_rank=out.bs.layout.tp_rank,
                     staging_slot=slot_id,
                     release_only=True,
+                    sender_ticket=ticket,
                 ),
                 2.0,
             )
@@ -685,22 +696,25 @@ class Mover:
             pass
 
     async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None:
-        """Tell the receiver (best effort) that this sender stopped; our handles are settled."""
-        try:
-            await self.peers.get(out.peer_address).call(
-                "Abort",
-                peer_pb2.PeerAbortRequest(
-                    transfer_id=out.rec.transfer_id,
-                    reason=reason,
-                    origin_service_id=self.e.service_id,
-                    error_code=code,
-                ),
-                2.0,
-            )
-        except Exception as exc:
-            log.warning(
-                "could not tell receiver about abort: %s", exc, extra={"transfer_id": out.rec.transfer_id}
-            )
+        """Tell the receiver (best effort) that this sender stopped; our handles are settled.
+        One abort per receiver rank, each with the ticket its plan gave us (issue 33)."""
+        for ticket in sorted({t.plan.sender_ticket for t in out.targets or ()}) or [""]:
+            try:
+                await self.peers.get(out.peer_address).call(
+                    "Abort",
+                    peer_pb2.PeerAbortRequest(
+                        transfer_id=out.rec.transfer_id,
+                        reason=reason,
+                        origin_service_id=self.e.service_id,
+                        error_code=code,
+                        sender_ticket=ticket,
+                    ),
+                    2.0,
+                )
+            except Exception as exc:
+                log.warning(
+                    "could not tell receiver about abort: %s", exc, extra={"transfer_id": out.rec.transfer_id}
+                )
 
     def _left(self, out: Outgoing) -> float:
         left = out.rec.deadline - time.monotonic()

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvservice_client import Client, Layout, ShmKVPool
-from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import common_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvservice_client._proto import kvservice_pb2 as pb
 
 from kvservice.identity import Identity
 
@@ -84,6 +84,14 @@ def two_services(make_server: Any) -> Any:
     return _uds_only(make_server), _uds_only(make_server)
 
 
+def _handshake(stub: Any, md: Any) -> grpc.StatusCode:
+    return _code(lambda: stub.Handshake(peer_pb2.HandshakeRequest(), metadata=md, timeout=5))
+
+
+def _stats(stub: Any, md: Any) -> grpc.StatusCode:
+    return _code(lambda: stub.GetStats(pb.GetStatsRequest(), metadata=md, timeout=5))
+
+
 def _peer_attacks(stub: Any, tid: str, bs_b: str, md: Any) -> list[grpc.StatusCode]:
     plan = peer_pb2.GetReceivePlanRequest(
         transfer_id=tid, sender_service_id="evil", src_layout=LAYOUT.to_proto(), wait_ms=100
@@ -133,10 +141,9 @@ def test_peer_uids_admit_a_colocated_service_of_another_uid(make_server: Any) ->
         with grpc.insecure_channel(server.address) as ch:
             stub = peer_pb2_grpc.KVPeerStub(ch)
             md = _cred(server, OTHER_UID)
-            assert _code(lambda: stub.Handshake(peer_pb2.HandshakeRequest(), metadata=md, timeout=5)) == want
+            assert _handshake(stub, md) == want
             if want == grpc.StatusCode.OK:  # replayed
-                again = _code(lambda: stub.Handshake(peer_pb2.HandshakeRequest(), metadata=md, timeout=5))
-                assert again == grpc.StatusCode.PERMISSION_DENIED
+                assert _handshake(stub, md) == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_allowed_uids_cover_sessionless_calls_on_the_socket(make_server: Any) -> None:
@@ -199,14 +206,9 @@ def test_the_kernel_identity_decides_not_the_claim(make_server: Any) -> None:
                 md = (("kvservice-credential", fetch_credential(s.app.uds_path + ".cred")),)
                 with grpc.insecure_channel(s.address) as ch:
                     if method == "peer":
-                        fn = lambda: peer_pb2_grpc.KVPeerStub(ch).Handshake(  # noqa: E731
-                            peer_pb2.HandshakeRequest(), metadata=md, timeout=5
-                        )
+                        out.append(_handshake(peer_pb2_grpc.KVPeerStub(ch), md).name)
                     else:
-                        fn = lambda: kvservice_pb2_grpc.KVServiceStub(ch).GetStats(  # noqa: E731
-                            pb.GetStatsRequest(), metadata=md, timeout=5
-                        )
-                    out.append(_code(fn).name)
+                        out.append(_stats(kvservice_pb2_grpc.KVServiceStub(ch), md).name)
             os.write(w, ",".join(out).encode())
             code = 0
         finally:
