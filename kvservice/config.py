@@ -80,6 +80,13 @@ class Config:
         "or loopback) hands over its engine pools and transfers copy page to page into them (FUSED), "
         "falling back to the transport when they cannot be opened; 'off': always the transport.",
     )
+    transfer_integrity: bool = _opt(
+        False,
+        "End-to-end integrity of incoming transfers: senders checksum every packed batch (and the "
+        "pages of direct and fused chunks; XXH3-64 on CPU, a GPU reduction on VRAM) and this "
+        "service verifies before unpacking or counting them, failing the transfer on a mismatch. "
+        "Costs one extra read of the bytes on each side.",
+    )
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(
         "",

@@ -182,7 +182,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             prefix_page_indices=request.prefix_page_indices,
             allowed_senders=request.allowed_senders,
         )
-        rec = await engine.expect(inc)
+        rec = await engine.expect(inc, request.sender_address)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
     @grpc_errors

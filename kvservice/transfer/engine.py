@@ -24,10 +24,12 @@ from ..kernels.streams import on_side_stream
 from ..staging import StagingPool
 from .descriptors import prepped_rows
 from .duplicates import DuplicateBook
+from .integrity import Check, verify
 from .load import Budget, LoadBook
 from .mover import Mover
 from .parties import may_abort_in, may_abort_out
 from .peer_channel import CreditBroker
+from .peer_names import PeerNames
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
@@ -123,6 +125,7 @@ class TransferEngine:
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
         self.duplicates = DuplicateBook(self)
+        self.peer_names = PeerNames(cfg, address)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
         self._fused_warm: threading.Thread | None = None
@@ -251,8 +254,11 @@ class TransferEngine:
                 f"max_transfers_per_session: this session already has {cap} unfinished transfers"
             )
 
-    async def expect(self, inc: Incoming) -> Record:
+    async def expect(self, inc: Incoming, sender_address: str = "") -> Record:
         self._check_transfer_cap(inc.rec.session_id)
+        inc.integrity = self.config.transfer_integrity
+        if sender_address and not inc.allowed_senders:  # no first-fetcher race (issue 33)
+            inc.allowed_senders = await self.peer_names.allowed(sender_address)
         # NOTE: no await between admission and the record's add in receiver.expect: one step.
         self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)
         await self.receiver.expect(inc)
@@ -381,14 +387,23 @@ class TransferEngine:
             )
 
     async def unpack_chunk(
-        self, inc: Incoming, sender: str, slot_id: int, positions: np.ndarray, head_start: int, num_heads: int
+        self,
+        inc: Incoming,
+        sender: str,
+        slot_id: int,
+        positions: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        check: Check | None = None,
     ) -> None:
         """Scatter a packed chunk of ``sender`` (its key) from its staging slot into the engine's
         pages, then free the slot."""
         held = inc.slots.pop(slot_id, None)
         if held is None:
             raise NotFound(f"staging_slot: {slot_id} is not reserved for this transfer")
-        await self._unpack_guarded(inc, sender, held, positions, head_start, num_heads, release=True)
+        await self._unpack_guarded(
+            inc, sender, held, positions, head_start, num_heads, release=True, check=check
+        )
 
     async def _unpack_guarded(
         self,
@@ -399,9 +414,10 @@ class TransferEngine:
         head_start: int,
         num_heads: int,
         release: bool,
+        check: Check | None = None,
     ) -> None:
         try:
-            await self._unpack_held(inc, sender, held, positions, head_start, num_heads, release)
+            await self._unpack_held(inc, sender, held, positions, head_start, num_heads, release, check)
         except (Aborted, NotFound):
             raise
         except KVServiceError as exc:  # a bad unpack fails the transfer on both sides
@@ -417,6 +433,7 @@ class TransferEngine:
         head_start: int,
         num_heads: int,
         release: bool,
+        check: Check | None = None,
     ) -> None:
         pool, slot = held
         regions = self.kv_regions[inc.bs.buffer_set_id]
@@ -430,7 +447,15 @@ class TransferEngine:
         try:
             if inc.rec.terminal:
                 raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-            view = pool.view(slot)[:nbytes]
+            view = pool.view(slot)
+            if nbytes > view.numel():  # NOTE: DONE means bytes arrived: no slot, no data (issue 33)
+                raise FailedPrecondition(
+                    f"positions: {positions.size} positions need {nbytes} bytes; staging slot "
+                    f"{slot.serial} holds {view.numel()}"
+                )
+            view = view[:nbytes]
+            if inc.integrity:  # verified before a byte is unpacked into the engine's pages
+                await verify(view, check, f"packed batch at position {int(positions[0])}")
             await asyncio.to_thread(_unpack, regions, view, dst, head_start, num_heads, units.tokens)
         finally:
             inc.busy -= 1
@@ -460,18 +485,28 @@ class TransferEngine:
             return inc.rec.state
         positions = np.asarray(req.positions, dtype=np.int64)
         path = {1: "DIRECT", 2: "PACKED", 3: "FUSED"}.get(req.path, "DIRECT")
+        check = (req.checksum, req.checksum_kind) if req.checksum_kind else None
         if path == "PACKED" and positions.size:
             if req.credit_slot:
                 held = (credit_slots or {}).get(req.staging_slot)
                 if held is None:
                     raise NotFound(f"staging_slot: {req.staging_slot} is not a credit of this channel")
                 await self._unpack_guarded(
-                    inc, sender, held, positions, req.dst_head_start, req.num_heads, release=False
+                    inc,
+                    sender,
+                    held,
+                    positions,
+                    req.dst_head_start,
+                    req.num_heads,
+                    release=False,
+                    check=check,
                 )
             else:
                 await self.unpack_chunk(
-                    inc, sender, req.staging_slot, positions, req.dst_head_start, req.num_heads
+                    inc, sender, req.staging_slot, positions, req.dst_head_start, req.num_heads, check
                 )
+        elif positions.size:
+            await self._check_landed(inc, sender, path, positions, req.dst_head_start, req.num_heads, check)
         return await self.commit(
             inc,
             sender,
@@ -486,6 +521,46 @@ class TransferEngine:
             wire_us=req.wire_us,
             descriptors=req.descriptors,
         )
+
+    async def _check_landed(
+        self,
+        inc: Incoming,
+        sender: str,
+        path: str,
+        positions: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        check: Check | None,
+    ) -> None:
+        """DONE means the bytes arrived (issue 33): a DIRECT commit into pages the transport could
+        not have written fails the transfer; with integrity, the pages a DIRECT or FUSED commit
+        names must hash to the sender's checksum (packed for this rank, as a staging batch)."""
+        try:
+            if path == "DIRECT" and inc.bs.buffer_set_id in self.no_direct:
+                raise FailedPrecondition(
+                    f"path: a DIRECT commit of {positions.size} positions, but this buffer set takes no "
+                    "direct writes: no data reached them"
+                )
+            if inc.integrity:
+                units = inc.units.get(sender)
+                if units is None:
+                    raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
+                dst = units.land(positions, inc.prefix_pages, inc.dst_pages)
+                regions = self.kv_regions[inc.bs.buffer_set_id]
+                packed = await asyncio.to_thread(
+                    lambda: on_side_stream(
+                        regions.device,
+                        lambda: kernels.pack(
+                            regions, dst, head_start=head_start, num_heads=num_heads, unit=units.tokens
+                        ),
+                    )
+                )
+                await verify(
+                    packed.reshape(-1), check, f"{path.lower()} chunk at position {int(positions[0])}"
+                )
+        except KVServiceError as exc:
+            await self.fail_incoming(inc, exc)
+            raise
 
     async def receive_plans(self, request: Any, peer: str, identity: str) -> Any:
         """GetReceivePlan (unary or on a channel; ``peer`` is the caller's gRPC peer string,

@@ -27,6 +27,7 @@ from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream
 from .descriptors import choose_path, prepped_indices, prepped_rows
+from .integrity import Check, pages_check, staged_check
 from .peer_channel import OutboundChannel
 from .peer_pools import PeerPools
 from .peers import PeerDirectory, error_from_code
@@ -253,6 +254,7 @@ class Mover:
         src = self.e.kv_regions[out.bs.buffer_set_id]
         nbytes = await self.same_node.copy(src, target.dst_regions, cmap.src, cmap.dst, target)
         us = int((time.monotonic() - t0) * 1e6)
+        check = await pages_check(target.plan, src, cmap.src, target)
         await self._commit(
             out,
             target,
@@ -266,6 +268,7 @@ class Mover:
             aux[1] > 0,
             wire_us=us,
             last=chunk.last,
+            check=check,
         )
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
@@ -308,6 +311,7 @@ class Mover:
         h = await asyncio.to_thread(self.transport.write, local, idx.local_idx, remote, idx.remote_idx, None)
         await self._await(out, h)
         wire = int((time.monotonic() - t0) * 1e6)
+        check = await pages_check(plan, self.e.kv_regions[bs.buffer_set_id], cmap.src, target)
         await self._commit(
             out,
             target,
@@ -321,6 +325,7 @@ class Mover:
             aux[1] > 0,
             wire_us=wire,
             last=chunk.last,
+            check=check,
         )
 
     async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
@@ -402,12 +407,14 @@ class Mover:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
                 await asyncio.to_thread(self._pack, regions, src, dst_view, target)
+                check = await staged_check(plan, dst_view)
                 t1 = t2 = time.monotonic()
             else:
                 async with pool.slot(nbytes, out.rec.deadline) as slot:
                     self.e.sender.check_live(out)
                     t0 = time.monotonic()
                     await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target)
+                    check = await staged_check(plan, pool.view(slot)[:nbytes])
                     t1 = time.monotonic()
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
@@ -441,6 +448,7 @@ class Mover:
                 False,
                 pack_us=int((t1 - t0) * 1e6),
                 wire_us=int((t2 - t1) * 1e6),
+                check=check,
             )
             _trace_batch(
                 out, cmap.positions[start], nbytes, (chunk.queued, t_start, t0, t1, t2, time.monotonic())
@@ -480,6 +488,7 @@ class Mover:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
                 await asyncio.to_thread(self._pack, regions, src, pool.view(slot), target)
+                check = await staged_check(target.plan, pool.view(slot)[:nbytes])
                 t1 = time.monotonic()
                 h = await asyncio.to_thread(
                     self.transport.write_descs,
@@ -510,6 +519,7 @@ class Mover:
             pack_us=int((t1 - t0) * 1e6),
             wire_us=int((t2 - t1) * 1e6),
             credit=(key, credit, epoch),
+            check=check,
         )
 
     @staticmethod
@@ -599,6 +609,7 @@ class Mover:
         wire_us: int = 0,
         last: bool = False,
         credit: tuple[tuple[str, int], Any, int] | None = None,
+        check: Check | None = None,
     ) -> None:
         peer = self.peers.get(out.peer_address)
         if peer.is_self:  # same service: account on the receiver directly, no request to build
@@ -606,7 +617,13 @@ class Mover:
             sender = f"{self.e.service_id}/{out.bs.layout.tp_rank}"
             if path == "PACKED" and positions.size:
                 await self.e.unpack_chunk(
-                    inc, sender, slot_id, positions, target.route.dst_head_start, target.route.num_heads
+                    inc,
+                    sender,
+                    slot_id,
+                    positions,
+                    target.route.dst_head_start,
+                    target.route.num_heads,
+                    check,
                 )
             await self.e.commit(
                 inc,
@@ -646,6 +663,8 @@ class Mover:
             num_heads=target.route.num_heads,
             credit_slot=credit is not None,
             sender_ticket=target.plan.sender_ticket,
+            checksum=check[0] if check else 0,
+            checksum_kind=check[1] if check else "",
         )
         chan = self._channel(peer)
         if chan is None:

@@ -215,7 +215,11 @@ class AsyncClient:
         publish_tokens: rq.TokensLike | None = None,
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
+        sender_address: str = "",
     ) -> TransferStatus:
+        """Declare transfer ``transfer_id`` into this client's buffer set. ``sender_address``: the
+        sending engine's kvservice, when known; the service then lets only that service's proven
+        identity fetch the plan (``allowed_senders`` filled for you, see docs/security.md)."""
         req = rq.expect(
             transfer_id,
             buffer_set_id,
@@ -228,6 +232,7 @@ class AsyncClient:
             prefix_page_indices,
             allowed_senders,
         )
+        req.sender_address = sender_address
         status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)
         self.owned.add_transfer(transfer_id)
         return status
