@@ -80,6 +80,13 @@ class Config:
         "or loopback) hands over its engine pools and transfers copy page to page into them (FUSED), "
         "falling back to the transport when they cannot be opened; 'off': always the transport.",
     )
+    transfer_integrity: bool = _opt(
+        False,
+        "End-to-end integrity of incoming transfers: senders checksum every packed batch (and the "
+        "pages of direct and fused chunks; XXH3-64 on CPU, a GPU reduction on VRAM) and this "
+        "service verifies before unpacking or counting them, failing the transfer on a mismatch. "
+        "Costs one extra read of the bytes on each side.",
+    )
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(
         "",
@@ -113,6 +120,12 @@ class Config:
         "Comma-separated uids that may open sessions over the Unix socket (root and the service's "
         "own uid always may); such sessions must then be identified (the SDK does it). Empty: "
         "any uid the socket's file mode lets in.",
+    )
+    peer_uids: str = _opt(
+        "",
+        "Comma-separated uids of co-located kvservices (besides this service's own uid) that may "
+        "call KVPeer over the Unix socket; each proves its uid with a credential from "
+        "<socket>.cred. Engines never may.",
     )
     peer_allowlist: str = _opt(
         "",
@@ -246,6 +259,12 @@ class Config:
         except ValueError:
             raise ConfigError(
                 f"allowed_uids: {self.allowed_uids!r} is not a comma-separated list of uids"
+            ) from None
+        try:
+            self.peer_uid_set  # noqa: B018  (validates)
+        except ValueError:
+            raise ConfigError(
+                f"peer_uids: {self.peer_uids!r} is not a comma-separated list of uids"
             ) from None
         try:
             self.peer_allowlist_entries  # noqa: B018
@@ -387,6 +406,11 @@ class Config:
         """Uids allowed on the Unix socket, or None (no allowlist)."""
         extra = {int(u) for u in self.allowed_uids.split(",") if u.strip()}
         return frozenset({0, os.getuid(), *extra}) if extra else None
+
+    @functools.cached_property
+    def peer_uid_set(self) -> frozenset[int]:
+        """Uids whose processes may call KVPeer over the Unix socket (this service's own, always)."""
+        return frozenset({os.getuid(), *(int(u) for u in self.peer_uids.split(",") if u.strip())})
 
     @functools.cached_property
     def peer_allowlist_entries(self) -> tuple[Any, ...]:

@@ -49,6 +49,10 @@ class ServerThread:
 def make_config(**overrides: Any) -> Config:
     d = tempfile.mkdtemp(prefix="kvs-")
     base = Config(
-        uds_path=os.path.join(d, "kv.sock"), tcp_address="127.0.0.1:0", insecure=True, log_format="text"
+        uds_path=os.path.join(d, "kv.sock"),
+        tcp_address="127.0.0.1:0",
+        insecure=True,
+        log_format="text",
+        transfer_integrity=True,  # on in tests (issue 33), off by default
     )
     return dataclasses.replace(base, **overrides).validate()

@@ -31,6 +31,7 @@ from ..node import Node
 from .credentials import bind_credentials, serve_credentials
 from .guard import Guard, ListenerPolicy
 from .limits import CallLimits
+from .local_gate import LocalGate
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
 from .tls import server_credentials
@@ -135,7 +136,10 @@ def build_server(config: Config) -> App:
     peer_token = TokenFile(config.peer_token_file) if config.peer_token_file else None
     # NOTE: metrics outermost, so refused calls are counted by their status too
     limits = CallLimits(config.max_pages_per_call, config.max_tokens_per_call)
-    guard = Guard(ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits))
+    local = LocalGate(node.credentials, node.sessions, config.allowed_uid_set, config.peer_uid_set)
+    guard = Guard(
+        ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits, local)
+    )
     server = _grpc_server(config, metrics, guard)
     servicer = KVServiceServicer(node)
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)

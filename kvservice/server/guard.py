@@ -2,8 +2,9 @@
 
 One ``Guard`` (a grpc.aio server interceptor) per server. Before any servicer code runs:
 
-* Calls over the Unix socket pass: the socket's file mode decides who reaches it, and memory
-  ownership is checked per call with the kernel's identity (server/credentials.py).
+* Calls over the Unix socket: the socket's file mode decides who reaches it; ``LocalGate``
+  (server/local_gate.py) decides per call with the kernel's identity: ``allowed_uids`` for
+  every engine call, KVPeer only for co-located kvservices (own uid or ``peer_uids``).
 * Health checks pass everywhere (probes carry no credentials; they learn only SERVING or not).
 * Over TCP, KVPeer calls need the listener to serve peers and, when a peer token file is set,
   one of its tokens (``kvservice-peer-token``); all other calls need the listener to serve
@@ -29,6 +30,7 @@ from kvservice_client._tokens import TokenFile
 from ..rpc_handlers import rewrap
 from .errors import STATUS_ORIGIN_METADATA_KEY
 from .limits import CallLimits
+from .local_gate import LocalGate
 
 __all__ = ["Guard", "ListenerPolicy"]
 
@@ -46,6 +48,7 @@ class ListenerPolicy:
     peer_token: TokenFile | None = None  # peer tokens
     listener: str = "tcp_address"  # named in refusals
     limits: CallLimits = CallLimits()  # per-call caps (every listener, the Unix socket too)
+    local: LocalGate | None = None  # the Unix socket's per-call rule (None: the file mode only)
 
 
 class _Undecodable:
@@ -64,10 +67,12 @@ class Guard(grpc.aio.ServerInterceptor):
 
     def refusal(self, method: str, context: Any) -> Refusal | None:
         """Why this call may not run, or None."""
-        if method.startswith(_HEALTH) or context.peer().startswith("unix"):
+        if method.startswith(_HEALTH):
             return None
         pol = self.policy
         metadata = dict(context.invocation_metadata() or ())
+        if context.peer().startswith("unix"):
+            return pol.local.refusal(method, metadata) if pol.local is not None else None
         if method.startswith(_PEER):
             if not pol.peers_over_tcp:
                 return (

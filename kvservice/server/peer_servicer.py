@@ -55,7 +55,11 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         self, request: peer_pb2.ReserveStagingRequest, context: Ctx
     ) -> peer_pb2.StagingSlot:
         pool, slot = await self.engine.receiver.reserve(
-            request.transfer_id, request.dst_buffer_set_id, request.nbytes, peer_identity(context)
+            request.transfer_id,
+            request.dst_buffer_set_id,
+            request.nbytes,
+            peer_identity(context),
+            request.sender_ticket,
         )
         return peer_pb2.StagingSlot(
             slot_id=slot.serial,
@@ -93,5 +97,6 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             f"peer {request.origin_service_id}: {request.reason}",
             request.origin_service_id,
             peer_identity(context),
+            request.sender_ticket,
         )
         return peer_pb2.PeerAbortResponse(known=known)

@@ -190,7 +190,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             prefix_page_indices=request.prefix_page_indices,
             allowed_senders=request.allowed_senders,
         )
-        rec = await engine.expect(inc)
+        rec = await engine.expect(inc, request.sender_address)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
     async def _send(self, request: pb.SendDeltaRequest, session_id: str) -> pb.SendDeltaResponse:

@@ -25,9 +25,12 @@ from ..kernels.streams import on_side_stream, run_on_device
 from ..staging import StagingPool
 from .descriptors import prepped_rows
 from .duplicates import DuplicateBook
+from .integrity import Check, verify
 from .load import Budget, LoadBook
 from .mover import Mover
+from .parties import may_abort_in, may_abort_out
 from .peer_channel import CreditBroker
+from .peer_names import PeerNames
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
@@ -116,6 +119,7 @@ class TransferEngine:
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
         self.duplicates = DuplicateBook(self)
+        self.peer_names = PeerNames(cfg, address)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
         self._fused_warm: threading.Thread | None = None
@@ -244,8 +248,11 @@ class TransferEngine:
                 f"max_transfers_per_session: this session already has {cap} unfinished transfers"
             )
 
-    async def expect(self, inc: Incoming) -> Record:
+    async def expect(self, inc: Incoming, sender_address: str = "") -> Record:
         self._check_transfer_cap(inc.rec.session_id)
+        inc.integrity = self.config.transfer_integrity
+        if sender_address and not inc.allowed_senders:  # no first-fetcher race (issue 33)
+            inc.allowed_senders = await self.peer_names.allowed(sender_address)
         # NOTE: no await between admission and the record's add in receiver.expect: one step.
         self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)
         await self.receiver.expect(inc)
@@ -312,25 +319,18 @@ class TransferEngine:
         return [o.rec.snapshot() for o in outs] + [i.rec.snapshot() for i in incs]
 
     async def abort_from_peer(
-        self, transfer_id: str, code: str, reason: str, origin: str, identity: str
+        self, transfer_id: str, code: str, reason: str, origin: str, identity: str, ticket: str = ""
     ) -> bool:
-        """A peer's Abort: only the sides of ``transfer_id`` that peer is a party to stop — ours
-        that send to it, and ours it sends to (as the identity that fetched the plan; before any
-        plan, an identity the declaration would let send). Returns whether any side stopped."""
+        """A peer's Abort: only the sides of ``transfer_id`` that peer is a party to stop (see
+        :func:`parties.may_abort_in` / :func:`parties.may_abort_out`). Returns whether any side stopped."""
         outs = [
             o
             for (t, _), o in self.sender.outgoing.items()
-            if t == transfer_id and self.peers.get(o.peer_address).service_id == origin
+            if t == transfer_id
+            and self.peers.get(o.peer_address).service_id == origin
+            and may_abort_out(o, identity, ticket)
         ]
-        incs = [
-            i
-            for i in self.receiver.of(transfer_id)
-            if (
-                i.identities[origin] == identity
-                if origin in i.identities
-                else not i.allowed_senders or identity in i.allowed_senders
-            )
-        ]
+        incs = [i for i in self.receiver.of(transfer_id) if may_abort_in(i, origin, identity, ticket)]
         await asyncio.gather(
             *(self._abort_out(o, code, reason, False) for o in outs),
             *(self._abort_in(i, code, reason, True, origin) for i in incs),
@@ -351,23 +351,27 @@ class TransferEngine:
         if notify:  # senders settle their in-flight writes before they answer
             await asyncio.gather(
                 *(
-                    self._tell(addr, inc.rec.transfer_id, code, reason)
-                    for sid, addr in inc.senders.items()
-                    if sid != origin
+                    self._tell(inc.senders[key.rpartition("/")[0]], inc.rec.transfer_id, code, reason, ticket)
+                    for key, ticket in inc.tickets.items()
+                    if key.rpartition("/")[0] != origin and key.rpartition("/")[0] in inc.senders
                 )
             )
         while inc.busy:  # an unpack in progress finishes first
             await asyncio.sleep(0.001)
         self.receiver.release_slots(inc)
 
-    async def _tell(self, address: str, transfer_id: str, code: str, reason: str) -> None:
+    async def _tell(self, address: str, transfer_id: str, code: str, reason: str, ticket: str = "") -> None:
         from kvservice_client._proto import peer_pb2
 
         try:
             await self.peers.get(address).call(
                 "Abort",
                 peer_pb2.PeerAbortRequest(
-                    transfer_id=transfer_id, reason=reason, origin_service_id=self.service_id, error_code=code
+                    transfer_id=transfer_id,
+                    reason=reason,
+                    origin_service_id=self.service_id,
+                    error_code=code,
+                    sender_ticket=ticket,
                 ),
                 5.0,
             )
@@ -377,14 +381,23 @@ class TransferEngine:
             )
 
     async def unpack_chunk(
-        self, inc: Incoming, sender: str, slot_id: int, positions: np.ndarray, head_start: int, num_heads: int
+        self,
+        inc: Incoming,
+        sender: str,
+        slot_id: int,
+        positions: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        check: Check | None = None,
     ) -> None:
         """Scatter a packed chunk of ``sender`` (its key) from its staging slot into the engine's
         pages, then free the slot."""
         held = inc.slots.pop(slot_id, None)
         if held is None:
             raise NotFound(f"staging_slot: {slot_id} is not reserved for this transfer")
-        await self._unpack_guarded(inc, sender, held, positions, head_start, num_heads, release=True)
+        await self._unpack_guarded(
+            inc, sender, held, positions, head_start, num_heads, release=True, check=check
+        )
 
     async def _unpack_guarded(
         self,
@@ -395,9 +408,10 @@ class TransferEngine:
         head_start: int,
         num_heads: int,
         release: bool,
+        check: Check | None = None,
     ) -> None:
         try:
-            await self._unpack_held(inc, sender, held, positions, head_start, num_heads, release)
+            await self._unpack_held(inc, sender, held, positions, head_start, num_heads, release, check)
         except (Aborted, NotFound):
             raise
         except KVServiceError as exc:  # a bad unpack fails the transfer on both sides
@@ -413,6 +427,7 @@ class TransferEngine:
         head_start: int,
         num_heads: int,
         release: bool,
+        check: Check | None = None,
     ) -> None:
         pool, slot = held
         regions = self.kv_regions[inc.bs.buffer_set_id]
@@ -426,7 +441,15 @@ class TransferEngine:
         try:
             if inc.rec.terminal:
                 raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-            view = pool.view(slot)[:nbytes]
+            view = pool.view(slot)
+            if nbytes > view.numel():  # NOTE: DONE means bytes arrived: no slot, no data (issue 33)
+                raise FailedPrecondition(
+                    f"positions: {positions.size} positions need {nbytes} bytes; staging slot "
+                    f"{slot.serial} holds {view.numel()}"
+                )
+            view = view[:nbytes]
+            if inc.integrity:  # verified before a byte is unpacked into the engine's pages
+                await verify(view, check, f"packed batch at position {int(positions[0])}")
             await run_on_device(
                 view.device,
                 "unpack",
@@ -453,27 +476,37 @@ class TransferEngine:
         Only a sender that fetched this transfer's plan, over a connection of the same peer
         ``identity``, may commit (or release) into it."""
         inc = self.receiver.get(req.transfer_id, req.dst_buffer_set_id)
-        self.receiver.check_sender(inc, req.sender_service_id, identity)
+        sender = f"{req.sender_service_id}/{req.src_tp_rank}"
+        self.receiver.check_sender(inc, req.sender_service_id, identity, sender, req.sender_ticket)
         if req.release_only:
             held = inc.slots.pop(req.staging_slot, None)
             if held is not None:
                 held[0].release(held[1])
             return inc.rec.state
         positions = np.asarray(req.positions, dtype=np.int64)
-        sender = f"{req.sender_service_id}/{req.src_tp_rank}"
         path = {1: "DIRECT", 2: "PACKED", 3: "FUSED"}.get(req.path, "DIRECT")
+        check = (req.checksum, req.checksum_kind) if req.checksum_kind else None
         if path == "PACKED" and positions.size:
             if req.credit_slot:
                 held = (credit_slots or {}).get(req.staging_slot)
                 if held is None:
                     raise NotFound(f"staging_slot: {req.staging_slot} is not a credit of this channel")
                 await self._unpack_guarded(
-                    inc, sender, held, positions, req.dst_head_start, req.num_heads, release=False
+                    inc,
+                    sender,
+                    held,
+                    positions,
+                    req.dst_head_start,
+                    req.num_heads,
+                    release=False,
+                    check=check,
                 )
             else:
                 await self.unpack_chunk(
-                    inc, sender, req.staging_slot, positions, req.dst_head_start, req.num_heads
+                    inc, sender, req.staging_slot, positions, req.dst_head_start, req.num_heads, check
                 )
+        elif positions.size:
+            await self._check_landed(inc, sender, path, positions, req.dst_head_start, req.num_heads, check)
         return await self.commit(
             inc,
             sender,
@@ -488,6 +521,46 @@ class TransferEngine:
             wire_us=req.wire_us,
             descriptors=req.descriptors,
         )
+
+    async def _check_landed(
+        self,
+        inc: Incoming,
+        sender: str,
+        path: str,
+        positions: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        check: Check | None,
+    ) -> None:
+        """DONE means the bytes arrived (issue 33): a DIRECT commit into pages the transport could
+        not have written fails the transfer; with integrity, the pages a DIRECT or FUSED commit
+        names must hash to the sender's checksum (packed for this rank, as a staging batch)."""
+        try:
+            if path == "DIRECT" and inc.bs.buffer_set_id in self.no_direct:
+                raise FailedPrecondition(
+                    f"path: a DIRECT commit of {positions.size} positions, but this buffer set takes no "
+                    "direct writes: no data reached them"
+                )
+            if inc.integrity:
+                units = inc.units.get(sender)
+                if units is None:
+                    raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
+                dst = units.land(positions, inc.prefix_pages, inc.dst_pages)
+                regions = self.kv_regions[inc.bs.buffer_set_id]
+                packed = await asyncio.to_thread(
+                    lambda: on_side_stream(
+                        regions.device,
+                        lambda: kernels.pack(
+                            regions, dst, head_start=head_start, num_heads=num_heads, unit=units.tokens
+                        ),
+                    )
+                )
+                await verify(
+                    packed.reshape(-1), check, f"{path.lower()} chunk at position {int(positions[0])}"
+                )
+        except KVServiceError as exc:
+            await self.fail_incoming(inc, exc)
+            raise
 
     async def receive_plans(self, request: Any, peer: str, identity: str) -> Any:
         """GetReceivePlan (unary or on a channel; ``peer`` is the caller's gRPC peer string,
@@ -512,8 +585,9 @@ class TransferEngine:
             refusal = "the receiver's same_host_route is 'off'"
         elif same_host and not host.is_local_peer(peer):
             refusal = f"the plan was asked over {peer}, not a Unix socket or loopback"
+        key = f"{request.sender_service_id}/{src.tp_rank}"
         for inc, route in found:
-            plan = plan_message(inc, route, inc.bs.buffer_set_id not in self.no_direct)
+            plan = plan_message(inc, route, inc.bs.buffer_set_id not in self.no_direct, sender_key=key)
             if same_host and not refusal:
                 plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
             plan.same_host_refusal = refusal

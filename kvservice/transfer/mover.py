@@ -27,6 +27,7 @@ from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream, run_on_device
 from .descriptors import choose_path, prepped_indices, prepped_rows
+from .integrity import Check, pages_check, staged_check
 from .peer_channel import OutboundChannel
 from .peer_pools import PeerPools
 from .peers import PeerDirectory, error_from_code
@@ -173,7 +174,13 @@ class Mover:
             raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
         return [
             Target.for_layouts(
-                plan_message(inc, route, inc.bs.buffer_set_id not in self.e.no_direct, with_pages=False),
+                plan_message(
+                    inc,
+                    route,
+                    inc.bs.buffer_set_id not in self.e.no_direct,
+                    False,
+                    f"{self.e.service_id}/{lay.tp_rank}",
+                ),
                 inc.dst_pages,
                 route,  # plan_heads' route of this sender rank to that receiver rank, as is
                 lay,
@@ -249,6 +256,7 @@ class Mover:
         src = self.e.kv_regions[out.bs.buffer_set_id]
         nbytes = await self.same_node.copy(src, target.dst_regions, cmap.src, cmap.dst, target)
         us = int((time.monotonic() - t0) * 1e6)
+        check = await pages_check(target.plan, src, cmap.src, target)
         await self._commit(
             out,
             target,
@@ -262,6 +270,7 @@ class Mover:
             aux[1] > 0,
             wire_us=us,
             last=chunk.last,
+            check=check,
         )
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
@@ -304,6 +313,7 @@ class Mover:
         h = await asyncio.to_thread(self.transport.write, local, idx.local_idx, remote, idx.remote_idx, None)
         await self._await(out, h)
         wire = int((time.monotonic() - t0) * 1e6)
+        check = await pages_check(plan, self.e.kv_regions[bs.buffer_set_id], cmap.src, target)
         await self._commit(
             out,
             target,
@@ -317,6 +327,7 @@ class Mover:
             aux[1] > 0,
             wire_us=wire,
             last=chunk.last,
+            check=check,
         )
 
     async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
@@ -384,7 +395,10 @@ class Mover:
         resp = await peer.call(
             "ReserveStaging",
             peer_pb2.ReserveStagingRequest(
-                transfer_id=out.rec.transfer_id, dst_buffer_set_id=plan.dst_buffer_set_id, nbytes=nbytes
+                transfer_id=out.rec.transfer_id,
+                dst_buffer_set_id=plan.dst_buffer_set_id,
+                nbytes=nbytes,
+                sender_ticket=plan.sender_ticket,
             ),
             self._left(out) + 1.0,
         )
@@ -395,12 +409,14 @@ class Mover:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
                 await self._pack(regions, src, dst_view, target)
+                check = await staged_check(plan, dst_view)
                 t1 = t2 = time.monotonic()
             else:
                 async with pool.slot(nbytes, out.rec.deadline) as slot:
                     self.e.sender.check_live(out)
                     t0 = time.monotonic()
                     await self._pack(regions, src, pool.view(slot), target)
+                    check = await staged_check(plan, pool.view(slot)[:nbytes])
                     t1 = time.monotonic()
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
@@ -417,7 +433,7 @@ class Mover:
                         await self._await(out, h)
                 t2 = time.monotonic()
         except BaseException:
-            await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id)
+            await self._release_remote(out, peer, resp.slot_id, plan.dst_buffer_set_id, plan.sender_ticket)
             raise
 
         async def commit() -> None:
@@ -434,6 +450,7 @@ class Mover:
                 False,
                 pack_us=int((t1 - t0) * 1e6),
                 wire_us=int((t2 - t1) * 1e6),
+                check=check,
             )
             _trace_batch(
                 out, cmap.positions[start], nbytes, (chunk.queued, t_start, t0, t1, t2, time.monotonic())
@@ -473,6 +490,7 @@ class Mover:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
                 await self._pack(regions, src, pool.view(slot), target)
+                check = await staged_check(target.plan, pool.view(slot)[:nbytes])
                 t1 = time.monotonic()
                 h = await asyncio.to_thread(
                     self.transport.write_descs,
@@ -503,6 +521,7 @@ class Mover:
             pack_us=int((t1 - t0) * 1e6),
             wire_us=int((t2 - t1) * 1e6),
             credit=(key, credit, epoch),
+            check=check,
         )
 
     @staticmethod
@@ -594,6 +613,7 @@ class Mover:
         wire_us: int = 0,
         last: bool = False,
         credit: tuple[tuple[str, int], Any, int] | None = None,
+        check: Check | None = None,
     ) -> None:
         peer = self.peers.get(out.peer_address)
         if peer.is_self:  # same service: account on the receiver directly, no request to build
@@ -601,7 +621,13 @@ class Mover:
             sender = f"{self.e.service_id}/{out.bs.layout.tp_rank}"
             if path == "PACKED" and positions.size:
                 await self.e.unpack_chunk(
-                    inc, sender, slot_id, positions, target.route.dst_head_start, target.route.num_heads
+                    inc,
+                    sender,
+                    slot_id,
+                    positions,
+                    target.route.dst_head_start,
+                    target.route.num_heads,
+                    check,
                 )
             await self.e.commit(
                 inc,
@@ -640,6 +666,9 @@ class Mover:
             dst_head_start=target.route.dst_head_start,
             num_heads=target.route.num_heads,
             credit_slot=credit is not None,
+            sender_ticket=target.plan.sender_ticket,
+            checksum=check[0] if check else 0,
+            checksum_kind=check[1] if check else "",
         )
         chan = self._channel(peer)
         if chan is None:
@@ -671,7 +700,7 @@ class Mover:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2e-4 if self.transport.kind == "nixl" else 2e-3)
 
-    async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str) -> None:
+    async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str, ticket: str) -> None:
         try:
             await peer.call(
                 "CommitChunk",
@@ -682,6 +711,7 @@ class Mover:
                     src_tp_rank=out.bs.layout.tp_rank,
                     staging_slot=slot_id,
                     release_only=True,
+                    sender_ticket=ticket,
                 ),
                 2.0,
             )
@@ -689,22 +719,25 @@ class Mover:
             pass
 
     async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None:
-        """Tell the receiver (best effort) that this sender stopped; our handles are settled."""
-        try:
-            await self.peers.get(out.peer_address).call(
-                "Abort",
-                peer_pb2.PeerAbortRequest(
-                    transfer_id=out.rec.transfer_id,
-                    reason=reason,
-                    origin_service_id=self.e.service_id,
-                    error_code=code,
-                ),
-                2.0,
-            )
-        except Exception as exc:
-            log.warning(
-                "could not tell receiver about abort: %s", exc, extra={"transfer_id": out.rec.transfer_id}
-            )
+        """Tell the receiver (best effort) that this sender stopped; our handles are settled.
+        One abort per receiver rank, each with the ticket its plan gave us (issue 33)."""
+        for ticket in sorted({t.plan.sender_ticket for t in out.targets or ()}) or [""]:
+            try:
+                await self.peers.get(out.peer_address).call(
+                    "Abort",
+                    peer_pb2.PeerAbortRequest(
+                        transfer_id=out.rec.transfer_id,
+                        reason=reason,
+                        origin_service_id=self.e.service_id,
+                        error_code=code,
+                        sender_ticket=ticket,
+                    ),
+                    2.0,
+                )
+            except Exception as exc:
+                log.warning(
+                    "could not tell receiver about abort: %s", exc, extra={"transfer_id": out.rec.transfer_id}
+                )
 
     def _left(self, out: Outgoing) -> float:
         left = out.rec.deadline - time.monotonic()

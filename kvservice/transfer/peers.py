@@ -11,6 +11,7 @@ lost peer fails the transfers that use it with a reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 from kvservice_client._client import channel_options
 from kvservice_client._keepalive import KeepalivePolicy
+from kvservice_client._local_identity import credential_path_of
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 from kvservice_client._security import PLAIN, ChannelSecurity
 
@@ -190,7 +192,9 @@ class PeerDirectory:
     def get(self, address: str) -> PeerClient:
         peer = self._peers.get(address)
         if peer is None:
-            peer = self._peers[address] = PeerClient(address, self.me, self._options, self._security)
+            # NOTE: over a Unix socket a peer proves its uid per call (issue 33, server/local_gate.py)
+            sec = dataclasses.replace(self._security, credential_path=credential_path_of(address))
+            peer = self._peers[address] = PeerClient(address, self.me, self._options, sec)
         return peer
 
     async def close(self) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
+import secrets
 import time
 from collections.abc import Callable
 
@@ -36,7 +38,12 @@ from ..staging import Slot, StagingPool
 from .plan import Units
 from .records import Record, TransferTable
 
-__all__ = ["Incoming", "Receiver", "check_compatible", "plan_message", "routes_for"]
+__all__ = ["Incoming", "Receiver", "check_compatible", "plan_message", "routes_for", "ticket_matches"]
+
+
+def ticket_matches(expected: str, given: str) -> bool:
+    """``given`` is the (non-empty) ticket ``expected``, compared in constant time."""
+    return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +66,8 @@ class Incoming:
     senders: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> address
     identities: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> peer identity
     allowed_senders: frozenset[str] = frozenset()  # ExpectDelta.allowed_senders (empty: any)
+    tickets: dict[str, str] = dataclasses.field(default_factory=dict)  # sender key -> its secret
+    integrity: bool = False  # commits must carry a checksum the receiver verifies
     slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
     aux_done: bool = False
     busy: int = 0
@@ -71,12 +80,15 @@ def _remote(r: MappedRegion) -> peer_pb2.RemoteRegion:
 
 
 def plan_message(
-    inc: Incoming, route: HeadRoute, direct_ok: bool, with_pages: bool = True
+    inc: Incoming, route: HeadRoute, direct_ok: bool, with_pages: bool = True, sender_key: str = ""
 ) -> peer_pb2.ReceivePlan:
     """What a sender needs to write into ``inc``'s pages (``with_pages=False``: no page list, for
-    a sender in this very service, which reads ``inc.dst_pages`` directly)."""
+    a sender in this very service, which reads ``inc.dst_pages`` directly), with the ticket of
+    sender rank ``sender_key``."""
     bs = inc.bs
     return peer_pb2.ReceivePlan(
+        sender_ticket=inc.tickets.get(sender_key, ""),
+        integrity=inc.integrity,
         transfer_id=inc.rec.transfer_id,
         dst_layout=bs.layout.to_proto(),
         prefix_pages=inc.prefix_pages,
@@ -134,6 +146,8 @@ class Receiver:
             if not other.rec.terminal and (
                 other.bs.layout.tp_size != tp or other.bs.layout.tp_rank == inc.bs.layout.tp_rank
             ):
+                if other.rec.session_id != inc.rec.session_id:  # NOTE: name only the caller's own objects
+                    raise FailedPrecondition(f"transfer_id: {key[0]!r} is in use by another client")
                 raise FailedPrecondition(
                     f"transfer_id: {key[0]!r} is already declared by TP rank {other.bs.layout.tp_rank}/"
                     f"{other.bs.layout.tp_size} (buffer set {other.bs.buffer_set_id})"
@@ -190,11 +204,19 @@ class Receiver:
                     await asyncio.wait_for(self._declared.wait(), left)
                 except asyncio.TimeoutError:
                     pass
+        key = f"{sender_id}/{src.tp_rank}"
         for inc, _ in found:
             if inc.allowed_senders and identity not in inc.allowed_senders:
                 raise PermissionDenied(
                     f"allowed_senders: peer {identity or '(no certificate identity)'!r} may not send "
                     f"transfer {transfer_id!r}"
+                )
+            bound = inc.identities.get(sender_id)
+            if key in inc.tickets or (bound is not None and bound != identity):
+                # NOTE: a sender rank binds once (issue 33): a second fetch under its name, by
+                # anyone, would hand out its ticket or rebind it to another connection.
+                raise PermissionDenied(
+                    f"sender_service_id: sender {key!r} already has the plan of transfer {transfer_id!r}"
                 )
         for inc, _ in found:
             if inc.rec.terminal:
@@ -218,23 +240,29 @@ class Receiver:
             inc.expected_senders = derived
             inc.senders[sender_id] = sender_address
             inc.identities[sender_id] = identity
-            key = f"{sender_id}/{src.tp_rank}"
+            inc.tickets[key] = secrets.token_hex(16)
             units = inc.units.setdefault(key, Units.of(src, inc.bs.layout))
             inc.covered.setdefault(key, np.zeros(inc.dst_pages.size * units.dst_per_page, dtype=bool))
             self.table.update(inc.rec, state="TRANSFERRING")
         return found
 
     @staticmethod
-    def check_sender(inc: Incoming, sender_id: str, identity: str) -> None:
-        """A commit comes from a sender that fetched this transfer's plan, as the same peer."""
+    def check_sender(inc: Incoming, sender_id: str, identity: str, key: str = "", ticket: str = "") -> None:
+        """A commit comes from the sender rank ``key`` that fetched this transfer's plan, as the
+        same peer, with the ticket the plan gave it (in every auth mode: a peer token proves
+        membership of the cluster, the ticket that this is the sender)."""
         if sender_id not in inc.senders:
             raise PermissionDenied(
                 f"sender_service_id: {sender_id!r} has no receive plan for transfer {inc.rec.transfer_id!r}"
             )
         if inc.identities.get(sender_id) != identity:
             raise PermissionDenied(
-                f"sender_service_id: {sender_id!r} fetched the plan of {inc.rec.transfer_id!r} as peer "
-                f"{inc.identities.get(sender_id)!r}; this commit comes from {identity!r}"
+                f"sender_service_id: {sender_id!r} fetched the plan of {inc.rec.transfer_id!r} as another "
+                f"peer; this commit comes from {identity!r}"
+            )
+        if key and not ticket_matches(inc.tickets.get(key, ""), ticket):
+            raise PermissionDenied(
+                f"sender_ticket: not the ticket of sender {key!r} for transfer {inc.rec.transfer_id!r}"
             )
 
     def get(self, transfer_id: str, bs_id: str) -> Incoming:
@@ -247,13 +275,16 @@ class Receiver:
 
     # -- ReserveStaging ----------------------------------------------------------------------
     async def reserve(
-        self, transfer_id: str, bs_id: str, nbytes: int, identity: str
+        self, transfer_id: str, bs_id: str, nbytes: int, identity: str, ticket: str = ""
     ) -> tuple[StagingPool, Slot]:
         """Room for one packed chunk, for a peer that fetched the transfer's plan (as ``identity``)."""
         inc = self.get(transfer_id, bs_id)
-        if identity not in inc.identities.values():
+        if identity not in inc.identities.values() or not any(
+            ticket_matches(t, ticket) for t in inc.tickets.values()
+        ):
             raise PermissionDenied(
-                f"transfer_id: no sender of {transfer_id!r} fetched its plan as peer {identity!r}"
+                f"transfer_id: no sender of {transfer_id!r} fetched its plan as peer {identity!r} "
+                "with this sender_ticket"
             )
         pool = self._pool_for(inc.bs)
         slot = await pool.reserve(nbytes, inc.rec.deadline)

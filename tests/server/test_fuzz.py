@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 from kvservice_client import Client, Layout, ShmKVPool, shm_region
 from kvservice_client._proto import kvservice_pb2, peer_pb2, peer_pb2_grpc
 
+from kvservice.identity import Identity
+
 EXAMPLES = int(os.environ.get("KVS_FUZZ_EXAMPLES", "40"))
 N = 16  # registered pages per layer
 BIG = Layout.mha(num_layers=2, page_size=4, num_pages=N + 2, total_kv_heads=2, head_dim=8, dtype="float16")
@@ -221,6 +223,12 @@ def _call(
     return grpc.StatusCode.OK
 
 
+def _peer_credential(rig: Rig) -> list[tuple[str, str]]:
+    """KVPeer on the socket is for a co-located kvservice (issue 33): the service's own uid."""
+    me = Identity(os.getuid(), os.getgid(), os.getpid())
+    return [("kvservice-credential", rig.server.node.credentials.issue(me))]
+
+
 def _metadata(rig: Rig, draw: Any) -> list[tuple[str, str]]:
     session = draw(st.sampled_from([rig.a.session_id, rig.b.session_id, "", "no-such-session"]))
     md = [("kvservice-request-id", uuid.uuid4().hex)]
@@ -235,17 +243,20 @@ def test_random_and_malformed_requests(rig: Rig, service: str, name: str) -> Non
     else:
         ids = rig.ids
     seen: dict[str, int] = {}
+    ticket = ""
     if service == "KVPeer":
         # a live declaration whose plan a "fuzz-sender" fetched, so random peer calls naming them
         # reach the staging and unpack paths that write into the pool
         tid = f"t-live-{name}"
         rig.b.expect_delta(tid, rig.bs_b, prefix_pages=0, dst_page_indices=range(8))
-        peer_pb2_grpc.KVPeerStub(rig.channel).GetReceivePlan(
+        got = peer_pb2_grpc.KVPeerStub(rig.channel).GetReceivePlan(
             peer_pb2.GetReceivePlanRequest(
                 transfer_id=tid, src_layout=LAYOUT.to_proto(), sender_service_id=SENDER, wait_ms=1000
             ),
             timeout=5,
+            metadata=_peer_credential(rig),
         )
+        ticket = got.plans[0].sender_ticket
         ids = [*ids, tid, SENDER]
 
     @settings(
@@ -266,11 +277,14 @@ def test_random_and_malformed_requests(rig: Rig, service: str, name: str) -> Non
                     ("transfer_id", ids[-2]),
                     ("dst_buffer_set_id", rig.bs_b),
                     ("sender_service_id", SENDER),
+                    ("sender_ticket", ticket),
                 ):
                     if field in method.input_type.fields_by_name:
                         setattr(msg, field, value)
             payload = msg.SerializeToString()
         metadata = _metadata(rig, data.draw)
+        if service == "KVPeer" and data.draw(st.integers(0, 7)):  # mostly a co-located service
+            metadata = [(k, v) for k, v in metadata if k != "kvservice-session"] + _peer_credential(rig)
         if name == "CloseSession":
             metadata = [(k, v) for k, v in metadata if k != "kvservice-session"]  # keep the rig's
         code = _call(rig, service, method, payload, metadata)

@@ -1788,8 +1788,13 @@ type ExpectDeltaRequest struct {
 	// name of the peer's verified certificate (peer mutual TLS), or "local" for a service on this
 	// host's Unix socket (or this service itself). Empty: any authenticated peer.
 	AllowedSenders []string `protobuf:"bytes,11,rep,name=allowed_senders,json=allowedSenders,proto3" json:"allowed_senders,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Address of the sending engine's kvservice, when the receiver knows it (the adapters and the
+	// SDK usually do). With allowed_senders empty, the receiving service fills allowed_senders with
+	// that service's proven identity (its certificate's name over mutual TLS, "local" for this
+	// service or one on this host's Unix socket), so no other peer can fetch the plan first.
+	SenderAddress string `protobuf:"bytes,12,opt,name=sender_address,json=senderAddress,proto3" json:"sender_address,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExpectDeltaRequest) Reset() {
@@ -1908,6 +1913,13 @@ func (x *ExpectDeltaRequest) GetAllowedSenders() []string {
 		return x.AllowedSenders
 	}
 	return nil
+}
+
+func (x *ExpectDeltaRequest) GetSenderAddress() string {
+	if x != nil {
+		return x.SenderAddress
+	}
+	return ""
 }
 
 type isExpectDeltaRequest_Publish interface {
@@ -3964,7 +3976,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x10\n" +
 	"\x03all\x18\x03 \x01(\bR\x03all\"9\n" +
 	"\x12EvictPagesResponse\x12#\n" +
-	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\x83\x04\n" +
+	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xaa\x04\n" +
 	"\x12ExpectDeltaRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
@@ -3979,7 +3991,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x0epublish_hashes\x18\t \x01(\v2\x18.kvservice.v1.PageHashesH\x00R\rpublishHashes\x12.\n" +
 	"\x13prefix_page_indices\x18\n" +
 	" \x03(\rR\x11prefixPageIndices\x12'\n" +
-	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSendersB\t\n" +
+	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSenders\x12%\n" +
+	"\x0esender_address\x18\f \x01(\tR\rsenderAddressB\t\n" +
 	"\apublish\"K\n" +
 	"\x13ExpectDeltaResponse\x124\n" +
 	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\"\x8c\x03\n" +

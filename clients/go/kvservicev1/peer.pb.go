@@ -970,7 +970,9 @@ type ReserveStagingRequest struct {
 	// The receiver rank's buffer set (ReceivePlan.dst_buffer_set_id).
 	DstBufferSetId string `protobuf:"bytes,2,opt,name=dst_buffer_set_id,json=dstBufferSetId,proto3" json:"dst_buffer_set_id,omitempty"`
 	// Bytes the packed chunk occupies.
-	Nbytes        uint64 `protobuf:"varint,3,opt,name=nbytes,proto3" json:"nbytes,omitempty"`
+	Nbytes uint64 `protobuf:"varint,3,opt,name=nbytes,proto3" json:"nbytes,omitempty"`
+	// ReceivePlan.sender_ticket of this sender: only the sender the plan went to reserves staging.
+	SenderTicket  string `protobuf:"bytes,4,opt,name=sender_ticket,json=senderTicket,proto3" json:"sender_ticket,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1024,6 +1026,13 @@ func (x *ReserveStagingRequest) GetNbytes() uint64 {
 		return x.Nbytes
 	}
 	return 0
+}
+
+func (x *ReserveStagingRequest) GetSenderTicket() string {
+	if x != nil {
+		return x.SenderTicket
+	}
+	return ""
 }
 
 // A reserved slot of the receiver's staging pool, freed when its chunk is committed and unpacked,
@@ -1223,7 +1232,14 @@ type ReceivePlan struct {
 	SameHostRefusal string `protobuf:"bytes,16,opt,name=same_host_refusal,json=sameHostRefusal,proto3" json:"same_host_refusal,omitempty"`
 	// The receiver indexes the pages on DONE (ExpectDelta with publish): the sender may then mark
 	// them in its own index as also held there (the P/D duplicate) and check the mark with HeldPages.
-	Publishes     bool `protobuf:"varint,17,opt,name=publishes,proto3" json:"publishes,omitempty"`
+	Publishes bool `protobuf:"varint,17,opt,name=publishes,proto3" json:"publishes,omitempty"`
+	// A secret binding this sender to this receiver rank's transfer (issue 33): its commits,
+	// staging reservations and aborts carry it, and the receiver's aborts to it carry it back.
+	// Nobody who did not get this plan can act on the transfer, whatever its peer credentials.
+	SenderTicket string `protobuf:"bytes,18,opt,name=sender_ticket,json=senderTicket,proto3" json:"sender_ticket,omitempty"`
+	// The receiver verifies each commit's checksum (CommitChunkRequest.checksum): the sender
+	// hashes every packed batch, or the pages of a direct or fused chunk as packed for this rank.
+	Integrity     bool `protobuf:"varint,19,opt,name=integrity,proto3" json:"integrity,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1377,6 +1393,20 @@ func (x *ReceivePlan) GetPublishes() bool {
 	return false
 }
 
+func (x *ReceivePlan) GetSenderTicket() string {
+	if x != nil {
+		return x.SenderTicket
+	}
+	return ""
+}
+
+func (x *ReceivePlan) GetIntegrity() bool {
+	if x != nil {
+		return x.Integrity
+	}
+	return false
+}
+
 // A sender reports one chunk as written (or, with last_chunk, that it has finished).
 type CommitChunkRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1417,7 +1447,15 @@ type CommitChunkRequest struct {
 	ReleaseOnly bool `protobuf:"varint,18,opt,name=release_only,json=releaseOnly,proto3" json:"release_only,omitempty"`
 	// The staging slot is one of the channel's credit slots (kept by the channel after unpacking),
 	// not a slot reserved with ReserveStaging.
-	CreditSlot    bool `protobuf:"varint,19,opt,name=credit_slot,json=creditSlot,proto3" json:"credit_slot,omitempty"`
+	CreditSlot bool `protobuf:"varint,19,opt,name=credit_slot,json=creditSlot,proto3" json:"credit_slot,omitempty"`
+	// ReceivePlan.sender_ticket: proves this commit comes from the sender the plan went to.
+	SenderTicket string `protobuf:"bytes,20,opt,name=sender_ticket,json=senderTicket,proto3" json:"sender_ticket,omitempty"`
+	// End-to-end integrity (ReceivePlan.integrity): the checksum of the chunk's bytes packed for
+	// the receiver rank (the staging batch itself on the packed path), and its algorithm
+	// ("xxh3": XXH3-64 over the bytes; "wsum64": the GPU checksum of kernels/checksum.py); ""
+	// when the sender sent none.
+	Checksum      uint64 `protobuf:"varint,21,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	ChecksumKind  string `protobuf:"bytes,22,opt,name=checksum_kind,json=checksumKind,proto3" json:"checksum_kind,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1585,6 +1623,27 @@ func (x *CommitChunkRequest) GetCreditSlot() bool {
 	return false
 }
 
+func (x *CommitChunkRequest) GetSenderTicket() string {
+	if x != nil {
+		return x.SenderTicket
+	}
+	return ""
+}
+
+func (x *CommitChunkRequest) GetChecksum() uint64 {
+	if x != nil {
+		return x.Checksum
+	}
+	return 0
+}
+
+func (x *CommitChunkRequest) GetChecksumKind() string {
+	if x != nil {
+		return x.ChecksumKind
+	}
+	return ""
+}
+
 // The receiver applied the commit.
 type CommitChunkResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1641,7 +1700,10 @@ type PeerAbortRequest struct {
 	// HandshakeRequest.service_id of the service where the abort started.
 	OriginServiceId string `protobuf:"bytes,3,opt,name=origin_service_id,json=originServiceId,proto3" json:"origin_service_id,omitempty"`
 	// Status code name the transfer ends with: "ABORTED", "DEADLINE_EXCEEDED", "UNAVAILABLE", ...
-	ErrorCode     string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	ErrorCode string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	// ReceivePlan.sender_ticket the two sides share: a sender's abort carries the one it got, a
+	// receiver's abort the one it gave that sender. Sides not bound by it are not stopped.
+	SenderTicket  string `protobuf:"bytes,5,opt,name=sender_ticket,json=senderTicket,proto3" json:"sender_ticket,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1700,6 +1762,13 @@ func (x *PeerAbortRequest) GetOriginServiceId() string {
 func (x *PeerAbortRequest) GetErrorCode() string {
 	if x != nil {
 		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *PeerAbortRequest) GetSenderTicket() string {
+	if x != nil {
+		return x.SenderTicket
 	}
 	return ""
 }
@@ -1934,12 +2003,13 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\tnum_heads\x18\x03 \x01(\rR\bnumHeads\"h\n" +
 	"\x0eReceivePlanSet\x12/\n" +
 	"\x05plans\x18\x01 \x03(\v2\x19.kvservice.v1.ReceivePlanR\x05plans\x12%\n" +
-	"\x0emetadata_epoch\x18\x02 \x01(\x04R\rmetadataEpoch\"{\n" +
+	"\x0emetadata_epoch\x18\x02 \x01(\x04R\rmetadataEpoch\"\xa0\x01\n" +
 	"\x15ReserveStagingRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12)\n" +
 	"\x11dst_buffer_set_id\x18\x02 \x01(\tR\x0edstBufferSetId\x12\x16\n" +
-	"\x06nbytes\x18\x03 \x01(\x04R\x06nbytes\"\x97\x01\n" +
+	"\x06nbytes\x18\x03 \x01(\x04R\x06nbytes\x12#\n" +
+	"\rsender_ticket\x18\x04 \x01(\tR\fsenderTicket\"\x97\x01\n" +
 	"\vStagingSlot\x12\x17\n" +
 	"\aslot_id\x18\x01 \x01(\x04R\x06slotId\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\x04R\aaddress\x12\x1d\n" +
@@ -1952,7 +2022,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\x12\x19\n" +
 	"\bmem_kind\x18\x03 \x01(\tR\amemKind\x12\x1b\n" +
-	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\xd6\x05\n" +
+	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\x99\x06\n" +
 	"\vReceivePlan\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x123\n" +
@@ -1976,7 +2046,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"kv_handles\x18\x0f \x03(\v2\x14.kvservice.v1.RegionR\tkvHandles\x12*\n" +
 	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\x12\x1c\n" +
-	"\tpublishes\x18\x11 \x01(\bR\tpublishes\"\x94\x05\n" +
+	"\tpublishes\x18\x11 \x01(\bR\tpublishes\x12#\n" +
+	"\rsender_ticket\x18\x12 \x01(\tR\fsenderTicket\x12\x1c\n" +
+	"\tintegrity\x18\x13 \x01(\bR\tintegrity\"\xfa\x05\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -2000,16 +2072,20 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\raux_delivered\x18\x11 \x01(\bR\fauxDelivered\x12!\n" +
 	"\frelease_only\x18\x12 \x01(\bR\vreleaseOnly\x12\x1f\n" +
 	"\vcredit_slot\x18\x13 \x01(\bR\n" +
-	"creditSlot\"H\n" +
+	"creditSlot\x12#\n" +
+	"\rsender_ticket\x18\x14 \x01(\tR\fsenderTicket\x12\x1a\n" +
+	"\bchecksum\x18\x15 \x01(\x04R\bchecksum\x12#\n" +
+	"\rchecksum_kind\x18\x16 \x01(\tR\fchecksumKind\"H\n" +
 	"\x13CommitChunkResponse\x121\n" +
-	"\x05state\x18\x01 \x01(\x0e2\x1b.kvservice.v1.TransferStateR\x05state\"\x96\x01\n" +
+	"\x05state\x18\x01 \x01(\x0e2\x1b.kvservice.v1.TransferStateR\x05state\"\xbb\x01\n" +
 	"\x10PeerAbortRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\x12*\n" +
 	"\x11origin_service_id\x18\x03 \x01(\tR\x0foriginServiceId\x12\x1d\n" +
 	"\n" +
-	"error_code\x18\x04 \x01(\tR\terrorCode\")\n" +
+	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
+	"\rsender_ticket\x18\x05 \x01(\tR\fsenderTicket\")\n" +
 	"\x11PeerAbortResponse\x12\x14\n" +
 	"\x05known\x18\x01 \x01(\bR\x05known\"N\n" +
 	"\x10HeldPagesRequest\x12\"\n" +

@@ -16,6 +16,7 @@ from ._client import channel_options
 from ._errors import KVClientError, SessionLost, Unauthenticated, map_rpc_error
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._layout import Layout
+from ._local_identity import CREDENTIAL_METADATA_KEY, fetch_credential_async
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
@@ -50,13 +51,9 @@ class AsyncClient:
         self._channel = security.aio_channel(target, channel_options(keepalive=keepalive))
         self._stub = kvservice_pb2_grpc.KVServiceStub(self._channel)
         self.owned = Owned()
+        self._credential_path = find_credential_path(target, credential_path)
         self._session = AsyncSessionKeeper(
-            self._stub,
-            client_name,
-            target,
-            self.owned,
-            on_session_lost,
-            find_credential_path(target, credential_path),
+            self._stub, client_name, target, self.owned, on_session_lost, self._credential_path
         )
 
     async def session_id(self) -> str:
@@ -86,10 +83,19 @@ class AsyncClient:
             for bs_id, a in old.items()
         }
 
+    async def _identified(self) -> tuple[tuple[str, str], ...]:
+        """The open session, else a fresh local credential (see :meth:`Client._identified`)."""
+        sid = self._session.peek()
+        if sid:
+            return ((rq.SESSION_METADATA_KEY, sid),)
+        cred = await fetch_credential_async(self._credential_path) if self._credential_path else ""
+        return ((CREDENTIAL_METADATA_KEY, cred),) if cred else ()
+
     async def _call(self, method: str, request: Any, owned: bool = True) -> Any:
         if not owned:
             try:
-                return await getattr(self._stub, method)(request, timeout=self.timeout)
+                md = await self._identified()
+                return await getattr(self._stub, method)(request, timeout=self.timeout, metadata=md)
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
         metadata = rq.owned_metadata(await self.session_id())
@@ -213,7 +219,11 @@ class AsyncClient:
         publish_tokens: rq.TokensLike | None = None,
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
+        sender_address: str = "",
     ) -> TransferStatus:
+        """Declare transfer ``transfer_id`` into this client's buffer set. ``sender_address``: the
+        sending engine's kvservice, when known; the service then lets only that service's proven
+        identity fetch the plan (``allowed_senders`` filled for you, see docs/security.md)."""
         req = rq.expect(
             transfer_id,
             buffer_set_id,
@@ -226,6 +236,7 @@ class AsyncClient:
             prefix_page_indices,
             allowed_senders,
         )
+        req.sender_address = sender_address
         status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)
         self.owned.add_transfer(transfer_id)
         return status

@@ -70,6 +70,10 @@ class AsyncSessionKeeper:
             assert self._error is not None
             raise self._error
 
+    def peek(self) -> str:
+        """The session id if the session is open now, else '' (never opens one)."""
+        return self.session_id if self._state == "ready" else ""
+
     async def mark_lost(self, reason: str) -> SessionLost:
         async with self._changed:
             if self._state == "lost" and isinstance(self._error, SessionLost):

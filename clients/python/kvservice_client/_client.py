@@ -31,7 +31,14 @@ from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
 from ._regions import AuxSpec, Region
 from ._security import PLAIN, ChannelSecurity
-from ._session import Owned, RegisterArgs, SessionKeeper, find_credential_path
+from ._session import (
+    CREDENTIAL_METADATA_KEY,
+    Owned,
+    RegisterArgs,
+    SessionKeeper,
+    fetch_credential,
+    find_credential_path,
+)
 from ._transfer_stream import Ended, StreamBroken, TransferStream
 from ._types import EvictionSuggestion, MatchResult, RegisteredBuffers, TransferStatus
 
@@ -87,13 +94,9 @@ class Client:
         self._tx: TransferStream | None = None
         self._tx_lock = threading.Lock()
         self._tx_enabled = transfer_stream
+        self._credential_path = find_credential_path(target, credential_path)
         self._session = SessionKeeper(
-            self._stub,
-            client_name,
-            target,
-            self.owned,
-            on_session_lost,
-            find_credential_path(target, credential_path),
+            self._stub, client_name, target, self.owned, on_session_lost, self._credential_path
         )
 
     # -- session ---------------------------------------------------------------------------
@@ -156,10 +159,19 @@ class Client:
             self._tx_book.unsure(request.transfer_id)
         return self._call(method, request, request_id=rid)
 
+    def _identified(self) -> tuple[tuple[str, str], ...]:
+        """Metadata naming who calls without owning anything: the open session, else a fresh local
+        credential (a service with ``allowed_uids`` refuses anonymous calls on its socket)."""
+        sid = self._session.peek()
+        if sid:
+            return ((rq.SESSION_METADATA_KEY, sid),)
+        cred = fetch_credential(self._credential_path)
+        return ((CREDENTIAL_METADATA_KEY, cred),) if cred else ()
+
     def _call(self, method: str, request: Any, owned: bool = True, request_id: str = "") -> Any:
         if not owned:
             try:
-                return getattr(self._stub, method)(request, timeout=self.timeout)
+                return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._identified())
             except grpc.RpcError as exc:
                 raise map_rpc_error(exc) from None
         metadata = rq.owned_metadata(self.session_id, request_id)
@@ -309,7 +321,11 @@ class Client:
         publish_tokens: rq.TokensLike | None = None,
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
+        sender_address: str = "",
     ) -> TransferStatus:
+        """Declare transfer ``transfer_id`` into this client's buffer set. ``sender_address``: the
+        sending engine's kvservice, when known; the service then lets only that service's proven
+        identity fetch the plan (``allowed_senders`` filled for you, see docs/security.md)."""
         req = rq.expect(
             transfer_id,
             buffer_set_id,
@@ -322,6 +338,7 @@ class Client:
             prefix_page_indices,
             allowed_senders,
         )
+        req.sender_address = sender_address
         status = TransferStatus.from_proto(self._transfer_call("expect_delta", "ExpectDelta", req).status)
         self.owned.add_transfer(transfer_id)
         self._tx_book.made(transfer_id, status.role, status.buffer_set_id)

@@ -43,6 +43,7 @@ class ChannelSecurity:
     token_file: str = ""  # token sent on every call
     token_key: str = BEARER_METADATA_KEY  # PEER_TOKEN_METADATA_KEY between services
     server_name: str = ""  # expected name in the server certificate (default: the target host)
+    credential_path: str = ""  # a "unix:" target's <socket>.cred: a fresh local credential per call
 
     @property
     def tls(self) -> bool:
@@ -76,12 +77,16 @@ class ChannelSecurity:
 
     def aio_channel(self, target: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
         """An asyncio channel to ``target``."""
-        interceptors = _aio_token_interceptors(self) if self.token_file else None
+        interceptors = _aio_token_interceptors(self) if self.token_file else []
+        if self.credential_path and target.startswith("unix"):
+            from ._local_identity import aio_credential_interceptors
+
+            interceptors += aio_credential_interceptors(self.credential_path)
         if self.tls and not target.startswith("unix"):
             return grpc.aio.secure_channel(
-                target, self._credentials(), options=self._options(options), interceptors=interceptors
+                target, self._credentials(), options=self._options(options), interceptors=interceptors or None
             )
-        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+        return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors or None)
 
 
 PLAIN = ChannelSecurity()  # no TLS, no token (Unix sockets; --insecure services)

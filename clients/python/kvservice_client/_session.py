@@ -196,6 +196,11 @@ class SessionKeeper:
             assert self._error is not None
             raise self._error
 
+    def peek(self) -> str:
+        """The session id if the session is open now, else '' (never opens one)."""
+        with self._cond:
+            return self.session_id if self._state == "ready" else ""
+
     def mark_lost(self, reason: str) -> SessionLost:
         """The service says the session is gone (a call was refused with 'was released')."""
         with self._cond:

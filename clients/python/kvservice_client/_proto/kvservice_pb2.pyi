@@ -260,7 +260,7 @@ class EvictPagesResponse(_message.Message):
     def __init__(self, evicted_pages: _Optional[int] = ...) -> None: ...
 
 class ExpectDeltaRequest(_message.Message):
-    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders")
+    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class ExpectDeltaRequest(_message.Message):
     PUBLISH_HASHES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_SENDERS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     buffer_set_id: str
     prefix_pages: int
@@ -283,7 +284,8 @@ class ExpectDeltaRequest(_message.Message):
     publish_hashes: _common_pb2.PageHashes
     prefix_page_indices: _containers.RepeatedScalarFieldContainer[int]
     allowed_senders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ...) -> None: ...
+    sender_address: str
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ...) -> None: ...
 
 class ExpectDeltaResponse(_message.Message):
     __slots__ = ("status",)

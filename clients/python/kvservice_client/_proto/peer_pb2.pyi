@@ -152,14 +152,16 @@ class ReceivePlanSet(_message.Message):
     def __init__(self, plans: _Optional[_Iterable[_Union[ReceivePlan, _Mapping]]] = ..., metadata_epoch: _Optional[int] = ...) -> None: ...
 
 class ReserveStagingRequest(_message.Message):
-    __slots__ = ("transfer_id", "dst_buffer_set_id", "nbytes")
+    __slots__ = ("transfer_id", "dst_buffer_set_id", "nbytes", "sender_ticket")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TICKET_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_buffer_set_id: str
     nbytes: int
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_buffer_set_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    sender_ticket: str
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_buffer_set_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., sender_ticket: _Optional[str] = ...) -> None: ...
 
 class StagingSlot(_message.Message):
     __slots__ = ("slot_id", "address", "size_bytes", "mem_kind", "device_id")
@@ -188,7 +190,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReceivePlan(_message.Message):
-    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal", "publishes")
+    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal", "publishes", "sender_ticket", "integrity")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,8 @@ class ReceivePlan(_message.Message):
     KV_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_REFUSAL_FIELD_NUMBER: _ClassVar[int]
     PUBLISHES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_layout: _common_pb2.Layout
     prefix_pages: int
@@ -223,10 +227,12 @@ class ReceivePlan(_message.Message):
     kv_handles: _containers.RepeatedCompositeFieldContainer[_common_pb2.Region]
     same_host_refusal: str
     publishes: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ...) -> None: ...
+    sender_ticket: str
+    integrity: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ..., sender_ticket: _Optional[str] = ..., integrity: bool = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot")
+    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot", "sender_ticket", "checksum", "checksum_kind")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +252,9 @@ class CommitChunkRequest(_message.Message):
     AUX_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ONLY_FIELD_NUMBER: _ClassVar[int]
     CREDIT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_service_id: str
     src_tp_rank: int
@@ -265,7 +274,10 @@ class CommitChunkRequest(_message.Message):
     aux_delivered: bool
     release_only: bool
     credit_slot: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ..., credit_slot: bool = ...) -> None: ...
+    sender_ticket: str
+    checksum: int
+    checksum_kind: str
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ..., credit_slot: bool = ..., sender_ticket: _Optional[str] = ..., checksum: _Optional[int] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
 
 class CommitChunkResponse(_message.Message):
     __slots__ = ("state",)
@@ -274,16 +286,18 @@ class CommitChunkResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.TransferState, str]] = ...) -> None: ...
 
 class PeerAbortRequest(_message.Message):
-    __slots__ = ("transfer_id", "reason", "origin_service_id", "error_code")
+    __slots__ = ("transfer_id", "reason", "origin_service_id", "error_code", "sender_ticket")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TICKET_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     reason: str
     origin_service_id: str
     error_code: str
-    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., origin_service_id: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+    sender_ticket: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., origin_service_id: _Optional[str] = ..., error_code: _Optional[str] = ..., sender_ticket: _Optional[str] = ...) -> None: ...
 
 class PeerAbortResponse(_message.Message):
     __slots__ = ("known",)

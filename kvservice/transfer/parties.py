@@ -1,0 +1,47 @@
+"""Who is a party to a transfer, and so may stop it from another service (issue 33).
+
+A receiver rank's declaration gives each sender rank that fetches its plan a random ticket
+(``ReceivePlan.sender_ticket``). The ticket, not the peer's credentials, proves that a call comes
+from that sender: a peer token proves only membership of the cluster, and over mutual TLS one
+service may run many senders. Commits and staging reservations are checked in receiver.py;
+aborts here::
+
+    abort arriving at                  stops it when
+    ──────────────────────────────────────────────────────────────────────────────────────────
+    a receiver rank (Incoming)         it carries the ticket of one of its senders, or the
+                                       caller proved an identity (certificate name, or "local")
+                                       that is the bound sender's, or that allowed_senders names
+                                       before any plan went out
+    a sender rank (Outgoing)           it comes from the receiving service (origin) and carries
+                                       a ticket one of its plans gave, or from "local" (this
+                                       service or a co-located one, proven on the Unix socket)
+
+A peer-token holder without a ticket stops nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..identity import LOCAL_PEER
+from .receiver import Incoming, ticket_matches
+
+__all__ = ["may_abort_in", "may_abort_out"]
+
+
+def may_abort_in(inc: Incoming, origin: str, identity: str, ticket: str) -> bool:
+    """A peer abort from service ``origin`` (proven as ``identity``) may stop this declaration."""
+    if ticket and any(ticket_matches(t, ticket) for t in inc.tickets.values()):
+        return True
+    if not identity:  # a token-only peer: its ticket is its only proof
+        return False
+    if origin in inc.identities:
+        return inc.identities[origin] == identity
+    return identity in inc.allowed_senders or (identity == LOCAL_PEER and not inc.allowed_senders)
+
+
+def may_abort_out(out: Any, identity: str, ticket: str) -> bool:
+    """A peer abort from the receiving service of ``out`` may stop this sender rank."""
+    if identity == LOCAL_PEER:
+        return True
+    return bool(ticket) and any(ticket_matches(t.plan.sender_ticket, ticket) for t in out.targets or ())
