@@ -20,6 +20,7 @@ from ..transfer.requests import build_chunk, build_incoming
 from . import convert
 from .credentials import CREDENTIAL_METADATA_KEY
 from .errors import grpc_errors
+from .limits import CallLimits
 from .replay import ReplayCache, replayable
 from .stats import stats_response
 from .transfer_stream import TransferStream
@@ -33,6 +34,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     def __init__(self, node: Node, activity: RecentTransfers | None = None) -> None:
         self.node = node
         self.replay = ReplayCache()
+        # NOTE: the Guard checks unary requests; the Transfers stream checks each call the same way
+        self.limits = CallLimits(node.config.max_pages_per_call, node.config.max_tokens_per_call)
         self.admins = AdminPolicy(node.config, node.credentials)
         self.activity = activity or RecentTransfers()  # App.start feeds it the finished transfers
         self.rtts = PeerRtts()
@@ -254,7 +257,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     ) -> AsyncIterator[pb.TransferEvent]:
         engine = self.node.require_transfers("Transfers")
         stream = TransferStream(
-            self._session(context), engine, self.replay, self._expect, self._send, self._abort
+            self._session(context), engine, self.replay, self._expect, self._send, self._abort, self.limits
         )
         async for event in stream.serve(request_iterator):
             yield event

@@ -28,6 +28,7 @@ from kvservice_client._proto import kvservice_pb2 as pb
 from ..errors import InvalidArgument, KVServiceError, ResourceExhausted
 from ..transfer.records import Record
 from . import convert
+from .limits import CallLimits
 from .replay import ReplayCache
 
 __all__ = ["MAX_QUEUED", "TransferStream"]
@@ -50,6 +51,7 @@ class TransferStream:
         expect: Handler,
         send: Handler,
         abort: Handler,
+        limits: CallLimits | None = None,
     ) -> None:
         self.session_id = session_id
         self.engine = engine
@@ -58,6 +60,7 @@ class TransferStream:
         self._queue: asyncio.Queue[pb.TransferEvent | BaseException | None] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._aborts: set[asyncio.Task[None]] = set()
+        self._limits = limits
 
     async def serve(self, calls: AsyncIterator[pb.TransferCall]) -> AsyncIterator[pb.TransferEvent]:
         unsubscribe = self.engine.table.subscribe(self.session_id, self._ended)
@@ -114,6 +117,11 @@ class TransferStream:
                 self._put(
                     _error(call.call_id, InvalidArgument("request_id", f"longer than {_MAX_REQUEST_ID}"))
                 )
+                continue
+            breach = self._limits.breach(getattr(call, which)) if self._limits is not None else None
+            if breach:  # the per-call caps of unary calls (server/limits.py), answered the same way
+                field, _, why = breach.partition(": ")
+                self._put(_error(call.call_id, InvalidArgument(field, why)))
                 continue
             if which == "abort":  # settles the transfer first: later calls do not wait for it
                 task = asyncio.ensure_future(self._answer(call, which))

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import numpy as np
 from kvservice_client import Layout
@@ -93,6 +94,7 @@ class Outgoing:
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    planning: asyncio.Task[Any] | None = None  # the receive-plan wait, cancelled by stop()
     sent_src: list[np.ndarray] = dataclasses.field(default_factory=list)  # every chunk's source pages
     no_duplicate_mark: bool = False  # SendDelta's hint (first chunk): never a P/D duplicate mark
 
@@ -168,7 +170,20 @@ class Sender:
         mover = self.mover
         if out.targets is None:
             t0 = time.monotonic()
-            out.targets = await mover.fetch_targets(out)  # type: ignore[attr-defined]
+            # NOTE: the plan wait (up to the deadline, when the receiver has not declared yet)
+            # holds no handle and no byte: stop() cancels it, so an Abort settles at once.
+            out.planning = asyncio.ensure_future(mover.fetch_targets(out))  # type: ignore[attr-defined]
+            try:
+                out.targets = await out.planning
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if out.stop and not (me is not None and getattr(me, "cancelling", lambda: 0)()):
+                    raise (DeadlineExceeded if out.stop == "DEADLINE_EXCEEDED" else Aborted)(
+                        out.stop_reason
+                    ) from None
+                raise
+            finally:
+                out.planning = None
             self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
         if not out.targets:  # a replica that another rank covers (MLA, replicated heads)
             self.table.update(out.rec, add_pages_skipped=int(chunk.src.size))
@@ -187,6 +202,8 @@ class Sender:
     def stop(self, out: Outgoing, code: str, reason: str) -> None:
         if not out.stop:
             out.stop, out.stop_reason = code, reason
+        if out.planning is not None and not out.planning.done():
+            out.planning.cancel()
         out.wake.set()
 
     async def stopped(self, out: Outgoing) -> None:
