@@ -28,6 +28,8 @@ if [ "$1" = x1 ]; then
   T=150 run bench/bench_mixed_tp.py --device cuda
   T=110 run bench/bench_multiturn.py --device cuda
   T=60 run bench/bench_control.py
+  T=60 run bench/bench_launch.py --layers 1 --tag _64k   # the Python launch floor (native decision)
+  T=60 run bench/bench_launch.py --layers 32 --tag _2m
   T=60 run bench/bench_control.py --same-node
   T=70 run bench/bench_transfer.py --device cpu --layers 32 --pages 256 --pool-pages 512 --iters 3 --tag host16
 else
