@@ -141,7 +141,7 @@ def build_server(config: Config) -> App:
         ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits, local)
     )
     server = _grpc_server(config, metrics, guard)
-    servicer = KVServiceServicer(node)
+    servicer = KVServiceServicer(node, limits=limits)
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
     peer_servicer = KVPeerServicer(node)
     peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, server)

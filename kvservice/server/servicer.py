@@ -31,11 +31,13 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
-    def __init__(self, node: Node, activity: RecentTransfers | None = None) -> None:
+    def __init__(
+        self, node: Node, activity: RecentTransfers | None = None, limits: CallLimits | None = None
+    ) -> None:
         self.node = node
         self.replay = ReplayCache()
-        # NOTE: the Guard checks unary requests; the Transfers stream checks each call the same way
-        self.limits = CallLimits(node.config.max_pages_per_call, node.config.max_tokens_per_call)
+        # NOTE: the Guard checks unary requests against these; the Transfers stream, each call
+        self.limits = limits
         self.admins = AdminPolicy(node.config, node.credentials)
         self.activity = activity or RecentTransfers()  # App.start feeds it the finished transfers
         self.rtts = PeerRtts()

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels
 from ..errors import FailedPrecondition
 from ..kernels.checksum import checksum, default_kind
 from ..kernels.streams import on_side_stream
@@ -53,17 +52,9 @@ async def pages_check(plan: Any, regions: Any, src: np.ndarray, target: Any) -> 
     """The sender's checksum of a direct or fused chunk: its pages packed for the receiver rank."""
     if not plan.integrity or not src.size:
         return None
-    r = target.route
 
     def run() -> Check:
-        packed = kernels.pack(
-            regions,
-            src,
-            head_start=r.src_head_start,
-            num_heads=r.num_heads,
-            unit=target.units.tokens,
-            head_major=target.head_major,
-        ).reshape(-1)
+        packed = target.pack(regions, src).reshape(-1)
         return checksum(packed, default_kind(packed)), default_kind(packed)
 
     return await asyncio.to_thread(lambda: on_side_stream(regions.device, run))

@@ -526,22 +526,8 @@ class Mover:
 
     @staticmethod
     async def _pack(regions: Any, src: np.ndarray, view: Any, target: Target) -> None:
-        """Pack in the receiver's unit and page order: its unpack is then the straight copy.
-        Returns once the bytes are in ``view`` (a completion thread waits on CUDA)."""
-        r = target.route
-        await run_on_device(
-            view.device,
-            "pack",
-            lambda: kernels.pack(
-                regions,
-                src,
-                view,
-                head_start=r.src_head_start,
-                num_heads=r.num_heads,
-                unit=target.units.tokens,
-                head_major=target.head_major,
-            ),
-        )
+        """Pack into ``view``; returns once the bytes are there (a completion thread waits on CUDA)."""
+        await run_on_device(view.device, "pack", lambda: target.pack(regions, src, view))
 
     async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
         """Write the aux rows into the receiver's rows; returns (bytes, descriptors)."""

@@ -5,7 +5,7 @@
 
 Per receiver rank one call (one kernel launch on CUDA, one compiled loop on the CPU). CUDA
 launches go on a service-owned stream of the source device and completion is an event that a
-completion thread waits for (``kernels.completions``: the loop never polls); host pools copy in
+completion thread waits for (``streams.run_on_device``: the loop never polls); host pools copy in
 a worker thread (the compiled loop releases the GIL), or inline when the copy is small
 (``INLINE_BYTES``) and the compiled loop is ready (the event loop never waits for the JIT). The
 receiver's declaration is held ``busy`` while a copy runs, so an Abort returns only after it
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import Aborted
-from ..kernels import KVRegions, _fused_cpu, completions
+from ..kernels import KVRegions, _fused_cpu
 from ..kernels.fused import copy_pages, fused_nbytes
-from ..kernels.streams import on_side_stream, service_stream
+from ..kernels.streams import on_side_stream, run_on_device
 from .plan import ChunkMap
 from .sender import Outgoing, Target
 
@@ -97,15 +97,7 @@ class SameNode:
         }
         sd, dd = src.device, dst.device
         if sd.type == "cuda" and dd.type == "cuda" and self._enable_peer(sd.index, dd.index):
-            import torch
-
-            stream = service_stream(sd.index)
-            with torch.cuda.device(sd.index), torch.cuda.stream(stream):
-                nbytes = copy_pages(src, dst, sp, dp, **kw)  # type: ignore[arg-type]
-                done = torch.cuda.Event()
-                done.record(stream)
-            await completions.done(done, (sd.index, "copy"))
-            return nbytes
+            return await run_on_device(sd, "copy", lambda: copy_pages(src, dst, sp, dp, **kw))  # type: ignore[arg-type]
         if sd.type == "cuda" or dd.type == "cuda":  # host <-> device pool, or GPUs without P2P
             dev = sd if sd.type == "cuda" else dd
             return await asyncio.to_thread(

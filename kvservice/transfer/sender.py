@@ -26,6 +26,7 @@ import numpy as np
 from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2
 
+from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
 from ..kernels import KVRegions
@@ -75,6 +76,20 @@ class Target:
         full = route.num_heads == src.local_kv_heads == dst.local_kv_heads
         return cls(
             plan, dst_pages, route, full, dst_regions, Units.of(src, dst), dst.page_layout != "nhd", converts
+        )
+
+    def pack(self, regions: KVRegions, src: np.ndarray, out: Any = None) -> Any:
+        """``kernels.pack`` of this route's head slice, in the receiver's unit and page order (its
+        unpack is then the straight copy); into ``out`` if given (asynchronous on CUDA)."""
+        r = self.route
+        return kernels.pack(
+            regions,
+            src,
+            out,
+            head_start=r.src_head_start,
+            num_heads=r.num_heads,
+            unit=self.units.tokens,
+            head_major=self.head_major,
         )
 
 
