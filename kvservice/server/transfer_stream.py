@@ -26,6 +26,7 @@ from typing import Any
 from kvservice_client._proto import kvservice_pb2 as pb
 
 from ..errors import InvalidArgument, KVServiceError, ResourceExhausted
+from ..transfer import trace
 from ..transfer.records import Record
 from . import convert
 from .limits import CallLimits
@@ -97,6 +98,7 @@ class TransferStream:
     def _ended(self, rec: Record) -> None:
         """A side of this session reached a terminal state (any thread): one status event."""
         event = pb.TransferEvent(status=convert.transfer_status(rec))
+        trace.mark(rec.transfer_id, f"{rec.role}_event")
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:

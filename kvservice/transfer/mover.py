@@ -26,6 +26,7 @@ from ..identity import LOCAL_PEER
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream, run_on_device
+from . import trace
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .integrity import Check, pages_check, staged_check
 from .peer_channel import OutboundChannel
@@ -66,6 +67,7 @@ _PATH_PB = {
     "PACKED": common_pb2.TRANSFER_PATH_PACKED,
     "FUSED": common_pb2.TRANSFER_PATH_FUSED,
 }
+INLINE_POST_ROWS = 64  # WRITEs of at most this many rows are posted on the loop (see _post_write)
 PIPELINE = 3  # packed batches of one chunk in flight at once
 
 
@@ -118,11 +120,13 @@ class Mover:
             sender_boot_id=host.boot_id() if same_host else "",
         )
         chan = self._channel(peer)
+        trace.mark(out.rec.transfer_id, "plan_asked")
         try:
             if chan is not None:  # one message each way on the open channel
                 resp = await chan.plans(req, self._left(out) + 1.0)
             else:
                 resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
+            trace.mark(out.rec.transfer_id, "plan_got")
         except NotFound as exc:
             if time.monotonic() >= out.rec.deadline - 0.05:  # the wait was bounded by our deadline
                 raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
@@ -421,8 +425,7 @@ class Mover:
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
                     else:
-                        h = await asyncio.to_thread(
-                            self.transport.write_descs,
+                        h = await self._post_write(
                             peer.agent,
                             np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
                             np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
@@ -492,8 +495,7 @@ class Mover:
                 await self._pack(regions, src, pool.view(slot), target)
                 check = await staged_check(target.plan, pool.view(slot)[:nbytes])
                 t1 = time.monotonic()
-                h = await asyncio.to_thread(
-                    self.transport.write_descs,
+                h = await self._post_write(
                     peer.agent,
                     np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
                     np.array([[credit.address, nbytes, credit.device_id]], dtype=np.int64),
@@ -571,8 +573,7 @@ class Mover:
                 dst_rows = inc.aux[name]
                 theirs.region.pages(theirs.row_bytes)[dst_rows] = mine.region.pages(mine.row_bytes)[rows]
             return nbytes, ndescs
-        h = await asyncio.to_thread(
-            self.transport.write_descs,
+        h = await self._post_write(
             peer.agent,
             np.concatenate(local_rows),
             np.concatenate(remote_rows),
@@ -657,34 +658,39 @@ class Mover:
             checksum_kind=check[1] if check else "",
         )
         chan = self._channel(peer)
+        trace.mark(out.rec.transfer_id, "commit_sent")
         if chan is None:
             await peer.call("CommitChunk", req, self._left(out) + 1.0)
         else:
             ack = await chan.commit(req, self._left(out) + 1.0, credit)
+            trace.mark(out.rec.transfer_id, "ack_got")
             if ack.error_code:
                 raise error_from_code(ack.error_code, f"peer {out.peer_address}: {ack.error}")
         self.e.table.update(
             out.rec, add_bytes_sent=nbytes, add_descriptors=descs, add_pack=pack_us, add_wire=wire_us
         )
 
-    async def _await(self, out: Outgoing, h: XferHandle) -> None:
-        """Wait for a handle; on abort or deadline settle it first (no byte lands afterwards)."""
-        delay = 20e-6
-        while True:
-            state = self.transport.status(h)
-            if state != "PROC":
-                self.transport.release(h)
-                if state == "ERR":
-                    from ..errors import TransportError
+    async def _post_write(self, peer: str, local: np.ndarray, *rest: Any) -> XferHandle:
+        """Post a WRITE of ``local``'s rows: on the loop when posting is cheap (NIXL, a few rows:
+        tens of µs, no byte copied; a thread hop costs more), else in a worker thread (a long
+        list, or the loopback transport, which copies while it posts)."""
+        if self.transport.kind == "nixl" and len(local) <= INLINE_POST_ROWS:
+            return self.transport.write_descs(peer, local, *rest)
+        return await asyncio.to_thread(self.transport.write_descs, peer, local, *rest)
 
-                    raise TransportError(f"write to {out.peer_address} failed")
-                return
-            if out.stop or time.monotonic() > out.rec.deadline:
-                await self.transport.settle(h)
-                self.e.sender.check_live(out)
-                raise DeadlineExceeded("transfer deadline passed")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2e-4 if self.transport.kind == "nixl" else 2e-3)
+    async def _await(self, out: Outgoing, h: XferHandle) -> None:
+        """Wait for a handle (a poller thread watches it; the loop sleeps); on abort or deadline
+        settle it first (no byte lands afterwards)."""
+        state = await self.transport.poll_until(h, out.rec.deadline, lambda: bool(out.stop))
+        if state == "PROC":
+            await self.transport.settle(h)
+            self.e.sender.check_live(out)
+            raise DeadlineExceeded("transfer deadline passed")
+        self.transport.release(h)
+        if state == "ERR":
+            from ..errors import TransportError
+
+            raise TransportError(f"write to {out.peer_address} failed")
 
     async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str, ticket: str) -> None:
         try:

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from ..latest import LatestQueue
+from . import trace
 
 __all__ = ["PHASES", "TERMINAL", "Record", "TransferTable"]
 
@@ -166,6 +167,7 @@ class TransferTable:
             self._ended.append((rec.ended, rec.key))
             rec.updated_unix_ms = int(time.time() * 1000)
             self.counts[state] += 1
+        trace.mark(rec.transfer_id, f"{rec.role}_{state}")
         level = logging.INFO if state == "DONE" else logging.WARNING
         log.log(
             level,
