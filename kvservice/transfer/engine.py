@@ -259,14 +259,15 @@ class TransferEngine:
         await self.receiver.expect(inc)
         return inc.rec
 
-    async def send(self, out: Outgoing, chunk: Any) -> Record:
+    async def send(self, out: Outgoing, chunk: Any, gate: asyncio.Future[None] | None = None) -> Record:
+        """Queue a SendDelta chunk (a new transfer's worker waits for ``gate`` if given)."""
         new = self.table.get(out.rec.key) is None
         if new:
             self._check_transfer_cap(out.rec.session_id)
         self.sender.outgoing[(out.rec.transfer_id, out.bs.buffer_set_id)] = out
         if new:
             self.table.add(out.rec)
-        self.sender.enqueue(out, chunk)
+        self.sender.enqueue(out, chunk, gate)
         return out.rec
 
     def records(self, session_id: str, transfer_ids: Iterable[str]) -> list[Record]:
