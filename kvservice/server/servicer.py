@@ -200,9 +200,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         rec = await engine.expect(inc, request.sender_address)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
-    async def _send(
-        self, request: pb.SendDeltaRequest, session_id: str, gate: asyncio.Future[None] | None = None
-    ) -> pb.SendDeltaResponse:
+    async def _send(self, request: pb.SendDeltaRequest, session_id: str) -> pb.SendDeltaResponse:
         engine = self.node.require_transfers("SendDelta")
         trace.mark(request.transfer_id, "send_rpc")
         out, chunk = build_chunk(
@@ -219,7 +217,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             path=convert.path_name(request.path),
             no_duplicate_mark=request.no_duplicate_mark,
         )
-        rec = await engine.send(out, chunk, gate)
+        rec = await engine.send(out, chunk)
         return pb.SendDeltaResponse(status=convert.transfer_status(rec))
 
     async def _abort(self, request: pb.AbortRequest, session_id: str) -> pb.AbortResponse:

@@ -6,10 +6,6 @@ One stream per session, held open by the engine (DESIGN.md, data path v2 §5 and
     engine ◀─TransferEvent(call_id, answer | error)──────────────────────── out queue ◀┘
     engine ◀─TransferEvent(0, status)─── TransferTable.subscribe(session): a side ended
 
-A new transfer's sender worker starts once its SendDelta answer was written: the answer would
-otherwise wait behind the transfer's own work on the loop (a same-node transfer runs to DONE
-before it), and an engine blocked on its SendDelta answer waited the whole transfer.
-
 Calls are run one after another in arrival order (an ExpectDelta answered before the SendDelta
 sent after it is read), except Abort, which waits for the transfer to settle and so runs beside
 later calls. A call with a ``request_id`` goes through the servicer's replay cache, so a call
@@ -63,7 +59,6 @@ class TransferStream:
         self.replay = replay
         self._handlers: dict[str, Handler] = {"expect_delta": expect, "send_delta": send, "abort": abort}
         self._queue: asyncio.Queue[pb.TransferEvent | BaseException | None] = asyncio.Queue()
-        self._gates: dict[int, asyncio.Future[None]] = {}  # id(answer event) -> its worker's gate
         self._loop = asyncio.get_running_loop()
         self._aborts: set[asyncio.Task[None]] = set()
         self._limits = limits
@@ -79,17 +74,8 @@ class TransferStream:
                     return
                 if isinstance(event, BaseException):
                     raise event
-                tid = _traced(event)
-                if tid:
-                    trace.mark(tid, f"{event.WhichOneof('event')}_yield")
                 yield event
-                if tid:
-                    trace.mark(tid, f"{event.WhichOneof('event')}_written")
-                _open(self._gates.pop(id(event), None))
         finally:
-            for gate in self._gates.values():  # the stream ended: every held worker starts
-                _open(gate)
-            self._gates.clear()
             unsubscribe()
             reader.cancel()
             for task in self._aborts:
@@ -147,21 +133,7 @@ class TransferStream:
                 await self._answer(call, which)
 
     async def _answer(self, call: pb.TransferCall, which: str) -> None:
-        gate = self._loop.create_future() if which == "send_delta" else None
-        try:
-            event = await self._run_call(call, which, gate)
-            if gate is not None and event.HasField(which):
-                self._gates[id(event)] = gate  # opened once the answer was written (serve)
-                gate = None
-            self._put(event)
-        finally:
-            _open(gate)  # no answer to write (an error, a cancelled call): the worker may start
-
-    async def _run_call(
-        self, call: pb.TransferCall, which: str, gate: asyncio.Future[None] | None
-    ) -> pb.TransferEvent:
-        body, handler, sid = getattr(call, which), self._handlers[which], self.session_id
-        fn = (lambda b, s: handler(b, s, gate)) if gate is not None else handler  # type: ignore[call-arg]
+        body, fn, sid = getattr(call, which), self._handlers[which], self.session_id
         try:
             if call.request_id:
                 task = self.replay.run((sid, call.request_id), lambda: fn(body, sid))
@@ -170,32 +142,21 @@ class TransferStream:
             else:
                 resp = await fn(body, sid)
         except KVServiceError as exc:
-            return _error(call.call_id, exc)
+            self._put(_error(call.call_id, exc))
+            return
         except Exception as exc:
             extra = {"transfer_id": getattr(body, "transfer_id", "")}
             log.exception("unhandled error in Transfers.%s", which, exc_info=exc, extra=extra)
-            return pb.TransferEvent(
-                call_id=call.call_id,
-                error=pb.CallError(code="INTERNAL", message=f"{which}: internal error; see server log"),
+            self._put(
+                pb.TransferEvent(
+                    call_id=call.call_id,
+                    error=pb.CallError(code="INTERNAL", message=f"{which}: internal error; see server log"),
+                )
             )
+            return
         event = pb.TransferEvent(call_id=call.call_id)
         getattr(event, which).CopyFrom(resp)
-        return event
-
-
-def _open(gate: asyncio.Future[None] | None) -> None:
-    if gate is not None and not gate.done():
-        gate.set_result(None)
-
-
-def _traced(event: pb.TransferEvent) -> str:
-    """The transfer id of an answer or status event when timeline points are on (trace.py)."""
-    if not trace.enabled():
-        return ""
-    which = event.WhichOneof("event")
-    body = getattr(event, which) if which else None
-    status = body.status if which in ("expect_delta", "send_delta") else body if which == "status" else None
-    return status.transfer_id if status is not None else ""
+        self._put(event)
 
 
 def _error(call_id: int, exc: KVServiceError) -> pb.TransferEvent:

@@ -259,15 +259,14 @@ class TransferEngine:
         await self.receiver.expect(inc)
         return inc.rec
 
-    async def send(self, out: Outgoing, chunk: Any, gate: asyncio.Future[None] | None = None) -> Record:
-        """Queue a SendDelta chunk (a new transfer's worker waits for ``gate`` if given)."""
+    async def send(self, out: Outgoing, chunk: Any) -> Record:
         new = self.table.get(out.rec.key) is None
         if new:
             self._check_transfer_cap(out.rec.session_id)
         self.sender.outgoing[(out.rec.transfer_id, out.bs.buffer_set_id)] = out
         if new:
             self.table.add(out.rec)
-        self.sender.enqueue(out, chunk, gate)
+        self.sender.enqueue(out, chunk)
         return out.rec
 
     def records(self, session_id: str, transfer_ids: Iterable[str]) -> list[Record]:

@@ -125,25 +125,20 @@ class Sender:
         self._workers = workers_per_peer
         self.queue_depth: collections.Counter[str] = collections.Counter()
 
-    def enqueue(self, out: Outgoing, chunk: Chunk, gate: asyncio.Future[None] | None = None) -> None:
-        """Queue ``chunk``; a new transfer's worker starts at once, or once ``gate`` is done
-        (the Transfers stream wrote the SendDelta answer: the engine is not kept waiting for its
-        answer behind the transfer's own work on this loop)."""
+    def enqueue(self, out: Outgoing, chunk: Chunk) -> None:
         out.chunks.append(chunk)
         out.sent_src.append(chunk.src)
         self.queue_depth[out.peer_address] += 1
         if out.task is None:
             out.task = asyncio.get_running_loop().create_task(
-                self._run(out, gate), name=f"send-{out.rec.transfer_id}"
+                self._run(out), name=f"send-{out.rec.transfer_id}"
             )
         out.wake.set()
 
-    async def _run(self, out: Outgoing, gate: asyncio.Future[None] | None = None) -> None:
+    async def _run(self, out: Outgoing) -> None:
         rec = out.rec
         sem = self._sems.setdefault(out.peer_address, asyncio.Semaphore(self._workers))
         try:
-            if gate is not None:
-                await asyncio.shield(gate)  # NOTE: shielded: a cancelled worker must not cancel the gate
             while True:
                 self.check_live(out)
                 if not out.chunks:
