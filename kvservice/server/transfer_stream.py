@@ -74,7 +74,12 @@ class TransferStream:
                     return
                 if isinstance(event, BaseException):
                     raise event
+                tid = _traced(event)
+                if tid:
+                    trace.mark(tid, f"{event.WhichOneof('event')}_yield")
                 yield event
+                if tid:
+                    trace.mark(tid, f"{event.WhichOneof('event')}_written")
         finally:
             unsubscribe()
             reader.cancel()
@@ -157,6 +162,16 @@ class TransferStream:
         event = pb.TransferEvent(call_id=call.call_id)
         getattr(event, which).CopyFrom(resp)
         self._put(event)
+
+
+def _traced(event: pb.TransferEvent) -> str:
+    """The transfer id of an answer or status event when timeline points are on (trace.py)."""
+    if not trace.enabled():
+        return ""
+    which = event.WhichOneof("event")
+    body = getattr(event, which) if which else None
+    status = body.status if which in ("expect_delta", "send_delta") else body if which == "status" else None
+    return status.transfer_id if status is not None else ""
 
 
 def _error(call_id: int, exc: KVServiceError) -> pb.TransferEvent:
