@@ -118,7 +118,7 @@ class TransferEngine:
         self.mover = Mover(self)
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
-        self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
+        self.sender = Sender(self.table, self.mover, cfg.workers_per_peer, cfg.peer_inflight_mb)
         self.duplicates = DuplicateBook(self)
         self.peer_names = PeerNames(cfg, address)
         self._reaper: asyncio.Task[None] | None = None
