@@ -24,8 +24,10 @@ def validate_layout(layout: Layout) -> None:
     """Check the layout on its own (kinds, ranges, TP consistency, head counts)."""
     if layout.kind not in ("mha", "mla"):
         raise InvalidArgument("layout.kind", "must be BUFFER_KIND_MHA or BUFFER_KIND_MLA")
-    if layout.page_layout not in ("nhd", "hnd", "hnd_kv"):
-        raise InvalidArgument("layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND or _HND_KV")
+    if layout.page_layout not in ("nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd"):
+        raise InvalidArgument(
+            "layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND, _HND_KV, _KV_NHD or _KV_HND"
+        )
     if layout.kind == "mla" and layout.page_layout != "nhd":
         raise InvalidArgument("layout.page_layout", "MLA pools are NHD (one latent head)")
     if layout.dtype not in DTYPE_ITEMSIZE:

@@ -1,7 +1,8 @@
 """Cross-engine transfers through the service: pools of different page sizes and page layouts.
 
 An SGLang-shaped pool (NHD, separate K and V, page 1 or 64) and a vLLM-shaped pool (the CPU
-attention backend's ``[blocks, heads, block_size, K | V]``, block 16 or 32; or HND planes) hold
+attention backend's ``[blocks, heads, block_size, K | V]``, block 16 or 32; HND planes; or
+FlashInfer's ``[blocks, 2, block_size, heads, dim]``, NHD or HND, K and V side by side) hold
 the same model's KV. The receiver already has a prefix of the sequence; the sender sends all its
 pages; afterwards every token of the delta is in the receiver's pages, head for head, byte for
 byte, and no byte outside the named pages changed. On every route (two services, same host
@@ -48,10 +49,13 @@ def tokens_view(pool: ShmKVPool) -> np.ndarray:
         if lay.page_layout == "hnd_kv":
             blk = pool.k(layer).reshape(n, h, 2 * p, hb)
             parts = [blk[:, :, :p], blk[:, :, p:]]
+        elif lay.page_layout in ("kv_nhd", "kv_hnd"):  # [blocks, 2, ...]: K half, V half
+            blk = pool.k(layer).reshape(n, 2, -1)
+            parts = [blk[:, 0], blk[:, 1]]
         else:
             parts = [pool.k(layer), pool.v(layer)]
         for kv, x in enumerate(parts):
-            if lay.page_layout == "nhd":
+            if lay.page_layout in ("nhd", "kv_nhd"):
                 x = x.reshape(n, p, h, hb)
             else:
                 x = x.reshape(n, h, p, hb).transpose(0, 2, 1, 3)
@@ -71,10 +75,15 @@ SHAPES = {
     "sglang64-to-vllmcpu32": (("nhd", 64), ("hnd_kv", 32)),
     "vllmcpu16-to-sglang1": (("hnd_kv", 16), ("nhd", 1)),
     "vllm-hnd16-to-sglang64": (("hnd", 16), ("nhd", 64)),
+    "flashinfer-nhd16-to-sglang1": (("kv_nhd", 16), ("nhd", 1)),
+    "flashinfer-hnd16-to-sglang64": (("kv_hnd", 16), ("nhd", 64)),
+    "sglang1-to-flashinfer-nhd16": (("nhd", 1), ("kv_nhd", 16)),
+    "sglang64-to-flashinfer-hnd32": (("nhd", 64), ("kv_hnd", 32)),
 }
 SAME = {
     "vllmcpu32-to-vllmcpu32": (("hnd_kv", 32), ("hnd_kv", 32)),
     "hnd16-to-hnd16": (("hnd", 16), ("hnd", 16)),
+    "flashinfer-hnd16-to-flashinfer-hnd16": (("kv_hnd", 16), ("kv_hnd", 16)),
 }
 
 
@@ -167,11 +176,12 @@ def test_head_major_pools_of_one_layout_move_as_pages(
     run_convert(pair, make_pool, make_client, shape, path, f"s-{shape}-{path}")
 
 
+@pytest.mark.parametrize(
+    "shape", ["sglang1-to-vllmcpu16", "flashinfer-hnd16-to-sglang64", "sglang1-to-flashinfer-nhd16"]
+)
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (4, 2)])
-def test_cross_engine_mixed_tp(pair, make_pool, make_client, src_tp: int, dst_tp: int) -> None:  # type: ignore[no-untyped-def]
-    run_convert(
-        pair, make_pool, make_client, "sglang1-to-vllmcpu16", "auto", f"xtp-{src_tp}-{dst_tp}", src_tp, dst_tp
-    )
+def test_cross_engine_mixed_tp(pair, make_pool, make_client, src_tp: int, dst_tp: int, shape: str) -> None:  # type: ignore[no-untyped-def]
+    run_convert(pair, make_pool, make_client, shape, "auto", f"xtp-{shape}-{src_tp}-{dst_tp}", src_tp, dst_tp)
 
 
 def test_direct_is_refused_across_layouts(pair, make_pool, make_client) -> None:  # type: ignore[no-untyped-def]
