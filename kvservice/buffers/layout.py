@@ -12,6 +12,7 @@ from kvservice_client import Layout
 from kvservice_client._layout import DTYPE_ITEMSIZE
 
 from ..errors import InvalidArgument
+from ..kernels._regions import PAGE_LAYOUTS
 
 __all__ = ["MAX_LAYERS", "MAX_PAGES", "validate_layout", "validate_region_sizes"]
 
@@ -24,9 +25,9 @@ def validate_layout(layout: Layout) -> None:
     """Check the layout on its own (kinds, ranges, TP consistency, head counts)."""
     if layout.kind not in ("mha", "mla"):
         raise InvalidArgument("layout.kind", "must be BUFFER_KIND_MHA or BUFFER_KIND_MLA")
-    if layout.page_layout not in ("nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd"):
+    if layout.page_layout not in PAGE_LAYOUTS:
         raise InvalidArgument(
-            "layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND, _HND_KV, _KV_NHD or _KV_HND"
+            "layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND, _HND_KV, _KV_NHD, _KV_HND, _NHC or _HNC"
         )
     if layout.kind == "mla" and layout.page_layout != "nhd":
         raise InvalidArgument("layout.page_layout", "MLA pools are NHD (one latent head)")

@@ -14,10 +14,15 @@ token ``t``, head ``j`` row of page ``p`` (``head_bytes`` long) sits at::
                                                                           [page][K|V][token][head]
     kv_hnd        P * H * (hbk + hbv)   hb             P * hb             one region a layer:
                                                                           [page][K|V][head][token]
+    nhc           P * H * (hbk + hbv)   H * (hbk+hbv)  hbk + hbv          one region a layer:
+                                                                          [page][token][head][K|V]
+    hnc           P * H * (hbk + hbv)   hbk + hbv      P * (hbk + hbv)    one region a layer:
+                                                                          [page][head][token][K|V]
 
 (The V region of a one-region layout is a view of the layer's region, ``P * hbk`` bytes in for
-``hnd_kv``, ``P * H * hbk`` for ``kv_nhd``/``kv_hnd``: FlashInfer's ``[blocks, 2, ...]`` cache,
-K and V side by side in each block, is two strided regions of one allocation.) A call moves
+``hnd_kv``, ``P * H * hbk`` for ``kv_nhd``/``kv_hnd``, ``hbk`` for ``nhc``/``hnc``: FlashInfer's
+``[blocks, 2, ...]`` cache, K and V side by side in each block, and vLLM 0.32's ``[blocks, heads,
+block_size, K|V]`` caches are each two strided regions of one allocation.) A call moves
 *units* of ``g`` tokens (``g`` divides the page size; default a whole page): unit ``u`` is tokens
 ``(u % m) * g + [0, g)`` of page ``u // m`` (``m = P / g``), so pools of different page sizes
 exchange tokens through the units of ``gcd`` of both sizes.
@@ -65,9 +70,11 @@ __all__ = [
     "pow2_divisor",
 ]
 
-PAGE_LAYOUTS = ("nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd")
-KV_IN_ONE_REGION = ("hnd_kv", "kv_nhd", "kv_hnd")  # no V regions: V is a view into the K region
-HEAD_MAJOR = ("hnd", "hnd_kv", "kv_hnd")  # a page's rows ordered by head first
+PAGE_LAYOUTS = ("nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc")
+KV_IN_ONE_REGION = ("hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc")  # no V regions: V is a view of K's
+HEAD_MAJOR = ("hnd", "hnd_kv", "kv_hnd", "hnc")  # a page's rows ordered by head first
+# bytes from a layer's region to its V (one-region layouts): K rows of a head, of a page, or of a token
+_V_SKIP = {"hnd_kv": "head", "kv_nhd": "page", "kv_hnd": "page", "nhc": "row", "hnc": "row"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +145,12 @@ class KVRegions:
                         f"regions.{name}[{i}]",
                         f"{t.numel() * t.element_size()} bytes, expected {num_pages} pages of {page}",
                     )
-        if fused_kv:  # V starts after a head's K rows (hnd_kv) or the page's K half: a byte view
-            skip = page_size * head_dim_k * isz * (1 if page_layout == "hnd_kv" else num_heads)
+        if fused_kv:  # V starts after a head's K rows, the page's K half or a row's K: a byte view
+            skip = (
+                head_dim_k
+                * isz
+                * {"head": page_size, "page": page_size * num_heads, "row": 1}[_V_SKIP[page_layout]]
+            )
             v = tuple(t.reshape(-1).view(torch.uint8)[skip:] for t in k)
         return cls(k, v, page_size, num_heads, head_dim_k * isz, hd_v * isz, num_pages, page_layout)
 
@@ -184,6 +195,10 @@ class KVRegions:
             return p * h * both, h * head_bytes, head_bytes
         if self.page_layout == "kv_hnd":
             return p * h * both, head_bytes, p * head_bytes
+        if self.page_layout == "nhc":
+            return p * h * both, h * both, both
+        if self.page_layout == "hnc":
+            return p * h * both, both, p * both
         return p * h * both, head_bytes, p * both
 
     @functools.cached_property

@@ -2,7 +2,8 @@
 
 An SGLang-shaped pool (NHD, separate K and V, page 1 or 64) and a vLLM-shaped pool (the CPU
 attention backend's ``[blocks, heads, block_size, K | V]``, block 16 or 32; HND planes; or
-FlashInfer's ``[blocks, 2, block_size, heads, dim]``, NHD or HND, K and V side by side) hold
+FlashInfer's ``[blocks, 2, block_size, heads, dim]``, NHD or HND, K and V side by side; or vLLM
+0.32's GPU ``[blocks, heads, block_size, K|V]`` in LBNHC / LBHNC order) hold
 the same model's KV. The receiver already has a prefix of the sequence; the sender sends all its
 pages; afterwards every token of the delta is in the receiver's pages, head for head, byte for
 byte, and no byte outside the named pages changed. On every route (two services, same host
@@ -52,10 +53,13 @@ def tokens_view(pool: ShmKVPool) -> np.ndarray:
         elif lay.page_layout in ("kv_nhd", "kv_hnd"):  # [blocks, 2, ...]: K half, V half
             blk = pool.k(layer).reshape(n, 2, -1)
             parts = [blk[:, 0], blk[:, 1]]
+        elif lay.page_layout in ("nhc", "hnc"):  # [blocks, (tokens, heads), K|V]: a row's halves
+            blk = pool.k(layer).reshape(n, p * h, 2, hb)
+            parts = [blk[:, :, 0], blk[:, :, 1]]
         else:
             parts = [pool.k(layer), pool.v(layer)]
         for kv, x in enumerate(parts):
-            if lay.page_layout in ("nhd", "kv_nhd"):
+            if lay.page_layout in ("nhd", "kv_nhd", "nhc"):
                 x = x.reshape(n, p, h, hb)
             else:
                 x = x.reshape(n, h, p, hb).transpose(0, 2, 1, 3)
@@ -79,11 +83,14 @@ SHAPES = {
     "flashinfer-hnd16-to-sglang64": (("kv_hnd", 16), ("nhd", 64)),
     "sglang1-to-flashinfer-nhd16": (("nhd", 1), ("kv_nhd", 16)),
     "sglang64-to-flashinfer-hnd32": (("nhd", 64), ("kv_hnd", 32)),
+    "vllm032-nhc16-to-sglang1": (("nhc", 16), ("nhd", 1)),
+    "sglang64-to-vllm032-hnc16": (("nhd", 64), ("hnc", 16)),
 }
 SAME = {
     "vllmcpu32-to-vllmcpu32": (("hnd_kv", 32), ("hnd_kv", 32)),
     "hnd16-to-hnd16": (("hnd", 16), ("hnd", 16)),
     "flashinfer-hnd16-to-flashinfer-hnd16": (("kv_hnd", 16), ("kv_hnd", 16)),
+    "vllm032-nhc16-to-vllm032-nhc16": (("nhc", 16), ("nhc", 16)),
 }
 
 
@@ -177,7 +184,14 @@ def test_head_major_pools_of_one_layout_move_as_pages(
 
 
 @pytest.mark.parametrize(
-    "shape", ["sglang1-to-vllmcpu16", "flashinfer-hnd16-to-sglang64", "sglang1-to-flashinfer-nhd16"]
+    "shape",
+    [
+        "sglang1-to-vllmcpu16",
+        "flashinfer-hnd16-to-sglang64",
+        "sglang1-to-flashinfer-nhd16",
+        "vllm032-nhc16-to-sglang1",
+        "sglang64-to-vllm032-hnc16",
+    ],
 )
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (4, 2)])
 def test_cross_engine_mixed_tp(pair, make_pool, make_client, src_tp: int, dst_tp: int, shape: str) -> None:  # type: ignore[no-untyped-def]

@@ -20,6 +20,9 @@ layer holding K and V:
                                                                 FlashInfer [blocks, 2, bs, heads, d]
     kv_hnd   [K: heads x page_size x dk][V: heads x page_size x dv]
                                                                 the same, HND stride order
+    nhc      [page_size][heads][K dk | V dv]                    vLLM >= 0.32 GPU [blocks, heads,
+                                                                bs, 2*d] in LBNHC order (default)
+    hnc      [heads][page_size][K dk | V dv]                    the same in LBHNC order
 
 Pools whose per-token rows agree exchange KV across page layouts and page sizes.
 """
@@ -34,9 +37,9 @@ from ._proto import common_pb2
 __all__ = ["DTYPE_ITEMSIZE", "KV_IN_ONE_REGION", "Layout"]
 
 Kind = Literal["mha", "mla"]
-PageLayout = Literal["nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd"]
+PageLayout = Literal["nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"]
 # page layouts whose one region per layer holds the layer's K and V (no V regions)
-KV_IN_ONE_REGION = frozenset({"hnd_kv", "kv_nhd", "kv_hnd"})
+KV_IN_ONE_REGION = frozenset({"hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"})
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
@@ -63,6 +66,8 @@ _PAGE_LAYOUT_PB = {
     "hnd_kv": common_pb2.PAGE_LAYOUT_HND_KV,
     "kv_nhd": common_pb2.PAGE_LAYOUT_KV_NHD,
     "kv_hnd": common_pb2.PAGE_LAYOUT_KV_HND,
+    "nhc": common_pb2.PAGE_LAYOUT_NHC,
+    "hnc": common_pb2.PAGE_LAYOUT_HNC,
 }
 _PB_PAGE_LAYOUT = {v: k for k, v in _PAGE_LAYOUT_PB.items()}
 

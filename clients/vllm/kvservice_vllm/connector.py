@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .meta import KVServiceMeta, SendJob
+from .sched_timer import SchedulerTimer, maybe_time
 from .scheduler import SchedulerSide
 
 if TYPE_CHECKING:
@@ -42,8 +43,10 @@ class KVServiceConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._errors: set[int] = set()
+        self._timer: SchedulerTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.block_size, deadline_ms)
+            self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
             pc, mc = vllm_config.parallel_config, vllm_config.model_config
             if pc.pipeline_parallel_size != 1:
@@ -127,6 +130,8 @@ class KVServiceConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._timer is not None:
+            self._timer.write()
 
     # -- scheduler ---------------------------------------------------------------------------
     def _s(self) -> SchedulerSide:

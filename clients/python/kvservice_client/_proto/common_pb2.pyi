@@ -20,6 +20,8 @@ class PageLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAGE_LAYOUT_HND_KV: _ClassVar[PageLayout]
     PAGE_LAYOUT_KV_NHD: _ClassVar[PageLayout]
     PAGE_LAYOUT_KV_HND: _ClassVar[PageLayout]
+    PAGE_LAYOUT_NHC: _ClassVar[PageLayout]
+    PAGE_LAYOUT_HNC: _ClassVar[PageLayout]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +56,8 @@ PAGE_LAYOUT_HND: PageLayout
 PAGE_LAYOUT_HND_KV: PageLayout
 PAGE_LAYOUT_KV_NHD: PageLayout
 PAGE_LAYOUT_KV_HND: PageLayout
+PAGE_LAYOUT_NHC: PageLayout
+PAGE_LAYOUT_HNC: PageLayout
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
