@@ -71,7 +71,9 @@ class KVServiceConnector(KVConnectorBase_V1):
         return self._w().allocation_context() if getattr(device, "type", str(device)) == "cpu" else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w().register(kv_caches, self.block_size, self._heads())
+        device = self._vllm_config.device_config.device
+        cpu = getattr(device, "type", str(device)) == "cpu"  # vLLM's CPU attention backend reads it
+        self._w().register(kv_caches, self.block_size, self._heads(), cpu_attention=cpu)
 
     def _heads(self) -> KVHeads | None:
         """This rank's KV heads (None for MLA: the latent cache moves as opaque blocks)."""
