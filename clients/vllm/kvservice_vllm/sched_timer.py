@@ -5,6 +5,11 @@ one connector instance with ``perf_counter`` accumulation and writes what it mea
 ``<path>`` (JSON, rewritten at most every 2 s and at shutdown). Unset, nothing is wrapped: the
 hooks run as written, at no cost.
 
+With it set, ``trace(event, transfer_id)`` also appends ``{"t": monotonic, "event", "tid", ...}``
+lines to ``<path>.trace.jsonl`` (job made by the scheduler, submitted, done, picked up by the
+engine step, reported finished): CLOCK_MONOTONIC is one clock for every process of the host, so a
+benchmark lines them up with its own request times. Unset, ``trace`` returns at once.
+
 A step's time is every hook's time from one ``build_connector_meta`` to the next::
 
     step k:  update_connector_output, request_finished, has_pending_push_work   (after step k-1 ran)
@@ -14,6 +19,7 @@ A step's time is every hook's time from one ``build_connector_meta`` to the next
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -22,7 +28,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ENV", "SCHEDULER_HOOKS", "SchedulerTimer", "maybe_time"]
+__all__ = ["ENV", "SCHEDULER_HOOKS", "SchedulerTimer", "flush_trace", "maybe_time", "trace", "tracing"]
 
 ENV = "KVSERVICE_VLLM_SCHED_TIMES"
 SCHEDULER_HOOKS = (
@@ -35,6 +41,37 @@ SCHEDULER_HOOKS = (
 )
 _MAX_STEPS = 200_000
 _WRITE_EVERY_S = 2.0
+_TRACE = os.environ.get(ENV, "")
+_TRACE_PATH = f"{_TRACE}.trace.jsonl" if _TRACE else ""
+
+
+_lines: list[str] = []  # trace lines not yet written (appended by any thread: list.append is atomic)
+
+
+def tracing() -> bool:
+    return bool(_TRACE_PATH)
+
+
+def trace(event: str, tid: str, **info: Any) -> None:
+    """One timeline line, kept in memory (only with ``KVSERVICE_VLLM_SCHED_TIMES`` set; else
+    nothing): file writes would land inside the very hooks being timed."""
+    if _TRACE_PATH:
+        line = {"t": time.monotonic(), "pid": os.getpid(), "event": event, "tid": tid, **info}
+        _lines.append(json.dumps(line))
+
+
+def flush_trace() -> None:
+    """Append the kept lines to ``<path>.trace.jsonl`` (at exit, and when the timer writes)."""
+    if not _lines:
+        return
+    n = len(_lines)
+    with open(_TRACE_PATH, "a") as f:
+        f.write("\n".join(_lines[:n]) + "\n")
+    del _lines[:n]
+
+
+if _TRACE_PATH:
+    atexit.register(flush_trace)
 
 
 class SchedulerTimer:
@@ -82,6 +119,7 @@ class SchedulerTimer:
                 n: {"calls": self.calls[n], "total_us": round(self.total[n] * 1e6, 1)} for n in self.calls
             },
         }
+        flush_trace()
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)

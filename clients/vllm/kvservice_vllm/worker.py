@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from .jobs import AbortJob, RecvJob, SendJob
 from .layout import KVHeads, kv_layout
+from .sched_timer import flush_trace, trace, tracing
 
 if TYPE_CHECKING:
     from .meta import KVServiceMeta
@@ -156,10 +157,14 @@ class WorkerSide:
                     ),
                     job.deadline_ms,
                 )
+            trace("submitted", job.transfer_id)
             fut.add_done_callback(lambda f, j=job: self._finish(j, f))
 
     def _finish(self, job: SendJob | RecvJob, fut: Any) -> None:
         """Report a job's outcome; a load that was aborted only once the abort has settled."""
+        if tracing() and fut.exception() is None:
+            st = fut.result()
+            trace("done", job.transfer_id, state=st.state, path=st.path, timings_us=st.timings_us)
         abort = self._aborts.pop(job.transfer_id, None) if isinstance(job, RecvJob) else None
         if abort is not None and not abort.done():
             abort.add_done_callback(lambda _: self._outcomes.put(_outcome(job, fut)))
@@ -171,10 +176,12 @@ class WorkerSide:
         while True:
             try:
                 out.append(self._outcomes.get_nowait())
+                trace("picked", out[-1].job.transfer_id)
             except queue.Empty:
                 return out
 
     def close(self) -> None:
+        flush_trace()
         self.bg.close()
         for shm in self._shm:
             with contextlib.suppress(Exception):
