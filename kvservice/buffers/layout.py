@@ -7,18 +7,19 @@ changed before validation passes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 from kvservice_client import Layout
-from kvservice_client._layout import DTYPE_ITEMSIZE
+from kvservice_client._layout import DTYPE_ITEMSIZE, PageLayout
 
 from ..errors import InvalidArgument
-from ..kernels._regions import PAGE_LAYOUTS
 
 __all__ = ["MAX_LAYERS", "MAX_PAGES", "validate_layout", "validate_region_sizes"]
 
 MAX_LAYERS = 4096
 MAX_PAGES = 1 << 26
 MAX_HEAD_DIM = 8192
+PAGE_LAYOUTS = get_args(PageLayout)
 
 
 def validate_layout(layout: Layout) -> None:
@@ -89,7 +90,7 @@ def validate_region_sizes(layout: Layout, k_sizes: Sequence[int], v_sizes: Seque
             if layout.num_v_regions
             else "none for MLA"
             if layout.kind == "mla"
-            else "none for PAGE_LAYOUT_HND_KV (V is in the K region)"
+            else f"none for page layout {layout.page_layout} (V is in the K region)"
         )
         raise InvalidArgument("v_regions", f"expected {want}, got {len(v_sizes)}")
     for name, sizes, want_size in (

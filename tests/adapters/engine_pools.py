@@ -267,6 +267,7 @@ EXCHANGES: dict[str, tuple[Spec, int, Spec, int]] = {
     "vllm-fi_nhd16-to-sglang16": (Spec("vllm", "fi_nhd", 16, 10), 1, Spec("sglang", "mha", 16, 9), 1),
     "sglang1-to-vllm-fi_hnd32": (Spec("sglang", "mha", 1, 130), 1, Spec("vllm", "fi_hnd", 32, 6), 1),
     "vllm-planes_hnd16-to-sglang64": (Spec("vllm", "planes_hnd", 16, 9), 1, Spec("sglang", "mha", 64, 3), 1),
+    "sglang1-to-vllm-planes_nhd32": (Spec("sglang", "mha", 1, 130), 1, Spec("vllm", "planes_nhd", 32, 6), 1),
     "tp2to1-vllm-fi_nhd16-to-sglang1": (Spec("vllm", "fi_nhd", 16, 10), 2, Spec("sglang", "mha", 1, 150), 1),
     "tp1to2-sglang16-to-vllm-fi_hnd16": (Spec("sglang", "mha", 16, 9), 1, Spec("vllm", "fi_hnd", 16, 10), 2),
     "tp2to1-sglang1-to-vllm-nhc32": (Spec("sglang", "mha", 1, 140), 2, Spec("vllm", "nhc", 32, 6), 1),

@@ -246,11 +246,13 @@ def test_incompatible_rows_are_refused(pair, make_pool, make_client) -> None:  #
     assert st.state == "FAILED" and "head_dim_k" in st.error, st
 
 
-def test_hnd_kv_layout_is_validated(make_client, server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("page_layout", ["hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"])
+def test_one_region_layouts_are_validated(make_client, server, page_layout: str) -> None:  # type: ignore[no-untyped-def]
+    """K and V in one region a layer: V regions are refused, naming the field and the layout."""
     kv = make_client(server)
-    lay = layout("hnd_kv", 16, 4)
+    lay = layout(page_layout, 16, 4)
     with ShmKVPool.create(lay) as pool:
-        with pytest.raises(Exception, match="v_regions.*hnd_kv|PAGE_LAYOUT_HND_KV"):
+        with pytest.raises(Exception, match=f"v_regions.*{page_layout}"):
             kv.register_buffers(lay, pool.k_regions, pool.k_regions)
         mla = Layout.mla(num_layers=L, page_size=16, num_pages=4, latent_dim=64, dtype="float16")
         bad = Layout(**{**mla.__dict__, "page_layout": "hnd"})
