@@ -126,7 +126,8 @@ def _per_head(t: torch.Tensor, bs: int, heads: KVHeads, cpu_attention: bool) -> 
 def _dense_blocks(t: torch.Tensor) -> bool:
     """Each block (dim 0) is one dense run of ``stride(0)`` elements, blocks back to back."""
     block = t[0]
-    order = sorted(range(block.dim()), key=lambda i: -block.stride(i))
+    strides = block.stride()
+    order = sorted(range(block.dim()), key=lambda i: -strides[i])
     return t.stride(0) == block.numel() and _in_order(block, tuple(order))
 
 

@@ -131,7 +131,8 @@ class WorkerSide:
         bs = self.buffer_set_id
         for abort in meta.aborts:  # settled when Abort returns: no write lands after it
             self._aborts[abort.transfer_id] = self.bg.submit(_abort(self.bg, abort))
-        for job in (*meta.sends, *meta.recvs):
+        jobs: list[SendJob | RecvJob] = [*meta.sends, *meta.recvs]
+        for job in jobs:
             fut: Any
             if isinstance(job, SendJob):
                 fut = self.bg.transfer(
