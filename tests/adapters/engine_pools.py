@@ -260,7 +260,8 @@ class EnginePool:
 TOKENS = 100  # the sequence (the last page of most page sizes partial)
 PREFIX_TOKENS = 32  # the receiver's prefix-cache hit, rounded down to its pages: not sent
 
-# name: (sender ranks' spec, receiver ranks' spec); mixed TP ranks get tp_size / tp_rank filled in
+# name: (sender spec, sender TP size, receiver spec, receiver TP size); each rank's spec gets its
+# tp_size / tp_rank filled in
 EXCHANGES: dict[str, tuple[Spec, int, Spec, int]] = {
     "vllm-nhc16-to-sglang1": (Spec("vllm", "nhc", 16, 12), 1, Spec("sglang", "mha", 1, 160), 1),
     "sglang64-to-vllm-hnc16": (Spec("sglang", "mha", 64, 3), 1, Spec("vllm", "hnc", 16, 12), 1),
@@ -288,9 +289,13 @@ def run_exchange(make: Any, name: str, src_address: str, dst_address: str, peer:
     Asserts: every transfer DONE; for every layer, K/V and global head, the receiver's tokens past
     its prefix hash as the sender rank's holding that head; the receiver's prefix is unchanged."""
     src, p, dst, d = EXCHANGES[name]
-    senders = [make(s, src_address, f"{name}-src{s.tp_rank}") for s in _ranks(src, p)]
-    receivers = [make(s, dst_address, f"{name}-dst{s.tp_rank}") for s in _ranks(dst, d)]
+    senders: list[Any] = []
+    receivers: list[Any] = []
     try:
+        for s in _ranks(src, p):  # one at a time: whatever was made is closed if the next fails
+            senders.append(make(s, src_address, f"{name}-src{s.tp_rank}"))
+        for s in _ranks(dst, d):
+            receivers.append(make(s, dst_address, f"{name}-dst{s.tp_rank}"))
         for i, pool in enumerate(senders + receivers):
             pool.fill(seed=11 + i)
         g = torch.Generator().manual_seed(len(name))
