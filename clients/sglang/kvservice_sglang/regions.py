@@ -39,6 +39,7 @@ STATE_TYPES = frozenset(
 )
 
 _ITEMSIZE = {
+    "float8_e4m3": 1,
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
@@ -60,13 +61,14 @@ class Registration:
 
 
 def _dtype(name: str) -> str:
+    """SGLang's cache dtype as kvservice names it (its fp8 names, torch's, or the storage dtype)."""
     d = str(name).removeprefix("torch.")
     d = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "half": "float16", "float": "float32"}.get(
         d, d
     )
     if d not in _ITEMSIZE:
         raise ValueError(f"kv_cache_dtype_str: {name!r} is not a dtype kvservice knows")
-    return d
+    return {"float8_e4m3fn": "float8_e4m3", "int8": "uint8"}.get(d, d)
 
 
 def _region(ptr: int, nbytes: int, gpu: int, field: str = "kv_data_ptrs") -> Region:

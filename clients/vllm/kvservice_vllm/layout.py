@@ -30,6 +30,18 @@ from kvservice_client import Layout
 __all__ = ["KVHeads", "kv_layout"]
 
 
+# torch's names -> kvservice's; fp8 caches may be stored as bytes (the service moves bytes)
+_DTYPES = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float8_e4m3fn": "float8_e4m3",
+    "float8_e5m2": "float8_e5m2",
+    "uint8": "uint8",
+    "int8": "uint8",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class KVHeads:
     """The model's KV heads as this worker holds them (from vLLM's model and parallel config)."""
@@ -62,7 +74,9 @@ def kv_layout(
                 f"kv_caches[{name}]: shape {tuple(first.shape)} {t.dtype} stride {t.stride()} differs "
                 "from the first layer's"
             )
-    dtype = str(first.dtype).removeprefix("torch.")
+    dtype = _DTYPES.get(str(first.dtype).removeprefix("torch."), "")
+    if not dtype:
+        raise ValueError(f"kv_caches: dtype {first.dtype} is not one kvservice moves ({sorted(_DTYPES)})")
     if cpu_attention is None:
         cpu_attention = first.device.type == "cpu"
     if heads is not None:

@@ -138,3 +138,12 @@ def test_the_hook_replaces_only_the_kv_backing_buffer() -> None:
         other = torch.zeros(1 << 20, dtype=torch.float32)
     assert owner.sizes == [1 << 20] and int(kv[0]) == 7
     assert int(small.sum()) == 0 and other.dtype == torch.float32
+
+
+def test_fp8_caches_register_under_kvservice_dtype_names() -> None:
+    """torch's float8_e4m3fn is kvservice's float8_e4m3 (else the service sees no dtype at all)."""
+    t = torch.zeros(8, 32, 2, 128, dtype=torch.float8_e4m3fn).permute(0, 2, 1, 3)
+    layout, _, _ = kv_layout({"l0": t}, 32, KVHeads(2, 2, 64), cpu_attention=False)
+    assert layout.dtype == "float8_e4m3" and layout.to_proto().dtype != 0
+    with pytest.raises(ValueError, match=r"kv_caches: dtype torch.float64"):
+        kv_layout({"l0": torch.zeros(8, 2, 32, 128, dtype=torch.float64)}, 32, KVHeads(2, 2, 64))
