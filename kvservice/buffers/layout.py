@@ -7,9 +7,10 @@ changed before validation passes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 from kvservice_client import Layout
-from kvservice_client._layout import DTYPE_ITEMSIZE
+from kvservice_client._layout import DTYPE_ITEMSIZE, PageLayout
 
 from ..errors import InvalidArgument
 
@@ -18,14 +19,17 @@ __all__ = ["MAX_LAYERS", "MAX_PAGES", "validate_layout", "validate_region_sizes"
 MAX_LAYERS = 4096
 MAX_PAGES = 1 << 26
 MAX_HEAD_DIM = 8192
+PAGE_LAYOUTS = get_args(PageLayout)
 
 
 def validate_layout(layout: Layout) -> None:
     """Check the layout on its own (kinds, ranges, TP consistency, head counts)."""
     if layout.kind not in ("mha", "mla"):
         raise InvalidArgument("layout.kind", "must be BUFFER_KIND_MHA or BUFFER_KIND_MLA")
-    if layout.page_layout not in ("nhd", "hnd", "hnd_kv"):
-        raise InvalidArgument("layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND or _HND_KV")
+    if layout.page_layout not in PAGE_LAYOUTS:
+        raise InvalidArgument(
+            "layout.page_layout", "must be PAGE_LAYOUT_NHD, _HND, _HND_KV, _KV_NHD, _KV_HND, _NHC or _HNC"
+        )
     if layout.kind == "mla" and layout.page_layout != "nhd":
         raise InvalidArgument("layout.page_layout", "MLA pools are NHD (one latent head)")
     if layout.dtype not in DTYPE_ITEMSIZE:
@@ -86,7 +90,7 @@ def validate_region_sizes(layout: Layout, k_sizes: Sequence[int], v_sizes: Seque
             if layout.num_v_regions
             else "none for MLA"
             if layout.kind == "mla"
-            else "none for PAGE_LAYOUT_HND_KV (V is in the K region)"
+            else f"none for page layout {layout.page_layout} (V is in the K region)"
         )
         raise InvalidArgument("v_regions", f"expected {want}, got {len(v_sizes)}")
     for name, sizes, want_size in (

@@ -10,8 +10,19 @@ token ``t``, head ``j`` row of page ``p`` (``head_bytes`` long) sits at::
     hnd           P * H * hb            hb             P * hb             [page][head][token]
     hnd_kv        P * H * (hbk + hbv)   hb             P * (hbk + hbv)    one region a layer:
                                                                           [page][head][K rows|V rows]
+    kv_nhd        P * H * (hbk + hbv)   H * hb         hb                 one region a layer:
+                                                                          [page][K|V][token][head]
+    kv_hnd        P * H * (hbk + hbv)   hb             P * hb             one region a layer:
+                                                                          [page][K|V][head][token]
+    nhc           P * H * (hbk + hbv)   H * (hbk+hbv)  hbk + hbv          one region a layer:
+                                                                          [page][token][head][K|V]
+    hnc           P * H * (hbk + hbv)   hbk + hbv      P * (hbk + hbv)    one region a layer:
+                                                                          [page][head][token][K|V]
 
-(``hnd_kv``'s V region is a view of the layer's region ``P * hbk`` bytes in.) A call moves
+(The V region of a one-region layout is a view of the layer's region, ``P * hbk`` bytes in for
+``hnd_kv``, ``P * H * hbk`` for ``kv_nhd``/``kv_hnd``, ``hbk`` for ``nhc``/``hnc``: FlashInfer's
+``[blocks, 2, ...]`` cache, K and V side by side in each block, and vLLM 0.32's ``[blocks, heads,
+block_size, K|V]`` caches are each two strided regions of one allocation.) A call moves
 *units* of ``g`` tokens (``g`` divides the page size; default a whole page): unit ``u`` is tokens
 ``(u % m) * g + [0, g)`` of page ``u // m`` (``m = P / g``), so pools of different page sizes
 exchange tokens through the units of ``gcd`` of both sizes.
@@ -22,8 +33,8 @@ Staging layout of one pack/unpack (destination-major; ``S`` head slices of ``h``
       [layer l < L]
         [K | V]                          MLA: the latent (K) only
           [unit i < n, selection order]  i-th unit of the call's unit list
-            [token t < g] [head j < h]   token-major staging (default for nhd pools), or
-            [head j < h] [token t < g]   head-major staging (default for hnd / hnd_kv pools)
+            [token t < g] [head j < h]   token-major staging (default for nhd / kv_nhd pools), or
+            [head j < h] [token t < g]   head-major staging (default for the head-major pools)
               [head_bytes]               source head head_start + s*h + j of the local heads
 
     slice_bytes  = L * n * g * h * (head_bytes_k + head_bytes_v)
@@ -48,9 +59,22 @@ import torch
 
 from ..errors import InvalidArgument
 
-__all__ = ["PAGE_LAYOUTS", "KVRegions", "Loops", "copy_loops", "packed_nbytes", "pow2_divisor"]
+__all__ = [
+    "HEAD_MAJOR",
+    "KV_IN_ONE_REGION",
+    "PAGE_LAYOUTS",
+    "KVRegions",
+    "Loops",
+    "copy_loops",
+    "packed_nbytes",
+    "pow2_divisor",
+]
 
-PAGE_LAYOUTS = ("nhd", "hnd", "hnd_kv")
+PAGE_LAYOUTS = ("nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc")
+KV_IN_ONE_REGION = ("hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc")  # no V regions: V is a view of K's
+HEAD_MAJOR = ("hnd", "hnd_kv", "kv_hnd", "hnc")  # a page's rows ordered by head first
+# bytes from a layer's region to its V (one-region layouts): K rows of a head, of a page, or of a token
+_V_SKIP = {"hnd_kv": "head", "kv_nhd": "page", "kv_hnd": "page", "nhc": "row", "hnc": "row"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +82,9 @@ class KVRegions:
     """All layers' regions of one engine rank's KV pool, validated once at registration.
 
     ``k[l]``/``v[l]`` are contiguous tensors (any dtype, any shape) of exactly
-    ``num_pages * page_bytes`` bytes (``hnd_kv``: ``k[l]`` holds the layer's K and V, ``v[l]`` is
-    a byte view of it ``page_size * head_bytes_k`` in); ``v`` is empty for MLA. Build with
+    ``num_pages * page_bytes`` bytes (``KV_IN_ONE_REGION``: ``k[l]`` holds the layer's K and V,
+    ``v[l]`` is a byte view of it, ``page_size * head_bytes_k`` in for ``hnd_kv``, ``page_size *
+    num_heads * head_bytes_k`` for ``kv_nhd``/``kv_hnd``); ``v`` is empty for MLA. Build with
     :meth:`create`.
     """
 
@@ -99,13 +124,13 @@ class KVRegions:
         if page_size < 1 or num_heads < 1 or head_dim_k < 1:
             raise InvalidArgument("regions", "page_size, num_heads and head_dim_k must be >= 1")
         isz = k[0].element_size() if itemsize is None else itemsize
-        fused_kv = page_layout == "hnd_kv"
+        fused_kv = page_layout in KV_IN_ONE_REGION
         if fused_kv and v:
-            raise InvalidArgument("regions.v", "hnd_kv keeps V inside the K regions")
+            raise InvalidArgument("regions.v", f"{page_layout} keeps V inside the K regions")
         if v and len(v) != len(k):
             raise InvalidArgument("regions.v", f"{len(v)} V regions for {len(k)} K regions")
         hd_v = (head_dim_k if head_dim_v is None else head_dim_v) if v or fused_kv else 0
-        # NOTE: for hnd_kv the K "page" checked here is the layer's whole page (K and V).
+        # NOTE: with K and V in one region the K "page" checked here is the layer's whole page.
         page_k = page_size * num_heads * (head_dim_k + (hd_v if fused_kv else 0)) * isz
         num_pages = k[0].numel() * k[0].element_size() // page_k
         dev = k[0].device
@@ -120,8 +145,12 @@ class KVRegions:
                         f"regions.{name}[{i}]",
                         f"{t.numel() * t.element_size()} bytes, expected {num_pages} pages of {page}",
                     )
-        if fused_kv:  # V rows start after a head's K rows: a byte view of the same memory
-            skip = page_size * head_dim_k * isz
+        if fused_kv:  # V starts after a head's K rows, the page's K half or a row's K: a byte view
+            skip = (
+                head_dim_k
+                * isz
+                * {"head": page_size, "page": page_size * num_heads, "row": 1}[_V_SKIP[page_layout]]
+            )
             v = tuple(t.reshape(-1).view(torch.uint8)[skip:] for t in k)
         return cls(k, v, page_size, num_heads, head_dim_k * isz, hd_v * isz, num_pages, page_layout)
 
@@ -151,8 +180,8 @@ class KVRegions:
 
     @property
     def head_major(self) -> bool:
-        """Whether a page is ordered by head first (``hnd``, ``hnd_kv``): the default staging order."""
-        return self.page_layout != "nhd"
+        """Whether a page is ordered by head first (``HEAD_MAJOR``): the default staging order."""
+        return self.page_layout in HEAD_MAJOR
 
     def strides(self, head_bytes: int) -> tuple[int, int, int]:
         """(page, token, head) byte strides of a region whose head rows are ``head_bytes`` long."""
@@ -162,6 +191,14 @@ class KVRegions:
         if self.page_layout == "hnd":
             return p * h * head_bytes, head_bytes, p * head_bytes
         both = self.head_bytes_k + self.head_bytes_v
+        if self.page_layout == "kv_nhd":
+            return p * h * both, h * head_bytes, head_bytes
+        if self.page_layout == "kv_hnd":
+            return p * h * both, head_bytes, p * head_bytes
+        if self.page_layout == "nhc":
+            return p * h * both, h * both, both
+        if self.page_layout == "hnc":
+            return p * h * both, both, p * both
         return p * h * both, head_bytes, p * both
 
     @functools.cached_property

@@ -30,6 +30,7 @@ from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
 from ..kernels import KVRegions
+from ..kernels._regions import HEAD_MAJOR
 from ..kernels.heads import HeadRoute
 from .budget import ByteBudget
 from .plan import ChunkMap, Units, map_chunk
@@ -75,9 +76,8 @@ class Target:
     ) -> Target:
         converts = src.page_size != dst.page_size or src.page_layout != dst.page_layout
         full = route.num_heads == src.local_kv_heads == dst.local_kv_heads
-        return cls(
-            plan, dst_pages, route, full, dst_regions, Units.of(src, dst), dst.page_layout != "nhd", converts
-        )
+        hm = dst.page_layout in HEAD_MAJOR
+        return cls(plan, dst_pages, route, full, dst_regions, Units.of(src, dst), hm, converts)
 
     def pack(self, regions: KVRegions, src: np.ndarray, out: Any = None) -> Any:
         """``kernels.pack`` of this route's head slice, in the receiver's unit and page order (its

@@ -1,5 +1,6 @@
 """Cross-layout, cross-page-size copies: every backend moves token t of the source to token t of
-the destination, per head, byte-exact, whatever either side's page layout (nhd / hnd / hnd_kv)
+the destination, per head, byte-exact, whatever either side's page layout (nhd / hnd / hnd_kv /
+FlashInfer's kv_nhd and kv_hnd / vLLM 0.32's nhc and hnc)
 and page size (through units of their gcd), with mixed-TP head slices; nothing else changes.
 
 The oracle is independent of the kernels: each pool is read back as canonical per-token rows
@@ -22,7 +23,7 @@ from kvservice.kernels.fused import copy_pages
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PACK_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
 FUSED_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
-PAGE_LAYOUTS = ["nhd", "hnd", "hnd_kv"]
+PAGE_LAYOUTS = ["nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"]
 PAIRS = [(16, 16), (1, 16), (64, 16), (16, 32)]  # (sender page, receiver page): SGLang 1/64, vLLM 16/32
 L, D = 2, 8
 
@@ -44,6 +45,20 @@ class Pool:
                 self.k, None, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
             )
             return
+        if layout.startswith("kv_") or layout in ("nhc", "hnc"):
+            # FlashInfer [blocks, 2, block_size, heads, dim]; vLLM 0.32 [blocks, (block, heads), K|V]
+            inner = {
+                "kv_nhd": (2, page, heads, D),
+                "kv_hnd": (2, heads, page, D),
+                "nhc": (page, heads, D + dv),
+                "hnc": (heads, page, D + dv),
+            }[layout]
+            self.k = [rnd(pages, *inner) for _ in range(L)]
+            self.v = []
+            self.regions = KVRegions.create(
+                self.k, None, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
+            )
+            return
         kshape = (pages, page, heads, D) if layout == "nhd" else (pages, heads, page, D)
         vshape = (pages, page, heads, dv) if layout == "nhd" else (pages, heads, page, dv)
         self.k = [rnd(*kshape) for _ in range(L)]
@@ -59,10 +74,14 @@ class Pool:
             if self.layout == "hnd_kv":
                 t = self.k[layer]
                 parts = [t[:, :, : self.page], t[:, :, self.page :]]
+            elif self.layout.startswith("kv_"):
+                parts = [self.k[layer][:, 0], self.k[layer][:, 1]]
+            elif self.layout in ("nhc", "hnc"):
+                parts = [self.k[layer][..., :D], self.k[layer][..., D:]]
             else:
                 parts = [self.k[layer], self.v[layer]]
             for x in parts:
-                if self.layout != "nhd":
+                if self.layout not in ("nhd", "kv_nhd", "nhc"):
                     x = x.permute(0, 2, 1, 3)
                 out.append(x.reshape(-1, self.heads, x.shape[-1]).cpu().clone())
         return out
@@ -109,11 +128,13 @@ def test_pack_unpack_converts(backend: str, src_layout: str, dst_layout: str, pa
     _check(dst.tokens(), want)
 
 
+@pytest.mark.parametrize("src_layout", ["hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"])
 @pytest.mark.parametrize("backend", PACK_BACKENDS)
 @pytest.mark.parametrize("staging_head_major", [False, True])
-def test_mixed_tp_slices_convert(backend: str, staging_head_major: bool) -> None:
-    """TP1 hnd_kv (vLLM CPU) with 4 heads -> TP2 nhd page-1 receivers (SGLang): one pack, two slices."""
-    src = Pool("hnd_kv", 5, 16, 4, seed=5)
+def test_mixed_tp_slices_convert(backend: str, staging_head_major: bool, src_layout: str) -> None:
+    """TP1 vLLM (CPU or FlashInfer) with 4 heads -> TP2 nhd page-1 receivers (SGLang): one pack,
+    two slices."""
+    src = Pool(src_layout, 5, 16, 4, seed=5)
     dsts = [Pool("nhd", 80, 1, 2, seed=6 + r) for r in range(2)]
     # Three 16-token pages as 1-token units (head-major staging orders heads within a unit, so
     # both sides name the same unit; token-major staging would not care).
@@ -169,9 +190,10 @@ def test_fused_converts(backend: str, src_layout: str, dst_layout: str, pages: t
     _check(dst.tokens(), want)
 
 
-def test_k_and_v_dims_differ_across_layouts() -> None:
-    src = Pool("nhd", 4, 1, 2, seed=21, dv=4)
-    dst = Pool("hnd", 3, 16, 2, seed=22, dv=4)
+@pytest.mark.parametrize("src_layout,dst_layout", [("nhd", "hnd"), ("nhc", "hnd"), ("nhd", "hnc")])
+def test_k_and_v_dims_differ_across_layouts(src_layout: str, dst_layout: str) -> None:
+    src = Pool(src_layout, 4, 1, 2, seed=21, dv=4)
+    dst = Pool(dst_layout, 3, 16, 2, seed=22, dv=4)
     su, du = np.arange(4, dtype=np.int64), np.array([5, 17, 18, 40], dtype=np.int64)
     want = _want(src, dst, su, du, 1, 0, 0, 2)
     for backend in PACK_BACKENDS:

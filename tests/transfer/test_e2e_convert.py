@@ -1,7 +1,9 @@
 """Cross-engine transfers through the service: pools of different page sizes and page layouts.
 
 An SGLang-shaped pool (NHD, separate K and V, page 1 or 64) and a vLLM-shaped pool (the CPU
-attention backend's ``[blocks, heads, block_size, K | V]``, block 16 or 32; or HND planes) hold
+attention backend's ``[blocks, heads, block_size, K | V]``, block 16 or 32; HND planes; or
+FlashInfer's ``[blocks, 2, block_size, heads, dim]``, NHD or HND, K and V side by side; or vLLM
+0.32's GPU ``[blocks, heads, block_size, K|V]`` in LBNHC / LBHNC order) hold
 the same model's KV. The receiver already has a prefix of the sequence; the sender sends all its
 pages; afterwards every token of the delta is in the receiver's pages, head for head, byte for
 byte, and no byte outside the named pages changed. On every route (two services, same host
@@ -48,10 +50,16 @@ def tokens_view(pool: ShmKVPool) -> np.ndarray:
         if lay.page_layout == "hnd_kv":
             blk = pool.k(layer).reshape(n, h, 2 * p, hb)
             parts = [blk[:, :, :p], blk[:, :, p:]]
+        elif lay.page_layout in ("kv_nhd", "kv_hnd"):  # [blocks, 2, ...]: K half, V half
+            blk = pool.k(layer).reshape(n, 2, -1)
+            parts = [blk[:, 0], blk[:, 1]]
+        elif lay.page_layout in ("nhc", "hnc"):  # [blocks, (tokens, heads), K|V]: a row's halves
+            blk = pool.k(layer).reshape(n, p * h, 2, hb)
+            parts = [blk[:, :, 0], blk[:, :, 1]]
         else:
             parts = [pool.k(layer), pool.v(layer)]
         for kv, x in enumerate(parts):
-            if lay.page_layout == "nhd":
+            if lay.page_layout in ("nhd", "kv_nhd", "nhc"):
                 x = x.reshape(n, p, h, hb)
             else:
                 x = x.reshape(n, h, p, hb).transpose(0, 2, 1, 3)
@@ -71,10 +79,18 @@ SHAPES = {
     "sglang64-to-vllmcpu32": (("nhd", 64), ("hnd_kv", 32)),
     "vllmcpu16-to-sglang1": (("hnd_kv", 16), ("nhd", 1)),
     "vllm-hnd16-to-sglang64": (("hnd", 16), ("nhd", 64)),
+    "flashinfer-nhd16-to-sglang1": (("kv_nhd", 16), ("nhd", 1)),
+    "flashinfer-hnd16-to-sglang64": (("kv_hnd", 16), ("nhd", 64)),
+    "sglang1-to-flashinfer-nhd16": (("nhd", 1), ("kv_nhd", 16)),
+    "sglang64-to-flashinfer-hnd32": (("nhd", 64), ("kv_hnd", 32)),
+    "vllm032-nhc16-to-sglang1": (("nhc", 16), ("nhd", 1)),
+    "sglang64-to-vllm032-hnc16": (("nhd", 64), ("hnc", 16)),
 }
 SAME = {
     "vllmcpu32-to-vllmcpu32": (("hnd_kv", 32), ("hnd_kv", 32)),
     "hnd16-to-hnd16": (("hnd", 16), ("hnd", 16)),
+    "flashinfer-hnd16-to-flashinfer-hnd16": (("kv_hnd", 16), ("kv_hnd", 16)),
+    "vllm032-nhc16-to-vllm032-nhc16": (("nhc", 16), ("nhc", 16)),
 }
 
 
@@ -167,11 +183,19 @@ def test_head_major_pools_of_one_layout_move_as_pages(
     run_convert(pair, make_pool, make_client, shape, path, f"s-{shape}-{path}")
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "sglang1-to-vllmcpu16",
+        "flashinfer-hnd16-to-sglang64",
+        "sglang1-to-flashinfer-nhd16",
+        "vllm032-nhc16-to-sglang1",
+        "sglang64-to-vllm032-hnc16",
+    ],
+)
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (4, 2)])
-def test_cross_engine_mixed_tp(pair, make_pool, make_client, src_tp: int, dst_tp: int) -> None:  # type: ignore[no-untyped-def]
-    run_convert(
-        pair, make_pool, make_client, "sglang1-to-vllmcpu16", "auto", f"xtp-{src_tp}-{dst_tp}", src_tp, dst_tp
-    )
+def test_cross_engine_mixed_tp(pair, make_pool, make_client, src_tp: int, dst_tp: int, shape: str) -> None:  # type: ignore[no-untyped-def]
+    run_convert(pair, make_pool, make_client, shape, "auto", f"xtp-{shape}-{src_tp}-{dst_tp}", src_tp, dst_tp)
 
 
 def test_direct_is_refused_across_layouts(pair, make_pool, make_client) -> None:  # type: ignore[no-untyped-def]
@@ -222,11 +246,13 @@ def test_incompatible_rows_are_refused(pair, make_pool, make_client) -> None:  #
     assert st.state == "FAILED" and "head_dim_k" in st.error, st
 
 
-def test_hnd_kv_layout_is_validated(make_client, server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("page_layout", ["hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"])
+def test_one_region_layouts_are_validated(make_client, server, page_layout: str) -> None:  # type: ignore[no-untyped-def]
+    """K and V in one region a layer: V regions are refused, naming the field and the layout."""
     kv = make_client(server)
-    lay = layout("hnd_kv", 16, 4)
+    lay = layout(page_layout, 16, 4)
     with ShmKVPool.create(lay) as pool:
-        with pytest.raises(Exception, match="v_regions.*hnd_kv|PAGE_LAYOUT_HND_KV"):
+        with pytest.raises(Exception, match=f"v_regions.*{page_layout}"):
             kv.register_buffers(lay, pool.k_regions, pool.k_regions)
         mla = Layout.mla(num_layers=L, page_size=16, num_pages=4, latent_dim=64, dtype="float16")
         bad = Layout(**{**mla.__dict__, "page_layout": "hnd"})

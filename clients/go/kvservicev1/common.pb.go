@@ -93,6 +93,19 @@ const (
 	// page_size x head_dim_k, then V rows page_size x head_dim_v] (vLLM's CPU attention backend,
 	// [num_blocks, heads, block_size, 2 * head_dim]). No V regions are registered.
 	PageLayout_PAGE_LAYOUT_HND_KV PageLayout = 2
+	// MHA with one region per layer holding K and V side by side in each page: a page is [K:
+	// page_size x local_kv_heads x head_dim_k][V: page_size x local_kv_heads x head_dim_v]
+	// (FlashInfer's [num_blocks, 2, block_size, heads, head_dim]). No V regions are registered.
+	PageLayout_PAGE_LAYOUT_KV_NHD PageLayout = 3
+	// As PAGE_LAYOUT_KV_NHD with K and V each head-major: [K: local_kv_heads x page_size x
+	// head_dim_k][V: local_kv_heads x page_size x head_dim_v] (FlashInfer in HND stride order).
+	PageLayout_PAGE_LAYOUT_KV_HND PageLayout = 4
+	// MHA with one region per layer, a page [page_size][local_kv_heads][K head_dim_k | V head_dim_v]:
+	// each token's head row holds its K then its V (vLLM >= 0.32's GPU caches, [num_blocks, heads,
+	// block_size, 2 * head_dim] in its default LBNHC order). No V regions are registered.
+	PageLayout_PAGE_LAYOUT_NHC PageLayout = 5
+	// As PAGE_LAYOUT_NHC, head-major: a page [local_kv_heads][page_size][K | V] (vLLM's LBHNC order).
+	PageLayout_PAGE_LAYOUT_HNC PageLayout = 6
 )
 
 // Enum value maps for PageLayout.
@@ -101,11 +114,19 @@ var (
 		0: "PAGE_LAYOUT_NHD",
 		1: "PAGE_LAYOUT_HND",
 		2: "PAGE_LAYOUT_HND_KV",
+		3: "PAGE_LAYOUT_KV_NHD",
+		4: "PAGE_LAYOUT_KV_HND",
+		5: "PAGE_LAYOUT_NHC",
+		6: "PAGE_LAYOUT_HNC",
 	}
 	PageLayout_value = map[string]int32{
 		"PAGE_LAYOUT_NHD":    0,
 		"PAGE_LAYOUT_HND":    1,
 		"PAGE_LAYOUT_HND_KV": 2,
+		"PAGE_LAYOUT_KV_NHD": 3,
+		"PAGE_LAYOUT_KV_HND": 4,
+		"PAGE_LAYOUT_NHC":    5,
+		"PAGE_LAYOUT_HNC":    6,
 	}
 )
 
@@ -1004,12 +1025,16 @@ const file_kvservice_v1_common_proto_rawDesc = "" +
 	"BufferKind\x12\x1b\n" +
 	"\x17BUFFER_KIND_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fBUFFER_KIND_MHA\x10\x01\x12\x13\n" +
-	"\x0fBUFFER_KIND_MLA\x10\x02*N\n" +
+	"\x0fBUFFER_KIND_MLA\x10\x02*\xa8\x01\n" +
 	"\n" +
 	"PageLayout\x12\x13\n" +
 	"\x0fPAGE_LAYOUT_NHD\x10\x00\x12\x13\n" +
 	"\x0fPAGE_LAYOUT_HND\x10\x01\x12\x16\n" +
-	"\x12PAGE_LAYOUT_HND_KV\x10\x02*\x97\x01\n" +
+	"\x12PAGE_LAYOUT_HND_KV\x10\x02\x12\x16\n" +
+	"\x12PAGE_LAYOUT_KV_NHD\x10\x03\x12\x16\n" +
+	"\x12PAGE_LAYOUT_KV_HND\x10\x04\x12\x13\n" +
+	"\x0fPAGE_LAYOUT_NHC\x10\x05\x12\x13\n" +
+	"\x0fPAGE_LAYOUT_HNC\x10\x06*\x97\x01\n" +
 	"\x05DType\x12\x15\n" +
 	"\x11DTYPE_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rDTYPE_FLOAT16\x10\x01\x12\x12\n" +

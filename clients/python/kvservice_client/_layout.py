@@ -11,10 +11,20 @@ MLA (one latent region per layer, replicated across TP ranks)::
     region k[l]:         [num_pages * page_size, 1, head_dim_k]   (head_dim_k = latent dim)
 
 ``page_layout`` orders the bytes inside a page (MHA): "nhd" as above (token-major), "hnd"
-(``[local_kv_heads][page_size][head_dim]`` per page, separate K and V regions), or "hnd_kv" (one
-region per layer, a page ``[local_kv_heads][K: page_size x head_dim_k | V: page_size x
-head_dim_v]``: vLLM's CPU attention cache). Pools whose per-token rows agree exchange KV across
-page layouts and page sizes.
+(``[local_kv_heads][page_size][head_dim]`` per page, separate K and V regions), or one region per
+layer holding K and V:
+
+    layout   a page of the layer's region                       engine cache (per layer)
+    hnd_kv   [heads][K: page_size x dk | V: page_size x dv]     vLLM CPU [blocks, heads, bs, 2*d]
+    kv_nhd   [K: page_size x heads x dk][V: page_size x heads x dv]
+                                                                FlashInfer [blocks, 2, bs, heads, d]
+    kv_hnd   [K: heads x page_size x dk][V: heads x page_size x dv]
+                                                                the same, HND stride order
+    nhc      [page_size][heads][K dk | V dv]                    vLLM >= 0.32 GPU [blocks, heads,
+                                                                bs, 2*d] in LBNHC order (default)
+    hnc      [heads][page_size][K dk | V dv]                    the same in LBHNC order
+
+Pools whose per-token rows agree exchange KV across page layouts and page sizes.
 """
 
 from __future__ import annotations
@@ -24,10 +34,12 @@ from typing import Literal
 
 from ._proto import common_pb2
 
-__all__ = ["DTYPE_ITEMSIZE", "Layout"]
+__all__ = ["DTYPE_ITEMSIZE", "KV_IN_ONE_REGION", "Layout"]
 
 Kind = Literal["mha", "mla"]
-PageLayout = Literal["nhd", "hnd", "hnd_kv"]
+PageLayout = Literal["nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"]
+# page layouts whose one region per layer holds the layer's K and V (no V regions)
+KV_IN_ONE_REGION = frozenset({"hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"})
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
@@ -52,6 +64,10 @@ _PAGE_LAYOUT_PB = {
     "nhd": common_pb2.PAGE_LAYOUT_NHD,
     "hnd": common_pb2.PAGE_LAYOUT_HND,
     "hnd_kv": common_pb2.PAGE_LAYOUT_HND_KV,
+    "kv_nhd": common_pb2.PAGE_LAYOUT_KV_NHD,
+    "kv_hnd": common_pb2.PAGE_LAYOUT_KV_HND,
+    "nhc": common_pb2.PAGE_LAYOUT_NHC,
+    "hnc": common_pb2.PAGE_LAYOUT_HNC,
 }
 _PB_PAGE_LAYOUT = {v: k for k, v in _PAGE_LAYOUT_PB.items()}
 
@@ -149,8 +165,9 @@ class Layout:
 
     @property
     def region_bytes_k(self) -> int:
-        """Bytes of a K (or latent) region; with "hnd_kv" the layer's K and V together."""
-        if self.page_layout == "hnd_kv":
+        """Bytes of a K (or latent) region; with K and V in one region (``KV_IN_ONE_REGION``) the
+        layer's K and V together."""
+        if self.page_layout in KV_IN_ONE_REGION:
             return self.num_pages * (self.page_bytes_k + self.page_bytes_v)
         return self.num_pages * self.page_bytes_k
 
@@ -160,7 +177,7 @@ class Layout:
 
     @property
     def num_v_regions(self) -> int:
-        return self.num_layers if self.kind == "mha" and self.page_layout != "hnd_kv" else 0
+        return self.num_layers if self.kind == "mha" and self.page_layout not in KV_IN_ONE_REGION else 0
 
     @property
     def page_bytes_all_layers(self) -> int:

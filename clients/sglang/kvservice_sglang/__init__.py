@@ -8,15 +8,23 @@ SGLang picks backends from a fixed enum, so run it through the launcher, which a
 Environment: ``SGLANG_KVSERVICE_ADDRESS`` (the local service, default ``unix:/tmp/kvservice-<uid>.sock``),
 ``SGLANG_KVSERVICE_PEER_ADDRESS`` (the address other nodes' services reach it at; a decode instance
 publishes it to the prefill's bootstrap server), ``SGLANG_KVSERVICE_DEADLINE_MS`` (30000).
+
+The classes (which import SGLang) load on first use: ``kvservice_sglang.regions`` (the pools'
+registration) imports without the engine package.
 """
 
-from .conn import (
-    KVServiceBootstrapServer,
-    KVServiceManager,
-    KVServiceReceiver,
-    KVServiceSender,
-    KVServiceTransferError,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .conn import (
+        KVServiceBootstrapServer,
+        KVServiceManager,
+        KVServiceReceiver,
+        KVServiceSender,
+        KVServiceTransferError,
+    )
 
 __all__ = [
     "KVServiceBootstrapServer",
@@ -25,3 +33,11 @@ __all__ = [
     "KVServiceSender",
     "KVServiceTransferError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import conn
+
+        return getattr(conn, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,7 +46,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
-from .regions import kv_args_registration
+from .regions import register_kv_args
 
 __all__ = [
     "KVServiceBootstrapServer",
@@ -154,12 +154,9 @@ class KVServiceManager(BaseKVManager):
         self.peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS", self.address)
         self.deadline_ms = int(os.environ.get("SGLANG_KVSERVICE_DEADLINE_MS", "30000"))
         self.bootstrap_timeout_s = float(os.environ.get("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "300"))
-        reg = kv_args_registration(args, bool(is_mla_backend))
-        self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
-        self.buffer_set_id = self.bg.call(
-            self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux), 60
-        ).buffer_set_id
+        reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend))
+        self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
 
     def register_to_bootstrap(self) -> None:

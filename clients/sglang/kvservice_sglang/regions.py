@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvservice_client import AuxSpec, Layout, Region, pointer_region
+from kvservice_client import AuxSpec, BackgroundClient, Layout, Region, pointer_region
 
-__all__ = ["STATE_TYPES", "Registration", "kv_args_registration"]
+__all__ = ["STATE_TYPES", "Registration", "kv_args_registration", "register_kv_args"]
 
 # SGLang state types whose components are whole fixed-stride slots indexed by ``state_indices``
 # (its NIXL backend's prepared-state set): each component tensor is registered as aux rows and
@@ -39,6 +39,7 @@ STATE_TYPES = frozenset(
 )
 
 _ITEMSIZE = {
+    "float8_e4m3": 1,
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
@@ -60,13 +61,14 @@ class Registration:
 
 
 def _dtype(name: str) -> str:
+    """SGLang's cache dtype as kvservice names it (its fp8 names, torch's, or the storage dtype)."""
     d = str(name).removeprefix("torch.")
     d = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "half": "float16", "float": "float32"}.get(
         d, d
     )
     if d not in _ITEMSIZE:
         raise ValueError(f"kv_cache_dtype_str: {name!r} is not a dtype kvservice knows")
-    return d
+    return {"float8_e4m3fn": "float8_e4m3", "int8": "uint8"}.get(d, d)
 
 
 def _region(ptr: int, nbytes: int, gpu: int, field: str = "kv_data_ptrs") -> Region:
@@ -161,3 +163,14 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
         )
     state_specs, state_names = _state_aux(args, gpu)
     return Registration(layout, k, v, aux + state_specs, names, state_names)
+
+
+def register_kv_args(
+    bg: BackgroundClient, args: Any, is_mla: bool, timeout_s: float = 60.0
+) -> tuple[Registration, str]:
+    """RegisterBuffers of SGLang's pools (``kv_args_registration``) on ``bg``'s session: the
+    registration and its ``buffer_set_id``. CUDA pools go through IPC handles, host pools by their
+    shared-memory object."""
+    reg = kv_args_registration(args, is_mla)
+    bs = bg.call(bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux), timeout_s)
+    return reg, bs.buffer_set_id

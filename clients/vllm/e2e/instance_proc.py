@@ -58,6 +58,13 @@ class VllmInstance:
         self.proc.stdin.flush()
         return json.loads(self._answer())  # type: ignore[no-any-return]
 
+    def reset(self) -> bool:
+        """Empty the instance's prefix cache."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write('{"op": "reset"}\n')
+        self.proc.stdin.flush()
+        return bool(json.loads(self._answer())["reset"])
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:

@@ -5,6 +5,7 @@
 
     {"op": "generate", "prompt": [ids], "max_tokens": n, "params": {...} | null}
         -> {"tokens": [...], "finish_reason": "...", "kv_transfer_params": {...} | null}
+    {"op": "reset"}   -> {"reset": true}: empties the prefix cache (a later run starts cold)
     {"op": "quit"}
 
 With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service;
@@ -88,6 +89,9 @@ def serve(model: str, kvservice: str) -> None:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
+        if cmd["op"] == "reset":
+            print("@@", json.dumps({"reset": bool(llm.reset_prefix_cache())}), flush=True)
+            continue
         extra = {"kv_transfer_params": cmd["params"]} if cmd.get("params") else None
         sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, detokenize=False, extra_args=extra)
         t0 = time.monotonic()

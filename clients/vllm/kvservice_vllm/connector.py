@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .meta import KVServiceMeta, SendJob
+from .sched_timer import SchedulerTimer, maybe_time
 from .scheduler import SchedulerSide
 
 if TYPE_CHECKING:
@@ -42,8 +43,10 @@ class KVServiceConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._errors: set[int] = set()
+        self._timer: SchedulerTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.block_size, deadline_ms)
+            self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
             pc, mc = vllm_config.parallel_config, vllm_config.model_config
             if pc.pipeline_parallel_size != 1:
@@ -68,7 +71,9 @@ class KVServiceConnector(KVConnectorBase_V1):
         return self._w().allocation_context() if getattr(device, "type", str(device)) == "cpu" else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._w().register(kv_caches, self.block_size, self._heads())
+        device = self._vllm_config.device_config.device
+        cpu = getattr(device, "type", str(device)) == "cpu"  # vLLM's CPU attention backend reads it
+        self._w().register(kv_caches, self.block_size, self._heads(), cpu_attention=cpu)
 
     def _heads(self) -> KVHeads | None:
         """This rank's KV heads (None for MLA: the latent cache moves as opaque blocks)."""
@@ -127,6 +132,8 @@ class KVServiceConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._timer is not None:
+            self._timer.write()
 
     # -- scheduler ---------------------------------------------------------------------------
     def _s(self) -> SchedulerSide:

@@ -18,6 +18,7 @@ import secrets
 from typing import Any
 
 from .meta import AbortJob, KVServiceMeta, RecvJob, SendJob
+from .sched_timer import trace
 
 __all__ = ["SchedulerSide"]
 
@@ -69,6 +70,7 @@ class SchedulerSide:
         )
         self.receiving[job.req_id] = job
         self._meta.recvs.append(job)
+        trace("recv_job", job.transfer_id)
 
     # -- prefill -----------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -97,6 +99,7 @@ class SchedulerSide:
         pages = _first_group(block_ids)[: self._pages(len(request.prompt_token_ids or ()))]
         self._meta.sends.append(SendJob(rid, transfer_id, tuple(pages), str(peer), deadline))
         self.sending.add(rid)
+        trace("send_job", transfer_id)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -113,7 +116,9 @@ class SchedulerSide:
         for rid in sending or ():
             self.sending.discard(rid)
         for rid in recving or ():
-            self.receiving.pop(rid, None)
+            job = self.receiving.pop(rid, None)
+            if job is not None:
+                trace("recv_finished", job.transfer_id)
 
     def has_pending_push_work(self) -> bool:
         return bool(self.sending)

@@ -21,13 +21,18 @@ import queue
 import secrets
 from collections.abc import Iterator
 from multiprocessing import shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from kvservice_client import BackgroundClient, Layout, NotFound, Region, pointer_region
 from torch.overrides import TorchFunctionMode
 
-from .meta import AbortJob, KVServiceMeta, RecvJob, SendJob
+from .jobs import AbortJob, RecvJob, SendJob
+from .layout import KVHeads, kv_layout
+from .sched_timer import flush_trace, trace, tracing
+
+if TYPE_CHECKING:
+    from .meta import KVServiceMeta
 
 __all__ = ["KVHeads", "Outcome", "WorkerSide", "kv_layout"]
 
@@ -67,117 +72,6 @@ class _SharedZeros(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@dataclasses.dataclass(frozen=True)
-class KVHeads:
-    """The model's KV heads as this worker holds them (from vLLM's model and parallel config)."""
-
-    total: int  # KV heads of the whole model
-    local: int  # KV heads on this TP rank
-    head_dim: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-
-def kv_layout(
-    kv_caches: dict[str, torch.Tensor], block_size: int, heads: KVHeads | None = None
-) -> tuple[Layout, list[torch.Tensor], list[torch.Tensor]]:
-    """The kvservice Layout of vLLM's per-layer caches, and each layer's K (and V) memory as flat
-    tensors, in the cache's own byte order so that any engine of the same model can exchange
-    tokens with it (the service converts page size and order):
-
-    * ``[num_blocks, heads, block_size, 2 * head_dim]`` (vLLM's CPU attention backend; a head's K
-      rows then its V rows): ``hnd_kv``, one region a layer.
-    * ``[2, num_blocks, block_size, heads, head_dim]`` K/V planes (FlashAttention and friends):
-      ``nhd`` when each plane is contiguous, ``hnd`` when its stride order is head-major.
-    * anything else, with ``heads`` unknown or TP 1: each block moved as one opaque page
-      (an MLA-shaped layout of one ``page_bytes / block_size`` row a token): byte-exact between
-      instances of the same model and layout, but no head slicing and no conversion.
-    """
-    if not kv_caches:
-        raise ValueError("kv_caches: vLLM registered no KV cache")
-    tensors = list(kv_caches.values())
-    first = tensors[0]
-    for name, t in kv_caches.items():
-        if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
-            raise ValueError(
-                f"kv_caches[{name}]: shape {tuple(t.shape)} {t.dtype} differs from the first layer's"
-            )
-    dtype = str(first.dtype).removeprefix("torch.")
-    if heads is not None:
-        per_head = _per_head(tensors, block_size, heads)
-        if per_head is not None:
-            page_layout, num_blocks, k, v = per_head
-            layout = Layout.mha(
-                num_layers=len(tensors),
-                page_size=block_size,
-                num_pages=num_blocks,
-                total_kv_heads=heads.total,
-                head_dim=heads.head_dim,
-                dtype=dtype,
-                tp_size=heads.tp_size,
-                tp_rank=heads.tp_rank,
-                page_layout=page_layout,  # type: ignore[arg-type]
-            )
-            return layout, k, v
-        if heads.tp_size > 1:
-            raise ValueError(
-                f"kv_caches: layout shape {tuple(first.shape)} stride {first.stride()} is not one "
-                f"kvservice can slice by head, which TP {heads.tp_size} needs"
-            )
-    return _opaque(kv_caches, block_size, dtype) + ([],)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return torch.as_strided(t, (t.numel(),), (1,))
-
-
-def _per_head(
-    tensors: list[torch.Tensor], block_size: int, heads: KVHeads
-) -> tuple[str, int, list[torch.Tensor], list[torch.Tensor]] | None:
-    t = tensors[0]
-    h, d = heads.local, heads.head_dim
-    if t.dim() == 4 and tuple(t.shape[1:]) == (h, block_size, 2 * d) and t.is_contiguous():
-        return "hnd_kv", int(t.shape[0]), [_flat(x) for x in tensors], []
-    if t.dim() == 5 and t.shape[0] == 2 and tuple(t.shape[2:]) == (block_size, h, d):
-        if t[0].is_contiguous():
-            order = "nhd"
-        elif t[0].permute(0, 2, 1, 3).is_contiguous():
-            order = "hnd"
-        else:
-            return None
-        return order, int(t.shape[1]), [_flat(x[0]) for x in tensors], [_flat(x[1]) for x in tensors]
-    return None
-
-
-def _opaque(
-    kv_caches: dict[str, torch.Tensor], block_size: int, dtype: str
-) -> tuple[Layout, list[torch.Tensor]]:
-    first = next(iter(kv_caches.values()))
-    num_blocks = int(first.shape[0])
-    block_elems = first[0].numel()
-    flats: list[torch.Tensor] = []
-    for name, t in kv_caches.items():
-        if not t[0].is_contiguous() or t.stride(0) != block_elems:
-            raise ValueError(
-                f"kv_caches[{name}]: a block is not one contiguous run (shape {tuple(t.shape)}, "
-                f"stride {t.stride()}); this layout (K/V planes or block-outermost packing) is not "
-                "supported by kvservice_vllm yet"
-            )
-        flats.append(_flat(t))
-    if block_elems % block_size:
-        raise ValueError(
-            f"kv_caches: a block of {block_elems} elements is not a multiple of block_size {block_size}"
-        )
-    layout = Layout.mla(
-        num_layers=len(kv_caches),
-        page_size=block_size,
-        num_pages=num_blocks,
-        latent_dim=block_elems // block_size,
-        dtype=dtype,
-    )
-    return layout, flats
-
-
 class WorkerSide:
     def __init__(self, address: str, client_name: str, engine_id: str, rpc_timeout_s: float = 10.0) -> None:
         self.engine_id = engine_id
@@ -201,9 +95,14 @@ class WorkerSide:
         return torch.frombuffer(shm.buf, dtype=torch.int8, count=nbytes)
 
     def register(
-        self, kv_caches: dict[str, torch.Tensor], block_size: int, heads: KVHeads | None = None
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_size: int,
+        heads: KVHeads | None = None,
+        cpu_attention: bool | None = None,
     ) -> None:
-        layout, k, v = kv_layout(kv_caches, block_size, heads)
+        """RegisterBuffers of vLLM's caches (``layout.kv_layout``); on CUDA through IPC handles."""
+        layout, k, v = kv_layout(kv_caches, block_size, heads, cpu_attention=cpu_attention)
         regions = [self._region(f) for f in k]
         v_regions = [self._region(f) for f in v]
         bs = self.bg.call(
@@ -214,7 +113,7 @@ class WorkerSide:
             "kvservice: registered %d layers x %d blocks (%s) as %s",
             layout.num_layers,
             layout.num_pages,
-            layout.page_layout if layout.kind == "mha" else "opaque blocks",
+            layout.page_layout if layout.kind == "mha" else "MLA / opaque blocks",
             bs.buffer_set_id,
         )
 
@@ -232,7 +131,8 @@ class WorkerSide:
         bs = self.buffer_set_id
         for abort in meta.aborts:  # settled when Abort returns: no write lands after it
             self._aborts[abort.transfer_id] = self.bg.submit(_abort(self.bg, abort))
-        for job in (*meta.sends, *meta.recvs):
+        jobs: list[SendJob | RecvJob] = [*meta.sends, *meta.recvs]
+        for job in jobs:
             fut: Any
             if isinstance(job, SendJob):
                 fut = self.bg.transfer(
@@ -258,10 +158,14 @@ class WorkerSide:
                     ),
                     job.deadline_ms,
                 )
+            trace("submitted", job.transfer_id)
             fut.add_done_callback(lambda f, j=job: self._finish(j, f))
 
     def _finish(self, job: SendJob | RecvJob, fut: Any) -> None:
         """Report a job's outcome; a load that was aborted only once the abort has settled."""
+        if tracing() and fut.exception() is None:
+            st = fut.result()
+            trace("done", job.transfer_id, state=st.state, path=st.path, timings_us=st.timings_us)
         abort = self._aborts.pop(job.transfer_id, None) if isinstance(job, RecvJob) else None
         if abort is not None and not abort.done():
             abort.add_done_callback(lambda _: self._outcomes.put(_outcome(job, fut)))
@@ -273,10 +177,12 @@ class WorkerSide:
         while True:
             try:
                 out.append(self._outcomes.get_nowait())
+                trace("picked", out[-1].job.transfer_id)
             except queue.Empty:
                 return out
 
     def close(self) -> None:
+        flush_trace()
         self.bg.close()
         for shm in self._shm:
             with contextlib.suppress(Exception):

@@ -18,6 +18,10 @@ class PageLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAGE_LAYOUT_NHD: _ClassVar[PageLayout]
     PAGE_LAYOUT_HND: _ClassVar[PageLayout]
     PAGE_LAYOUT_HND_KV: _ClassVar[PageLayout]
+    PAGE_LAYOUT_KV_NHD: _ClassVar[PageLayout]
+    PAGE_LAYOUT_KV_HND: _ClassVar[PageLayout]
+    PAGE_LAYOUT_NHC: _ClassVar[PageLayout]
+    PAGE_LAYOUT_HNC: _ClassVar[PageLayout]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -50,6 +54,10 @@ BUFFER_KIND_MLA: BufferKind
 PAGE_LAYOUT_NHD: PageLayout
 PAGE_LAYOUT_HND: PageLayout
 PAGE_LAYOUT_HND_KV: PageLayout
+PAGE_LAYOUT_KV_NHD: PageLayout
+PAGE_LAYOUT_KV_HND: PageLayout
+PAGE_LAYOUT_NHC: PageLayout
+PAGE_LAYOUT_HNC: PageLayout
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
