@@ -11,11 +11,10 @@ import time
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, one, snapshot, wait_all
+from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, one, snapshot
 from kvservice_client import (
     FailedPrecondition,
     InvalidArgument,
-    Layout,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
