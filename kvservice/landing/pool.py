@@ -115,5 +115,5 @@ class LandingPool:
                 self.landings.get(a.kind, 0),
                 **counts.get(a.kind, {}),
             )
-            for a in self.arenas.values()
+            for a in list(self.arenas.values())  # NOTE: the metrics thread reads this too
         ]

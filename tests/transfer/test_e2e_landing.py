@@ -118,6 +118,15 @@ def test_budget_refuses_at_once_and_changes_nothing(pair, make_pool, make_client
     land(ln, "b3", [5, 6, 7])  # room again once claimed
     ln.kb.abort("b3")
     assert landing_used(pair[1]) == 0
+    text = pair[1].app.metrics.exposition().decode()
+    kind = ls.location
+    for line in (
+        f'kvservice_landing_refused_total{{location="{kind}"}} 1.0',
+        f'kvservice_landing_claims_total{{location="{kind}"}} 1.0',
+        f'kvservice_landing_bytes{{location="{kind}"}} 0.0',
+        f'kvservice_landing_transfers{{location="{kind}"}} 0.0',
+    ):
+        assert line in text, (line, [x for x in text.splitlines() if "landing" in x])
 
 
 def test_oldest_landed_is_evicted_with_a_reason(make_server, make_pool, make_client) -> None:
