@@ -6,7 +6,7 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["AbortJob", "KVServiceMeta", "RecvJob", "SendJob"]
+__all__ = ["AbortJob", "ClaimJob", "KVServiceMeta", "LandJob", "RecvJob", "SendJob"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,32 @@ class RecvJob:
 
 
 @dataclasses.dataclass(frozen=True)
+class LandJob:
+    """Decode side, landing option: the request's blocks could not be allocated at once, so its
+    pages land in the service's landing pool meanwhile (the prefill's pages are free at LANDED)."""
+
+    req_id: str
+    transfer_id: str
+    prefix_pages: int  # the local prefix-cache hit when it was matched
+    pages: int  # pages to land past it
+    deadline_ms: int
+    ttl_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimJob:
+    """Decode side, landing option: the blocks are allocated now; claim the landed pages into
+    them (or, if the landing was refused, receive them as a RecvJob would)."""
+
+    req_id: str
+    transfer_id: str
+    prefix_pages: int  # as landed
+    pages: tuple[int, ...]  # this instance's block ids for the landed pages
+    deadline_ms: int
+    why_not: str = ""  # non-empty: the allocation no longer matches the landing (the load fails)
+
+
+@dataclasses.dataclass(frozen=True)
 class AbortJob:
     """Decode side: a request ended while its pages were on their way; stop every write first."""
 
@@ -45,3 +71,5 @@ class KVServiceMeta(KVConnectorMetadata):
     sends: list[SendJob] = dataclasses.field(default_factory=list)
     recvs: list[RecvJob] = dataclasses.field(default_factory=list)
     aborts: list[AbortJob] = dataclasses.field(default_factory=list)
+    lands: list[LandJob] = dataclasses.field(default_factory=list)
+    claims: list[ClaimJob] = dataclasses.field(default_factory=list)
