@@ -249,3 +249,37 @@ def test_landed_pages_are_visible_to_match_prefix_and_published_by_the_claim(
         34,
     ]
     assert m.load.landed_transfers == 0
+
+
+def test_unregistering_the_buffer_set_frees_its_landings(pair, make_pool, make_client) -> None:
+    """UnregisterBuffers with a LANDED transfer: ABORTED, the landing bytes freed."""
+    ln = link(pair, make_pool, make_client)
+    land(ln, "u1", [1, 2])
+    ln.kb.unregister_buffers(ln.b)
+    assert landing_used(pair[1]) == 0
+    (r,) = pair[1].app.node.transfers.table.find("u1", "RECEIVER")
+    assert r.state == "ABORTED" and "unregistered" in r.error, r
+
+
+def test_async_client_lands_and_claims(pair, make_pool, make_client) -> None:
+    """AsyncClient: expect_landing, wait_landed and claim (unary calls) do what the sync ones do."""
+    import asyncio
+
+    from kvservice_client import AsyncClient
+
+    ln = link(pair, make_pool, make_client)
+
+    async def main() -> None:
+        async with AsyncClient(pair[1].address, client_name="aio-landing") as kv:
+            bs = (await kv.register_buffers(LAYOUT, ln.pb.k_regions, ln.pb.v_regions)).buffer_set_id
+            assert (await kv.expect_landing("aio1", bs, pages=3)).state == "PENDING"
+            await asyncio.to_thread(
+                ln.ka.send_delta, "aio1", ln.a, src_page_indices=[7, 8, 9], peer_address=ln.peer
+            )
+            (st,) = await kv.wait_landed("aio1", timeout=10)
+            assert st.state == "LANDED", st
+            c = await kv.claim("aio1", bs, dst_page_indices=[40, 41, 42])
+            assert c.status.state == "DONE" and c.claim_us > 0, c
+
+    asyncio.run(main())
+    assert_pages_equal(ln.pb, [40, 41, 42], ln.pa, [7, 8, 9])
