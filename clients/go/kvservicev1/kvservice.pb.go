@@ -3967,8 +3967,8 @@ func (x *RouteActivity) GetBytesTotal() uint64 {
 	return 0
 }
 
-// Live transfer sides in one phase. Receivers are "declared" (waiting for a sender) or
-// "receiving"; senders are in "queue", "plan", "pack", "wire" or "unpack": the phase after the
+// Live transfer sides in one phase. Receivers are "declared" (waiting for a sender),
+// "receiving" or "landed" (in the landing pool, waiting for a Claim); senders are in "queue", "plan", "pack", "wire" or "unpack": the phase after the
 // last one that recorded time (chunks cycle through the phases, so an estimate per moment).
 type InFlight struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
