@@ -90,6 +90,8 @@ class Model:
     budget: int = 4  # inbound_max_transfers per decode engine (admission policies)
     landing_pool_mb: int = 64  # per decode node (admission+landing)
     overlap_prealloc: int = 0  # 1: the decode side declares while the prefill runs (seed 002's shape)
+    landing_always: int = 0  # admission+landing: 1 lands every P/D transfer (no pre-allocation at all)
+    same_host_route: str = "auto"  # "off": P and D services talk as two hosts would (xPyD across nodes)
 
 
 Declared = tuple["Engine", list[int], str, int, list[int]]
@@ -135,6 +137,7 @@ class Engine:
         self.lock = threading.RLock()  # eviction, leases and publishes of this engine, one at a time
         self.compute = threading.Semaphore(1 if role == "P" else m.decode_slots)
         self.evicted_pages = 0
+        self.waiting = 0  # requests waiting in alloc for pages (the pre-allocation queue)
 
     def close(self) -> None:
         self.client.close()
@@ -144,34 +147,51 @@ class Engine:
     def alloc(self, n: int, deadline: float, kind: str) -> list[int]:
         """``n`` free pages, evicting cached ones (the service suggests which) as needed; waits
         (the prealloc queue) until ``deadline``, then fails with ``kind``."""
-        while True:
-            with self.lock:
-                if len(self.free) < n:
-                    want = n - len(self.free)
-                    sug = self.client.suggest_evictions(self.bs, want + len(self.protected) + 16)
-                    take = []
-                    for p in sug.page_indices:  # cut at a protected page: its ancestors follow it
-                        if p in self.protected or len(take) >= want:
-                            break
-                        take.append(p)
-                    if take:
-                        self.client.evict_pages(self.bs, take)
-                        self.free.extend(take)
-                        self.evicted_pages += len(take)
-                if len(self.free) >= n:
-                    out, self.free = self.free[:n], self.free[n:]
-                    self.protected.update(out)
-                    return out
-            if time.monotonic() > deadline:
-                raise Fail(kind)
-            time.sleep(0.005)
+        waited = False
+        try:
+            while True:
+                got = self._alloc_once(n)
+                if got is not None:
+                    return got
+                if time.monotonic() > deadline:
+                    raise Fail(kind)
+                if not waited:
+                    waited = True
+                    with self.lock:
+                        self.waiting += 1
+                time.sleep(0.005)
+        finally:
+            if waited:
+                with self.lock:
+                    self.waiting -= 1
+
+    def _alloc_once(self, n: int) -> list[int] | None:
+        """One try: evict what the service suggests if needed, then take ``n`` free pages or None."""
+        with self.lock:
+            if len(self.free) < n:
+                want = n - len(self.free)
+                sug = self.client.suggest_evictions(self.bs, want + len(self.protected) + 16)
+                take = []
+                for p in sug.page_indices:  # cut at a protected page: its ancestors follow it
+                    if p in self.protected or len(take) >= want:
+                        break
+                    take.append(p)
+                if take:
+                    self.client.evict_pages(self.bs, take)
+                    self.free.extend(take)
+                    self.evicted_pages += len(take)
+            if len(self.free) >= n:
+                out, self.free = self.free[:n], self.free[n:]
+                self.protected.update(out)
+                return out
+        return None
 
     def try_alloc(self, n: int) -> list[int] | None:
-        """``n`` pages now (evicting cached ones if that suffices), or None: no waiting."""
-        try:
-            return self.alloc(n, 0.0, "no_room_now")
-        except Fail:
+        """``n`` pages now (evicting cached ones if that suffices), or None: no waiting. None too
+        while others wait for pages: the pre-allocation queue is FIFO, nobody jumps it."""
+        if self.waiting:
             return None
+        return self._alloc_once(n)
 
     def give(self, pages: list[int]) -> None:
         with self.lock:
@@ -273,6 +293,16 @@ class Router:
             out.append((m.matched_pages, m.load, e))
         return out
 
+    def admits(self, e: Engine, prompt: np.ndarray) -> bool:
+        """Whether ``e``'s inbound budget admits a transfer now (one scores-only MatchPrefix)."""
+        (m,) = e.client.match_prefix(
+            tokens=prompt[: self.m.page_size],
+            page_size=self.m.page_size,
+            buffer_set_ids=[e.bs],
+            scores_only=True,
+        ).matches
+        return bool(m.load.admits)
+
     def serve(self, turn: Turn) -> Result:
         m, res = self.m, Result(prompt_tokens=turn.prompt_tokens)
         t0 = time.monotonic()
@@ -368,10 +398,14 @@ class Router:
                 raise Fail("admission_timeout")
             if cand is plan[0][1] and res.fallbacks >= len(plan):
                 time.sleep(0.02)
+            landing = self.policy == "admission+landing"
+            if landing and not self.admits(cand, turn.prompt):  # over budget: skip it untouched
+                res.fallbacks += 1  # NOTE: no lease, no eviction for a declaration that would be refused
+                continue
             ml = cand.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000)) if keep_cache else None
             have = ml.best.matched_pages if ml is not None and ml.best else 0
             prefix = list(ml.best.page_indices) if ml is not None and ml.best else []
-            pages = cand.try_alloc(n_pages - have) if self.policy == "admission+landing" else []
+            pages = (None if m.landing_always else cand.try_alloc(n_pages - have)) if landing else []
             try:
                 if pages is None:  # no room now: land it, allocate after it landed
                     left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
@@ -617,8 +651,10 @@ def run_policy(
 ) -> dict[str, Any]:
     admission = policy.startswith("admission")
     p_env = {"KVSERVICE_DUPLICATE_POLICY": "lower" if policy == "admission+dup" else "off",
-             "KVSERVICE_DUPLICATE_CHECK_MS": "200"}  # fmt: skip
-    d_env = {"KVSERVICE_DUPLICATE_POLICY": "off", "KVSERVICE_LANDING_POOL_MB": str(m.landing_pool_mb)}
+             "KVSERVICE_DUPLICATE_CHECK_MS": "200",
+             "KVSERVICE_SAME_HOST_ROUTE": m.same_host_route}  # fmt: skip
+    d_env = {"KVSERVICE_DUPLICATE_POLICY": "off", "KVSERVICE_LANDING_POOL_MB": str(m.landing_pool_mb),
+             "KVSERVICE_SAME_HOST_ROUTE": m.same_host_route}  # fmt: skip
     with Services(n_p, env=p_env) as ps, Services(n_d, env=d_env) as ds:
         P = [Engine(f"prefill-{i}", "P", a, m) for i, a in enumerate(ps.addresses)]
         D = [

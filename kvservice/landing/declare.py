@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from ..buffers import BufferSet, MappedRegion
 from ..errors import InvalidArgument
@@ -57,11 +58,12 @@ def landing_dst(
     return np.arange(pages, dtype=np.int64)
 
 
-def landing_view(bs: BufferSet, pages: int, views: list[object], mem_kind: str, device: int) -> BufferSet:
+def landing_view(
+    bs: BufferSet, pages: int, views: list[torch.Tensor], mem_kind: str, device: int
+) -> BufferSet:
     """``bs`` with ``pages`` pages whose regions are ``views`` (uint8 tensors, K then V)."""
     regions = tuple(
-        MappedRegion(int(t.data_ptr()), int(t.numel()), mem_kind, device, t, "landing")  # type: ignore[attr-defined]
-        for t in views
+        MappedRegion(int(t.data_ptr()), int(t.numel()), mem_kind, device, t, "landing") for t in views
     )
     n = bs.layout.num_layers
     return dataclasses.replace(

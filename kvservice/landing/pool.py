@@ -90,7 +90,7 @@ class LandingPool:
             return None
         offset, views = got
         r = bs.k[0]
-        view = landing_view(bs, pages, views, r.mem_kind, r.device)  # type: ignore[arg-type]
+        view = landing_view(bs, pages, views, r.mem_kind, r.device)
         self.landings[arena.kind] = self.landings.get(arena.kind, 0) + 1
         return Landing(arena, offset, Arena.footprint(sizes), view, _regions(view))
 

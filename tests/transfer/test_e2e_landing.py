@@ -283,3 +283,35 @@ def test_async_client_lands_and_claims(pair, make_pool, make_client) -> None:
 
     asyncio.run(main())
     assert_pages_equal(ln.pb, [40, 41, 42], ln.pa, [7, 8, 9])
+
+
+def test_two_racing_claims_one_wins(pair, make_pool, make_client) -> None:
+    """Two claims of one landing at once: exactly one copies (DONE), the other is refused with a reason."""
+    import threading
+
+    ln = link(pair, make_pool, make_client)
+    land(ln, "r1", list(range(20)))
+    out: list = []
+
+    def claim(kv, dst) -> None:
+        try:
+            out.append(kv.claim("r1", ln.b, dst_page_indices=dst).status.state)
+        except Exception as exc:  # the loser
+            out.append(type(exc).__name__)
+
+    ts = [threading.Thread(target=claim, args=(ln.kb, list(range(20, 40))))]
+    ts += [threading.Thread(target=claim, args=(ln.kb, list(range(24, 44))))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert sorted(out) == ["DONE", "FailedPrecondition"], out
+    assert landing_used(pair[1]) == 0
+
+
+def test_expiry_reaches_the_engine_as_a_final_status(pair, make_pool, make_client) -> None:
+    """A landing that expires is never lost silently: wait() returns its FAILED status and reason."""
+    ln = link(pair, make_pool, make_client)
+    land(ln, "w1", [1, 2, 3], ttl_ms=150)
+    (st,) = ln.kb.wait("w1", timeout=5)
+    assert st.state == "FAILED" and "landing expired" in st.error, st
