@@ -62,6 +62,7 @@ class Entry:
     timer: asyncio.TimerHandle | None = None
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # LANDED or ended
     claiming: bool = False
+    loop: asyncio.AbstractEventLoop = dataclasses.field(default_factory=asyncio.get_running_loop)
 
     @property
     def pages(self) -> int:
@@ -174,6 +175,8 @@ class LandingBook:
             asyncio.ensure_future(self._expire(entry))
 
     async def _expire(self, entry: Entry) -> None:
+        if entry.claiming or entry.inc.rec.terminal:  # NOTE: a claim that began since the timer wins
+            return
         self.count(entry.mem.arena.kind, "expired")
         ttl_ms = int(entry.ttl_s * 1000)
         await self.e.fail_incoming(
@@ -195,7 +198,8 @@ class LandingBook:
             entry.timer.cancel()
         entry.settled.set()
         if entry.inc.busy:  # a write or claim copy into the bytes finishes first
-            asyncio.get_running_loop().create_task(self._free_when_idle(key, entry))
+            loop = entry.loop
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._free_when_idle(key, entry)))
         else:
             self._free(key, entry)
 
