@@ -32,9 +32,12 @@ def main() -> None:
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--mib", type=int, default=None, help="bytes claimed per iteration (cpu 16, cuda 64)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--small", action="store_true", help="CI size: 4 MiB, 3 iterations")
     ap.add_argument("--out", default=str(ROOT / "bench/results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    if args.small:
+        args.mib, args.iters = args.mib or 4, 3
     mib = args.mib or (16 if args.device == "cpu" else 64)
     # 32 layers x K/V x 16 tokens x 2 heads x 128 x bf16 = 512 KiB a page (all layers)
     pages = mib * 2

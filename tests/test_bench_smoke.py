@@ -22,6 +22,7 @@ BENCHES = [
     "bench_control",
     "bench_events",
     "bench_convert",
+    "bench_landing",
 ]
 
 pytestmark = [
