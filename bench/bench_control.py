@@ -7,8 +7,8 @@ page (the per-transfer overhead); sustained tiny transfers per second.
 --same-node: both engines on one service (the fused route); transfer_e2e is then SendDelta call →
 DONE seen by the receiving engine (its WatchTransfers stream), with ExpectDelta done before.
 
-Pools are shared memory (the control plane is the same on GPU machines; run it there for the
-absolute numbers).
+Pools are shared memory, or with ``--device cuda`` one CUDA allocation per engine (the sender's
+on ``--src-gpu``, the receiver's on ``--dst-gpu``); the index's pool stays in shared memory.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from _harness import (
     KVPool,
     Services,
     base_args,
+    devices,
     network,
     progress,
     route_env,
@@ -92,8 +93,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job) -> None:
     ps, pb = idx_layout.page_size, xl.page_bytes_k
+    sdev, ddev = devices(args)
     raw = run_raw(
-        [("cpu", pb * 4)], [("cpu", pb * 4, {"one_page": [page_job]})], max(args.transfers, 5), net=args.net
+        [(ddev, pb * 4)], [(sdev, pb * 4, {"one_page": [page_job]})], max(args.transfers, 5), net=args.net
     )["one_page"]
     print(f"raw NIXL one page: p50 {np.median(raw) * 1e3:.3f} ms", file=sys.stderr)
     prompt = np.random.default_rng(0).integers(0, 150_000, args.prompt_tokens, dtype=np.int64)
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
     with Services(1 if args.same_node else 2, route_env(args), net=args.net) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
-        ip, sp, rp = KVPool(idx_layout), KVPool(xl, "cpu", 1), KVPool(xl)
+        ip, sp, rp = KVPool(idx_layout), KVPool(xl, sdev, 1), KVPool(xl, ddev)
         try:
             with Client(a, client_name="ctl-tx") as ka, Client(b, client_name="ctl-rx") as kb:
                 ib = kb.register_buffers(idx_layout, *ip.regions()).buffer_set_id
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
         print(f"{k:14s} p50 {v['p50_ms']:.3f} ms p99 {v['p99_ms']:.3f} ms", file=sys.stderr)
     print(f"overhead p50 {overhead:.3f} ms", file=sys.stderr)
     print(f"idle CPU per service: {', '.join(f'{c:.1%}' for c in idle)} of a core", file=sys.stderr)
-    args.device = "cpu"
+    report["device"] = args.device
     report["same_node"] = args.same_node
     report["netns"] = args.netns
     write_json(args.out, f"control{'_same_node' if args.same_node else ''}_{run_tag(args)}", report)

@@ -53,6 +53,9 @@ def kvservice_runs(
     if logs is not None:  # the services' per-batch DEBUG lines (kvservice/transfer/mover.py)
         env |= {"KVSERVICE_LOG_LEVEL": "DEBUG", "KVSERVICE_LOG_FORMAT": "json"}
     out: dict = {}
+    t0_mono: dict[str, float] = {}  # the last round's SendDelta call and receiver-DONE seen, per path
+    t_done_mono: dict[str, float] = {}
+    t_sent_mono: dict[str, float] = {}
     with (
         Services(1 if args.same_node else 2, env | route_env(args), net=args.net, log_dir=logs) as svc,
         pools((layout, sdev, 1), (layout, ddev, None)) as (
@@ -70,11 +73,13 @@ def kvservice_runs(
                 for it in progress(range(args.iters + 1), f"kvservice {path}"):
                     tid = f"xfer-{path}-{it}"
                     kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=dst)
-                    t0 = time.perf_counter()
+                    t0, t0_mono[path] = time.perf_counter(), time.monotonic()
                     ka.send_delta(tid, ra, src_page_indices=src, peer_address=peer, path=path)
+                    t_sent_mono[path] = time.monotonic()
                     try:
                         (rstat,) = kb.wait(tid, timeout=60)
                         dt = time.perf_counter() - t0
+                        t_done_mono[path] = time.monotonic()
                         (sstat,) = ka.wait(tid, timeout=60)
                     except Exception as exc:  # keep the numbers of the other paths
                         err = f"{type(exc).__name__}: {exc}"
@@ -118,8 +123,25 @@ def kvservice_runs(
         for path in paths:
             if "p50_ms" in out.get(path, {}):
                 out[path]["timeline"] = timeline(logs, f"xfer-{path}-{args.iters}")
+                ms = lambda t, z=t0_mono[path]: round((t - z) * 1e3, 3)  # noqa: E731
+                out[path]["points_ms"] = points(logs, f"xfer-{path}-{args.iters}", t0_mono[path]) + [
+                    {"svc": "bench", "point": "send_delta_returned", "ms": ms(t_sent_mono[path])},
+                    {"svc": "bench", "point": "receiver_done_seen", "ms": ms(t_done_mono[path])},
+                ]
         shutil.rmtree(logs, ignore_errors=True)
     return out
+
+
+def points(logs: Path, transfer_id: str, t0: float) -> list[dict]:
+    """The services' "transfer point" lines of ``transfer_id`` (kvservice/transfer/trace.py), in
+    ms since the bench called SendDelta (one monotonic clock), in time order."""
+    rows = []
+    for f in sorted(logs.glob("svc*.log")):
+        for line in f.read_text().splitlines():
+            if '"transfer point"' in line and '"transfer_id": "' + transfer_id + '"' in line:
+                rec = json.loads(line)
+                rows.append({"svc": f.stem, "point": rec["point"], "ms": round((rec["t"] - t0) * 1e3, 3)})
+    return sorted(rows, key=lambda r: r["ms"])
 
 
 def timeline(logs: Path, transfer_id: str) -> list[dict]:

@@ -73,7 +73,15 @@ class Config:
     vram_staging_mb: int = _opt(
         2048, "VRAM staging pool per GPU, MiB (only with CUDA buffer sets); bigger = fewer, larger batches."
     )
-    workers_per_peer: int = _opt(4, "Chunks moved to one destination service at once.")
+    workers_per_peer: int = _opt(
+        64, "Chunks moved to one destination service at once, at most (see peer_inflight_mb)."
+    )
+    peer_inflight_mb: int = _opt(
+        1024,
+        "Bytes (MiB) of chunks moving to one destination service at once: per-peer concurrency is "
+        "this byte budget (granted in arrival order), so many small deltas move side by side while "
+        "large ones take turns; a chunk larger than the budget moves alone.",
+    )
     same_host_route: str = _opt(
         "auto",
         "'auto': a receiver's service on this host (same kernel boot id, reached over a Unix socket "
@@ -259,6 +267,8 @@ class Config:
             raise ConfigError("host_staging_mb/vram_staging_mb: must be >= 1")
         if not 1 <= self.workers_per_peer <= 256:
             raise ConfigError("workers_per_peer: must be in 1..256")
+        if self.peer_inflight_mb < 1:
+            raise ConfigError("peer_inflight_mb: must be >= 1")
         if self.transfer_retain_s < 0:
             raise ConfigError("transfer_retain_s: must be >= 0")
         self.event_streams()  # raises ConfigError naming kv_events

@@ -16,7 +16,8 @@ pages packed for the receiver rank); the receiver hashes the same bytes before i
   corruption and unwritten data, not a forger who controls the bytes (it is not a MAC; an
   authenticated peer that may write may also hash what it wrote).
 
-Both run on any device (torch on CPU for ``wsum64``; ``xxh3`` copies VRAM bytes to the host).
+Both run on any device: ``wsum64`` is one Triton pass on CUDA (``_checksum_triton``) and a torch
+expression on the host (the reference); ``xxh3`` copies VRAM bytes to the host.
 """
 
 from __future__ import annotations
@@ -48,11 +49,15 @@ def checksum(data: torch.Tensor, kind: str) -> int:
     raise ValueError(f"checksum_kind: {kind!r} is not one of {KINDS}")
 
 
-def _wsum64(data: torch.Tensor) -> int:
+def _wsum64(data: torch.Tensor, backend: str = "auto") -> int:
     pad = (-data.numel()) % 4
     if pad:
         data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
     words = data.contiguous().view(torch.int32)
+    if backend == "triton" or (backend == "auto" and data.device.type == "cuda"):
+        from ._checksum_triton import wsum64
+
+        return wsum64(words)
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     for start in range(0, words.numel(), _CHUNK_WORDS):
         w = words[start : start + _CHUNK_WORDS].to(torch.int64) & _MASK32

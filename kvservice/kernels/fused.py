@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
-from ._checks import PageIndices
+from ._checks import PageIndices, host_pages
 from ._regions import KVRegions, Loops, check_unit, copy_loops, fused_order
 from .reference import unit_view
 
@@ -84,29 +84,6 @@ def fused_nbytes(src: KVRegions, num_pages: int, num_heads: int, unit: int | Non
     return src.num_layers * num_pages * g * num_heads * (src.head_bytes_k + src.head_bytes_v)
 
 
-def _host_pages(
-    values: PageIndices, regions: KVRegions, unique: bool, field: str, units_per_page: int = 1
-) -> np.ndarray:
-    """Check page indices on the host (vectorised); an int64 array."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise InvalidArgument(field, f"must be integers, got {values.dtype}")
-        values = values.cpu().numpy()
-    a = np.asarray(values)
-    if a.ndim != 1:
-        raise InvalidArgument(field, f"must be 1-D, got {a.ndim}-D")
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        raise InvalidArgument(field, f"must be integers, got {a.dtype}")
-    a = a.astype(np.int64, copy=False)
-    if a.size:
-        lo, hi, top = int(a.min()), int(a.max()), regions.num_pages * units_per_page
-        if lo < 0 or hi >= top:
-            raise InvalidArgument(field, f"indices must be in [0, {top}), got [{lo}, {hi}]")
-        if unique and a.size > 1 and np.unique(a).size != a.size:
-            raise InvalidArgument(field, "destination pages must be distinct")
-    return a
-
-
 def check_fused(
     src: KVRegions,
     dst: KVRegions,
@@ -132,8 +109,8 @@ def check_fused(
                 f"{side}_head_start",
                 f"heads [{start}, {start + nh}) not within the {regions.num_heads} local heads",
             )
-    sp = _host_pages(src_pages, src, False, "src_pages", src.page_size // g)
-    dp = _host_pages(dst_pages, dst, True, "dst_pages", dst.page_size // g)
+    sp = host_pages(src_pages, src, False, "src_pages", src.page_size // g)
+    dp = host_pages(dst_pages, dst, True, "dst_pages", dst.page_size // g)
     if sp.size != dp.size:
         raise InvalidArgument("dst_pages", f"{dp.size} pages for {sp.size} source pages")
     return FusedArgs(sp, dp, src_head_start, dst_head_start, nh, g)

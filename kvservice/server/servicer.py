@@ -17,6 +17,7 @@ from ..landing import claim
 from ..node import Node
 from ..ops import AdminPolicy, PeerRtts, RecentTransfers
 from ..sessions import Session
+from ..transfer import trace
 from ..transfer.requests import build_chunk, build_incoming
 from . import convert
 from .credentials import CREDENTIAL_METADATA_KEY
@@ -177,6 +178,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     # NOTE: the transfer calls' bodies (_expect, _send, _abort) serve the unary RPCs and the
     # Transfers stream alike.
     async def _expect(self, request: pb.ExpectDeltaRequest, session_id: str) -> pb.ExpectDeltaResponse:
+        trace.mark(request.transfer_id, "expect_rpc")
         engine = self.node.require_transfers("ExpectDelta")
         which = request.WhichOneof("publish")
         landing = request.landing if request.HasField("landing") else None
@@ -225,6 +227,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
 
     async def _send(self, request: pb.SendDeltaRequest, session_id: str) -> pb.SendDeltaResponse:
         engine = self.node.require_transfers("SendDelta")
+        trace.mark(request.transfer_id, "send_rpc")
         out, chunk = build_chunk(
             engine,
             session_id,

@@ -27,6 +27,7 @@ from typing import Any
 from kvservice_client._proto import kvservice_pb2 as pb
 
 from ..errors import InvalidArgument, KVServiceError, ResourceExhausted
+from ..transfer import trace
 from ..transfer.records import Record
 from . import convert
 from .limits import CallLimits
@@ -77,7 +78,12 @@ class TransferStream:
                     return
                 if isinstance(event, BaseException):
                     raise event
+                tid = _traced(event)
+                if tid:
+                    trace.mark(tid, f"{event.WhichOneof('event')}_yield")
                 yield event
+                if tid:
+                    trace.mark(tid, f"{event.WhichOneof('event')}_written")
         finally:
             unsubscribe()
             reader.cancel()
@@ -101,6 +107,7 @@ class TransferStream:
     def _ended(self, rec: Record) -> None:
         """A side of this session reached a terminal state (any thread): one status event."""
         event = pb.TransferEvent(status=convert.transfer_status(rec))
+        trace.mark(rec.transfer_id, f"{rec.role}_event")
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:
@@ -162,6 +169,16 @@ class TransferStream:
         event = pb.TransferEvent(call_id=call.call_id)
         getattr(event, which).CopyFrom(resp)
         self._put(event)
+
+
+def _traced(event: pb.TransferEvent) -> str:
+    """The transfer id of an answer or status event when timeline points are on (trace.py)."""
+    if not trace.enabled():
+        return ""
+    which = event.WhichOneof("event")
+    body = getattr(event, which) if which else None
+    status = body.status if which in ("expect_delta", "send_delta") else body if which == "status" else None
+    return status.transfer_id if status is not None else ""
 
 
 def _error(call_id: int, exc: KVServiceError) -> pb.TransferEvent:

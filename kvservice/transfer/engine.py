@@ -23,6 +23,7 @@ from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceErro
 from ..kernels import completions
 from ..kernels.streams import on_side_stream, run_on_device
 from ..staging import StagingPool
+from . import trace
 from .descriptors import prepped_rows
 from .duplicates import DuplicateBook
 from .integrity import Check, verify
@@ -117,7 +118,7 @@ class TransferEngine:
         self.mover = Mover(self)
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
-        self.sender = Sender(self.table, self.mover, cfg.workers_per_peer)
+        self.sender = Sender(self.table, self.mover, cfg.workers_per_peer, cfg.peer_inflight_mb)
         self.duplicates = DuplicateBook(self)
         from ..landing import LandingBook  # NOTE: the landing pool's receivers use this engine
 
@@ -479,6 +480,7 @@ class TransferEngine:
         """A sender's CommitChunk (unary or on its channel): unpack a packed batch, account it.
         Only a sender that fetched this transfer's plan, over a connection of the same peer
         ``identity``, may commit (or release) into it."""
+        trace.mark(req.transfer_id, "commit_got")
         inc = self.receiver.get(req.transfer_id, req.dst_buffer_set_id)
         sender = f"{req.sender_service_id}/{req.src_tp_rank}"
         self.receiver.check_sender(inc, req.sender_service_id, identity, sender, req.sender_ticket)
@@ -599,6 +601,7 @@ class TransferEngine:
                 plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
             plan.same_host_refusal = why
             out.plans.append(plan)
+        trace.mark(request.transfer_id, "plan_served")
         return out
 
     async def sender_gone(self, sender_service_id: str, why: str) -> None:

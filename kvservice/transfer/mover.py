@@ -26,6 +26,7 @@ from ..identity import LOCAL_PEER
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
 from ..kernels.streams import on_side_stream, run_on_device
+from . import trace
 from .descriptors import choose_path, prepped_indices, prepped_rows
 from .integrity import Check, pages_check, staged_check
 from .peer_channel import OutboundChannel
@@ -66,6 +67,7 @@ _PATH_PB = {
     "PACKED": common_pb2.TRANSFER_PATH_PACKED,
     "FUSED": common_pb2.TRANSFER_PATH_FUSED,
 }
+INLINE_POST_ROWS = 64  # WRITEs of at most this many rows are posted on the loop (see _post_write)
 PIPELINE = 3  # packed batches of one chunk in flight at once
 
 
@@ -118,11 +120,13 @@ class Mover:
             sender_boot_id=host.boot_id() if same_host else "",
         )
         chan = self._channel(peer)
+        trace.mark(out.rec.transfer_id, "plan_asked")
         try:
             if chan is not None:  # one message each way on the open channel
                 resp = await chan.plans(req, self._left(out) + 1.0)
             else:
                 resp = await peer.call("GetReceivePlan", req, self._left(out) + 1.0)
+            trace.mark(out.rec.transfer_id, "plan_got")
         except NotFound as exc:
             if time.monotonic() >= out.rec.deadline - 0.05:  # the wait was bounded by our deadline
                 raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
@@ -227,8 +231,8 @@ class Mover:
                 aux = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
                 await self.same_node.move(out, target, cmap, chunk.last, aux)
                 return
-            else:
-                await self._packed(out, target, chunk, cmap)
+            elif await self._packed(out, target, chunk, cmap):
+                return  # its one batch's commit carried the chunk's end
         aux_bytes, aux_descs = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
         if chunk.last or cmap.skipped:  # a marker: skipped pages, the sender's end, aux delivered
             await self._commit(
@@ -330,12 +334,15 @@ class Mover:
             check=check,
         )
 
-    async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
-        """Move the chunk in batches that fit a staging slot.
+    async def _packed(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> bool:
+        """Move the chunk in batches that fit a staging slot; True if the commit of its only
+        batch also carried the chunk's end (``last``, skipped pages: no marker commit follows).
 
         ``PIPELINE`` batches are in reserve → pack → wire at once; a batch's CommitChunk (the
         receiver's unpack) runs outside that window, so it overlaps the next batches. The chunk
-        ends when every commit was acknowledged.
+        ends when every commit was acknowledged. (Of several batches none may carry the end: the
+        receiver checks a sender's coverage when its end arrives, and their commits may be
+        applied in any order.)
         """
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
@@ -348,6 +355,10 @@ class Mover:
                 chan = None  # a page does not fit the receiver's credit slots: reserve per batch
             else:
                 batch = min(batch, credit_bytes // per_page)
+        # NOTE: one batch (every small delta) ends the chunk in its own commit: one control round
+        # trip fewer on the critical path (data path v3 §3).
+        ends = cmap.num_pages <= batch and chunk.last and not chunk.aux
+        end = (True, cmap.skipped) if ends else (False, 0)
         window = asyncio.Semaphore(PIPELINE)
         commits: list[asyncio.Task[None]] = []
         failed: list[BaseException] = []
@@ -357,7 +368,9 @@ class Mover:
                 if failed:  # a sibling failed: start nothing new
                     return
                 try:
-                    commit = await self._packed_batch(out, target, chunk, cmap, start, batch, per_page, chan)
+                    commit = await self._packed_batch(
+                        out, target, chunk, cmap, start, batch, per_page, chan, end
+                    )
                 except BaseException as exc:
                     failed.append(exc)
                     raise
@@ -369,6 +382,7 @@ class Mover:
         errors = failed + [r for r in done if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
+        return ends
 
     async def _packed_batch(
         self,
@@ -380,10 +394,12 @@ class Mover:
         batch: int,
         per_page: int,
         chan: OutboundChannel | None = None,
+        end: tuple[bool, int] = (False, 0),
     ) -> Coroutine[Any, Any, None]:
-        """Reserve (a credit, or a slot by RPC), pack and write one batch; returns its commit."""
+        """Reserve (a credit, or a slot by RPC), pack and write one batch; returns its commit
+        (which carries ``end`` = the chunk's ``last`` and skipped pages when it ends the chunk)."""
         if chan is not None:
-            return await self._credit_batch(out, target, chunk, cmap, start, batch, per_page, chan)
+            return await self._credit_batch(out, target, chunk, cmap, start, batch, per_page, chan, end)
         plan = target.plan
         regions = self.e.kv_regions[out.bs.buffer_set_id]
         pool = self.e.pool_for(out.bs)
@@ -421,8 +437,7 @@ class Mover:
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
                     else:
-                        h = await asyncio.to_thread(
-                            self.transport.write_descs,
+                        h = await self._post_write(
                             peer.agent,
                             np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
                             np.array([[resp.address, nbytes, resp.device_id]], dtype=np.int64),
@@ -443,13 +458,14 @@ class Mover:
                 chunk,
                 cmap.positions[start : start + batch],
                 nbytes,
-                0,
+                end[1],
                 1,
                 "PACKED",
                 resp.slot_id,
                 False,
                 pack_us=int((t1 - t0) * 1e6),
                 wire_us=int((t2 - t1) * 1e6),
+                last=end[0],
                 check=check,
             )
             _trace_batch(
@@ -473,6 +489,7 @@ class Mover:
         batch: int,
         per_page: int,
         chan: OutboundChannel,
+        end: tuple[bool, int] = (False, 0),
     ) -> Coroutine[Any, Any, None]:
         """Take a credit, pack into our slot, WRITE into the receiver's credit slot; the returned
         coroutine commits on the channel (the credit comes back with the ack)."""
@@ -492,8 +509,7 @@ class Mover:
                 await self._pack(regions, src, pool.view(slot), target)
                 check = await staged_check(target.plan, pool.view(slot)[:nbytes])
                 t1 = time.monotonic()
-                h = await asyncio.to_thread(
-                    self.transport.write_descs,
+                h = await self._post_write(
                     peer.agent,
                     np.array([[slot.addr, nbytes, pool.device]], dtype=np.int64),
                     np.array([[credit.address, nbytes, credit.device_id]], dtype=np.int64),
@@ -513,13 +529,14 @@ class Mover:
             chunk,
             cmap.positions[start : start + batch],
             nbytes,
-            0,
+            end[1],
             1,
             "PACKED",
             credit.slot_id,
             False,
             pack_us=int((t1 - t0) * 1e6),
             wire_us=int((t2 - t1) * 1e6),
+            last=end[0],
             credit=(key, credit, epoch),
             check=check,
         )
@@ -571,8 +588,7 @@ class Mover:
                 dst_rows = inc.aux[name]
                 theirs.region.pages(theirs.row_bytes)[dst_rows] = mine.region.pages(mine.row_bytes)[rows]
             return nbytes, ndescs
-        h = await asyncio.to_thread(
-            self.transport.write_descs,
+        h = await self._post_write(
             peer.agent,
             np.concatenate(local_rows),
             np.concatenate(remote_rows),
@@ -601,6 +617,7 @@ class Mover:
         credit: tuple[tuple[str, int], Any, int] | None = None,
         check: Check | None = None,
     ) -> None:
+        trace.mark(out.rec.transfer_id, "commit_start")
         peer = self.peers.get(out.peer_address)
         if peer.is_self:  # same service: account on the receiver directly, no request to build
             inc = self.e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
@@ -657,34 +674,39 @@ class Mover:
             checksum_kind=check[1] if check else "",
         )
         chan = self._channel(peer)
+        trace.mark(out.rec.transfer_id, "commit_sent")
         if chan is None:
             await peer.call("CommitChunk", req, self._left(out) + 1.0)
         else:
             ack = await chan.commit(req, self._left(out) + 1.0, credit)
+            trace.mark(out.rec.transfer_id, "ack_got")
             if ack.error_code:
                 raise error_from_code(ack.error_code, f"peer {out.peer_address}: {ack.error}")
         self.e.table.update(
             out.rec, add_bytes_sent=nbytes, add_descriptors=descs, add_pack=pack_us, add_wire=wire_us
         )
 
-    async def _await(self, out: Outgoing, h: XferHandle) -> None:
-        """Wait for a handle; on abort or deadline settle it first (no byte lands afterwards)."""
-        delay = 20e-6
-        while True:
-            state = self.transport.status(h)
-            if state != "PROC":
-                self.transport.release(h)
-                if state == "ERR":
-                    from ..errors import TransportError
+    async def _post_write(self, peer: str, local: np.ndarray, *rest: Any) -> XferHandle:
+        """Post a WRITE of ``local``'s rows: on the loop when posting is cheap (NIXL, a few rows:
+        tens of µs, no byte copied; a thread hop costs more), else in a worker thread (a long
+        list, or the loopback transport, which copies while it posts)."""
+        if self.transport.kind == "nixl" and len(local) <= INLINE_POST_ROWS:
+            return self.transport.write_descs(peer, local, *rest)
+        return await asyncio.to_thread(self.transport.write_descs, peer, local, *rest)
 
-                    raise TransportError(f"write to {out.peer_address} failed")
-                return
-            if out.stop or time.monotonic() > out.rec.deadline:
-                await self.transport.settle(h)
-                self.e.sender.check_live(out)
-                raise DeadlineExceeded("transfer deadline passed")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2e-4 if self.transport.kind == "nixl" else 2e-3)
+    async def _await(self, out: Outgoing, h: XferHandle) -> None:
+        """Wait for a handle (a poller thread watches it; the loop sleeps); on abort or deadline
+        settle it first (no byte lands afterwards)."""
+        state = await self.transport.poll_until(h, out.rec.deadline, lambda: bool(out.stop))
+        if state == "PROC":
+            await self.transport.settle(h)
+            self.e.sender.check_live(out)
+            raise DeadlineExceeded("transfer deadline passed")
+        self.transport.release(h)
+        if state == "ERR":
+            from ..errors import TransportError
+
+            raise TransportError(f"write to {out.peer_address} failed")
 
     async def _release_remote(self, out: Outgoing, peer: Any, slot_id: int, dst_bs: str, ticket: str) -> None:
         try:

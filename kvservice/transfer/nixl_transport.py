@@ -372,23 +372,23 @@ class NixlTransport(Transport):
         return self._post("write_descs", peer, int(idx.size), nbytes, make)
 
     def status(self, handle: XferHandle) -> XferState:
+        # NOTE: under the lock: a poller thread (completions.polled) checks handles while the loop
+        # may release one; a released request is never checked.
         with self._lock:
             xfer = self._xfers.get(handle.id)
-        if xfer is None:
-            raise NotFound(f"transfer handle {handle.id} is not known")
-        with _nixl("status"):
-            state = self._agent.check_xfer_state(xfer)
+            if xfer is None:
+                raise NotFound(f"transfer handle {handle.id} is not known")
+            with _nixl("status"):
+                state = self._agent.check_xfer_state(xfer)
         return "DONE" if state == "DONE" else "PROC" if state == "PROC" else "ERR"
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:
-            xfer = self._xfers.get(handle.id)
-        if xfer is None:
-            return
-        with _nixl("release"):
-            xfer.release()
-        with self._lock:
-            self._xfers.pop(handle.id, None)
+            xfer = self._xfers.pop(handle.id, None)
+            if xfer is None:
+                return
+            with _nixl("release"):
+                xfer.release()
 
     def notifications(self) -> dict[str, list[bytes]]:
         with _nixl("notifications"):

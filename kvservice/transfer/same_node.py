@@ -26,6 +26,7 @@ from ..errors import Aborted
 from ..kernels import KVRegions, _fused_cpu
 from ..kernels.fused import copy_pages, fused_nbytes
 from ..kernels.streams import on_side_stream, run_on_device
+from . import trace
 from .plan import ChunkMap
 from .sender import Outgoing, Target
 
@@ -61,7 +62,9 @@ class SameNode:
         inc.busy += 1  # from here an abort of the receiver waits until the copy ended
         t0 = time.monotonic()
         try:
+            trace.mark(out.rec.transfer_id, "copy_start")
             nbytes = await self.copy(src, dst, cmap.src, cmap.dst, target)
+            trace.mark(out.rec.transfer_id, "copy_done")
         finally:
             inc.busy -= 1
         us = int((time.monotonic() - t0) * 1e6)

@@ -31,6 +31,7 @@ from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
+from .budget import ByteBudget
 from .plan import ChunkMap, Units, map_chunk
 from .records import Record, TransferTable
 
@@ -117,12 +118,15 @@ class Outgoing:
 class Sender:
     """Outgoing transfers of this service; runs on the event loop. ``mover`` does the bytes."""
 
-    def __init__(self, table: TransferTable, mover: object, workers_per_peer: int = 4) -> None:
+    def __init__(
+        self, table: TransferTable, mover: object, workers_per_peer: int = 64, peer_inflight_mb: int = 1024
+    ) -> None:
         self.table = table
         self.mover = mover
         self.outgoing: dict[tuple[str, str], Outgoing] = {}
-        self._sems: dict[str, asyncio.Semaphore] = {}
+        self._budgets: dict[str, ByteBudget] = {}
         self._workers = workers_per_peer
+        self._inflight = peer_inflight_mb << 20
         self.queue_depth: collections.Counter[str] = collections.Counter()
 
     def enqueue(self, out: Outgoing, chunk: Chunk) -> None:
@@ -137,7 +141,9 @@ class Sender:
 
     async def _run(self, out: Outgoing) -> None:
         rec = out.rec
-        sem = self._sems.setdefault(out.peer_address, asyncio.Semaphore(self._workers))
+        budget = self._budgets.get(out.peer_address)
+        if budget is None:
+            budget = self._budgets[out.peer_address] = ByteBudget(self._inflight, self._workers)
         try:
             while True:
                 self.check_live(out)
@@ -148,7 +154,7 @@ class Sender:
                     continue
                 chunk = out.chunks[0]
                 out.idle.clear()
-                async with sem:
+                async with budget.hold(chunk.src.size * out.bs.layout.page_bytes_all_layers):
                     self.table.update(
                         rec, state="TRANSFERRING", add_queue=int((time.monotonic() - chunk.queued) * 1e6)
                     )

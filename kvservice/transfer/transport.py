@@ -45,12 +45,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from ..errors import DeadlineExceeded, InvalidArgument, TransportError
+from ..kernels import completions
 from .descriptors import ListGeometry
 
 __all__ = [
@@ -67,8 +69,7 @@ __all__ = [
 MemKind = Literal["DRAM", "VRAM"]
 XferState = Literal["PROC", "DONE", "ERR"]
 
-_POLL_MIN_S = 20e-6
-_POLL_MAX_S = 2e-3
+_STOP_CHECK_S = 5e-3  # how often a wait looks at its ``stopped`` (an Abort) while it sleeps
 
 
 @dataclass(frozen=True)
@@ -237,10 +238,10 @@ class Transport(abc.ABC):
         After this returns no byte of ``handle`` can land any more. Raises TransportError (and
         keeps the handle) if it is still ``PROC`` after the peer was removed.
         """
-        state = await self._poll_until(handle, time.monotonic() + timeout_s)
+        state = await self.poll_until(handle, time.monotonic() + timeout_s)
         if state == "PROC":
             self.remove_peer(handle.peer)
-            state = await self._poll_until(handle, time.monotonic() + timeout_s)
+            state = await self.poll_until(handle, time.monotonic() + timeout_s)
         if state == "PROC":
             raise TransportError(
                 f"transfer {handle.id} to {handle.peer} did not settle; memory must stay registered"
@@ -254,7 +255,7 @@ class Transport(abc.ABC):
         Returns on DONE. Raises TransportError on ERR, and DeadlineExceeded at the deadline
         after settling the handle (so no byte lands once this raised).
         """
-        state = await self._poll_until(handle, deadline)
+        state = await self.poll_until(handle, deadline)
         if state == "PROC":
             await self.settle(handle, settle_s)
             raise DeadlineExceeded(f"transfer {handle.id} to {handle.peer} past its deadline")
@@ -262,12 +263,22 @@ class Transport(abc.ABC):
         if state == "ERR":
             raise TransportError(f"transfer {handle.id} to {handle.peer} failed")
 
-    async def _poll_until(self, handle: XferHandle, deadline: float) -> XferState:
-        delay = _POLL_MIN_S
-        while True:
-            state = self.status(handle)
-            left = deadline - time.monotonic()
-            if state != "PROC" or left <= 0:
-                return state
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX_S)
+    async def poll_until(
+        self, handle: XferHandle, deadline: float, stopped: Callable[[], bool] | None = None
+    ) -> XferState:
+        """``handle``'s state once it left ``PROC``, or at ``deadline`` or once ``stopped()`` (it
+        may still be ``PROC`` then). A poller thread watches the request (``completions.polled``):
+        the loop sleeps meanwhile, waking every ``_STOP_CHECK_S`` only to look at ``stopped``."""
+        fut = completions.polled(lambda: self.status(handle) != "PROC", ("transport", id(self)))
+        try:
+            while not fut.done():
+                left = deadline - time.monotonic()
+                if left <= 0 or (stopped is not None and stopped()):
+                    break
+                await asyncio.wait({fut}, timeout=min(left, _STOP_CHECK_S))
+        finally:
+            if not fut.done():
+                fut.cancel()  # its poller job ends once the request settles or is released
+            elif not fut.cancelled():
+                fut.exception()  # retrieved: a request released meanwhile is read below
+        return self.status(handle)

@@ -86,8 +86,11 @@ def main() -> None:
                 path=cmd.get("path", "auto"),
             )
             out["state"] = st.state
+        elif op == "abort":
+            sts = kv.abort(cmd["tid"], reason="test abort")  # type: ignore[union-attr]
+            out["states"] = [s.state for s in sts]
         elif op == "wait":
-            (st,) = kv.wait(cmd["tid"], timeout=60)  # type: ignore[union-attr]
+            (st,) = kv.wait(cmd["tid"], timeout=cmd.get("timeout", 60))  # type: ignore[union-attr]
             out.update(
                 state=st.state,
                 error=st.error,

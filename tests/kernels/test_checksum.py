@@ -47,3 +47,13 @@ def test_wsum64_on_the_gpu_equals_the_cpu_value() -> None:
     assert default_kind(cuda) == "wsum64"
     assert checksum(cuda, "wsum64") == checksum(data, "wsum64")
     assert checksum(cuda, "xxh3") == checksum(data, "xxh3")
+
+
+@pytest.mark.parametrize("n", [0, 4, 4097, (1 << 16) + 4, 3 * (1 << 16) + 12])
+def test_the_triton_wsum64_equals_the_torch_reference(n: int) -> None:
+    """The one-pass Triton reduction (CUDA, or the interpreter here) gives the torch expression's value."""
+    from kvservice.kernels.checksum import _wsum64
+
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert _wsum64(data.to(device), backend="triton") == _wsum64(data, backend="torch")
