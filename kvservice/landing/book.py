@@ -158,6 +158,7 @@ class LandingBook:
             f"landing evicted: transfer {v.inc.rec.transfer_id!r} had {v.pages} landed pages unclaimed for "
             f"{age_ms} ms; they were freed for a newer landing (landing pool full, landing_evict=oldest)",
         )
+        self.release(v)
 
     # -- LANDED, expiry, release -------------------------------------------------------------
     def landed(self, entry: Entry) -> None:
@@ -194,6 +195,12 @@ class LandingBook:
         entry = self.entries.get(key)
         if entry is None or entry.inc.rec is not rec:
             return
+        self.release(entry)
+
+    def release(self, entry: Entry) -> None:
+        """Free a landing whose record ended (idempotent). The table tells ``_ended`` a loop turn
+        after the end; eviction and claims call this at once so the bytes are free on return."""
+        key = (entry.inc.rec.transfer_id, entry.inc.rec.buffer_set_id)
         if entry.timer is not None:
             entry.timer.cancel()
         entry.settled.set()

@@ -79,7 +79,8 @@ async def claim(
         raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
     us = int((time.monotonic() - t0) * 1e6)
     e.table.update(inc.rec, add_unpack=us)
-    e.table.finish(inc.rec, "DONE")  # frees the landing (LandingBook._ended)
+    e.table.finish(inc.rec, "DONE")
+    book.release(entry)  # the bytes are free when the claim returns
     book.count(entry.mem.arena.kind, "claims")
     book.claim_us.append(us)
     del book.claim_us[:-1024]

@@ -364,6 +364,8 @@ class TransferEngine:
         while inc.busy:  # an unpack in progress finishes first
             await asyncio.sleep(0.001)
         self.receiver.release_slots(inc)
+        if inc.landing is not None:  # its landing-pool bytes are free when the abort returns
+            self.landing.release(inc.landing)
 
     async def _tell(self, address: str, transfer_id: str, code: str, reason: str, ticket: str = "") -> None:
         from kvservice_client._proto import peer_pb2
