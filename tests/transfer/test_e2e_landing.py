@@ -315,3 +315,22 @@ def test_expiry_reaches_the_engine_as_a_final_status(pair, make_pool, make_clien
     land(ln, "w1", [1, 2, 3], ttl_ms=150)
     (st,) = ln.kb.wait("w1", timeout=5)
     assert st.state == "FAILED" and "landing expired" in st.error, st
+
+
+def test_a_ttl_that_fires_as_a_claim_begins_does_not_fail_it(make_server, make_pool, make_client) -> None:
+    """The TTL's expiry task and a claim race: once the claim began, the expiry does nothing."""
+    s = make_server(transport="loopback")
+    ln = link((s, s), make_pool, make_client)
+    land(ln, "t1", [1, 2, 3], ttl_ms=60_000)
+    book = s.app.node.transfers.landing
+    entry = book.entries[("t1", ln.b)]
+
+    async def race() -> None:  # the timer's task runs after a claim marked the landing
+        entry.claiming = True
+        await book._expire(entry)
+        entry.claiming = False
+
+    s.call(race())
+    assert [x.state for x in ln.kb.poll(["t1"])] == ["LANDED"]
+    assert ln.kb.claim("t1", ln.b, dst_page_indices=[4, 5, 6]).status.state == "DONE"
+    assert_pages_equal(ln.pb, [4, 5, 6], ln.pa, [1, 2, 3])
