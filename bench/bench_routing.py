@@ -26,6 +26,11 @@ Policies, same trace, same engines, one run:
                holds its prefix when the append is small and that engine's inbound transfers are
                low; otherwise P/D to the best-prefix D that admits (TransferLoad.admits, budget
                ``--budget``), falling back at once to the next D on RESOURCE_EXHAUSTED
+  admission+landing  admission, and a decode engine that cannot allocate the request's pages at
+               once lands the transfer instead (ExpectDelta.landing): the prefill sends at once,
+               its pages are free at LANDED, and the decode engine allocates afterwards (while
+               it waits, its pool holds no idle pre-allocated pages) and claims the landed pages;
+               a refused landing (pool full, budget) falls back to the next decode engine
   admission+dup  the same, plus duplicate-aware eviction on the prefill services
                (duplicate_policy=lower: pages the decode side also holds are evicted first),
                steered by the router: while most later turns of its conversations went back
@@ -35,7 +40,12 @@ Policies, same trace, same engines, one run:
 
 Per policy: ok/total, errors by type, end-to-end and TTFT mean/p50/p90/p99, cached tokens,
 prefill new tokens, prefill-side cached tokens, bytes moved, decode transfer queue mean/p90
-(sampled from MatchPrefix load), pages verified.
+(sampled from MatchPrefix load), pages verified, prefill pages held (page-seconds a request
+pins its pages on the prefill engine, from its prefill until its transfer ended: DONE, or LANDED
+with landing), landing pool peak, claim time.
+
+A request's prefill pin is released when its transfer ended (DONE or LANDED), in every policy: the
+pages stay cached on the prefill engine (evictable), as with SGLang's release-after-transfer.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ import itertools
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -57,7 +67,7 @@ from kvservice_client import Client, KVClientError, Layout, ResourceExhausted, S
 from kvservice_client.hashing import page_hashes
 from routing_trace import Trace, Turn, generate, profile
 
-POLICIES = ("rr", "prefix", "admission", "admission+dup")
+POLICIES = ("rr", "prefix", "admission", "admission+dup", "admission+landing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +88,13 @@ class Model:
     direct_max_append: int = 1024  # tokens a decode engine prefills itself (direct-to-D)
     direct_max_inbound: int = 1  # ... only while its inbound transfers are at most this
     budget: int = 4  # inbound_max_transfers per decode engine (admission policies)
+    landing_pool_mb: int = 64  # per decode node (admission+landing)
+    overlap_prealloc: int = 0  # 1: the decode side declares while the prefill runs (seed 002's shape)
+    landing_always: int = 0  # admission+landing: 1 lands every P/D transfer (no pre-allocation at all)
+    same_host_route: str = "auto"  # "off": P and D services talk as two hosts would (xPyD across nodes)
+
+
+Declared = tuple["Engine", list[int], str, int, list[int]]
 
 
 class Fail(Exception):
@@ -120,6 +137,7 @@ class Engine:
         self.lock = threading.RLock()  # eviction, leases and publishes of this engine, one at a time
         self.compute = threading.Semaphore(1 if role == "P" else m.decode_slots)
         self.evicted_pages = 0
+        self.waiting = 0  # requests waiting in alloc for pages (the pre-allocation queue)
 
     def close(self) -> None:
         self.client.close()
@@ -129,27 +147,51 @@ class Engine:
     def alloc(self, n: int, deadline: float, kind: str) -> list[int]:
         """``n`` free pages, evicting cached ones (the service suggests which) as needed; waits
         (the prealloc queue) until ``deadline``, then fails with ``kind``."""
-        while True:
-            with self.lock:
-                if len(self.free) < n:
-                    want = n - len(self.free)
-                    sug = self.client.suggest_evictions(self.bs, want + len(self.protected) + 16)
-                    take = []
-                    for p in sug.page_indices:  # cut at a protected page: its ancestors follow it
-                        if p in self.protected or len(take) >= want:
-                            break
-                        take.append(p)
-                    if take:
-                        self.client.evict_pages(self.bs, take)
-                        self.free.extend(take)
-                        self.evicted_pages += len(take)
-                if len(self.free) >= n:
-                    out, self.free = self.free[:n], self.free[n:]
-                    self.protected.update(out)
-                    return out
-            if time.monotonic() > deadline:
-                raise Fail(kind)
-            time.sleep(0.005)
+        waited = False
+        try:
+            while True:
+                got = self._alloc_once(n)
+                if got is not None:
+                    return got
+                if time.monotonic() > deadline:
+                    raise Fail(kind)
+                if not waited:
+                    waited = True
+                    with self.lock:
+                        self.waiting += 1
+                time.sleep(0.005)
+        finally:
+            if waited:
+                with self.lock:
+                    self.waiting -= 1
+
+    def _alloc_once(self, n: int) -> list[int] | None:
+        """One try: evict what the service suggests if needed, then take ``n`` free pages or None."""
+        with self.lock:
+            if len(self.free) < n:
+                want = n - len(self.free)
+                sug = self.client.suggest_evictions(self.bs, want + len(self.protected) + 16)
+                take = []
+                for p in sug.page_indices:  # cut at a protected page: its ancestors follow it
+                    if p in self.protected or len(take) >= want:
+                        break
+                    take.append(p)
+                if take:
+                    self.client.evict_pages(self.bs, take)
+                    self.free.extend(take)
+                    self.evicted_pages += len(take)
+            if len(self.free) >= n:
+                out, self.free = self.free[:n], self.free[n:]
+                self.protected.update(out)
+                return out
+        return None
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        """``n`` pages now (evicting cached ones if that suffices), or None: no waiting. None too
+        while others wait for pages: the pre-allocation queue is FIFO, nobody jumps it."""
+        if self.waiting:
+            return None
+        return self._alloc_once(n)
 
     def give(self, pages: list[int]) -> None:
         with self.lock:
@@ -220,6 +262,9 @@ class Result:
     fallbacks: int = 0
     verified_pages: int = 0
     detail: str = ""  # the first words of an RPC error
+    prefill_page_s: float = 0.0  # pages pinned on the prefill engine x seconds (prefill to transfer end)
+    landed: bool = False  # went through the landing pool
+    claim_us: int = 0  # the service's time on the claim
 
 
 class Router:
@@ -231,6 +276,7 @@ class Router:
         self._tid = itertools.count()
         self.busy: collections.Counter[str] = collections.Counter()  # requests this router sent to a P
         self.later: collections.Counter[str] = collections.Counter()  # routes of turns after the first
+        self._pool = ThreadPoolExecutor(128, thread_name_prefix="declare")  # overlap_prealloc
 
     def marks_duplicates(self) -> bool:
         """admission+dup: let the prefill side mark what it sends as a P/D duplicate only while
@@ -246,6 +292,16 @@ class Router:
             ).matches
             out.append((m.matched_pages, m.load, e))
         return out
+
+    def admits(self, e: Engine, prompt: np.ndarray) -> bool:
+        """Whether ``e``'s inbound budget admits a transfer now (one scores-only MatchPrefix)."""
+        (m,) = e.client.match_prefix(
+            tokens=prompt[: self.m.page_size],
+            page_size=self.m.page_size,
+            buffer_set_ids=[e.bs],
+            scores_only=True,
+        ).matches
+        return bool(m.load.admits)
 
     def serve(self, turn: Turn) -> Result:
         m, res = self.m, Result(prompt_tokens=turn.prompt_tokens)
@@ -329,39 +385,52 @@ class Router:
         res.ok, res.e2e_s = True, time.monotonic() - t0
         return res
 
-    # -- prefill -> decode ---------------------------------------------------------------------
-    def _pd(
-        self,
-        turn: Turn,
-        plan: list[tuple[int, Engine]],
-        p: Engine,
-        hashes: np.ndarray,
-        n_pages: int,
-        tid: str,
-        res: Result,
-        t0: float,
-        deadline: float,
-    ) -> Result:
+    def _declare(
+        self, turn: Turn, plan: list[tuple[int, Engine]], n_pages: int, tid: str, res: Result, deadline: float
+    ) -> Declared:
+        """The decode side's declaration: (engine, destination pages, lease, prefix pages, their
+        indices). Refused everywhere (every D over its budget): wait a little and ask again,
+        within the request's deadline. admission+landing: a D without room now gets a landing."""
         m = self.m
-        res.route = "pd"
         keep_cache = self.policy != "rr"
-        d_lease, dst, d, d_done = "", [], None, False
-        # Decode side first: declare where the pages go. Refused everywhere (every D over its
-        # budget): wait a little and ask again, within the request's deadline.
         for cand in itertools.chain.from_iterable(itertools.repeat([c for _, c in plan])):
             if cand is plan[0][1] and res.fallbacks and time.monotonic() > deadline:
                 raise Fail("admission_timeout")
             if cand is plan[0][1] and res.fallbacks >= len(plan):
                 time.sleep(0.02)
+            landing = self.policy == "admission+landing"
+            if landing and not self.admits(cand, turn.prompt):  # over budget: skip it untouched
+                res.fallbacks += 1  # NOTE: no lease, no eviction for a declaration that would be refused
+                continue
             ml = cand.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000)) if keep_cache else None
             have = ml.best.matched_pages if ml is not None and ml.best else 0
             prefix = list(ml.best.page_indices) if ml is not None and ml.best else []
+            pages = (None if m.landing_always else cand.try_alloc(n_pages - have)) if landing else []
             try:
-                pages = cand.alloc(n_pages - have, deadline, "decode_prealloc_timeout")
+                if pages is None:  # no room now: land it, allocate after it landed
+                    left_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+                    cand.client.expect_landing(
+                        tid,
+                        cand.bs,
+                        prefix_pages=have,
+                        pages=n_pages - have,
+                        ttl_ms=left_ms,
+                        deadline_ms=left_ms,
+                        publish_tokens=turn.prompt,
+                        prefix_page_indices=prefix,
+                    )
+                    res.landed = True
+                    return cand, [], ml.lease_id if ml else "", have, prefix
+                pages = pages or cand.alloc(n_pages - have, deadline, "decode_prealloc_timeout")
             except Fail:
                 if ml is not None:
                     cand.release(ml.lease_id)
                 raise
+            except ResourceExhausted:  # landing pool full or over budget: the next candidate
+                if ml is not None:
+                    cand.release(ml.lease_id)
+                res.fallbacks += 1
+                continue
             try:
                 cand.client.expect_delta(
                     tid,
@@ -378,8 +447,31 @@ class Router:
                     cand.release(ml.lease_id)
                 res.fallbacks += 1
                 continue
-            d, dst, d_lease, d_have, d_prefix = cand, pages, ml.lease_id if ml else "", have, prefix
-            break
+            return cand, pages, ml.lease_id if ml else "", have, prefix
+        raise AssertionError("unreachable")
+
+    # -- prefill -> decode ---------------------------------------------------------------------
+    def _pd(
+        self,
+        turn: Turn,
+        plan: list[tuple[int, Engine]],
+        p: Engine,
+        hashes: np.ndarray,
+        n_pages: int,
+        tid: str,
+        res: Result,
+        t0: float,
+        deadline: float,
+    ) -> Result:
+        m = self.m
+        res.route = "pd"
+        keep_cache = self.policy != "rr"
+        d_lease, dst, d, d_done, d_have, d_prefix = "", [], None, False, 0, []
+        declared: Future[Declared] | None = None
+        if m.overlap_prealloc:  # the decode side pre-allocates while the prefill runs (SGLang)
+            declared = self._pool.submit(self._declare, turn, plan, n_pages, tid, res, deadline)
+        else:  # decode side first: declare where the pages go, then prefill
+            d, dst, d_lease, d_have, d_prefix = self._declare(turn, plan, n_pages, tid, res, deadline)
         p_lease, new, published = "", [], False
         try:
             pl = p.match(turn.prompt, lease_ms=int(m.request_timeout_s * 1000))
@@ -391,7 +483,10 @@ class Router:
             new = p.alloc(n_pages - p_have, deadline, "prefill_alloc_timeout")
             p.write(new, hashes[p_have:])
             src, p_lease = p.settle(turn.prompt, p_prefix + new, p_lease)
-            published = True
+            published, t_pinned = True, time.monotonic()
+            if declared is not None:  # the prefill is done and pinned: wait for the decode side
+                d, dst, d_lease, d_have, d_prefix = declared.result()
+            assert d is not None
             p.client.send_delta(
                 tid,
                 p.bs,
@@ -405,11 +500,30 @@ class Router:
             res.cached_tokens = res.p_cached_tokens
             left = max(deadline - time.monotonic(), 0.01)
             try:
-                (st,) = d.client.wait(tid, timeout=left)
+                (st,) = (
+                    d.client.wait_landed(tid, timeout=left)
+                    if res.landed
+                    else d.client.wait(tid, timeout=left)
+                )
             except KVClientError:
                 raise Fail("transfer_timeout") from None
-            if st.state != "DONE":
+            if st.state != ("LANDED" if res.landed else "DONE"):
                 raise Fail(f"transfer_{st.error_code or st.state}".lower())
+            res.prefill_page_s = len(src) * (time.monotonic() - t_pinned)
+            p.release(p_lease)  # the transfer ended (DONE or LANDED): the prefill pages are free
+            p_lease = ""
+            if res.landed:  # now the decode engine allocates, then claims the landed pages
+                dst = d.alloc(n_pages - d_have, deadline, "decode_prealloc_timeout")
+                try:
+                    c = d.client.claim(
+                        tid,
+                        d.bs,
+                        dst_page_indices=dst,
+                        wait_ms=max(int((deadline - time.monotonic()) * 1000), 1),
+                    )
+                except KVClientError as exc:
+                    raise Fail(f"claim_{type(exc).__name__}") from None
+                st, res.claim_us = c.status, c.claim_us
             d_done = keep_cache  # published by the service on DONE: cached, no longer ours to free
             res.bytes_moved = st.bytes_sent
             if not d.verify(dst, hashes[d_have:]):
@@ -425,18 +539,21 @@ class Router:
         except BaseException:
             if not published:
                 p.give(new)
-            try:
-                d.client.abort(tid, "request failed")
-            except KVClientError:
-                pass
-            if d_done:
-                d.unprotect(dst)
-            else:
-                d.give(dst)  # never published (or aborted): back to the free list
+            if d is None and declared is not None:  # the prefill failed first: undo the declaration
+                with contextlib.suppress(BaseException):
+                    d, dst, d_lease, d_have, d_prefix = declared.result()
+            if d is not None:
+                with contextlib.suppress(KVClientError):
+                    d.client.abort(tid, "request failed")
+                if d_done:
+                    d.unprotect(dst)
+                else:
+                    d.give(dst)  # never published (or aborted): back to the free list
             raise
         finally:
             p.release(p_lease)
-            d.release(d_lease)
+            if d is not None:
+                d.release(d_lease)
         res.ok, res.e2e_s = True, time.monotonic() - t0
         return res
 
@@ -534,8 +651,11 @@ def run_policy(
 ) -> dict[str, Any]:
     admission = policy.startswith("admission")
     p_env = {"KVSERVICE_DUPLICATE_POLICY": "lower" if policy == "admission+dup" else "off",
-             "KVSERVICE_DUPLICATE_CHECK_MS": "200"}  # fmt: skip
-    with Services(n_p, env=p_env) as ps, Services(n_d, env={"KVSERVICE_DUPLICATE_POLICY": "off"}) as ds:
+             "KVSERVICE_DUPLICATE_CHECK_MS": "200",
+             "KVSERVICE_SAME_HOST_ROUTE": m.same_host_route}  # fmt: skip
+    d_env = {"KVSERVICE_DUPLICATE_POLICY": "off", "KVSERVICE_LANDING_POOL_MB": str(m.landing_pool_mb),
+             "KVSERVICE_SAME_HOST_ROUTE": m.same_host_route}  # fmt: skip
+    with Services(n_p, env=p_env) as ps, Services(n_d, env=d_env) as ds:
         P = [Engine(f"prefill-{i}", "P", a, m) for i, a in enumerate(ps.addresses)]
         D = [
             Engine(f"decode-{i}", "D", a, m, m.budget if admission else 0) for i, a in enumerate(ds.addresses)
@@ -552,6 +672,7 @@ def run_policy(
                 next(b.duplicated_pages for b in e.client.get_stats().buffer_sets if b.buffer_set_id == e.bs)
                 for e in P
             ]
+            landing = [ls for e in D for ls in e.client.get_stats().landing]
         finally:
             for e in P + D:
                 e.close()
@@ -578,6 +699,18 @@ def run_policy(
             "max": float(qs.max()),
         },
         "pages_verified": sum(r.verified_pages for r in ok),
+        "prefill_page_s": sum(r.prefill_page_s for r in results),
+        "landed": sum(r.landed for r in ok),
+        "claim_us": summarize([r.claim_us / 1e6 for r in ok if r.landed]),
+        "landing_pool": {
+            "peak_bytes": max((ls.peak_bytes for ls in landing), default=0),
+            "capacity_bytes": max((ls.capacity_bytes for ls in landing), default=0),
+            "claims": sum(ls.claims for ls in landing),
+            "expired": sum(ls.expired for ls in landing),
+            "evicted": sum(ls.evicted for ls in landing),
+            "refused": sum(ls.refused for ls in landing),
+            "in_use_at_end": sum(ls.used_bytes for ls in landing),
+        },
         "router_match_prefix_under_load": summarize(q.call_s),
         "prefill_evicted_pages": sum(e.evicted_pages for e in P),
         "prefill_duplicated_pages_at_end": dup_pages,
@@ -679,6 +812,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--latency-only", action="store_true", help="only the router call latencies")
     ap.add_argument("--skip-replay", action="store_true", help="no timed replay (eviction, latency)")
+    ap.add_argument("--replay-only", action="store_true", help="only the timed replay (no eviction, latency)")
     for f in dataclasses.fields(Model):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     args = ap.parse_args()
@@ -710,13 +844,16 @@ def main() -> None:
                     f"{shape:12s} {cfg} {policy:14s} ok {r['ok']}/{r['total']} errors {r['errors']} "
                     f"e2e p50 {r['e2e'].get('p50_ms', 0):.0f} p99 {r['e2e'].get('p99_ms', 0):.0f} ms  "
                     f"cached {r['cached_tokens']}  P-cached {r['prefill_cached_tokens']}  "
-                    f"queue mean {q['mean']:.2f} p90 {q['p90']:.0f}",
+                    f"queue mean {q['mean']:.2f} p90 {q['p90']:.0f}  "
+                    f"ttft p99 {r['ttft'].get('p99_ms', 0):.0f} ms  "
+                    f"P page-s {r['prefill_page_s']:.0f}  landed {r['landed']} "
+                    f"peak {r['landing_pool']['peak_bytes'] >> 20} MiB",
                     file=sys.stderr,
                 )
     # Eviction alone: the same requests one at a time (no timing), LRU vs duplicate-aware on P.
     eviction = []
     seq_model = dataclasses.replace(m, prefill_us_per_token=0.0, decode_ms_per_token=0.0, time_scale=0.0)
-    for shape in [] if args.latency_only else args.shapes.split(","):
+    for shape in [] if args.latency_only or args.replay_only else args.shapes.split(","):
         trace = generate(shape, args.seed, scale)
         if args.small:
             trace = Trace(trace.shape, trace.seed, trace.sessions[:10])
@@ -730,13 +867,15 @@ def main() -> None:
                 f"P-evicted {r['prefill_evicted_pages']} errors {r['errors']}",
                 file=sys.stderr,
             )
-    latency = router_latency(50 if args.small else 300)
-    print(
-        f"router calls: MatchPrefix 128K scores p50 {latency['match_prefix_128k_scores']['p50_ms']:.2f} ms, "
-        f"over-budget ExpectDelta p50 {latency['expect_delta_refused']['p50_ms']:.2f} ms, "
-        f"health p50 {latency['health']['p50_ms']:.2f} ms",
-        file=sys.stderr,
-    )
+    latency = {} if args.replay_only else router_latency(50 if args.small else 300)
+    if latency:
+        print(
+            "router calls: MatchPrefix 128K scores p50 "
+            f"{latency['match_prefix_128k_scores']['p50_ms']:.2f} ms, "
+            f"over-budget ExpectDelta p50 {latency['expect_delta_refused']['p50_ms']:.2f} ms, "
+            f"health p50 {latency['health']['p50_ms']:.2f} ms",
+            file=sys.stderr,
+        )
     tag = "cpu" + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
     write_json(
         args.out,

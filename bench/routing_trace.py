@@ -11,6 +11,9 @@ Shapes (defaults, token counts scaled to a CPU run; the notes' traces are larger
                  medium appends
   small-append   81 requests in 28 sessions, 53 of them later turns, with small appends (the
                  notes' filtered trace: where direct-to-decode pays)
+  long-prompt    96 requests in 24 sessions with long prompts (4-8K shared system prefix, 2-6K
+                 first turns): with small decode pools, decode pre-allocation is the bottleneck
+                 (seed 002's #prealloc-req; issue 31's landing benchmark)
 
 ``generate(shape, seed)`` is deterministic for a seed (tests check it).
 """
@@ -41,6 +44,7 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     "micro": Shape(58, 316, 6, (1024, 3072), (512, 2048), (256, 1536), (32, 256), 1.5, 20.0),
     "small-append": Shape(28, 81, 4, (1024, 3072), (1024, 4096), (32, 256), (32, 512), 2.0, 12.0),
+    "long-prompt": Shape(24, 96, 4, (4096, 8192), (2048, 6144), (256, 1024), (32, 256), 1.5, 10.0),
 }
 
 

@@ -31,6 +31,7 @@ if [ "$1" = x1 ]; then
   T=60 run bench/bench_launch.py --layers 1 --tag _64k   # the Python launch floor (native decision)
   T=60 run bench/bench_launch.py --layers 32 --tag _2m
   T=60 run bench/bench_control.py --same-node
+  T=90 run bench/bench_landing.py --device cuda --mib 64   # issue 31: claim <= copy + 0.3 ms
   T=70 run bench/bench_transfer.py --device cpu --layers 32 --pages 256 --pool-pages 512 --iters 3 --tag host16
 else
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto,packed

@@ -199,6 +199,21 @@ class Config:
         "them (the P/D duplicate): 'keep' (mark only), 'lower' (eviction priority lowered to "
         "duplicate_priority while the mark holds) or 'off' (no marks).",
     )
+    landing_pool_mb: int = _opt(
+        512,
+        "Landing pool per memory location (host memory; each GPU with CUDA buffer sets), MiB: landing "
+        "transfers (ExpectDelta.landing) land here until claimed. Allocated at its first landing; a "
+        "declaration that does not fit is refused at once (RESOURCE_EXHAUSTED).",
+    )
+    landing_ttl_ms: int = _opt(
+        10_000, "How long landed pages wait for a Claim when the declaration gives no TTL."
+    )
+    landing_max_ttl_ms: int = _opt(600_000, "Largest landing TTL a declaration may ask for.")
+    landing_evict: str = _opt(
+        "never",
+        "When a landing does not fit: 'never' (refuse it) or 'oldest' (end the oldest LANDED, unclaimed "
+        "landings FAILED 'landing evicted' if that makes it fit, else refuse without evicting).",
+    )
     duplicate_priority: int = _opt(-1000, "Eviction priority of duplicated pages under policy 'lower'.")
     duplicate_check_ms: int = _opt(
         1000,
@@ -295,6 +310,12 @@ class Config:
                 raise ConfigError(f"{name}: must be >= 0 (0: unlimited)")
         if self.duplicate_policy not in ("keep", "lower", "off"):
             raise ConfigError(f"duplicate_policy: {self.duplicate_policy!r} is not 'keep', 'lower' or 'off'")
+        if not 1 <= self.landing_pool_mb <= 1 << 20:
+            raise ConfigError("landing_pool_mb: must be in 1..1048576")
+        if not 1 <= self.landing_ttl_ms <= self.landing_max_ttl_ms:
+            raise ConfigError("landing_ttl_ms: must be in 1..landing_max_ttl_ms")
+        if self.landing_evict not in ("never", "oldest"):
+            raise ConfigError(f"landing_evict: {self.landing_evict!r} is not 'never' or 'oldest'")
         if not -(2**31) <= self.duplicate_priority < 2**31:
             raise ConfigError("duplicate_priority: must fit in int32")
         if not 50 <= self.duplicate_check_ms <= 3_600_000:

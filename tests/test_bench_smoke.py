@@ -22,6 +22,7 @@ BENCHES = [
     "bench_control",
     "bench_events",
     "bench_convert",
+    "bench_landing",
 ]
 
 pytestmark = [
@@ -73,10 +74,12 @@ def test_bench_routing_small_replays_every_policy(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("routing_*.json")
     report = json.loads(path.read_text())
-    assert [r["policy"] for r in report["runs"]] == ["rr", "prefix", "admission", "admission+dup"]
+    policies = ["rr", "prefix", "admission", "admission+dup", "admission+landing"]
+    assert [r["policy"] for r in report["runs"]] == policies
     for r in report["runs"]:
         assert r["total"] == report["runs"][0]["total"] > 0
         assert r["errors"].get("kv_mismatch", 0) == 0, r
+        assert r["landing_pool"]["in_use_at_end"] == 0, r  # no landing byte left behind
         assert r["ok"] > 0 and (r["pages_verified"] > 0 or r["routes"].get("direct", 0) == r["ok"]), r
     assert report["router_calls"]["expect_delta_refused"]["n"] > 0
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from routing_trace import generate, profile  # noqa: E402
 
 
-@pytest.mark.parametrize("shape", ["micro", "small-append"])
+@pytest.mark.parametrize("shape", ["micro", "small-append", "long-prompt"])
 def test_same_seed_same_trace_other_seed_other_trace(shape: str) -> None:
     a, b, c = generate(shape, 7), generate(shape, 7), generate(shape, 8)
 
@@ -35,6 +35,9 @@ def test_shapes_match_the_notes() -> None:
     small = profile(generate("small-append", 0), 16)
     assert (small["requests"], small["sessions"], small["later_turns"]) == (81, 28, 53)
     assert small["append_tokens_later"]["mean"] < micro["append_tokens_later"]["mean"]
+    long = profile(generate("long-prompt", 0), 16)  # issue 31: decode pre-allocation is the bottleneck
+    assert (long["requests"], long["sessions"]) == (96, 24)
+    assert long["prompt_tokens"]["mean"] > micro["prompt_tokens"]["mean"] > small["prompt_tokens"]["mean"]
 
 
 def test_each_turn_extends_the_conversation() -> None:

@@ -2,6 +2,8 @@
 //
 // A router asks any kvservice which engine already holds a prompt's prefix (MatchPrefix), may
 // pin that prefix with a lease until the request is placed, and watches transfers and health.
+// Routers that place transfers themselves may declare landing transfers (ExpectLanding) and
+// claim them (Claim); MatchPrefix reports landed pages a decode engine can claim.
 // The generated messages and stubs live in the kvservicev1 package (tools/gen_protos.py --go);
 // this package wraps the calls a router makes with typed results and one error convention:
 // errors are gRPC status errors (status.Code(err) tells INVALID_ARGUMENT from NOT_FOUND...).
@@ -164,6 +166,10 @@ type PrefixMatch struct {
 	PageIndices  []uint32
 	MinPriority  int32
 	Load         TransferLoad // can it take a transfer now (see TransferLoad)
+	// LandedPages: leading prompt pages this buffer set can have by claiming LandedTransferID, a
+	// transfer LANDED in its node's landing pool (its prefix included); 0 when none matches.
+	LandedPages      uint32
+	LandedTransferID string
 }
 
 // TransferLoad is one buffer set's transfer load as MatchPrefix reports it: routers admit a
@@ -180,6 +186,8 @@ type TransferLoad struct {
 	MaxBytes            uint64
 	Refused             uint64 // ExpectDeltas refused over budget since registration
 	Admits              bool   // under both budgets now
+	LandedTransfers     uint32 // LANDED in the landing pool, waiting for a claim (not inbound)
+	LandedBytes         uint64
 }
 
 func loadOf(l *pb.TransferLoad) TransferLoad {
@@ -192,7 +200,7 @@ func loadOf(l *pb.TransferLoad) TransferLoad {
 		InboundP50: time.Duration(l.InboundP50Us) * time.Microsecond,
 		InboundP99: time.Duration(l.InboundP99Us) * time.Microsecond, InboundSamples: l.InboundSamples,
 		MaxTransfers: l.InboundMaxTransfers, MaxBytes: l.InboundMaxBytes, Refused: l.InboundRefused,
-		Admits: l.Admits,
+		Admits: l.Admits, LandedTransfers: l.LandedTransfers, LandedBytes: l.LandedBytes,
 	}
 }
 
@@ -268,10 +276,68 @@ func (c *Client) MatchPrefix(ctx context.Context, key Key, pageSize uint32, o Ma
 		out.Matches = append(out.Matches, PrefixMatch{
 			BufferSetID: m.BufferSetId, EngineID: m.EngineId, TPRank: m.TpRank, DPRank: m.DpRank,
 			MatchedPages: m.MatchedPages, PageIndices: m.PageIndices, MinPriority: m.MinPriority,
-			Load: loadOf(m.Load),
+			Load: loadOf(m.Load), LandedPages: m.LandedPages, LandedTransferID: m.LandedTransferId,
 		})
 	}
 	return out, nil
+}
+
+// BestClaimable is the candidate that can have the most prompt pages by claiming a landed
+// transfer (LandedPages > MatchedPages), or nil: a router sends the turn to that engine, which
+// claims LandedTransferID instead of waiting for a new transfer.
+func (m *MatchResult) BestClaimable() *PrefixMatch {
+	var best *PrefixMatch
+	for i := range m.Matches {
+		c := &m.Matches[i]
+		if c.LandedPages > c.MatchedPages && (best == nil || c.LandedPages > best.LandedPages) {
+			best = c
+		}
+	}
+	return best
+}
+
+// Landing declares a landing transfer (see ExpectLanding).
+type Landing struct {
+	Pages             uint32        // delta pages to land; 0: every page of PublishTokens past PrefixPages
+	TTL               time.Duration // kept this long after LANDED for a claim (0: the service default)
+	PrefixPages       uint32        // leading pages the claimer already holds (senders skip them)
+	PrefixPageIndices []uint32      // their page indices (needed with PublishTokens)
+	PublishTokens     []uint32      // the whole sequence: routers then see the landed pages in MatchPrefix
+	Deadline          time.Duration // for the pages to land (0: the service default)
+	SenderAddress     string        // the sending engine's kvservice, when known
+	ExpectedSenders   uint32        // 0: derived from the layouts
+}
+
+// ExpectLanding declares transferID into the landing pool of bufferSetID's node, without
+// destination pages: the pages land (LANDED; the senders' pages are then free) and the engine
+// claims them when it has allocated (Claim). ctx must carry the owning session (WithSession).
+// RESOURCE_EXHAUSTED at once when the landing pool cannot hold them: fall back to plain P/D.
+func (c *Client) ExpectLanding(ctx context.Context, transferID, bufferSetID string, l Landing) (*pb.TransferStatus, error) {
+	req := &pb.ExpectDeltaRequest{
+		TransferId: transferID, BufferSetId: bufferSetID, PrefixPages: l.PrefixPages,
+		PrefixPageIndices: l.PrefixPageIndices, DeadlineMs: uint32(l.Deadline / time.Millisecond),
+		SenderAddress: l.SenderAddress, ExpectedSenders: l.ExpectedSenders,
+		Landing: &pb.Landing{Pages: l.Pages, TtlMs: uint32(l.TTL / time.Millisecond)},
+	}
+	if l.PublishTokens != nil {
+		req.Publish = &pb.ExpectDeltaRequest_PublishTokens{PublishTokens: Tokens(l.PublishTokens).tokenIds()}
+	}
+	r, err := c.kv.ExpectDelta(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return r.Status, nil
+}
+
+// Claim copies landed transferID into dstPages of bufferSetID (one per landed page, in sequence
+// order); the returned status is DONE. A transfer still arriving is waited for up to wait (0:
+// until its deadline). FAILED_PRECONDITION names what became of a transfer that can no longer be
+// claimed (landing expired, evicted, aborted). ctx must carry the owning session.
+func (c *Client) Claim(ctx context.Context, transferID, bufferSetID string, dstPages []uint32, wait time.Duration) (*pb.ClaimResponse, error) {
+	return c.kv.Claim(ctx, &pb.ClaimRequest{
+		TransferId: transferID, BufferSetId: bufferSetID, DstPageIndices: dstPages,
+		WaitMs: uint32(wait / time.Millisecond),
+	})
 }
 
 // ReleaseLease drops a lease before its expiry (same session as the MatchPrefix that took it).

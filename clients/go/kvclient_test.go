@@ -314,3 +314,72 @@ func writePEM(t *testing.T, path, kind string, der []byte) {
 		t.Fatal(err)
 	}
 }
+
+// A landing transfer: declared without destination pages, landed by a send from another engine
+// of the same service, seen by MatchPrefix as claimable, claimed into the decode engine's pages.
+func TestRouterSeesAndClaimsALandedTransfer(t *testing.T) {
+	addr := liveService(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c, err := kvclient.Dial(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := c.OpenSession(ctx, "go-landing-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.CloseSession(ctx, s) }()
+	sctx := kvclient.WithSession(ctx, s)
+	prompt := make([]uint32, 96) // 6 pages
+	for i := range prompt {
+		prompt[i] = uint32(5000 + i)
+	}
+	bsP := engine(t, ctx, c, s, "prefill", prompt)     // holds all 6 pages at 0..5
+	bsD := engine(t, ctx, c, s, "decode", prompt[:16]) // holds page 0 only
+
+	st, err := c.ExpectLanding(sctx, "go-l1", bsD, kvclient.Landing{PrefixPages: 1, PrefixPageIndices: []uint32{0},
+		PublishTokens: prompt, TTL: 30 * time.Second})
+	if err != nil || st.State != pb.TransferState_TRANSFER_STATE_PENDING {
+		t.Fatalf("ExpectLanding: %v %v", st, err)
+	}
+	if _, err := c.Raw().SendDelta(sctx, &pb.SendDeltaRequest{TransferId: "go-l1", BufferSetId: bsP,
+		SrcPageIndices: []uint32{0, 1, 2, 3, 4, 5}, LastChunk: true, PeerAddress: addr}); err != nil {
+		t.Fatal(err)
+	}
+	var last pb.TransferState
+	err = c.WatchTransfers(ctx, s, []string{"go-l1"}, func(st *pb.TransferStatus) bool {
+		if st.Role == pb.TransferRole_TRANSFER_ROLE_RECEIVER {
+			last = st.State
+		}
+		return last != pb.TransferState_TRANSFER_STATE_LANDED && last < pb.TransferState_TRANSFER_STATE_DONE
+	})
+	if err != nil || last != pb.TransferState_TRANSFER_STATE_LANDED {
+		t.Fatalf("watch: last receiver state %v, err %v", last, err)
+	}
+	m, err := c.MatchPrefix(ctx, kvclient.Tokens(prompt), 16, kvclient.MatchOptions{ScoresOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	best := m.BestClaimable()
+	if best == nil || best.BufferSetID != bsD || best.MatchedPages != 1 || best.LandedPages != 6 ||
+		best.LandedTransferID != "go-l1" || best.Load.LandedTransfers != 1 || best.Load.LandedBytes != 5*2*256 {
+		t.Fatalf("claimable = %+v of %+v", best, m)
+	}
+	if _, err := c.Claim(sctx, "go-l1", bsD, []uint32{1, 2, 3}, time.Second); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("a claim of 3 pages for 5 landed: %v", err)
+	}
+	r, err := c.Claim(sctx, "go-l1", bsD, []uint32{1, 2, 3, 4, 5}, time.Second)
+	if err != nil || r.Status.State != pb.TransferState_TRANSFER_STATE_DONE {
+		t.Fatalf("claim: %v %v", r, err)
+	}
+	if _, err := c.Claim(sctx, "go-l1", bsD, []uint32{1, 2, 3, 4, 5}, time.Second); status.Code(err) != codes.FailedPrecondition ||
+		!strings.Contains(err.Error(), "ended DONE") {
+		t.Fatalf("a second claim must say the transfer ended: %v", err)
+	}
+	m, err = c.MatchPrefix(ctx, kvclient.Tokens(prompt), 16, kvclient.MatchOptions{BufferSetIDs: []string{bsD}})
+	if err != nil || m.Matches[0].MatchedPages != 6 || m.BestClaimable() != nil {
+		t.Fatalf("after the claim the decode engine holds the prompt: %+v %v", m, err)
+	}
+}

@@ -15,6 +15,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ._landing import landing_metrics
+
 __all__ = ["NodeCollector"]
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,14 @@ class NodeCollector(Collector):
         )
         info.add_metric((self._version, str(self._node.service_id), self._node.config.transport), 1)
         yield info
-        for part in (self._sessions, self._transfers, self._engines, self._staging, self._index):
+        for part in (
+            self._sessions,
+            self._transfers,
+            self._engines,
+            self._staging,
+            self._index,
+            self._landing,
+        ):
             try:
                 yield from part()
             except Exception:
@@ -187,6 +196,9 @@ class NodeCollector(Collector):
             fams["slots"].add_metric(key, st.slots_in_use)
             fams["waiters"].add_metric(key, st.waiters)
         yield from fams.values()
+
+    def _landing(self) -> Iterator[Metric]:
+        yield from landing_metrics(self._node.transfers)
 
     def _index(self) -> Iterator[Metric]:
         st = self._node.index.stats()

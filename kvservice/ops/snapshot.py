@@ -29,7 +29,7 @@ PROBE_TIMEOUT_S = 0.25
 @dataclasses.dataclass(frozen=True)
 class InFlightGroup:
     role: str  # "sender" | "receiver"
-    phase: str  # receiver: "declared" | "receiving"; sender: one of _SENDER_PHASES
+    phase: str  # receiver: "declared" | "receiving" | "landed"; sender: one of _SENDER_PHASES
     transfers: int
     bytes: int  # moved so far
 
@@ -61,6 +61,8 @@ def phase_of(rec: Any) -> tuple[str, str]:
     """
     role = str(rec.role).lower()
     if role == "receiver":
+        if rec.state == "LANDED":  # in the landing pool, waiting for a claim (kvservice.landing)
+            return role, "landed"
         return role, "receiving" if rec.bytes_sent or rec.state == "TRANSFERRING" else "declared"
     timings = getattr(rec, "timings_us", {}) or {}
     last = max((i for i, p in enumerate(_SENDER_PHASES) if timings.get(p, 0) > 0), default=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from kvservice_client._proto import common_pb2, kvservice_pb2
 from ..buffers import BufferSet
 from ..errors import InvalidArgument
 from ..index import IndexStats, Match
+from ..landing import LandedMatch, LandingStats
 from ..staging import StagingStats
 from ..transfer.load import Load
 from ..transfer.records import Record
@@ -68,7 +70,7 @@ def buffer_set_info(bs: BufferSet, indexed_pages: int) -> kvservice_pb2.BufferSe
 
 STATE_PB = {
     s: getattr(common_pb2, f"TRANSFER_STATE_{s}")
-    for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED")
+    for s in ("PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED", "LANDED")
 }
 _ROLE = {"SENDER": kvservice_pb2.TRANSFER_ROLE_SENDER, "RECEIVER": kvservice_pb2.TRANSFER_ROLE_RECEIVER}
 _PATH = {
@@ -134,8 +136,10 @@ def key(request: object, tokens_field: str) -> tuple[np.ndarray | None, np.ndarr
     return None, None
 
 
-def prefix_match(m: Match, load: Load) -> kvservice_pb2.PrefixMatch:
+def prefix_match(m: Match, load: Load, landed: LandedMatch | None = None) -> kvservice_pb2.PrefixMatch:
     return kvservice_pb2.PrefixMatch(
+        landed_pages=landed.pages if landed is not None else 0,
+        landed_transfer_id=landed.transfer_id if landed is not None else "",
         buffer_set_id=m.buffer_set_id,
         engine_id=m.engine_id,
         tp_rank=m.tp_rank,
@@ -160,7 +164,13 @@ def transfer_load(ld: Load) -> kvservice_pb2.TransferLoad:
         inbound_max_bytes=ld.budget.max_bytes,
         inbound_refused=ld.inbound_refused,
         admits=ld.admits,
+        landed_transfers=ld.landed_transfers,
+        landed_bytes=ld.landed_bytes,
     )
+
+
+def landing_stats(st: LandingStats) -> kvservice_pb2.LandingStats:
+    return kvservice_pb2.LandingStats(**dataclasses.asdict(st))
 
 
 def index_stats(st: IndexStats) -> kvservice_pb2.IndexStats:

@@ -13,6 +13,7 @@ from kvservice_client._proto import kvservice_pb2_grpc
 from kvservice_client._security import BEARER_METADATA_KEY
 
 from ..identity import certificate_identity
+from ..landing import claim
 from ..node import Node
 from ..ops import AdminPolicy, PeerRtts, RecentTransfers
 from ..sessions import Session
@@ -135,8 +136,10 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             request.lease_ttl_ms,
         )
         resp = pb.MatchPrefixResponse(query_pages=int(hashes.size))
+        landing = node.transfers.landing if node.transfers is not None else None
         for m in matches:
-            resp.matches.append(convert.prefix_match(m, node.load_of(m.buffer_set_id)))
+            landed = landing.match(hashes, m.buffer_set_id) if landing is not None else None
+            resp.matches.append(convert.prefix_match(m, node.load_of(m.buffer_set_id), landed))
         if lease is not None:
             resp.lease_id, resp.lease_expires_unix_ms = lease.lease_id, lease.expires_unix_ms
         return resp
@@ -178,6 +181,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         trace.mark(request.transfer_id, "expect_rpc")
         engine = self.node.require_transfers("ExpectDelta")
         which = request.WhichOneof("publish")
+        landing = request.landing if request.HasField("landing") else None
         inc = build_incoming(
             engine,
             session_id,
@@ -196,9 +200,30 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             else None,
             prefix_page_indices=request.prefix_page_indices,
             allowed_senders=request.allowed_senders,
+            landing_pages=landing.pages if landing is not None else None,
         )
-        rec = await engine.expect(inc, request.sender_address)
+        if landing is not None:
+            rec = await engine.landing.expect(inc, landing.ttl_ms, request.sender_address)
+        else:
+            rec = await engine.expect(inc, request.sender_address)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
+
+    async def _claim(self, request: pb.ClaimRequest, session_id: str) -> pb.ClaimResponse:
+        engine = self.node.require_transfers("Claim")
+        rec, us = await claim(
+            engine.landing,
+            session_id,
+            request.transfer_id,
+            request.buffer_set_id,
+            request.dst_page_indices,
+            request.wait_ms,
+        )
+        return pb.ClaimResponse(status=convert.transfer_status(rec), claim_us=us)
+
+    @grpc_errors
+    @replayable
+    async def Claim(self, request: pb.ClaimRequest, context: Ctx) -> pb.ClaimResponse:
+        return await self._claim(request, self._session(context))
 
     async def _send(self, request: pb.SendDeltaRequest, session_id: str) -> pb.SendDeltaResponse:
         engine = self.node.require_transfers("SendDelta")
@@ -262,7 +287,14 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     ) -> AsyncIterator[pb.TransferEvent]:
         engine = self.node.require_transfers("Transfers")
         stream = TransferStream(
-            self._session(context), engine, self.replay, self._expect, self._send, self._abort, self.limits
+            self._session(context),
+            engine,
+            self.replay,
+            self._expect,
+            self._send,
+            self._abort,
+            self.limits,
+            claim=self._claim,
         )
         async for event in stream.serve(request_iterator):
             yield event

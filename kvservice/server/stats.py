@@ -52,6 +52,8 @@ def stats_response(
     if engine is not None:
         for st in engine.staging_stats():
             resp.staging.append(convert.staging_stats(st))
+        for ls in engine.landing.stats():
+            resp.landing.append(convert.landing_stats(ls))
         resp.transfers.CopyFrom(convert.transfer_counts(engine))
         for g in in_flight(engine.table.live()):
             resp.in_flight.append(

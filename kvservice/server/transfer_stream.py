@@ -2,14 +2,15 @@
 
 One stream per session, held open by the engine (DESIGN.md, data path v2 §5 and v3 §4)::
 
-    engine ──TransferCall(call_id, expect_delta | send_delta | abort)──▶ read loop ─▶ domain call
+    engine ──TransferCall(call_id, expect_delta | send_delta | abort | claim)──▶ read loop ─▶ call
     engine ◀─TransferEvent(call_id, answer | error)──────────────────────── out queue ◀┘
     engine ◀─TransferEvent(0, status)─── TransferTable.subscribe(session): a side ended
 
 Calls are run one after another in arrival order (an ExpectDelta answered before the SendDelta
-sent after it is read), except Abort, which waits for the transfer to settle and so runs beside
-later calls. A call with a ``request_id`` goes through the servicer's replay cache, so a call
-whose answer a broken stream lost can be made again (here or unary) and runs once. Status
+sent after it is read), except Abort, which waits for the transfer to settle, and Claim, which
+may wait for a landing to arrive: they run beside later calls. A call with a ``request_id`` goes
+through the servicer's replay cache, so a call whose answer a broken stream lost can be made
+again (here or unary) and runs once. Status
 events are built from the record when it turns terminal (no snapshot, no watch per transfer).
 A refused call is answered with a ``CallError`` carrying the status the unary call would have
 ended with; the stream itself ends only when the engine closes it or breaks a rule of the
@@ -53,11 +54,14 @@ class TransferStream:
         send: Handler,
         abort: Handler,
         limits: CallLimits | None = None,
+        claim: Handler | None = None,
     ) -> None:
         self.session_id = session_id
         self.engine = engine
         self.replay = replay
         self._handlers: dict[str, Handler] = {"expect_delta": expect, "send_delta": send, "abort": abort}
+        if claim is not None:
+            self._handlers["claim"] = claim
         self._queue: asyncio.Queue[pb.TransferEvent | BaseException | None] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._aborts: set[asyncio.Task[None]] = set()
@@ -130,7 +134,10 @@ class TransferStream:
                 field, _, why = breach.partition(": ")
                 self._put(_error(call.call_id, InvalidArgument(field, why)))
                 continue
-            if which == "abort":  # settles the transfer first: later calls do not wait for it
+            if which not in self._handlers:
+                self._put(_error(call.call_id, InvalidArgument("call", f"{which} is not served here")))
+                continue
+            if which in ("abort", "claim"):  # may wait (settle, landing): later calls do not wait for it
                 task = asyncio.ensure_future(self._answer(call, which))
                 self._aborts.add(task)
                 task.add_done_callback(self._aborts.discard)

@@ -120,6 +120,9 @@ class TransferEngine:
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.sender = Sender(self.table, self.mover, cfg.workers_per_peer, cfg.peer_inflight_mb)
         self.duplicates = DuplicateBook(self)
+        from ..landing import LandingBook  # NOTE: the landing pool's receivers use this engine
+
+        self.landing = LandingBook(self)
         self.peer_names = PeerNames(cfg, address)
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
@@ -347,9 +350,10 @@ class TransferEngine:
 
     async def _abort_in(self, inc: Incoming, code: str, reason: str, notify: bool, origin: str = "") -> None:
         state = "ABORTED" if code == "ABORTED" else "FAILED"
+        landed = inc.rec.state == "LANDED"  # its senders are done: nobody to tell
         if not self.table.finish(inc.rec, state, code, reason):
             return
-        if notify:  # senders settle their in-flight writes before they answer
+        if notify and not landed:  # senders settle their in-flight writes before they answer
             await asyncio.gather(
                 *(
                     self._tell(inc.senders[key.rpartition("/")[0]], inc.rec.transfer_id, code, reason, ticket)
@@ -360,6 +364,8 @@ class TransferEngine:
         while inc.busy:  # an unpack in progress finishes first
             await asyncio.sleep(0.001)
         self.receiver.release_slots(inc)
+        if inc.landing is not None:  # its landing-pool bytes are free when the abort returns
+            self.landing.release(inc.landing)
 
     async def _tell(self, address: str, transfer_id: str, code: str, reason: str, ticket: str = "") -> None:
         from kvservice_client._proto import peer_pb2
@@ -431,7 +437,7 @@ class TransferEngine:
         check: Check | None = None,
     ) -> None:
         pool, slot = held
-        regions = self.kv_regions[inc.bs.buffer_set_id]
+        regions = self.regions_of(inc)
         units = inc.units.get(sender)
         if units is None:
             raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
@@ -548,7 +554,7 @@ class TransferEngine:
                 if units is None:
                     raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
                 dst = units.land(positions, inc.prefix_pages, inc.dst_pages)
-                regions = self.kv_regions[inc.bs.buffer_set_id]
+                regions = self.regions_of(inc)
                 packed = await asyncio.to_thread(
                     lambda: on_side_stream(
                         regions.device,
@@ -590,9 +596,12 @@ class TransferEngine:
         key = f"{request.sender_service_id}/{src.tp_rank}"
         for inc, route in found:
             plan = plan_message(inc, route, inc.bs.buffer_set_id not in self.no_direct, sender_key=key)
-            if same_host and not refusal:
+            why = refusal or (
+                "the receiver lands it in its landing pool" if same_host and inc.landing else ""
+            )
+            if same_host and not why:
                 plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
-            plan.same_host_refusal = refusal
+            plan.same_host_refusal = why
             out.plans.append(plan)
         trace.mark(request.transfer_id, "plan_served")
         return out
@@ -600,8 +609,12 @@ class TransferEngine:
     async def sender_gone(self, sender_service_id: str, why: str) -> None:
         """A sending service's channel ended: its live incoming transfers fail now (UNAVAILABLE)."""
         for inc in list(self.receiver.incoming.values()):
-            if not inc.rec.terminal and sender_service_id in inc.senders:
+            if not inc.rec.terminal and inc.rec.state != "LANDED" and sender_service_id in inc.senders:
                 await self._abort_in(inc, "UNAVAILABLE", f"sender {sender_service_id}: {why}", notify=False)
+
+    def regions_of(self, inc: Incoming) -> kernels.KVRegions:
+        """The KV regions ``inc``'s pages live in: the engine's, or a landing's (kvservice.landing)."""
+        return inc.regions if inc.regions is not None else self.kv_regions[inc.bs.buffer_set_id]
 
     def pool_of(self, mem_kind: str, device: int) -> StagingPool:
         """The staging pool a receiver uses for buffer sets in ``mem_kind`` memory (on ``device``)."""

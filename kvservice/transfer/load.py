@@ -59,6 +59,8 @@ class Load:
     inbound_samples: int
     budget: Budget
     inbound_refused: int
+    landed_transfers: int = 0  # LANDED in the landing pool, waiting for a Claim (not inbound)
+    landed_bytes: int = 0
 
     @property
     def admits(self) -> bool:
@@ -135,7 +137,7 @@ class LoadBook:
             self._refused.pop(buffer_set_id, None)
 
     def _ended(self, rec: Record) -> None:
-        if rec.role != "RECEIVER" or rec.state != "DONE":
+        if rec.role != "RECEIVER" or rec.state != "DONE" or rec.landing:  # a claim's wait is no transfer time
             return
         with self._lock:
             if rec.buffer_set_id in self._budgets:
@@ -143,24 +145,44 @@ class LoadBook:
 
     def _live(self, buffer_set_id: str) -> tuple[int, int, int]:
         """(inbound transfers, inbound bytes still to arrive, outbound transfers) now."""
-        inbound = outbound = pending = 0
+        inbound, pending, outbound, _, _ = self._live_landed(buffer_set_id)
+        return inbound, pending, outbound
+
+    def _live_landed(self, buffer_set_id: str) -> tuple[int, int, int, int, int]:
+        """``_live``'s figures and the LANDED transfers and their bytes (not inbound any more)."""
+        inbound = outbound = pending = landed = landed_bytes = 0
         for rec in self._table.live_of(buffer_set_id):
-            if rec.role == "RECEIVER":
+            if rec.state == "LANDED":
+                landed += 1
+                landed_bytes += rec.expected_bytes
+            elif rec.role == "RECEIVER":
                 inbound += 1
                 pending += max(rec.expected_bytes - rec.bytes_sent, 0)
             else:
                 outbound += 1
-        return inbound, pending, outbound
+        return inbound, pending, outbound, landed, landed_bytes
 
     def load(self, buffer_set_id: str) -> Load:
-        inbound, pending, outbound = self._live(buffer_set_id)
+        inbound, pending, outbound, landed, landed_bytes = self._live_landed(buffer_set_id)
         now = time.monotonic()
         with self._lock:
             budget = self._budgets.get(buffer_set_id, self._default)
             window = self._windows.get(buffer_set_id)
             p50, p99, n = window.quantiles(now) if window is not None else (0, 0, 0)
             refused = self._refused.get(buffer_set_id, 0)
-        return Load(inbound, pending, outbound, self._waiters_of(buffer_set_id), p50, p99, n, budget, refused)
+        return Load(
+            inbound,
+            pending,
+            outbound,
+            self._waiters_of(buffer_set_id),
+            p50,
+            p99,
+            n,
+            budget,
+            refused,
+            landed,
+            landed_bytes,
+        )
 
     def admit(self, buffer_set_id: str, nbytes: int) -> None:
         """RESOURCE_EXHAUSTED, naming the budget and its use, if a new inbound transfer of

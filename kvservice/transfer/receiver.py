@@ -18,6 +18,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from kvservice_client import Layout
@@ -71,6 +72,10 @@ class Incoming:
     slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
     aux_done: bool = False
     busy: int = 0
+    # A landing declaration (kvservice.landing): ``bs`` is then a view of the landing pool under the
+    # engine's buffer set id, ``regions`` its KV regions, and completion is LANDED, not DONE.
+    landing: Any = None
+    regions: Any = None
 
 
 def _remote(r: MappedRegion) -> peer_pb2.RemoteRegion:
@@ -101,8 +106,8 @@ def plan_message(
         aux_row_bytes=[a.row_bytes for a in bs.aux],
         aux_names=[a.name for a in bs.aux],
         dst_buffer_set_id=bs.buffer_set_id,
-        direct_ok=direct_ok,
-        publishes=inc.publish_hashes is not None,
+        direct_ok=direct_ok and inc.landing is None,  # NOTE: the landing pool is not registered
+        publishes=inc.publish_hashes is not None and inc.landing is None,  # no P/D duplicate yet
         route=peer_pb2.HeadRoute(
             src_head_start=route.src_head_start,
             dst_head_start=route.dst_head_start,
@@ -366,5 +371,8 @@ class Receiver:
                 "FAILED_PRECONDITION",
                 "every sender finished but no sender delivered the declared aux rows",
             )
+            return False
+        if inc.landing is not None:  # LANDED; a Claim makes it DONE (nothing to publish now)
+            inc.landing.landed(inc)
             return False
         return self.table.finish(inc.rec, "DONE")

@@ -6,6 +6,9 @@ rank's outgoing transfer. State machine (terminal states are final; ``finish`` i
     PENDING ──▶ TRANSFERRING ──▶ DONE
        │             │      └──▶ FAILED  (error_code + error)
        └─────────────┴─────────▶ ABORTED (error_code + error)
+
+A landing receiver (``kvservice.landing``) passes LANDED (live, not terminal) between
+TRANSFERRING and DONE: its bytes are in the landing pool until a Claim copies them out.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Record:
     chunks_done: int = 0
     senders_done: int = 0
     path: str = "AUTO"
+    landing: bool = False  # a landing receiver (LANDED before DONE)
     route_note: str = ""
     timings_us: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     error_code: str = ""

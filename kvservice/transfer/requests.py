@@ -68,7 +68,10 @@ def build_incoming(
     publish_hashes: np.ndarray | None,
     prefix_page_indices: Any,
     allowed_senders: Sequence[str] = (),
+    landing_pages: int | None = None,
 ) -> Incoming:
+    """A receiver declaration; with ``landing_pages`` (not None) a landing one, whose delta pages
+    are pages ``0..n-1`` of a landing view (``kvservice.landing.declare`` fills it in)."""
     tid = _transfer_id(transfer_id)
     if len(allowed_senders) > MAX_ALLOWED_SENDERS:
         raise InvalidArgument("allowed_senders", f"at most {MAX_ALLOWED_SENDERS} identities")
@@ -80,13 +83,18 @@ def build_incoming(
         from kvservice_client.hashing import page_hashes
 
         publish_hashes = page_hashes(publish_tokens, bs.layout.page_size, engine.config.hash_seed)
-    dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
+    if landing_pages is None:
+        dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
+    else:
+        from ..landing.declare import landing_dst
+
+        dst = landing_dst(bs, landing_pages, dst_page_indices, aux, publish_tokens, prefix_pages)
     prefix_idx = src_pages_array(prefix_page_indices, bs.layout.num_pages, "prefix_page_indices")
     if expected_senders > 1024:
         raise InvalidArgument("expected_senders", "must be <= 1024 (0 derives it from the layouts)")
     if publish_hashes is not None:
         total = prefix_pages + dst.size
-        if publish_hashes.size < total:
+        if publish_hashes.size < total - (landing_pages is not None):  # a landing's partial last page
             raise InvalidArgument(
                 "publish", f"covers {publish_hashes.size} full pages, the transfer has {total}"
             )
@@ -94,7 +102,7 @@ def build_incoming(
             raise InvalidArgument(
                 "prefix_page_indices", f"need one per prefix page ({prefix_pages}) to publish"
             )
-        if np.intersect1d(prefix_idx, dst).size:
+        if landing_pages is None and np.intersect1d(prefix_idx, dst).size:
             raise InvalidArgument("prefix_page_indices", "overlap dst_page_indices")
         publish_hashes = publish_hashes[:total]
     rec = Record(tid, "RECEIVER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))

@@ -54,7 +54,7 @@ class SameNode:
         e = self.e
         inc = e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
         src = e.kv_regions[out.bs.buffer_set_id]
-        dst = e.kv_regions[inc.bs.buffer_set_id]
+        dst = e.regions_of(inc)
         route = target.route
         e.sender.check_live(out)
         if inc.rec.terminal:

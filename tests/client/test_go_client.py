@@ -29,3 +29,4 @@ def test_go_client_matches_leases_watches_against_a_live_service() -> None:
     assert "--- PASS: TestRouterPicksTheDecodeEngineWithTheLongestPrefix" in r.stdout
     assert "--- PASS: TestRouterOverTCPNeedsTheBearerToken" in r.stdout  # token refused/accepted
     assert "--- PASS: TestRouterOverMutualTLS" in r.stdout
+    assert "--- PASS: TestRouterSeesAndClaimsALandedTransfer" in r.stdout  # landing: see, claim

@@ -99,6 +99,29 @@ def main() -> None:
                 timings=st.timings_us,
                 descriptors=st.descriptors,
             )
+        elif op == "expect_landing":  # issue 31: no destination pages
+            st = kv.expect_landing(  # type: ignore[union-attr]
+                cmd["tid"],
+                bs,
+                prefix_pages=cmd.get("prefix", 0),
+                pages=cmd["pages"],
+                ttl_ms=cmd.get("ttl_ms", 0),
+            )
+            out["state"] = st.state
+        elif op == "wait_landed":
+            (st,) = kv.wait_landed(cmd["tid"], timeout=60)  # type: ignore[union-attr]
+            out.update(state=st.state, error=st.error, error_code=st.error_code, bytes=st.bytes_sent)
+        elif op == "claim":
+            try:
+                c = kv.claim(cmd["tid"], bs, dst_page_indices=cmd["dst"])  # type: ignore[union-attr]
+                out.update(state=c.status.state, claim_us=c.claim_us)
+            except Exception as exc:  # the test checks the refusal
+                out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        elif op == "landing_stats":
+            out["pools"] = [
+                {"location": p.location, "used": p.used_bytes, "landings": p.landings, "claims": p.claims}
+                for p in kv.get_stats().landing  # type: ignore[union-attr]
+            ]
         elif op == "stop":
             if kv is not None:
                 kv.close()

@@ -206,3 +206,32 @@ def test_sender_ranks_writing_one_receiver_rank_do_not_clobber_each_other(
         st = wait_all(kv_r, tid)[0]
         assert st.state == "DONE", st
         assert_tp_pages(pool_r, src[::-1], glob, src)
+
+
+@pytest.mark.parametrize("heads,p,d", [(4, 2, 1), (4, 1, 2), (2, 4, 2)])
+def test_mixed_tp_landing_then_claim(pair, make_pool, make_client, heads, p, d) -> None:
+    """Issue 31 across TP sizes: every receiver rank lands its head slices (LANDED), then claims
+    them into its pages; each rank holds exactly its heads of the delta pages."""
+    sa, sb = pair
+    tid = f"land-tp-{heads}-{p}-{d}"
+    senders = ranks(sa, make_pool, make_client, p, mha, heads)
+    receivers = ranks(sb, make_pool, make_client, d, mha, heads)
+    glob = global_kv(mha(1, 0, heads), seed=12)
+    for _, pool, _ in senders:
+        fill_tp(pool, glob)
+    for i, (_, pool, _) in enumerate(receivers):
+        fill_random(pool, 200 + i)
+    before = [snapshot(pool) for _, pool, _ in receivers]
+    for kv, _, bs in receivers:
+        kv.expect_landing(tid, bs, prefix_pages=PREFIX, pages=len(SRC) - PREFIX)
+    for kv, _, bs in senders:
+        kv.send_delta(tid, bs, src_page_indices=SRC, peer_address=sb.app.peer_address)
+    for kv, _, _ in receivers:
+        (st,) = kv.wait_landed(tid, timeout=10)
+        assert st.state == "LANDED", st
+    assert [wait_all(kv, tid)[0].state for kv, _, _ in senders] == ["DONE"] * p
+    for (kv, pool, bs), snap in zip(receivers, before, strict=True):
+        assert_unchanged(pool, snap)  # nothing in the engine's pages before the claim
+        assert kv.claim(tid, bs, dst_page_indices=DST).status.state == "DONE"
+        assert_tp_pages(pool, DST, glob, SRC[PREFIX:])
+        assert_unchanged(pool, snap, except_pages=DST)

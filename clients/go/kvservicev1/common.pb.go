@@ -246,6 +246,10 @@ const (
 	// Final. Cancelled by Abort (from an engine or the peer service) or because its buffer set or
 	// session went away. No further byte is written.
 	TransferState_TRANSFER_STATE_ABORTED TransferState = 5
+	// Receiver of a landing transfer only (ExpectDeltaRequest.landing): every expected byte is in
+	// the service's landing pool and the senders are done (their pages are free). Not final: a Claim
+	// makes it DONE; the landing TTL, an Abort or the owner going away end it FAILED or ABORTED.
+	TransferState_TRANSFER_STATE_LANDED TransferState = 6
 )
 
 // Enum value maps for TransferState.
@@ -257,6 +261,7 @@ var (
 		3: "TRANSFER_STATE_DONE",
 		4: "TRANSFER_STATE_FAILED",
 		5: "TRANSFER_STATE_ABORTED",
+		6: "TRANSFER_STATE_LANDED",
 	}
 	TransferState_value = map[string]int32{
 		"TRANSFER_STATE_UNSPECIFIED":  0,
@@ -265,6 +270,7 @@ var (
 		"TRANSFER_STATE_DONE":         3,
 		"TRANSFER_STATE_FAILED":       4,
 		"TRANSFER_STATE_ABORTED":      5,
+		"TRANSFER_STATE_LANDED":       6,
 	}
 )
 
@@ -1042,14 +1048,15 @@ const file_kvservice_v1_common_proto_rawDesc = "" +
 	"\rDTYPE_FLOAT32\x10\x03\x12\x15\n" +
 	"\x11DTYPE_FLOAT8_E4M3\x10\x04\x12\x15\n" +
 	"\x11DTYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n" +
-	"\vDTYPE_UINT8\x10\x06*\xbc\x01\n" +
+	"\vDTYPE_UINT8\x10\x06*\xd7\x01\n" +
 	"\rTransferState\x12\x1e\n" +
 	"\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n" +
 	"\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x17\n" +
 	"\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n" +
 	"\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1a\n" +
-	"\x16TRANSFER_STATE_ABORTED\x10\x05*s\n" +
+	"\x16TRANSFER_STATE_ABORTED\x10\x05\x12\x19\n" +
+	"\x15TRANSFER_STATE_LANDED\x10\x06*s\n" +
 	"\fTransferPath\x12\x16\n" +
 	"\x12TRANSFER_PATH_AUTO\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_PATH_DIRECT\x10\x01\x12\x18\n" +

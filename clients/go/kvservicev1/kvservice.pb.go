@@ -93,6 +93,7 @@ type TransferCall struct {
 	//	*TransferCall_ExpectDelta
 	//	*TransferCall_SendDelta
 	//	*TransferCall_Abort
+	//	*TransferCall_Claim
 	Call isTransferCall_Call `protobuf_oneof:"call"`
 	// Optional: the call's request id. A call whose answer the stream lost (it broke) can be made
 	// again, on a new stream or as the unary call with `kvservice-request-id` metadata, under the
@@ -173,6 +174,15 @@ func (x *TransferCall) GetAbort() *AbortRequest {
 	return nil
 }
 
+func (x *TransferCall) GetClaim() *ClaimRequest {
+	if x != nil {
+		if x, ok := x.Call.(*TransferCall_Claim); ok {
+			return x.Claim
+		}
+	}
+	return nil
+}
+
 func (x *TransferCall) GetRequestId() string {
 	if x != nil {
 		return x.RequestId
@@ -199,11 +209,18 @@ type TransferCall_Abort struct {
 	Abort *AbortRequest `protobuf:"bytes,4,opt,name=abort,proto3,oneof"`
 }
 
+type TransferCall_Claim struct {
+	// Receiver: claims a landed transfer (as the Claim RPC); runs beside later calls.
+	Claim *ClaimRequest `protobuf:"bytes,6,opt,name=claim,proto3,oneof"`
+}
+
 func (*TransferCall_ExpectDelta) isTransferCall_Call() {}
 
 func (*TransferCall_SendDelta) isTransferCall_Call() {}
 
 func (*TransferCall_Abort) isTransferCall_Call() {}
+
+func (*TransferCall_Claim) isTransferCall_Call() {}
 
 // A call refused on the Transfers stream: the status the unary call would have ended with.
 type CallError struct {
@@ -272,6 +289,7 @@ type TransferEvent struct {
 	//	*TransferEvent_Abort
 	//	*TransferEvent_Error
 	//	*TransferEvent_Status
+	//	*TransferEvent_Claim
 	Event         isTransferEvent_Event `protobuf_oneof:"event"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -366,6 +384,15 @@ func (x *TransferEvent) GetStatus() *TransferStatus {
 	return nil
 }
 
+func (x *TransferEvent) GetClaim() *ClaimResponse {
+	if x != nil {
+		if x, ok := x.Event.(*TransferEvent_Claim); ok {
+			return x.Claim
+		}
+	}
+	return nil
+}
+
 type isTransferEvent_Event interface {
 	isTransferEvent_Event()
 }
@@ -395,6 +422,11 @@ type TransferEvent_Status struct {
 	Status *TransferStatus `protobuf:"bytes,6,opt,name=status,proto3,oneof"`
 }
 
+type TransferEvent_Claim struct {
+	// The answer to a claim call.
+	Claim *ClaimResponse `protobuf:"bytes,7,opt,name=claim,proto3,oneof"`
+}
+
 func (*TransferEvent_ExpectDelta) isTransferEvent_Event() {}
 
 func (*TransferEvent_SendDelta) isTransferEvent_Event() {}
@@ -404,6 +436,8 @@ func (*TransferEvent_Abort) isTransferEvent_Event() {}
 func (*TransferEvent_Error) isTransferEvent_Event() {}
 
 func (*TransferEvent_Status) isTransferEvent_Event() {}
+
+func (*TransferEvent_Claim) isTransferEvent_Event() {}
 
 // Opens an ownership session (see the file header).
 type OpenSessionRequest struct {
@@ -1101,9 +1135,15 @@ type PrefixMatch struct {
 	// nothing matched.
 	MinPriority int32 `protobuf:"varint,7,opt,name=min_priority,json=minPriority,proto3" json:"min_priority,omitempty"`
 	// Transfer load of this buffer set now: whether it can take a transfer (see TransferLoad).
-	Load          *TransferLoad `protobuf:"bytes,8,opt,name=load,proto3" json:"load,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Load *TransferLoad `protobuf:"bytes,8,opt,name=load,proto3" json:"load,omitempty"`
+	// Leading pages of the prompt this buffer set can have by claiming a landed transfer (its
+	// declared prefix plus the pages in the landing pool); 0 when no LANDED transfer of it matches
+	// beyond its prefix. Only transfers declared with publish_tokens or publish_hashes are matched.
+	LandedPages uint32 `protobuf:"varint,9,opt,name=landed_pages,json=landedPages,proto3" json:"landed_pages,omitempty"`
+	// The landed transfer those pages belong to (ClaimRequest.transfer_id); "" when landed_pages is 0.
+	LandedTransferId string `protobuf:"bytes,10,opt,name=landed_transfer_id,json=landedTransferId,proto3" json:"landed_transfer_id,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *PrefixMatch) Reset() {
@@ -1192,6 +1232,20 @@ func (x *PrefixMatch) GetLoad() *TransferLoad {
 	return nil
 }
 
+func (x *PrefixMatch) GetLandedPages() uint32 {
+	if x != nil {
+		return x.LandedPages
+	}
+	return 0
+}
+
+func (x *PrefixMatch) GetLandedTransferId() string {
+	if x != nil {
+		return x.LandedTransferId
+	}
+	return ""
+}
+
 // Transfer load of one buffer set (an engine rank), as routers see it in MatchPrefix.
 type TransferLoad struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1216,9 +1270,13 @@ type TransferLoad struct {
 	// True when inbound_transfers < inbound_max_transfers and inbound_bytes_pending <
 	// inbound_max_bytes (or the budget is unlimited): an ExpectDelta now would be admitted unless it
 	// alone carries more than the bytes left.
-	Admits        bool `protobuf:"varint,11,opt,name=admits,proto3" json:"admits,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Admits bool `protobuf:"varint,11,opt,name=admits,proto3" json:"admits,omitempty"`
+	// Transfers into this buffer set that LANDED in the landing pool and wait for a Claim (they are
+	// not counted in inbound_transfers), and the KV bytes they hold there.
+	LandedTransfers uint32 `protobuf:"varint,12,opt,name=landed_transfers,json=landedTransfers,proto3" json:"landed_transfers,omitempty"`
+	LandedBytes     uint64 `protobuf:"varint,13,opt,name=landed_bytes,json=landedBytes,proto3" json:"landed_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *TransferLoad) Reset() {
@@ -1326,6 +1384,20 @@ func (x *TransferLoad) GetAdmits() bool {
 		return x.Admits
 	}
 	return false
+}
+
+func (x *TransferLoad) GetLandedTransfers() uint32 {
+	if x != nil {
+		return x.LandedTransfers
+	}
+	return 0
+}
+
+func (x *TransferLoad) GetLandedBytes() uint64 {
+	if x != nil {
+		return x.LandedBytes
+	}
+	return 0
 }
 
 // Matches for the query, and the lease when one was asked for.
@@ -1793,6 +1865,11 @@ type ExpectDeltaRequest struct {
 	// that service's proven identity (its certificate's name over mutual TLS, "local" for this
 	// service or one on this host's Unix socket), so no other peer can fetch the plan first.
 	SenderAddress string `protobuf:"bytes,12,opt,name=sender_address,json=senderAddress,proto3" json:"sender_address,omitempty"`
+	// When set, a landing transfer: dst_page_indices stays empty and the pages land in the service's
+	// landing pool on this node (LANDED, the senders' pages are then free); a Claim later copies them
+	// into the engine's pages (DONE). Refused with RESOURCE_EXHAUSTED at once when the pool cannot
+	// hold them. Landing transfers carry no aux rows.
+	Landing       *Landing `protobuf:"bytes,13,opt,name=landing,proto3" json:"landing,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1922,6 +1999,13 @@ func (x *ExpectDeltaRequest) GetSenderAddress() string {
 	return ""
 }
 
+func (x *ExpectDeltaRequest) GetLanding() *Landing {
+	if x != nil {
+		return x.Landing
+	}
+	return nil
+}
+
 type isExpectDeltaRequest_Publish interface {
 	isExpectDeltaRequest_Publish()
 }
@@ -1940,6 +2024,192 @@ func (*ExpectDeltaRequest_PublishTokens) isExpectDeltaRequest_Publish() {}
 
 func (*ExpectDeltaRequest_PublishHashes) isExpectDeltaRequest_Publish() {}
 
+// A landing declaration (ExpectDeltaRequest.landing).
+type Landing struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Delta pages to land (the pages from prefix_pages on). 0: every page publish_tokens covers
+	// (partial last page included) past prefix_pages.
+	Pages uint32 `protobuf:"varint,1,opt,name=pages,proto3" json:"pages,omitempty"`
+	// Milliseconds the landed pages are kept for a Claim after LANDED; then the transfer ends FAILED
+	// (DEADLINE_EXCEEDED, "landing expired") and the bytes are freed. 0: the service default.
+	TtlMs         uint32 `protobuf:"varint,2,opt,name=ttl_ms,json=ttlMs,proto3" json:"ttl_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Landing) Reset() {
+	*x = Landing{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Landing) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Landing) ProtoMessage() {}
+
+func (x *Landing) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Landing.ProtoReflect.Descriptor instead.
+func (*Landing) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *Landing) GetPages() uint32 {
+	if x != nil {
+		return x.Pages
+	}
+	return 0
+}
+
+func (x *Landing) GetTtlMs() uint32 {
+	if x != nil {
+		return x.TtlMs
+	}
+	return 0
+}
+
+// Claims a landed transfer into the caller's pages.
+type ClaimRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The landed transfer.
+	TransferId string `protobuf:"bytes,1,opt,name=transfer_id,json=transferId,proto3" json:"transfer_id,omitempty"`
+	// The buffer set that declared the landing (must belong to the calling session).
+	BufferSetId string `protobuf:"bytes,2,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
+	// Destination page index of every landed page, in sequence order (exactly Landing.pages of
+	// them, distinct, none among the declaration's prefix_page_indices).
+	DstPageIndices []uint32 `protobuf:"varint,3,rep,packed,name=dst_page_indices,json=dstPageIndices,proto3" json:"dst_page_indices,omitempty"`
+	// Longest wait for a transfer still arriving, milliseconds (0: until the transfer's deadline).
+	WaitMs        uint32 `protobuf:"varint,4,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClaimRequest) Reset() {
+	*x = ClaimRequest{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClaimRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClaimRequest) ProtoMessage() {}
+
+func (x *ClaimRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClaimRequest.ProtoReflect.Descriptor instead.
+func (*ClaimRequest) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *ClaimRequest) GetTransferId() string {
+	if x != nil {
+		return x.TransferId
+	}
+	return ""
+}
+
+func (x *ClaimRequest) GetBufferSetId() string {
+	if x != nil {
+		return x.BufferSetId
+	}
+	return ""
+}
+
+func (x *ClaimRequest) GetDstPageIndices() []uint32 {
+	if x != nil {
+		return x.DstPageIndices
+	}
+	return nil
+}
+
+func (x *ClaimRequest) GetWaitMs() uint32 {
+	if x != nil {
+		return x.WaitMs
+	}
+	return 0
+}
+
+// The outcome of a claim.
+type ClaimResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The receiver's status: DONE (the pages are in the engine's pool).
+	Status *TransferStatus `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	// Microseconds the service spent on the claim once the pages had landed (checks, copy, DONE).
+	ClaimUs       uint64 `protobuf:"varint,2,opt,name=claim_us,json=claimUs,proto3" json:"claim_us,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClaimResponse) Reset() {
+	*x = ClaimResponse{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClaimResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClaimResponse) ProtoMessage() {}
+
+func (x *ClaimResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClaimResponse.ProtoReflect.Descriptor instead.
+func (*ClaimResponse) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ClaimResponse) GetStatus() *TransferStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+func (x *ClaimResponse) GetClaimUs() uint64 {
+	if x != nil {
+		return x.ClaimUs
+	}
+	return 0
+}
+
 // The receiver-side record of the new declaration.
 type ExpectDeltaResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1951,7 +2221,7 @@ type ExpectDeltaResponse struct {
 
 func (x *ExpectDeltaResponse) Reset() {
 	*x = ExpectDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1963,7 +2233,7 @@ func (x *ExpectDeltaResponse) String() string {
 func (*ExpectDeltaResponse) ProtoMessage() {}
 
 func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1976,7 +2246,7 @@ func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaResponse.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ExpectDeltaResponse) GetStatus() *TransferStatus {
@@ -2020,7 +2290,7 @@ type SendDeltaRequest struct {
 
 func (x *SendDeltaRequest) Reset() {
 	*x = SendDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2032,7 +2302,7 @@ func (x *SendDeltaRequest) String() string {
 func (*SendDeltaRequest) ProtoMessage() {}
 
 func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2045,7 +2315,7 @@ func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaRequest.ProtoReflect.Descriptor instead.
 func (*SendDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SendDeltaRequest) GetTransferId() string {
@@ -2129,7 +2399,7 @@ type SendDeltaResponse struct {
 
 func (x *SendDeltaResponse) Reset() {
 	*x = SendDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2141,7 +2411,7 @@ func (x *SendDeltaResponse) String() string {
 func (*SendDeltaResponse) ProtoMessage() {}
 
 func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2154,7 +2424,7 @@ func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaResponse.ProtoReflect.Descriptor instead.
 func (*SendDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SendDeltaResponse) GetStatus() *TransferStatus {
@@ -2175,7 +2445,7 @@ type PollRequest struct {
 
 func (x *PollRequest) Reset() {
 	*x = PollRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2187,7 +2457,7 @@ func (x *PollRequest) String() string {
 func (*PollRequest) ProtoMessage() {}
 
 func (x *PollRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2200,7 +2470,7 @@ func (x *PollRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollRequest.ProtoReflect.Descriptor instead.
 func (*PollRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *PollRequest) GetTransferIds() []string {
@@ -2222,7 +2492,7 @@ type PollResponse struct {
 
 func (x *PollResponse) Reset() {
 	*x = PollResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2234,7 +2504,7 @@ func (x *PollResponse) String() string {
 func (*PollResponse) ProtoMessage() {}
 
 func (x *PollResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2247,7 +2517,7 @@ func (x *PollResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollResponse.ProtoReflect.Descriptor instead.
 func (*PollResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PollResponse) GetStatuses() []*TransferStatus {
@@ -2270,7 +2540,7 @@ type WatchTransfersRequest struct {
 
 func (x *WatchTransfersRequest) Reset() {
 	*x = WatchTransfersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2282,7 +2552,7 @@ func (x *WatchTransfersRequest) String() string {
 func (*WatchTransfersRequest) ProtoMessage() {}
 
 func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2295,7 +2565,7 @@ func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchTransfersRequest.ProtoReflect.Descriptor instead.
 func (*WatchTransfersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *WatchTransfersRequest) GetTransferIds() []string {
@@ -2325,7 +2595,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2337,7 +2607,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2350,7 +2620,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AbortRequest) GetTransferId() string {
@@ -2378,7 +2648,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2390,7 +2660,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2403,7 +2673,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *AbortResponse) GetStatuses() []*TransferStatus {
@@ -2434,7 +2704,7 @@ type PhaseTimings struct {
 
 func (x *PhaseTimings) Reset() {
 	*x = PhaseTimings{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2446,7 +2716,7 @@ func (x *PhaseTimings) String() string {
 func (*PhaseTimings) ProtoMessage() {}
 
 func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2459,7 +2729,7 @@ func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PhaseTimings.ProtoReflect.Descriptor instead.
 func (*PhaseTimings) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *PhaseTimings) GetQueueUs() uint64 {
@@ -2542,7 +2812,7 @@ type TransferStatus struct {
 
 func (x *TransferStatus) Reset() {
 	*x = TransferStatus{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2554,7 +2824,7 @@ func (x *TransferStatus) String() string {
 func (*TransferStatus) ProtoMessage() {}
 
 func (x *TransferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2567,7 +2837,7 @@ func (x *TransferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferStatus.ProtoReflect.Descriptor instead.
 func (*TransferStatus) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *TransferStatus) GetTransferId() string {
@@ -2699,7 +2969,7 @@ type GetStatsRequest struct {
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2711,7 +2981,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2724,7 +2994,7 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *GetStatsRequest) GetWindowMs() uint32 {
@@ -2768,7 +3038,7 @@ type BufferSetInfo struct {
 
 func (x *BufferSetInfo) Reset() {
 	*x = BufferSetInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2780,7 +3050,7 @@ func (x *BufferSetInfo) String() string {
 func (*BufferSetInfo) ProtoMessage() {}
 
 func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2793,7 +3063,7 @@ func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BufferSetInfo.ProtoReflect.Descriptor instead.
 func (*BufferSetInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *BufferSetInfo) GetBufferSetId() string {
@@ -2872,7 +3142,7 @@ type SuggestEvictionsRequest struct {
 
 func (x *SuggestEvictionsRequest) Reset() {
 	*x = SuggestEvictionsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2884,7 +3154,7 @@ func (x *SuggestEvictionsRequest) String() string {
 func (*SuggestEvictionsRequest) ProtoMessage() {}
 
 func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2897,7 +3167,7 @@ func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsRequest.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *SuggestEvictionsRequest) GetBufferSetId() string {
@@ -2930,7 +3200,7 @@ type SuggestEvictionsResponse struct {
 
 func (x *SuggestEvictionsResponse) Reset() {
 	*x = SuggestEvictionsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2942,7 +3212,7 @@ func (x *SuggestEvictionsResponse) String() string {
 func (*SuggestEvictionsResponse) ProtoMessage() {}
 
 func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2955,7 +3225,7 @@ func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsResponse.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *SuggestEvictionsResponse) GetPageIndices() []uint32 {
@@ -3000,7 +3270,7 @@ type IndexStats struct {
 
 func (x *IndexStats) Reset() {
 	*x = IndexStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3012,7 +3282,7 @@ func (x *IndexStats) String() string {
 func (*IndexStats) ProtoMessage() {}
 
 func (x *IndexStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3025,7 +3295,7 @@ func (x *IndexStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexStats.ProtoReflect.Descriptor instead.
 func (*IndexStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *IndexStats) GetEntries() uint64 {
@@ -3089,7 +3359,7 @@ type StagingStats struct {
 
 func (x *StagingStats) Reset() {
 	*x = StagingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3101,7 +3371,7 @@ func (x *StagingStats) String() string {
 func (*StagingStats) ProtoMessage() {}
 
 func (x *StagingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3114,7 +3384,7 @@ func (x *StagingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingStats.ProtoReflect.Descriptor instead.
 func (*StagingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *StagingStats) GetKind() string {
@@ -3169,7 +3439,7 @@ type TransferCounts struct {
 
 func (x *TransferCounts) Reset() {
 	*x = TransferCounts{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3181,7 +3451,7 @@ func (x *TransferCounts) String() string {
 func (*TransferCounts) ProtoMessage() {}
 
 func (x *TransferCounts) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3194,7 +3464,7 @@ func (x *TransferCounts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferCounts.ProtoReflect.Descriptor instead.
 func (*TransferCounts) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *TransferCounts) GetInFlight() uint64 {
@@ -3265,14 +3535,16 @@ type GetStatsResponse struct {
 	// Peer services this node has talked to (admin view only).
 	Peers []*PeerInfo `protobuf:"bytes,14,rep,name=peers,proto3" json:"peers,omitempty"`
 	// Open sessions (admin view: all; otherwise the caller's own).
-	SessionList   []*SessionInfo `protobuf:"bytes,15,rep,name=session_list,json=sessionList,proto3" json:"session_list,omitempty"`
+	SessionList []*SessionInfo `protobuf:"bytes,15,rep,name=session_list,json=sessionList,proto3" json:"session_list,omitempty"`
+	// One entry per landing pool (host memory, each GPU), once it was first used.
+	Landing       []*LandingStats `protobuf:"bytes,16,rep,name=landing,proto3" json:"landing,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3284,7 +3556,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3297,7 +3569,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *GetStatsResponse) GetServiceId() string {
@@ -3405,6 +3677,126 @@ func (x *GetStatsResponse) GetSessionList() []*SessionInfo {
 	return nil
 }
 
+func (x *GetStatsResponse) GetLanding() []*LandingStats {
+	if x != nil {
+		return x.Landing
+	}
+	return nil
+}
+
+// A landing pool: service-owned memory that landing transfers land in until claimed.
+type LandingStats struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "host", "pinned" or "vram:<device>".
+	Location string `protobuf:"bytes,1,opt,name=location,proto3" json:"location,omitempty"`
+	// Its budget (landing_pool_mb) and the bytes landings hold now, and the most they ever held.
+	CapacityBytes uint64 `protobuf:"varint,2,opt,name=capacity_bytes,json=capacityBytes,proto3" json:"capacity_bytes,omitempty"`
+	UsedBytes     uint64 `protobuf:"varint,3,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	PeakBytes     uint64 `protobuf:"varint,4,opt,name=peak_bytes,json=peakBytes,proto3" json:"peak_bytes,omitempty"`
+	// Landing transfers holding bytes now (arriving or LANDED).
+	Landings uint32 `protobuf:"varint,5,opt,name=landings,proto3" json:"landings,omitempty"`
+	// Since start: claims done, landings expired (TTL), evicted (budget pressure), refused (full).
+	Claims        uint64 `protobuf:"varint,6,opt,name=claims,proto3" json:"claims,omitempty"`
+	Expired       uint64 `protobuf:"varint,7,opt,name=expired,proto3" json:"expired,omitempty"`
+	Evicted       uint64 `protobuf:"varint,8,opt,name=evicted,proto3" json:"evicted,omitempty"`
+	Refused       uint64 `protobuf:"varint,9,opt,name=refused,proto3" json:"refused,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LandingStats) Reset() {
+	*x = LandingStats{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LandingStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LandingStats) ProtoMessage() {}
+
+func (x *LandingStats) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LandingStats.ProtoReflect.Descriptor instead.
+func (*LandingStats) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *LandingStats) GetLocation() string {
+	if x != nil {
+		return x.Location
+	}
+	return ""
+}
+
+func (x *LandingStats) GetCapacityBytes() uint64 {
+	if x != nil {
+		return x.CapacityBytes
+	}
+	return 0
+}
+
+func (x *LandingStats) GetUsedBytes() uint64 {
+	if x != nil {
+		return x.UsedBytes
+	}
+	return 0
+}
+
+func (x *LandingStats) GetPeakBytes() uint64 {
+	if x != nil {
+		return x.PeakBytes
+	}
+	return 0
+}
+
+func (x *LandingStats) GetLandings() uint32 {
+	if x != nil {
+		return x.Landings
+	}
+	return 0
+}
+
+func (x *LandingStats) GetClaims() uint64 {
+	if x != nil {
+		return x.Claims
+	}
+	return 0
+}
+
+func (x *LandingStats) GetExpired() uint64 {
+	if x != nil {
+		return x.Expired
+	}
+	return 0
+}
+
+func (x *LandingStats) GetEvicted() uint64 {
+	if x != nil {
+		return x.Evicted
+	}
+	return 0
+}
+
+func (x *LandingStats) GetRefused() uint64 {
+	if x != nil {
+		return x.Refused
+	}
+	return 0
+}
+
 // Transfers that reached a terminal state within the last window_ms.
 type Activity struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3418,7 +3810,7 @@ type Activity struct {
 
 func (x *Activity) Reset() {
 	*x = Activity{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3430,7 +3822,7 @@ func (x *Activity) String() string {
 func (*Activity) ProtoMessage() {}
 
 func (x *Activity) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3443,7 +3835,7 @@ func (x *Activity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Activity.ProtoReflect.Descriptor instead.
 func (*Activity) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *Activity) GetWindowMs() uint64 {
@@ -3484,7 +3876,7 @@ type RouteActivity struct {
 
 func (x *RouteActivity) Reset() {
 	*x = RouteActivity{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3496,7 +3888,7 @@ func (x *RouteActivity) String() string {
 func (*RouteActivity) ProtoMessage() {}
 
 func (x *RouteActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3509,7 +3901,7 @@ func (x *RouteActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteActivity.ProtoReflect.Descriptor instead.
 func (*RouteActivity) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *RouteActivity) GetRole() string {
@@ -3575,8 +3967,8 @@ func (x *RouteActivity) GetBytesTotal() uint64 {
 	return 0
 }
 
-// Live transfer sides in one phase. Receivers are "declared" (waiting for a sender) or
-// "receiving"; senders are in "queue", "plan", "pack", "wire" or "unpack": the phase after the
+// Live transfer sides in one phase. Receivers are "declared" (waiting for a sender),
+// "receiving" or "landed" (in the landing pool, waiting for a Claim); senders are in "queue", "plan", "pack", "wire" or "unpack": the phase after the
 // last one that recorded time (chunks cycle through the phases, so an estimate per moment).
 type InFlight struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3592,7 +3984,7 @@ type InFlight struct {
 
 func (x *InFlight) Reset() {
 	*x = InFlight{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3604,7 +3996,7 @@ func (x *InFlight) String() string {
 func (*InFlight) ProtoMessage() {}
 
 func (x *InFlight) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3617,7 +4009,7 @@ func (x *InFlight) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InFlight.ProtoReflect.Descriptor instead.
 func (*InFlight) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *InFlight) GetRole() string {
@@ -3671,7 +4063,7 @@ type PeerInfo struct {
 
 func (x *PeerInfo) Reset() {
 	*x = PeerInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3683,7 +4075,7 @@ func (x *PeerInfo) String() string {
 func (*PeerInfo) ProtoMessage() {}
 
 func (x *PeerInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3696,7 +4088,7 @@ func (x *PeerInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerInfo.ProtoReflect.Descriptor instead.
 func (*PeerInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *PeerInfo) GetAddress() string {
@@ -3771,7 +4163,7 @@ type SessionInfo struct {
 
 func (x *SessionInfo) Reset() {
 	*x = SessionInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3783,7 +4175,7 @@ func (x *SessionInfo) String() string {
 func (*SessionInfo) ProtoMessage() {}
 
 func (x *SessionInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3796,7 +4188,7 @@ func (x *SessionInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionInfo.ProtoReflect.Descriptor instead.
 func (*SessionInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *SessionInfo) GetClientName() string {
@@ -3859,19 +4251,20 @@ var File_kvservice_v1_kvservice_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\n" +
-	"\x1ckvservice/v1/kvservice.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\x8a\x02\n" +
+	"\x1ckvservice/v1/kvservice.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xbe\x02\n" +
 	"\fTransferCall\x12\x17\n" +
 	"\acall_id\x18\x01 \x01(\x04R\x06callId\x12E\n" +
 	"\fexpect_delta\x18\x02 \x01(\v2 .kvservice.v1.ExpectDeltaRequestH\x00R\vexpectDelta\x12?\n" +
 	"\n" +
 	"send_delta\x18\x03 \x01(\v2\x1e.kvservice.v1.SendDeltaRequestH\x00R\tsendDelta\x122\n" +
-	"\x05abort\x18\x04 \x01(\v2\x1a.kvservice.v1.AbortRequestH\x00R\x05abort\x12\x1d\n" +
+	"\x05abort\x18\x04 \x01(\v2\x1a.kvservice.v1.AbortRequestH\x00R\x05abort\x122\n" +
+	"\x05claim\x18\x06 \x01(\v2\x1a.kvservice.v1.ClaimRequestH\x00R\x05claim\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x05 \x01(\tR\trequestIdB\x06\n" +
 	"\x04call\"9\n" +
 	"\tCallError\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\tR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xd9\x02\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"\x8e\x03\n" +
 	"\rTransferEvent\x12\x17\n" +
 	"\acall_id\x18\x01 \x01(\x04R\x06callId\x12F\n" +
 	"\fexpect_delta\x18\x02 \x01(\v2!.kvservice.v1.ExpectDeltaResponseH\x00R\vexpectDelta\x12@\n" +
@@ -3879,7 +4272,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"send_delta\x18\x03 \x01(\v2\x1f.kvservice.v1.SendDeltaResponseH\x00R\tsendDelta\x123\n" +
 	"\x05abort\x18\x04 \x01(\v2\x1b.kvservice.v1.AbortResponseH\x00R\x05abort\x12/\n" +
 	"\x05error\x18\x05 \x01(\v2\x17.kvservice.v1.CallErrorH\x00R\x05error\x126\n" +
-	"\x06status\x18\x06 \x01(\v2\x1c.kvservice.v1.TransferStatusH\x00R\x06statusB\a\n" +
+	"\x06status\x18\x06 \x01(\v2\x1c.kvservice.v1.TransferStatusH\x00R\x06status\x123\n" +
+	"\x05claim\x18\a \x01(\v2\x1b.kvservice.v1.ClaimResponseH\x00R\x05claimB\a\n" +
 	"\x05event\"a\n" +
 	"\x12OpenSessionRequest\x12\x1f\n" +
 	"\vclient_name\x18\x01 \x01(\tR\n" +
@@ -3930,7 +4324,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"scoresOnly\x12 \n" +
 	"\flease_ttl_ms\x18\b \x01(\rR\n" +
 	"leaseTtlMsB\x05\n" +
-	"\x03key\"\x9b\x02\n" +
+	"\x03key\"\xec\x02\n" +
 	"\vPrefixMatch\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
@@ -3939,7 +4333,10 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\rmatched_pages\x18\x05 \x01(\rR\fmatchedPages\x12!\n" +
 	"\fpage_indices\x18\x06 \x03(\rR\vpageIndices\x12!\n" +
 	"\fmin_priority\x18\a \x01(\x05R\vminPriority\x12.\n" +
-	"\x04load\x18\b \x01(\v2\x1a.kvservice.v1.TransferLoadR\x04load\"\xdd\x03\n" +
+	"\x04load\x18\b \x01(\v2\x1a.kvservice.v1.TransferLoadR\x04load\x12!\n" +
+	"\flanded_pages\x18\t \x01(\rR\vlandedPages\x12,\n" +
+	"\x12landed_transfer_id\x18\n" +
+	" \x01(\tR\x10landedTransferId\"\xab\x04\n" +
 	"\fTransferLoad\x12+\n" +
 	"\x11inbound_transfers\x18\x01 \x01(\rR\x10inboundTransfers\x122\n" +
 	"\x15inbound_bytes_pending\x18\x02 \x01(\x04R\x13inboundBytesPending\x12-\n" +
@@ -3952,7 +4349,9 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x11inbound_max_bytes\x18\t \x01(\x04R\x0finboundMaxBytes\x12'\n" +
 	"\x0finbound_refused\x18\n" +
 	" \x01(\x04R\x0einboundRefused\x12\x16\n" +
-	"\x06admits\x18\v \x01(\bR\x06admits\"\xb9\x01\n" +
+	"\x06admits\x18\v \x01(\bR\x06admits\x12)\n" +
+	"\x10landed_transfers\x18\f \x01(\rR\x0flandedTransfers\x12!\n" +
+	"\flanded_bytes\x18\r \x01(\x04R\vlandedBytes\"\xb9\x01\n" +
 	"\x13MatchPrefixResponse\x123\n" +
 	"\amatches\x18\x01 \x03(\v2\x19.kvservice.v1.PrefixMatchR\amatches\x12\x1f\n" +
 	"\vquery_pages\x18\x02 \x01(\rR\n" +
@@ -3976,7 +4375,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x10\n" +
 	"\x03all\x18\x03 \x01(\bR\x03all\"9\n" +
 	"\x12EvictPagesResponse\x12#\n" +
-	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xaa\x04\n" +
+	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xdb\x04\n" +
 	"\x12ExpectDeltaRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
@@ -3992,8 +4391,21 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x13prefix_page_indices\x18\n" +
 	" \x03(\rR\x11prefixPageIndices\x12'\n" +
 	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSenders\x12%\n" +
-	"\x0esender_address\x18\f \x01(\tR\rsenderAddressB\t\n" +
-	"\apublish\"K\n" +
+	"\x0esender_address\x18\f \x01(\tR\rsenderAddress\x12/\n" +
+	"\alanding\x18\r \x01(\v2\x15.kvservice.v1.LandingR\alandingB\t\n" +
+	"\apublish\"6\n" +
+	"\aLanding\x12\x14\n" +
+	"\x05pages\x18\x01 \x01(\rR\x05pages\x12\x15\n" +
+	"\x06ttl_ms\x18\x02 \x01(\rR\x05ttlMs\"\x96\x01\n" +
+	"\fClaimRequest\x12\x1f\n" +
+	"\vtransfer_id\x18\x01 \x01(\tR\n" +
+	"transferId\x12\"\n" +
+	"\rbuffer_set_id\x18\x02 \x01(\tR\vbufferSetId\x12(\n" +
+	"\x10dst_page_indices\x18\x03 \x03(\rR\x0edstPageIndices\x12\x17\n" +
+	"\await_ms\x18\x04 \x01(\rR\x06waitMs\"`\n" +
+	"\rClaimResponse\x124\n" +
+	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\x12\x19\n" +
+	"\bclaim_us\x18\x02 \x01(\x04R\aclaimUs\"K\n" +
 	"\x13ExpectDeltaResponse\x124\n" +
 	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\"\x8c\x03\n" +
 	"\x10SendDeltaRequest\x12\x1f\n" +
@@ -4113,7 +4525,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"queueDepth\x1a=\n" +
 	"\x0fQueueDepthEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xa3\x05\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xd9\x05\n" +
 	"\x10GetStatsResponse\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -4134,7 +4546,20 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\bactivity\x18\f \x01(\v2\x16.kvservice.v1.ActivityR\bactivity\x123\n" +
 	"\tin_flight\x18\r \x03(\v2\x16.kvservice.v1.InFlightR\binFlight\x12,\n" +
 	"\x05peers\x18\x0e \x03(\v2\x16.kvservice.v1.PeerInfoR\x05peers\x12<\n" +
-	"\fsession_list\x18\x0f \x03(\v2\x19.kvservice.v1.SessionInfoR\vsessionList\"\\\n" +
+	"\fsession_list\x18\x0f \x03(\v2\x19.kvservice.v1.SessionInfoR\vsessionList\x124\n" +
+	"\alanding\x18\x10 \x03(\v2\x1a.kvservice.v1.LandingStatsR\alanding\"\x91\x02\n" +
+	"\fLandingStats\x12\x1a\n" +
+	"\blocation\x18\x01 \x01(\tR\blocation\x12%\n" +
+	"\x0ecapacity_bytes\x18\x02 \x01(\x04R\rcapacityBytes\x12\x1d\n" +
+	"\n" +
+	"used_bytes\x18\x03 \x01(\x04R\tusedBytes\x12\x1d\n" +
+	"\n" +
+	"peak_bytes\x18\x04 \x01(\x04R\tpeakBytes\x12\x1a\n" +
+	"\blandings\x18\x05 \x01(\rR\blandings\x12\x16\n" +
+	"\x06claims\x18\x06 \x01(\x04R\x06claims\x12\x18\n" +
+	"\aexpired\x18\a \x01(\x04R\aexpired\x12\x18\n" +
+	"\aevicted\x18\b \x01(\x04R\aevicted\x12\x18\n" +
+	"\arefused\x18\t \x01(\x04R\arefused\"\\\n" +
 	"\bActivity\x12\x1b\n" +
 	"\twindow_ms\x18\x01 \x01(\x04R\bwindowMs\x123\n" +
 	"\x06routes\x18\x02 \x03(\v2\x1b.kvservice.v1.RouteActivityR\x06routes\"\xe9\x01\n" +
@@ -4181,7 +4606,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fTransferRole\x12\x1d\n" +
 	"\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n" +
-	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xbc\n" +
+	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xfe\n" +
 	"\n" +
 	"\tKVService\x12M\n" +
 	"\vOpenSession\x12 .kvservice.v1.OpenSessionRequest\x1a\x1a.kvservice.v1.SessionEvent0\x01\x12U\n" +
@@ -4200,7 +4625,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x05Abort\x12\x1a.kvservice.v1.AbortRequest\x1a\x1b.kvservice.v1.AbortResponse\x12I\n" +
 	"\bGetStats\x12\x1d.kvservice.v1.GetStatsRequest\x1a\x1e.kvservice.v1.GetStatsResponse\x12a\n" +
 	"\x10SuggestEvictions\x12%.kvservice.v1.SuggestEvictionsRequest\x1a&.kvservice.v1.SuggestEvictionsResponse\x12H\n" +
-	"\tTransfers\x12\x1a.kvservice.v1.TransferCall\x1a\x1b.kvservice.v1.TransferEvent(\x010\x01b\x06proto3"
+	"\tTransfers\x12\x1a.kvservice.v1.TransferCall\x1a\x1b.kvservice.v1.TransferEvent(\x010\x01\x12@\n" +
+	"\x05Claim\x12\x1a.kvservice.v1.ClaimRequest\x1a\x1b.kvservice.v1.ClaimResponseb\x06proto3"
 
 var (
 	file_kvservice_v1_kvservice_proto_rawDescOnce sync.Once
@@ -4215,7 +4641,7 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 48)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 52)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
 	(*TransferCall)(nil),              // 1: kvservice.v1.TransferCall
@@ -4241,123 +4667,134 @@ var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(*EvictPagesRequest)(nil),         // 21: kvservice.v1.EvictPagesRequest
 	(*EvictPagesResponse)(nil),        // 22: kvservice.v1.EvictPagesResponse
 	(*ExpectDeltaRequest)(nil),        // 23: kvservice.v1.ExpectDeltaRequest
-	(*ExpectDeltaResponse)(nil),       // 24: kvservice.v1.ExpectDeltaResponse
-	(*SendDeltaRequest)(nil),          // 25: kvservice.v1.SendDeltaRequest
-	(*SendDeltaResponse)(nil),         // 26: kvservice.v1.SendDeltaResponse
-	(*PollRequest)(nil),               // 27: kvservice.v1.PollRequest
-	(*PollResponse)(nil),              // 28: kvservice.v1.PollResponse
-	(*WatchTransfersRequest)(nil),     // 29: kvservice.v1.WatchTransfersRequest
-	(*AbortRequest)(nil),              // 30: kvservice.v1.AbortRequest
-	(*AbortResponse)(nil),             // 31: kvservice.v1.AbortResponse
-	(*PhaseTimings)(nil),              // 32: kvservice.v1.PhaseTimings
-	(*TransferStatus)(nil),            // 33: kvservice.v1.TransferStatus
-	(*GetStatsRequest)(nil),           // 34: kvservice.v1.GetStatsRequest
-	(*BufferSetInfo)(nil),             // 35: kvservice.v1.BufferSetInfo
-	(*SuggestEvictionsRequest)(nil),   // 36: kvservice.v1.SuggestEvictionsRequest
-	(*SuggestEvictionsResponse)(nil),  // 37: kvservice.v1.SuggestEvictionsResponse
-	(*IndexStats)(nil),                // 38: kvservice.v1.IndexStats
-	(*StagingStats)(nil),              // 39: kvservice.v1.StagingStats
-	(*TransferCounts)(nil),            // 40: kvservice.v1.TransferCounts
-	(*GetStatsResponse)(nil),          // 41: kvservice.v1.GetStatsResponse
-	(*Activity)(nil),                  // 42: kvservice.v1.Activity
-	(*RouteActivity)(nil),             // 43: kvservice.v1.RouteActivity
-	(*InFlight)(nil),                  // 44: kvservice.v1.InFlight
-	(*PeerInfo)(nil),                  // 45: kvservice.v1.PeerInfo
-	(*SessionInfo)(nil),               // 46: kvservice.v1.SessionInfo
-	nil,                               // 47: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 48: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 49: kvservice.v1.Layout
-	(*Region)(nil),                    // 50: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 51: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 52: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 53: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 54: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 55: kvservice.v1.TransferPath
-	(TransferState)(0),                // 56: kvservice.v1.TransferState
+	(*Landing)(nil),                   // 24: kvservice.v1.Landing
+	(*ClaimRequest)(nil),              // 25: kvservice.v1.ClaimRequest
+	(*ClaimResponse)(nil),             // 26: kvservice.v1.ClaimResponse
+	(*ExpectDeltaResponse)(nil),       // 27: kvservice.v1.ExpectDeltaResponse
+	(*SendDeltaRequest)(nil),          // 28: kvservice.v1.SendDeltaRequest
+	(*SendDeltaResponse)(nil),         // 29: kvservice.v1.SendDeltaResponse
+	(*PollRequest)(nil),               // 30: kvservice.v1.PollRequest
+	(*PollResponse)(nil),              // 31: kvservice.v1.PollResponse
+	(*WatchTransfersRequest)(nil),     // 32: kvservice.v1.WatchTransfersRequest
+	(*AbortRequest)(nil),              // 33: kvservice.v1.AbortRequest
+	(*AbortResponse)(nil),             // 34: kvservice.v1.AbortResponse
+	(*PhaseTimings)(nil),              // 35: kvservice.v1.PhaseTimings
+	(*TransferStatus)(nil),            // 36: kvservice.v1.TransferStatus
+	(*GetStatsRequest)(nil),           // 37: kvservice.v1.GetStatsRequest
+	(*BufferSetInfo)(nil),             // 38: kvservice.v1.BufferSetInfo
+	(*SuggestEvictionsRequest)(nil),   // 39: kvservice.v1.SuggestEvictionsRequest
+	(*SuggestEvictionsResponse)(nil),  // 40: kvservice.v1.SuggestEvictionsResponse
+	(*IndexStats)(nil),                // 41: kvservice.v1.IndexStats
+	(*StagingStats)(nil),              // 42: kvservice.v1.StagingStats
+	(*TransferCounts)(nil),            // 43: kvservice.v1.TransferCounts
+	(*GetStatsResponse)(nil),          // 44: kvservice.v1.GetStatsResponse
+	(*LandingStats)(nil),              // 45: kvservice.v1.LandingStats
+	(*Activity)(nil),                  // 46: kvservice.v1.Activity
+	(*RouteActivity)(nil),             // 47: kvservice.v1.RouteActivity
+	(*InFlight)(nil),                  // 48: kvservice.v1.InFlight
+	(*PeerInfo)(nil),                  // 49: kvservice.v1.PeerInfo
+	(*SessionInfo)(nil),               // 50: kvservice.v1.SessionInfo
+	nil,                               // 51: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 52: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 53: kvservice.v1.Layout
+	(*Region)(nil),                    // 54: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 55: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 56: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 57: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 58: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 59: kvservice.v1.TransferPath
+	(TransferState)(0),                // 60: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
 	23, // 0: kvservice.v1.TransferCall.expect_delta:type_name -> kvservice.v1.ExpectDeltaRequest
-	25, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
-	30, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
-	24, // 3: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
-	26, // 4: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
-	31, // 5: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
-	2,  // 6: kvservice.v1.TransferEvent.error:type_name -> kvservice.v1.CallError
-	33, // 7: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
-	6,  // 8: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
-	49, // 9: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	50, // 10: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	50, // 11: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	51, // 12: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	52, // 13: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	53, // 14: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
-	15, // 15: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
-	14, // 16: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	52, // 17: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	53, // 18: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	54, // 19: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	52, // 20: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	53, // 21: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
-	33, // 22: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	54, // 23: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	55, // 24: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
-	33, // 25: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	33, // 26: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	33, // 27: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	0,  // 28: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	56, // 29: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	55, // 30: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
-	32, // 31: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	49, // 32: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
-	15, // 33: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
-	47, // 34: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	48, // 35: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
-	35, // 36: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
-	38, // 37: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
-	39, // 38: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
-	40, // 39: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	42, // 40: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
-	44, // 41: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
-	45, // 42: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
-	46, // 43: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
-	43, // 44: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
-	4,  // 45: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	7,  // 46: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	9,  // 47: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	11, // 48: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	13, // 49: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	17, // 50: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	19, // 51: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	21, // 52: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	23, // 53: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	25, // 54: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	27, // 55: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	29, // 56: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	30, // 57: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	34, // 58: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	36, // 59: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
-	1,  // 60: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
-	5,  // 61: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	8,  // 62: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	10, // 63: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	12, // 64: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	16, // 65: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	18, // 66: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	20, // 67: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	22, // 68: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	24, // 69: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	26, // 70: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	28, // 71: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	33, // 72: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	31, // 73: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	41, // 74: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	37, // 75: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
-	3,  // 76: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
-	61, // [61:77] is the sub-list for method output_type
-	45, // [45:61] is the sub-list for method input_type
-	45, // [45:45] is the sub-list for extension type_name
-	45, // [45:45] is the sub-list for extension extendee
-	0,  // [0:45] is the sub-list for field type_name
+	28, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
+	33, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
+	25, // 3: kvservice.v1.TransferCall.claim:type_name -> kvservice.v1.ClaimRequest
+	27, // 4: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
+	29, // 5: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
+	34, // 6: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
+	2,  // 7: kvservice.v1.TransferEvent.error:type_name -> kvservice.v1.CallError
+	36, // 8: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
+	26, // 9: kvservice.v1.TransferEvent.claim:type_name -> kvservice.v1.ClaimResponse
+	6,  // 10: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
+	53, // 11: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	54, // 12: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	54, // 13: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	55, // 14: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	56, // 15: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	57, // 16: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	15, // 17: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
+	14, // 18: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
+	56, // 19: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	57, // 20: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	58, // 21: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	56, // 22: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	57, // 23: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	24, // 24: kvservice.v1.ExpectDeltaRequest.landing:type_name -> kvservice.v1.Landing
+	36, // 25: kvservice.v1.ClaimResponse.status:type_name -> kvservice.v1.TransferStatus
+	36, // 26: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	58, // 27: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	59, // 28: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	36, // 29: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	36, // 30: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	36, // 31: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	0,  // 32: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
+	60, // 33: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	59, // 34: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	35, // 35: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
+	53, // 36: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	15, // 37: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
+	51, // 38: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	52, // 39: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	38, // 40: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
+	41, // 41: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
+	42, // 42: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
+	43, // 43: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
+	46, // 44: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
+	48, // 45: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
+	49, // 46: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
+	50, // 47: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
+	45, // 48: kvservice.v1.GetStatsResponse.landing:type_name -> kvservice.v1.LandingStats
+	47, // 49: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
+	4,  // 50: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	7,  // 51: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	9,  // 52: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	11, // 53: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	13, // 54: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	17, // 55: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	19, // 56: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	21, // 57: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	23, // 58: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	28, // 59: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	30, // 60: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	32, // 61: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	33, // 62: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	37, // 63: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	39, // 64: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	1,  // 65: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
+	25, // 66: kvservice.v1.KVService.Claim:input_type -> kvservice.v1.ClaimRequest
+	5,  // 67: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	8,  // 68: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	10, // 69: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	12, // 70: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	16, // 71: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	18, // 72: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	20, // 73: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	22, // 74: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	27, // 75: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	29, // 76: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	31, // 77: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	36, // 78: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	34, // 79: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	44, // 80: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	40, // 81: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	3,  // 82: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
+	26, // 83: kvservice.v1.KVService.Claim:output_type -> kvservice.v1.ClaimResponse
+	67, // [67:84] is the sub-list for method output_type
+	50, // [50:67] is the sub-list for method input_type
+	50, // [50:50] is the sub-list for extension type_name
+	50, // [50:50] is the sub-list for extension extendee
+	0,  // [0:50] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -4370,6 +4807,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 		(*TransferCall_ExpectDelta)(nil),
 		(*TransferCall_SendDelta)(nil),
 		(*TransferCall_Abort)(nil),
+		(*TransferCall_Claim)(nil),
 	}
 	file_kvservice_v1_kvservice_proto_msgTypes[2].OneofWrappers = []any{
 		(*TransferEvent_ExpectDelta)(nil),
@@ -4377,6 +4815,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 		(*TransferEvent_Abort)(nil),
 		(*TransferEvent_Error)(nil),
 		(*TransferEvent_Status)(nil),
+		(*TransferEvent_Claim)(nil),
 	}
 	file_kvservice_v1_kvservice_proto_msgTypes[12].OneofWrappers = []any{
 		(*MatchPrefixRequest_Tokens)(nil),
@@ -4396,7 +4835,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   48,
+			NumMessages:   52,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -44,6 +44,7 @@ const (
 	KVService_GetStats_FullMethodName          = "/kvservice.v1.KVService/GetStats"
 	KVService_SuggestEvictions_FullMethodName  = "/kvservice.v1.KVService/SuggestEvictions"
 	KVService_Transfers_FullMethodName         = "/kvservice.v1.KVService/Transfers"
+	KVService_Claim_FullMethodName             = "/kvservice.v1.KVService/Claim"
 )
 
 // KVServiceClient is the client API for KVService service.
@@ -92,6 +93,11 @@ type KVServiceClient interface {
 	// (DONE, FAILED or ABORTED). A sub-millisecond transfer has no room for a unary call on its
 	// path: a stream message costs about half a unary call, and no watch is opened per transfer.
 	Transfers(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TransferCall, TransferEvent], error)
+	// Claims a landed transfer (ExpectDeltaRequest.landing) into destination pages of the caller's
+	// buffer set: one same-node copy from the landing pool, then the receiver's status is DONE and
+	// the landed bytes are free. Waits (bounded by wait_ms and the transfer's deadline) while the
+	// transfer is still arriving; refused with a reason naming the transfer once it is gone.
+	Claim(ctx context.Context, in *ClaimRequest, opts ...grpc.CallOption) (*ClaimResponse, error)
 }
 
 type kVServiceClient struct {
@@ -283,6 +289,16 @@ func (c *kVServiceClient) Transfers(ctx context.Context, opts ...grpc.CallOption
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type KVService_TransfersClient = grpc.BidiStreamingClient[TransferCall, TransferEvent]
 
+func (c *kVServiceClient) Claim(ctx context.Context, in *ClaimRequest, opts ...grpc.CallOption) (*ClaimResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ClaimResponse)
+	err := c.cc.Invoke(ctx, KVService_Claim_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // KVServiceServer is the server API for KVService service.
 // All implementations must embed UnimplementedKVServiceServer
 // for forward compatibility.
@@ -329,6 +345,11 @@ type KVServiceServer interface {
 	// (DONE, FAILED or ABORTED). A sub-millisecond transfer has no room for a unary call on its
 	// path: a stream message costs about half a unary call, and no watch is opened per transfer.
 	Transfers(grpc.BidiStreamingServer[TransferCall, TransferEvent]) error
+	// Claims a landed transfer (ExpectDeltaRequest.landing) into destination pages of the caller's
+	// buffer set: one same-node copy from the landing pool, then the receiver's status is DONE and
+	// the landed bytes are free. Waits (bounded by wait_ms and the transfer's deadline) while the
+	// transfer is still arriving; refused with a reason naming the transfer once it is gone.
+	Claim(context.Context, *ClaimRequest) (*ClaimResponse, error)
 	mustEmbedUnimplementedKVServiceServer()
 }
 
@@ -386,6 +407,9 @@ func (UnimplementedKVServiceServer) SuggestEvictions(context.Context, *SuggestEv
 }
 func (UnimplementedKVServiceServer) Transfers(grpc.BidiStreamingServer[TransferCall, TransferEvent]) error {
 	return status.Error(codes.Unimplemented, "method Transfers not implemented")
+}
+func (UnimplementedKVServiceServer) Claim(context.Context, *ClaimRequest) (*ClaimResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Claim not implemented")
 }
 func (UnimplementedKVServiceServer) mustEmbedUnimplementedKVServiceServer() {}
 func (UnimplementedKVServiceServer) testEmbeddedByValue()                   {}
@@ -671,6 +695,24 @@ func _KVService_Transfers_Handler(srv interface{}, stream grpc.ServerStream) err
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type KVService_TransfersServer = grpc.BidiStreamingServer[TransferCall, TransferEvent]
 
+func _KVService_Claim_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ClaimRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVServiceServer).Claim(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVService_Claim_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVServiceServer).Claim(ctx, req.(*ClaimRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // KVService_ServiceDesc is the grpc.ServiceDesc for KVService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -729,6 +771,10 @@ var KVService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SuggestEvictions",
 			Handler:    _KVService_SuggestEvictions_Handler,
+		},
+		{
+			MethodName: "Claim",
+			Handler:    _KVService_Claim_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

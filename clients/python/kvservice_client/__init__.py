@@ -20,6 +20,7 @@ from ._errors import (
     Unimplemented,
 )
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
+from ._landing import Claimed
 from ._layout import Layout
 from ._regions import AuxSpec, Region, ShmKVPool, cuda_region, pointer_region, shm_region
 from ._security import ChannelSecurity
@@ -40,6 +41,7 @@ __all__ = [
     "BackgroundClient",
     "ChannelSecurity",
     "AuxSpec",
+    "Claimed",
     "Client",
     "DEFAULT_KEEPALIVE",
     "DeadlineExceeded",

@@ -15,6 +15,7 @@ from ._aio_session import AsyncSessionKeeper
 from ._client import channel_options
 from ._errors import KVClientError, SessionLost, Unauthenticated, map_rpc_error
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
+from ._landing import AsyncLandingCalls
 from ._layout import Layout
 from ._local_identity import CREDENTIAL_METADATA_KEY, fetch_credential_async
 from ._proto import kvservice_pb2 as pb
@@ -27,7 +28,7 @@ from ._types import MatchResult, RegisteredBuffers, TransferStatus
 __all__ = ["AsyncClient"]
 
 
-class AsyncClient:
+class AsyncClient(AsyncLandingCalls):
     """Non-blocking client; use ``async with AsyncClient(target) as kv``.
 
     Sessions behave as in :class:`Client`: resumed after a broken stream, :class:`SessionLost`

@@ -26,6 +26,7 @@ from ._errors import (
     map_rpc_error,
 )
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
+from ._landing import LandingCalls
 from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
@@ -57,7 +58,7 @@ def channel_options(
     return message_size_options(max_message_mb) + keepalive.client_options()
 
 
-class Client:
+class Client(LandingCalls):
     """Blocking client for one kvservice (``target``: "unix:/path" or "host:port").
 
     ``on_session_lost`` (optional) is called on a background thread with the

@@ -16,7 +16,7 @@ __all__ = [
     "TransferStatus",
 ]
 
-State = Literal["PENDING", "TRANSFERRING", "DONE", "FAILED", "ABORTED", "UNSPECIFIED"]
+State = Literal["PENDING", "TRANSFERRING", "LANDED", "DONE", "FAILED", "ABORTED", "UNSPECIFIED"]
 TERMINAL = frozenset({"DONE", "FAILED", "ABORTED"})
 
 
@@ -42,6 +42,8 @@ class TransferLoad:
     inbound_max_bytes: int = 0  # 0: unlimited
     inbound_refused: int = 0
     admits: bool = True
+    landed_transfers: int = 0  # LANDED in the landing pool, waiting for a claim (not inbound)
+    landed_bytes: int = 0
 
     @property
     def transfers_free(self) -> int | None:
@@ -65,6 +67,8 @@ class PrefixMatch:
     page_indices: tuple[int, ...]
     min_priority: int
     load: TransferLoad = TransferLoad()
+    landed_pages: int = 0  # leading pages claimable from a LANDED transfer (prefix included)
+    landed_transfer_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,8 @@ class MatchResult:
                     page_indices=tuple(m.page_indices),
                     min_priority=m.min_priority,
                     load=TransferLoad.from_proto(m.load),
+                    landed_pages=m.landed_pages,
+                    landed_transfer_id=m.landed_transfer_id,
                 )
                 for m in pb.matches
             ),

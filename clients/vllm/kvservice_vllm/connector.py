@@ -45,7 +45,9 @@ class KVServiceConnector(KVConnectorBase_V1):
         self._errors: set[int] = set()
         self._timer: SchedulerTimer | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.block_size, deadline_ms)
+            # landing_ttl_ms > 0: a decode request vLLM cannot allocate at once lands meanwhile
+            landing_ttl_ms = int(extra.get_from_extra_config("landing_ttl_ms", 0))
+            self._sched = SchedulerSide(self.block_size, deadline_ms, landing_ttl_ms)
             self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
             pc, mc = vllm_config.parallel_config, vllm_config.model_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["AbortJob", "RecvJob", "SendJob"]
+__all__ = ["AbortJob", "ClaimJob", "LandJob", "RecvJob", "SendJob"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,32 @@ class RecvJob:
     prefix_pages: int  # pages this instance holds already (its prefix-cache hit): not sent
     pages: tuple[int, ...]  # this instance's block ids for the pages that move
     deadline_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LandJob:
+    """Decode side, landing option: the request's blocks could not be allocated at once, so its
+    pages land in the service's landing pool meanwhile (the prefill's pages are free at LANDED)."""
+
+    req_id: str
+    transfer_id: str
+    prefix_pages: int  # the local prefix-cache hit when it was matched
+    pages: int  # pages to land past it
+    deadline_ms: int
+    ttl_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimJob:
+    """Decode side, landing option: the blocks are allocated now; claim the landed pages into
+    them (or, if the landing was refused, receive them as a RecvJob would)."""
+
+    req_id: str
+    transfer_id: str
+    prefix_pages: int  # as landed
+    pages: tuple[int, ...]  # this instance's block ids for the landed pages
+    deadline_ms: int
+    why_not: str = ""  # non-empty: the allocation no longer matches the landing (the load fails)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .jobs import AbortJob, RecvJob, SendJob
+from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob
 
-__all__ = ["AbortJob", "KVServiceMeta", "RecvJob", "SendJob"]
+__all__ = ["AbortJob", "ClaimJob", "KVServiceMeta", "LandJob", "RecvJob", "SendJob"]
 
 
 @dataclasses.dataclass
@@ -16,3 +16,5 @@ class KVServiceMeta(KVConnectorMetadata):
     sends: list[SendJob] = dataclasses.field(default_factory=list)
     recvs: list[RecvJob] = dataclasses.field(default_factory=list)
     aborts: list[AbortJob] = dataclasses.field(default_factory=list)
+    lands: list[LandJob] = dataclasses.field(default_factory=list)
+    claims: list[ClaimJob] = dataclasses.field(default_factory=list)

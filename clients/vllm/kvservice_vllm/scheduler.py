@@ -10,6 +10,15 @@ Decode instance (``do_remote_prefill``, the params the prefill returned)::
     update_state_after_alloc ─▶ RecvJob(prefix_pages = local hit, the rest of the blocks)
     worker: ExpectDelta ─▶ finished_recving (failed_recving + load-error blocks if it failed)
     request_finished while still loading ─▶ AbortJob; the load is reported finished once it settled
+
+Decode instance with the landing option (``landing_ttl_ms`` > 0), when vLLM could not allocate the
+request's blocks in the step that matched it (its pre-allocation would wait)::
+
+    get_num_new_matched_tokens, no update_state_after_alloc this step ─▶ LandJob: ExpectDelta
+        (landing): the prefill sends now, its pages free at LANDED, no block of ours is held
+    update_state_after_alloc (later) ─▶ ClaimJob: Claim into the blocks ─▶ finished_recving
+    request_finished before its blocks came ─▶ AbortJob (the landing is freed)
+A request allocated in the step that matched it takes the default path (RecvJob) unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from .meta import AbortJob, KVServiceMeta, RecvJob, SendJob
+from .meta import AbortJob, ClaimJob, KVServiceMeta, LandJob, RecvJob, SendJob
 from .sched_timer import trace
 
 __all__ = ["SchedulerSide"]
@@ -31,12 +40,15 @@ def _first_group(block_ids: Any) -> list[int]:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, deadline_ms: int) -> None:
+    def __init__(self, block_size: int, deadline_ms: int, landing_ttl_ms: int = 0) -> None:
         self.block_size = block_size
         self.deadline_ms = deadline_ms
+        self.landing_ttl_ms = landing_ttl_ms  # 0: no landing (the default path only)
+        self._unallocated: dict[str, Any] = {}  # matched this step, no blocks yet (landing option)
+        self.landed: dict[str, LandJob] = {}  # decode: landings declared, not yet claimed
         self._meta = KVServiceMeta()
         self.sending: set[str] = set()  # prefill: requests whose blocks we hold until their send ends
-        self.receiving: dict[str, RecvJob] = {}  # decode: loads not yet reported finished
+        self.receiving: dict[str, RecvJob | ClaimJob] = {}  # decode: loads not yet reported finished
         self._local_hit: dict[str, int] = {}  # decode: the local prefix hit seen at matching
 
     def _pages(self, num_tokens: int) -> int:
@@ -51,6 +63,8 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens
+        if self.landing_ttl_ms and request.request_id not in self.landed:
+            self._unallocated[request.request_id] = request
         return count, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -58,9 +72,25 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         params["do_remote_prefill"] = False  # the load is planned once
+        self._unallocated.pop(request.request_id, None)
         local = self._local_hit.pop(request.request_id, 0)
         prefix = local // self.block_size
         ids = _first_group(blocks.get_block_ids())
+        land = self.landed.pop(request.request_id, None)
+        if land is not None:  # its pages landed meanwhile: claim them into these blocks
+            end = land.prefix_pages + land.pages
+            why = ""
+            if prefix < land.prefix_pages or len(ids) < end:  # pages nobody would fill
+                why = (
+                    f"local prefix hit now {prefix} pages, {len(ids)} blocks; landed past {land.prefix_pages}"
+                )
+            claim = ClaimJob(
+                request.request_id, land.transfer_id, land.prefix_pages, tuple(ids[land.prefix_pages : end]),
+                land.deadline_ms, why,
+            )  # fmt: skip
+            self.receiving[claim.req_id] = claim
+            self._meta.claims.append(claim)
+            return
         job = RecvJob(
             req_id=request.request_id,
             transfer_id=str(params["transfer_id"]),
@@ -76,6 +106,13 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._local_hit.pop(rid, None)
+        self._unallocated.pop(rid, None)
+        land = self.landed.pop(rid, None)
+        if land is not None:  # landed, never allocated: free the landing (no block of ours to hold)
+            self._meta.aborts.append(
+                AbortJob(rid, land.transfer_id, "the request ended before it claimed its KV")
+            )
+            return False, None
         recv = self.receiving.get(rid)
         if recv is not None:
             # decode: ended while loading (aborted, or failed by vLLM for this very load). vLLM
@@ -109,6 +146,20 @@ class SchedulerSide:
 
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self) -> KVServiceMeta:
+        for rid, request in self._unallocated.items():  # could not allocate at once: land it
+            params = request.kv_transfer_params
+            local = self._local_hit.get(rid, 0) // self.block_size
+            job = LandJob(
+                rid,
+                str(params["transfer_id"]),
+                local,
+                self._pages(len(request.prompt_token_ids or ())) - local,
+                int(params.get("deadline_ms", self.deadline_ms)),
+                self.landing_ttl_ms,
+            )
+            self.landed[rid] = job
+            self._meta.lands.append(job)
+        self._unallocated.clear()
         meta, self._meta = self._meta, KVServiceMeta()
         return meta
 

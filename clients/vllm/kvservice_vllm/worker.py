@@ -27,7 +27,7 @@ import torch
 from kvservice_client import BackgroundClient, Layout, NotFound, Region, pointer_region
 from torch.overrides import TorchFunctionMode
 
-from .jobs import AbortJob, RecvJob, SendJob
+from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob
 from .layout import KVHeads, kv_layout
 from .sched_timer import flush_trace, trace, tracing
 
@@ -42,7 +42,7 @@ _MIN_SHARED_BYTES = 1 << 16  # smaller int8 zeros inside the hook are not the KV
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    job: SendJob | RecvJob
+    job: SendJob | RecvJob | ClaimJob
     ok: bool
     why: str = ""
 
@@ -81,6 +81,7 @@ class WorkerSide:
         self.layout: Layout | None = None
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._aborts: dict[str, Any] = {}  # transfer id -> the Abort call of a load being stopped
+        self._lands: dict[str, Any] = {}  # transfer id -> its landing declaration (landing option)
 
     # -- KV cache ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -129,8 +130,15 @@ class WorkerSide:
     def submit(self, meta: KVServiceMeta) -> None:
         """Start this step's jobs (returns at once; outcomes arrive in :meth:`outcomes`)."""
         bs = self.buffer_set_id
+        for land in meta.lands:  # declared now; claimed (or received) once blocks are allocated
+            self._lands[land.transfer_id] = self.bg.submit(_land(self.bg, bs, land))
         for abort in meta.aborts:  # settled when Abort returns: no write lands after it
-            self._aborts[abort.transfer_id] = self.bg.submit(_abort(self.bg, abort))
+            self._aborts[abort.transfer_id] = self.bg.submit(
+                _abort(self.bg, abort, self._lands.pop(abort.transfer_id, None))
+            )
+        for claim in meta.claims:
+            fut = self.bg.submit(self._claim(claim, self._lands.pop(claim.transfer_id, None)))
+            fut.add_done_callback(lambda f, j=claim: self._finish(j, f))
         jobs: list[SendJob | RecvJob] = [*meta.sends, *meta.recvs]
         for job in jobs:
             fut: Any
@@ -161,12 +169,44 @@ class WorkerSide:
             trace("submitted", job.transfer_id)
             fut.add_done_callback(lambda f, j=job: self._finish(j, f))
 
-    def _finish(self, job: SendJob | RecvJob, fut: Any) -> None:
+    async def _claim(self, job: ClaimJob, landing: Any) -> Any:
+        """The landed pages into the allocated blocks; if the landing was refused (pool full),
+        the transfer waited for a plan: receive it into the blocks as the default path does."""
+        import asyncio
+
+        kv, bs = self.bg.kv, self.buffer_set_id
+        if job.why_not:
+            with contextlib.suppress(Exception):
+                await kv.abort(job.transfer_id, job.why_not)
+            raise RuntimeError(f"landed KV not claimable: {job.why_not}")
+        try:
+            if landing is not None:
+                await asyncio.wrap_future(landing)
+        except Exception as exc:  # refused at once: no landing; the sender waits for a plan
+            log.info("kvservice: landing of %s refused (%s); receiving directly", job.transfer_id, exc)
+            return await asyncio.wrap_future(
+                self.bg.transfer(
+                    job.transfer_id,
+                    lambda c: c.expect_delta(
+                        job.transfer_id,
+                        bs,
+                        prefix_pages=job.prefix_pages,
+                        dst_page_indices=job.pages,
+                        deadline_ms=job.deadline_ms,
+                    ),
+                    job.deadline_ms,
+                )
+            )
+        return (
+            await kv.claim(job.transfer_id, bs, dst_page_indices=job.pages, wait_ms=job.deadline_ms)
+        ).status
+
+    def _finish(self, job: SendJob | RecvJob | ClaimJob, fut: Any) -> None:
         """Report a job's outcome; a load that was aborted only once the abort has settled."""
         if tracing() and fut.exception() is None:
             st = fut.result()
             trace("done", job.transfer_id, state=st.state, path=st.path, timings_us=st.timings_us)
-        abort = self._aborts.pop(job.transfer_id, None) if isinstance(job, RecvJob) else None
+        abort = self._aborts.pop(job.transfer_id, None) if isinstance(job, RecvJob | ClaimJob) else None
         if abort is not None and not abort.done():
             abort.add_done_callback(lambda _: self._outcomes.put(_outcome(job, fut)))
         else:
@@ -191,7 +231,23 @@ class WorkerSide:
                 shm.unlink()
 
 
-async def _abort(bg: BackgroundClient, job: AbortJob) -> None:
+async def _land(bg: BackgroundClient, bs: str, job: LandJob) -> Any:
+    return await bg.kv.expect_landing(
+        job.transfer_id,
+        bs,
+        prefix_pages=job.prefix_pages,
+        pages=job.pages,
+        ttl_ms=job.ttl_ms,
+        deadline_ms=job.deadline_ms,
+    )
+
+
+async def _abort(bg: BackgroundClient, job: AbortJob, landing: Any = None) -> None:
+    import asyncio
+
+    if landing is not None:  # the landing's declaration first, so the abort finds it
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(landing)
     try:
         await bg.kv.abort(job.transfer_id, job.reason)
     except NotFound:  # it had ended already
@@ -200,7 +256,7 @@ async def _abort(bg: BackgroundClient, job: AbortJob) -> None:
         log.warning("kvservice: abort of %s failed: %s", job.transfer_id, exc)
 
 
-def _outcome(job: SendJob | RecvJob, fut: Any) -> Outcome:
+def _outcome(job: SendJob | RecvJob | ClaimJob, fut: Any) -> Outcome:
     exc = fut.exception()
     if exc is not None:
         return Outcome(job, False, f"{type(exc).__name__}: {exc}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvservice_vllm.meta import AbortJob, RecvJob, SendJob
+from kvservice_vllm.meta import AbortJob, ClaimJob, LandJob, RecvJob, SendJob
 from kvservice_vllm.scheduler import SchedulerSide
 from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
@@ -99,3 +99,56 @@ def test_plain_requests_pass_through() -> None:
     assert s.request_finished(r, [1, 2]) == (False, None)
     meta = s.build_connector_meta()
     assert not (meta.sends or meta.recvs or meta.aborts)
+
+
+def test_landing_option_lands_what_vllm_could_not_allocate_and_claims_it_later() -> None:
+    """landing_ttl_ms: matched but not allocated this step -> LandJob; allocated later -> ClaimJob."""
+    s = SchedulerSide(BLOCK, 30_000, landing_ttl_ms=4000)
+    r = _req("d-3", 150, {"do_remote_prefill": True, "transfer_id": "t3", "deadline_ms": 5000})
+    assert s.get_num_new_matched_tokens(r, 64) == (86, True)  # no room: no update_state_after_alloc
+    meta = s.build_connector_meta()
+    assert meta.lands == [LandJob("d-3", "t3", 2, 3, 5000, 4000)] and meta.recvs == []
+    assert s.get_num_new_matched_tokens(r, 64) == (86, True)  # asked again in a later step
+    assert s.build_connector_meta().lands == []  # landed once
+    s.update_state_after_alloc(r, _Blocks([4, 5, 11, 12, 13]), 86)
+    meta = s.build_connector_meta()
+    assert meta.claims == [ClaimJob("d-3", "t3", 2, (11, 12, 13), 5000)] and meta.recvs == []
+    s.finished(None, {"d-3"})
+    assert not s.receiving and not s.landed
+
+
+def test_landing_option_keeps_the_default_path_when_vllm_allocates_at_once() -> None:
+    """Allocated in the step that matched it: a plain RecvJob, no landing."""
+    s = SchedulerSide(BLOCK, 30_000, landing_ttl_ms=4000)
+    r = _req("d-4", 150, {"do_remote_prefill": True, "transfer_id": "t4", "deadline_ms": 5000})
+    s.get_num_new_matched_tokens(r, 64)
+    s.update_state_after_alloc(r, _Blocks([4, 5, 11, 12, 13]), 86)
+    meta = s.build_connector_meta()
+    assert (
+        meta.recvs == [RecvJob("d-4", "t4", 2, (11, 12, 13), 5000)] and meta.lands == [] and meta.claims == []
+    )
+
+
+def test_landing_option_a_request_ending_before_its_blocks_frees_the_landing() -> None:
+    """Landed, never allocated, then finished: an AbortJob frees the landing; nothing held."""
+    s = SchedulerSide(BLOCK, 30_000, landing_ttl_ms=4000)
+    r = _req("d-5", 40, {"do_remote_prefill": True, "transfer_id": "t5"})
+    s.get_num_new_matched_tokens(r, 0)
+    s.build_connector_meta()
+    assert s.request_finished(r, []) == (False, None)
+    assert s.build_connector_meta().aborts == [
+        AbortJob("d-5", "t5", "the request ended before it claimed its KV")
+    ]
+    assert not s.landed
+
+
+def test_landing_option_a_shrunken_prefix_hit_fails_the_load_instead_of_leaving_holes() -> None:
+    """The local prefix hit fell below what the landing skipped: the claim job says why (a failed load)."""
+    s = SchedulerSide(BLOCK, 30_000, landing_ttl_ms=4000)
+    r = _req("d-6", 150, {"do_remote_prefill": True, "transfer_id": "t6"})
+    s.get_num_new_matched_tokens(r, 64)
+    s.build_connector_meta()
+    s._local_hit["d-6"] = 0  # evicted meanwhile: vLLM matched no local prefix at allocation
+    s.update_state_after_alloc(r, _Blocks([7, 8, 9, 10, 11]), 150)
+    (claim,) = s.build_connector_meta().claims
+    assert claim.why_not and claim.pages == (9, 10, 11)

@@ -41,6 +41,7 @@ class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_STATE_DONE: _ClassVar[TransferState]
     TRANSFER_STATE_FAILED: _ClassVar[TransferState]
     TRANSFER_STATE_ABORTED: _ClassVar[TransferState]
+    TRANSFER_STATE_LANDED: _ClassVar[TransferState]
 
 class TransferPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ TRANSFER_STATE_TRANSFERRING: TransferState
 TRANSFER_STATE_DONE: TransferState
 TRANSFER_STATE_FAILED: TransferState
 TRANSFER_STATE_ABORTED: TransferState
+TRANSFER_STATE_LANDED: TransferState
 TRANSFER_PATH_AUTO: TransferPath
 TRANSFER_PATH_DIRECT: TransferPath
 TRANSFER_PATH_PACKED: TransferPath

@@ -18,18 +18,20 @@ TRANSFER_ROLE_SENDER: TransferRole
 TRANSFER_ROLE_RECEIVER: TransferRole
 
 class TransferCall(_message.Message):
-    __slots__ = ("call_id", "expect_delta", "send_delta", "abort", "request_id")
+    __slots__ = ("call_id", "expect_delta", "send_delta", "abort", "claim", "request_id")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_DELTA_FIELD_NUMBER: _ClassVar[int]
     SEND_DELTA_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     expect_delta: ExpectDeltaRequest
     send_delta: SendDeltaRequest
     abort: AbortRequest
+    claim: ClaimRequest
     request_id: str
-    def __init__(self, call_id: _Optional[int] = ..., expect_delta: _Optional[_Union[ExpectDeltaRequest, _Mapping]] = ..., send_delta: _Optional[_Union[SendDeltaRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[int] = ..., expect_delta: _Optional[_Union[ExpectDeltaRequest, _Mapping]] = ..., send_delta: _Optional[_Union[SendDeltaRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., claim: _Optional[_Union[ClaimRequest, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message")
@@ -40,20 +42,22 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TransferEvent(_message.Message):
-    __slots__ = ("call_id", "expect_delta", "send_delta", "abort", "error", "status")
+    __slots__ = ("call_id", "expect_delta", "send_delta", "abort", "error", "status", "claim")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECT_DELTA_FIELD_NUMBER: _ClassVar[int]
     SEND_DELTA_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     expect_delta: ExpectDeltaResponse
     send_delta: SendDeltaResponse
     abort: AbortResponse
     error: CallError
     status: TransferStatus
-    def __init__(self, call_id: _Optional[int] = ..., expect_delta: _Optional[_Union[ExpectDeltaResponse, _Mapping]] = ..., send_delta: _Optional[_Union[SendDeltaResponse, _Mapping]] = ..., abort: _Optional[_Union[AbortResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
+    claim: ClaimResponse
+    def __init__(self, call_id: _Optional[int] = ..., expect_delta: _Optional[_Union[ExpectDeltaResponse, _Mapping]] = ..., send_delta: _Optional[_Union[SendDeltaResponse, _Mapping]] = ..., abort: _Optional[_Union[AbortResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., status: _Optional[_Union[TransferStatus, _Mapping]] = ..., claim: _Optional[_Union[ClaimResponse, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("client_name", "resume_session_id")
@@ -156,7 +160,7 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., page_size: _Optional[int] = ..., buffer_set_ids: _Optional[_Iterable[str]] = ..., has_dp_rank: bool = ..., dp_rank: _Optional[int] = ..., scores_only: bool = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefixMatch(_message.Message):
-    __slots__ = ("buffer_set_id", "engine_id", "tp_rank", "dp_rank", "matched_pages", "page_indices", "min_priority", "load")
+    __slots__ = ("buffer_set_id", "engine_id", "tp_rank", "dp_rank", "matched_pages", "page_indices", "min_priority", "load", "landed_pages", "landed_transfer_id")
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +169,8 @@ class PrefixMatch(_message.Message):
     PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LANDED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LANDED_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     buffer_set_id: str
     engine_id: str
     tp_rank: int
@@ -173,10 +179,12 @@ class PrefixMatch(_message.Message):
     page_indices: _containers.RepeatedScalarFieldContainer[int]
     min_priority: int
     load: TransferLoad
-    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_pages: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., min_priority: _Optional[int] = ..., load: _Optional[_Union[TransferLoad, _Mapping]] = ...) -> None: ...
+    landed_pages: int
+    landed_transfer_id: str
+    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_pages: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., min_priority: _Optional[int] = ..., load: _Optional[_Union[TransferLoad, _Mapping]] = ..., landed_pages: _Optional[int] = ..., landed_transfer_id: _Optional[str] = ...) -> None: ...
 
 class TransferLoad(_message.Message):
-    __slots__ = ("inbound_transfers", "inbound_bytes_pending", "outbound_transfers", "staging_waiters", "inbound_p50_us", "inbound_p99_us", "inbound_samples", "inbound_max_transfers", "inbound_max_bytes", "inbound_refused", "admits")
+    __slots__ = ("inbound_transfers", "inbound_bytes_pending", "outbound_transfers", "staging_waiters", "inbound_p50_us", "inbound_p99_us", "inbound_samples", "inbound_max_transfers", "inbound_max_bytes", "inbound_refused", "admits", "landed_transfers", "landed_bytes")
     INBOUND_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     INBOUND_BYTES_PENDING_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +196,8 @@ class TransferLoad(_message.Message):
     INBOUND_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     INBOUND_REFUSED_FIELD_NUMBER: _ClassVar[int]
     ADMITS_FIELD_NUMBER: _ClassVar[int]
+    LANDED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    LANDED_BYTES_FIELD_NUMBER: _ClassVar[int]
     inbound_transfers: int
     inbound_bytes_pending: int
     outbound_transfers: int
@@ -199,7 +209,9 @@ class TransferLoad(_message.Message):
     inbound_max_bytes: int
     inbound_refused: int
     admits: bool
-    def __init__(self, inbound_transfers: _Optional[int] = ..., inbound_bytes_pending: _Optional[int] = ..., outbound_transfers: _Optional[int] = ..., staging_waiters: _Optional[int] = ..., inbound_p50_us: _Optional[int] = ..., inbound_p99_us: _Optional[int] = ..., inbound_samples: _Optional[int] = ..., inbound_max_transfers: _Optional[int] = ..., inbound_max_bytes: _Optional[int] = ..., inbound_refused: _Optional[int] = ..., admits: bool = ...) -> None: ...
+    landed_transfers: int
+    landed_bytes: int
+    def __init__(self, inbound_transfers: _Optional[int] = ..., inbound_bytes_pending: _Optional[int] = ..., outbound_transfers: _Optional[int] = ..., staging_waiters: _Optional[int] = ..., inbound_p50_us: _Optional[int] = ..., inbound_p99_us: _Optional[int] = ..., inbound_samples: _Optional[int] = ..., inbound_max_transfers: _Optional[int] = ..., inbound_max_bytes: _Optional[int] = ..., inbound_refused: _Optional[int] = ..., admits: bool = ..., landed_transfers: _Optional[int] = ..., landed_bytes: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
     __slots__ = ("matches", "query_pages", "lease_id", "lease_expires_unix_ms")
@@ -260,7 +272,7 @@ class EvictPagesResponse(_message.Message):
     def __init__(self, evicted_pages: _Optional[int] = ...) -> None: ...
 
 class ExpectDeltaRequest(_message.Message):
-    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address")
+    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address", "landing")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +285,7 @@ class ExpectDeltaRequest(_message.Message):
     PREFIX_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_SENDERS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LANDING_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     buffer_set_id: str
     prefix_pages: int
@@ -285,7 +298,36 @@ class ExpectDeltaRequest(_message.Message):
     prefix_page_indices: _containers.RepeatedScalarFieldContainer[int]
     allowed_senders: _containers.RepeatedScalarFieldContainer[str]
     sender_address: str
-    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ...) -> None: ...
+    landing: Landing
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ...) -> None: ...
+
+class Landing(_message.Message):
+    __slots__ = ("pages", "ttl_ms")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    ttl_ms: int
+    def __init__(self, pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("transfer_id", "buffer_set_id", "dst_page_indices", "wait_ms")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    buffer_set_id: str
+    dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
+    wait_ms: int
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("status", "claim_us")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_US_FIELD_NUMBER: _ClassVar[int]
+    status: TransferStatus
+    claim_us: int
+    def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ..., claim_us: _Optional[int] = ...) -> None: ...
 
 class ExpectDeltaResponse(_message.Message):
     __slots__ = ("status",)
@@ -516,7 +558,7 @@ class TransferCounts(_message.Message):
     def __init__(self, in_flight: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., aborted: _Optional[int] = ..., queue_depth: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("service_id", "version", "uptime_ms", "sessions", "buffer_sets", "index", "staging", "transfers", "admin_view", "scope_note", "buffer_sets_total", "activity", "in_flight", "peers", "session_list")
+    __slots__ = ("service_id", "version", "uptime_ms", "sessions", "buffer_sets", "index", "staging", "transfers", "admin_view", "scope_note", "buffer_sets_total", "activity", "in_flight", "peers", "session_list", "landing")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -532,6 +574,7 @@ class GetStatsResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
+    LANDING_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     uptime_ms: int
@@ -547,7 +590,30 @@ class GetStatsResponse(_message.Message):
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., sessions: _Optional[int] = ..., buffer_sets: _Optional[_Iterable[_Union[BufferSetInfo, _Mapping]]] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., staging: _Optional[_Iterable[_Union[StagingStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferCounts, _Mapping]] = ..., admin_view: bool = ..., scope_note: _Optional[str] = ..., buffer_sets_total: _Optional[int] = ..., activity: _Optional[_Union[Activity, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    landing: _containers.RepeatedCompositeFieldContainer[LandingStats]
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., sessions: _Optional[int] = ..., buffer_sets: _Optional[_Iterable[_Union[BufferSetInfo, _Mapping]]] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., staging: _Optional[_Iterable[_Union[StagingStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferCounts, _Mapping]] = ..., admin_view: bool = ..., scope_note: _Optional[str] = ..., buffer_sets_total: _Optional[int] = ..., activity: _Optional[_Union[Activity, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., landing: _Optional[_Iterable[_Union[LandingStats, _Mapping]]] = ...) -> None: ...
+
+class LandingStats(_message.Message):
+    __slots__ = ("location", "capacity_bytes", "used_bytes", "peak_bytes", "landings", "claims", "expired", "evicted", "refused")
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANDINGS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    location: str
+    capacity_bytes: int
+    used_bytes: int
+    peak_bytes: int
+    landings: int
+    claims: int
+    expired: int
+    evicted: int
+    refused: int
+    def __init__(self, location: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., landings: _Optional[int] = ..., claims: _Optional[int] = ..., expired: _Optional[int] = ..., evicted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class Activity(_message.Message):
     __slots__ = ("window_ms", "routes")

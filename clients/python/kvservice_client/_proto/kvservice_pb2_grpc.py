@@ -115,6 +115,11 @@ class KVServiceStub(object):
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.TransferCall.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.TransferEvent.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/kvservice.v1.KVService/Claim',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class KVServiceServicer(object):
@@ -242,6 +247,16 @@ class KVServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Claims a landed transfer (ExpectDeltaRequest.landing) into destination pages of the caller's
+        buffer set: one same-node copy from the landing pool, then the receiver's status is DONE and
+        the landed bytes are free. Waits (bounded by wait_ms and the transfer's deadline) while the
+        transfer is still arriving; refused with a reason naming the transfer once it is gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -324,6 +339,11 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.Transfers,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.TransferCall.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.TransferEvent.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -758,6 +778,33 @@ class KVService(object):
             '/kvservice.v1.KVService/Transfers',
             kvservice_dot_v1_dot_kvservice__pb2.TransferCall.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.TransferEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVService/Claim',
+            kvservice_dot_v1_dot_kvservice__pb2.ClaimRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,243 @@
+"""Landing transfers in the SDK: ``expect_landing``, ``wait_landed`` and ``claim`` (issue 31).
+
+A decode engine that cannot allocate pages yet declares the transfer as a *landing*: its service
+lands the pages in a landing pool on that node and reports LANDED (the prefill engine's pages are
+then free). When the engine has allocated, it claims them into its pages (one same-device copy,
+then DONE). Landed pages that are not claimed within the landing TTL are freed and the transfer
+ends FAILED with a reason; :meth:`claim` then says so.
+
+::
+
+    kv.expect_landing("room-7", bs, prefix_pages=m, publish_tokens=prompt,
+                      prefix_page_indices=held, ttl_ms=5000)      # no destination pages
+    ...                                                            # prefill sends as usual
+    kv.claim("room-7", bs, dst_page_indices=new_pages)            # waits for LANDED if needed
+
+Mixed into :class:`~kvservice_client.Client` and (async) :class:`~kvservice_client.AsyncClient`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from . import _requests as rq
+from ._errors import DeadlineExceeded, Unavailable
+from ._proto import kvservice_pb2 as pb
+from ._types import TransferStatus
+
+__all__ = ["AsyncLandingCalls", "Claimed", "LandingCalls"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """A claim's outcome: the receiver's DONE status and the service's time on it once landed."""
+
+    status: TransferStatus
+    claim_us: int
+
+
+def landing_request(
+    transfer_id: str,
+    buffer_set_id: str,
+    prefix_pages: int,
+    pages: int,
+    ttl_ms: int,
+    expected_senders: int,
+    deadline_ms: int,
+    publish_tokens: rq.TokensLike | None,
+    prefix_page_indices: Iterable[int] | np.ndarray,
+    allowed_senders: Iterable[str],
+    sender_address: str,
+) -> pb.ExpectDeltaRequest:
+    req = rq.expect(
+        transfer_id,
+        buffer_set_id,
+        prefix_pages,
+        (),
+        expected_senders,
+        deadline_ms,
+        None,
+        publish_tokens,
+        prefix_page_indices,
+        allowed_senders,
+    )
+    req.sender_address = sender_address
+    req.landing.pages = rq._u32(pages, "pages")
+    req.landing.ttl_ms = rq._u32(ttl_ms, "ttl_ms")
+    return req
+
+
+def claim_request(
+    transfer_id: str, buffer_set_id: str, dst_page_indices: Iterable[int] | np.ndarray, wait_ms: int
+) -> pb.ClaimRequest:
+    return pb.ClaimRequest(
+        transfer_id=transfer_id,
+        buffer_set_id=buffer_set_id,
+        dst_page_indices=rq._idx(dst_page_indices, "dst_page_indices"),
+        wait_ms=rq._u32(wait_ms, "wait_ms"),
+    )
+
+
+def _settled(latest: dict[str, TransferStatus]) -> bool:
+    return bool(latest) and all(s.state == "LANDED" or s.terminal for s in latest.values())
+
+
+class LandingCalls:
+    """Landing calls of the blocking :class:`~kvservice_client.Client`."""
+
+    timeout: float
+    owned: Any
+    _tx_book: Any
+
+    def expect_landing(
+        self,
+        transfer_id: str,
+        buffer_set_id: str,
+        *,
+        prefix_pages: int = 0,
+        pages: int = 0,
+        ttl_ms: int = 0,
+        expected_senders: int = 0,
+        deadline_ms: int = 0,
+        publish_tokens: rq.TokensLike | None = None,
+        prefix_page_indices: Iterable[int] | np.ndarray = (),
+        allowed_senders: Iterable[str] = (),
+        sender_address: str = "",
+    ) -> TransferStatus:
+        """Declare ``transfer_id`` as a landing into this node's landing pool, for buffer set
+        ``buffer_set_id`` (its layout; only it may claim): ``pages`` delta pages past
+        ``prefix_pages`` (0: every page of ``publish_tokens`` past the prefix), kept ``ttl_ms``
+        after LANDED (0: the service default). ResourceExhausted at once when the pool cannot
+        hold them (fall back to waiting for the allocation, or another engine). With
+        ``publish_tokens`` routers see the landed pages in MatchPrefix (``landed_pages``) and the
+        claim publishes them into the index."""
+        req = landing_request(
+            transfer_id,
+            buffer_set_id,
+            prefix_pages,
+            pages,
+            ttl_ms,
+            expected_senders,
+            deadline_ms,
+            publish_tokens,
+            prefix_page_indices,
+            allowed_senders,
+            sender_address,
+        )
+        status = TransferStatus.from_proto(self._transfer_call("expect_delta", "ExpectDelta", req).status)  # type: ignore[attr-defined]
+        self.owned.add_transfer(transfer_id)
+        self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
+        return status
+
+    def wait_landed(self, transfer_id: str, timeout: float | None = None) -> list[TransferStatus]:
+        """Block until every receiver side of ``transfer_id`` here is LANDED (or ended); return them.
+        Raises DeadlineExceeded when ``timeout`` (default: the client's) passes first."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        latest: dict[str, TransferStatus] = {}
+        statuses = self._statuses([transfer_id], True, deadline)  # type: ignore[attr-defined]
+        try:
+            for st in statuses:
+                if st.role == "RECEIVER":
+                    latest[st.buffer_set_id] = st
+                if _settled(latest):
+                    return list(latest.values())
+        finally:
+            statuses.close()
+        raise Unavailable("status stream ended before the transfer landed")
+
+    def claim(
+        self,
+        transfer_id: str,
+        buffer_set_id: str,
+        *,
+        dst_page_indices: Iterable[int] | np.ndarray,
+        wait_ms: int = 0,
+    ) -> Claimed:
+        """Copy landed ``transfer_id`` into ``dst_page_indices`` of ``buffer_set_id`` (one per landed
+        page, in sequence order); DONE on return. A transfer still arriving is waited for, at most
+        ``wait_ms`` (0: the client's timeout). FailedPrecondition names what became of a transfer
+        that can no longer be claimed (expired, evicted, aborted)."""
+        wait_ms = wait_ms or int(self.timeout * 1000)
+        req = claim_request(transfer_id, buffer_set_id, dst_page_indices, wait_ms)
+        r = self._transfer_call("claim", "Claim", req)  # type: ignore[attr-defined]
+        status = TransferStatus.from_proto(r.status)
+        self.owned.observe((status,))
+        return Claimed(status, int(r.claim_us))
+
+
+class AsyncLandingCalls:
+    """Landing calls of :class:`~kvservice_client.AsyncClient` (see :class:`LandingCalls`)."""
+
+    timeout: float
+    owned: Any
+
+    async def expect_landing(
+        self,
+        transfer_id: str,
+        buffer_set_id: str,
+        *,
+        prefix_pages: int = 0,
+        pages: int = 0,
+        ttl_ms: int = 0,
+        expected_senders: int = 0,
+        deadline_ms: int = 0,
+        publish_tokens: rq.TokensLike | None = None,
+        prefix_page_indices: Iterable[int] | np.ndarray = (),
+        allowed_senders: Iterable[str] = (),
+        sender_address: str = "",
+    ) -> TransferStatus:
+        """See :meth:`LandingCalls.expect_landing`."""
+        req = landing_request(
+            transfer_id,
+            buffer_set_id,
+            prefix_pages,
+            pages,
+            ttl_ms,
+            expected_senders,
+            deadline_ms,
+            publish_tokens,
+            prefix_page_indices,
+            allowed_senders,
+            sender_address,
+        )
+        status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)  # type: ignore[attr-defined]
+        self.owned.add_transfer(transfer_id)
+        return status
+
+    async def wait_landed(self, transfer_id: str, timeout: float | None = None) -> list[TransferStatus]:
+        """See :meth:`LandingCalls.wait_landed`."""
+        import asyncio
+
+        async def watch() -> list[TransferStatus]:
+            latest: dict[str, TransferStatus] = {}
+            async for st in self.watch([transfer_id]):  # type: ignore[attr-defined]
+                if st.role == "RECEIVER":
+                    latest[st.buffer_set_id] = st
+                if _settled(latest):
+                    return list(latest.values())
+            raise Unavailable("status stream ended before the transfer landed")
+
+        try:
+            return await asyncio.wait_for(watch(), timeout or self.timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded("the transfer did not land before the wait's timeout") from None
+
+    async def claim(
+        self,
+        transfer_id: str,
+        buffer_set_id: str,
+        *,
+        dst_page_indices: Iterable[int] | np.ndarray,
+        wait_ms: int = 0,
+    ) -> Claimed:
+        """See :meth:`LandingCalls.claim`."""
+        req = claim_request(transfer_id, buffer_set_id, dst_page_indices, wait_ms or int(self.timeout * 1000))
+        r = await self._call("Claim", req)  # type: ignore[attr-defined]
+        status = TransferStatus.from_proto(r.status)
+        self.owned.observe((status,))
+        return Claimed(status, int(r.claim_us))
