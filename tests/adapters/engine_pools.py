@@ -203,7 +203,7 @@ class EnginePool:
     def expect(self, tid: str, prefix_pages: int, pages: list[int]) -> None:
         if self.worker is not None:
             job = RecvJob(f"r-{tid}", tid, prefix_pages, tuple(pages), DEADLINE_MS)
-            self.worker.submit(types.SimpleNamespace(sends=[], recvs=[job], aborts=[]))  # type: ignore[arg-type]
+            self.worker.submit(types.SimpleNamespace(sends=[], recvs=[job], aborts=[], lands=[], claims=[]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
         bs = self.buffer_set_id
@@ -218,7 +218,7 @@ class EnginePool:
     def send(self, tid: str, pages: list[int], peer: str) -> None:
         if self.worker is not None:
             job = SendJob(f"s-{tid}", tid, tuple(pages), peer, DEADLINE_MS)
-            self.worker.submit(types.SimpleNamespace(sends=[job], recvs=[], aborts=[]))  # type: ignore[arg-type]
+            self.worker.submit(types.SimpleNamespace(sends=[job], recvs=[], aborts=[], lands=[], claims=[]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
         bs = self.buffer_set_id
