@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 import triton
 import triton.language as tl
 
+from ._checks import to_device
 from ._regions import KVRegions, pow2_divisor
 from ._triton import _WORDS
 
@@ -92,13 +93,8 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
     n = int(a.src_pages.size)
     if n == 0:
         return
-    # NOTE: one asynchronous H2D copy of both page tables from pinned memory (torch's caching host
-    # allocator keeps the block until the copy's stream passed it); a pageable source would make
-    # each copy a synchronous staging copy on the launching thread.
-    host = torch.empty((2, n), dtype=torch.int64, pin_memory=src.device.type == "cuda")
-    host_np = host.numpy()
-    host_np[0], host_np[1] = a.src_pages, a.dst_pages
-    pages = host.to(src.device, non_blocking=True)
+    # NOTE: one asynchronous H2D copy of both page tables (pinned; see ``_checks.to_device``).
+    pages = to_device(np.stack([a.src_pages, a.dst_pages]), src.device)
     src_pages, dst_pages = pages[0], pages[1]
     hbs = [src.head_bytes_k] + ([src.head_bytes_v] if src.v else [])
     kinds = [a.kind_geometry(src, dst, hb) for hb in hbs]

@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,6 +97,21 @@ class KVRegions:
     head_bytes_v: int
     num_pages: int
     page_layout: str = "nhd"
+
+    @classmethod
+    def of_layout(cls, layout: Any, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None) -> KVRegions:
+        """:meth:`create` with the geometry of a ``kvservice_client.Layout`` (page size, local
+        heads, head dims, itemsize, page layout)."""
+        return cls.create(
+            k,
+            v or None,
+            page_size=layout.page_size,
+            num_heads=layout.local_kv_heads,
+            head_dim_k=layout.head_dim_k,
+            head_dim_v=layout.head_dim_v or None,
+            itemsize=layout.itemsize,
+            page_layout=layout.page_layout,
+        )
 
     @classmethod
     def create(

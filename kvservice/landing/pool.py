@@ -50,17 +50,7 @@ class Landing:
 
 
 def _regions(bs: BufferSet) -> kernels.KVRegions:
-    lay = bs.layout
-    return kernels.KVRegions.create(
-        [r.tensor for r in bs.k],
-        [r.tensor for r in bs.v] or None,
-        page_size=lay.page_size,
-        num_heads=lay.local_kv_heads,
-        head_dim_k=lay.head_dim_k,
-        head_dim_v=lay.head_dim_v or None,
-        itemsize=lay.itemsize,
-        page_layout=lay.page_layout,
-    )
+    return kernels.KVRegions.of_layout(bs.layout, [r.tensor for r in bs.k], [r.tensor for r in bs.v])
 
 
 class LandingPool:

@@ -55,16 +55,7 @@ def _warm_kernels(bs: BufferSet) -> None:
     def warm() -> None:
         k = [torch.zeros(2 * lay.region_bytes_k // lay.num_pages, dtype=torch.uint8, device=dev)]
         v = [torch.zeros(2 * lay.page_bytes_v, dtype=torch.uint8, device=dev)] if lay.num_v_regions else None
-        regions = kernels.KVRegions.create(
-            k,
-            v,
-            page_size=lay.page_size,
-            num_heads=lay.local_kv_heads,
-            head_dim_k=lay.head_dim_k,
-            head_dim_v=lay.head_dim_v or None,
-            itemsize=lay.itemsize,
-            page_layout=lay.page_layout,
-        )
+        regions = kernels.KVRegions.of_layout(lay, k, v)
         idx = np.array([1], dtype=np.int64)
         for heads in sorted({lay.local_kv_heads, max(1, lay.local_kv_heads // 2)}):
             staged = kernels.pack(regions, idx, num_heads=heads)
@@ -177,16 +168,8 @@ class TransferEngine:
             else:
                 regs.extend(self._register_kv(bs))
                 self._warm_fused_cpu()
-            lay = bs.layout
-            self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.create(
-                [r.tensor for r in bs.k],
-                [r.tensor for r in bs.v] or None,
-                page_size=lay.page_size,
-                num_heads=lay.local_kv_heads,
-                head_dim_k=lay.head_dim_k,
-                head_dim_v=lay.head_dim_v or None,
-                itemsize=lay.itemsize,
-                page_layout=lay.page_layout,
+            self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.of_layout(
+                bs.layout, [r.tensor for r in bs.k], [r.tensor for r in bs.v]
             )
         except BaseException:
             lst = self.local_lists.pop(bs.buffer_set_id, None)

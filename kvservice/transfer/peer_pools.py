@@ -59,16 +59,7 @@ class PeerPools:
         try:
             for i, region in enumerate(plan.kv_handles):
                 mapped.append(self._importer.import_region(f"kv_handles[{i}]", region))
-            regions = KVRegions.create(
-                [m.tensor for m in mapped[:n]],
-                [m.tensor for m in mapped[n:]] or None,
-                page_size=lay.page_size,
-                num_heads=lay.local_kv_heads,
-                head_dim_k=lay.head_dim_k,
-                head_dim_v=lay.head_dim_v or None,
-                itemsize=lay.itemsize,
-                page_layout=lay.page_layout,
-            )
+            regions = KVRegions.of_layout(lay, [m.tensor for m in mapped[:n]], [m.tensor for m in mapped[n:]])
         except KVServiceError as exc:
             self._release(mapped)
             raise FailedPrecondition(f"cannot open the receiver's pools: {exc.message}") from None

@@ -107,6 +107,14 @@ def _vllm_kv(kind: str, t: torch.Tensor) -> list[torch.Tensor]:
     return [t.transpose(1, 2)]  # mla4
 
 
+def _step(**jobs: list[Any]) -> Any:
+    """A worker step's metadata (what vLLM's scheduler side hands over): every job list, empty
+    unless given."""
+    return types.SimpleNamespace(
+        **{k: jobs.get(k, []) for k in ("sends", "recvs", "aborts", "lands", "claims")}
+    )
+
+
 class EnginePool:
     """One engine rank's pool on ``device``, registered with the kvservice at ``address``."""
 
@@ -203,7 +211,7 @@ class EnginePool:
     def expect(self, tid: str, prefix_pages: int, pages: list[int]) -> None:
         if self.worker is not None:
             job = RecvJob(f"r-{tid}", tid, prefix_pages, tuple(pages), DEADLINE_MS)
-            self.worker.submit(types.SimpleNamespace(sends=[], recvs=[job], aborts=[], lands=[], claims=[]))  # type: ignore[arg-type]
+            self.worker.submit(_step(recvs=[job]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
         bs = self.buffer_set_id
@@ -218,7 +226,7 @@ class EnginePool:
     def send(self, tid: str, pages: list[int], peer: str) -> None:
         if self.worker is not None:
             job = SendJob(f"s-{tid}", tid, tuple(pages), peer, DEADLINE_MS)
-            self.worker.submit(types.SimpleNamespace(sends=[job], recvs=[], aborts=[], lands=[], claims=[]))  # type: ignore[arg-type]
+            self.worker.submit(_step(sends=[job]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
         bs = self.buffer_set_id

@@ -4,15 +4,13 @@ CUDA IPC, two kvservice processes talking over NIXL (the cross-node route) or on
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from .conftest import kvservice_procs
 from .test_cuda_ipc import Engine
 
 pytestmark = pytest.mark.gpu
@@ -23,33 +21,9 @@ SRC, DST = list(range(0, 384)), list(range(128, 512))
 CANARIES = list(range(0, 128))  # never named by the receiver: must stay zero whatever happens
 
 
-def _start(tmp: Path, names: tuple[str, ...]) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    env = {
-        **os.environ,
-        "KVSERVICE_LOG_FORMAT": "text",
-        "KVSERVICE_VRAM_STAGING_MB": "256",
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    procs, socks = [], []
-    for name in names:
-        sock = tmp / f"{name}.sock"
-        procs.append(
-            subprocess.Popen([sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=env)
-        )
-        socks.append(f"unix:{sock}")
-    end = time.monotonic() + 60
-    for s in socks:
-        while not os.path.exists(s[5:]):
-            assert time.monotonic() < end, "services did not start"
-            time.sleep(0.1)
-    return procs, socks
-
-
 @pytest.fixture
 def two(tmp_path: Path):
-    procs, socks = _start(tmp_path, ("a", "b"))
+    procs, socks = kvservice_procs(tmp_path, ("a", "b"))
     yield procs, socks
     for p in procs:
         if p.poll() is None:
@@ -60,7 +34,7 @@ def two(tmp_path: Path):
 
 @pytest.fixture
 def one(tmp_path: Path):
-    procs, socks = _start(tmp_path, ("a",))
+    procs, socks = kvservice_procs(tmp_path, ("a",))
     yield socks[0]
     procs[0].terminate()
     procs[0].wait(30)

@@ -15,11 +15,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .conftest import kvservice_procs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,25 +93,9 @@ class PoolProc:
 def services(request: Any, tmp_path: Path):  # type: ignore[no-untyped-def]
     """Two kvservice processes on this GPU host; same_host_route 'auto' copies pool to pool over
     CUDA IPC (FUSED), 'off' packs, writes over NIXL and unpacks."""
-    procs, socks = [], []
-    env = {
-        **os.environ,
-        "KVSERVICE_LOG_FORMAT": "text",
-        "KVSERVICE_VRAM_STAGING_MB": "256",
-        "KVSERVICE_SAME_HOST_ROUTE": request.param,
-        "PYTHONPATH": _PATH,
-    }
-    for name in ("a", "b"):
-        sock = tmp_path / f"{name}.sock"
-        procs.append(
-            subprocess.Popen([sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=env)
-        )
-        socks.append(f"unix:{sock}")
-    end = time.monotonic() + 60
-    for s in socks:
-        while not os.path.exists(s[5:]):
-            assert time.monotonic() < end, "services did not start"
-            time.sleep(0.1)
+    procs, socks = kvservice_procs(
+        tmp_path, ("a", "b"), KVSERVICE_SAME_HOST_ROUTE=request.param, PYTHONPATH=_PATH
+    )
     yield socks
     for p in procs:
         p.terminate()

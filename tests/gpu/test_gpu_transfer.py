@@ -3,15 +3,12 @@ processes registered through CUDA IPC, checked page by page (needs a CUDA GPU an
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from .conftest import kvservice_procs
 from .test_cuda_ipc import LAYOUT, Engine
 
 pytestmark = pytest.mark.gpu
@@ -20,26 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def services(tmp_path: Path):
-    procs, socks = [], []
-    env = {
-        **os.environ,
-        "KVSERVICE_LOG_FORMAT": "text",
-        "KVSERVICE_VRAM_STAGING_MB": "256",
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    for name in ("a", "b"):
-        sock = tmp_path / f"{name}.sock"
-        procs.append(
-            subprocess.Popen([sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=env)
-        )
-        socks.append(f"unix:{sock}")
-    end = time.monotonic() + 60
-    for s in socks:
-        while not os.path.exists(s[5:]):
-            assert time.monotonic() < end, "services did not start"
-            time.sleep(0.1)
+    procs, socks = kvservice_procs(tmp_path, ("a", "b"))
     yield socks
     for p in procs:
         p.terminate()
