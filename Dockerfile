@@ -43,8 +43,12 @@ COPY kvservice kvservice
 # on both CUDA flavours; without CUDA it loads nixl_cu13, so nixl-cu12 is removed, and so is the
 # expert-parallel library nixl_ep_cu13 (92 MB) that nothing here loads. Debian's torch metadata pins
 # an older sympy, which pip duplicates into the venv; torch runs with Debian's, so it goes too.
+# The native lane (kvservice/lane) is built here, into /opt/kvservice/native: the runtime image has
+# no compiler and imports the built module (KVSERVICE_NATIVE_DIR), read-only, as any uid.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv --system-site-packages /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python . \
+ && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 sympy pip \
  && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu13 \
  && /opt/kvservice/bin/kvservice --help >/dev/null
@@ -69,6 +73,7 @@ ENV PATH=/opt/kvservice/bin:$PATH \
     HOME=/tmp \
     UCX_MODULE_DIR=/opt/kvservice/nixl-libs/ucx \
     KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
+    KVSERVICE_NATIVE_DIR=/opt/kvservice/native \
     KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
     KVSERVICE_METRICS_PORT=9400
 USER 10001
@@ -89,8 +94,10 @@ WORKDIR /src
 COPY clients/python clients/python
 COPY pyproject.toml README.md ./
 COPY kvservice kvservice
+RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python ".[gpu]" \
+ && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \
  && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu1? \
  && /opt/kvservice/bin/kvservice --help >/dev/null
@@ -103,6 +110,7 @@ ENV PATH=/opt/kvservice/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
     KVSERVICE_CACHE_DIR=/tmp/kvservice-cache \
+    KVSERVICE_NATIVE_DIR=/opt/kvservice/native \
     KVSERVICE_UDS_PATH=/run/kvservice/kvservice.sock \
     KVSERVICE_METRICS_PORT=9400
 USER 10001

@@ -190,6 +190,12 @@ class Services:
                     if time.monotonic() > end:
                         raise RuntimeError(f"kvservice did not listen on {a} within {self.timeout_s} s")
                     time.sleep(0.05)
+            if env.get("KVSERVICE_LANE", "1") not in ("0", "false", "off"):  # its native lane too
+                for p, a in zip(self.procs, self.addresses, strict=False):
+                    while not os.path.exists(a[5:] + ".lane"):  # the first start builds it (~20 s)
+                        if p.poll() is not None or time.monotonic() > end:
+                            raise RuntimeError(f"kvservice on {a} did not open its native lane (--no-lane?)")
+                        time.sleep(0.05)
         except BaseException:
             self.__exit__()
             raise
@@ -335,6 +341,12 @@ def base_args(ap: Any, netns: bool = False) -> None:
         help="two services on this host talk as if on two hosts (same_host_route=off): the transport "
         "carries the pages instead of the same-host fused copy",
     )
+    ap.add_argument(
+        "--no-lane",
+        action="store_true",
+        help="services without their native lane (kvservice.lane): same-node transfers over gRPC, "
+        "the baseline the lane is measured against",
+    )
     if not netns:
         return
     ap.add_argument(
@@ -360,7 +372,10 @@ def network(args: Any) -> Iterator[Any]:
 
 def route_env(args: Any) -> dict[str, str]:
     """Service settings for the route the run asks for (see --cross-node)."""
-    return {"KVSERVICE_SAME_HOST_ROUTE": "off"} if getattr(args, "cross_node", False) else {}
+    env = {"KVSERVICE_SAME_HOST_ROUTE": "off"} if getattr(args, "cross_node", False) else {}
+    if getattr(args, "no_lane", False):
+        env["KVSERVICE_LANE"] = "0"
+    return env
 
 
 def devices(args: Any) -> tuple[str | int, str | int]:
@@ -378,4 +393,6 @@ def run_tag(args: Any) -> str:
         base += "_netns"
     elif getattr(args, "cross_node", False):
         base += "_xnode"
+    if getattr(args, "no_lane", False):
+        base += "_nolane"
     return base + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")

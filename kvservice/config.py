@@ -95,6 +95,12 @@ class Config:
         "service verifies before unpacking or counting them, failing the transfer on a mismatch. "
         "Costs one extra read of the bytes on each side.",
     )
+    lane: bool = _opt(
+        True,
+        "The native lane (<uds_path>.lane): engines on this node send same-node transfers through a "
+        "C++ thread that copies and answers without the service's Python (docs/design-notes.md §16); "
+        "off: gRPC only. Needs a C++ compiler the first time (built once, cached).",
+    )
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(
         "",

@@ -9,6 +9,7 @@ to ``grace_period_s`` to finish, and the server stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -16,6 +17,7 @@ import signal
 import socket
 import stat
 import threading
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,6 +62,7 @@ class App:
     credential_server: asyncio.AbstractServer | None = None  # serving it (local identity)
     peer_server: grpc.aio.Server | None = None  # KVPeer's own listener (peer_tcp_address)
     peer_port: int = 0
+    lane: asyncio.Task[Any] | None = None  # starting kvservice.lane (its result: RunningLane | None)
 
     @property
     def address(self) -> str:
@@ -104,6 +107,12 @@ class App:
             os.chmod(self.uds_path, self.node.config.uds_mode_int)
         if self.credential_socket is not None:
             self.credential_server = await serve_credentials(self.credential_socket, self.node.credentials)
+        if self.uds_path and self.node.config.lane:  # in the background: a first build takes ~20 s
+            from .. import lane
+
+            self.lane = asyncio.get_running_loop().create_task(
+                lane.start(self.node, self.uds_path, sorted({self.peer_address, self.address})), name="lane"
+            )
         _log_exposure(self.node.config)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -114,6 +123,14 @@ class App:
         grace = self.node.config.grace_period_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         await self.node.drain(grace)
+        if self.lane is not None:
+            task, self.lane = self.lane, None
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                running = await task
+                if running is not None:
+                    running.close(self.node.transfers)
         await self.server.stop(min(grace, 1.0))
         if self.peer_server is not None:
             await self.peer_server.stop(min(grace, 1.0))

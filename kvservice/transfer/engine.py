@@ -22,6 +22,7 @@ from ..buffers import BufferSet
 from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
 from ..kernels import completions
 from ..kernels.streams import on_side_stream, run_on_device
+from ..lane.book import NoLane
 from ..staging import StagingPool
 from . import trace
 from .descriptors import prepped_rows
@@ -118,6 +119,7 @@ class TransferEngine:
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
         self._fused_warm: threading.Thread | None = None
+        self.lane: NoLane = NoLane()  # kvservice.lane.start replaces it when the lane runs
         node.buffers.add_hooks(self._on_register, self._on_unregister)
 
     def start(self) -> None:
@@ -171,6 +173,7 @@ class TransferEngine:
             self.kv_regions[bs.buffer_set_id] = kernels.KVRegions.of_layout(
                 bs.layout, [r.tensor for r in bs.k], [r.tensor for r in bs.v]
             )
+            self.lane.add_pool(bs)
         except BaseException:
             lst = self.local_lists.pop(bs.buffer_set_id, None)
             if lst is not None:
@@ -217,6 +220,7 @@ class TransferEngine:
         return pool.stats().waiters if pool is not None else 0
 
     def _on_unregister(self, bs: BufferSet) -> None:
+        self.lane.drop_pool(bs.buffer_set_id)  # returns once no lane copy uses its pages
         self.load.drop(bs.buffer_set_id)
         self.duplicates.drop_buffer_set(bs.buffer_set_id)
         self.no_direct.discard(bs.buffer_set_id)
@@ -243,6 +247,7 @@ class TransferEngine:
         # NOTE: no await between admission and the record's add in receiver.expect: one step.
         self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)
         await self.receiver.expect(inc)
+        self.lane.arm(inc)  # an engine on this node may now send it over the native lane
         return inc.rec
 
     async def send(self, out: Outgoing, chunk: Any) -> Record:
@@ -332,6 +337,7 @@ class TransferEngine:
             await self.mover.tell_abort(out, code, reason)
 
     async def _abort_in(self, inc: Incoming, code: str, reason: str, notify: bool, origin: str = "") -> None:
+        await self.lane.settle(inc)  # disarmed, or the lane's copy is booked (then this is DONE)
         state = "ABORTED" if code == "ABORTED" else "FAILED"
         landed = inc.rec.state == "LANDED"  # its senders are done: nobody to tell
         if not self.table.finish(inc.rec, state, code, reason):
@@ -566,9 +572,11 @@ class TransferEngine:
 
         src = Layout.from_proto(request.src_layout)
         wait = min(request.wait_ms / 1000, self.config.max_deadline_ms / 1000)
+        self.lane.gate(request.transfer_id)  # a peer sends it: the native lane may not
         found = await self.receiver.plans(
             request.transfer_id, src, request.sender_service_id, request.sender_address, wait, identity
         )
+        self.lane.gate(request.transfer_id)
         out = peer_pb2.ReceivePlanSet(metadata_epoch=self.metadata_epoch)
         same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
         refusal = ""

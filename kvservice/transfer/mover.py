@@ -170,12 +170,17 @@ class Mover:
 
     async def _local_targets(self, out: Outgoing) -> list[Target]:
         lay = out.bs.layout
+        tid = out.rec.transfer_id
+        if not out.via_lane:  # the native lane may hold it (kvservice.lane): disarm, or refuse
+            self.e.lane.gate(tid)
         try:
             found = await self.e.receiver.plans(
-                out.rec.transfer_id, lay, self.e.service_id, self.e.address, self._left(out), LOCAL_PEER
+                tid, lay, self.e.service_id, self.e.address, self._left(out), LOCAL_PEER
             )
         except NotFound as exc:
             raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
+        if not out.via_lane:  # a declaration armed while we waited
+            self.e.lane.gate(tid)
         return [
             Target.for_layouts(
                 plan_message(
@@ -229,7 +234,7 @@ class Mover:
                 return
             if path == "FUSED":  # same service: one commit carries the chunk's end too
                 aux = await self._aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
-                await self.same_node.move(out, target, cmap, chunk.last, aux)
+                await self.same_node.move(out, target, cmap, chunk.last, aux, chunk.copied)
                 return
             elif await self._packed(out, target, chunk, cmap):
                 return  # its one batch's commit carried the chunk's end

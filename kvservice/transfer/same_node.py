@@ -46,28 +46,38 @@ class SameNode:
         self._peer_ok: dict[tuple[int, int], bool] = {}
 
     async def move(
-        self, out: Outgoing, target: Target, cmap: ChunkMap, last: bool, aux: tuple[int, int] = (0, 0)
+        self,
+        out: Outgoing,
+        target: Target,
+        cmap: ChunkMap,
+        last: bool,
+        aux: tuple[int, int] = (0, 0),
+        copied: tuple[int, int] | None = None,
     ) -> None:
         """Copy the chunk's pages into the receiver rank's pages, then commit them there: one
         commit that also carries the chunk's end (``last``, its skipped pages, ``aux`` = the
-        bytes and rows of aux already written)."""
+        bytes and rows of aux already written). ``copied``: the native lane made the copy
+        (bytes, µs); only the commit is left."""
         e = self.e
         inc = e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
-        src = e.kv_regions[out.bs.buffer_set_id]
-        dst = e.regions_of(inc)
         route = target.route
-        e.sender.check_live(out)
-        if inc.rec.terminal:
-            raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-        inc.busy += 1  # from here an abort of the receiver waits until the copy ended
-        t0 = time.monotonic()
-        try:
-            trace.mark(out.rec.transfer_id, "copy_start")
-            nbytes = await self.copy(src, dst, cmap.src, cmap.dst, target)
-            trace.mark(out.rec.transfer_id, "copy_done")
-        finally:
-            inc.busy -= 1
-        us = int((time.monotonic() - t0) * 1e6)
+        if copied is not None:
+            nbytes, us = copied
+        else:
+            src = e.kv_regions[out.bs.buffer_set_id]
+            dst = e.regions_of(inc)
+            e.sender.check_live(out)
+            if inc.rec.terminal:
+                raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
+            inc.busy += 1  # from here an abort of the receiver waits until the copy ended
+            t0 = time.monotonic()
+            try:
+                trace.mark(out.rec.transfer_id, "copy_start")
+                nbytes = await self.copy(src, dst, cmap.src, cmap.dst, target)
+                trace.mark(out.rec.transfer_id, "copy_done")
+            finally:
+                inc.busy -= 1
+            us = int((time.monotonic() - t0) * 1e6)
         e.table.update(
             out.rec, path="FUSED", add_bytes_sent=nbytes + aux[0], add_descriptors=aux[1], add_wire=us
         )

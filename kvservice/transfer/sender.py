@@ -49,6 +49,7 @@ class Chunk:
     last: bool
     aux: dict[str, np.ndarray]
     queued: float
+    copied: tuple[int, int] | None = None  # (bytes, µs): the native lane already copied it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Outgoing:
     planning: asyncio.Task[Any] | None = None  # the receive-plan wait, cancelled by stop()
     sent_src: list[np.ndarray] = dataclasses.field(default_factory=list)  # every chunk's source pages
     no_duplicate_mark: bool = False  # SendDelta's hint (first chunk): never a P/D duplicate mark
+    via_lane: bool = False  # booked after the native lane moved it (kvservice.lane)
 
 
 class Sender:

@@ -78,6 +78,7 @@ def main() -> None:
             )
             out["state"] = st.state
         elif op == "send":
+            before = kv.lane_sent  # type: ignore[union-attr]
             st = kv.send_delta(
                 cmd["tid"],
                 bs,
@@ -86,6 +87,7 @@ def main() -> None:
                 path=cmd.get("path", "auto"),
             )
             out["state"] = st.state
+            out["lane"] = kv.lane_sent > before  # type: ignore[union-attr]  # over the native lane
         elif op == "abort":
             sts = kv.abort(cmd["tid"], reason="test abort")  # type: ignore[union-attr]
             out["states"] = [s.state for s in sts]
@@ -98,6 +100,7 @@ def main() -> None:
                 bytes=st.bytes_sent,
                 timings=st.timings_us,
                 descriptors=st.descriptors,
+                route_note=st.route_note,
             )
         elif op == "expect_landing":  # issue 31: no destination pages
             st = kv.expect_landing(  # type: ignore[union-attr]

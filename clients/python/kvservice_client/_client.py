@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from . import _requests as rq
+from . import lane_wire
 from ._errors import (
     DeadlineExceeded,
     KVClientError,
@@ -27,6 +28,7 @@ from ._errors import (
 )
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._landing import LandingCalls
+from ._lane import LaneOpener
 from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
@@ -84,6 +86,7 @@ class Client(LandingCalls):
         credential_path: str | None = None,
         security: ChannelSecurity = PLAIN,
         transfer_stream: bool = True,
+        lane: bool = True,
     ) -> None:
         self.target = target
         self.client_name = client_name
@@ -95,6 +98,7 @@ class Client(LandingCalls):
         self._tx: TransferStream | None = None
         self._tx_lock = threading.Lock()
         self._tx_enabled = transfer_stream
+        self._lane = LaneOpener(target, self._tx_book, lane)  # same-node transfers without gRPC
         self._credential_path = find_credential_path(target, credential_path)
         self._session = SessionKeeper(
             self._stub, client_name, target, self.owned, on_session_lost, self._credential_path
@@ -105,6 +109,11 @@ class Client(LandingCalls):
     def session_id(self) -> str:
         """Open the session if needed (or wait out a resume) and return its id."""
         return self._session.current(self.timeout)
+
+    @property
+    def lane_sent(self) -> int:
+        """Transfers this client handed to its service's native lane (see ``lane_wire``)."""
+        return self._lane.sent
 
     @property
     def session_resumes(self) -> int:
@@ -198,6 +207,7 @@ class Client(LandingCalls):
 
     def close(self) -> None:
         """End the session (the service releases what it owns at once) and close the channel."""
+        self._lane.close()
         with self._tx_lock:
             if self._tx is not None:
                 self._tx.close()
@@ -340,6 +350,7 @@ class Client(LandingCalls):
             allowed_senders,
         )
         req.sender_address = sender_address
+        self._lane.get(self.session_id)  # open before the transfer: its END may come this way
         status = TransferStatus.from_proto(self._transfer_call("expect_delta", "ExpectDelta", req).status)
         self.owned.add_transfer(transfer_id)
         self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
@@ -364,6 +375,12 @@ class Client(LandingCalls):
         ``no_duplicate_mark``: this engine will need the pages again (the conversation's next
         turn comes back here), so the service must not mark them as a P/D duplicate at DONE.
         """
+        if chunk_offset == 0 and last_chunk and not aux and path.lower() in ("auto", "fused"):
+            sent = self._send_on_lane(
+                transfer_id, buffer_set_id, src_page_indices, peer_address, no_duplicate_mark
+            )
+            if sent is not None:
+                return sent
         req = rq.send(
             transfer_id,
             buffer_set_id,
@@ -380,6 +397,25 @@ class Client(LandingCalls):
         self.owned.add_transfer(transfer_id)
         self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
         return status
+
+    def _send_on_lane(
+        self, transfer_id: str, buffer_set_id: str, src: Any, peer_address: str, no_duplicate_mark: bool
+    ) -> TransferStatus | None:
+        """The whole transfer over the lane when its receiver is this node's service and the
+        service takes it; None: make the gRPC call (see kvservice_client.lane_wire)."""
+        lane = self._lane.get(self.session_id)
+        if lane is None or peer_address not in lane.self_addresses:
+            return None
+        pages = np.asarray(src, dtype=np.int64).reshape(-1)
+        if pages.size == 0 or pages.min() < 0 or pages.max() >= 2**31:
+            return None
+        flags = lane_wire.FLAG_NO_DUPLICATE_MARK if no_duplicate_mark else 0
+        self._tx_book.made(transfer_id, "SENDER", buffer_set_id)
+        if not lane.send(transfer_id, buffer_set_id, pages, flags, self.timeout):
+            self._tx_book.unmade(transfer_id, "SENDER", buffer_set_id)
+            return None
+        self.owned.add_transfer(transfer_id)
+        return TransferStatus.queued(transfer_id, "SENDER", buffer_set_id, "FUSED")
 
     def poll(self, transfer_ids: Sequence[str] = ()) -> list[TransferStatus]:
         r = self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))

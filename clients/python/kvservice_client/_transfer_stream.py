@@ -69,6 +69,15 @@ class Ended:
             if len(self.sides) > _KEEP_ENDED:  # never waited for: forget the oldest
                 del self.sides[next(iter(self.sides))]
 
+    def unmade(self, transfer_id: str, role: str, buffer_set_id: str) -> None:
+        """Take back a side :meth:`made` said (the call that would make it did not happen)."""
+        with self._cond:
+            sides = self.sides.get(transfer_id)
+            if sides is not None:
+                sides.discard((role, buffer_set_id))
+                if not sides:
+                    del self.sides[transfer_id]
+
     def unsure(self, transfer_id: str) -> None:
         """A side of ``transfer_id`` was made by a unary call: waits for it use a watch."""
         with self._cond:

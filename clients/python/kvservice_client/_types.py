@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Literal
 
 from ._proto import common_pb2, kvservice_pb2
@@ -141,6 +142,14 @@ class TransferStatus:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    @classmethod
+    def queued(cls, transfer_id: str, role: str, buffer_set_id: str, path: str) -> TransferStatus:
+        """A side just handed to the service (the lane's answer has no more to say)."""
+        return cls(
+            transfer_id, role, buffer_set_id, "TRANSFERRING", 0, 0, 0, 0, 0, 0, path, {}, "", "",
+            int(time.time() * 1000),
+        )  # type: ignore[arg-type]  # fmt: skip
 
     @classmethod
     def from_proto(cls, pb: kvservice_pb2.TransferStatus) -> TransferStatus:

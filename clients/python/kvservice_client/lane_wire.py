@@ -1,0 +1,105 @@
+"""The lane's messages: the per-transfer path between an engine and its node's kvservice.
+
+A lane is a ``SOCK_SEQPACKET`` Unix socket at ``<engine socket>.lane`` (same file mode). The
+engine opens it after its session, says which session it is (the service checks the kernel's
+``SO_PEERCRED`` against that session's identity and ``allowed_uids``), then sends SEND commands
+and reads REPLY and END messages. Every message is one packet, little endian::
+
+    SEND   u32 type=1, seq, n_src, tid_len, bs_len, flags │ tid │ buffer set id │ i32 src[n_src]
+    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback) │ u32 msg_len │ msg
+    END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
+           msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg
+
+A SEND is the whole transfer in one chunk (``chunk_offset`` 0, ``last_chunk``): the receiver's
+prefix and delta pages, in order. The service accepts it only for a transfer its receiver
+declared and the service armed; anything else is answered *fallback* and the engine makes the
+same call over gRPC, which has the full validation and its errors. gRPC stays the API: an END
+here is also reported on the engine's Transfers stream and by Poll.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ACCEPTED",
+    "FALLBACK",
+    "FLAG_NO_DUPLICATE_MARK",
+    "MAX_MESSAGE",
+    "End",
+    "Reply",
+    "decode",
+    "encode_send",
+    "hello",
+    "lane_path",
+    "parse_hello",
+    "parse_welcome",
+    "welcome",
+]
+
+MSG_SEND, MSG_REPLY, MSG_END = 1, 2, 3
+ACCEPTED, FALLBACK = 0, 1
+FLAG_NO_DUPLICATE_MARK = 1
+MAX_MESSAGE = 256 * 1024  # the service's receive buffer: a larger SEND goes over gRPC
+_SEND = struct.Struct("<6I")
+_REPLY = struct.Struct("<IIiI")
+_END = struct.Struct("<6I4Q")
+
+
+def lane_path(uds_path: str) -> str:
+    return uds_path + ".lane"
+
+
+def encode_send(seq: int, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int = 0) -> bytes:
+    t, b = transfer_id.encode(), buffer_set_id.encode()
+    pages = np.ascontiguousarray(src, dtype="<i4")
+    return _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags) + t + b + pages.tobytes()
+
+
+class Reply(tuple):  # (seq, code, message)
+    __slots__ = ()
+
+
+class End(tuple):  # (role, ok, transfer_id, buffer_set_id, error, nbytes, pages, skipped, copy_us)
+    __slots__ = ()
+
+
+def decode(msg: bytes) -> Reply | End:
+    kind = struct.unpack_from("<I", msg)[0]
+    if kind == MSG_REPLY:
+        _, seq, code, n = _REPLY.unpack_from(msg)
+        return Reply((seq, code, msg[_REPLY.size : _REPLY.size + n].decode(errors="replace")))
+    if kind == MSG_END:
+        _, role, state, tl, bl, ml, nbytes, pages, skipped, us = _END.unpack_from(msg)
+        o = _END.size
+        tid, bs = msg[o : o + tl].decode(), msg[o + tl : o + tl + bl].decode()
+        err = msg[o + tl + bl : o + tl + bl + ml].decode(errors="replace")
+        return End((role, state == 0, tid, bs, err, nbytes, pages, skipped, us))
+    raise ValueError(f"lane: unknown message type {kind}")
+
+
+# -- handshake (one JSON packet each way, then the socket carries the messages above) ----------
+def hello(session_id: str) -> bytes:
+    return json.dumps({"v": 1, "session_id": session_id}).encode()
+
+
+def parse_hello(data: bytes) -> str:
+    msg = json.loads(data.decode())
+    if not isinstance(msg, dict) or msg.get("v") != 1 or not isinstance(msg.get("session_id"), str):
+        raise ValueError("not a lane hello")
+    return str(msg["session_id"])
+
+
+def welcome(ok: bool, error: str = "", self_addresses: list[str] | None = None) -> bytes:
+    return json.dumps({"ok": ok, "error": error, "self_addresses": self_addresses or []}).encode()
+
+
+def parse_welcome(data: bytes) -> dict[str, Any]:
+    msg = json.loads(data.decode())
+    if not isinstance(msg, dict) or "ok" not in msg:
+        raise ValueError("not a lane welcome")
+    return msg

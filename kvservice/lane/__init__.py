@@ -1,0 +1,87 @@
+"""The native lane: a small same-node transfer in tens of microseconds, not milliseconds.
+
+A same-node transfer over gRPC crosses two Python processes twice (SendDelta, then the DONE
+event), about 0.25 ms per hop on the GPU host (docs/design-notes.md §14). The lane takes those
+hops and the service's Python off the per-transfer path::
+
+    engine SDK ─SEND (SOCK_SEQPACKET)─▶ native thread: armed? ─▶ copy (CUDA kernel / memcpy)
+    engine SDK ◀──────────── END ────── native thread ──END──▶ receiving engine's SDK
+                                        └─ completion fd ─▶ Python: records, DONE, index, metrics
+
+``native.py`` builds the C++ (``_native.cpp``), ``listener.py`` admits engines, ``book.py`` is
+Python's half (pools, arming, settling, the bookkeeping after a copy). gRPC stays the API: what
+the lane does not take is answered *fallback* and goes over gRPC as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .book import LaneBook, NoLane
+
+__all__ = ["LaneBook", "NoLane", "RunningLane", "start"]
+
+log = logging.getLogger(__name__)
+
+
+class RunningLane:
+    def __init__(self, native: Any, listener: Any, book: LaneBook) -> None:
+        self.native = native
+        self.listener = listener
+        self.book = book
+
+    def close(self, engine: Any) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.native.completion_fd())
+        self.listener.close()
+        engine.lane = NoLane()
+        self.native.stop()
+
+
+async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningLane | None:
+    """Build/load the native module (in a thread), listen on ``<uds_path>.lane`` and put the
+    book on the transfer engine; None (logged) when the lane cannot run here."""
+    from kvservice_client.lane_wire import lane_path
+
+    from . import native
+    from .listener import LaneListener
+
+    engine = node.transfers
+    try:
+        mod = await asyncio.to_thread(native.load)
+    except native.LaneUnavailable as exc:
+        log.warning("native lane off: %s; same-node transfers use gRPC only", exc)
+        return None
+    lane = mod.Lane()
+    cuda = await asyncio.to_thread(_init_cuda, lane)
+    book = LaneBook(engine, lane, cuda)
+    for bs in node.buffers.all():
+        book.add_pool(bs)
+    engine.lane = book
+    node.sessions.on_close(book.drop_session)
+    cfg = node.config
+    listener = LaneListener(
+        lane_path(uds_path), cfg.uds_mode_int, node.sessions, cfg.allowed_uid_set, lane, self_addresses
+    )
+    listener.start()
+    asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
+    log.info("native lane serving", extra={"path": listener.path, "cuda": cuda})
+    return RunningLane(lane, listener, book)
+
+
+def _init_cuda(lane: Any) -> bool:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+    except ImportError:
+        return False
+    from .native import cuda_libraries
+
+    if lane.init_cuda(*cuda_libraries()):
+        return True
+    log.warning("native lane: no CUDA (%s); GPU pools use gRPC only", lane.cuda_why())
+    return False

@@ -1,0 +1,218 @@
+"""Python's half of the lane: which pools and transfers the native thread may touch, and the
+bookkeeping of what it did.
+
+    RegisterBuffers ─▶ add_pool (regions: address, page stride, page bytes)
+    ExpectDelta     ─▶ arm (when eligible: see ``eligible``)      native: ARMED
+    engine SEND     ─────────────────────────────────────────────▶ native: RUNNING ─ copy ─ END to
+                                                                    both engines ─ COMPLETED
+    completion fd   ─▶ finalize: the ordinary same-node SendDelta with its copy already made
+                       (records, commit, DONE, index, metrics) ─▶ forget       native: —
+    Abort / deadline / failure of the receiver ─▶ settle: disarm, or wait for the finalize
+    any other sender of an armed transfer     ─▶ gate: disarm, or refuse (the lane has it)
+    UnregisterBuffers ─▶ drop_pool (returns once no copy uses the pool)
+
+The rules of DESIGN.md hold: a copy never starts for a transfer that is not ARMED (a disarm is
+atomic with the native thread's accept), so no byte lands after Abort returns; an Abort that
+meets a running copy waits for it, as the Python route's ``busy`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import FailedPrecondition, KVServiceError
+from ..identity import LOCAL_PEER
+
+__all__ = ["LaneBook", "NoLane"]
+
+log = logging.getLogger(__name__)
+_RETIRED = 256  # unregistered buffer sets kept for a finalize in flight
+
+
+def layout_signature(layout: Any) -> int:
+    """What two pools must share for a page-for-page copy (all but the pool size and the rank)."""
+    import dataclasses
+
+    key = repr(dataclasses.replace(layout, num_pages=0, tp_rank=0)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+class NoLane:
+    """No native lane (disabled, or it could not be built): every hook does nothing."""
+
+    active = False
+
+    def add_pool(self, bs: Any) -> None:
+        pass
+
+    def drop_pool(self, buffer_set_id: str) -> None:
+        pass
+
+    def arm(self, inc: Any) -> bool:
+        return False
+
+    async def settle(self, inc: Any) -> None:
+        pass
+
+    def gate(self, transfer_id: str) -> None:
+        pass
+
+    def drop_session(self, session_id: str) -> None:
+        pass
+
+
+class LaneBook(NoLane):
+    active = True
+
+    def __init__(self, engine: Any, native: Any, cuda: bool) -> None:
+        self.e = engine
+        self.n = native
+        self.cuda = cuda
+        self.pools: dict[str, Any] = {}  # buffer set id -> BufferSet on the lane
+        self._retired: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._waiters: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self._finalizing: dict[tuple[str, int], asyncio.Task[Any] | None] = {}
+        self.sent = 0  # transfers the lane moved (finalized)
+        self.failed = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- pools ---------------------------------------------------------------------------------
+    def add_pool(self, bs: Any) -> None:
+        lay = bs.layout
+        regions = bs.regions
+        if not regions or lay.num_pages <= 0:
+            return
+        device = -1 if bs.memory != "cuda_ipc" else int(regions[0].device)
+        if device >= 0 and not self.cuda:
+            return
+        stride = np.array([r.size // lay.num_pages for r in regions], dtype=np.uint64)
+        table = np.stack([np.array([r.address for r in regions], dtype=np.uint64), stride, stride], axis=1)
+        if device >= 0:
+            self.n.prepare_device(device)
+        self.n.add_pool(
+            bs.buffer_set_id, bs.session_id, device, lay.num_pages, layout_signature(lay), lay.tp_rank, table
+        )
+        self.pools[bs.buffer_set_id] = bs
+
+    def drop_pool(self, buffer_set_id: str) -> None:
+        bs = self.pools.pop(buffer_set_id, None)
+        if bs is None:
+            return
+        self.n.drop_pool(buffer_set_id)  # waits (GIL released) until no copy uses it
+        self._retired[buffer_set_id] = bs
+        while len(self._retired) > _RETIRED:
+            self._retired.popitem(last=False)
+
+    # -- transfers -----------------------------------------------------------------------------
+    def eligible(self, inc: Any) -> bool:
+        """A declaration the lane may complete: the plain same-layout case, one sender rank.
+        (Integrity does not exclude it: like the Python same-service route, one copy by this
+        service has no hop between sender and receiver to verify.)"""
+        return (
+            inc.bs.buffer_set_id in self.pools
+            and inc.landing is None
+            and not inc.aux
+            and inc.expected_senders <= 1
+            and (not inc.allowed_senders or LOCAL_PEER in inc.allowed_senders)
+            and inc.dst_pages.size > 0
+        )
+
+    def arm(self, inc: Any) -> bool:
+        if not self.eligible(inc):
+            return False
+        self.n.arm(
+            inc.rec.transfer_id,
+            inc.bs.layout.tp_rank,
+            inc.rec.session_id,
+            inc.bs.buffer_set_id,
+            inc.prefix_pages,
+            inc.dst_pages.astype(np.int32),
+            inc.rec.deadline,
+        )
+        return True
+
+    async def settle(self, inc: Any) -> None:
+        """Before the receiver ends otherwise: disarm, or wait until the lane's copy is booked."""
+        key = (inc.rec.transfer_id, inc.bs.layout.tp_rank)
+        if self._finalizing.get(key, False) is asyncio.current_task():
+            return  # the finalize itself fails the receiver (a malformed commit): nothing to wait for
+        if self.n.disarm(*key) == 2:
+            fut = self._waiters.get(key)
+            if fut is None:
+                fut = self._waiters[key] = asyncio.get_running_loop().create_future()
+            await asyncio.shield(fut)
+
+    def gate(self, transfer_id: str) -> None:
+        """A sender other than the lane wants ``transfer_id``'s plan: disarm its ranks here, or
+        refuse when the lane is moving (or has moved) it."""
+        for inc in self.e.receiver.of(transfer_id):
+            if self.n.disarm(transfer_id, inc.bs.layout.tp_rank) == 2:
+                raise FailedPrecondition(
+                    f"transfer_id: {transfer_id!r} is being sent by another engine on this node's lane"
+                )
+
+    def drop_session(self, session_id: str) -> None:
+        self.n.drop_session(session_id)
+
+    # -- completions ---------------------------------------------------------------------------
+    def on_completions(self) -> None:
+        """The native thread's completion fd is readable: book each completion in a task."""
+        for c in self.n.drain():
+            task = asyncio.get_running_loop().create_task(self._finalize(*c), name=f"lane-{c[0]}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _finalize(
+        self,
+        tid: str,
+        rank: int,
+        bs_id: str,
+        session_id: str,
+        src: np.ndarray,
+        ok: bool,
+        error: str,
+        nbytes: int,
+        copy_us: int,
+        flags: int,
+    ) -> None:
+        from ..transfer.records import Record
+        from ..transfer.sender import Chunk, Outgoing
+
+        e = self.e
+        self._finalizing[(tid, rank)] = asyncio.current_task()
+        inc = next((i for i in e.receiver.of(tid) if i.bs.layout.tp_rank == rank), None)
+        bs = self.pools.get(bs_id) or self._retired.get(bs_id)
+        try:
+            deadline = inc.rec.deadline if inc is not None else time.monotonic() + 60
+            rec = Record(tid, "SENDER", bs_id, session_id, deadline)
+            if ok and bs is not None:
+                out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
+                out.seq, out.next_offset, out.got_last = 1, int(src.size), True
+                chunk = Chunk(
+                    0, 0, src.astype(np.int64), True, {}, time.monotonic(), copied=(nbytes, copy_us)
+                )
+                await e.send(out, chunk)
+                await e.sender.stopped(out)
+                self.sent += 1
+                return
+            self.failed += 1
+            why = error or "the sender's buffer set is gone"
+            e.table.add(rec)
+            e.table.finish(rec, "FAILED", "INTERNAL", f"lane copy failed: {why}")
+            if inc is not None:
+                await e.fail_incoming(inc, KVServiceError(f"lane copy failed: {why}"))
+        except Exception:
+            log.exception("lane finalize failed", extra={"transfer_id": tid})
+        finally:
+            self._finalizing.pop((tid, rank), None)
+            self.n.forget(tid, rank)
+            fut = self._waiters.pop((tid, rank), None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)

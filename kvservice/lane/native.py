@@ -1,0 +1,131 @@
+"""Build and load the lane's native module (``_native.cpp``) with torch's extension builder.
+
+The module is C++17 without nvcc: the CUDA driver and NVRTC are opened at run time, so any host
+with a C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
+
+1. ``$KVSERVICE_NATIVE_DIR/<tag>/`` holding a built module (the image builds it there at image
+   build time; read-only at run time is fine: a built module is imported, never rebuilt);
+2. the JIT cache (``kvservice_client.jit_cache.cache_root()/native/<tag>``), built on first use
+   (~20 s on a 2-core VM; ``python -m kvservice.lane.native`` builds it ahead, as setup does).
+
+``<tag>`` hashes the source, the Python ABI and torch's version, so a change rebuilds.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["LaneUnavailable", "cuda_libraries", "load"]
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).with_name("_native.cpp")
+_NAME = "kvservice_lane"
+_lock = threading.Lock()
+_mod: ModuleType | None = None
+
+
+class LaneUnavailable(RuntimeError):
+    """The native module cannot be built or loaded here (no C++ compiler, say)."""
+
+
+def _tag() -> str:
+    import torch
+
+    h = hashlib.sha256(_SRC.read_bytes())
+    h.update(f"{sys.implementation.cache_tag}/{torch.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def _built(directory: Path) -> Path | None:
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for cand in (directory / f"{_NAME}{suffix}", directory / f"{_NAME}.so"):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _import(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(_NAME, str(path), loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def _build_dir() -> Path:
+    from kvservice_client.jit_cache import cache_root
+
+    root = cache_root()
+    if root is None:
+        raise LaneUnavailable("no writable cache directory for the native lane (set KVSERVICE_CACHE_DIR)")
+    return root / "native" / _tag()
+
+
+def load() -> ModuleType:
+    """The native module, built if needed (thread-safe; raises LaneUnavailable)."""
+    global _mod
+    with _lock:
+        if _mod is not None:
+            return _mod
+        tag = _tag()
+        pre = os.environ.get("KVSERVICE_NATIVE_DIR")
+        if pre and (path := _built(Path(pre) / tag)) is not None:
+            _mod = _import(path)
+            return _mod
+        out = _build_dir() if not pre else Path(pre) / tag
+        if (path := _built(out)) is not None:
+            _mod = _import(path)
+            return _mod
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            from torch.utils import cpp_extension
+
+            bindir = os.path.dirname(sys.executable)  # pip's ninja, in an unactivated venv
+            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bindir])
+
+            _mod = cpp_extension.load(
+                name=_NAME,
+                sources=[str(_SRC)],
+                build_directory=str(out),
+                extra_cflags=["-O2", "-std=c++17"],
+                extra_ldflags=["-ldl"],
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a compile error: say which
+            raise LaneUnavailable(f"building the native lane failed: {type(exc).__name__}: {exc}") from exc
+        return _mod
+
+
+def cuda_libraries() -> tuple[str, str]:
+    """(libcuda, libnvrtc) for the module's ``init_cuda``: the driver by soname, NVRTC from the
+    CUDA wheels torch brought (``nvidia/*/lib``), ``CUDA_HOME`` or the loader's path."""
+    found: list[str] = []
+    for entry in sys.path:
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "**", "libnvrtc.so*"), recursive=True))
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    found = [f for f in found if "builtins" not in os.path.basename(f) and "alt" not in os.path.basename(f)]
+    nvrtc = found[0] if found else (ctypes.util.find_library("nvrtc") or "libnvrtc.so")
+    return "libcuda.so.1", nvrtc
+
+
+if __name__ == "__main__":  # python -m kvservice.lane.native: build ahead of the first service start
+    logging.basicConfig(level=logging.INFO)
+    try:
+        print(f"native lane: {load().__file__}")
+    except LaneUnavailable as exc:
+        print(f"native lane unavailable: {exc}", file=sys.stderr)
+        sys.exit(1)

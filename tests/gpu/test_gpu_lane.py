@@ -1,0 +1,73 @@
+"""GPU: the native lane on one service (kvservice.lane): engines in their own processes with
+CUDA IPC pools; the copy is the lane's NVRTC kernel, launched without the service's Python."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import kvservice_procs
+from .test_cuda_ipc import LAYOUT, Engine
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    procs, socks = kvservice_procs(tmp_path, ("a",))
+    end = time.monotonic() + 180  # the first start builds the native module
+    while not os.path.exists(socks[0][5:] + ".lane"):
+        assert time.monotonic() < end, "the lane did not start"
+        time.sleep(0.1)
+    yield socks[0]
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(20)
+
+
+def _engines(address: str) -> tuple[Engine, Engine]:
+    src, dst = Engine(), Engine()
+    src(op="register", address=address, layout=LAYOUT, fill=True, seed=5)
+    dst(op="register", address=address, layout=LAYOUT)
+    return src, dst
+
+
+@pytest.mark.parametrize("n", [1, 40])
+def test_lane_copies_on_the_gpu_byte_for_byte(service: str, n: int) -> None:
+    src_eng, dst_eng = _engines(service)
+    try:
+        rng = np.random.default_rng(n)
+        src = rng.permutation(64)[: n + 3].tolist()
+        dst = rng.permutation(64)[:n].tolist()
+        for turn in range(3):  # repeated: the kernel and its buffers are reused
+            tid = f"lane-{n}-{turn}"
+            assert dst_eng(op="expect", tid=tid, prefix=3, dst=dst)["ok"]
+            assert src_eng(op="send", tid=tid, src=src, peer=service)["lane"], "not sent over the lane"
+            got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
+            assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+            assert got_d["route_note"] == "lane" and got_d["path"] == "FUSED"
+            assert dst_eng(op="pages", pages=dst)["sums"] == src_eng(op="pages", pages=src[3:])["sums"]
+        untouched = sorted(set(range(64)) - set(dst))
+        assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        src_eng.close()
+        dst_eng.close()
+
+
+def test_lane_abort_before_send_writes_nothing(service: str) -> None:
+    src_eng, dst_eng = _engines(service)
+    try:
+        assert dst_eng(op="expect", tid="ab", prefix=0, dst=[1, 2])["ok"]
+        dst_eng(op="abort", tid="ab")
+        sent = src_eng(op="send", tid="ab", src=[5, 6], peer=service)
+        assert not sent["lane"]
+        assert src_eng(op="wait", tid="ab")["state"] in ("FAILED", "ABORTED")
+        assert all(s == 0 for region in dst_eng(op="pages", pages=list(range(64)))["sums"] for s in region)
+    finally:
+        src_eng.close()
+        dst_eng.close()

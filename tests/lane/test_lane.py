@@ -1,0 +1,311 @@
+"""The native lane end to end on CPU (shm pools, memcpy in the native thread): one service, two
+engines; what the lane takes, what it hands back to gRPC, and that it never writes a page the
+receiver did not name or after an Abort returned."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from kvservice_client import Client, Layout, ShmKVPool, lane_wire
+from kvservice_client._errors import InvalidArgument
+
+LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
+
+
+def eventually(pred: Any, timeout: float = 30.0, what: str = "") -> Any:
+    end = time.monotonic() + timeout
+    while not (v := pred()):
+        if time.monotonic() > end:
+            raise AssertionError(f"not true within {timeout}s: {what}")
+        time.sleep(0.005)
+    return v
+
+
+def lane_of(server: Any) -> Any:
+    """The server's running lane (waits for its background start; the build is cached)."""
+    task = eventually(lambda: server.app.lane, 5, "lane task")
+    eventually(task.done, 120, "lane started")
+    running = task.result()
+    assert running is not None, "the native lane did not start (see the service log)"
+    return running
+
+
+class Engines:
+    def __init__(self, server: Any, **client_kw: Any) -> None:
+        self.server = server
+        self.lane = lane_of(server)
+        self.pa, self.pb = ShmKVPool.create(LAYOUT), ShmKVPool.create(LAYOUT)
+        rng = np.random.default_rng(3)
+        for pool in (self.pa, self.pb):
+            for r in self.regions(pool):
+                r[:] = rng.integers(0, 256, r.shape, dtype=np.uint8)
+        self.ka = Client(server.address, client_name="prefill", **client_kw)
+        self.kb = Client(server.address, client_name="decode", **client_kw)
+        self.a = self.ka.register_buffers(LAYOUT, self.pa.k_regions, self.pa.v_regions).buffer_set_id
+        self.b = self.kb.register_buffers(LAYOUT, self.pb.k_regions, self.pb.v_regions).buffer_set_id
+        self.peer = server.app.peer_address
+
+    @staticmethod
+    def regions(pool: ShmKVPool) -> list[np.ndarray]:
+        """Every KV region as ``[num_pages, page_bytes]`` uint8 (K layers, then V layers)."""
+        return [pool.k(i) for i in range(LAYOUT.num_layers)] + [
+            pool.v(i) for i in range(LAYOUT.num_v_regions)
+        ]
+
+    def pages(self, pool: ShmKVPool, pages: list[int]) -> list[bytes]:
+        return [r[p].tobytes() for r in self.regions(pool) for p in pages]
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [r.copy() for r in self.regions(self.pb)]
+
+    def changed_pages(self, before: list[np.ndarray]) -> set[int]:
+        got: set[int] = set()
+        for old, now in zip(before, self.regions(self.pb), strict=True):
+            got |= set(np.flatnonzero((old != now).any(axis=1)).tolist())
+        return got
+
+    def close(self) -> None:
+        self.ka.close()
+        self.kb.close()
+        self.pa.close()
+        self.pb.close()
+
+
+@pytest.fixture
+def eng(make_server: Any) -> Iterator[Engines]:
+    e = Engines(make_server(transport="loopback"))
+    yield e
+    e.close()
+
+
+def test_same_node_transfer_goes_over_the_lane_byte_exact(eng: Engines) -> None:
+    book = eng.lane.book
+    src, dst = [3, 9, 14, 20, 27], [30, 1, 7]
+    before = eng.snapshot()
+    eng.kb.expect_delta("t-lane", eng.b, prefix_pages=2, dst_page_indices=dst)
+    st = eng.ka.send_delta("t-lane", eng.a, src_page_indices=src, peer_address=eng.peer)
+    assert st.route_note == "" and st.path == "FUSED"
+    (r,) = eng.kb.wait("t-lane", timeout=10)
+    (s,) = eng.ka.wait("t-lane", timeout=10)
+    assert (r.state, s.state) == ("DONE", "DONE")
+    assert (r.pages_sent, r.pages_skipped, r.bytes_sent) == (3, 2, 3 * LAYOUT.page_bytes_all_layers)
+    assert r.route_note == "lane" and s.route_note == "lane", "the END came over the lane"
+    assert eng.pages(eng.pb, dst) == eng.pages(eng.pa, src[2:])
+    assert eng.changed_pages(before) <= set(dst)
+    assert eng.ka.lane_sent == 1
+    # Python's bookkeeping follows: both records DONE, the lane entry gone, nothing live
+    eventually(lambda: book.sent == 1, 10, "finalized")
+    polled = {x.role: x for x in eng.kb.poll(["t-lane"]) + eng.ka.poll(["t-lane"])}
+    assert polled["RECEIVER"].state == polled["SENDER"].state == "DONE"
+    assert polled["RECEIVER"].pages_sent == 3 and polled["SENDER"].path == "FUSED"
+    assert book.n.armed_count() == 0
+    assert eng.server.node.transfers.table.live() == []
+
+
+def test_many_transfers_each_once_and_nothing_left(eng: Engines) -> None:
+    book = eng.lane.book
+    for i in range(60):
+        tid = f"m-{i}"
+        eng.kb.expect_delta(tid, eng.b, prefix_pages=0, dst_page_indices=[i % 32])
+        eng.ka.send_delta(tid, eng.a, src_page_indices=[(i * 7) % 32], peer_address=eng.peer)
+        (r,) = eng.kb.wait(tid, timeout=10)
+        assert r.state == "DONE", r
+        eng.ka.wait(tid, timeout=10)
+    assert eng.ka.lane_sent == 60
+    eventually(lambda: book.sent == 60, 10, "all finalized")
+    eventually(lambda: not eng.server.node.transfers.table.live(), 5, "no live record")
+    assert book.n.armed_count() == 0
+
+
+def test_send_before_expect_falls_back_to_grpc(eng: Engines) -> None:
+    """Not armed yet: the lane answers fallback and the gRPC SendDelta waits for the declaration."""
+    eng.ka.send_delta("early", eng.a, src_page_indices=[5], peer_address=eng.peer)
+    eng.kb.expect_delta("early", eng.b, prefix_pages=0, dst_page_indices=[6])
+    (r,) = eng.kb.wait("early", timeout=10)
+    assert r.state == "DONE" and r.route_note != "lane"
+    assert eng.ka.lane_sent == 0
+    assert eng.pages(eng.pb, [6]) == eng.pages(eng.pa, [5])
+
+
+def test_bad_source_page_gets_the_grpc_error_and_changes_nothing(eng: Engines) -> None:
+    before = eng.snapshot()
+    eng.kb.expect_delta("bad", eng.b, prefix_pages=0, dst_page_indices=[4])
+    with pytest.raises(InvalidArgument, match="src_page_indices"):
+        eng.ka.send_delta("bad", eng.a, src_page_indices=[99], peer_address=eng.peer)
+    assert eng.changed_pages(before) == set()
+    eng.ka.send_delta("bad", eng.a, src_page_indices=[8], peer_address=eng.peer)  # armed still
+    (r,) = eng.kb.wait("bad", timeout=10)
+    assert r.state == "DONE" and eng.pages(eng.pb, [4]) == eng.pages(eng.pa, [8])
+
+
+def test_page_count_mismatch_is_not_taken(eng: Engines) -> None:
+    """More pages than prefix + delta: the lane does not take it; gRPC fails it with its reason."""
+    before = eng.snapshot()
+    eng.kb.expect_delta("over", eng.b, prefix_pages=0, dst_page_indices=[4])
+    eng.ka.send_delta("over", eng.a, src_page_indices=[8, 9], peer_address=eng.peer)
+    (r,) = eng.kb.wait("over", timeout=10)
+    assert r.state == "FAILED"
+    assert eng.ka.lane_sent == 0
+    assert eng.changed_pages(before) == set()
+
+
+def test_abort_disarms_no_byte_after(eng: Engines) -> None:
+    before = eng.snapshot()
+    eng.kb.expect_delta("ab", eng.b, prefix_pages=0, dst_page_indices=[10, 11])
+    eng.kb.abort("ab")
+    assert eng.lane.book.n.armed_count() == 0
+    st = eng.ka.send_delta("ab", eng.a, src_page_indices=[1, 2], peer_address=eng.peer)
+    assert st.route_note != "lane"
+    (s,) = eng.ka.wait("ab", timeout=10)
+    assert s.state in ("FAILED", "ABORTED")
+    assert eng.changed_pages(before) == set()
+
+
+def test_deadline_disarms(eng: Engines) -> None:
+    eng.kb.expect_delta("late", eng.b, prefix_pages=0, dst_page_indices=[12], deadline_ms=50)
+    (r,) = eng.kb.wait("late", timeout=10)
+    assert r.state == "FAILED" and r.error_code == "DEADLINE_EXCEEDED"
+    assert eng.lane.book.n.armed_count() == 0
+
+
+def test_a_grpc_sender_takes_an_armed_transfer_from_the_lane(eng: Engines, make_server: Any) -> None:
+    """Another engine sends it over gRPC first: the gate disarms it; a later lane SEND falls back
+    and the lane never writes it."""
+    plain = Client(eng.server.address, client_name="plain", lane=False)
+    try:
+        pc = plain.register_buffers(LAYOUT, eng.pa.k_regions, eng.pa.v_regions).buffer_set_id
+        eng.kb.expect_delta("g", eng.b, prefix_pages=0, dst_page_indices=[13])
+        plain.send_delta("g", pc, src_page_indices=[2], peer_address=eng.peer)
+        (r,) = eng.kb.wait("g", timeout=10)
+        assert r.state == "DONE" and r.route_note != "lane"
+        assert eng.lane.book.n.armed_count() == 0
+        assert eng.pages(eng.pb, [13]) == eng.pages(eng.pa, [2])
+    finally:
+        plain.close()
+
+
+def test_unregistered_receiver_pool_is_never_written(eng: Engines) -> None:
+    before = eng.snapshot()
+    eng.kb.expect_delta("u", eng.b, prefix_pages=0, dst_page_indices=[14])
+    eng.kb.unregister_buffers(eng.b)
+    st = eng.ka.send_delta("u", eng.a, src_page_indices=[3], peer_address=eng.peer)
+    assert st.route_note != "lane"
+    assert eng.changed_pages(before) == set()
+
+
+def _raw_lane(server: Any) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(5)
+    s.connect(lane_wire.lane_path(server.app.uds_path))
+    return s
+
+
+def test_lane_refuses_an_unknown_session(eng: Engines) -> None:
+    s = _raw_lane(eng.server)
+    try:
+        s.send(lane_wire.hello("not-a-session"))
+        w = lane_wire.parse_welcome(s.recv(4096))
+        assert w["ok"] is False and "no such session" in w["error"]
+        assert s.recv(4096) == b""  # closed
+    finally:
+        s.close()
+
+
+OTHER_UID = 65534
+
+
+def _hello_as(uid: int, path: str, session_id: str) -> dict[str, Any]:
+    """A real process of ``uid`` (forked, setuid) says hello on the lane naming ``session_id``."""
+    import json
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(uid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(5)
+            s.connect(path)
+            s.send(lane_wire.hello(session_id))
+            os.write(w, s.recv(4096))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 4096)
+    os.close(r)
+    assert status == 0, got
+    return json.loads(got)
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_PEERCRED") or __import__("os").getuid() != 0, reason="needs root")
+@pytest.mark.parametrize("allowed", ["", "12345"])
+def test_another_uid_cannot_take_a_session_onto_the_lane(make_server: Any, allowed: str) -> None:
+    """Knowing a victim engine's session id is not enough: the kernel's uid decides (and
+    allowed_uids, when set, refuses before the session is even looked at)."""
+    import os
+
+    server = make_server(transport="loopback", allowed_uids=allowed, uds_mode="0666")
+    os.chmod(os.path.dirname(server.app.uds_path), 0o755)
+    e = Engines(server)
+    try:
+        w = _hello_as(OTHER_UID, lane_wire.lane_path(server.app.uds_path), e.kb.session_id)
+        assert w["ok"] is False
+        assert ("allowed_uids" if allowed else "another uid") in w["error"], w
+    finally:
+        e.close()
+
+
+def test_garbage_on_an_admitted_lane_drops_only_that_connection(eng: Engines) -> None:
+    s = _raw_lane(eng.server)
+    try:
+        s.send(lane_wire.hello(eng.ka.session_id))
+        assert lane_wire.parse_welcome(s.recv(4096))["ok"] is True
+        s.send(b"\x01\x00")  # too short for a SEND
+        assert s.recv(4096) == b""
+    finally:
+        s.close()
+    eng.kb.expect_delta("after", eng.b, prefix_pages=0, dst_page_indices=[15])
+    eng.ka.send_delta("after", eng.a, src_page_indices=[4], peer_address=eng.peer)
+    (r,) = eng.kb.wait("after", timeout=10)
+    assert r.state == "DONE" and r.route_note == "lane"
+
+
+def test_another_sessions_buffer_set_is_not_sent_over_the_lane(eng: Engines) -> None:
+    """The lane checks the SEND's buffer set belongs to the connection's session."""
+    s = _raw_lane(eng.server)
+    try:
+        s.send(lane_wire.hello(eng.kb.session_id))  # the receiver's session...
+        assert lane_wire.parse_welcome(s.recv(4096))["ok"] is True
+        eng.kb.expect_delta("own", eng.b, prefix_pages=0, dst_page_indices=[16])
+        s.send(lane_wire.encode_send(7, "own", eng.a, np.array([5])))  # ...naming the sender's pool
+        msg = lane_wire.decode(s.recv(4096))
+        assert isinstance(msg, lane_wire.Reply) and msg[1] == lane_wire.FALLBACK
+    finally:
+        s.close()
+    assert eng.lane.book.n.armed_count() == 1
+
+
+def test_service_stops_with_a_lane_open_and_a_transfer_armed() -> None:
+    from service_thread import ServerThread, make_config
+
+    server = ServerThread(make_config(transport="loopback"))
+    e = Engines(server)
+    native = e.lane.native
+    e.kb.expect_delta("x", e.b, prefix_pages=0, dst_page_indices=[1])
+    assert native.armed_count() == 1 and native.conns() == 1  # the receiver opened its lane
+    server.stop()
+    assert native.armed_count() == 0, "the stop aborted it, which disarmed it"
+    assert not os.path.exists(lane_wire.lane_path(server.app.uds_path))
+    e.close()
