@@ -111,11 +111,15 @@ def unpack(
     backend: Backend = "auto",
     unit: int | None = None,
     head_major: bool | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """Scatter packed ``staging`` into distinct destination ``pages`` at local head ``head_start``.
 
     Inverse of :func:`pack` with the same arguments; only heads
     ``[head_start, head_start + num_slices*num_heads)`` of the named pages (units) change.
+    ``gate`` (int64 [1], e.g. ``checksum.launch(...).gate``): copy only if it holds non-zero. The
+    Triton kernel reads it on the device, in stream order, so a verdict computed just before on
+    the same stream needs no host round trip; the other backends read it on the host.
     """
     kind = _backend(regions, staging, backend)
     if kind == "triton":
@@ -128,6 +132,20 @@ def unpack(
             head_start=head_start,
             num_heads=num_heads,
             num_slices=num_slices,
+            unit=unit,
+            head_major=head_major,
+            gate=gate,
+        )
+        return
+    if gate is not None and not int(gate.reshape(-1)[0]):
+        check_copy(  # a refused call is still a checked one
+            regions,
+            pages,
+            staging,
+            head_start,
+            num_heads,
+            num_slices,
+            to_staging=False,
             unit=unit,
             head_major=head_major,
         )

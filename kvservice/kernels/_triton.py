@@ -51,6 +51,7 @@ def _copy_pages_kernel(
     slice_stride,  # staging words between consecutive slices
     region_stride,  # staging words between consecutive regions' segments
     region_offset,  # staging words before this launch's first segment
+    gate_ptr,  # *int64 [1]: with GATED, copy only if it holds non-zero (else any pointer, unread)
     WORD: tl.constexpr,  # element type moved: int64 / int32 / int16 / uint8
     OUTER: tl.constexpr,  # outer runs per unit
     INNER: tl.constexpr,  # inner runs per outer run
@@ -59,6 +60,7 @@ def _copy_pages_kernel(
     BLOCK_C: tl.constexpr,  # chunks per program (a power of two)
     ALIGNED: tl.constexpr,  # every address and stride is a multiple of 16 bytes
     TO_STAGING: tl.constexpr,  # True: pack (regions -> staging); False: unpack
+    GATED: tl.constexpr,  # read ``gate_ptr`` first (an unpack behind a checksum's verdict)
 ):
     pid = tl.program_id(0).to(tl.int64)
     region = tl.program_id(1).to(tl.int64)
@@ -66,6 +68,11 @@ def _copy_pages_kernel(
 
     c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     w = tl.arange(0, ROW_BLOCK)
+    if GATED:
+        # NOTE: the checksum launched ahead on this stream wrote the verdict; a batch that failed
+        # it moves no byte (no chunk is live: every load and store masked off), so the engine's
+        # pages stay as they were.
+        n_chunks = tl.where(tl.load(gate_ptr) != 0, n_chunks, 0)
     mask_c = c < n_chunks
     mask = mask_c[:, None] & (w[None, :] < ROW_BLOCK)
 
@@ -101,7 +108,14 @@ def _copy_pages_kernel(
         tl.store(reg_ptrs, tl.load(stg_ptrs, mask=mask), mask=mask)
 
 
-def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: int, num_warps: int) -> None:
+def _launch(
+    regions: KVRegions,
+    args: CopyArgs,
+    to_staging: bool,
+    block_words: int,
+    num_warps: int,
+    gate: torch.Tensor | None = None,
+) -> None:
     n, h, g = args.pages.numel(), args.num_heads, args.unit
     if n == 0:
         return
@@ -148,6 +162,7 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
             slice_bytes // word,
             region_stride // word,
             region_offset // word,
+            args.pages if gate is None else gate,
             WORD=tl_word,
             OUTER=loops.outer_count,
             INNER=loops.inner_count,
@@ -156,6 +171,7 @@ def _launch(regions: KVRegions, args: CopyArgs, to_staging: bool, block_words: i
             BLOCK_C=block_c,
             ALIGNED=aligned,
             TO_STAGING=to_staging,
+            GATED=gate is not None,
             num_warps=num_warps,
         )
 
@@ -201,8 +217,10 @@ def unpack(
     head_major: bool | None = None,
     block_words: int = _BLOCK_WORDS,
     num_warps: int = 8,
+    gate: torch.Tensor | None = None,
 ) -> None:
-    """Triton version of :func:`kvservice.kernels.reference.unpack` (same contract, async on CUDA)."""
+    """Triton version of :func:`kvservice.kernels.reference.unpack` (same contract, async on CUDA);
+    with ``gate`` (int64 [1] on the regions' device) the kernel copies only if it reads non-zero."""
     args = check_copy(
         regions,
         pages,
@@ -214,4 +232,4 @@ def unpack(
         unit=unit,
         head_major=head_major,
     )
-    _launch(regions, args, False, block_words, num_warps)
+    _launch(regions, args, False, block_words, num_warps, gate)

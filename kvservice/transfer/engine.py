@@ -20,14 +20,14 @@ import numpy as np
 from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound, ResourceExhausted
-from ..kernels import completions
+from ..kernels import checksum, completions
 from ..kernels.streams import on_side_stream, run_on_device
 from ..lane.book import NoLane
 from ..staging import StagingPool
 from . import trace
 from .descriptors import prepped_rows
 from .duplicates import DuplicateBook
-from .integrity import Check, verify
+from .integrity import Check, landed_check, unpack_verified
 from .load import Budget, LoadBook
 from .mover import Mover
 from .parties import may_abort_in, may_abort_out
@@ -61,6 +61,11 @@ def _warm_kernels(bs: BufferSet) -> None:
         for heads in sorted({lay.local_kv_heads, max(1, lay.local_kv_heads // 2)}):
             staged = kernels.pack(regions, idx, num_heads=heads)
             kernels.unpack(regions, staged, idx, num_heads=heads)
+            # transfer_integrity: the sender's checksum, the receiver's verdict (a 64-bit expected
+            # value: Triton compiles 32- and 64-bit integer arguments apart) and its gated unpack
+            checksum.launch(staged, "wsum64")
+            verdict = checksum.launch(staged, "wsum64", expect=1 << 62)
+            kernels.unpack(regions, staged, idx, num_heads=heads, gate=verdict.gate)
 
     on_side_stream(dev, warm)
 
@@ -444,15 +449,12 @@ class TransferEngine:
                     f"{slot.serial} holds {view.numel()}"
                 )
             view = view[:nbytes]
-            if inc.integrity:  # verified before a byte is unpacked into the engine's pages
-                await verify(view, check, f"packed batch at position {int(positions[0])}")
-            await run_on_device(
-                view.device,
-                "unpack",
-                lambda: kernels.unpack(
-                    regions, view, dst, head_start=head_start, num_heads=num_heads, unit=units.tokens
-                ),
-            )
+            kw: dict[str, Any] = {"head_start": head_start, "num_heads": num_heads, "unit": units.tokens}
+            if inc.integrity:  # verified before a byte is unpacked: the unpack is gated on the verdict
+                what = f"packed batch at position {int(positions[0])}"
+                await unpack_verified(regions, view, dst, check, what, **kw)
+            else:
+                await run_on_device(view.device, "unpack", lambda: kernels.unpack(regions, view, dst, **kw))
         finally:
             inc.busy -= 1
             if release:
@@ -543,17 +545,14 @@ class TransferEngine:
                 if units is None:
                     raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
                 dst = units.land(positions, inc.prefix_pages, inc.dst_pages)
-                regions = self.regions_of(inc)
-                packed = await asyncio.to_thread(
-                    lambda: on_side_stream(
-                        regions.device,
-                        lambda: kernels.pack(
-                            regions, dst, head_start=head_start, num_heads=num_heads, unit=units.tokens
-                        ),
-                    )
-                )
-                await verify(
-                    packed.reshape(-1), check, f"{path.lower()} chunk at position {int(positions[0])}"
+                await landed_check(
+                    self.regions_of(inc),
+                    dst,
+                    check,
+                    f"{path.lower()} chunk at position {int(positions[0])}",
+                    head_start=head_start,
+                    num_heads=num_heads,
+                    unit=units.tokens,
                 )
         except KVServiceError as exc:
             await self.fail_incoming(inc, exc)

@@ -25,10 +25,10 @@ from ..errors import DeadlineExceeded, FailedPrecondition, NotFound
 from ..identity import LOCAL_PEER
 from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute
-from ..kernels.streams import on_side_stream, run_on_device
+from ..kernels.streams import on_side_stream
 from . import trace
 from .descriptors import choose_path, prepped_indices, prepped_rows
-from .integrity import Check, pages_check, staged_check
+from .integrity import Check, pack_hashed, pages_check
 from .peer_channel import OutboundChannel
 from .peer_pools import PeerPools
 from .peers import PeerDirectory, error_from_code
@@ -429,15 +429,13 @@ class Mover:
                 # same node, same device: pack straight into the receiver's slot, no wire
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                await self._pack(regions, src, dst_view, target)
-                check = await staged_check(plan, dst_view)
+                check = await pack_hashed(plan, target, regions, src, dst_view)
                 t1 = t2 = time.monotonic()
             else:
                 async with pool.slot(nbytes, out.rec.deadline) as slot:
                     self.e.sender.check_live(out)
                     t0 = time.monotonic()
-                    await self._pack(regions, src, pool.view(slot), target)
-                    check = await staged_check(plan, pool.view(slot)[:nbytes])
+                    check = await pack_hashed(plan, target, regions, src, pool.view(slot)[:nbytes])
                     t1 = time.monotonic()
                     if dst_view is not None:  # same node, another GPU: one device-to-device copy
                         await asyncio.to_thread(_copy, dst_view, pool.view(slot))
@@ -511,8 +509,7 @@ class Mover:
             async with pool.slot(nbytes, out.rec.deadline) as slot:
                 self.e.sender.check_live(out)
                 t0 = time.monotonic()
-                await self._pack(regions, src, pool.view(slot), target)
-                check = await staged_check(target.plan, pool.view(slot)[:nbytes])
+                check = await pack_hashed(target.plan, target, regions, src, pool.view(slot)[:nbytes])
                 t1 = time.monotonic()
                 h = await self._post_write(
                     peer.agent,
@@ -545,11 +542,6 @@ class Mover:
             credit=(key, credit, epoch),
             check=check,
         )
-
-    @staticmethod
-    async def _pack(regions: Any, src: np.ndarray, view: Any, target: Target) -> None:
-        """Pack into ``view``; returns once the bytes are there (a completion thread waits on CUDA)."""
-        await run_on_device(view.device, "pack", lambda: target.pack(regions, src, view))
 
     async def _aux(self, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
         """Write the aux rows into the receiver's rows; returns (bytes, descriptors)."""

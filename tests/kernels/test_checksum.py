@@ -7,7 +7,9 @@ import pytest
 import torch
 import xxhash
 
-from kvservice.kernels.checksum import checksum, default_kind
+from kvservice.kernels.checksum import _wsum64, checksum, default_kind, launch, on_device
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("kind", ["xxh3", "wsum64"])
@@ -52,8 +54,28 @@ def test_wsum64_on_the_gpu_equals_the_cpu_value() -> None:
 @pytest.mark.parametrize("n", [0, 4, 4097, (1 << 16) + 4, 3 * (1 << 16) + 12])
 def test_the_triton_wsum64_equals_the_torch_reference(n: int) -> None:
     """The one-pass Triton reduction (CUDA, or the interpreter here) gives the torch expression's value."""
-    from kvservice.kernels.checksum import _wsum64
-
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert _wsum64(data.to(device), backend="triton") == _wsum64(data, backend="torch")
+    assert _wsum64(data.to(DEVICE), backend="triton") == _wsum64(data, backend="torch")
+
+
+@pytest.mark.parametrize(
+    "kind,backend", [("xxh3", "auto"), ("wsum64", "auto"), ("wsum64", "torch"), ("wsum64", "triton")]
+)
+@pytest.mark.parametrize("n", [0, 5, 4097, 3 * (1 << 16) + 12])
+def test_launch_gives_the_value_and_a_device_verdict(kind: str, backend: str, n: int) -> None:
+    """launch (the data path's form): once its stream has passed it, value() is checksum's value;
+    with an expected value, matches() and the gate (what a gated unpack reads) say 1 only if equal,
+    for a value with its top bit set too."""
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    data = data.to(DEVICE)
+    want = checksum(data.cpu(), kind)
+    for expect in (None, want, want ^ 1, want ^ (1 << 63)):
+        pending = launch(data, kind, expect, backend=backend)  # type: ignore[arg-type]
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # stands for the caller's event
+        assert pending.value() == want
+        assert pending.matches() == (expect == want) == bool(pending.gate.item())
+        assert pending.gate.device == data.device and pending.gate.dtype == torch.int64
+    assert on_device(data.device, kind, backend) == (
+        kind == "wsum64" and (backend == "triton" or DEVICE == "cuda" and backend == "auto")
+    )  # type: ignore[arg-type]

@@ -93,6 +93,34 @@ def test_unpack_matches_reference_and_spares_canaries(
         assert torch.equal(g[pages_dst][:, :, hs:he], s[pages_src][:, :, hs:he])  # pack∘unpack = id
 
 
+GATED = [p for p in SHAPES if p.id in ("mha-ps16-hd128-bf16", "slices-8to2x4", "kv-widths-differ")]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", GATED)
+def test_a_gated_unpack_writes_only_through_an_open_gate(
+    make_pool, snapshot, backend, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+):  # type: ignore[no-untyped-def]
+    """unpack(gate=...) (a checksum's verdict): a closed gate (0) changes no byte of any page; an
+    open one (1) unpacks exactly what the ungated call does. Triton reads it inside the kernel."""
+    if backend == "cpu" and DEVICE != "cpu":
+        pytest.skip("the compiled CPU loop copies host pools")
+    kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype)
+    src, dst, ref_dst = make_pool(**kw), make_pool(**kw), make_pool(**kw)
+    for t, r in zip(dst.regions, ref_dst.regions, strict=True):
+        r.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
+    pages_src, pages_dst = _pages(num_pages, num_pages // 2 + 1, 5), _pages(num_pages, num_pages // 2 + 1, 6)
+    staging = reference.pack(src, pages_src, head_start=hs, num_heads=nh, num_slices=ns)
+    call = dict(head_start=hs, num_heads=nh, num_slices=ns, backend=backend)
+    before = snapshot(dst)
+    closed = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    kernels.unpack(dst, staging, pages_dst, gate=closed, **call)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dst), strict=True))
+    kernels.unpack(dst, staging, pages_dst, gate=closed + 1, **call)
+    reference.unpack(ref_dst, staging, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(dst), snapshot(ref_dst), strict=True))
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_empty_selection_is_a_no_op(make_pool, snapshot, backend):  # type: ignore[no-untyped-def]
     """Zero pages pack to zero bytes and unpack changes nothing."""
