@@ -31,7 +31,7 @@ from _harness import base_args, run_tag, write_json  # noqa: E402
 
 from kvservice import kernels  # noqa: E402
 from kvservice.kernels import KVRegions  # noqa: E402
-from kvservice.kernels.fused import copy_pages  # noqa: E402
+from kvservice.kernels.fused import check_fused, copy_pages  # noqa: E402
 
 # (sender layout, page) -> (receiver layout, page); the first is the baseline
 CASES = [
@@ -107,6 +107,7 @@ def main() -> None:
             kernels.packed_nbytes(src, su.size, a.heads, unit=g), dtype=torch.uint8, device=device
         )
         fused_s = timed(lambda: copy_pages(src, dst, su, du, unit=g), a.iters, sync)  # noqa: B023
+        check_s = timed(lambda: check_fused(src, dst, su, du, unit=g), a.iters, lambda: None)  # noqa: B023
         pack_s = timed(
             lambda: kernels.pack(src, su, staging, unit=g, head_major=dst.head_major),  # noqa: B023
             a.iters,
@@ -121,6 +122,7 @@ def main() -> None:
             "payload_bytes": payload,
             "fused_ms": round(fused_s * 1e3, 3),
             "fused_gbps": round(payload / fused_s / 1e9, 2),
+            "fused_check_ms": round(check_s * 1e3, 3),  # the host's argument check, inside fused_ms
             "pack_ms": round(pack_s * 1e3, 3),
             "unpack_ms": round(unpack_s * 1e3, 3),
             "pack_unpack_gbps": round(payload / (pack_s + unpack_s) / 1e9, 2),

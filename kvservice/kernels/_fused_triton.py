@@ -40,19 +40,19 @@ def _fused_kernel(
     src_units_ptr,  # *int64 [n]
     dst_units_ptr,  # *int64 [n]
     n_chunks,  # n * OUTER * INNER * KCH
-    src_m,  # units per source page
     src_page,  # words between consecutive source pages
     src_unit,  # words between consecutive units of a source page
     src_outer,  # words between outer runs
     src_inner,  # words between inner runs
     src_off,  # words from a source unit's start to the first copied head
-    dst_m,
     dst_page,
     dst_unit,
     dst_outer,
     dst_inner,
     dst_off,
     WORD: tl.constexpr,
+    SRC_M: tl.constexpr,  # units per source page (constexpr: see the NOTE in the body)
+    DST_M: tl.constexpr,  # units per destination page
     OUTER: tl.constexpr,
     INNER: tl.constexpr,
     KCH: tl.constexpr,
@@ -72,8 +72,10 @@ def _fused_kernel(
     k = c % KCH
     su = tl.load(src_units_ptr + i, mask=mask_c, other=0)
     du = tl.load(dst_units_ptr + i, mask=mask_c, other=0)
-    s_row = (su // src_m) * src_page + (su % src_m) * src_unit + a * src_outer + b * src_inner
-    d_row = (du // dst_m) * dst_page + (du % dst_m) * dst_unit + a * dst_outer + b * dst_inner
+    # NOTE: with a runtime m (see _triton) on either side the divisions took this kernel from
+    # 124-128 registers to 170-236 (ptxas, sm_90): one program per SM instead of two.
+    s_row = (su // SRC_M) * src_page + (su % SRC_M) * src_unit + a * src_outer + b * src_inner
+    d_row = (du // DST_M) * dst_page + (du % DST_M) * dst_unit + a * dst_outer + b * dst_inner
     s_row += src_off + k * ROW_BLOCK
     d_row += dst_off + k * ROW_BLOCK
     s_base = tl.load(src_table + region).to(tl.pointer_type(WORD))
@@ -88,7 +90,9 @@ def _fused_kernel(
     tl.store(d_ptrs, tl.load(s_ptrs, mask=mask), mask=mask)
 
 
-def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK_WORDS) -> None:
+def copy(
+    src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK_WORDS, num_warps: int = 8
+) -> None:
     """Launch on the source device's current stream (asynchronous)."""
     n = int(a.src_pages.size)
     if n == 0:
@@ -128,16 +132,15 @@ def copy(src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK
             src_pages,
             dst_pages,
             n_chunks,
-            src.page_size // a.unit,
-            *words[:5],
-            dst.page_size // a.unit,
-            *words[5:],
+            *words,
             WORD=tl_word,
+            SRC_M=src.page_size // a.unit,
+            DST_M=dst.page_size // a.unit,
             OUTER=loops.outer_count,
             INNER=loops.inner_count,
             KCH=kch,
             ROW_BLOCK=row_block,
             BLOCK_C=block_c,
             ALIGNED=aligned,
-            num_warps=8,
+            num_warps=num_warps,
         )

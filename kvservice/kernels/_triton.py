@@ -41,7 +41,6 @@ def _copy_pages_kernel(
     staging_ptr,  # *WORD: first word of the call's staging bytes
     units_ptr,  # *int64 [n]: region unit of the i-th selected unit (selection order)
     n_chunks,  # row chunks per (slice, region) segment: n * OUTER * INNER * KCH
-    units_per_page,  # m
     page_stride,  # words between consecutive pages of a region
     unit_stride,  # words between consecutive units of a page
     outer_stride,  # words between consecutive outer runs of a unit
@@ -53,6 +52,7 @@ def _copy_pages_kernel(
     region_offset,  # staging words before this launch's first segment
     gate_ptr,  # *int64 [1]: with GATED, copy only if it holds non-zero (else any pointer, unread)
     WORD: tl.constexpr,  # element type moved: int64 / int32 / int16 / uint8
+    UNITS_PER_PAGE: tl.constexpr,  # m (constexpr: see the NOTE in the body)
     OUTER: tl.constexpr,  # outer runs per unit
     INNER: tl.constexpr,  # inner runs per outer run
     KCH: tl.constexpr,  # chunks per run (ROW_WORDS // ROW_BLOCK)
@@ -81,9 +81,12 @@ def _copy_pages_kernel(
     b = (c // KCH) % INNER
     k = c % KCH
     u = tl.load(units_ptr + i, mask=mask_c, other=0)
+    # NOTE: m is a constexpr because Triton specialises a runtime int only when it is 1: any other
+    # m made u // m and u % m emulated 64-bit divisions, one pair per 16-byte vector a thread
+    # moves. A constexpr m (a power of two in practice) is a shift and a mask.
     row = (
-        (u // units_per_page) * page_stride
-        + (u % units_per_page) * unit_stride
+        (u // UNITS_PER_PAGE) * page_stride
+        + (u % UNITS_PER_PAGE) * unit_stride
         + a * outer_stride
         + b * inner_stride
         + head_offset
@@ -157,13 +160,13 @@ def _launch(
             staging,
             args.pages,
             n_chunks,
-            args.units_per_page(regions),
             *(b // word for b in strides_bytes),
             slice_bytes // word,
             region_stride // word,
             region_offset // word,
             args.pages if gate is None else gate,
             WORD=tl_word,
+            UNITS_PER_PAGE=args.units_per_page(regions),
             OUTER=loops.outer_count,
             INNER=loops.inner_count,
             KCH=kch,

@@ -10,6 +10,7 @@ The oracle is independent of the kernels: each pool is read back as canonical pe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,41 +32,40 @@ L, D = 2, 8
 class Pool:
     """An engine-shaped KV pool: ``raw`` as the engine allocates it, ``regions`` for the kernels."""
 
-    def __init__(self, layout: str, pages: int, page: int, heads: int, seed: int, dv: int = D) -> None:
+    def __init__(
+        self, layout: str, pages: int, page: int, heads: int, seed: int, dv: int = D, dk: int = D
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.layout, self.page, self.heads, self.dv = layout, page, heads, dv
+        self.layout, self.page, self.heads, self.dk, self.dv = layout, page, heads, dk, dv
 
         def rnd(*shape: int) -> torch.Tensor:
             return torch.randint(-30000, 30000, shape, generator=gen, dtype=torch.int16).to(DEVICE)
 
-        if layout == "hnd_kv":  # vLLM CPU: [blocks, heads, block_size, K | V] (here dv == D)
-            self.k = [rnd(pages, heads, 2 * page, D) for _ in range(L)]
+        geometry: dict[str, Any] = dict(
+            page_size=page, num_heads=heads, head_dim_k=dk, head_dim_v=dv, page_layout=layout
+        )
+        if layout == "hnd_kv":  # vLLM CPU: [blocks, heads, block_size, K | V] (here dv == dk)
+            self.k = [rnd(pages, heads, 2 * page, dk) for _ in range(L)]
             self.v: list[torch.Tensor] = []
-            self.regions = KVRegions.create(
-                self.k, None, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
-            )
+            self.regions = KVRegions.create(self.k, None, **geometry)
             return
         if layout.startswith("kv_") or layout in ("nhc", "hnc"):
             # FlashInfer [blocks, 2, block_size, heads, dim]; vLLM 0.32 [blocks, (block, heads), K|V]
             inner = {
-                "kv_nhd": (2, page, heads, D),
-                "kv_hnd": (2, heads, page, D),
-                "nhc": (page, heads, D + dv),
-                "hnc": (heads, page, D + dv),
+                "kv_nhd": (2, page, heads, dk),
+                "kv_hnd": (2, heads, page, dk),
+                "nhc": (page, heads, dk + dv),
+                "hnc": (heads, page, dk + dv),
             }[layout]
             self.k = [rnd(pages, *inner) for _ in range(L)]
             self.v = []
-            self.regions = KVRegions.create(
-                self.k, None, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
-            )
+            self.regions = KVRegions.create(self.k, None, **geometry)
             return
-        kshape = (pages, page, heads, D) if layout == "nhd" else (pages, heads, page, D)
+        kshape = (pages, page, heads, dk) if layout == "nhd" else (pages, heads, page, dk)
         vshape = (pages, page, heads, dv) if layout == "nhd" else (pages, heads, page, dv)
         self.k = [rnd(*kshape) for _ in range(L)]
         self.v = [rnd(*vshape) for _ in range(L)]
-        self.regions = KVRegions.create(
-            self.k, self.v, page_size=page, num_heads=heads, head_dim_k=D, head_dim_v=dv, page_layout=layout
-        )
+        self.regions = KVRegions.create(self.k, self.v, **geometry)
 
     def tokens(self) -> list[torch.Tensor]:
         """Per layer, K then V: ``[pages * page, heads, dim]`` copies in token order."""
@@ -77,7 +77,7 @@ class Pool:
             elif self.layout.startswith("kv_"):
                 parts = [self.k[layer][:, 0], self.k[layer][:, 1]]
             elif self.layout in ("nhc", "hnc"):
-                parts = [self.k[layer][..., :D], self.k[layer][..., D:]]
+                parts = [self.k[layer][..., : self.dk], self.k[layer][..., self.dk :]]
             else:
                 parts = [self.k[layer], self.v[layer]]
             for x in parts:
@@ -188,6 +188,31 @@ def test_fused_converts(backend: str, src_layout: str, dst_layout: str, pages: t
     )
     assert moved == L * n * g * 2 * 2 * D * 2
     _check(dst.tokens(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pages", PAIRS, ids=lambda p: f"{p[0]}to{p[1]}")
+@pytest.mark.parametrize("dst_layout", PAGE_LAYOUTS)
+@pytest.mark.parametrize("src_layout", PAGE_LAYOUTS)
+def test_cuda_kernels_convert_engine_sized_rows(
+    src_layout: str, dst_layout: str, pages: tuple[int, int]
+) -> None:
+    """On CUDA ("auto": the compiled Triton kernels), 256-byte head rows and enough units to fill
+    every program: heads 2..3 of a TP1 sender land in a TP2 rank byte-exact, fused and packed."""
+    ps, pr = pages
+    g, tokens = math.gcd(ps, pr), 512
+    src = Pool(src_layout, 2 * tokens // ps + 3, ps, 4, seed=41, dk=128, dv=128)
+    dsts = [Pool(dst_layout, 2 * tokens // pr + 3, pr, 2, seed=42, dk=128, dv=128) for _ in range(2)]
+    su, du = _units(src, g, tokens // g, 43), _units(dsts[0], g, tokens // g, 44)
+    want = _want(src, dsts[0], su, du, g, 2, 0, 2)
+    copy_pages(src.regions, dsts[0].regions, su, du, src_head_start=2, num_heads=2, unit=g)
+    head_major = dsts[1].regions.head_major
+    staged = kernels.pack(src.regions, su, head_start=2, num_heads=2, unit=g, head_major=head_major)
+    kernels.unpack(dsts[1].regions, staged, du, unit=g)
+    torch.cuda.synchronize()
+    for dst in dsts:
+        _check(dst.tokens(), want)
 
 
 @pytest.mark.parametrize("src_layout,dst_layout", [("nhd", "hnd"), ("nhc", "hnd"), ("nhd", "hnc")])

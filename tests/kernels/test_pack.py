@@ -11,6 +11,7 @@ import torch
 from kvservice import kernels
 from kvservice.errors import InvalidArgument
 from kvservice.kernels import _triton, reference
+from kvservice.kernels._checks import distinct
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
@@ -154,6 +155,15 @@ def test_bad_calls_raise_and_change_nothing(make_pool, snapshot, kwargs, field):
         kernels.unpack(pool, staging, backend="torch", **kwargs)
     assert exc.value.field == field
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool), strict=True))
+
+
+@pytest.mark.parametrize("top", [40, 10**9], ids=["bitmap", "sort"])
+def test_distinct_finds_a_repeat_either_way(top: int) -> None:
+    """The destination-page check finds a repeated index out of order, marking a bitmap of the
+    index range (small range) or sorting (large range)."""
+    assert not distinct(np.array([7, 3, 30, 3, 12], dtype=np.int64), top)
+    assert distinct(np.array([7, 3, 30, 4, 12], dtype=np.int64), top)
+    assert distinct(np.arange(5, dtype=np.int64), top) and distinct(np.array([3], dtype=np.int64), top)
 
 
 def test_regions_reject_wrong_sizes() -> None:
