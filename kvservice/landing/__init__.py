@@ -2,12 +2,13 @@
 
 A receiver declares a transfer without destination pages (``ExpectDelta.landing``); its pages land
 in a service-owned landing pool on this node and the transfer reports LANDED, which frees the
-senders' pages. When the engine has allocated it claims the landed pages (``Claim``): one
-same-device fused copy into its pool, then DONE. Modules:
+senders' pages. Aux rows the declaration counts (``Landing.aux``) land in landing rows beside them.
+When the engine has allocated it claims the landed pages and rows (``Claim``): one same-device
+fused copy into its pool and a row copy into the rows it names, then DONE. Modules:
 
-* ``declare``  validation and the landing view (the engine's layout over landing memory)
+* ``declare``  validation and the landing view (the engine's layout, and aux rows, over landing memory)
 * ``_arena``   one allocation per memory location, carved by the staging range allocator
-* ``pool``     the arenas under the ``landing_pool_mb`` budget
+* ``pool``     the arenas under the ``landing_pool_mb`` budget (aux rows in the host one)
 * ``book``     landing entries: LANDED, TTL expiry, eviction, freeing, router matches
 * ``claim``    the Claim: checks, wait for LANDED, the copy, DONE, publish
 """

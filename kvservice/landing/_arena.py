@@ -84,17 +84,9 @@ class Arena:
         """Free the landing at ``offset``; its size."""
         return self._alloc.free(offset)
 
-    def fits_after_freeing(self, sizes: list[int], offsets: list[int]) -> int:
-        """How many of ``offsets`` (freed in order) must go before regions of ``sizes`` fit; -1
-        when even all of them are not enough (fragmentation included: tried on a copy)."""
-        trial = copy.deepcopy(self._alloc)
-        need = self.footprint(sizes)
-        for i in range(len(offsets) + 1):
-            if trial.alloc(need) is not None:
-                return i
-            if i < len(offsets):
-                trial.free(offsets[i])
-        return -1
+    def trial(self) -> RangeAllocator:
+        """A copy of the allocator to try frees and allocations on (eviction plans)."""
+        return copy.deepcopy(self._alloc)
 
     def check_integrity(self) -> None:
         self._alloc.check_integrity()

@@ -2,8 +2,8 @@
 
 One :class:`Entry` per landing receiver rank, keyed like its declaration (transfer id, buffer set)::
 
-    ExpectDelta(landing)  reserve bytes in the pool (RESOURCE_EXHAUSTED at once when they do not
-         │                fit), declare into the landing view (the usual receive path)
+    ExpectDelta(landing)  reserve bytes in the pool, pages and aux rows (RESOURCE_EXHAUSTED at once
+         │                when they do not fit), declare into the landing view (the usual receive path)
          ▼
     PENDING → TRANSFERRING → LANDED ── Claim ──▶ DONE            bytes freed
                                │ ├── TTL ──────▶ FAILED  DEADLINE_EXCEEDED "landing expired"
@@ -35,8 +35,6 @@ from ..errors import (
 )
 from ..transfer.receiver import Incoming
 from ..transfer.records import Record
-from ._arena import Arena
-from .declare import region_sizes
 from .pool import Landing, LandingPool, LandingStats
 
 __all__ = ["Entry", "LandingBook", "LandedMatch"]
@@ -77,7 +75,7 @@ class LandingBook:
     def __init__(self, engine: Any) -> None:
         cfg = engine.config
         self.e = engine
-        self.pool = LandingPool(cfg.landing_pool_mb << 20)
+        self.pool = LandingPool(cfg.landing_pool_mb << 20, register=engine._reg_pool)
         self.default_ttl_ms = cfg.landing_ttl_ms
         self.max_ttl_ms = cfg.landing_max_ttl_ms
         self.evict_policy = cfg.landing_evict
@@ -114,28 +112,30 @@ class LandingBook:
 
     def _reserve(self, inc: Incoming) -> Landing:
         bs, pages = inc.bs, int(inc.dst_pages.size)
-        arena = self.pool.arena_for(bs)
-        sizes = region_sizes(bs, pages)
-        got = self.pool.take(bs, pages, arena)
+        needs = self.pool.needs(bs, pages, inc.aux)
+        got = self.pool.take(bs, pages, inc.aux, needs)
         if got is None and self.evict_policy == "oldest":
+            held = {arena for arena, _ in needs}
             victims = sorted(
                 (
                     e
                     for e in self.entries.values()
-                    if e.mem.arena is arena
+                    if any(p.arena in held for p in e.mem.parts)
                     and e.inc.rec.state == "LANDED"
                     and not e.claiming
                     and not e.inc.busy
                 ),
                 key=lambda e: e.landed_at,
             )
-            k = arena.fits_after_freeing(sizes, [v.mem.offset for v in victims])
+            k = self.pool.victims_needed(needs, [v.mem for v in victims])
             for v in victims[: max(k, 0)]:  # NOTE: only when evicting makes it fit
                 self._evict(v)
-            got = self.pool.take(bs, pages, arena) if k > 0 else None
+            got = self.pool.take(bs, pages, inc.aux, needs) if k > 0 else None
         if got is None:
+            arena, need = self.pool.short_of(needs)
             self.count(arena.kind, "refused")
-            need = Arena.footprint(sizes)
+            rows = sum(int(r.size) for r in inc.aux.values())
+            what = f"{pages} pages" + (f" and {rows} aux rows" if rows else "")
             why = (
                 f"it alone exceeds the pool of {arena.capacity} bytes"
                 if need > arena.capacity
@@ -143,7 +143,7 @@ class LandingBook:
                 f"{self.pool.landings.get(arena.kind, 0)} landings"
             )
             raise ResourceExhausted(
-                f"landing_pool_mb: a landing of {pages} pages needs {need} bytes of the {arena.kind} landing "
+                f"landing_pool_mb: a landing of {what} needs {need} bytes of the {arena.kind} landing "
                 f"pool; {why} (claim or abort landed transfers, or wait for the decode engine's allocation)"
             )
         return got

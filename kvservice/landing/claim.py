@@ -4,6 +4,7 @@
 
     landing view pages 0 .. n-1 ──copy_pages (one fused launch / one compiled loop)──▶ dst pages
                                   same device: the landing lives where the engine's pool lives
+    landing aux rows 0 .. r-1   ──row copy (host memory)───────────────────────────▶ ClaimRequest.aux rows
 
 Checks come first and change nothing (a bad claim leaves the landing as it was). A claim of a
 transfer still arriving waits for LANDED, bounded by ``wait_ms`` and the transfer's deadline. The
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, KVServiceError
 from ..kernels import KVRegions, _fused_cpu
@@ -25,6 +27,7 @@ from ..kernels.fused import copy_pages, fused_nbytes
 from ..kernels.streams import run_on_device
 from ..transfer.plan import src_pages_array
 from ..transfer.records import Record
+from ..transfer.requests import check_aux
 from .book import Entry, LandingBook
 
 __all__ = ["claim"]
@@ -39,8 +42,10 @@ async def claim(
     buffer_set_id: str,
     dst_page_indices: Any,
     wait_ms: int,
+    aux: dict[str, np.ndarray] | None = None,
 ) -> tuple[Record, int]:
-    """Claim ``transfer_id`` into pages ``dst_page_indices`` of ``buffer_set_id`` (the caller's);
+    """Claim ``transfer_id`` into pages ``dst_page_indices`` of ``buffer_set_id`` (the caller's),
+    and its landed aux rows into rows ``aux`` (name -> rows, one entry per landed aux region);
     returns the DONE record and the microseconds spent once the pages had landed."""
     e = book.e
     if not transfer_id:
@@ -55,6 +60,7 @@ async def claim(
         )
     if inc.publish_hashes is not None and np.intersect1d(inc.prefix_page_indices, dst).size:
         raise InvalidArgument("dst_page_indices", "overlap the declaration's prefix_page_indices")
+    aux = _aux_rows(bs, inc.aux, aux or {}, transfer_id)
     if entry.claiming:
         raise FailedPrecondition(f"transfer_id: {transfer_id!r} is being claimed by another call")
     await _until_landed(entry, wait_ms)
@@ -67,6 +73,7 @@ async def claim(
     inc.busy += 1  # from here an Abort waits for the copy, and the bytes stay until it ended
     try:
         await _copy(entry.mem.regions, e.kv_regions[bs.buffer_set_id], dst)
+        _copy_aux(entry.mem.bs, bs, aux)
     except KVServiceError as exc:
         inc.busy -= 1
         await e.fail_incoming(inc, exc)
@@ -86,6 +93,36 @@ async def claim(
     del book.claim_us[:-1024]
     _publish(e, inc, dst)
     return inc.rec.snapshot(), us
+
+
+def _aux_rows(
+    bs: Any, landed: dict[str, np.ndarray], aux: dict[str, np.ndarray], transfer_id: str
+) -> dict[str, np.ndarray]:
+    """The claim's destination rows, checked against what landed (names, counts) and ``bs``."""
+    check_aux(bs, aux)
+    for name, rows in aux.items():
+        have = landed.get(name)
+        if have is None:
+            raise InvalidArgument(f"aux[{name}]", f"transfer {transfer_id!r} landed no rows of {name!r}")
+        if rows.size != have.size:
+            raise InvalidArgument(
+                f"aux[{name}].rows",
+                f"{rows.size} rows for the {have.size} rows transfer {transfer_id!r} lands",
+            )
+    missing = sorted(set(landed) - set(aux))
+    if missing:
+        raise InvalidArgument(
+            "aux", f"name the destination rows of every aux region transfer {transfer_id!r} lands: {missing}"
+        )
+    return aux
+
+
+def _copy_aux(src_bs: Any, dst_bs: Any, aux: dict[str, np.ndarray]) -> None:
+    """Landed rows ``0..r-1`` of each aux region into the claimer's rows (host memory, a few rows)."""
+    for name, rows in aux.items():
+        src, dst = src_bs.aux_by_name(name), dst_bs.aux_by_name(name)
+        d = dst.region.pages(dst.row_bytes)
+        d[torch.from_numpy(rows)] = src.region.pages(src.row_bytes)[: rows.size].to(d.device)
 
 
 async def _until_landed(entry: Entry, wait_ms: int) -> None:

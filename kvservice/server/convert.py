@@ -126,6 +126,16 @@ def aux_rows(items: Iterable[common_pb2.AuxRows]) -> dict[str, np.ndarray]:
     return out
 
 
+def landing_aux(items: Iterable[kvservice_pb2.LandingAux]) -> dict[str, int]:
+    """``Landing.aux``: rows to land per aux region name."""
+    out: dict[str, int] = {}
+    for i, a in enumerate(items):
+        if a.name in out:
+            raise InvalidArgument(f"landing.aux[{i}].name", f"duplicate aux name {a.name!r}")
+        out[a.name] = int(a.num_rows)
+    return out
+
+
 def key(request: object, tokens_field: str) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(tokens, hashes) of a request's ``key`` oneof; both None when unset."""
     which = request.WhichOneof("key")  # type: ignore[attr-defined]

@@ -201,6 +201,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             prefix_page_indices=request.prefix_page_indices,
             allowed_senders=request.allowed_senders,
             landing_pages=landing.pages if landing is not None else None,
+            landing_aux=convert.landing_aux(landing.aux) if landing is not None else None,
         )
         if landing is not None:
             rec = await engine.landing.expect(inc, landing.ttl_ms, request.sender_address)
@@ -217,6 +218,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             request.buffer_set_id,
             request.dst_page_indices,
             request.wait_ms,
+            convert.aux_rows(request.aux),
         )
         return pb.ClaimResponse(status=convert.transfer_status(rec), claim_us=us)
 

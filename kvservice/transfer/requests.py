@@ -18,7 +18,7 @@ from .receiver import Incoming
 from .records import Record
 from .sender import Chunk, Outgoing
 
-__all__ = ["build_chunk", "build_incoming"]
+__all__ = ["build_chunk", "build_incoming", "check_aux"]
 
 MAX_ID = 256
 MAX_ALLOWED_SENDERS = 64
@@ -41,7 +41,9 @@ def _deadline(engine: Any, deadline_ms: int) -> float:
     return time.monotonic() + (deadline_ms or cfg.default_deadline_ms) / 1000
 
 
-def _aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def check_aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``aux`` (name -> rows) if every name is an aux region of ``bs`` and its rows are distinct
+    and in range; InvalidArgument naming the field otherwise."""
     for name, rows in aux.items():
         mine = bs.aux_by_name(name)
         if mine is None:
@@ -69,9 +71,11 @@ def build_incoming(
     prefix_page_indices: Any,
     allowed_senders: Sequence[str] = (),
     landing_pages: int | None = None,
+    landing_aux: dict[str, int] | None = None,
 ) -> Incoming:
     """A receiver declaration; with ``landing_pages`` (not None) a landing one, whose delta pages
-    are pages ``0..n-1`` of a landing view (``kvservice.landing.declare`` fills it in)."""
+    are pages ``0..n-1`` of a landing view and whose aux rows (``landing_aux``: a count per name)
+    are rows ``0..count-1`` of its aux regions (``kvservice.landing.declare`` fills it in)."""
     tid = _transfer_id(transfer_id)
     if len(allowed_senders) > MAX_ALLOWED_SENDERS:
         raise InvalidArgument("allowed_senders", f"at most {MAX_ALLOWED_SENDERS} identities")
@@ -86,9 +90,10 @@ def build_incoming(
     if landing_pages is None:
         dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
     else:
-        from ..landing.declare import landing_dst
+        from ..landing.declare import landing_aux_rows, landing_dst
 
         dst = landing_dst(bs, landing_pages, dst_page_indices, aux, publish_tokens, prefix_pages)
+        aux = landing_aux_rows(bs, landing_aux or {})
     prefix_idx = src_pages_array(prefix_page_indices, bs.layout.num_pages, "prefix_page_indices")
     if expected_senders > 1024:
         raise InvalidArgument("expected_senders", "must be <= 1024 (0 derives it from the layouts)")
@@ -106,7 +111,7 @@ def build_incoming(
             raise InvalidArgument("prefix_page_indices", "overlap dst_page_indices")
         publish_hashes = publish_hashes[:total]
     rec = Record(tid, "RECEIVER", bs.buffer_set_id, session_id, _deadline(engine, deadline_ms))
-    aux = _aux(bs, aux)
+    aux = check_aux(bs, aux)
     rec.expected_bytes = expected_bytes(bs, int(dst.size), aux)
     return Incoming(
         rec,
@@ -140,7 +145,7 @@ def build_chunk(
     tid = _transfer_id(transfer_id)
     bs = engine.node.buffers.get(buffer_set_id, session_id)
     src = src_pages_array(src_page_indices, bs.layout.num_pages)
-    aux = _aux(bs, aux)
+    aux = check_aux(bs, aux)
     if not peer_address:
         raise InvalidArgument("peer_address", "is required (the receiver's kvservice address)")
     engine.node.check_peer_address(peer_address)

@@ -2,7 +2,8 @@
 
     engine A ─UDS─▶ service P ═NIXL═▶ service D (landing pool) ◀─UDS─ engines B, V
 
-* the sender's service is SIGKILLed after LANDED: the landed pages stay, B claims them intact;
+* the sender's service is SIGKILLed after LANDED: the landed pages and aux rows (written over NIXL
+  into the landing pool's host rows) stay, B claims them intact;
 * the claiming engine V is SIGKILLed before it claims: its session's grace passes, the landing
   ends ABORTED and every landing byte is free again.
 """
@@ -19,6 +20,7 @@ from e2e_helpers import EngineProc, ServiceProc, admin_stats, assert_pages_equal
 from kvservice_client import Layout
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")
+AUX = {"meta": (64, 8)}  # name -> (row bytes, rows)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,8 @@ def nodes() -> Iterator[dict[str, Any]]:
         for s in svc.values():
             s.wait_ready()
         eng = {
-            "A": EngineProc(svc["P"].address, LAYOUT, seed=1),
-            "B": EngineProc(svc["D"].address, LAYOUT, seed=2),
+            "A": EngineProc(svc["P"].address, LAYOUT, AUX, seed=1),
+            "B": EngineProc(svc["D"].address, LAYOUT, AUX, seed=2),
         }
         eng["V"] = EngineProc(svc["D"].address, LAYOUT, seed=3)
         for e in eng.values():
@@ -84,19 +86,23 @@ def test_claiming_engine_killed_before_claiming(nodes) -> None:
 
 def test_sender_service_killed_after_landed(nodes) -> None:
     """LANDED, then the sender's service is SIGKILLed: the landing stays (no UNAVAILABLE), and the
-    claim copies the sender's bytes intact."""
+    claim copies the sender's bytes intact, pages and aux row."""
     a, b = nodes["eng"]["A"], nodes["eng"]["B"]
     p, d = nodes["svc"]["P"], nodes["svc"]["D"]
     src = [3, 8, 1, 40, 41]
-    b.call("expect_landing", "k-sender", b.bs, pages=len(src), ttl_ms=60_000)
-    a.call("send_delta", "k-sender", a.bs, src_page_indices=src, peer_address=d.address, path="packed")
+    b.call("expect_landing", "k-sender", b.bs, pages=len(src), ttl_ms=60_000, aux={"meta": 1})
+    a.call(
+        "send_delta", "k-sender", a.bs, src_page_indices=src, peer_address=d.address, path="packed",
+        aux={"meta": [6]},
+    )  # fmt: skip
     assert landed(b, "k-sender").state == "LANDED"
     p.kill()
     time.sleep(1.5)  # past the dead-peer detection (about a second)
     (r,) = b.call("poll", ["k-sender"])
     assert r.state == "LANDED", r
     dst = [10, 11, 12, 13, 14]
-    c = b.call("claim", "k-sender", b.bs, dst_page_indices=dst)
+    c = b.call("claim", "k-sender", b.bs, dst_page_indices=dst, aux={"meta": [2]})
     assert c.status.state == "DONE", c
     assert_pages_equal(b.pool, dst, a.pool, src)
+    assert (b.pool.aux("meta")[2] == a.pool.aux("meta")[6]).all()
     assert landing_of(d) == (0, 0)

@@ -1272,7 +1272,7 @@ type TransferLoad struct {
 	// alone carries more than the bytes left.
 	Admits bool `protobuf:"varint,11,opt,name=admits,proto3" json:"admits,omitempty"`
 	// Transfers into this buffer set that LANDED in the landing pool and wait for a Claim (they are
-	// not counted in inbound_transfers), and the KV bytes they hold there.
+	// not counted in inbound_transfers), and the KV and aux bytes they hold there.
 	LandedTransfers uint32 `protobuf:"varint,12,opt,name=landed_transfers,json=landedTransfers,proto3" json:"landed_transfers,omitempty"`
 	LandedBytes     uint64 `protobuf:"varint,13,opt,name=landed_bytes,json=landedBytes,proto3" json:"landed_bytes,omitempty"`
 	unknownFields   protoimpl.UnknownFields
@@ -1868,7 +1868,8 @@ type ExpectDeltaRequest struct {
 	// When set, a landing transfer: dst_page_indices stays empty and the pages land in the service's
 	// landing pool on this node (LANDED, the senders' pages are then free); a Claim later copies them
 	// into the engine's pages (DONE). Refused with RESOURCE_EXHAUSTED at once when the pool cannot
-	// hold them. Landing transfers carry no aux rows.
+	// hold them. A landing's aux rows are counted in Landing.aux (aux stays empty): they land in the
+	// landing pool too, and the Claim names their destination rows.
 	Landing       *Landing `protobuf:"bytes,13,opt,name=landing,proto3" json:"landing,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2032,7 +2033,11 @@ type Landing struct {
 	Pages uint32 `protobuf:"varint,1,opt,name=pages,proto3" json:"pages,omitempty"`
 	// Milliseconds the landed pages are kept for a Claim after LANDED; then the transfer ends FAILED
 	// (DEADLINE_EXCEEDED, "landing expired") and the bytes are freed. 0: the service default.
-	TtlMs         uint32 `protobuf:"varint,2,opt,name=ttl_ms,json=ttlMs,proto3" json:"ttl_ms,omitempty"`
+	TtlMs uint32 `protobuf:"varint,2,opt,name=ttl_ms,json=ttlMs,proto3" json:"ttl_ms,omitempty"`
+	// Aux rows to land with the pages, per aux region of the declaring buffer set (each name once).
+	// They land in landing rows counted against the landing pool's budget; the senders name as many
+	// rows as declared here, and the Claim names as many destination rows (ClaimRequest.aux).
+	Aux           []*LandingAux `protobuf:"bytes,3,rep,name=aux,proto3" json:"aux,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2081,6 +2086,68 @@ func (x *Landing) GetTtlMs() uint32 {
 	return 0
 }
 
+func (x *Landing) GetAux() []*LandingAux {
+	if x != nil {
+		return x.Aux
+	}
+	return nil
+}
+
+// Rows of one aux region a landing transfer lands (Landing.aux).
+type LandingAux struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// AuxRegion.name in the declaring buffer set.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// How many rows land (> 0, at most the region's num_rows).
+	NumRows       uint32 `protobuf:"varint,2,opt,name=num_rows,json=numRows,proto3" json:"num_rows,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LandingAux) Reset() {
+	*x = LandingAux{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LandingAux) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LandingAux) ProtoMessage() {}
+
+func (x *LandingAux) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LandingAux.ProtoReflect.Descriptor instead.
+func (*LandingAux) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *LandingAux) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *LandingAux) GetNumRows() uint32 {
+	if x != nil {
+		return x.NumRows
+	}
+	return 0
+}
+
 // Claims a landed transfer into the caller's pages.
 type ClaimRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2092,14 +2159,17 @@ type ClaimRequest struct {
 	// them, distinct, none among the declaration's prefix_page_indices).
 	DstPageIndices []uint32 `protobuf:"varint,3,rep,packed,name=dst_page_indices,json=dstPageIndices,proto3" json:"dst_page_indices,omitempty"`
 	// Longest wait for a transfer still arriving, milliseconds (0: until the transfer's deadline).
-	WaitMs        uint32 `protobuf:"varint,4,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
+	WaitMs uint32 `protobuf:"varint,4,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
+	// Destination rows of the landed aux rows, one entry per Landing.aux region (same names): as many
+	// rows as landed, distinct, in range. Empty when the landing carries no aux rows.
+	Aux           []*AuxRows `protobuf:"bytes,5,rep,name=aux,proto3" json:"aux,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ClaimRequest) Reset() {
 	*x = ClaimRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2111,7 +2181,7 @@ func (x *ClaimRequest) String() string {
 func (*ClaimRequest) ProtoMessage() {}
 
 func (x *ClaimRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2124,7 +2194,7 @@ func (x *ClaimRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimRequest.ProtoReflect.Descriptor instead.
 func (*ClaimRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ClaimRequest) GetTransferId() string {
@@ -2155,6 +2225,13 @@ func (x *ClaimRequest) GetWaitMs() uint32 {
 	return 0
 }
 
+func (x *ClaimRequest) GetAux() []*AuxRows {
+	if x != nil {
+		return x.Aux
+	}
+	return nil
+}
+
 // The outcome of a claim.
 type ClaimResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2168,7 +2245,7 @@ type ClaimResponse struct {
 
 func (x *ClaimResponse) Reset() {
 	*x = ClaimResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2180,7 +2257,7 @@ func (x *ClaimResponse) String() string {
 func (*ClaimResponse) ProtoMessage() {}
 
 func (x *ClaimResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2193,7 +2270,7 @@ func (x *ClaimResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimResponse.ProtoReflect.Descriptor instead.
 func (*ClaimResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ClaimResponse) GetStatus() *TransferStatus {
@@ -2221,7 +2298,7 @@ type ExpectDeltaResponse struct {
 
 func (x *ExpectDeltaResponse) Reset() {
 	*x = ExpectDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2233,7 +2310,7 @@ func (x *ExpectDeltaResponse) String() string {
 func (*ExpectDeltaResponse) ProtoMessage() {}
 
 func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2246,7 +2323,7 @@ func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaResponse.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ExpectDeltaResponse) GetStatus() *TransferStatus {
@@ -2290,7 +2367,7 @@ type SendDeltaRequest struct {
 
 func (x *SendDeltaRequest) Reset() {
 	*x = SendDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2302,7 +2379,7 @@ func (x *SendDeltaRequest) String() string {
 func (*SendDeltaRequest) ProtoMessage() {}
 
 func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2315,7 +2392,7 @@ func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaRequest.ProtoReflect.Descriptor instead.
 func (*SendDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SendDeltaRequest) GetTransferId() string {
@@ -2399,7 +2476,7 @@ type SendDeltaResponse struct {
 
 func (x *SendDeltaResponse) Reset() {
 	*x = SendDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2411,7 +2488,7 @@ func (x *SendDeltaResponse) String() string {
 func (*SendDeltaResponse) ProtoMessage() {}
 
 func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2424,7 +2501,7 @@ func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaResponse.ProtoReflect.Descriptor instead.
 func (*SendDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SendDeltaResponse) GetStatus() *TransferStatus {
@@ -2445,7 +2522,7 @@ type PollRequest struct {
 
 func (x *PollRequest) Reset() {
 	*x = PollRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2457,7 +2534,7 @@ func (x *PollRequest) String() string {
 func (*PollRequest) ProtoMessage() {}
 
 func (x *PollRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2470,7 +2547,7 @@ func (x *PollRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollRequest.ProtoReflect.Descriptor instead.
 func (*PollRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PollRequest) GetTransferIds() []string {
@@ -2492,7 +2569,7 @@ type PollResponse struct {
 
 func (x *PollResponse) Reset() {
 	*x = PollResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2504,7 +2581,7 @@ func (x *PollResponse) String() string {
 func (*PollResponse) ProtoMessage() {}
 
 func (x *PollResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2517,7 +2594,7 @@ func (x *PollResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollResponse.ProtoReflect.Descriptor instead.
 func (*PollResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *PollResponse) GetStatuses() []*TransferStatus {
@@ -2540,7 +2617,7 @@ type WatchTransfersRequest struct {
 
 func (x *WatchTransfersRequest) Reset() {
 	*x = WatchTransfersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2552,7 +2629,7 @@ func (x *WatchTransfersRequest) String() string {
 func (*WatchTransfersRequest) ProtoMessage() {}
 
 func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2565,7 +2642,7 @@ func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchTransfersRequest.ProtoReflect.Descriptor instead.
 func (*WatchTransfersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *WatchTransfersRequest) GetTransferIds() []string {
@@ -2595,7 +2672,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2607,7 +2684,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2620,7 +2697,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *AbortRequest) GetTransferId() string {
@@ -2648,7 +2725,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2660,7 +2737,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2673,7 +2750,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *AbortResponse) GetStatuses() []*TransferStatus {
@@ -2704,7 +2781,7 @@ type PhaseTimings struct {
 
 func (x *PhaseTimings) Reset() {
 	*x = PhaseTimings{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2716,7 +2793,7 @@ func (x *PhaseTimings) String() string {
 func (*PhaseTimings) ProtoMessage() {}
 
 func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2729,7 +2806,7 @@ func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PhaseTimings.ProtoReflect.Descriptor instead.
 func (*PhaseTimings) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *PhaseTimings) GetQueueUs() uint64 {
@@ -2812,7 +2889,7 @@ type TransferStatus struct {
 
 func (x *TransferStatus) Reset() {
 	*x = TransferStatus{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2824,7 +2901,7 @@ func (x *TransferStatus) String() string {
 func (*TransferStatus) ProtoMessage() {}
 
 func (x *TransferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2837,7 +2914,7 @@ func (x *TransferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferStatus.ProtoReflect.Descriptor instead.
 func (*TransferStatus) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *TransferStatus) GetTransferId() string {
@@ -2969,7 +3046,7 @@ type GetStatsRequest struct {
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2981,7 +3058,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2994,7 +3071,7 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *GetStatsRequest) GetWindowMs() uint32 {
@@ -3038,7 +3115,7 @@ type BufferSetInfo struct {
 
 func (x *BufferSetInfo) Reset() {
 	*x = BufferSetInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3050,7 +3127,7 @@ func (x *BufferSetInfo) String() string {
 func (*BufferSetInfo) ProtoMessage() {}
 
 func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3063,7 +3140,7 @@ func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BufferSetInfo.ProtoReflect.Descriptor instead.
 func (*BufferSetInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *BufferSetInfo) GetBufferSetId() string {
@@ -3142,7 +3219,7 @@ type SuggestEvictionsRequest struct {
 
 func (x *SuggestEvictionsRequest) Reset() {
 	*x = SuggestEvictionsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3154,7 +3231,7 @@ func (x *SuggestEvictionsRequest) String() string {
 func (*SuggestEvictionsRequest) ProtoMessage() {}
 
 func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3167,7 +3244,7 @@ func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsRequest.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *SuggestEvictionsRequest) GetBufferSetId() string {
@@ -3200,7 +3277,7 @@ type SuggestEvictionsResponse struct {
 
 func (x *SuggestEvictionsResponse) Reset() {
 	*x = SuggestEvictionsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3212,7 +3289,7 @@ func (x *SuggestEvictionsResponse) String() string {
 func (*SuggestEvictionsResponse) ProtoMessage() {}
 
 func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3225,7 +3302,7 @@ func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsResponse.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *SuggestEvictionsResponse) GetPageIndices() []uint32 {
@@ -3270,7 +3347,7 @@ type IndexStats struct {
 
 func (x *IndexStats) Reset() {
 	*x = IndexStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3282,7 +3359,7 @@ func (x *IndexStats) String() string {
 func (*IndexStats) ProtoMessage() {}
 
 func (x *IndexStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3295,7 +3372,7 @@ func (x *IndexStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexStats.ProtoReflect.Descriptor instead.
 func (*IndexStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *IndexStats) GetEntries() uint64 {
@@ -3359,7 +3436,7 @@ type StagingStats struct {
 
 func (x *StagingStats) Reset() {
 	*x = StagingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3371,7 +3448,7 @@ func (x *StagingStats) String() string {
 func (*StagingStats) ProtoMessage() {}
 
 func (x *StagingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3384,7 +3461,7 @@ func (x *StagingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingStats.ProtoReflect.Descriptor instead.
 func (*StagingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *StagingStats) GetKind() string {
@@ -3439,7 +3516,7 @@ type TransferCounts struct {
 
 func (x *TransferCounts) Reset() {
 	*x = TransferCounts{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3451,7 +3528,7 @@ func (x *TransferCounts) String() string {
 func (*TransferCounts) ProtoMessage() {}
 
 func (x *TransferCounts) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3464,7 +3541,7 @@ func (x *TransferCounts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferCounts.ProtoReflect.Descriptor instead.
 func (*TransferCounts) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *TransferCounts) GetInFlight() uint64 {
@@ -3544,7 +3621,7 @@ type GetStatsResponse struct {
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3556,7 +3633,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3569,7 +3646,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *GetStatsResponse) GetServiceId() string {
@@ -3706,7 +3783,7 @@ type LandingStats struct {
 
 func (x *LandingStats) Reset() {
 	*x = LandingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3718,7 +3795,7 @@ func (x *LandingStats) String() string {
 func (*LandingStats) ProtoMessage() {}
 
 func (x *LandingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3731,7 +3808,7 @@ func (x *LandingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LandingStats.ProtoReflect.Descriptor instead.
 func (*LandingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *LandingStats) GetLocation() string {
@@ -3810,7 +3887,7 @@ type Activity struct {
 
 func (x *Activity) Reset() {
 	*x = Activity{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3822,7 +3899,7 @@ func (x *Activity) String() string {
 func (*Activity) ProtoMessage() {}
 
 func (x *Activity) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3835,7 +3912,7 @@ func (x *Activity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Activity.ProtoReflect.Descriptor instead.
 func (*Activity) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *Activity) GetWindowMs() uint64 {
@@ -3876,7 +3953,7 @@ type RouteActivity struct {
 
 func (x *RouteActivity) Reset() {
 	*x = RouteActivity{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3888,7 +3965,7 @@ func (x *RouteActivity) String() string {
 func (*RouteActivity) ProtoMessage() {}
 
 func (x *RouteActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3901,7 +3978,7 @@ func (x *RouteActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteActivity.ProtoReflect.Descriptor instead.
 func (*RouteActivity) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{46}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *RouteActivity) GetRole() string {
@@ -3984,7 +4061,7 @@ type InFlight struct {
 
 func (x *InFlight) Reset() {
 	*x = InFlight{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3996,7 +4073,7 @@ func (x *InFlight) String() string {
 func (*InFlight) ProtoMessage() {}
 
 func (x *InFlight) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4009,7 +4086,7 @@ func (x *InFlight) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InFlight.ProtoReflect.Descriptor instead.
 func (*InFlight) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{47}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *InFlight) GetRole() string {
@@ -4063,7 +4140,7 @@ type PeerInfo struct {
 
 func (x *PeerInfo) Reset() {
 	*x = PeerInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4075,7 +4152,7 @@ func (x *PeerInfo) String() string {
 func (*PeerInfo) ProtoMessage() {}
 
 func (x *PeerInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4088,7 +4165,7 @@ func (x *PeerInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerInfo.ProtoReflect.Descriptor instead.
 func (*PeerInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{48}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *PeerInfo) GetAddress() string {
@@ -4163,7 +4240,7 @@ type SessionInfo struct {
 
 func (x *SessionInfo) Reset() {
 	*x = SessionInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4175,7 +4252,7 @@ func (x *SessionInfo) String() string {
 func (*SessionInfo) ProtoMessage() {}
 
 func (x *SessionInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4188,7 +4265,7 @@ func (x *SessionInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionInfo.ProtoReflect.Descriptor instead.
 func (*SessionInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{49}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *SessionInfo) GetClientName() string {
@@ -4393,16 +4470,22 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSenders\x12%\n" +
 	"\x0esender_address\x18\f \x01(\tR\rsenderAddress\x12/\n" +
 	"\alanding\x18\r \x01(\v2\x15.kvservice.v1.LandingR\alandingB\t\n" +
-	"\apublish\"6\n" +
+	"\apublish\"b\n" +
 	"\aLanding\x12\x14\n" +
 	"\x05pages\x18\x01 \x01(\rR\x05pages\x12\x15\n" +
-	"\x06ttl_ms\x18\x02 \x01(\rR\x05ttlMs\"\x96\x01\n" +
+	"\x06ttl_ms\x18\x02 \x01(\rR\x05ttlMs\x12*\n" +
+	"\x03aux\x18\x03 \x03(\v2\x18.kvservice.v1.LandingAuxR\x03aux\";\n" +
+	"\n" +
+	"LandingAux\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
+	"\bnum_rows\x18\x02 \x01(\rR\anumRows\"\xbf\x01\n" +
 	"\fClaimRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
 	"\rbuffer_set_id\x18\x02 \x01(\tR\vbufferSetId\x12(\n" +
 	"\x10dst_page_indices\x18\x03 \x03(\rR\x0edstPageIndices\x12\x17\n" +
-	"\await_ms\x18\x04 \x01(\rR\x06waitMs\"`\n" +
+	"\await_ms\x18\x04 \x01(\rR\x06waitMs\x12'\n" +
+	"\x03aux\x18\x05 \x03(\v2\x15.kvservice.v1.AuxRowsR\x03aux\"`\n" +
 	"\rClaimResponse\x124\n" +
 	"\x06status\x18\x01 \x01(\v2\x1c.kvservice.v1.TransferStatusR\x06status\x12\x19\n" +
 	"\bclaim_us\x18\x02 \x01(\x04R\aclaimUs\"K\n" +
@@ -4641,7 +4724,7 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 52)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
 	(*TransferCall)(nil),              // 1: kvservice.v1.TransferCall
@@ -4668,133 +4751,136 @@ var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(*EvictPagesResponse)(nil),        // 22: kvservice.v1.EvictPagesResponse
 	(*ExpectDeltaRequest)(nil),        // 23: kvservice.v1.ExpectDeltaRequest
 	(*Landing)(nil),                   // 24: kvservice.v1.Landing
-	(*ClaimRequest)(nil),              // 25: kvservice.v1.ClaimRequest
-	(*ClaimResponse)(nil),             // 26: kvservice.v1.ClaimResponse
-	(*ExpectDeltaResponse)(nil),       // 27: kvservice.v1.ExpectDeltaResponse
-	(*SendDeltaRequest)(nil),          // 28: kvservice.v1.SendDeltaRequest
-	(*SendDeltaResponse)(nil),         // 29: kvservice.v1.SendDeltaResponse
-	(*PollRequest)(nil),               // 30: kvservice.v1.PollRequest
-	(*PollResponse)(nil),              // 31: kvservice.v1.PollResponse
-	(*WatchTransfersRequest)(nil),     // 32: kvservice.v1.WatchTransfersRequest
-	(*AbortRequest)(nil),              // 33: kvservice.v1.AbortRequest
-	(*AbortResponse)(nil),             // 34: kvservice.v1.AbortResponse
-	(*PhaseTimings)(nil),              // 35: kvservice.v1.PhaseTimings
-	(*TransferStatus)(nil),            // 36: kvservice.v1.TransferStatus
-	(*GetStatsRequest)(nil),           // 37: kvservice.v1.GetStatsRequest
-	(*BufferSetInfo)(nil),             // 38: kvservice.v1.BufferSetInfo
-	(*SuggestEvictionsRequest)(nil),   // 39: kvservice.v1.SuggestEvictionsRequest
-	(*SuggestEvictionsResponse)(nil),  // 40: kvservice.v1.SuggestEvictionsResponse
-	(*IndexStats)(nil),                // 41: kvservice.v1.IndexStats
-	(*StagingStats)(nil),              // 42: kvservice.v1.StagingStats
-	(*TransferCounts)(nil),            // 43: kvservice.v1.TransferCounts
-	(*GetStatsResponse)(nil),          // 44: kvservice.v1.GetStatsResponse
-	(*LandingStats)(nil),              // 45: kvservice.v1.LandingStats
-	(*Activity)(nil),                  // 46: kvservice.v1.Activity
-	(*RouteActivity)(nil),             // 47: kvservice.v1.RouteActivity
-	(*InFlight)(nil),                  // 48: kvservice.v1.InFlight
-	(*PeerInfo)(nil),                  // 49: kvservice.v1.PeerInfo
-	(*SessionInfo)(nil),               // 50: kvservice.v1.SessionInfo
-	nil,                               // 51: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 52: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 53: kvservice.v1.Layout
-	(*Region)(nil),                    // 54: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 55: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 56: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 57: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 58: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 59: kvservice.v1.TransferPath
-	(TransferState)(0),                // 60: kvservice.v1.TransferState
+	(*LandingAux)(nil),                // 25: kvservice.v1.LandingAux
+	(*ClaimRequest)(nil),              // 26: kvservice.v1.ClaimRequest
+	(*ClaimResponse)(nil),             // 27: kvservice.v1.ClaimResponse
+	(*ExpectDeltaResponse)(nil),       // 28: kvservice.v1.ExpectDeltaResponse
+	(*SendDeltaRequest)(nil),          // 29: kvservice.v1.SendDeltaRequest
+	(*SendDeltaResponse)(nil),         // 30: kvservice.v1.SendDeltaResponse
+	(*PollRequest)(nil),               // 31: kvservice.v1.PollRequest
+	(*PollResponse)(nil),              // 32: kvservice.v1.PollResponse
+	(*WatchTransfersRequest)(nil),     // 33: kvservice.v1.WatchTransfersRequest
+	(*AbortRequest)(nil),              // 34: kvservice.v1.AbortRequest
+	(*AbortResponse)(nil),             // 35: kvservice.v1.AbortResponse
+	(*PhaseTimings)(nil),              // 36: kvservice.v1.PhaseTimings
+	(*TransferStatus)(nil),            // 37: kvservice.v1.TransferStatus
+	(*GetStatsRequest)(nil),           // 38: kvservice.v1.GetStatsRequest
+	(*BufferSetInfo)(nil),             // 39: kvservice.v1.BufferSetInfo
+	(*SuggestEvictionsRequest)(nil),   // 40: kvservice.v1.SuggestEvictionsRequest
+	(*SuggestEvictionsResponse)(nil),  // 41: kvservice.v1.SuggestEvictionsResponse
+	(*IndexStats)(nil),                // 42: kvservice.v1.IndexStats
+	(*StagingStats)(nil),              // 43: kvservice.v1.StagingStats
+	(*TransferCounts)(nil),            // 44: kvservice.v1.TransferCounts
+	(*GetStatsResponse)(nil),          // 45: kvservice.v1.GetStatsResponse
+	(*LandingStats)(nil),              // 46: kvservice.v1.LandingStats
+	(*Activity)(nil),                  // 47: kvservice.v1.Activity
+	(*RouteActivity)(nil),             // 48: kvservice.v1.RouteActivity
+	(*InFlight)(nil),                  // 49: kvservice.v1.InFlight
+	(*PeerInfo)(nil),                  // 50: kvservice.v1.PeerInfo
+	(*SessionInfo)(nil),               // 51: kvservice.v1.SessionInfo
+	nil,                               // 52: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 53: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 54: kvservice.v1.Layout
+	(*Region)(nil),                    // 55: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 56: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 57: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 58: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 59: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 60: kvservice.v1.TransferPath
+	(TransferState)(0),                // 61: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
 	23, // 0: kvservice.v1.TransferCall.expect_delta:type_name -> kvservice.v1.ExpectDeltaRequest
-	28, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
-	33, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
-	25, // 3: kvservice.v1.TransferCall.claim:type_name -> kvservice.v1.ClaimRequest
-	27, // 4: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
-	29, // 5: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
-	34, // 6: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
+	29, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
+	34, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
+	26, // 3: kvservice.v1.TransferCall.claim:type_name -> kvservice.v1.ClaimRequest
+	28, // 4: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
+	30, // 5: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
+	35, // 6: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
 	2,  // 7: kvservice.v1.TransferEvent.error:type_name -> kvservice.v1.CallError
-	36, // 8: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
-	26, // 9: kvservice.v1.TransferEvent.claim:type_name -> kvservice.v1.ClaimResponse
+	37, // 8: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
+	27, // 9: kvservice.v1.TransferEvent.claim:type_name -> kvservice.v1.ClaimResponse
 	6,  // 10: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
-	53, // 11: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	54, // 12: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	54, // 13: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	55, // 14: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	56, // 15: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	57, // 16: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	54, // 11: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	55, // 12: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	55, // 13: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	56, // 14: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	57, // 15: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	58, // 16: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
 	15, // 17: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
 	14, // 18: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	56, // 19: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	57, // 20: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	58, // 21: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	56, // 22: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	57, // 23: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	57, // 19: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	58, // 20: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	59, // 21: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	57, // 22: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	58, // 23: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
 	24, // 24: kvservice.v1.ExpectDeltaRequest.landing:type_name -> kvservice.v1.Landing
-	36, // 25: kvservice.v1.ClaimResponse.status:type_name -> kvservice.v1.TransferStatus
-	36, // 26: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	58, // 27: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	59, // 28: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
-	36, // 29: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	36, // 30: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	36, // 31: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	0,  // 32: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	60, // 33: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	59, // 34: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
-	35, // 35: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	53, // 36: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
-	15, // 37: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
-	51, // 38: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	52, // 39: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
-	38, // 40: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
-	41, // 41: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
-	42, // 42: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
-	43, // 43: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	46, // 44: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
-	48, // 45: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
-	49, // 46: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
-	50, // 47: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
-	45, // 48: kvservice.v1.GetStatsResponse.landing:type_name -> kvservice.v1.LandingStats
-	47, // 49: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
-	4,  // 50: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	7,  // 51: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	9,  // 52: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	11, // 53: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	13, // 54: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	17, // 55: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	19, // 56: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	21, // 57: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	23, // 58: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	28, // 59: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	30, // 60: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	32, // 61: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	33, // 62: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	37, // 63: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	39, // 64: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
-	1,  // 65: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
-	25, // 66: kvservice.v1.KVService.Claim:input_type -> kvservice.v1.ClaimRequest
-	5,  // 67: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	8,  // 68: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	10, // 69: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	12, // 70: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	16, // 71: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	18, // 72: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	20, // 73: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	22, // 74: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	27, // 75: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	29, // 76: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	31, // 77: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	36, // 78: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	34, // 79: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	44, // 80: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	40, // 81: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
-	3,  // 82: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
-	26, // 83: kvservice.v1.KVService.Claim:output_type -> kvservice.v1.ClaimResponse
-	67, // [67:84] is the sub-list for method output_type
-	50, // [50:67] is the sub-list for method input_type
-	50, // [50:50] is the sub-list for extension type_name
-	50, // [50:50] is the sub-list for extension extendee
-	0,  // [0:50] is the sub-list for field type_name
+	25, // 25: kvservice.v1.Landing.aux:type_name -> kvservice.v1.LandingAux
+	59, // 26: kvservice.v1.ClaimRequest.aux:type_name -> kvservice.v1.AuxRows
+	37, // 27: kvservice.v1.ClaimResponse.status:type_name -> kvservice.v1.TransferStatus
+	37, // 28: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	59, // 29: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	60, // 30: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	37, // 31: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	37, // 32: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	37, // 33: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	0,  // 34: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
+	61, // 35: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	60, // 36: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	36, // 37: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
+	54, // 38: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	15, // 39: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
+	52, // 40: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	53, // 41: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	39, // 42: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
+	42, // 43: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
+	43, // 44: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
+	44, // 45: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
+	47, // 46: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
+	49, // 47: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
+	50, // 48: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
+	51, // 49: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
+	46, // 50: kvservice.v1.GetStatsResponse.landing:type_name -> kvservice.v1.LandingStats
+	48, // 51: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
+	4,  // 52: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	7,  // 53: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	9,  // 54: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	11, // 55: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	13, // 56: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	17, // 57: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	19, // 58: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	21, // 59: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	23, // 60: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	29, // 61: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	31, // 62: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	33, // 63: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	34, // 64: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	38, // 65: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	40, // 66: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	1,  // 67: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
+	26, // 68: kvservice.v1.KVService.Claim:input_type -> kvservice.v1.ClaimRequest
+	5,  // 69: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	8,  // 70: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	10, // 71: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	12, // 72: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	16, // 73: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	18, // 74: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	20, // 75: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	22, // 76: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	28, // 77: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	30, // 78: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	32, // 79: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	37, // 80: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	35, // 81: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	45, // 82: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	41, // 83: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	3,  // 84: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
+	27, // 85: kvservice.v1.KVService.Claim:output_type -> kvservice.v1.ClaimResponse
+	69, // [69:86] is the sub-list for method output_type
+	52, // [52:69] is the sub-list for method input_type
+	52, // [52:52] is the sub-list for extension type_name
+	52, // [52:52] is the sub-list for extension extendee
+	0,  // [0:52] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -4835,7 +4921,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   52,
+			NumMessages:   53,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

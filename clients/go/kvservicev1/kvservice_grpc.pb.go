@@ -94,9 +94,10 @@ type KVServiceClient interface {
 	// path: a stream message costs about half a unary call, and no watch is opened per transfer.
 	Transfers(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[TransferCall, TransferEvent], error)
 	// Claims a landed transfer (ExpectDeltaRequest.landing) into destination pages of the caller's
-	// buffer set: one same-node copy from the landing pool, then the receiver's status is DONE and
-	// the landed bytes are free. Waits (bounded by wait_ms and the transfer's deadline) while the
-	// transfer is still arriving; refused with a reason naming the transfer once it is gone.
+	// buffer set, and its landed aux rows into the named rows: one same-node copy from the landing
+	// pool, then the receiver's status is DONE and the landed bytes are free. Waits (bounded by
+	// wait_ms and the transfer's deadline) while the transfer is still arriving; refused with a
+	// reason naming the transfer once it is gone.
 	Claim(ctx context.Context, in *ClaimRequest, opts ...grpc.CallOption) (*ClaimResponse, error)
 }
 
@@ -346,9 +347,10 @@ type KVServiceServer interface {
 	// path: a stream message costs about half a unary call, and no watch is opened per transfer.
 	Transfers(grpc.BidiStreamingServer[TransferCall, TransferEvent]) error
 	// Claims a landed transfer (ExpectDeltaRequest.landing) into destination pages of the caller's
-	// buffer set: one same-node copy from the landing pool, then the receiver's status is DONE and
-	// the landed bytes are free. Waits (bounded by wait_ms and the transfer's deadline) while the
-	// transfer is still arriving; refused with a reason naming the transfer once it is gone.
+	// buffer set, and its landed aux rows into the named rows: one same-node copy from the landing
+	// pool, then the receiver's status is DONE and the landed bytes are free. Waits (bounded by
+	// wait_ms and the transfer's deadline) while the transfer is still arriving; refused with a
+	// reason naming the transfer once it is gone.
 	Claim(context.Context, *ClaimRequest) (*ClaimResponse, error)
 	mustEmbedUnimplementedKVServiceServer()
 }

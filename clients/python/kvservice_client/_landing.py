@@ -13,6 +13,9 @@ ends FAILED with a reason; :meth:`claim` then says so.
     ...                                                            # prefill sends as usual
     kv.claim("room-7", bs, dst_page_indices=new_pages)            # waits for LANDED if needed
 
+Aux rows land too: the declaration counts them per aux region (``aux={"meta": 1}``), the senders
+name theirs as usual, and the claim names the destination rows (``aux={"meta": [row]}``).
+
 Mixed into :class:`~kvservice_client.Client` and (async) :class:`~kvservice_client.AsyncClient`.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -53,6 +56,7 @@ def landing_request(
     prefix_page_indices: Iterable[int] | np.ndarray,
     allowed_senders: Iterable[str],
     sender_address: str,
+    aux: Mapping[str, int] | None = None,
 ) -> pb.ExpectDeltaRequest:
     req = rq.expect(
         transfer_id,
@@ -69,17 +73,24 @@ def landing_request(
     req.sender_address = sender_address
     req.landing.pages = rq._u32(pages, "pages")
     req.landing.ttl_ms = rq._u32(ttl_ms, "ttl_ms")
+    for name, n in (aux or {}).items():
+        req.landing.aux.add(name=name, num_rows=rq._u32(n, f"aux[{name}]"))
     return req
 
 
 def claim_request(
-    transfer_id: str, buffer_set_id: str, dst_page_indices: Iterable[int] | np.ndarray, wait_ms: int
+    transfer_id: str,
+    buffer_set_id: str,
+    dst_page_indices: Iterable[int] | np.ndarray,
+    wait_ms: int,
+    aux: Mapping[str, Iterable[int]] | None = None,
 ) -> pb.ClaimRequest:
     return pb.ClaimRequest(
         transfer_id=transfer_id,
         buffer_set_id=buffer_set_id,
         dst_page_indices=rq._idx(dst_page_indices, "dst_page_indices"),
         wait_ms=rq._u32(wait_ms, "wait_ms"),
+        aux=rq._aux(aux),
     )
 
 
@@ -108,6 +119,7 @@ class LandingCalls:
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
         sender_address: str = "",
+        aux: Mapping[str, int] | None = None,
     ) -> TransferStatus:
         """Declare ``transfer_id`` as a landing into this node's landing pool, for buffer set
         ``buffer_set_id`` (its layout; only it may claim): ``pages`` delta pages past
@@ -115,7 +127,8 @@ class LandingCalls:
         after LANDED (0: the service default). ResourceExhausted at once when the pool cannot
         hold them (fall back to waiting for the allocation, or another engine). With
         ``publish_tokens`` routers see the landed pages in MatchPrefix (``landed_pages``) and the
-        claim publishes them into the index."""
+        claim publishes them into the index. ``aux`` (aux region name -> row count) lands that many
+        aux rows too: the senders name as many rows, the claim names their destination rows."""
         req = landing_request(
             transfer_id,
             buffer_set_id,
@@ -128,6 +141,7 @@ class LandingCalls:
             prefix_page_indices,
             allowed_senders,
             sender_address,
+            aux,
         )
         status = TransferStatus.from_proto(self._transfer_call("expect_delta", "ExpectDelta", req).status)  # type: ignore[attr-defined]
         self.owned.add_transfer(transfer_id)
@@ -157,13 +171,16 @@ class LandingCalls:
         *,
         dst_page_indices: Iterable[int] | np.ndarray,
         wait_ms: int = 0,
+        aux: Mapping[str, Iterable[int]] | None = None,
     ) -> Claimed:
         """Copy landed ``transfer_id`` into ``dst_page_indices`` of ``buffer_set_id`` (one per landed
-        page, in sequence order); DONE on return. A transfer still arriving is waited for, at most
-        ``wait_ms`` (0: the client's timeout). FailedPrecondition names what became of a transfer
-        that can no longer be claimed (expired, evicted, aborted)."""
+        page, in sequence order), and its landed aux rows into rows ``aux`` (aux region name ->
+        rows, one entry per landed aux region, as many rows as landed); DONE on return. A transfer
+        still arriving is waited for, at most ``wait_ms`` (0: the client's timeout).
+        FailedPrecondition names what became of a transfer that can no longer be claimed (expired,
+        evicted, aborted); InvalidArgument names a bad field and leaves the landing claimable."""
         wait_ms = wait_ms or int(self.timeout * 1000)
-        req = claim_request(transfer_id, buffer_set_id, dst_page_indices, wait_ms)
+        req = claim_request(transfer_id, buffer_set_id, dst_page_indices, wait_ms, aux)
         r = self._transfer_call("claim", "Claim", req)  # type: ignore[attr-defined]
         status = TransferStatus.from_proto(r.status)
         self.owned.observe((status,))
@@ -190,6 +207,7 @@ class AsyncLandingCalls:
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
         sender_address: str = "",
+        aux: Mapping[str, int] | None = None,
     ) -> TransferStatus:
         """See :meth:`LandingCalls.expect_landing`."""
         req = landing_request(
@@ -204,6 +222,7 @@ class AsyncLandingCalls:
             prefix_page_indices,
             allowed_senders,
             sender_address,
+            aux,
         )
         status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)  # type: ignore[attr-defined]
         self.owned.add_transfer(transfer_id)
@@ -234,9 +253,12 @@ class AsyncLandingCalls:
         *,
         dst_page_indices: Iterable[int] | np.ndarray,
         wait_ms: int = 0,
+        aux: Mapping[str, Iterable[int]] | None = None,
     ) -> Claimed:
         """See :meth:`LandingCalls.claim`."""
-        req = claim_request(transfer_id, buffer_set_id, dst_page_indices, wait_ms or int(self.timeout * 1000))
+        req = claim_request(
+            transfer_id, buffer_set_id, dst_page_indices, wait_ms or int(self.timeout * 1000), aux
+        )
         r = await self._call("Claim", req)  # type: ignore[attr-defined]
         status = TransferStatus.from_proto(r.status)
         self.owned.observe((status,))

@@ -11,6 +11,16 @@ One request (``bootstrap_room``) is one kvservice transfer, ``sgl-<room>``::
                  carries the aux row)
     both    poll: Transferring ─▶ Success (DONE) or Failed (FAILED / ABORTED, with the reason)
 
+Landing option (decode, ``SGLANG_KVSERVICE_LANDING_TTL_MS`` > 0), so the prefill need not wait for
+the decode's allocation (seed 002's pre-allocation queue)::
+
+    decode  Receiver.init ─▶ PUT /room/<room> {peer, decode_prefix_len 0, landing}: the prefill starts
+    prefill init(num_pages) ─▶ PUT /room/<room>/pages {pages}; send(pages): SendDelta as usual
+    decode  GET /room/<room>/pages ─▶ ExpectDelta(landing: pages, one aux row per aux buffer),
+              unless send_metadata came first; the prefill's pages are free at LANDED
+            send_metadata(kv_indices, aux_index) ─▶ Claim(kv_indices, aux row) ─▶ Success
+              (no landing, or refused because the pool is full: ExpectDelta, as without the option)
+
 Only the delta moves: SGLang's prefill sends from the decode's prefix on (seed 000's
 ``decode_prefix_len``, which the prefill learns from the room), so the transfer is exactly the
 pages past it. Positions are absolute (the receiver declares ``decode_prefix_len`` as its prefix,
@@ -35,7 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
-from kvservice_client import BackgroundClient, TransferStatus
+from kvservice_client import BackgroundClient, KVClientError, TransferStatus
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -58,6 +68,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _ROOM_TTL_S = 600.0
+_PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing]} or /room/<int>/pages {pages}"
 _LOOKUP_EVERY_S = 0.01
 
 
@@ -77,14 +88,19 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
 
     def __init__(self, host: str, port: int, **_: Any) -> None:
         rooms: dict[int, tuple[float, dict[str, Any]]] = {}
+        sizes: dict[int, tuple[float, dict[str, Any]]] = {}  # landing rooms: the prefill's page count
         lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
-            def _room(self) -> int | None:
+            def _target(self) -> tuple[int | None, dict[int, tuple[float, dict[str, Any]]]]:
+                """``/room/<room>`` (the decode's post) or ``/room/<room>/pages`` (the prefill's)."""
                 parts = self.path.strip("/").split("/")
-                return (
-                    int(parts[1]) if len(parts) == 2 and parts[0] == "room" and parts[1].isdigit() else None
-                )
+                if len(parts) in (2, 3) and parts[0] == "room" and parts[1].isdigit():
+                    if len(parts) == 2:
+                        return int(parts[1]), rooms
+                    if parts[2] == "pages":
+                        return int(parts[1]), sizes
+                return None, rooms
 
             def _reply(self, code: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
@@ -95,28 +111,26 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                 self.wfile.write(data)
 
             def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
-                room = self._room()
+                room, book = self._target()
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                    ok = room is not None and isinstance(body.get("peer"), str) and body["peer"]
-                except ValueError:
-                    ok = False
-                if not ok:
-                    return self._reply(400, {"error": "PUT /room/<int> with {peer, decode_prefix_len}"})
+                    entry = _room_entry(body) if book is rooms else {"pages": int(body["pages"])}
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    entry = None
+                if room is None or entry is None:
+                    return self._reply(400, {"error": _PUT_USAGE})
                 now = time.monotonic()
                 with lock:
-                    for r in [r for r, (t, _) in rooms.items() if now - t > _ROOM_TTL_S]:
-                        del rooms[r]
-                    rooms[room] = (
-                        now,
-                        {"peer": body["peer"], "decode_prefix_len": int(body.get("decode_prefix_len", 0))},
-                    )
+                    for d in (rooms, sizes):
+                        for r in [r for r, (t, _) in d.items() if now - t > _ROOM_TTL_S]:
+                            del d[r]
+                    book[room] = (now, entry)
                 self._reply(200, {})
 
             def do_GET(self) -> None:  # noqa: N802
-                room = self._room()
+                room, book = self._target()
                 with lock:
-                    found = rooms.pop(room, None) if room is not None else None
+                    found = book.pop(room, None) if room is not None else None
                 self._reply(200, found[1]) if found else self._reply(404, {})
 
             def log_message(self, *a: Any) -> None:
@@ -132,6 +146,16 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _room_entry(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A decode instance's post for a room (its service, prefix, and whether it lands the pages)."""
+    if not isinstance(body.get("peer"), str) or not body["peer"]:
+        return None
+    entry = {"peer": body["peer"], "decode_prefix_len": int(body.get("decode_prefix_len", 0))}
+    if body.get("landing"):
+        entry["landing"] = True
+    return entry
 
 
 def _http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
@@ -157,7 +181,23 @@ class KVServiceManager(BaseKVManager):
         self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
         reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend))
         self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
+        self.landing_ttl_ms = self._landing_ttl_ms(server_args)  # 0: no landing (the default path only)
         log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
+
+    def _landing_ttl_ms(self, server_args: Any) -> int:
+        """The landing option (decode only): how long landed pages wait for the allocation."""
+        ttl = int(os.environ.get("SGLANG_KVSERVICE_LANDING_TTL_MS", "0"))
+        if not ttl or self.mode != "decode":
+            return 0
+        why = ""
+        if any(self.state_names):  # NOTE: a landing counts its aux rows before any allocation
+            why = "state buffers are registered (a hybrid model): their slots are known only at allocation"
+        elif getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+            why = "the decode radix cache is on: a landing holds every page, an allocation only its delta"
+        if why:
+            log.warning("kvservice: SGLANG_KVSERVICE_LANDING_TTL_MS ignored, %s", why)
+            return 0
+        return ttl
 
     def register_to_bootstrap(self) -> None:
         return  # nothing to announce: decode instances post each room to the prefill's server
@@ -229,6 +269,16 @@ class _Side:
         self.mgr.bg.submit(_abort_quietly(self.mgr, self.tid))
 
 
+async def _put_quietly(url: str, body: dict[str, Any]) -> int:
+    """PUT ``body`` to ``url``; the status code (0 when the server could not be reached)."""
+    try:
+        code, _ = await asyncio.to_thread(_http, "PUT", url, body)
+    except OSError as exc:
+        log.info("kvservice: PUT %s failed: %s", url, exc)
+        return 0
+    return code
+
+
 async def _abort_quietly(mgr: KVServiceManager, tid: str) -> None:
     try:
         await mgr.bg.kv.abort(tid, "aborted by SGLang")
@@ -286,6 +336,9 @@ class KVServiceSender(_Side, BaseKVSender):
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+        if self.target.done() and not self.target.exception() and self.target.result().get("landing"):
+            # the decode instance lands the pages before its allocation: it needs their number
+            self.mgr.bg.submit(_put_quietly(f"{self.url}/pages", {"pages": self.num_pages}))
 
     def send(
         self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **_: Any
@@ -342,9 +395,55 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
         _Side.__init__(self, mgr, bootstrap_room)
         self.url = f"http://{bootstrap_addr}/room/{self.room}"
         self.inited = False
+        # landing option: the landing declaration (its status, or None: no landing, the default path)
+        self._landing: concurrent.futures.Future[TransferStatus | None] | None = None
+        self._allocated = False  # send_metadata came: no landing is declared from now on
+        self._posted = False  # the room is at the prefill's bootstrap server already
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         self.inited = True
+        if self.mgr.landing_ttl_ms and self._landing is None and not self.failed:
+            self._landing = self.mgr.bg.submit(self._land())
+
+    async def _land(self) -> TransferStatus | None:
+        """Post the room now (the prefill starts, sending from page 0), learn its page count, and
+        declare a landing of them with one row per aux buffer, unless the allocation came first."""
+        mgr = self.mgr
+        body = {"peer": mgr.peer_address, "decode_prefix_len": 0, "landing": True}
+        if await _put_quietly(self.url, body) != 200:
+            return None  # send_metadata posts the room, as without the option
+        self._posted = True
+        pages = await self._prefill_pages()
+        if pages is None:
+            return None
+        try:
+            st: TransferStatus = await mgr.bg.kv.expect_landing(
+                self.tid,
+                mgr.buffer_set_id,
+                pages=pages,
+                aux={name: 1 for name in mgr.aux_names},
+                ttl_ms=mgr.landing_ttl_ms,
+                deadline_ms=mgr.deadline_ms,
+            )
+        except KVClientError as exc:  # the pool is full, for instance: receive directly later
+            log.info("kvservice: landing of %s not declared (%s); it waits for the allocation", self.tid, exc)
+            return None
+        if self.failed:  # aborted while it was being declared: free it now, not at its TTL
+            await _abort_quietly(mgr, self.tid)
+        return st
+
+    async def _prefill_pages(self) -> int | None:
+        """The prefill's page count once it posted it; None if the allocation or a failure came first."""
+        end = time.monotonic() + self.mgr.bootstrap_timeout_s
+        while not (self._allocated or self.failed) and time.monotonic() < end:
+            try:
+                code, body = await asyncio.to_thread(_http, "GET", f"{self.url}/pages")
+            except OSError:
+                code, body = 0, {}
+            if code == 200:
+                return int(body["pages"])
+            await asyncio.sleep(_LOOKUP_EVERY_S)
+        return None
 
     def poll(self) -> int:
         if not self.inited and not self.failed:
@@ -359,7 +458,8 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
         decode_prefix_len: int | None = None,
         destination: Any = None,
     ) -> None:
-        mgr, tid = self.mgr, self.tid
+        mgr, tid, landing = self.mgr, self.tid, self._landing
+        self._allocated = True
         prefix_len = int(decode_prefix_len or 0)
         if prefix_len % mgr.page_size:
             self.failed = f"decode_prefix_len {prefix_len} is not a multiple of page_size {mgr.page_size}"
@@ -377,6 +477,11 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
         url = self.url
 
         async def declare(kv: Any) -> TransferStatus:
+            if landing is not None and await _landed(landing):  # its pages land in the service's pool
+                claimed = await kv.claim(
+                    tid, mgr.buffer_set_id, dst_page_indices=pages, aux=aux, wait_ms=mgr.deadline_ms
+                )
+                return claimed.status  # type: ignore[no-any-return]
             st = await kv.expect_delta(
                 tid,
                 mgr.buffer_set_id,
@@ -385,6 +490,8 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
                 aux=aux,
                 deadline_ms=mgr.deadline_ms,
             )
+            if self._posted:  # landing option: the room is posted already (the prefill sends from 0)
+                return st  # type: ignore[no-any-return]
             try:
                 code, _ = await asyncio.to_thread(_http, "PUT", url, body)  # now the prefill may send
                 why = f"it answered {code}"
@@ -399,4 +506,14 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
         self.fut = mgr.bg.transfer(tid, declare, mgr.deadline_ms)
 
     def clear(self) -> None:
-        return
+        if self._landing is not None and not self._allocated and not self.failed:
+            self.abort()  # dropped before its allocation: free its landing now, not at its TTL
+
+
+async def _landed(landing: concurrent.futures.Future[TransferStatus | None]) -> bool:
+    """Whether the landing option declared a landing (False: none, or refused)."""
+    try:
+        return await asyncio.wrap_future(landing) is not None
+    except Exception as exc:  # the declaration's own errors are logged in _land
+        log.debug("kvservice: landing declaration failed: %s", exc)
+        return False

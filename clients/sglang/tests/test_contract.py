@@ -230,6 +230,42 @@ def test_a_dead_decode_peer_fails_the_sender_with_the_reason(node, monkeypatch) 
         d2.close()
 
 
+def test_the_landing_option_lands_before_the_decode_allocates(node, monkeypatch) -> None:
+    """SGLANG_KVSERVICE_LANDING_TTL_MS: init posts the room, the prefill sends and is done (LANDED)
+    before the decode allocates; send_metadata claims the pages and the aux row into its allocation."""
+    room, src, dst = 23, np.arange(20, 26), np.array([40, 12, 3, 7, 55, 61])
+    d2 = Pools(None)
+    md2 = _manager(monkeypatch, DECODE, "decode", d2, SGLANG_KVSERVICE_LANDING_TTL_MS="20000")
+    try:
+        assert md2.landing_ttl_ms == 20000
+        recv = KVServiceReceiver(md2, node["addr"], room)
+        send = KVServiceSender(node["mp"], node["addr"], room)
+        before = d2.snapshot()
+        recv.init(0)
+        _until(lambda: send.poll() == KVPoll.WaitingForInput)  # the room is there before any allocation
+        assert send.pop_decode_prefix_len() == 0
+        send.init(src.size, aux_index=5)
+        send.send(src[:2])
+        send.send(src[2:])
+        _until(lambda: send.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert send.poll() == KVPoll.Success, send.failed  # landed: the prefill's pages are free
+        (st,) = md2.bg.call(md2.bg.kv.poll([f"sgl-{room}"]), 10)
+        assert st.state == "LANDED", st
+        recv.send_metadata(dst, aux_index=3, decode_prefix_len=0)
+        _until(lambda: recv.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert recv.poll() == KVPoll.Success, recv.failed
+        after = d2.snapshot()
+        untouched = np.setdiff1d(np.arange(PAGES), dst)
+        for i, buf in enumerate(node["p"].bufs):
+            np.testing.assert_array_equal(after[i][dst], buf[src])
+            np.testing.assert_array_equal(after[i][untouched], before[i][untouched])
+        np.testing.assert_array_equal(after[-1][3], node["p"].aux[5])
+        assert np.array_equal(np.delete(after[-1], 3, 0), np.delete(before[-1], 3, 0))
+    finally:
+        md2.close()
+        d2.close()
+
+
 def test_no_decode_instance_fails_the_sender_at_the_bootstrap_timeout(node) -> None:
     send = KVServiceSender(node["mp"], node["addr"], 11)
     node["mp"].bootstrap_timeout_s = 0.5

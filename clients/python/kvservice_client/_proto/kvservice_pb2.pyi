@@ -302,24 +302,36 @@ class ExpectDeltaRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ...) -> None: ...
 
 class Landing(_message.Message):
-    __slots__ = ("pages", "ttl_ms")
+    __slots__ = ("pages", "ttl_ms", "aux")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
     pages: int
     ttl_ms: int
-    def __init__(self, pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    aux: _containers.RepeatedCompositeFieldContainer[LandingAux]
+    def __init__(self, pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., aux: _Optional[_Iterable[_Union[LandingAux, _Mapping]]] = ...) -> None: ...
+
+class LandingAux(_message.Message):
+    __slots__ = ("name", "num_rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("transfer_id", "buffer_set_id", "dst_page_indices", "wait_ms")
+    __slots__ = ("transfer_id", "buffer_set_id", "dst_page_indices", "wait_ms", "aux")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     buffer_set_id: str
     dst_page_indices: _containers.RepeatedScalarFieldContainer[int]
     wait_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    aux: _containers.RepeatedCompositeFieldContainer[_common_pb2.AuxRows]
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
     __slots__ = ("status", "claim_us")

@@ -249,9 +249,10 @@ class KVServiceServicer(object):
 
     def Claim(self, request, context):
         """Claims a landed transfer (ExpectDeltaRequest.landing) into destination pages of the caller's
-        buffer set: one same-node copy from the landing pool, then the receiver's status is DONE and
-        the landed bytes are free. Waits (bounded by wait_ms and the transfer's deadline) while the
-        transfer is still arriving; refused with a reason naming the transfer once it is gone.
+        buffer set, and its landed aux rows into the named rows: one same-node copy from the landing
+        pool, then the receiver's status is DONE and the landed bytes are free. Waits (bounded by
+        wait_ms and the transfer's deadline) while the transfer is still arriving; refused with a
+        reason naming the transfer once it is gone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
