@@ -43,6 +43,92 @@ def timed(samples: list[float], fn, *a, **kw):  # type: ignore[no-untyped-def]
     return r
 
 
+def _engine_pair(
+    a: str, b: str, peer: str, lay: Layout, devs: tuple, threads: int, sustain_s: float, sync: tuple, tag: str
+) -> None:
+    """One sending and one receiving engine process pair's worth of senders (``--sustain-procs``):
+    own pools, clients, sessions and lanes. Says ready after one warm transfer, then runs
+    ``threads`` senders (expect → send → wait) from the start signal for ``sustain_s``; puts
+    (done, errors) on the out queue."""
+    ready, start, out = sync
+    sp, rp = KVPool(lay, devs[0], 1), KVPool(lay, devs[1])
+    try:
+        with Client(a, client_name="sus-tx") as ka, Client(b, client_name="sus-rx") as kb:
+            sb = ka.register_buffers(lay, *sp.regions()).buffer_set_id
+            rb = kb.register_buffers(lay, *rp.regions()).buffer_set_id
+            kb.expect_delta(f"{tag}-warm", rb, prefix_pages=0, dst_page_indices=[0])
+            ka.send_delta(f"{tag}-warm", sb, src_page_indices=[0], peer_address=peer)
+            kb.wait(f"{tag}-warm", timeout=60)
+            ready.put(tag)
+            start.wait()
+            done: list[int] = [0]
+            errors: list[str] = []
+            stop = time.monotonic() + sustain_s
+            ends = (ka, kb, sb, rb, peer)
+            ths = [
+                threading.Thread(target=_sustain_worker, args=(ends, w, f"{tag}-{w}", stop, done, errors))
+                for w in range(threads)
+            ]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+            out.put((done[0], errors[:5]))
+    finally:
+        sp.close()
+        rp.close()
+
+
+def _sustain_worker(ends: tuple, w: int, tag: str, stop: float, done: list[int], errors: list[str]) -> None:
+    ka, kb, sb, rb, peer = ends
+    n = 0
+    while time.monotonic() < stop:
+        tid = f"{tag}-{n}"
+        try:
+            kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=[w % 64])
+            ka.send_delta(tid, sb, src_page_indices=[w % 64], peer_address=peer)
+            (st,) = kb.wait(tid, timeout=30)
+            done[0] += st.state == "DONE"
+        except Exception as exc:
+            errors.append(str(exc))
+        n += 1
+
+
+def sustain_procs(
+    svc: Services, args: argparse.Namespace, xl: Layout, devs: tuple[str | int, str | int], senders: int
+) -> dict:
+    """``senders`` one-page senders spread over ``--sustain-procs`` engine process pairs (engines
+    are separate processes in a deployment: one bench process's GIL is not the service's limit)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    n_procs = max(1, min(args.sustain_procs, senders))
+    per = [senders // n_procs + (i < senders % n_procs) for i in range(n_procs)]
+    ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    a, b, peer = svc.addresses[0], svc.addresses[-1], svc.peer_addresses[-1]
+    ps = [
+        ctx.Process(
+            target=_engine_pair,
+            args=(a, b, peer, xl, devs, n, args.sustain_s, (ready, start, out), f"p{senders}-{i}"),
+        )
+        for i, n in enumerate(per)
+    ]
+    for p in ps:
+        p.start()
+    for _ in ps:  # every pair imported, registered and moved one page before the clock starts
+        ready.get(timeout=180)
+    t0 = time.perf_counter()
+    start.set()
+    got = [out.get(timeout=args.sustain_s + 60) for _ in ps]
+    dt = time.perf_counter() - t0
+    for p in ps:
+        p.join(30)
+    rate = sum(g[0] for g in got) / dt
+    print(f"sustained, {senders} senders in {n_procs} engine pairs: {rate:.0f} transfers/s", file=sys.stderr)
+    errors = [e for g in got for e in g[1]][:5]
+    return {"senders": senders, "engine_pairs": n_procs, "transfers_per_s": rate, "errors": errors}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     base_args(ap, netns=True)
@@ -57,6 +143,12 @@ def main() -> None:
         help="concurrent senders, comma list (one-page rows of the receiver's 64-page pool)",
     )
     ap.add_argument("--same-node", action="store_true", help="one service for both engines")
+    ap.add_argument(
+        "--sustain-procs",
+        type=int,
+        default=8,
+        help="engine process pairs the multi-process sustained run spreads its senders over (0: skip it)",
+    )
     args = ap.parse_args()
     if args.small:
         args.prompt_tokens, args.match_iters, args.transfers, args.sustain_s, args.sustain_threads = (
@@ -66,6 +158,7 @@ def main() -> None:
             1.0,
             [1, 2],
         )
+        args.sustain_procs = min(args.sustain_procs, 2)
     ps = 16
     # index layout: tiny pages (the index only needs page numbers); transfer layout: 1 layer, 32 KiB pages
     idx_layout = Layout.mha(
@@ -202,6 +295,11 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
                     return {"threads": threads, "transfers_per_s": rate, "errors": errors[:5]}
 
                 sustained = [sustain(n) for n in args.sustain_threads]
+                by_engines = (
+                    [sustain_procs(svc, args, xl, (sdev, ddev), n) for n in args.sustain_threads if n > 1]
+                    if args.sustain_procs
+                    else []
+                )
                 idle = svc.idle_cpu(0.5 if args.small else 3.0)
         finally:
             for p in (ip, sp, rp):
@@ -217,7 +315,8 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
         "raw_nixl_one_page": raw_s,
         "overhead_per_transfer_p50_ms": overhead,
         "sustained_s": args.sustain_s,
-        "sustained_by_senders": sustained,
+        "sustained_by_senders": sustained,  # threads of this one process (its GIL included)
+        "sustained_by_engine_pairs": by_engines,  # senders spread over --sustain-procs processes
         # what each service process used of one core afterwards, registered and idle (the NIXL
         # progress thread's polling dominates it: --nixl-progress-delay-us)
         "idle_cpu_fraction_of_core": idle,

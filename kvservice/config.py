@@ -101,6 +101,11 @@ class Config:
         "C++ thread that copies and answers without the service's Python (docs/design-notes.md §16); "
         "off: gRPC only. Needs a C++ compiler the first time (built once, cached).",
     )
+    lane_cuda_chunk_kb: int = _opt(
+        16,
+        "KiB of one page region each CUDA block of the lane's copy kernel moves (a page region is "
+        "split into such chunks; bench/results/NOTES.md has the sweep).",
+    )
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(
         "",
@@ -250,6 +255,8 @@ class Config:
             _check_host_port("tcp_address", self.tcp_address)
         if self.grace_period_s < 0:
             raise ConfigError("grace_period_s: must be >= 0")
+        if not 1 <= self.lane_cuda_chunk_kb <= 65536:
+            raise ConfigError("lane_cuda_chunk_kb: must be 1..65536 (KiB)")
         if not 0 < self.default_deadline_ms <= self.max_deadline_ms:
             raise ConfigError("default_deadline_ms: must be > 0 and <= max_deadline_ms")
         if not 0 <= self.hash_seed < 2**64:

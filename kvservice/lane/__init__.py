@@ -55,6 +55,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         log.warning("native lane off: %s; same-node transfers use gRPC only", exc)
         return None
     lane = mod.Lane()
+    lane.set_chunk(node.config.lane_cuda_chunk_kb * 1024)
     cuda = await asyncio.to_thread(_init_cuda, lane)
     book = LaneBook(engine, lane, cuda)
     for bs in node.buffers.all():

@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -202,6 +203,9 @@ class Lane {
   }
 
   int completion_fd() const { return done_; }
+
+  // Bytes of one page region a CUDA block copies (config lane_cuda_chunk_kb; a multiple of 16).
+  void set_chunk(unsigned bytes) { chunk_ = std::max(16u, bytes & ~15u); }
 
   // CUDA: load the driver and NVRTC (paths chosen by Python); false + why() when unavailable.
   bool init_cuda(const std::string& libcuda, const std::string& libnvrtc) {
@@ -602,7 +606,7 @@ class Lane {
       std::memcpy(d.host + rbytes, pairs.data(), pairs.size() * 4);
       if ((r = cuda_.cuMemcpyHtoDAsync(d.dev, d.host, need, d.stream))) return cu_err(r);
       CUdeviceptr regs = d.dev, prs = d.dev + rbytes;
-      unsigned chunk = 16384;
+      unsigned chunk = chunk_;
       unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
       if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
       void* args[] = {&regs, &prs, &vec, &chunk};
@@ -615,6 +619,7 @@ class Lane {
     }
   }
 
+  std::atomic<unsigned> chunk_{16384};
   int epfd_, wake_, done_;
   std::atomic<bool> running_{true};
   std::thread thread_;
@@ -636,6 +641,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("stop", &Lane::stop, py::call_guard<py::gil_scoped_release>())
       .def("completion_fd", &Lane::completion_fd)
+      .def("set_chunk", &Lane::set_chunk)
       .def("init_cuda", &Lane::init_cuda, py::call_guard<py::gil_scoped_release>())
       .def("cuda_why", &Lane::cuda_why)
       .def("prepare_device", &Lane::prepare_device, py::call_guard<py::gil_scoped_release>())
