@@ -14,7 +14,9 @@
 # Both run as uid 10001 (or any uid with gid 0: installed files are world-readable, nothing is written
 # under /opt), with a read-only root filesystem: only the socket dir (/run/kvservice) and /tmp must
 # be writable. JIT caches (numba; Triton on GPU) go to $KVSERVICE_CACHE_DIR (under /tmp unless a
-# volume is mounted there), never into site-packages. scripts/image-smoke.sh proves all of it.
+# volume is mounted there), never into site-packages. The native lane's C++ module is built at image
+# build time into $KVSERVICE_NATIVE_DIR, so no compiler is needed (or shipped) at run time.
+# scripts/image-smoke.sh proves all of it.
 ARG BASE=debian:trixie-slim
 ARG GPU_BASE=${BASE}
 
@@ -44,11 +46,20 @@ COPY kvservice kvservice
 # expert-parallel library nixl_ep_cu13 (92 MB) that nothing here loads. Debian's torch metadata pins
 # an older sympy, which pip duplicates into the venv; torch runs with Debian's, so it goes too.
 # The native lane (kvservice/lane) is built here, into /opt/kvservice/native: the runtime image has
-# no compiler and imports the built module (KVSERVICE_NATIVE_DIR), read-only, as any uid.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev && rm -rf /var/lib/apt/lists/*
+# no compiler and imports the built module (KVSERVICE_NATIVE_DIR), read-only, as any uid. Its
+# build needs g++ and the headers of Python and pybind11: Debian's python3-torch ships no pybind11,
+# and its torch/include links point into libtorch-dev, which is not needed (the module includes
+# none of torch's headers; torch/lib's links resolve, so torch's link flags work). apt's database
+# is broken on purpose above (the purged ROCm/LLVM libraries), so apt refuses any install until
+# --fix-broken puts them back: here only, in a stage that is not shipped.
+RUN apt-get update \
+ && apt-get install -y --fix-broken --no-install-recommends \
+ && apt-get install -y --no-install-recommends g++ python3-dev pybind11-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv --system-site-packages /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python . \
  && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
+ && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' -delete \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 sympy pip \
  && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu13 \
  && /opt/kvservice/bin/kvservice --help >/dev/null
@@ -98,6 +109,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev
 RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python ".[gpu]" \
  && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
+ && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' -delete \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \
  && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu1? \
  && /opt/kvservice/bin/kvservice --help >/dev/null

@@ -99,7 +99,8 @@ class Config:
         True,
         "The native lane (<uds_path>.lane): engines on this node send same-node transfers through a "
         "C++ thread that copies and answers without the service's Python (docs/design-notes.md §16); "
-        "off: gRPC only. Needs a C++ compiler the first time (built once, cached).",
+        "off: gRPC only. Needs a C++ compiler the first time (built once, cached) unless native_dir "
+        "holds a prebuilt module (the image's does).",
     )
     lane_cuda_chunk_kb: int = _opt(
         16,
@@ -236,6 +237,13 @@ class Config:
         "",
         "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
         "package. Default: $XDG_CACHE_HOME/kvservice, else <tmp>/kvservice-<uid>.",
+    )
+    native_dir: str = _opt(
+        "",
+        "Directory of prebuilt native lane modules (<native_dir>/<tag>/, made by "
+        "`KVSERVICE_NATIVE_DIR=... python -m kvservice.lane.native`; the image has one): a module "
+        "built for this source, Python and torch is imported from there, read-only, and no compiler "
+        "is needed. Default: built on first use into the cache dir.",
     )
     metrics_port: int = _opt(0, "Prometheus metrics port (0: off; -1: pick a free one).")
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR.")

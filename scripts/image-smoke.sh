@@ -10,9 +10,11 @@
 #                  socket dir writable
 #      (the OCI runtime cannot set rlimits in this sandbox, so the entrypoint runs under
 #      `chroot --userspec` in a private mount namespace with /proc, /sys, /dev, /dev/shm);
-#   3. each time: health over the UDS from outside, the image's HEALTHCHECK command inside, one
-#      real transfer by an engine process outside the container (shared socket dir and /dev/shm)
-#      verified byte for byte, and nothing written under /opt.
+#   3. each time: health over the UDS from outside, the image's HEALTHCHECK command inside, the
+#      native lane serving from the module prebuilt into the image (no compiler in the image) with
+#      its socket <uds>.lane, one real transfer by an engine process outside the container (shared
+#      socket dir and /dev/shm) and one by an engine inside it (the image's own Python and SDK),
+#      each verified byte for byte and sent over the lane, and nothing written under /opt.
 #
 #   sudo bash scripts/image-smoke.sh [cpu|gpu]     # needs root, podman, debootstrap; ~10 min cold
 #
@@ -71,6 +73,14 @@ HC=("${HC[@]:1}")
 img_root=$(podman image mount "$TAG")
 user_gid=$(awk -F: -v u="$USER_" '$1==u || $3==u {print $4}' "$img_root/etc/passwd")
 if touch "$img_root/opt/.probe" 2>/dev/null; then echo "FAIL: image mount is writable"; exit 1; fi
+# The native lane is prebuilt (KVSERVICE_NATIVE_DIR) and nothing in the image could build it again.
+NATIVE_DIR=$(printf '%s\n' "${ENV[@]}" | sed -n 's/^KVSERVICE_NATIVE_DIR=//p')
+native_so=$(cd "$img_root" && ls -d ."$NATIVE_DIR"/*/kvservice_lane*.so 2>/dev/null | sed 's/^\.//' || true)
+[ -n "$NATIVE_DIR" ] && [ -n "$native_so" ] || { echo "FAIL: no prebuilt native lane under '$NATIVE_DIR'"; exit 1; }
+for cc in gcc g++ cc c++ clang; do
+  if [ -e "$img_root/usr/bin/$cc" ]; then echo "FAIL: the image holds a compiler (/usr/bin/$cc)"; exit 1; fi
+done
+echo "native lane: prebuilt $native_so; no compiler in the image"
 podman image umount "$TAG" >/dev/null
 echo "image config: USER $USER_ (gid ${user_gid:-?}), ENTRYPOINT ${ENTRY[*]}, HEALTHCHECK ${HC[*]}"
 
@@ -112,10 +122,32 @@ run_way() {  # way userspec
     exec chroot --userspec="$0" "$root" env -i "$@"' "$spec" "$root" "$sock" "${ENV[@]}" "${HC[@]}" >/dev/null \
     || { echo "FAIL [$way]: HEALTHCHECK command"; kill $pid; exit 1; }
   echo "[$way] HEALTHCHECK (${HC[*]}): ok"
+  # The native lane: started in the background after SERVING, from the prebuilt module (with no
+  # compiler and a read-only /opt a build could not happen, and would say "native lane off").
+  for _ in $(seq 1 60); do
+    grep -q 'native lane serving\|native lane off' "$sock.log" && break
+    sleep 0.5
+  done
+  if ! grep -q 'native lane serving' "$sock.log" || [ ! -S "$sock/kvservice.sock.lane" ]; then
+    echo "FAIL [$way]: native lane not serving; service output:"; grep -i lane "$sock.log" | tail -5; kill $pid; exit 1
+  fi
+  echo "[$way] native lane serving (prebuilt module), socket ${UDS}.lane"
   # One real transfer from an engine outside the container, as the service's uid (shm is 0600).
   setpriv --reuid "${spec%%:*}" --regid "${spec##*:}" --clear-groups \
     env HOME=/tmp "$ENGINE_VENV/bin/python" "$ENGINE_VENV/engine.py" "unix:$sock/kvservice.sock" "unix:$UDS" \
-    || { echo "FAIL [$way]: transfer"; tail -20 "$sock.log"; kill $pid; exit 1; }
+      --expect-lane | sed "s/^/[$way] outside engine: /" \
+    || { echo "FAIL [$way]: transfer from outside"; tail -20 "$sock.log"; kill $pid; exit 1; }
+  # The same from an engine inside the container: the image's Python and SDK, same user, same
+  # filesystem (read-only in the readonly way), the script on stdin.
+  # shellcheck disable=SC2016
+  unshare --mount --propagation private bash -c '
+    root=$1 sock=$2 spec=$3; shift 3
+    mount -t proc proc "$root/proc"; mount --rbind /dev "$root/dev"; mount --bind /dev/shm "$root/dev/shm"
+    mount -t tmpfs -o mode=1777 tmpfs "$root/tmp"; mount --bind "$sock" "$root/run/kvservice"
+    exec chroot --userspec="$spec" "$root" env -i "$@"
+  ' _ "$root" "$sock" "$spec" "${ENV[@]}" python - "unix:$UDS" "unix:$UDS" --expect-lane \
+    <scripts/image_smoke_engine.py | sed "s/^/[$way] inside engine: /" \
+    || { echo "FAIL [$way]: transfer from inside"; tail -20 "$sock.log"; kill $pid; exit 1; }
   kill -TERM $pid; wait $pid || true
   grep -q '"kvservice stopped"\|kvservice stopped' "$sock.log" || { echo "FAIL [$way]: no clean stop"; tail "$sock.log"; exit 1; }
   if [ -n "$cid" ]; then

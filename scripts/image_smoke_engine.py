@@ -1,10 +1,12 @@
 """One real transfer through a (containerised) kvservice, run by scripts/image-smoke.sh.
 
-    python image_smoke_engine.py ENGINE_ADDRESS [PEER_ADDRESS]
+    python image_smoke_engine.py ENGINE_ADDRESS [PEER_ADDRESS] [--expect-lane]
 
 Two engine pools in POSIX shared memory, registered with the service at ``argv[1]``; pages move
 from one to the other (ExpectDelta + SendDelta to the service's own peer address) and every
-destination page is compared byte for byte, every other page must stay zero. Exit 0 on success.
+destination page is compared byte for byte, every other page must stay zero. With
+``--expect-lane`` the SendDelta must have gone over the service's native lane (a same-node
+transfer, ``Client.lane_sent``), not gRPC. Exit 0 on success.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from kvservice_client import Client, Layout, ShmKVPool
 LAYOUT = Layout.mha(num_layers=4, page_size=16, num_pages=64, total_kv_heads=4, head_dim=64, dtype="float16")
 
 
-def main(address: str, peer_address: str) -> int:
+def main(address: str, peer_address: str, expect_lane: bool = False) -> int:
     with ShmKVPool.create(LAYOUT) as src, ShmKVPool.create(LAYOUT) as dst, Client(address) as kv:
         rng = np.random.default_rng(0)
         for layer in range(LAYOUT.num_layers):  # views are [num_pages, page_bytes] uint8
@@ -39,9 +41,16 @@ def main(address: str, peer_address: str) -> int:
                 if not np.array_equal(got[dst_pages], want[src_pages]) or got[others].any():
                     print(f"layer {layer}: bytes differ", file=sys.stderr)
                     return 1
-        print(f"transfer: {src_pages.size} pages x {LAYOUT.num_layers} layers verified byte for byte")
+        via = f"native lane ({kv.lane_sent} sent)" if kv.lane_sent else "gRPC"
+        pages = f"{src_pages.size} pages x {LAYOUT.num_layers} layers"
+        print(f"transfer: {pages} verified byte for byte, via {via}")
+        if expect_lane and not kv.lane_sent:
+            print("transfer did not go over the native lane", file=sys.stderr)
+            return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else sys.argv[1]))
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sys.exit(main(args[0], args[1] if len(args) > 1 else args[0], "--expect-lane" in flags))

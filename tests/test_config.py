@@ -60,3 +60,17 @@ def test_kv_event_streams_parse_and_validate(tmp_path: Path) -> None:
     assert cfg.event_streams()[0]["engine_id"] == "vllm-0"
     with pytest.raises(ConfigError, match=r"^kv_events\[0\]\.endpoint"):
         load_config({}, environ={"KVSERVICE_KV_EVENTS": '[{"engine_id": "x", "page_size": 16}]'})
+
+
+def test_image_environment_is_known_options() -> None:
+    """Every KVSERVICE_* variable the Dockerfile's images set is an option `kvservice serve`
+    accepts (an unknown one stops the service at start: KVSERVICE_NATIVE_DIR once did)."""
+    text = (Path(__file__).resolve().parents[1] / "Dockerfile").read_text().replace("\\\n", " ")
+    envs = [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("ENV ")]
+    assert len(envs) == 2  # cpu and gpu
+    for env in envs:
+        pairs = dict(word.split("=", 1) for word in env.split())
+        ours = {k: v for k, v in pairs.items() if k.startswith("KVSERVICE_")}
+        assert "KVSERVICE_NATIVE_DIR" in ours and "KVSERVICE_CACHE_DIR" in ours
+        cfg = load_config({}, environ=ours)
+        assert cfg.native_dir == ours["KVSERVICE_NATIVE_DIR"]

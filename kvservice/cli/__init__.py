@@ -115,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.log_level, config.log_format)
     if config.cache_dir:  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
         os.environ["KVSERVICE_CACHE_DIR"] = config.cache_dir
+    if config.native_dir:  # read by kvservice.lane.native
+        os.environ["KVSERVICE_NATIVE_DIR"] = config.native_dir
     from kvservice_client import jit_cache
 
     jit_cache.configure()

@@ -3,10 +3,12 @@
 The module is C++17 without nvcc: the CUDA driver and NVRTC are opened at run time, so any host
 with a C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
 
-1. ``$KVSERVICE_NATIVE_DIR/<tag>/`` holding a built module (the image builds it there at image
-   build time; read-only at run time is fine: a built module is imported, never rebuilt);
+1. ``$KVSERVICE_NATIVE_DIR/<tag>/`` (the ``native_dir`` option) holding a built module: the image
+   builds it there at image build time; read-only at run time is fine: a built module is
+   imported, never rebuilt, and no compiler is needed;
 2. the JIT cache (``kvservice_client.jit_cache.cache_root()/native/<tag>``), built on first use
-   (~20 s on a 2-core VM; ``python -m kvservice.lane.native`` builds it ahead, as setup does).
+   (~20 s on a 2-core VM; ``python -m kvservice.lane.native`` builds it ahead, as setup does),
+   unless ``$KVSERVICE_NATIVE_DIR`` is set and writable: then it is built there.
 
 ``<tag>`` hashes the source, the Python ABI and torch's version, so a change rebuilds.
 """
@@ -73,6 +75,13 @@ def _build_dir() -> Path:
     return root / "native" / _tag()
 
 
+def _writable(directory: Path) -> bool:
+    """Whether this process can create or write ``directory`` (its nearest existing ancestor)."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return os.access(directory, os.W_OK)
+
+
 def load() -> ModuleType:
     """The native module, built if needed (thread-safe; raises LaneUnavailable)."""
     global _mod
@@ -84,12 +93,14 @@ def load() -> ModuleType:
         if pre and (path := _built(Path(pre) / tag)) is not None:
             _mod = _import(path)
             return _mod
-        out = _build_dir() if not pre else Path(pre) / tag
+        # The prebuilt dir is also where `python -m kvservice.lane.native` builds (the image's build
+        # step); one that this uid cannot write (the image at run time, a read-only root) is not.
+        out = Path(pre) / tag if pre and _writable(Path(pre)) else _build_dir()
         if (path := _built(out)) is not None:
             _mod = _import(path)
             return _mod
-        out.mkdir(parents=True, exist_ok=True)
         try:
+            out.mkdir(parents=True, exist_ok=True)
             from torch.utils import cpp_extension
 
             bindir = os.path.dirname(sys.executable)  # pip's ninja, in an unactivated venv
@@ -104,7 +115,7 @@ def load() -> ModuleType:
                 extra_ldflags=["-ldl"],
                 verbose=False,
             )
-        except Exception as exc:  # no compiler, no ninja, a compile error: say which
+        except Exception as exc:  # no compiler, no ninja, a compile error, no dir: say which
             raise LaneUnavailable(f"building the native lane failed: {type(exc).__name__}: {exc}") from exc
         return _mod
 
