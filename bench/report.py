@@ -592,6 +592,30 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         frac = _base(j, "raw_nixl_one_descriptor") / _p50(j)
         row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", "transfer_gpu_xnode", f"{_p50(j):.2f} ms ({frac:.0%})",
             f"NIXL 1 desc {_base(j, 'raw_nixl_one_descriptor'):.2f} ms", frac >= 0.30)  # fmt: skip
+    j, nl = runs.get("control_same_node_gpu"), runs.get("control_same_node_gpu_nolane")
+    if j and j.get("sustained_by_senders"):
+        top = max(j["sustained_by_senders"], key=lambda r: r["threads"])
+        pairs = [r for r in j.get("sustained_by_engine_pairs", []) if r["senders"] == top["threads"]]
+        best = max([top["transfers_per_s"], *(r["transfers_per_s"] for r in pairs)])
+        base = ""
+        if nl and nl.get("sustained_by_senders"):
+            ntop = max(nl["sustained_by_senders"], key=lambda r: r["threads"])
+            base = f"gRPC route (--no-lane) {ntop['transfers_per_s']:.0f}/s"
+        value = f"{top['transfers_per_s']:.0f}/s one process" + (
+            f"; {pairs[0]['transfers_per_s']:.0f}/s in {pairs[0]['engine_pairs']} engine pairs"
+            if pairs
+            else ""
+        )
+        row(f"same node one-page transfers/s, {top['threads']} senders >= 2,000", "control_same_node_gpu",
+            value, base, best >= 2000)  # fmt: skip
+    for tag in ("64k", "1m", "64m"):
+        j, nl = (
+            runs.get(f"transfer_same_node_gpu_delta_{tag}"),
+            runs.get(f"transfer_same_node_gpu_nolane_delta_{tag}"),
+        )
+        if j and nl and _p50(j) and _p50(nl):
+            row(f"same node {tag}: the native lane vs the gRPC route", f"transfer_same_node_gpu_nolane_delta_{tag}",
+                f"{_p50(j):.3f} ms (lane)", f"{_p50(nl):.3f} ms (gRPC route, --no-lane)", None)  # fmt: skip
     for run in ("launch_gpu_64k", "launch_gpu_2m"):
         j = runs.get(run)
         if j:
