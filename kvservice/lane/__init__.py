@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import Any
 
+from ..errors import KVServiceError
 from .book import LaneBook, NoLane
 
 __all__ = ["LaneBook", "NoLane", "RunningLane", "start"]
@@ -63,8 +64,15 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     engine.lane = book
     node.sessions.on_close(book.drop_session)
     cfg = node.config
+    allowed = []  # the lane aims only at this service: listed when peer_allowlist lets SendDelta aim here
+    for address in self_addresses:
+        try:
+            node.check_peer_address(address)
+            allowed.append(address)
+        except KVServiceError:
+            pass
     listener = LaneListener(
-        lane_path(uds_path), cfg.uds_mode_int, node.sessions, cfg.allowed_uid_set, lane, self_addresses
+        lane_path(uds_path), cfg.uds_mode_int, node.sessions, cfg.allowed_uid_set, lane, allowed
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
