@@ -174,6 +174,7 @@ struct Completion {
   bool ok = true;
   uint32_t flags = 0;
   uint64_t nbytes = 0, copy_us = 0;
+  bool told_recv = false, told_send = false;  // END reached that engine's lane
   std::vector<int32_t> src;
 };
 
@@ -339,7 +340,7 @@ class Lane {
       py::array_t<int32_t> src(c.src.size());
       if (!c.src.empty()) std::memcpy(src.mutable_data(), c.src.data(), c.src.size() * 4);
       out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us,
-                                c.flags));
+                                c.flags, c.told_recv, c.told_send));
     }
     return out;
   }
@@ -441,7 +442,9 @@ class Lane {
     }
   }
 
-  static void sendmsg_(int fd, const std::string& m) { (void)!send(fd, m.data(), m.size(), MSG_DONTWAIT | MSG_NOSIGNAL); }
+  static bool sendmsg_(int fd, const std::string& m) {
+    return send(fd, m.data(), m.size(), MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)m.size();
+  }
 
   static void reply(int fd, uint32_t seq, int32_t code, const std::string& msg) {
     ReplyHdr h{MSG_REPLY, seq, code, (uint32_t)msg.size()};
@@ -534,10 +537,12 @@ class Lane {
       // END to the engines first (receiver, then sender); Python's bookkeeping follows.
       std::string to_recv = end_msg(0, ok, tid, recv_bs, err, nbytes, moved, (uint64_t)prefix, us);
       std::string to_send = end_msg(1, ok, tid, bs, err, nbytes, moved, (uint64_t)prefix, us);
+      bool told_recv = false;
       for (auto& kv : conns_) {
-        if (kv.second.session == recv_session) sendmsg_(kv.first, to_recv);
+        if (kv.second.session == recv_session) told_recv |= sendmsg_(kv.first, to_recv);
       }
-      sendmsg_(fd, to_send);
+      done.told_send = sendmsg_(fd, to_send);
+      done.told_recv = told_recv;
       done.tid = tid;
       done.rank = sp.rank;
       done.bs = bs;

@@ -181,6 +181,8 @@ class LaneBook(NoLane):
         nbytes: int,
         copy_us: int,
         flags: int,
+        told_recv: bool = False,
+        told_send: bool = False,
     ) -> None:
         from ..transfer.records import Record
         from ..transfer.sender import Chunk, Outgoing
@@ -192,6 +194,10 @@ class LaneBook(NoLane):
         try:
             deadline = inc.rec.deadline if inc is not None else time.monotonic() + 60
             rec = Record(tid, "SENDER", bs_id, session_id, deadline)
+            # an engine the lane told has its END: its Transfers stream need not say it again
+            rec.lane_told = told_send
+            if inc is not None:
+                inc.rec.lane_told = told_recv
             if ok and bs is not None:
                 out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
                 out.seq, out.next_offset, out.got_last = 1, int(src.size), True

@@ -106,6 +106,8 @@ class TransferStream:
 
     def _ended(self, rec: Record) -> None:
         """A side of this session reached a terminal state (any thread): one status event."""
+        if rec.lane_told and rec.state == "DONE":
+            return  # its engine read this end on the lane already (kvservice.lane)
         event = pb.TransferEvent(status=convert.transfer_status(rec))
         trace.mark(rec.transfer_id, f"{rec.role}_event")
         try:

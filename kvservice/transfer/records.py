@@ -45,6 +45,7 @@ class Record:
     state: str = "PENDING"
     bytes_sent: int = 0
     expected_bytes: int = 0  # receiver: KV and aux bytes the declaration waits for
+    lane_told: bool = False  # the native lane gave this side's engine its END (kvservice.lane)
     pages_sent: int = 0
     pages_skipped: int = 0
     descriptors: int = 0
