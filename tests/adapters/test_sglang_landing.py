@@ -1,7 +1,9 @@
 """kvservice_sglang's landing option (``SGLANG_KVSERVICE_LANDING_TTL_MS``), driven in the order
 SGLang's prefill and decode schedulers call the backend, over two in-process services (loopback,
 the cross-node route). SGLang's base classes come from the real package when it is installed,
-else from a stand-in (sglang_stub), so this runs on a machine without SGLang.
+else from a stand-in (sglang_stub), so this runs on a machine without SGLang; with
+``KVS_SGLANG_REAL=1`` the real package is required (tests/adapters/test_sglang_backend.py runs this
+module so in .venv-vllm, where the pinned sglang 0.5.23 is).
 
 Pools are SGLang-shaped (per-layer K and V buffers, two metadata buffers of per-request rows) in
 POSIX shared memory, registered through the backend's own code.
@@ -9,6 +11,7 @@ POSIX shared memory, registered through the backend's own code.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from multiprocessing import shared_memory
@@ -31,14 +34,19 @@ TTL_MS = "20000"
 @pytest.fixture(scope="module")
 def conn() -> Any:
     """kvservice_sglang.conn over the real SGLang, or over the stand-in (removed afterwards)."""
+    real = os.environ.get("KVS_SGLANG_REAL") == "1"
     try:
         import sglang.srt.disaggregation.base.conn  # noqa: F401
     except ImportError:
+        if real:
+            raise
         added = sglang_stub.install()
     else:
         added = []
     import kvservice_sglang.conn as c
 
+    if real:  # the package's own base classes, not the stand-in's
+        assert c.BaseKVReceiver.__module__ == "sglang.srt.disaggregation.base.conn", c.BaseKVReceiver
     yield c
     if added:
         sglang_stub.uninstall(added)

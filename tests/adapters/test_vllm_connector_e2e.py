@@ -4,9 +4,11 @@ disaggregated proxy does (prefill with max_tokens=1 and do_remote_decode, then d
 params the prefill returned).
 
 Asserts: greedy tokens of the pair equal one instance's alone, token for token; the second turn
-moves only the pages the decode instance's prefix cache lacks (service metrics); a killed prefill
-service fails that request cleanly (finish reason "error", nothing cached from it) and both engines
-keep serving.
+moves only the pages the decode instance's prefix cache lacks (service metrics); a decode instance
+with the landing option (landing_ttl_ms), whose blocks a running request holds, lands the pages
+meanwhile and claims them once it allocates, with the same tokens as the default path; a killed
+prefill service fails that request cleanly (finish reason "error", nothing cached from it) and both
+engines keep serving.
 """
 
 from __future__ import annotations
@@ -54,12 +56,39 @@ def pair(tmp_path_factory):
     try:
         p.ready()
         dec.ready()
-        yield {"p": p, "d": dec, "svc_p": svc_p, "svc_d": svc_d, "startup_s": time.monotonic() - t0}
+        yield {
+            "p": p,
+            "d": dec,
+            "svc_p": svc_p,
+            "svc_d": svc_d,
+            "startup_s": time.monotonic() - t0,
+            "model": model,
+            "dir": d,
+        }
     finally:
         p.stop()
         dec.stop()
         svc_p.stop()
         svc_d.stop()
+
+
+LANDING_BLOCKS = 24  # the landing decode instance's KV blocks (23 usable: one is vLLM's null block)
+
+
+@pytest.fixture(scope="module")
+def landing_decode(pair):
+    """A third instance, a decode one whose connector has the landing option, with few blocks so
+    that a running request's blocks keep a transferred one from allocating at once."""
+    svc = MeteredService("decode-landing")
+    svc.wait_ready()
+    env = {"KVS_VLLM_BLOCKS": str(LANDING_BLOCKS), "KVS_VLLM_LANDING_TTL_MS": "60000"}
+    inst = VllmInstance(pair["model"], svc.address, pair["dir"] / "decode-landing.log", env)
+    try:
+        inst.ready()
+        yield {"d": inst, "svc": svc}
+    finally:
+        inst.stop()
+        svc.stop()
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -115,6 +144,50 @@ def test_two_turns_match_one_instance_and_move_only_the_delta(pair) -> None:
     )
     if RESULT:
         Path(RESULT).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _landing_counters(svc: MeteredService) -> dict[str, float]:
+    """``kvservice_landing_{claims,refused,expired}_total`` and the pool's peak bytes (all locations)."""
+    names = ("claims_total", "refused_total", "expired_total", "peak_bytes")
+    got = svc.sums(*(f"kvservice_landing_{n}" for n in names))
+    return {n: got[f"kvservice_landing_{n}"] for n in names}
+
+
+def test_the_landing_option_lands_while_the_decode_cannot_allocate(pair, landing_decode) -> None:
+    """The decode instance's blocks are held by a running local request when the transferred one
+    arrives: vLLM cannot allocate it at once (its blocks do not fit beside the running request's),
+    so its pages land in the service's pool (LandJob) and are claimed into its blocks once the
+    running request ends (ClaimJob). Both requests' tokens equal one instance's alone and the
+    default path's (the pair's decode instance, no landing option)."""
+    p, d, dl, svc_dl = pair["p"], pair["d"], landing_decode["d"], landing_decode["svc"]
+    local, remote = _prompt(500, 5), _prompt(300, 6)  # 16 blocks held, 10 needed, 23 in all
+    assert _pages(len(local)) + _pages(len(remote)) > LANDING_BLOCKS - 1
+    local_alone, remote_alone = p.generate(local, 48)["tokens"], p.generate(remote, 8)["tokens"]
+
+    pre = p.generate(
+        remote, 1, {"do_remote_decode": True, "kvservice_peer": pair["svc_d"].address, "transfer_id": "dflt"}
+    )
+    default = d.generate(remote, 8, pre["kv_transfer_params"])["tokens"]
+    assert default == remote_alone
+
+    before, landing_before = svc_dl.moved(), _landing_counters(svc_dl)
+    pre = p.generate(
+        remote, 1, {"do_remote_decode": True, "kvservice_peer": svc_dl.address, "transfer_id": "landed"}
+    )
+    out_local, out_remote = dl.generate_many(
+        [
+            {"prompt": local, "max_tokens": 48, "params": None},  # arrives first: holds 16 blocks
+            {"prompt": remote, "max_tokens": 8, "params": pre["kv_transfer_params"]},
+        ]
+    )
+    assert out_local["tokens"] == local_alone, (out_local, local_alone)
+    assert out_remote["tokens"] == remote_alone == default, (out_remote, remote_alone, default)
+    moved = _delta(svc_dl.moved(), before)
+    assert moved["pages_sent"] == _pages(len(remote)) and moved["pages_skipped"] == 0, moved
+    landing = _delta(_landing_counters(svc_dl), landing_before)
+    # the transfer took the landing path: declared while unallocated, then claimed
+    assert landing["claims_total"] == 1 and landing["refused_total"] == 0, landing
+    assert landing["expired_total"] == 0 and landing["peak_bytes"] > 0, landing
 
 
 def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_serving(pair) -> None:

@@ -285,6 +285,19 @@ class MeteredService(ServiceProc):
             raise AssertionError(f"{sorted(missing)} not in /metrics")
         return out
 
+    def sums(self, *names: str) -> dict[str, float]:
+        """Each sample name's value summed over its labels (0 when absent), one scrape."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        out = dict.fromkeys(names, 0.0)
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name in out:
+                    out[smp.name] += float(smp.value)
+        return out
+
 
 # -- engine processes ------------------------------------------------------------------------
 def _engine_main(conn: Any, address: str, layout: Layout, aux: dict[str, tuple[int, int]], seed: int) -> None:

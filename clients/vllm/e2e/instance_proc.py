@@ -58,6 +58,14 @@ class VllmInstance:
         self.proc.stdin.flush()
         return json.loads(self._answer())  # type: ignore[no-any-return]
 
+    def generate_many(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Requests (``prompt``, ``max_tokens``, ``params``) in one llm.generate call, arriving in
+        order: they share the engine's steps and KV blocks. One answer per request, in order."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "generate_many", "requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._answer())["outputs"]  # type: ignore[no-any-return]
+
     def reset(self) -> bool:
         """Empty the instance's prefix cache."""
         assert self.proc.stdin is not None

@@ -5,12 +5,17 @@
 
     {"op": "generate", "prompt": [ids], "max_tokens": n, "params": {...} | null}
         -> {"tokens": [...], "finish_reason": "...", "kv_transfer_params": {...} | null}
+    {"op": "generate_many", "requests": [{"prompt", "max_tokens", "params"}, ...]}
+        -> {"outputs": [one generate answer per request], "seconds": s}: one llm.generate call,
+           the requests arriving in order (they share the engine's steps and its KV blocks)
     {"op": "reset"}   -> {"reset": true}: empties the prefix cache (a later run starts cold)
     {"op": "quit"}
 
 With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service;
 with "nixl" it runs vLLM's own NixlConnector (kv_buffer_device="cpu"; VLLM_NIXL_SIDE_CHANNEL_PORT
 must differ per instance).
+Environment: KVS_VLLM_TP (tensor parallel ranks, 1), KVS_VLLM_BLOCKS (KV blocks, 128; the model
+length shrinks to what fits), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off).
 Answers are prefixed "@@ " (vLLM prints to stdout too).
 """
 
@@ -62,24 +67,28 @@ def serve(model: str, kvservice: str) -> None:
             kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu"
         )
     elif kvservice:
+        extra = {"kvservice_address": kvservice, "rpc_timeout_s": 10}
+        if os.environ.get("KVS_VLLM_LANDING_TTL_MS"):  # else the connector's default (off)
+            extra["landing_ttl_ms"] = int(os.environ["KVS_VLLM_LANDING_TTL_MS"])
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVServiceConnector",
             kv_connector_module_path="kvservice_vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"kvservice_address": kvservice, "rpc_timeout_s": 10},
+            kv_connector_extra_config=extra,
         )
     tp = int(os.environ.get("KVS_VLLM_TP", "1"))  # tensor parallel ranks (worker processes)
     if tp > 1:
         kw["tensor_parallel_size"] = tp
         kw["distributed_executor_backend"] = "mp"
+    blocks = int(os.environ.get("KVS_VLLM_BLOCKS", "128"))
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
         dtype="float32",
         block_size=BLOCK,
         enable_prefix_caching=True,
-        num_gpu_blocks_override=128,
-        max_model_len=1024,
+        num_gpu_blocks_override=blocks,
+        max_model_len=min(1024, (blocks - 1) * BLOCK),  # one block is vLLM's null block
         max_num_seqs=4,
         enforce_eager=True,
         **kw,
@@ -92,22 +101,30 @@ def serve(model: str, kvservice: str) -> None:
         if cmd["op"] == "reset":
             print("@@", json.dumps({"reset": bool(llm.reset_prefix_cache())}), flush=True)
             continue
-        extra = {"kv_transfer_params": cmd["params"]} if cmd.get("params") else None
-        sp = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, detokenize=False, extra_args=extra)
+        reqs = cmd["requests"] if cmd["op"] == "generate_many" else [cmd]
+        sps = [
+            SamplingParams(
+                max_tokens=r["max_tokens"],
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": r["params"]} if r.get("params") else None,
+            )
+            for r in reqs
+        ]
         t0 = time.monotonic()
-        out = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], sp, use_tqdm=False)[0]
-        print(
-            "@@",
-            json.dumps(
-                {
-                    "tokens": list(out.outputs[0].token_ids),
-                    "finish_reason": out.outputs[0].finish_reason,
-                    "kv_transfer_params": out.kv_transfer_params,
-                    "seconds": time.monotonic() - t0,
-                }
-            ),
-            flush=True,
-        )
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs], sps, use_tqdm=False)
+        seconds = time.monotonic() - t0
+        answers = [
+            {
+                "tokens": list(out.outputs[0].token_ids),
+                "finish_reason": out.outputs[0].finish_reason,
+                "kv_transfer_params": out.kv_transfer_params,
+                "seconds": seconds,
+            }
+            for out in outs
+        ]
+        answer = {"outputs": answers, "seconds": seconds} if cmd["op"] == "generate_many" else answers[0]
+        print("@@", json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required

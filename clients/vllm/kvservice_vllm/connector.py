@@ -4,6 +4,7 @@ kv_connector_extra_config:
     kvservice_address  the local service (default ``unix:/tmp/kvservice-<uid>.sock``)
     deadline_ms        a transfer's deadline when the request's params give none (default 30000)
     rpc_timeout_s      one call to the service, retries across a broken connection included (10)
+    landing_ttl_ms     decode: a request vLLM cannot allocate at once lands meanwhile (0: off)
 """
 
 from __future__ import annotations
