@@ -561,7 +561,9 @@ class Lane {
 
   static std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src) {
     if (sp.sig != dp.sig || sp.regions.size() != dp.regions.size()) return "layouts differ";
-    if (sp.device != dp.device && (sp.device < 0 || dp.device < 0)) return "host and device pools";
+    // One device (or host memory) on both sides: a copy between two GPUs needs peer access in
+    // the service's context, which the gRPC route enables and checks (same_node._enable_peer).
+    if (sp.device != dp.device) return "pools on different devices";
     for (size_t i = 0; i < sp.regions.size(); ++i)
       if (sp.regions[i].nbytes != dp.regions[i].nbytes) return "region geometry differs";
     if ((int64_t)src.size() != a.prefix + (int64_t)a.dst.size()) return "page count is not prefix + delta";
