@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -113,6 +113,7 @@ class TransferMetrics:
             ("role",),
             registry=registry,
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         for role in ROLES:  # so rate() has a series (at 0) before the first transfer ends
             for state in STATES:
                 self.transfers.labels(role, state)
@@ -126,20 +127,30 @@ class TransferMetrics:
         except Exception:
             log.exception("recording transfer metrics failed", extra={"transfer_id": rec.transfer_id})
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once (labels() costs a lock and a tuple per call;
+        this runs for every transfer side; label sets here are never removed)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def _observe(self, rec: TransferRecord) -> None:
         role, state, path = rec.role.lower(), rec.state.lower(), rec.path.lower()
+        c = self._child
         for phase, us in rec.timings_us.items():
             if us > 0:
-                self.phase_seconds.labels(role, phase).observe(us / 1e6)
-        self.duration_seconds.labels(role, path, state).observe(rec.total_us / 1e6)
+                c(self.phase_seconds, role, phase).observe(us / 1e6)
+        c(self.duration_seconds, role, path, state).observe(rec.total_us / 1e6)
         if rec.descriptors:
-            self.descriptors.labels(role, path).observe(rec.descriptors)
-        self.transfers.labels(role, state).inc()
+            c(self.descriptors, role, path).observe(rec.descriptors)
+        c(self.transfers, role, state).inc()
         if state != "done":
-            self.failures.labels(role, rec.error_code or "UNKNOWN").inc()
-        self.bytes.labels(role).inc(rec.bytes_sent)
-        self.pages_sent.labels(role).inc(rec.pages_sent)
+            c(self.failures, role, rec.error_code or "UNKNOWN").inc()
+        c(self.bytes, role).inc(rec.bytes_sent)
+        c(self.pages_sent, role).inc(rec.pages_sent)
         if rec.pages_skipped:
-            self.pages_skipped.labels(role).inc(rec.pages_skipped)
+            c(self.pages_skipped, role).inc(rec.pages_skipped)
             per_page = self._page_bytes(rec.buffer_set_id) if self._page_bytes else 0
-            self.skipped_bytes.labels(role).inc(rec.pages_skipped * per_page)
+            c(self.skipped_bytes, role).inc(rec.pages_skipped * per_page)
