@@ -257,7 +257,7 @@ class TransferEngine:
 
     async def send(self, out: Outgoing, chunk: Any) -> Record:
         new = self.table.get(out.rec.key) is None
-        if new:
+        if new and not out.via_lane:  # the lane's booking of a copy already made is never refused
             self._check_transfer_cap(out.rec.session_id)
         self.sender.outgoing[(out.rec.transfer_id, out.bs.buffer_set_id)] = out
         if new:
