@@ -81,7 +81,8 @@ def checksum(data: torch.Tensor, kind: str) -> int:
     _check(data, kind)
     if kind == "xxh3":
         host = data if data.device.type == "cpu" else data.cpu()
-        return int(xxhash.xxh3_64_intdigest(memoryview(host.contiguous().numpy())))
+        view = memoryview(host.contiguous().numpy())  # type: ignore[arg-type]
+        return int(xxhash.xxh3_64_intdigest(view))
     return _wsum64(data)
 
 

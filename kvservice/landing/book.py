@@ -75,7 +75,7 @@ class LandingBook:
     def __init__(self, engine: Any) -> None:
         cfg = engine.config
         self.e = engine
-        self.pool = LandingPool(cfg.landing_pool_mb << 20, register=engine._reg_pool)
+        self.pool = LandingPool(cfg.landing_pool_mb << 20, register=engine.memory.reg_pool)
         self.default_ttl_ms = cfg.landing_ttl_ms
         self.max_ttl_ms = cfg.landing_max_ttl_ms
         self.evict_policy = cfg.landing_evict

@@ -170,8 +170,8 @@ class NodeCollector(Collector):
         engine = self._node.transfers
         pools: list[tuple[str, Any]] = []
         if engine is not None:
-            pools = [("host", engine.host_pool.stats())]
-            pools += [(f"cuda:{dev}", pool.stats()) for dev, pool in sorted(engine.vram_pools.items())]
+            pools = [("host", engine.memory.host_pool.stats())]
+            pools += [(f"cuda:{dev}", pool.stats()) for dev, pool in sorted(engine.memory.vram_pools.items())]
         labels = ("pool", "kind")
         fams = {
             "capacity": GaugeMetricFamily(

@@ -2,7 +2,7 @@
 peers (channel state, round trip), sessions.
 
 NOTE: the transfer engine's peers and channels have no public listing yet, so this module is
-the one place that reads them (``engine.peers``, ``engine.mover.channels``) and does so
+the one place that reads them (``engine.peers``, ``engine.dispatch.channels``) and does so
 defensively: a missing attribute reads as "unknown", never an error, so a reshaped
 ``transfer/`` degrades the view instead of failing GetStats.
 """
@@ -94,7 +94,7 @@ def _channel_state(peer: Any) -> str:
 
 def peer_states(engine: Any, rtts: PeerRtts) -> list[PeerState]:
     """Every peer the engine has a client for, sorted by address."""
-    channels = getattr(getattr(engine, "mover", None), "channels", {}) or {}
+    channels = getattr(getattr(engine, "dispatch", None), "channels", {}) or {}
     depth = dict(getattr(getattr(engine, "sender", None), "queue_depth", {}) or {})
     rows = []
     for address, peer in sorted(_peers(engine).items()):

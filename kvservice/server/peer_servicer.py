@@ -12,6 +12,7 @@ from .. import host
 from ..identity import peer_identity
 from ..node import VERSION, Node
 from ..transfer.peer_channel import serve_channel
+from ..transfer.peer_serving import apply_commit, receive_plans, reserve_staging
 from ..transfer.peers import CAPABILITIES
 from .convert import STATE_PB
 from .errors import grpc_errors
@@ -48,32 +49,19 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     async def GetReceivePlan(
         self, request: peer_pb2.GetReceivePlanRequest, context: Ctx
     ) -> peer_pb2.ReceivePlanSet:
-        return await self.engine.receive_plans(request, context.peer(), peer_identity(context))
+        return await receive_plans(self.engine, request, context.peer(), peer_identity(context))
 
     @grpc_errors
     async def ReserveStaging(
         self, request: peer_pb2.ReserveStagingRequest, context: Ctx
     ) -> peer_pb2.StagingSlot:
-        pool, slot = await self.engine.receiver.reserve(
-            request.transfer_id,
-            request.dst_buffer_set_id,
-            request.nbytes,
-            peer_identity(context),
-            request.sender_ticket,
-        )
-        return peer_pb2.StagingSlot(
-            slot_id=slot.serial,
-            address=slot.addr,
-            size_bytes=slot.nbytes,
-            mem_kind="VRAM" if pool.kind == "vram" else "DRAM",
-            device_id=pool.device,
-        )
+        return await reserve_staging(self.engine, request, peer_identity(context))
 
     @grpc_errors
     async def CommitChunk(
         self, request: peer_pb2.CommitChunkRequest, context: Ctx
     ) -> peer_pb2.CommitChunkResponse:
-        state = await self.engine.apply_commit(request, identity=peer_identity(context))
+        state = await apply_commit(self.engine, request, peer_identity(context))
         return peer_pb2.CommitChunkResponse(state=STATE_PB[state])
 
     async def Channel(self, request_iterator, context: Ctx) -> None:  # type: ignore[no-untyped-def]

@@ -50,7 +50,7 @@ def stats_response(
     engine = node.transfers
     live: dict[str, int] = {}
     if engine is not None:
-        for st in engine.staging_stats():
+        for st in engine.memory.staging_stats():
             resp.staging.append(convert.staging_stats(st))
         for ls in engine.landing.stats():
             resp.landing.append(convert.landing_stats(ls))

@@ -178,7 +178,9 @@ def _traced(event: pb.TransferEvent) -> str:
     if not trace.enabled():
         return ""
     which = event.WhichOneof("event")
-    body = getattr(event, which) if which else None
+    if not which:
+        return ""
+    body = getattr(event, which)
     status = body.status if which in ("expect_delta", "send_delta") else body if which == "status" else None
     return status.transfer_id if status is not None else ""
 

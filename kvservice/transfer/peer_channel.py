@@ -31,6 +31,7 @@ from kvservice_client._proto import common_pb2, peer_pb2
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import peer_identity
 from ..staging import Slot, StagingPool
+from .peer_serving import apply_commit, receive_plans
 from .peers import error_from_code
 
 __all__ = ["CreditBroker", "InboundChannel", "OutboundChannel", "WINDOW", "serve_channel"]
@@ -100,7 +101,7 @@ class CreditBroker:
 
 
 class InboundChannel:
-    """One sender's channel on the receiving service; ``apply`` runs a commit (Engine.apply_commit)."""
+    """One sender's channel on the receiving service; ``apply`` runs a commit (peer_serving.apply_commit)."""
 
     def __init__(
         self,
@@ -256,12 +257,12 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
     identity = peer_identity(context)  # proven once, at the channel's connection
 
     async def plans(req: peer_pb2.GetReceivePlanRequest) -> peer_pb2.ReceivePlanSet:
-        return await engine.receive_plans(req, peer, identity)  # type: ignore[no-any-return]
+        return await receive_plans(engine, req, peer, identity)
 
     async def apply(req: peer_pb2.CommitChunkRequest, slots: dict[int, tuple[StagingPool, Slot]]) -> str:
-        return await engine.apply_commit(req, slots, identity=identity)  # type: ignore[no-any-return]
+        return await apply_commit(engine, req, identity, slots)
 
-    chan = InboundChannel(engine.pool_of, apply, send, engine.credit_broker, plans)
+    chan = InboundChannel(engine.memory.pool_of, apply, send, engine.credit_broker, plans)
     wtask = asyncio.get_running_loop().create_task(writer())
     why = "the sending service closed its channel"
     me = asyncio.current_task()

@@ -76,7 +76,7 @@ def _certificate_name(address: str, ca: str, cert: str, key: str, timeout: float
         socket.create_connection((host, int(port)), timeout) as raw,
         ctx.wrap_socket(raw, server_hostname=host) as tls,
     ):
-        peer = tls.getpeercert() or {}
+        peer: dict[str, Any] = dict(tls.getpeercert() or {})
     for rdn in peer.get("subject", ()):
         for k, v in rdn:
             if k == "commonName":

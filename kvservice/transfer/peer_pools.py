@@ -15,13 +15,11 @@ import logging
 import threading
 import time
 
-from kvservice_client import Layout
-from kvservice_client._proto import peer_pb2
-
 from ..buffers import MappedRegion
 from ..buffers.memory import MemoryImporter
 from ..errors import FailedPrecondition, KVServiceError
 from ..kernels import KVRegions
+from .port import Plan
 
 __all__ = ["PeerPools"]
 
@@ -42,7 +40,7 @@ class PeerPools:
         self._lock = threading.Lock()
         self.idle_s = idle_s
 
-    def open(self, peer_service_id: str, plan: peer_pb2.ReceivePlan) -> KVRegions:
+    def open(self, peer_service_id: str, plan: Plan) -> KVRegions:
         """The receiver rank's pools as KVRegions; raises FailedPrecondition with the reason."""
         key = (peer_service_id, plan.dst_buffer_set_id)
         with self._lock:
@@ -50,7 +48,7 @@ class PeerPools:
             if hit is not None:
                 hit.used = time.monotonic()
                 return hit.regions
-        lay = Layout.from_proto(plan.dst_layout)
+        lay = plan.dst_layout
         n = lay.num_layers
         want = n + lay.num_v_regions
         if len(plan.kv_handles) != want:

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 from kvservice_client import Layout
-from kvservice_client._proto import peer_pb2
 
 from ..buffers import BufferSet, MappedRegion
 from ..errors import (
@@ -37,9 +36,10 @@ from ..errors import (
 from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
 from .plan import Units
+from .port import Plan, Region
 from .records import Record, TransferTable
 
-__all__ = ["Incoming", "Receiver", "check_compatible", "plan_message", "routes_for", "ticket_matches"]
+__all__ = ["Incoming", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
 
 
 def ticket_matches(expected: str, given: str) -> bool:
@@ -78,41 +78,31 @@ class Incoming:
     regions: Any = None
 
 
-def _remote(r: MappedRegion) -> peer_pb2.RemoteRegion:
-    return peer_pb2.RemoteRegion(
-        address=r.address, size_bytes=r.size, mem_kind=r.mem_kind, device_id=r.device
-    )
+def _region(r: MappedRegion) -> Region:
+    return Region(r.address, r.size, r.mem_kind, r.device)
 
 
-def plan_message(
-    inc: Incoming, route: HeadRoute, direct_ok: bool, with_pages: bool = True, sender_key: str = ""
-) -> peer_pb2.ReceivePlan:
-    """What a sender needs to write into ``inc``'s pages (``with_pages=False``: no page list, for
-    a sender in this very service, which reads ``inc.dst_pages`` directly), with the ticket of
-    sender rank ``sender_key``."""
+def plan_of(inc: Incoming, route: HeadRoute, direct_ok: bool, sender_key: str = "") -> Plan:
+    """What sender rank ``sender_key`` needs to write into ``inc``'s pages, with its ticket."""
     bs = inc.bs
-    return peer_pb2.ReceivePlan(
+    return Plan(
+        transfer_id=inc.rec.transfer_id,
+        dst_buffer_set_id=bs.buffer_set_id,
+        dst_layout=bs.layout,
+        prefix_pages=inc.prefix_pages,
+        dst_pages=inc.dst_pages,
+        route=route,
         sender_ticket=inc.tickets.get(sender_key, ""),
         integrity=inc.integrity,
-        transfer_id=inc.rec.transfer_id,
-        dst_layout=bs.layout.to_proto(),
-        prefix_pages=inc.prefix_pages,
-        dst_page_indices=inc.dst_pages.tolist() if with_pages else (),
-        aux=[{"name": n, "rows": r.tolist()} for n, r in inc.aux.items()],
-        expected_senders=inc.expected_senders,
-        remaining_ms=max(0, int((inc.rec.deadline - time.monotonic()) * 1000)),
-        kv_regions=[_remote(r) for r in bs.regions],
-        aux_regions=[_remote(a.region) for a in bs.aux],
-        aux_row_bytes=[a.row_bytes for a in bs.aux],
-        aux_names=[a.name for a in bs.aux],
-        dst_buffer_set_id=bs.buffer_set_id,
         direct_ok=direct_ok and inc.landing is None,  # NOTE: the landing pool is not registered
         publishes=inc.publish_hashes is not None and inc.landing is None,  # no P/D duplicate yet
-        route=peer_pb2.HeadRoute(
-            src_head_start=route.src_head_start,
-            dst_head_start=route.dst_head_start,
-            num_heads=route.num_heads,
-        ),
+        expected_senders=inc.expected_senders,
+        remaining_ms=max(0, int((inc.rec.deadline - time.monotonic()) * 1000)),
+        aux=inc.aux,
+        kv_regions=tuple(_region(r) for r in bs.regions),
+        aux_regions=tuple(_region(a.region) for a in bs.aux),
+        aux_row_bytes=tuple(a.row_bytes for a in bs.aux),
+        aux_names=tuple(a.name for a in bs.aux),
     )
 
 

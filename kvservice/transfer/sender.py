@@ -3,14 +3,10 @@
 Each outgoing transfer (one per source buffer set) owns a worker task that takes its chunks in
 arrival order; a per-destination semaphore bounds how many chunks move to one peer at once
 (the "worker pool" of seed 003). A chunk: map positions onto the receiver's plan (skipping
-prefix pages), then per receiver rank either
-
-    direct   prepped page descriptors straight into the receiver's pages, or
-    packed   pack (head slice) → our staging slot → one WRITE → receiver's slot → unpack there,
-
-then CommitChunk. A failure fails the transfer and drops the remaining chunks; an abort or the
-deadline stops it after every in-flight handle settled (``Mover.settle``), so no byte lands
-after the receiver is told.
+prefix pages), then per receiver rank hand it to the route dispatch.py picks (a fused copy,
+packed batches, or direct page writes; routes/), which commits it to the receiver. A failure
+fails the transfer and drops the remaining chunks; an abort or the deadline stops it after every
+in-flight handle settled (``writes.wait_write``), so no byte lands after the receiver is told.
 """
 
 from __future__ import annotations
@@ -20,11 +16,10 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from kvservice_client import Layout
-from kvservice_client._proto import peer_pb2
 
 from .. import kernels
 from ..buffers import BufferSet
@@ -34,9 +29,10 @@ from ..kernels._regions import HEAD_MAJOR
 from ..kernels.heads import HeadRoute
 from .budget import ByteBudget
 from .plan import ChunkMap, Units, map_chunk
+from .port import Plan
 from .records import Record, TransferTable
 
-__all__ = ["Chunk", "Outgoing", "Sender", "Target"]
+__all__ = ["Chunk", "Outgoing", "Sender", "Target", "check_live"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +50,9 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A receiver rank this sender writes to (from its ReceivePlan)."""
+    """A receiver rank this sender writes to (from its receive plan)."""
 
-    plan: peer_pb2.ReceivePlan
-    dst_pages: np.ndarray
-    route: HeadRoute
+    plan: Plan
     full_heads: bool
     dst_regions: KVRegions | None = None  # the receiver rank's pools, mapped here (fused route)
     units: Units = Units(1, 1, 1)  # pages of different sizes move as units of their gcd
@@ -66,19 +60,20 @@ class Target:
     converts: bool = False  # page size or page layout differ: kernels only (no DIRECT page copy)
 
     @classmethod
-    def for_layouts(
-        cls,
-        plan: peer_pb2.ReceivePlan,
-        dst_pages: np.ndarray,
-        route: HeadRoute,
-        src: Layout,
-        dst: Layout,
-        dst_regions: KVRegions | None = None,
-    ) -> Target:
+    def of(cls, plan: Plan, src: Layout, dst_regions: KVRegions | None = None) -> Target:
+        dst = plan.dst_layout
         converts = src.page_size != dst.page_size or src.page_layout != dst.page_layout
-        full = route.num_heads == src.local_kv_heads == dst.local_kv_heads
+        full = plan.route.num_heads == src.local_kv_heads == dst.local_kv_heads
         hm = dst.page_layout in HEAD_MAJOR
-        return cls(plan, dst_pages, route, full, dst_regions, Units.of(src, dst), hm, converts)
+        return cls(plan, full, dst_regions, Units.of(src, dst), hm, converts)
+
+    @property
+    def route(self) -> HeadRoute:
+        return self.plan.route
+
+    @property
+    def dst_pages(self) -> np.ndarray:
+        return self.plan.dst_pages
 
     def pack(self, regions: KVRegions, src: np.ndarray, out: Any = None) -> Any:
         """``kernels.pack`` of this route's head slice, in the receiver's unit and page order (its
@@ -117,14 +112,37 @@ class Outgoing:
     via_lane: bool = False  # booked after the native lane moved it (kvservice.lane)
 
 
+def check_live(out: Outgoing) -> None:
+    """Raise (Aborted / DeadlineExceeded) once ``out`` was stopped or its deadline passed."""
+    if out.stop:
+        raise (DeadlineExceeded if out.stop == "DEADLINE_EXCEEDED" else Aborted)(out.stop_reason)
+    if time.monotonic() > out.rec.deadline:
+        out.stop, out.stop_reason = "DEADLINE_EXCEEDED", "transfer deadline passed"
+        raise DeadlineExceeded(out.stop_reason)
+
+
+class Movement(Protocol):
+    """What moves a sender's chunks (dispatch.Dispatch)."""
+
+    async def fetch_targets(self, out: Outgoing) -> list[Target]: ...
+
+    async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None: ...
+
+    async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None: ...
+
+
 class Sender:
-    """Outgoing transfers of this service; runs on the event loop. ``mover`` does the bytes."""
+    """Outgoing transfers of this service; runs on the event loop. ``dispatch`` moves the bytes."""
 
     def __init__(
-        self, table: TransferTable, mover: object, workers_per_peer: int = 64, peer_inflight_mb: int = 1024
+        self,
+        table: TransferTable,
+        dispatch: Movement,
+        workers_per_peer: int = 64,
+        peer_inflight_mb: int = 1024,
     ) -> None:
         self.table = table
-        self.mover = mover
+        self.dispatch = dispatch
         self.outgoing: dict[tuple[str, str], Outgoing] = {}
         self._budgets: dict[str, ByteBudget] = {}
         self._workers = workers_per_peer
@@ -148,7 +166,7 @@ class Sender:
             budget = self._budgets[out.peer_address] = ByteBudget(self._inflight, self._workers)
         try:
             while True:
-                self.check_live(out)
+                check_live(out)
                 if not out.chunks:
                     out.idle.set()
                     out.wake.clear()
@@ -172,30 +190,23 @@ class Sender:
             state = "ABORTED" if code == "ABORTED" else "FAILED"
             reason = out.stop_reason or exc.message
             if self.table.finish(rec, state, code, reason):
-                await self.mover.tell_abort(out, code, reason)  # type: ignore[attr-defined]
+                await self.dispatch.tell_abort(out, code, reason)
         except Exception as exc:
             log.exception("sender failed", extra={"transfer_id": rec.transfer_id})
             if self.table.finish(rec, "FAILED", "INTERNAL", f"{type(exc).__name__}: {exc}"):
-                await self.mover.tell_abort(out, "INTERNAL", str(exc))  # type: ignore[attr-defined]
+                await self.dispatch.tell_abort(out, "INTERNAL", str(exc))
         finally:
             self.queue_depth[out.peer_address] -= len(out.chunks)
             out.chunks.clear()
             out.idle.set()
 
-    def check_live(self, out: Outgoing) -> None:
-        if out.stop:
-            raise (DeadlineExceeded if out.stop == "DEADLINE_EXCEEDED" else Aborted)(out.stop_reason)
-        if time.monotonic() > out.rec.deadline:
-            out.stop, out.stop_reason = "DEADLINE_EXCEEDED", "transfer deadline passed"
-            raise DeadlineExceeded(out.stop_reason)
-
     async def _chunk(self, out: Outgoing, chunk: Chunk) -> None:
-        mover = self.mover
+        mover = self.dispatch
         if out.targets is None:
             t0 = time.monotonic()
             # NOTE: the plan wait (up to the deadline, when the receiver has not declared yet)
             # holds no handle and no byte: stop() cancels it, so an Abort settles at once.
-            out.planning = asyncio.ensure_future(mover.fetch_targets(out))  # type: ignore[attr-defined]
+            out.planning = asyncio.ensure_future(mover.fetch_targets(out))
             try:
                 out.targets = await out.planning
             except asyncio.CancelledError:
@@ -212,13 +223,13 @@ class Sender:
             self.table.update(out.rec, add_pages_skipped=int(chunk.src.size))
             return
         for i, target in enumerate(out.targets):
-            self.check_live(out)
+            check_live(out)
             t0 = time.monotonic()
             cmap: ChunkMap = map_chunk(
                 chunk.offset, chunk.src, target.plan.prefix_pages, target.dst_pages, target.units, chunk.last
             )
             self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
-            await mover.move(out, target, chunk, cmap)  # type: ignore[attr-defined]
+            await mover.move(out, target, chunk, cmap)
             if i == 0:  # pages count once per chunk, whatever the number of receiver ranks
                 self.table.update(out.rec, add_pages_sent=cmap.num_pages, add_pages_skipped=cmap.skipped)
 

@@ -23,7 +23,7 @@ SLACK_S = 0.5  # reaper tick, thread hops and a loaded 2-core box
 
 
 def staging_idle(server) -> bool:
-    stats = server.app.node.transfers.staging_stats()
+    stats = server.app.node.transfers.memory.staging_stats()
     return all(st.slots_in_use == 0 for st in stats)
 
 

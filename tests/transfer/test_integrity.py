@@ -25,9 +25,9 @@ from test_peer_security import DST, SRC, _node  # noqa: E402
 from kvservice import kernels  # noqa: E402
 from kvservice.errors import FailedPrecondition  # noqa: E402
 from kvservice.kernels import KVRegions, checksum, reference  # noqa: E402
-from kvservice.transfer import engine as engine_mod  # noqa: E402
-from kvservice.transfer import mover as mover_mod  # noqa: E402
+from kvservice.transfer import inbound as inbound_mod  # noqa: E402
 from kvservice.transfer.integrity import landed_check, pack_hashed, unpack_verified  # noqa: E402
+from kvservice.transfer.routes import packed as packed_mod  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [
@@ -153,7 +153,7 @@ def test_a_corrupted_batch_fails_the_transfer_on_the_device_path(
         before = snapshot(b.pool)
         real_pack = functools.partial(pack_hashed, backend="triton")
         monkeypatch.setattr(
-            engine_mod, "unpack_verified", functools.partial(unpack_verified, backend="triton")
+            inbound_mod, "unpack_verified", functools.partial(unpack_verified, backend="triton")
         )
 
         async def corrupting(plan: Any, target: Any, regions: Any, src: Any, view: Any) -> Any:
@@ -162,14 +162,14 @@ def test_a_corrupted_batch_fails_the_transfer_on_the_device_path(
             view[view.numel() // 2] ^= 0x5A
             return check
 
-        monkeypatch.setattr(mover_mod, "pack_hashed", corrupting)
+        monkeypatch.setattr(packed_mod, "pack_hashed", corrupting)
         b.client.expect_delta("t-bad", b.bs, prefix_pages=0, dst_page_indices=DST, deadline_ms=20_000)
         a.client.send_delta("t-bad", a.bs, src_page_indices=SRC, peer_address=peer, path="packed")
         st = one(b.client, "t-bad")
         assert st.state == "FAILED" and "checksum: the packed batch at position 0" in st.error, st
         assert one(a.client, "t-bad").state == "FAILED"
         assert_unchanged(b.pool, before)
-        monkeypatch.setattr(mover_mod, "pack_hashed", real_pack)
+        monkeypatch.setattr(packed_mod, "pack_hashed", real_pack)
         b.client.expect_delta("t-good", b.bs, prefix_pages=0, dst_page_indices=DST)
         a.client.send_delta("t-good", a.bs, src_page_indices=SRC, peer_address=peer, path="packed")
         assert (one(a.client, "t-good").state, one(b.client, "t-good").state) == ("DONE", "DONE")

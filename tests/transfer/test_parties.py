@@ -13,7 +13,7 @@ from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 from pki import CA
 from test_peer_security import DST, LAYOUT, SRC, Node, _mtls, _node
 
-from kvservice.transfer import mover as mover_mod
+from kvservice.transfer.routes import packed as packed_mod
 
 
 @pytest.fixture
@@ -176,21 +176,21 @@ def test_a_corrupted_staging_batch_fails_with_integrity_on(
     nodes += [a, b]
     peer = b.server.app.peer_address
     before = snapshot(b.pool)
-    real = mover_mod.pack_hashed
+    real = packed_mod.pack_hashed
 
     async def corrupting(plan: Any, target: Any, regions: Any, src: Any, view: Any) -> Any:
         check = await real(plan, target, regions, src, view)
         view[view.numel() // 2] ^= 0x5A  # one byte flips between the hash and the wire
         return check
 
-    monkeypatch.setattr(mover_mod, "pack_hashed", corrupting)
+    monkeypatch.setattr(packed_mod, "pack_hashed", corrupting)
     b.client.expect_delta("t-bad", b.bs, prefix_pages=0, dst_page_indices=DST, deadline_ms=20_000)
     a.client.send_delta("t-bad", a.bs, src_page_indices=SRC, peer_address=peer, path="packed")
     st = one(b.client, "t-bad")
     assert st.state == "FAILED" and "checksum" in st.error, st
     assert one(a.client, "t-bad").state == "FAILED"
     assert_unchanged(b.pool, before)
-    monkeypatch.setattr(mover_mod, "pack_hashed", real)
+    monkeypatch.setattr(packed_mod, "pack_hashed", real)
     b.client.expect_delta("t-good", b.bs, prefix_pages=0, dst_page_indices=DST)
     a.client.send_delta("t-good", a.bs, src_page_indices=SRC, peer_address=peer, path="packed")
     assert (one(a.client, "t-good").state, one(b.client, "t-good").state) == ("DONE", "DONE")

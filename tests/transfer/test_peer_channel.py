@@ -31,19 +31,19 @@ def _no_reservations(server, monkeypatch) -> None:  # type: ignore[no-untyped-de
 def _slow_unpacks(server, monkeypatch, delay: float, jitter: float = 0.0) -> None:  # type: ignore[no-untyped-def]
     """Every receiver-side unpack waits ``delay`` (+ up to ``jitter``, random: batches then finish
     out of order) before it runs."""
-    engine = server.app.node.transfers
-    real = engine._unpack_held
+    inbound = server.app.node.transfers.inbound
+    real = inbound._unpack
     rng = np.random.default_rng(7)
 
     async def slow(*a, **k):  # type: ignore[no-untyped-def]
         await asyncio.sleep(delay + jitter * rng.random())
         return await real(*a, **k)
 
-    monkeypatch.setattr(engine, "_unpack_held", slow)
+    monkeypatch.setattr(inbound, "_unpack", slow)
 
 
 def _staging_idle(server) -> bool:  # type: ignore[no-untyped-def]
-    return all(p.slots_in_use == 0 for p in server.app.node.transfers.staging_stats())
+    return all(p.slots_in_use == 0 for p in server.app.node.transfers.memory.staging_stats())
 
 
 def _send(ka, kb, a, b, peer, tid, src, dst, deadline_ms=20_000):  # type: ignore[no-untyped-def]
@@ -73,7 +73,7 @@ def test_packed_batches_use_credits_and_one_stream(make_server, make_pool, make_
     assert s.descriptors >= N // 4, s  # many batches went through the window of credits
     assert_pages_equal(pb, dst, pa, src)
     assert_unchanged(pb, before, except_pages=dst)
-    chan = sa.app.node.transfers.mover.channels[sb.app.peer_address]
+    chan = sa.app.node.transfers.dispatch.channels[sb.app.peer_address]
     assert chan.epoch == 1  # one stream for the whole transfer
     eventually(lambda: len(chan._credits[("DRAM", 0)]) == chan._granted[("DRAM", 0)], 3, "every credit back")
 
@@ -88,16 +88,16 @@ def test_batches_completing_out_of_order_land_byte_exact(
     _slow_unpacks(sb, monkeypatch, 0.0, jitter=0.02)
     started: list[int] = []
     finished: list[int] = []
-    engine = sb.app.node.transfers
-    inner = engine._unpack_held
+    inbound = sb.app.node.transfers.inbound
+    inner = inbound._unpack
 
-    async def record(inc, sender, held, positions, *a, **k):  # type: ignore[no-untyped-def]
-        started.append(int(positions[0]))
-        out = await inner(inc, sender, held, positions, *a, **k)
-        finished.append(int(positions[0]))
+    async def record(inc, sender, held, commit, *a, **k):  # type: ignore[no-untyped-def]
+        started.append(int(commit.positions[0]))
+        out = await inner(inc, sender, held, commit, *a, **k)
+        finished.append(int(commit.positions[0]))
         return out
 
-    monkeypatch.setattr(engine, "_unpack_held", record)
+    monkeypatch.setattr(inbound, "_unpack", record)
     ka, pa, a = _register(sa, make_pool, make_client, 3)
     kb, pb, b = _register(sb, make_pool, make_client, 4)
     rng = np.random.default_rng(1)
@@ -110,7 +110,7 @@ def test_batches_completing_out_of_order_land_byte_exact(
     assert finished != started, "batches completed out of order"
     assert_pages_equal(pb, dst, pa, src)
     assert_unchanged(pb, before, except_pages=dst)
-    chan = sa.app.node.transfers.mover.channels[sb.app.peer_address]
+    chan = sa.app.node.transfers.dispatch.channels[sb.app.peer_address]
     eventually(lambda: len(chan._credits[("DRAM", 0)]) == chan._granted[("DRAM", 0)], 3, "every credit back")
 
 
@@ -146,9 +146,9 @@ def test_broken_channel_fails_transfers_and_frees_every_slot(
     ka, pa, a = _register(sa, make_pool, make_client, 3)
     kb, pb, b = _register(sb, make_pool, make_client, 4)
     _send(ka, kb, a, b, sb.app.peer_address, "brk", list(range(N)), list(range(N)), deadline_ms=15_000)
-    mover = sa.app.node.transfers.mover
+    dispatch = sa.app.node.transfers.dispatch
     eventually(lambda: ka.poll(["brk"])[0].bytes_sent > 0, 5, "batches moving")
-    chan = mover.channels[sb.app.peer_address]
+    chan = dispatch.channels[sb.app.peer_address]
     sa.call(_cancel(chan))
     s = one(ka, "brk", timeout=5)
     assert s.state == "FAILED" and s.error_code == "UNAVAILABLE" and "channel" in s.error, s
@@ -156,7 +156,9 @@ def test_broken_channel_fails_transfers_and_frees_every_slot(
     assert r.state in ("FAILED", "ABORTED") and r.error, r
     eventually(lambda: _staging_idle(sa), 5, "sender's staging released")
     eventually(
-        lambda: _staging_idle(sb), 5, f"receiver's slots released {sb.app.node.transfers.staging_stats()}"
+        lambda: _staging_idle(sb),
+        5,
+        f"receiver's slots released {sb.app.node.transfers.memory.staging_stats()}",
     )
     _send(ka, kb, a, b, sb.app.peer_address, "again", [1, 2, 3], [7, 8, 9])
     assert one(ka, "again", timeout=10).state == "DONE"

@@ -45,7 +45,7 @@ def test_same_host_services_copy_page_to_page(make_server, make_pool, make_clien
     assert (s.pages_sent, s.pages_skipped, s.route_note) == (3, 1, ""), s
     assert_pages_equal(pb, [7, 3, 9], pa, [4, 5, 6])
     assert_unchanged(pb, before, except_pages=[7, 3, 9])
-    assert len(sa.app.node.transfers.mover.peer_pools) == 1  # mapped once, kept for the next transfer
+    assert len(sa.app.node.transfers.dispatch.peer_pools) == 1  # mapped once, kept for the next transfer
 
 
 def test_pools_that_cannot_be_opened_fall_back_with_the_reason(
@@ -57,7 +57,7 @@ def test_pools_that_cannot_be_opened_fall_back_with_the_reason(
     ka, kb, pa, pb, a, b = _link(sa, sb, make_pool, make_client)
     os.unlink(f"/dev/shm/{pb.name.lstrip('/')}")  # the receiver's service keeps its mapping
     before = snapshot(pb)
-    with caplog.at_level(logging.WARNING, logger="kvservice.transfer.mover"):
+    with caplog.at_level(logging.WARNING, logger="kvservice.transfer.dispatch"):
         r, s = _move(ka, kb, a, b, sb.app.peer_address, "fb-1")
         r2, s2 = _move(ka, kb, a, b, sb.app.peer_address, "fb-2")
     for st in (r, s, r2, s2):

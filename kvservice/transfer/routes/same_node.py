@@ -1,16 +1,17 @@
-"""Same-node fused route: both pools are mapped in this service, so a chunk is one fused copy.
+"""FUSED route: the receiver rank's pools are mapped here, so a chunk is one fused copy.
 
-    SendDelta chunk ─▶ map positions (plan.py) ─▶ copy_pages(src pages ─▶ dst pages, head slice)
-                    ─▶ Engine.commit (receiver accounting, DONE, publish)      no staging, no RPC
+    chunk ─▶ map positions (plan.py) ─▶ copy_pages(src pages ─▶ dst pages, head slice, units)
+          ─▶ port.commit(FUSED, with the chunk's end)                  no staging, no WRITE
 
-Per receiver rank one call (one kernel launch on CUDA, one compiled loop on the CPU). CUDA
-launches go on a service-owned stream of the source device and completion is an event that a
-completion thread waits for (``streams.run_on_device``: the loop never polls); host pools copy in
-a worker thread (the compiled loop releases the GIL), or inline when the copy is small
-(``INLINE_BYTES``) and the compiled loop is ready (the event loop never waits for the JIT). The
-receiver's declaration is held ``busy`` while a copy runs, so an Abort returns only after it
-ended, and a copy never starts once the receiver's record is terminal: no byte lands after an
-acknowledged Abort.
+The pools are this service's own (the receiver is a session of this service) or a same-host
+service's, opened here through their CUDA IPC / shm handles (peer_pools.py). Per receiver rank
+one call: one kernel launch on CUDA, one compiled loop on the CPU. CUDA launches go on a
+service-owned stream of the source device and completion is an event a completion thread waits
+for (``streams.run_on_device``: the loop never polls); host pools copy in a worker thread (the
+compiled loop releases the GIL), or inline when the copy is small (``INLINE_BYTES``) and the
+compiled loop is ready (the event loop never waits for the JIT). The copy runs inside the port's
+``writing`` block: on this service an Abort of the receiver returns only after the copy ended,
+and no copy starts once the receiver's record is terminal.
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import numpy as np
 
-from ..errors import Aborted
-from ..kernels import KVRegions, _fused_cpu
-from ..kernels.fused import copy_pages, fused_nbytes
-from ..kernels.streams import on_side_stream, run_on_device
-from . import trace
-from .plan import ChunkMap
-from .sender import Outgoing, Target
+from ...kernels import KVRegions, _fused_cpu
+from ...kernels.fused import copy_pages, fused_nbytes
+from ...kernels.streams import on_side_stream, run_on_device
+from .. import trace
+from ..integrity import pages_check
+from ..plan import ChunkMap
+from ..port import Commit, ReceiverPort
+from ..sender import Chunk, Outgoing, Target, check_live
+from . import RouteContext, commit
 
-__all__ = ["SameNode"]
+__all__ = ["INLINE_BYTES", "SameNodeRoute"]
 
 log = logging.getLogger(__name__)
 
@@ -40,60 +42,55 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = 2 << 20
 
 
-class SameNode:
-    def __init__(self, engine: Any) -> None:
-        self.e = engine
+class SameNodeRoute:
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
         self._peer_ok: dict[tuple[int, int], bool] = {}
 
     async def move(
         self,
+        port: ReceiverPort,
         out: Outgoing,
         target: Target,
+        chunk: Chunk,
         cmap: ChunkMap,
-        last: bool,
         aux: tuple[int, int] = (0, 0),
-        copied: tuple[int, int] | None = None,
     ) -> None:
         """Copy the chunk's pages into the receiver rank's pages, then commit them there: one
         commit that also carries the chunk's end (``last``, its skipped pages, ``aux`` = the
-        bytes and rows of aux already written). ``copied``: the native lane made the copy
-        (bytes, µs); only the commit is left."""
-        e = self.e
-        inc = e.receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
-        route = target.route
-        if copied is not None:
-            nbytes, us = copied
+        bytes and rows of aux already written). A chunk the native lane copied
+        (``chunk.copied``: bytes, µs) only commits."""
+        dst = target.dst_regions
+        assert dst is not None
+        check = None
+        if chunk.copied is not None:
+            nbytes, us = chunk.copied
         else:
-            src = e.kv_regions[out.bs.buffer_set_id]
-            dst = e.regions_of(inc)
-            e.sender.check_live(out)
-            if inc.rec.terminal:
-                raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-            inc.busy += 1  # from here an abort of the receiver waits until the copy ended
-            t0 = time.monotonic()
-            try:
+            src = self.ctx.kv_regions[out.bs.buffer_set_id]
+            check_live(out)
+            async with port.writing(out, target):
+                t0 = time.monotonic()
                 trace.mark(out.rec.transfer_id, "copy_start")
                 nbytes = await self.copy(src, dst, cmap.src, cmap.dst, target)
                 trace.mark(out.rec.transfer_id, "copy_done")
-            finally:
-                inc.busy -= 1
             us = int((time.monotonic() - t0) * 1e6)
-        e.table.update(
-            out.rec, path="FUSED", add_bytes_sent=nbytes + aux[0], add_descriptors=aux[1], add_wire=us
-        )
-        await e.commit(
-            inc,
-            f"{e.service_id}/{out.bs.layout.tp_rank}",
+            if port.verifies_copies:
+                check = await pages_check(target.plan, src, cmap.src, target)
+        self.ctx.table.update(out.rec, path="FUSED")
+        c = Commit(
             cmap.positions,
-            last=last,
+            "FUSED",
+            target.route.dst_head_start,
+            target.route.num_heads,
             nbytes=nbytes + aux[0],
             skipped=cmap.skipped,
-            aux=aux[1] > 0,
-            primary=route.dst_head_start == 0,
-            path="FUSED",
-            wire_us=us,
             descriptors=aux[1],
+            aux=aux[1] > 0,
+            last=chunk.last,
+            wire_us=us,
+            check=check,
         )
+        await commit(self.ctx, port, out, target, chunk.seq, c)
 
     async def copy(
         self, src: KVRegions, dst: KVRegions, sp: np.ndarray, dp: np.ndarray, target: Target

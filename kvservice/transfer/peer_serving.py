@@ -1,0 +1,122 @@
+"""This service answering a sending service (KVPeer unary calls and the peer channel): protobuf in,
+domain calls (Receiver, Inbound), protobuf out.
+
+    GetReceivePlan ─▶ Receiver.plans (wait for the declarations, bind the sender) ─▶ plans + tickets
+                      (+ the pools' handles for a same-host sender on a local connection)
+    ReserveStaging ─▶ Receiver.reserve ─▶ a staging slot
+    CommitChunk    ─▶ Inbound.apply (checks the sender) ─▶ unpack / verify, account, DONE
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvservice_client import Layout
+from kvservice_client._proto import peer_pb2
+
+from .. import host
+from . import trace
+from .peer_codec import commit_from_pb, plan_to_pb
+from .receiver import plan_of
+
+__all__ = ["apply_commit", "receive_plans", "reserve_staging", "tell_sender"]
+
+log = logging.getLogger(__name__)
+
+
+async def receive_plans(
+    engine: Any, request: peer_pb2.GetReceivePlanRequest, peer: str, identity: str
+) -> peer_pb2.ReceivePlanSet:
+    """GetReceivePlan (``peer``: the caller's gRPC peer string, ``identity``: what it proved, see
+    kvservice.identity): wait for the declarations this sender rank writes to, then say where its
+    pages go — with the receiver's pool handles for a same-host sender on a local connection."""
+    src = Layout.from_proto(request.src_layout)
+    wait = min(request.wait_ms / 1000, engine.config.max_deadline_ms / 1000)
+    engine.lane.gate(request.transfer_id)  # a peer sends it: the native lane may not
+    found = await engine.receiver.plans(
+        request.transfer_id, src, request.sender_service_id, request.sender_address, wait, identity
+    )
+    engine.lane.gate(request.transfer_id)
+    out = peer_pb2.ReceivePlanSet(metadata_epoch=engine.metadata_epoch)
+    same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
+    refusal = ""
+    if same_host and engine.config.same_host_route != "auto":
+        refusal = "the receiver's same_host_route is 'off'"
+    elif same_host and not host.is_local_peer(peer):
+        refusal = f"the plan was asked over {peer}, not a Unix socket or loopback"
+    key = f"{request.sender_service_id}/{src.tp_rank}"
+    for inc, route in found:
+        plan = plan_to_pb(plan_of(inc, route, inc.bs.buffer_set_id not in engine.no_direct, key))
+        why = refusal or ("the receiver lands it in its landing pool" if same_host and inc.landing else "")
+        if same_host and not why:
+            plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
+        plan.same_host_refusal = why
+        out.plans.append(plan)
+    trace.mark(request.transfer_id, "plan_served")
+    return out
+
+
+async def reserve_staging(
+    engine: Any, request: peer_pb2.ReserveStagingRequest, identity: str
+) -> peer_pb2.StagingSlot:
+    pool, slot = await engine.receiver.reserve(
+        request.transfer_id, request.dst_buffer_set_id, request.nbytes, identity, request.sender_ticket
+    )
+    return peer_pb2.StagingSlot(
+        slot_id=slot.serial,
+        address=slot.addr,
+        size_bytes=slot.nbytes,
+        mem_kind="VRAM" if pool.kind == "vram" else "DRAM",
+        device_id=pool.device,
+    )
+
+
+async def apply_commit(
+    engine: Any, req: peer_pb2.CommitChunkRequest, identity: str, credits: dict[int, Any] | None = None
+) -> str:
+    """A sender's CommitChunk (unary, or on its channel with the channel's ``credits``)."""
+    if req.release_only:
+        key = f"{req.sender_service_id}/{req.src_tp_rank}"
+        return engine.inbound.release(  # type: ignore[no-any-return]
+            req.transfer_id,
+            req.dst_buffer_set_id,
+            req.sender_service_id,
+            identity,
+            key,
+            req.sender_ticket,
+            req.staging_slot,
+        )
+    return await engine.inbound.apply(  # type: ignore[no-any-return]
+        req.transfer_id,
+        req.dst_buffer_set_id,
+        req.sender_service_id,
+        req.src_tp_rank,
+        req.sender_ticket,
+        identity,
+        commit_from_pb(req),
+        credits,
+    )
+
+
+async def tell_sender(
+    peers: Any, me: str, address: str, transfer_id: str, code: str, reason: str, ticket: str = ""
+) -> None:
+    """Best effort: tell the sending service at ``address`` that the receiver ``me`` stopped
+    ``transfer_id`` (it settles its in-flight writes before it answers)."""
+    try:
+        await peers.get(address).call(
+            "Abort",
+            peer_pb2.PeerAbortRequest(
+                transfer_id=transfer_id,
+                reason=reason,
+                origin_service_id=me,
+                error_code=code,
+                sender_ticket=ticket,
+            ),
+            5.0,
+        )
+    except Exception as exc:
+        log.warning(
+            "abort not acknowledged by sender %s: %s", address, exc, extra={"transfer_id": transfer_id}
+        )
