@@ -208,9 +208,10 @@ class EnginePool:
         return out
 
     # -- transfers (the adapters' own calls) -----------------------------------------------------
-    def expect(self, tid: str, prefix_pages: int, pages: list[int]) -> None:
+    def expect(self, tid: str, prefix_pages: int, pages: list[int], sender: str = "") -> None:
+        """ExpectDelta as the adapter declares it; ``sender``: the prefill's kvservice, if known."""
         if self.worker is not None:
-            job = RecvJob(f"r-{tid}", tid, prefix_pages, tuple(pages), DEADLINE_MS)
+            job = RecvJob(f"r-{tid}", tid, prefix_pages, tuple(pages), DEADLINE_MS, sender)
             self.worker.submit(_step(recvs=[job]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
@@ -218,7 +219,12 @@ class EnginePool:
         self._fut = self.bg.transfer(
             tid,
             lambda kv: kv.expect_delta(
-                tid, bs, prefix_pages=prefix_pages, dst_page_indices=pages, deadline_ms=DEADLINE_MS
+                tid,
+                bs,
+                prefix_pages=prefix_pages,
+                dst_page_indices=pages,
+                deadline_ms=DEADLINE_MS,
+                sender_address=sender,
             ),
             DEADLINE_MS,
         )

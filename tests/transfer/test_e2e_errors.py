@@ -12,6 +12,7 @@ import pytest
 from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, fill_random, one, snapshot
 from kvservice_client import (
     AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     Layout,
     NotFound,
@@ -180,6 +181,32 @@ def test_expect_into_other_sessions_buffer_set_denied(pair, make_pool, make_clie
     with pytest.raises(NotFound, match="buffer"):
         intruder.expect_delta("x", "bs-0000000000000000", prefix_pages=0, dst_page_indices=[1])
     assert ln.kb.poll(["x"]) == [] and intruder.poll() == []
+
+
+@pytest.mark.parametrize("landing", [False, True], ids=["pages", "landing"])
+def test_a_refused_expect_names_none_of_another_clients_objects(
+    pair, make_pool, make_client, landing
+) -> None:
+    """ExpectDelta (or a landing) reusing a transfer id another engine declared: FAILED_PRECONDITION
+    that names the id only, never the other engine's buffer set or session (issue 33 item 4); the
+    other engine's transfer then completes byte-exact."""
+    ln = link(pair, make_pool, make_client)
+    intruder, pool = make_client(pair[1]), make_pool(LAYOUT)
+    own = intruder.register_buffers(LAYOUT, pool.k_regions, pool.v_regions).buffer_set_id
+    ln.kb.expect_delta("taken", ln.b, prefix_pages=0, dst_page_indices=[1, 2])
+    before = snapshot(ln.pb)
+    with pytest.raises(FailedPrecondition, match="in use by another client") as exc:
+        if landing:
+            intruder.expect_landing("taken", own, pages=2)
+        else:
+            intruder.expect_delta("taken", own, prefix_pages=0, dst_page_indices=[1, 2])
+    msg = str(exc.value)
+    assert "taken" in msg and ln.b not in msg and ln.kb.session_id not in msg, msg
+    assert intruder.poll(["taken"]) == []
+    assert_unchanged(ln.pb, before)
+    ln.ka.send_delta("taken", ln.a, src_page_indices=[8, 9], peer_address=ln.peer)
+    assert one(ln.kb, "taken").state == "DONE"
+    assert_pages_equal(ln.pb, [1, 2], ln.pa, [8, 9])
 
 
 def test_send_after_transfer_ended_rejected(pair, make_pool, make_client) -> None:

@@ -21,6 +21,11 @@ the decode's allocation (seed 002's pre-allocation queue)::
             send_metadata(kv_indices, aux_index) ─▶ Claim(kv_indices, aux row) ─▶ Success
               (no landing, or refused because the pool is full: ExpectDelta, as without the option)
 
+The decode names the prefill's kvservice as the sender (ExpectDelta's ``sender_address``, issue 33)
+so no other peer can fetch the plan first: the prefill's bootstrap server answers ``GET /service``
+with its ``SGLANG_KVSERVICE_PEER_ADDRESS`` (404 where that is not set: then no sender is named, as
+before), which the decode reads once a minute per bootstrap server, when a receiver is made.
+
 Only the delta moves: SGLang's prefill sends from the decode's prefix on (seed 000's
 ``decode_prefix_len``, which the prefill learns from the room), so the transfer is exactly the
 pages past it. Positions are absolute (the receiver declares ``decode_prefix_len`` as its prefix,
@@ -70,6 +75,7 @@ log = logging.getLogger(__name__)
 _ROOM_TTL_S = 600.0
 _PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing]} or /room/<int>/pages {pages}"
 _LOOKUP_EVERY_S = 0.01
+_SENDER_TTL_S = 60.0  # how long a decode trusts a bootstrap server's answer to GET /service
 
 
 class KVServiceTransferError(RuntimeError):
@@ -84,9 +90,14 @@ def transfer_id(room: int) -> str:
 
 # -- rendezvous -----------------------------------------------------------------------------------
 class KVServiceBootstrapServer(BaseKVBootstrapServer):
-    """On the prefill node: decode instances post where a room's pages go; its senders read it."""
+    """On the prefill node: decode instances post where a room's pages go; its senders read it.
+    ``GET /service`` names the prefill's kvservice (``peer_address``, default the explicit
+    ``SGLANG_KVSERVICE_PEER_ADDRESS`` of this process, which the prefill's schedulers inherit; 404
+    without one); nobody can set it over HTTP."""
 
-    def __init__(self, host: str, port: int, **_: Any) -> None:
+    def __init__(self, host: str, port: int, peer_address: str | None = None, **_: Any) -> None:
+        env = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS", "")
+        service = env if peer_address is None else peer_address
         rooms: dict[int, tuple[float, dict[str, Any]]] = {}
         sizes: dict[int, tuple[float, dict[str, Any]]] = {}  # landing rooms: the prefill's page count
         lock = threading.Lock()
@@ -128,6 +139,8 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                 self._reply(200, {})
 
             def do_GET(self) -> None:  # noqa: N802
+                if self.path.strip("/") == "service":  # the prefill's kvservice: the decode's sender
+                    return self._reply(200, {"peer": service}) if service else self._reply(404, {})
                 room, book = self._target()
                 with lock:
                     found = book.pop(room, None) if room is not None else None
@@ -179,6 +192,7 @@ class KVServiceManager(BaseKVManager):
         self.deadline_ms = int(os.environ.get("SGLANG_KVSERVICE_DEADLINE_MS", "30000"))
         self.bootstrap_timeout_s = float(os.environ.get("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "300"))
         self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
+        self._senders: dict[str, tuple[float, str]] = {}  # decode: bootstrap addr -> (until, its service)
         reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend))
         self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.landing_ttl_ms = self._landing_ttl_ms(server_args)  # 0: no landing (the default path only)
@@ -198,6 +212,24 @@ class KVServiceManager(BaseKVManager):
             log.warning("kvservice: SGLANG_KVSERVICE_LANDING_TTL_MS ignored, %s", why)
             return 0
         return ttl
+
+    async def prefill_service(self, bootstrap_addr: str) -> str:
+        """The kvservice of the prefill behind ``bootstrap_addr``, as its bootstrap server names it
+        (``GET /service``, kept a minute): ExpectDelta's ``sender_address``. "" when it names none
+        (the transfer then names no sender) or cannot be reached (not kept)."""
+        now = time.monotonic()
+        hit = self._senders.get(bootstrap_addr)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            code, body = await asyncio.to_thread(_http, "GET", f"http://{bootstrap_addr}/service")
+        except (OSError, ValueError) as exc:
+            log.info("kvservice: no prefill service from %s (%s); no sender named", bootstrap_addr, exc)
+            return ""
+        peer = body.get("peer") if code == 200 and isinstance(body, dict) else ""
+        peer = peer if isinstance(peer, str) else ""
+        self._senders[bootstrap_addr] = (now + _SENDER_TTL_S, peer)
+        return peer
 
     def register_to_bootstrap(self) -> None:
         return  # nothing to announce: decode instances post each room to the prefill's server
@@ -394,6 +426,8 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
     ) -> None:
         _Side.__init__(self, mgr, bootstrap_room)
         self.url = f"http://{bootstrap_addr}/room/{self.room}"
+        # the prefill's kvservice (ExpectDelta.sender_address), asked now: ready by the declaration
+        self._sender = mgr.bg.submit(mgr.prefill_service(bootstrap_addr))
         self.inited = False
         # landing option: the landing declaration (its status, or None: no landing, the default path)
         self._landing: concurrent.futures.Future[TransferStatus | None] | None = None
@@ -424,6 +458,7 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
                 aux={name: 1 for name in mgr.aux_names},
                 ttl_ms=mgr.landing_ttl_ms,
                 deadline_ms=mgr.deadline_ms,
+                sender_address=await asyncio.wrap_future(self._sender),
             )
         except KVClientError as exc:  # the pool is full, for instance: receive directly later
             log.info("kvservice: landing of %s not declared (%s); it waits for the allocation", self.tid, exc)
@@ -474,7 +509,7 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
         body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len}
-        url = self.url
+        url, sender = self.url, self._sender
 
         async def declare(kv: Any) -> TransferStatus:
             if landing is not None and await _landed(landing):  # its pages land in the service's pool
@@ -489,6 +524,7 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
                 dst_page_indices=pages,
                 aux=aux,
                 deadline_ms=mgr.deadline_ms,
+                sender_address=await asyncio.wrap_future(sender),  # only it may fetch the plan
             )
             if self._posted:  # landing option: the room is posted already (the prefill sends from 0)
                 return st  # type: ignore[no-any-return]

@@ -5,6 +5,9 @@ kv_connector_extra_config:
     deadline_ms        a transfer's deadline when the request's params give none (default 30000)
     rpc_timeout_s      one call to the service, retries across a broken connection included (10)
     landing_ttl_ms     decode: a request vLLM cannot allocate at once lands meanwhile (0: off)
+    kvservice_peer_address  prefill: this instance's kvservice as other services reach it (its
+                       peer address); returned as ``kvservice_sender``, the decode names it in
+                       ExpectDelta so only that service may fetch the plan ("": not named)
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class KVServiceConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # landing_ttl_ms > 0: a decode request vLLM cannot allocate at once lands meanwhile
             landing_ttl_ms = int(extra.get_from_extra_config("landing_ttl_ms", 0))
-            self._sched = SchedulerSide(self.block_size, deadline_ms, landing_ttl_ms)
+            peer_address = str(extra.get_from_extra_config("kvservice_peer_address", "") or "")
+            self._sched = SchedulerSide(self.block_size, deadline_ms, landing_ttl_ms, peer_address)
             self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
             pc, mc = vllm_config.parallel_config, vllm_config.model_config

@@ -28,6 +28,7 @@ class RecvJob:
     prefix_pages: int  # pages this instance holds already (its prefix-cache hit): not sent
     pages: tuple[int, ...]  # this instance's block ids for the pages that move
     deadline_ms: int
+    sender: str = ""  # the prefill's kvservice (ExpectDelta.sender_address); "": not known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class LandJob:
     pages: int  # pages to land past it
     deadline_ms: int
     ttl_ms: int
+    sender: str = ""  # as RecvJob.sender
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ class ClaimJob:
     pages: tuple[int, ...]  # this instance's block ids for the landed pages
     deadline_ms: int
     why_not: str = ""  # non-empty: the allocation no longer matches the landing (the load fails)
+    sender: str = ""  # as RecvJob.sender (a refused landing is received directly from it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,11 @@ request's blocks in the step that matched it (its pre-allocation would wait)::
     update_state_after_alloc (later) ─▶ ClaimJob: Claim into the blocks ─▶ finished_recving
     request_finished before its blocks came ─▶ AbortJob (the landing is freed)
 A request allocated in the step that matched it takes the default path (RecvJob) unchanged.
+
+The prefill's answer names its own kvservice (``kvservice_sender``: the ``kvservice_peer_address``
+it is configured with), and the decode's loads pass it on as ExpectDelta's ``sender_address``, so
+only that service may fetch the transfer's plan (issue 33; docs/security.md). Without it the
+params carry none and the loads name no sender, as before.
 """
 
 from __future__ import annotations
@@ -40,10 +45,13 @@ def _first_group(block_ids: Any) -> list[int]:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, deadline_ms: int, landing_ttl_ms: int = 0) -> None:
+    def __init__(
+        self, block_size: int, deadline_ms: int, landing_ttl_ms: int = 0, peer_address: str = ""
+    ) -> None:
         self.block_size = block_size
         self.deadline_ms = deadline_ms
         self.landing_ttl_ms = landing_ttl_ms  # 0: no landing (the default path only)
+        self.peer_address = peer_address  # prefill: this instance's kvservice as peers reach it
         self._unallocated: dict[str, Any] = {}  # matched this step, no blocks yet (landing option)
         self.landed: dict[str, LandJob] = {}  # decode: landings declared, not yet claimed
         self._meta = KVServiceMeta()
@@ -86,7 +94,7 @@ class SchedulerSide:
                 )
             claim = ClaimJob(
                 request.request_id, land.transfer_id, land.prefix_pages, tuple(ids[land.prefix_pages : end]),
-                land.deadline_ms, why,
+                land.deadline_ms, why, land.sender,
             )  # fmt: skip
             self.receiving[claim.req_id] = claim
             self._meta.claims.append(claim)
@@ -97,6 +105,7 @@ class SchedulerSide:
             prefix_pages=prefix,
             pages=tuple(ids[prefix : self._pages(len(request.prompt_token_ids or ()))]),
             deadline_ms=int(params.get("deadline_ms", self.deadline_ms)),
+            sender=_sender(params),
         )
         self.receiving[job.req_id] = job
         self._meta.recvs.append(job)
@@ -137,12 +146,15 @@ class SchedulerSide:
         self._meta.sends.append(SendJob(rid, transfer_id, tuple(pages), str(peer), deadline))
         self.sending.add(rid)
         trace("send_job", transfer_id)
-        return True, {
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": transfer_id,
             "deadline_ms": deadline,
         }
+        if self.peer_address:  # the decode names it in ExpectDelta: no other peer fetches the plan
+            out["kvservice_sender"] = self.peer_address
+        return True, out
 
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self) -> KVServiceMeta:
@@ -156,6 +168,7 @@ class SchedulerSide:
                 self._pages(len(request.prompt_token_ids or ())) - local,
                 int(params.get("deadline_ms", self.deadline_ms)),
                 self.landing_ttl_ms,
+                _sender(params),
             )
             self.landed[rid] = job
             self._meta.lands.append(job)
@@ -173,6 +186,12 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return bool(self.sending)
+
+
+def _sender(params: dict[str, Any]) -> str:
+    """The prefill's kvservice as its answer named it (``kvservice_sender``); "" when it did not."""
+    sender = params.get("kvservice_sender")
+    return sender if isinstance(sender, str) else ""
 
 
 def _capped(request: Any) -> bool:

@@ -9,6 +9,10 @@ shared memory: :meth:`WorkerSide.allocation_context` is vLLM's KV-allocation hoo
 (``get_mem_pool_context``), and turns the one ``torch.zeros(n, dtype=int8)`` backing buffer that
 vLLM allocates inside it into a shared-memory buffer. On CUDA the cache stays where vLLM puts it
 and is registered through CUDA IPC handles.
+
+A load (RecvJob, LandJob, a ClaimJob received directly) names the prefill's kvservice as
+ExpectDelta's ``sender_address`` when the scheduler side learned it (``kvservice_sender``), so
+the decode's service lets only that service fetch the plan (docs/security.md).
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ class WorkerSide:
                         prefix_pages=j.prefix_pages,
                         dst_page_indices=j.pages,
                         deadline_ms=j.deadline_ms,
+                        sender_address=j.sender,
                     ),
                     job.deadline_ms,
                 )
@@ -193,6 +198,7 @@ class WorkerSide:
                         prefix_pages=job.prefix_pages,
                         dst_page_indices=job.pages,
                         deadline_ms=job.deadline_ms,
+                        sender_address=job.sender,
                     ),
                     job.deadline_ms,
                 )
@@ -239,6 +245,7 @@ async def _land(bg: BackgroundClient, bs: str, job: LandJob) -> Any:
         pages=job.pages,
         ttl_ms=job.ttl_ms,
         deadline_ms=job.deadline_ms,
+        sender_address=job.sender,
     )
 
 

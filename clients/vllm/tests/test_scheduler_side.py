@@ -152,3 +152,34 @@ def test_landing_option_a_shrunken_prefix_hit_fails_the_load_instead_of_leaving_
     s.update_state_after_alloc(r, _Blocks([7, 8, 9, 10, 11]), 150)
     (claim,) = s.build_connector_meta().claims
     assert claim.why_not and claim.pages == (9, 10, 11)
+
+
+def test_the_prefill_names_its_kvservice_and_the_decode_loads_name_it_as_sender() -> None:
+    """kvservice_peer_address: the prefill's answer carries it as kvservice_sender; the decode's
+    RecvJob, LandJob and ClaimJob carry it on to ExpectDelta's sender_address (issue 33)."""
+    p = SchedulerSide(BLOCK, 30_000, peer_address="10.0.0.1:50052")
+    r = _req("p-7", 70, {"do_remote_decode": True, "kvservice_peer": "10.0.0.2:50052", "transfer_id": "t7"})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished(r, [7, 8, 9])
+    assert params["kvservice_sender"] == "10.0.0.1:50052"
+    d = SchedulerSide(BLOCK, 30_000)
+    rd = _req("d-7", 70, dict(params))
+    d.get_num_new_matched_tokens(rd, 0)
+    d.update_state_after_alloc(rd, _Blocks([1, 2, 3]), 70)
+    assert d.build_connector_meta().recvs == [RecvJob("d-7", "t7", 0, (1, 2, 3), 30_000, "10.0.0.1:50052")]
+    dl = SchedulerSide(BLOCK, 30_000, landing_ttl_ms=4000)
+    rl = _req("d-8", 70, dict(params))
+    dl.get_num_new_matched_tokens(rl, 0)
+    assert dl.build_connector_meta().lands == [LandJob("d-8", "t7", 0, 3, 30_000, 4000, "10.0.0.1:50052")]
+    dl.update_state_after_alloc(rl, _Blocks([4, 5, 6]), 70)
+    (claim,) = dl.build_connector_meta().claims
+    assert claim.sender == "10.0.0.1:50052" and not claim.why_not
+
+
+def test_without_a_named_sender_the_loads_name_none() -> None:
+    """No kvservice_peer_address on the prefill (or a non-string value): no sender, as before."""
+    s = SchedulerSide(BLOCK, 30_000)
+    r = _req("d-9", 40, {"do_remote_prefill": True, "transfer_id": "t9", "kvservice_sender": 5})
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks([1, 2]), 40)
+    assert s.build_connector_meta().recvs[0].sender == ""

@@ -1,0 +1,266 @@
+"""The adapters name the prefill's kvservice in the decode's ExpectDelta (``sender_address``, issue 33
+item 2), so its service fills ``allowed_senders`` and a third party cannot fetch the plan first.
+
+Three in-process services over mutual TLS, one cluster CA: the prefill's (``prefill-a``), another
+member's (``prefill-c``, the third party) and the decode's (``decode-b``). Each adapter's decode
+side declares through its own code (kvservice_vllm's WorkerSide jobs, kvservice_sglang's receiver
+over SGLang's base classes or the stand-in); the third party's SendDelta is refused before any
+byte moves, and the prefill then delivers byte-exact. Neither engine package is needed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "clients" / "vllm"))
+sys.path.insert(0, str(ROOT / "clients" / "sglang"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_stub  # noqa: E402
+from engine_pools import DEADLINE_MS, EnginePool, Spec, _step  # noqa: E402
+from kvservice_client import AsyncClient  # noqa: E402
+from kvservice_vllm.jobs import ClaimJob, LandJob  # noqa: E402
+from pki import CA  # noqa: E402
+from test_sglang_landing import Pools, manager  # noqa: E402
+
+SPEC = Spec("vllm", "nhc", 16, 12)
+SRC, DST = [3, 7, 1, 10, 5], [9, 0, 4, 11, 2]
+TOKENS = len(SRC) * SPEC.page
+
+
+@pytest.fixture
+def mtls(make_server: Any, tmp_path: Any) -> dict[str, Any]:
+    """The prefill's service ``a``, a third party's ``c``, the decode's ``b``: peers over mutual TLS."""
+    ca = CA(str(tmp_path), "cluster")
+
+    def service(name: str) -> Any:
+        leaf = ca.leaf(name)
+        return make_server(
+            transport="loopback",
+            same_host_route="off",
+            tcp_address="",
+            peer_tcp_address="127.0.0.1:0",
+            insecure=False,
+            peer_tls_cert=leaf.cert,
+            peer_tls_key=leaf.key,
+            peer_tls_ca=ca.cert,
+        )
+
+    return {"a": service("prefill-a"), "c": service("prefill-c"), "b": service("decode-b")}
+
+
+@pytest.fixture(scope="module")
+def sgl() -> Any:
+    """kvservice_sglang.conn over the real SGLang if installed, else over the stand-in (removed after)."""
+    try:
+        import sglang.srt.disaggregation.base.conn  # noqa: F401
+    except ImportError:
+        added = sglang_stub.install()
+    else:
+        added = []
+    import kvservice_sglang.conn as c
+
+    yield c
+    if added:
+        sglang_stub.uninstall(added)
+        for name in ("kvservice_sglang.conn", "kvservice_sglang"):
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def calls(monkeypatch: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Every ExpectDelta the adapters make through the SDK: (method, its keyword arguments)."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    for name in ("expect_delta", "expect_landing"):
+        real = getattr(AsyncClient, name)
+
+        async def spy(self: Any, *args: Any, _n: str = name, _real: Any = real, **kw: Any) -> Any:
+            seen.append((_n, kw))
+            return await _real(self, *args, **kw)
+
+        monkeypatch.setattr(AsyncClient, name, spy)
+    return seen
+
+
+def until(pred: Any, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "not within time"
+        time.sleep(0.005)
+
+
+def declared(server: Any, tid: str) -> list[Any]:
+    """The decode service's declarations of ``tid`` (every buffer set, landings included)."""
+    return server.app.node.transfers.receiver.of(tid)
+
+
+def _outcome(pool: EnginePool, timeout: float = 30.0) -> Any:
+    assert pool.worker is not None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pool.worker.outcomes()
+        if got:
+            return got[0]
+        time.sleep(0.005)
+    raise AssertionError("no outcome")
+
+
+def _rogue_is_refused(rogue: EnginePool, tid: str, peer: str) -> None:
+    rogue.send(tid, SRC, peer)
+    out = rogue.wait()
+    assert not out["ok"] and "allowed_senders" in out["why"], out
+
+
+# -- vLLM -----------------------------------------------------------------------------------------
+def test_vllm_decode_names_the_prefill_and_a_third_party_cannot_fetch_the_plan(mtls, calls) -> None:
+    """A RecvJob carrying the prefill's kvservice: ExpectDelta names it, the decode's service allows
+    only its certificate's name; the third party is refused, nothing written; the prefill
+    delivers byte-exact."""
+    a, b, c = mtls["a"], mtls["b"], mtls["c"]
+    src, rogue, dst = (EnginePool(SPEC, s.address, "cpu", n) for s, n in ((a, "pa"), (c, "pc"), (b, "db")))
+    try:
+        for i, pool in enumerate((src, rogue, dst)):
+            pool.fill(seed=21 + i)
+        before = dst.digests(DST, 0, TOKENS)
+        dst.expect("t-v", 0, DST, sender=a.app.peer_address)
+        until(lambda: declared(b, "t-v"))
+        assert (
+            calls == [("expect_delta", calls[0][1])] and calls[0][1]["sender_address"] == a.app.peer_address
+        )
+        assert declared(b, "t-v")[0].allowed_senders == {"prefill-a", "local"}
+        _rogue_is_refused(rogue, "t-v", b.app.peer_address)
+        assert dst.digests(DST, 0, TOKENS) == before
+        src.send("t-v", SRC, b.app.peer_address)
+        assert src.wait()["ok"] and dst.wait()["ok"]
+        assert dst.digests(DST, 0, TOKENS) == src.digests(SRC, 0, TOKENS)
+    finally:
+        for pool in (src, rogue, dst):
+            pool.close()
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["landed", "landing-refused"])
+def test_vllm_landing_and_its_fallback_name_the_prefill(mtls, calls, refused: bool) -> None:
+    """The landing option: the LandJob's landing names the prefill (or, the pool being full, the
+    ClaimJob's direct ExpectDelta does); the third party is refused; the claim is byte-exact."""
+    a, b, c = mtls["a"], mtls["b"], mtls["c"]
+    if refused:
+        b.app.node.transfers.landing.pool.capacity_bytes = 4096  # less than one page of this pool
+    src, rogue, dst = (EnginePool(SPEC, s.address, "cpu", n) for s, n in ((a, "pa"), (c, "pc"), (b, "db")))
+    sender = a.app.peer_address
+    try:
+        for i, pool in enumerate((src, rogue, dst)):
+            pool.fill(seed=31 + i)
+        assert dst.worker is not None
+        dst.worker.submit(_step(lands=[LandJob("r-l", "t-l", 0, len(DST), DEADLINE_MS, 20_000, sender)]))
+        claim = ClaimJob("r-l", "t-l", 0, tuple(DST), DEADLINE_MS, "", sender)
+        if refused:  # the landing is refused at once; the claim then receives directly
+            dst.worker.submit(_step(claims=[claim]))
+        until(lambda: declared(b, "t-l"))
+        want = ["expect_landing", "expect_delta"] if refused else ["expect_landing"]
+        assert [n for n, _ in calls] == want and all(kw["sender_address"] == sender for _, kw in calls)
+        assert declared(b, "t-l")[0].allowed_senders == {"prefill-a", "local"}
+        _rogue_is_refused(rogue, "t-l", b.app.peer_address)
+        src.send("t-l", SRC, b.app.peer_address)
+        assert src.wait()["ok"]
+        if not refused:  # landed: the allocation claims it
+            dst.worker.submit(_step(claims=[claim]))
+        out = _outcome(dst)
+        assert out.ok, out
+        assert dst.digests(DST, 0, TOKENS) == src.digests(SRC, 0, TOKENS)
+    finally:
+        for pool in (src, rogue, dst):
+            pool.close()
+
+
+# -- SGLang ---------------------------------------------------------------------------------------
+def _check_bytes(p: Pools, d: Pools, src: np.ndarray, dst: np.ndarray, rows: tuple[int, int]) -> None:
+    """The prefill's pages in ``dst``, its aux row in the decode's (no view outlives the call)."""
+    got, want = d.snapshot(), p.snapshot()
+    n = len(p.bufs)
+    for i in range(n):
+        np.testing.assert_array_equal(got[i][dst], want[i][src])
+    for j in range(len(p.aux)):
+        np.testing.assert_array_equal(got[n + j][rows[1]], want[n + j][rows[0]])
+
+
+@pytest.mark.parametrize("landing", [False, True], ids=["default", "landing"])
+def test_sglang_decode_names_the_prefill_its_bootstrap_server_announces(
+    sgl, mtls, calls, monkeypatch, landing: bool
+) -> None:
+    """The prefill's bootstrap server names its kvservice (GET /service); the decode's ExpectDelta
+    (or landing) names it as the sender; the third party is refused; the prefill delivers
+    byte-exact, pages and aux row."""
+    a, b, c = mtls["a"], mtls["b"], mtls["c"]
+    p, d, r = Pools(1), Pools(2), Pools(3)
+    server = sgl.KVServiceBootstrapServer("127.0.0.1", 0, peer_address=a.app.peer_address)
+    env = {"SGLANG_KVSERVICE_LANDING_TTL_MS": "20000"} if landing else {}
+    mp = manager(sgl, monkeypatch, a, "prefill", p, SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S="10")
+    md = manager(sgl, monkeypatch, b, "decode", d, **env)
+    mr = manager(sgl, monkeypatch, c, "prefill", r)
+    addr, room, tid = f"127.0.0.1:{server.port}", 41, "sgl-41"
+    src, dst = np.arange(10, 16), np.array([50, 41, 33, 60, 2, 9])
+    poll = sgl.KVPoll
+    try:
+        recv = sgl.KVServiceReceiver(md, addr, room)
+        send = sgl.KVServiceSender(mp, addr, room)
+        recv.init(0)
+        if not landing:
+            recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
+        until(lambda: send.poll() == poll.WaitingForInput)
+        send.init(src.size, aux_index=5)  # landing: posts its page count, the decode declares
+        until(lambda: declared(b, tid))
+        assert [n for n, _ in calls] == ["expect_landing" if landing else "expect_delta"]
+        assert calls[0][1]["sender_address"] == a.app.peer_address
+        assert declared(b, tid)[0].allowed_senders == {"prefill-a", "local"}
+        before = d.snapshot()
+        fut = mr.bg.transfer(
+            tid,
+            lambda kv: kv.send_delta(
+                tid,
+                mr.buffer_set_id,
+                src_page_indices=src,
+                peer_address=b.app.peer_address,
+                deadline_ms=DEADLINE_MS,
+            ),
+            DEADLINE_MS,
+        )
+        st = fut.result(30)
+        assert (st.state, st.error_code) == ("FAILED", "PERMISSION_DENIED"), st
+        assert all(np.array_equal(x, y) for x, y in zip(d.snapshot(), before, strict=True))
+        send.send(src)
+        until(lambda: send.poll() in (poll.Success, poll.Failed))
+        assert send.poll() == poll.Success, send.failed
+        if landing:
+            recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
+        until(lambda: recv.poll() in (poll.Success, poll.Failed))
+        assert recv.poll() == poll.Success, recv.failed
+        _check_bytes(p, d, src, dst, (5, 2))
+    finally:
+        for m in (mp, md, mr):
+            m.close()
+        server.close()
+        for pools in (p, d, r):
+            pools.close()
+
+
+def test_the_bootstrap_server_names_the_prefill_service_only_from_its_config(sgl, monkeypatch) -> None:
+    """GET /service: the configured SGLANG_KVSERVICE_PEER_ADDRESS, 404 without one; never set over HTTP."""
+    monkeypatch.delenv("SGLANG_KVSERVICE_PEER_ADDRESS", raising=False)
+    unset = sgl.KVServiceBootstrapServer("127.0.0.1", 0)
+    monkeypatch.setenv("SGLANG_KVSERVICE_PEER_ADDRESS", "10.0.0.5:50052")
+    named = sgl.KVServiceBootstrapServer("127.0.0.1", 0)
+    try:
+        assert sgl._http("GET", f"http://127.0.0.1:{unset.port}/service")[0] == 404
+        url = f"http://127.0.0.1:{named.port}/service"
+        assert sgl._http("GET", url) == (200, {"peer": "10.0.0.5:50052"})
+        assert sgl._http("PUT", url, {"peer": "evil:1"})[0] == 400
+        assert sgl._http("GET", url) == (200, {"peer": "10.0.0.5:50052"})  # read, not popped
+    finally:
+        unset.close()
+        named.close()
