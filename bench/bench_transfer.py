@@ -50,7 +50,7 @@ def kvservice_runs(
     sdev, ddev = devices(args)
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     logs = Path(tempfile.mkdtemp(prefix="kvbench-logs-")) if args.timeline else None
-    if logs is not None:  # the services' per-batch DEBUG lines (kvservice/transfer/mover.py)
+    if logs is not None:  # the services' per-batch DEBUG lines (kvservice/transfer/routes/packed.py, inbound.py)
         env |= {"KVSERVICE_LOG_LEVEL": "DEBUG", "KVSERVICE_LOG_FORMAT": "json"}
     out: dict = {}
     t0_mono: dict[str, float] = {}  # the last round's SendDelta call and receiver-DONE seen, per path

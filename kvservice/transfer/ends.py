@@ -68,9 +68,7 @@ class Ends:
         if not transfer_id:
             raise InvalidArgument("transfer_id", "is required")
         outs = [
-            o
-            for (t, _), o in self.sender.outgoing.items()
-            if t == transfer_id and (session_id is None or o.rec.session_id == session_id)
+            o for o in self.sender.of(transfer_id) if session_id is None or o.rec.session_id == session_id
         ]
         incs = [
             i for i in self.receiver.of(transfer_id) if session_id is None or i.rec.session_id == session_id
@@ -105,10 +103,8 @@ class Ends:
             if not senders
             else [
                 o
-                for (t, _), o in self.sender.outgoing.items()
-                if t == transfer_id
-                and self.peers.get(o.peer_address).service_id == origin
-                and may_abort_out(o, identity, ticket)
+                for o in self.sender.of(transfer_id)
+                if self.peers.get(o.peer_address).service_id == origin and may_abort_out(o, identity, ticket)
             ]
         )
         incs = [i for i in self.receiver.of(transfer_id) if may_abort_in(i, origin, identity, ticket)]
@@ -218,7 +214,7 @@ class Ends:
         tid, _, bs_id = key
         out = self.sender.outgoing.get((tid, bs_id))
         if out is not None and out.rec.key == key and out.rec.terminal:
-            del self.sender.outgoing[(tid, bs_id)]
+            self.sender.forget((tid, bs_id))
         inc = self.receiver.incoming.get((tid, bs_id))
         if inc is not None and inc.rec.key == key and inc.rec.terminal:
             self.receiver.forget((tid, bs_id))

@@ -163,7 +163,7 @@ class TransferEngine:
         new = self.table.get(out.rec.key) is None
         if new and not out.via_lane:  # the lane's booking of a copy already made is never refused
             self._check_transfer_cap(out.rec.session_id)
-        self.sender.outgoing[(out.rec.transfer_id, out.bs.buffer_set_id)] = out
+        self.sender.add(out)
         if new:
             self.table.add(out.rec)
         self.sender.enqueue(out, chunk)

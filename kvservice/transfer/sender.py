@@ -143,11 +143,30 @@ class Sender:
     ) -> None:
         self.table = table
         self.dispatch = dispatch
-        self.outgoing: dict[tuple[str, str], Outgoing] = {}
+        self.outgoing: dict[tuple[str, str], Outgoing] = {}  # (transfer id, buffer set id) -> it
+        self._by_tid: dict[str, dict[str, Outgoing]] = {}  # transfer id -> buffer set id -> it
         self._budgets: dict[str, ByteBudget] = {}
         self._workers = workers_per_peer
         self._inflight = peer_inflight_mb << 20
         self.queue_depth: collections.Counter[str] = collections.Counter()
+
+    def add(self, out: Outgoing) -> None:
+        key = (out.rec.transfer_id, out.bs.buffer_set_id)
+        self.outgoing[key] = out
+        self._by_tid.setdefault(key[0], {})[key[1]] = out
+
+    def of(self, transfer_id: str) -> list[Outgoing]:
+        """The outgoing sides of ``transfer_id`` (every source buffer set), in O(their number)."""
+        return list(self._by_tid.get(transfer_id, {}).values())
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """Drop a finished outgoing side (the table pruned its record)."""
+        out = self.outgoing.pop(key, None)
+        per = self._by_tid.get(key[0])
+        if out is not None and per is not None and per.get(key[1]) is out:
+            del per[key[1]]
+            if not per:
+                del self._by_tid[key[0]]
 
     def enqueue(self, out: Outgoing, chunk: Chunk) -> None:
         out.chunks.append(chunk)

@@ -47,7 +47,7 @@ def test_peer_rows_from_a_directory_and_channels() -> None:
     peer = types.SimpleNamespace(service_id="svc-b", is_self=False)
     engine = types.SimpleNamespace(
         peers=types.SimpleNamespace(_peers={"b:1": peer}),
-        mover=types.SimpleNamespace(channels={"b:1": types.SimpleNamespace(_call=object())}),
+        dispatch=types.SimpleNamespace(channels={"b:1": types.SimpleNamespace(_call=object())}),
         sender=types.SimpleNamespace(queue_depth={"b:1": 2}),
     )
     rtts = PeerRtts()
