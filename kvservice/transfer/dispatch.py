@@ -105,7 +105,7 @@ class Dispatch:
     @property
     def channels(self) -> dict[str, Any]:
         """Open peer channels by address (ops/snapshot reads them)."""
-        return {a: p.channel for a, p in self.ports.items() if p.channel is not None}
+        return {a: p.opened for a, p in self.ports.items() if p.opened is not None}
 
     async def close(self) -> None:
         for port in self.ports.values():

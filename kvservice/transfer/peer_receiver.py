@@ -71,9 +71,15 @@ class PeerReceiver:
         self._same_host_auto = same_host_auto
         self._note = note  # (out, why) -> None: records and logs a same-host refusal
         self._remote_lists: dict[tuple[str, str, int], RemoteDescList] = {}  # prepped once per rank × epoch
-        self.channel: OutboundChannel | None = (
-            OutboundChannel(peer.address, lambda: peer.stub, me) if "channel" in peer.capabilities else None
-        )
+        self.opened: OutboundChannel | None = None  # the channel, once a handshake said the peer has one
+
+    @property
+    def channel(self) -> OutboundChannel | None:
+        """The persistent channel to the receiving service (None: a peer without one). Made at
+        first use after a handshake: a port made before one (an early abort) gets it later."""
+        if self.opened is None and "channel" in self.peer.capabilities:
+            self.opened = OutboundChannel(self.peer.address, lambda: self.peer.stub, self._me)
+        return self.opened
 
     # -- plans -----------------------------------------------------------------------------------
     async def targets(self, out: Outgoing) -> list[Target]:
@@ -239,5 +245,5 @@ class PeerReceiver:
                 )
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        if self.opened is not None:
+            await self.opened.close()
