@@ -10,7 +10,7 @@ import numpy as np
 
 from ..buffers import BufferSet
 from ..errors import FailedPrecondition
-from .port import Plan
+from .values import Plan
 
 __all__ = ["aux_rows"]
 

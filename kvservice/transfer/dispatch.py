@@ -23,12 +23,13 @@ from .local_receiver import LocalReceiver
 from .peer_pools import PeerPools
 from .peer_receiver import PeerReceiver
 from .plan import ChunkMap
-from .port import Commit, ReceiverPort
+from .port import ReceiverPort
 from .routes import RouteContext, commit
 from .routes.direct import DirectRoute
 from .routes.packed import PackedRoute
 from .routes.same_node import SameNodeRoute
-from .sender import Chunk, Outgoing, Target
+from .sender import Chunk, Outgoing
+from .values import Commit, Target
 
 __all__ = ["Dispatch", "path_of"]
 

@@ -25,9 +25,9 @@ from ..errors import Aborted, FailedPrecondition, KVServiceError, NotFound
 from ..kernels.streams import run_on_device
 from . import trace
 from .integrity import landed_check, unpack_verified
-from .port import Commit
 from .receiver import Incoming, Receiver
 from .records import TransferTable
+from .values import Commit
 
 __all__ = ["Inbound"]
 

@@ -19,9 +19,9 @@ import numpy as np
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, NotFound
 from ..identity import LOCAL_PEER
 from .aux_rows import aux_rows
-from .port import Commit, Plan, Reserved
 from .receiver import plan_of
-from .sender import Chunk, Outgoing, Target
+from .sender import Chunk, Outgoing
+from .values import Commit, Plan, Reserved, Target
 
 __all__ = ["LocalReceiver"]
 

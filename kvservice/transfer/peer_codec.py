@@ -13,7 +13,7 @@ from kvservice_client import Layout
 from kvservice_client._proto import common_pb2, peer_pb2
 
 from ..kernels.heads import HeadRoute
-from .port import Commit, Plan, Region
+from .values import Commit, Plan, Region
 
 __all__ = ["PATH_NAME", "commit_from_pb", "commit_to_pb", "plan_from_pb", "plan_to_pb"]
 

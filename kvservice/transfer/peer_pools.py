@@ -19,7 +19,7 @@ from ..buffers import MappedRegion
 from ..buffers.memory import MemoryImporter
 from ..errors import FailedPrecondition, KVServiceError
 from ..kernels import KVRegions
-from .port import Plan
+from .values import Plan
 
 __all__ = ["PeerPools"]
 

@@ -29,9 +29,9 @@ from .peer_channel import OutboundChannel
 from .peer_codec import commit_to_pb, plan_from_pb
 from .peer_pools import PeerPools
 from .peers import PeerClient, error_from_code
-from .port import Commit, Plan, Reserved
-from .sender import Chunk, Outgoing, Target
+from .sender import Chunk, Outgoing
 from .transport import MemKind, RemoteDescList, Transport
+from .values import Commit, Plan, Reserved, Target
 from .writes import post_write, wait_write
 
 __all__ = ["PeerReceiver"]

@@ -36,8 +36,8 @@ from ..errors import (
 from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
 from .plan import Units
-from .port import Plan, Region
 from .records import Record, TransferTable
+from .values import Plan, Region
 
 __all__ = ["Incoming", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
 

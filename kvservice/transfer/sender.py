@@ -19,18 +19,13 @@ import time
 from typing import Any, Protocol
 
 import numpy as np
-from kvservice_client import Layout
 
-from .. import kernels
 from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, KVServiceError
-from ..kernels import KVRegions
-from ..kernels._regions import HEAD_MAJOR
-from ..kernels.heads import HeadRoute
 from .budget import ByteBudget
-from .plan import ChunkMap, Units, map_chunk
-from .port import Plan
+from .plan import ChunkMap, map_chunk
 from .records import Record, TransferTable
+from .values import Target
 
 __all__ = ["Chunk", "Outgoing", "Sender", "Target", "check_live"]
 
@@ -46,48 +41,6 @@ class Chunk:
     aux: dict[str, np.ndarray]
     queued: float
     copied: tuple[int, int] | None = None  # (bytes, µs): the native lane already copied it
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A receiver rank this sender writes to (from its receive plan)."""
-
-    plan: Plan
-    full_heads: bool
-    dst_regions: KVRegions | None = None  # the receiver rank's pools, mapped here (fused route)
-    units: Units = Units(1, 1, 1)  # pages of different sizes move as units of their gcd
-    head_major: bool = False  # the receiver's page order: staging is packed that way
-    converts: bool = False  # page size or page layout differ: kernels only (no DIRECT page copy)
-
-    @classmethod
-    def of(cls, plan: Plan, src: Layout, dst_regions: KVRegions | None = None) -> Target:
-        dst = plan.dst_layout
-        converts = src.page_size != dst.page_size or src.page_layout != dst.page_layout
-        full = plan.route.num_heads == src.local_kv_heads == dst.local_kv_heads
-        hm = dst.page_layout in HEAD_MAJOR
-        return cls(plan, full, dst_regions, Units.of(src, dst), hm, converts)
-
-    @property
-    def route(self) -> HeadRoute:
-        return self.plan.route
-
-    @property
-    def dst_pages(self) -> np.ndarray:
-        return self.plan.dst_pages
-
-    def pack(self, regions: KVRegions, src: np.ndarray, out: Any = None) -> Any:
-        """``kernels.pack`` of this route's head slice, in the receiver's unit and page order (its
-        unpack is then the straight copy); into ``out`` if given (asynchronous on CUDA)."""
-        r = self.route
-        return kernels.pack(
-            regions,
-            src,
-            out,
-            head_start=r.src_head_start,
-            num_heads=r.num_heads,
-            unit=self.units.tokens,
-            head_major=self.head_major,
-        )
 
 
 @dataclasses.dataclass(eq=False)

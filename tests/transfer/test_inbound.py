@@ -17,9 +17,9 @@ from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError
 from kvservice.staging import StagingPool
 from kvservice.transfer.inbound import Inbound
 from kvservice.transfer.plan import Units
-from kvservice.transfer.port import Commit
 from kvservice.transfer.receiver import Incoming, Receiver
 from kvservice.transfer.records import Record, TransferTable
+from kvservice.transfer.values import Commit
 
 SENDER = "prefill/0"
 HEADS = LAYOUT.local_kv_heads

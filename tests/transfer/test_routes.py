@@ -21,12 +21,12 @@ from kvservice.kernels.heads import HeadRoute
 from kvservice.staging import StagingPool
 from kvservice.transfer.dispatch import path_of
 from kvservice.transfer.plan import map_chunk
-from kvservice.transfer.port import Commit, Plan, Reserved
 from kvservice.transfer.records import Record, TransferTable
 from kvservice.transfer.routes import RouteContext
 from kvservice.transfer.routes.packed import PackedRoute
 from kvservice.transfer.routes.same_node import SameNodeRoute
-from kvservice.transfer.sender import Chunk, Outgoing, Target
+from kvservice.transfer.sender import Chunk, Outgoing
+from kvservice.transfer.values import Commit, Plan, Reserved, Target
 
 LAYOUT = Layout.mha(
     num_layers=2,

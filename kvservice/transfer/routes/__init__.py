@@ -18,10 +18,11 @@ from typing import Any
 
 from ...buffers import BufferSet
 from ...kernels import KVRegions
-from ..port import Commit, ReceiverPort, Reserved
+from ..port import ReceiverPort
 from ..records import TransferTable
-from ..sender import Outgoing, Target
+from ..sender import Outgoing
 from ..transport import Transport
+from ..values import Commit, Reserved, Target
 
 __all__ = ["RouteContext", "commit"]
 

@@ -18,8 +18,9 @@ import numpy as np
 from ..descriptors import prepped_indices
 from ..integrity import pages_check
 from ..plan import ChunkMap
-from ..port import Commit, ReceiverPort
-from ..sender import Chunk, Outgoing, Target
+from ..port import ReceiverPort
+from ..sender import Chunk, Outgoing
+from ..values import Commit, Target
 from ..writes import wait_write
 from . import RouteContext, commit
 

@@ -27,8 +27,9 @@ from ... import kernels
 from ...kernels.streams import on_side_stream
 from ..integrity import pack_hashed
 from ..plan import ChunkMap
-from ..port import Commit, ReceiverPort
-from ..sender import Chunk, Outgoing, Target, check_live
+from ..port import ReceiverPort
+from ..sender import Chunk, Outgoing, check_live
+from ..values import Commit, Target
 from . import RouteContext, commit
 
 __all__ = ["PIPELINE", "PackedRoute"]

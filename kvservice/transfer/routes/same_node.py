@@ -28,8 +28,9 @@ from ...kernels.streams import on_side_stream, run_on_device
 from .. import trace
 from ..integrity import pages_check
 from ..plan import ChunkMap
-from ..port import Commit, ReceiverPort
-from ..sender import Chunk, Outgoing, Target, check_live
+from ..port import ReceiverPort
+from ..sender import Chunk, Outgoing, check_live
+from ..values import Commit, Target
 from . import RouteContext, commit
 
 __all__ = ["INLINE_BYTES", "SameNodeRoute"]
