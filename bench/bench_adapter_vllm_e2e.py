@@ -93,7 +93,11 @@ class Pair:
         env_p: dict[str, str] = dict(CPU_BIND)
         env_d: dict[str, str] = dict(CPU_BIND)
         if kind == "kvservice":
-            self.services = [MeteredService("bench-p"), MeteredService("bench-d")]
+            # integrity=None: the service's default (tests turn it on), as in production
+            self.services = [
+                MeteredService("bench-p", integrity=None),
+                MeteredService("bench-d", integrity=None),
+            ]
             for s in self.services:
                 s.wait_ready()
             conn_p, conn_d = self.services[0].address, self.services[1].address

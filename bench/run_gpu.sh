@@ -15,6 +15,9 @@ LOG="$OUT/log_$1.txt"
 run() { echo "== $*" | tee -a "$LOG"; timeout "${T:-240}" python3 "$@" --out "$OUT" 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
 if [ "$1" = x1 ]; then
+  # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
+  # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json
+  T=300 run bench/bench_convert.py --device cuda --tokens 16384 --layers 32 --heads 8 --iters 5 --tag matrix
   # same node: one service (fused), two services on this host (fused over CUDA IPC), cross-node forced
   T=150 run bench/bench_transfer.py --device cuda --same-node --paths auto,packed
   # deltas: a page is layers x K/V x 32 KiB: 64 KiB = 1 layer x 1 page, 1 MiB = 16 layers, 64 MiB = 32 pages

@@ -31,8 +31,18 @@ pytestmark = [
 ]
 
 
+def _env() -> dict[str, str]:
+    """The benchmarks' environment: their service processes inherit it, so end-to-end integrity
+    is on here as in every test (issue 33); run by hand they keep the service's default (off)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")]),
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",
+    }
+
+
 def _run(name: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    env = _env()
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--small", "--device", "cpu", "--out", str(out)],
         cwd=ROOT,
@@ -62,7 +72,7 @@ def test_every_benchmark_runs_small_and_writes_json(tmp_path: Path) -> None:
 def test_bench_routing_small_replays_every_policy(tmp_path: Path) -> None:
     """bench_routing --small: every policy serves the short trace against real services, every
     received page is verified, and no transfer read an evicted page."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    env = _env()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_routing.py"), "--small", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -93,7 +103,7 @@ def test_bench_transfer_small_across_network_namespaces(tmp_path: Path) -> None:
         if os.environ.get("CI"):
             pytest.fail("CI runs as root with iproute2: --netns must run there")
         pytest.skip("network namespaces need root and iproute2")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    env = _env()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_transfer.py"), "--small", "--netns", "--paths", "packed"]
         + ["--timeline", "--out", str(tmp_path)],

@@ -21,7 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not nixl_available(), reason=
 
 @pytest.mark.timeout(280)
 def test_short_soak_loses_and_corrupts_nothing(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")]),
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # its services inherit it: on in tests (issue 33)
+    }
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), "--total", "1500", "--inflight", "150",
          "--sample-s", "1", "--warmup", "0.3", "--out", str(tmp_path), "--name", "soak"],

@@ -20,7 +20,11 @@ def test_go_client_matches_leases_watches_against_a_live_service() -> None:
         if os.environ.get("CI"):
             pytest.fail("Go is required in CI for the router client test")
         pytest.skip("Go is not installed")
-    env = {**os.environ, "KVCLIENT_TEST_SERVICE": str(Path(sys.executable).with_name("kvservice"))}
+    env = {
+        **os.environ,
+        "KVCLIENT_TEST_SERVICE": str(Path(sys.executable).with_name("kvservice")),
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # the services it starts inherit it: on in tests (issue 33)
+    }
     r = subprocess.run(
         [go, "test", "-count=1", "-v", "./..."],
         cwd=ROOT / "clients" / "go", env=env, capture_output=True, text=True, timeout=600,

@@ -7,20 +7,25 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvservice_procs(
-    tmp: Path, names: tuple[str, ...], **env: str
+    tmp: Path, names: tuple[str, ...], *, launcher: Sequence[str] = ("-m", "kvservice"), **env: str
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     """Start one kvservice process per name on a Unix socket under ``tmp`` (``env`` adds or
-    overrides settings); return them and their addresses once every socket exists."""
+    overrides settings; end-to-end integrity is on, as in every test (issue 33), unless ``env``
+    says ``KVSERVICE_TRANSFER_INTEGRITY="0"``; ``launcher``: the interpreter's arguments in
+    place of ``-m kvservice``, e.g. a fault-injecting script); return them and their addresses
+    once every socket exists."""
     full = {
         **os.environ,
         "KVSERVICE_LOG_FORMAT": "text",
         "KVSERVICE_VRAM_STAGING_MB": "256",
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",
         "PYTHONPATH": os.pathsep.join(
             [str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")]
         ),
@@ -30,7 +35,7 @@ def kvservice_procs(
     for name in names:
         sock = tmp / f"{name}.sock"
         procs.append(
-            subprocess.Popen([sys.executable, "-m", "kvservice", "--uds-path", str(sock)], cwd=ROOT, env=full)
+            subprocess.Popen([sys.executable, *launcher, "--uds-path", str(sock)], cwd=ROOT, env=full)
         )
         socks.append(f"unix:{sock}")
     end = time.monotonic() + 60

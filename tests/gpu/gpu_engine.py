@@ -7,6 +7,7 @@ tensors of PyTorch's caching allocator often do).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
@@ -49,6 +50,13 @@ def main() -> None:
                 [int(x) for x in t.view(-1, pb)[pages].to(torch.int64).sum(dim=1).tolist()] for t in k + v
             ]
             out["bytes"] = [t.view(-1, pb)[pages].cpu().numpy().tobytes().hex()[:64] for t in k[:1]]
+        elif op == "digest":  # sha256 of the named pages' bytes (in the order named), per region
+            pb = layout.page_bytes_k  # type: ignore[union-attr]
+            torch.cuda.synchronize()
+            out["digests"] = [
+                hashlib.sha256(t.view(-1, pb)[cmd["pages"]].cpu().numpy().tobytes()).hexdigest()
+                for t in k + v
+            ]
         elif op == "head_sums":  # [region][page][local head] byte sums
             lay = layout
             pages = cmd["pages"]

@@ -25,7 +25,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PACK_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
 FUSED_BACKENDS = ["torch", "triton"] + (["cpu"] if DEVICE == "cpu" else [])
 PAGE_LAYOUTS = ["nhd", "hnd", "hnd_kv", "kv_nhd", "kv_hnd", "nhc", "hnc"]
-PAIRS = [(16, 16), (1, 16), (64, 16), (16, 32)]  # (sender page, receiver page): SGLang 1/64, vLLM 16/32
+# (sender page, receiver page): SGLang 1/64, vLLM 16/32; the receiver's page equal, larger and
+# smaller (each direction, page 1 on either side)
+PAIRS = [(16, 16), (1, 16), (16, 1), (64, 16), (16, 64), (16, 32), (32, 16)]
 L, D = 2, 8
 
 

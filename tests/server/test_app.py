@@ -96,7 +96,12 @@ def test_unbuilt_rpcs_answer_unimplemented(server) -> None:
 def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
     """`python -m kvservice` exits 0 on SIGTERM after draining and removes its socket."""
     sock = tmp_path / "kv.sock"
-    env = {**os.environ, "KVSERVICE_LOG_FORMAT": "text", "KVSERVICE_GRACE_PERIOD_S": "2"}
+    env = {
+        **os.environ,
+        "KVSERVICE_LOG_FORMAT": "text",
+        "KVSERVICE_GRACE_PERIOD_S": "2",
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # on in tests (issue 33)
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvservice", "--uds-path", str(sock)],
         cwd=ROOT,

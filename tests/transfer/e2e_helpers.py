@@ -163,11 +163,27 @@ def eventually(pred: Callable[[], Any], timeout: float = 5.0, what: str = "") ->
 
 
 # -- service processes (python -m kvservice, NIXL) -------------------------------------------
+# End-to-end integrity is on in tests (issue 33), as for in-process services (service_thread.py);
+# its default (off) stays what benchmarks and production run.
+SERVICE_MODULE = (sys.executable, "-m", "kvservice")
+
+
 class ServiceProc:
     """A ``python -m kvservice`` process on a Unix socket in a fresh temporary directory
-    (``netns``: run it in that network namespace; ``env``: extra environment)."""
+    (``netns``: run it in that network namespace; ``env``: extra environment; ``integrity``:
+    transfer_integrity on (the tests' default) or off, None: as the environment says (the
+    service's default: benchmarks); ``launcher``: the command in place of ``python -m kvservice``,
+    e.g. ``faulty_service.py``)."""
 
-    def __init__(self, name: str, *args: str, netns: str = "", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *args: str,
+        netns: str = "",
+        env: dict[str, str] | None = None,
+        integrity: bool | None = True,
+        launcher: Sequence[str] = SERVICE_MODULE,
+    ) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"kvs-e2e-{name}-")
         self.sock = os.path.join(self.dir, "kv.sock")
         self.address = f"unix:{self.sock}"
@@ -175,9 +191,7 @@ class ServiceProc:
         prefix = ["ip", "netns", "exec", netns] if netns else []
         self.argv = [
             *prefix,
-            sys.executable,
-            "-m",
-            "kvservice",
+            *launcher,
             "--uds-path",
             self.sock,
             "--log-format",
@@ -186,7 +200,8 @@ class ServiceProc:
             "WARNING",
             *args,
         ]
-        self.env = {**os.environ, **(env or {})}
+        chosen = {} if integrity is None else {"KVSERVICE_TRANSFER_INTEGRITY": "1" if integrity else "0"}
+        self.env = {**os.environ, **chosen, **(env or {})}
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen[bytes]:
@@ -262,9 +277,9 @@ class MeteredService(ServiceProc):
 
     COUNTERS = ("bytes", "pages_sent", "pages_skipped", "skipped_bytes")
 
-    def __init__(self, name: str, *args: str) -> None:
+    def __init__(self, name: str, *args: str, **kw: Any) -> None:
         self.metrics_port = free_port()
-        super().__init__(name, "--metrics-port", str(self.metrics_port), *args)
+        super().__init__(name, "--metrics-port", str(self.metrics_port), *args, **kw)
 
     def moved(self, role: str = "receiver") -> dict[str, float]:
         """``kvservice_transfer_{bytes,pages_sent,pages_skipped,skipped_bytes}_total`` of ``role``

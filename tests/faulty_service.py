@@ -1,0 +1,49 @@
+"""``python tests/faulty_service.py ARGS``: ``python -m kvservice ARGS`` with a fault injected, for
+tests of services that run as processes (in-process services are monkeypatched instead, as in
+tests/transfer/test_integrity.py). Without its variable it is the plain service.
+
+``KVS_TEST_CORRUPT_PACKED=<file>``: while ``<file>`` exists, each packed batch this service sends
+has one byte flipped after the sender's checksum was taken (behind its pack, ``pack_hashed``) and
+before the batch is written to the receiver: what arrives is not what the check covers, a staging
+batch corrupted in transit. Each corrupted batch appends a line to ``<file>``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+
+def _corrupt_packed(trigger: str) -> None:
+    import torch
+
+    from kvservice.transfer.routes import packed
+
+    real = packed.pack_hashed
+
+    async def corrupting(plan: Any, target: Any, regions: Any, src: Any, view: Any, **kw: Any) -> Any:
+        check = await real(plan, target, regions, src, view, **kw)
+        if view is not None and os.path.exists(trigger):
+            flat = view.reshape(-1)
+            flat[flat.numel() // 2] ^= 0x5A
+            if flat.is_cuda:  # on the device before the write reads the batch
+                torch.cuda.synchronize(flat.device)
+            with open(trigger, "a") as f:
+                f.write(f"corrupted a packed batch of {flat.numel()} bytes on {flat.device}\n")
+        return check
+
+    packed.pack_hashed = corrupting
+
+
+def main() -> int:
+    trigger = os.environ.get("KVS_TEST_CORRUPT_PACKED")
+    if trigger:
+        _corrupt_packed(trigger)
+    from kvservice.cli import main as serve
+
+    return serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
