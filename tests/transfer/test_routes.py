@@ -28,16 +28,21 @@ from kvservice.transfer.routes.same_node import SameNodeRoute
 from kvservice.transfer.sender import Chunk, Outgoing
 from kvservice.transfer.values import Commit, Plan, Reserved, Target
 
-LAYOUT = Layout.mha(
-    num_layers=2,
-    page_size=4,
-    num_pages=32,
-    total_kv_heads=2,
-    head_dim=8,
-    dtype="float16",
-    tp_size=1,
-    tp_rank=0,
-)
+
+def _layout(page_size: int = 4) -> Layout:
+    return Layout.mha(
+        num_layers=2,
+        page_size=page_size,
+        num_pages=32,
+        total_kv_heads=2,
+        head_dim=8,
+        dtype="float16",
+        tp_size=1,
+        tp_rank=0,
+    )
+
+
+LAYOUT = _layout()
 
 
 def _regions(lay: Layout, seed: int) -> KVRegions:
@@ -216,16 +221,7 @@ def test_a_packed_batch_that_cannot_be_written_gives_its_room_back() -> None:
 
 
 def _target(mapped: bool, heads: int = 2, direct_ok: bool = True, page_size: int = 4) -> Target:
-    dst_lay = Layout.mha(
-        num_layers=2,
-        page_size=page_size,
-        num_pages=32,
-        total_kv_heads=2,
-        head_dim=8,
-        dtype="float16",
-        tp_size=1,
-        tp_rank=0,
-    )
+    dst_lay = _layout(page_size)
     plan = Plan("t", "d", dst_lay, 0, np.arange(4), HeadRoute(0, 0, 0, 0, heads), direct_ok=direct_ok)
     return Target.of(plan, LAYOUT, _regions(dst_lay, 0) if mapped else None)
 
