@@ -62,7 +62,7 @@ class LocalReceiver:
         key = self._key(out)
         return [
             Target.of(
-                plan_of(inc, route, inc.bs.buffer_set_id not in self._no_direct, key),
+                plan_of(inc, route, inc.bs.buffer_set_id not in self._no_direct, key, addresses=False),
                 lay,
                 self._regions_of(inc),
             )

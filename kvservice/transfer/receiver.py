@@ -82,8 +82,12 @@ def _region(r: MappedRegion) -> Region:
     return Region(r.address, r.size, r.mem_kind, r.device)
 
 
-def plan_of(inc: Incoming, route: HeadRoute, direct_ok: bool, sender_key: str = "") -> Plan:
-    """What sender rank ``sender_key`` needs to write into ``inc``'s pages, with its ticket."""
+def plan_of(
+    inc: Incoming, route: HeadRoute, direct_ok: bool, sender_key: str = "", addresses: bool = True
+) -> Plan:
+    """What sender rank ``sender_key`` needs to write into ``inc``'s pages, with its ticket
+    (``addresses=False``: without the KV regions' addresses, for a sender in this very service,
+    which copies into the regions themselves)."""
     bs = inc.bs
     return Plan(
         transfer_id=inc.rec.transfer_id,
@@ -99,7 +103,7 @@ def plan_of(inc: Incoming, route: HeadRoute, direct_ok: bool, sender_key: str = 
         expected_senders=inc.expected_senders,
         remaining_ms=max(0, int((inc.rec.deadline - time.monotonic()) * 1000)),
         aux=inc.aux,
-        kv_regions=tuple(_region(r) for r in bs.regions),
+        kv_regions=tuple(_region(r) for r in bs.regions) if addresses else (),
         aux_regions=tuple(_region(a.region) for a in bs.aux),
         aux_row_bytes=tuple(a.row_bytes for a in bs.aux),
         aux_names=tuple(a.name for a in bs.aux),

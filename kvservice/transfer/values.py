@@ -12,7 +12,7 @@ Protobuf never appears here: peer_codec.py converts at the peer boundary.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from kvservice_client import Layout
@@ -27,8 +27,7 @@ from .plan import Units
 __all__ = ["Commit", "Plan", "Region", "Reserved", "Target"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Region:
+class Region(NamedTuple):
     """A receiver memory region as a sender addresses it."""
 
     address: int
