@@ -71,6 +71,8 @@ class App:
 
     @property
     def peer_address(self) -> str:
+        """Address other kvservices reach this one at: ``advertise_address``, else the peer TCP
+        listener (or the engine TCP port when it serves peers), else the engine address."""
         cfg = self.node.config
         if cfg.advertise_address:
             return cfg.advertise_address
@@ -85,6 +87,8 @@ class App:
     async def start(self) -> None:
         from ..transfer.engine import TransferEngine
 
+        if self.servicer is not None:  # told to every session (SessionEvent.peer_address)
+            self.servicer.peer_address = self.peer_address
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()

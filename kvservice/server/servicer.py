@@ -43,6 +43,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         self.admins = AdminPolicy(node.config, node.credentials)
         self.activity = activity or RecentTransfers()  # App.start feeds it the finished transfers
         self.rtts = PeerRtts()
+        # NOTE: App.start sets it (App.peer_address) before serving; each session's first event
+        self.peer_address = ""
 
     def _session(self, context: Ctx) -> str:
         return self.node.sessions.require(convert.session_of(context)).session_id
@@ -66,6 +68,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
                 session_id=session.session_id,
                 grace_ms=int(self.node.config.session_grace_s * 1000),
                 resumed=bool(request.resume_session_id),
+                peer_address=self.peer_address,
             )
             notices = self.node.session_notices(session.session_id)
             while True:  # held until the stream ends (cancellation); carries notices meanwhile

@@ -1,5 +1,7 @@
 """The adapters name the prefill's kvservice in the decode's ExpectDelta (``sender_address``, issue 33
 item 2), so its service fills ``allowed_senders`` and a third party cannot fetch the plan first.
+A prefill configured with no peer address names what its service says it is (``SessionEvent.
+peer_address``, the SDK's ``service_peer_address``); a configured one wins.
 
 Three in-process services over mutual TLS, one cluster CA: the prefill's (``prefill-a``), another
 member's (``prefill-c``, the third party) and the decode's (``decode-b``). Each adapter's decode
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -71,6 +75,34 @@ def sgl() -> Any:
         sglang_stub.uninstall(added)
         for name in ("kvservice_sglang.conn", "kvservice_sglang"):
             sys.modules.pop(name, None)
+
+
+_VLLM_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+
+
+@pytest.fixture
+def vllm_sched(monkeypatch: Any) -> Any:
+    """kvservice_vllm.scheduler over the real vLLM if installed, else over a stand-in for the one
+    base class its step metadata derives from (removed after); every prefill ran to max_tokens."""
+    added: list[str] = []
+    try:
+        __import__(_VLLM_BASE)
+    except ImportError:
+        parts = _VLLM_BASE.split(".")
+        for name in (".".join(parts[: i + 1]) for i in range(len(parts))):
+            if name not in sys.modules:
+                sys.modules[name] = types.ModuleType(name)
+                added.append(name)
+        sys.modules[_VLLM_BASE].KVConnectorMetadata = type("KVConnectorMetadata", (), {})  # type: ignore[attr-defined]
+    import kvservice_vllm.scheduler as sched
+
+    monkeypatch.setattr(sched, "_capped", lambda request: True)
+    yield sched
+    if added:
+        for name in (*added, "kvservice_vllm.scheduler", "kvservice_vllm.meta"):
+            sys.modules.pop(name, None)
+        for attr in ("scheduler", "meta"):  # the package keeps its submodules as attributes
+            vars(sys.modules["kvservice_vllm"]).pop(attr, None)
 
 
 @pytest.fixture
@@ -178,6 +210,62 @@ def test_vllm_landing_and_its_fallback_name_the_prefill(mtls, calls, refused: bo
             pool.close()
 
 
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def _request(rid: str, params: dict[str, Any]) -> Any:
+    """What the scheduler side reads of a vLLM Request."""
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(TOKENS)), kv_transfer_params=params)
+
+
+def test_a_vllm_prefill_without_configuration_names_what_its_service_says(mtls, calls, vllm_sched) -> None:
+    """No kvservice_peer_address: the prefill's scheduler side asks its kvservice (off the
+    scheduler's thread) and its answer names it as ``kvservice_sender``; the decode's RecvJob
+    declares with it, the third party is refused, the prefill's own SendJob delivers byte-exact.
+    A configured address wins (no lookup)."""
+    a, b, c = mtls["a"], mtls["b"], mtls["c"]
+    SchedulerSide = vllm_sched.SchedulerSide  # noqa: N806
+    configured = SchedulerSide(
+        SPEC.page, DEADLINE_MS, peer_address="10.9.9.9:50052", service_address=a.address
+    )
+    assert configured.peer_address_known.is_set() and configured.peer_address == "10.9.9.9:50052"
+    prefill = SchedulerSide(SPEC.page, DEADLINE_MS, service_address=a.address)
+    assert prefill.peer_address_known.wait(20)
+    assert prefill.peer_address == a.app.peer_address != a.address  # its peer listener, not the socket
+    src, rogue, dst = (EnginePool(SPEC, s.address, "cpu", n) for s, n in ((a, "pa"), (c, "pc"), (b, "db")))
+    try:
+        for i, pool in enumerate((src, rogue, dst)):
+            pool.fill(seed=41 + i)
+        before = dst.digests(DST, 0, TOKENS)
+        asked = {"do_remote_decode": True, "kvservice_peer": b.app.peer_address, "transfer_id": "t-auto"}
+        hold, params = prefill.request_finished(_request("p-auto", asked), SRC)
+        assert hold and params is not None and params["kvservice_sender"] == a.app.peer_address
+        decode = SchedulerSide(SPEC.page, DEADLINE_MS)
+        req = _request("d-auto", dict(params))  # the proxy forwards the prefill's params as they are
+        decode.get_num_new_matched_tokens(req, 0)
+        decode.update_state_after_alloc(req, _Blocks(DST), TOKENS)
+        meta = decode.build_connector_meta()
+        assert [j.sender for j in meta.recvs] == [a.app.peer_address]
+        assert dst.worker is not None and src.worker is not None
+        dst.worker.submit(meta)
+        until(lambda: declared(b, "t-auto"))
+        assert calls[0][1]["sender_address"] == a.app.peer_address
+        assert declared(b, "t-auto")[0].allowed_senders == {"prefill-a", "local"}
+        _rogue_is_refused(rogue, "t-auto", b.app.peer_address)
+        assert dst.digests(DST, 0, TOKENS) == before
+        src.worker.submit(prefill.build_connector_meta())  # the prefill's SendJob
+        assert src.wait()["ok"] and dst.wait()["ok"]
+        assert dst.digests(DST, 0, TOKENS) == src.digests(SRC, 0, TOKENS)
+    finally:
+        for pool in (src, rogue, dst):
+            pool.close()
+
+
 # -- SGLang ---------------------------------------------------------------------------------------
 def _check_bytes(p: Pools, d: Pools, src: np.ndarray, dst: np.ndarray, rows: tuple[int, int]) -> None:
     """The prefill's pages in ``dst``, its aux row in the decode's (no view outlives the call)."""
@@ -189,16 +277,25 @@ def _check_bytes(p: Pools, d: Pools, src: np.ndarray, dst: np.ndarray, rows: tup
         np.testing.assert_array_equal(got[n + j][rows[1]], want[n + j][rows[0]])
 
 
-@pytest.mark.parametrize("landing", [False, True], ids=["default", "landing"])
+@pytest.mark.parametrize(
+    "landing,configured",
+    [(False, True), (True, True), (False, False)],
+    ids=["default", "landing", "unconfigured"],
+)
 def test_sglang_decode_names_the_prefill_its_bootstrap_server_announces(
-    sgl, mtls, calls, monkeypatch, landing: bool
+    sgl, mtls, calls, monkeypatch, landing: bool, configured: bool
 ) -> None:
-    """The prefill's bootstrap server names its kvservice (GET /service); the decode's ExpectDelta
-    (or landing) names it as the sender; the third party is refused; the prefill delivers
-    byte-exact, pages and aux row."""
+    """The prefill's bootstrap server names its kvservice (GET /service: configured, or what the
+    service at SGLANG_KVSERVICE_ADDRESS says); the decode's ExpectDelta (or landing) names it as
+    the sender; the third party is refused; the prefill delivers byte-exact, pages and aux row."""
     a, b, c = mtls["a"], mtls["b"], mtls["c"]
     p, d, r = Pools(1), Pools(2), Pools(3)
-    server = sgl.KVServiceBootstrapServer("127.0.0.1", 0, peer_address=a.app.peer_address)
+    if configured:
+        server = sgl.KVServiceBootstrapServer("127.0.0.1", 0, peer_address=a.app.peer_address)
+    else:  # the prefill's process: its service's address, no peer address
+        monkeypatch.delenv("SGLANG_KVSERVICE_PEER_ADDRESS", raising=False)
+        monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", a.address)
+        server = sgl.KVServiceBootstrapServer("127.0.0.1", 0)
     env = {"SGLANG_KVSERVICE_LANDING_TTL_MS": "20000"} if landing else {}
     mp = manager(sgl, monkeypatch, a, "prefill", p, SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S="10")
     md = manager(sgl, monkeypatch, b, "decode", d, **env)
@@ -249,18 +346,26 @@ def test_sglang_decode_names_the_prefill_its_bootstrap_server_announces(
             pools.close()
 
 
-def test_the_bootstrap_server_names_the_prefill_service_only_from_its_config(sgl, monkeypatch) -> None:
-    """GET /service: the configured SGLANG_KVSERVICE_PEER_ADDRESS, 404 without one; never set over HTTP."""
+def test_the_bootstrap_server_names_the_configured_service_else_what_the_service_says(
+    sgl, monkeypatch, make_server, tmp_path
+) -> None:
+    """GET /service: the configured SGLANG_KVSERVICE_PEER_ADDRESS; else what the local kvservice
+    says (its advertise_address here); 404 while no service answers; never set over HTTP."""
+    svc = make_server(tcp_address="", advertise_address="10.0.0.7:50052")
+    monkeypatch.setattr(sgl, "_SERVICE_LOOKUP_TIMEOUT_S", 0.5)
     monkeypatch.delenv("SGLANG_KVSERVICE_PEER_ADDRESS", raising=False)
-    unset = sgl.KVServiceBootstrapServer("127.0.0.1", 0)
+    unset = sgl.KVServiceBootstrapServer("127.0.0.1", 0, service_address=f"unix:{tmp_path}/nobody.sock")
+    told = sgl.KVServiceBootstrapServer("127.0.0.1", 0, service_address=svc.address)
     monkeypatch.setenv("SGLANG_KVSERVICE_PEER_ADDRESS", "10.0.0.5:50052")
-    named = sgl.KVServiceBootstrapServer("127.0.0.1", 0)
+    named = sgl.KVServiceBootstrapServer("127.0.0.1", 0, service_address=svc.address)
     try:
         assert sgl._http("GET", f"http://127.0.0.1:{unset.port}/service")[0] == 404
+        assert sgl._http("GET", f"http://127.0.0.1:{told.port}/service") == (200, {"peer": "10.0.0.7:50052"})
         url = f"http://127.0.0.1:{named.port}/service"
-        assert sgl._http("GET", url) == (200, {"peer": "10.0.0.5:50052"})
+        assert sgl._http("GET", url) == (200, {"peer": "10.0.0.5:50052"})  # the configured one wins
         assert sgl._http("PUT", url, {"peer": "evil:1"})[0] == 400
         assert sgl._http("GET", url) == (200, {"peer": "10.0.0.5:50052"})  # read, not popped
     finally:
         unset.close()
+        told.close()
         named.close()

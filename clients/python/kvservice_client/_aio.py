@@ -61,6 +61,13 @@ class AsyncClient(AsyncLandingCalls):
         """Open the session if needed (or wait out a resume) and return its id."""
         return await self._session.current(self.timeout)
 
+    async def service_peer_address(self) -> str:
+        """The address other kvservices reach the service at; see
+        :attr:`Client.service_peer_address` (opens the session if needed; "" from older services).
+        """
+        await self._session.current(self.timeout)
+        return self._session.peer_address
+
     @property
     def session_resumes(self) -> int:
         return self._session.resumes

@@ -49,6 +49,7 @@ class AsyncSessionKeeper:
         self._task: asyncio.Task[None] | None = None
         self.session_id = ""
         self.grace_s = 0.0
+        self.peer_address = ""  # the service as other kvservices reach it ("" from older services)
         self.resumes = 0
 
     async def current(self, timeout: float) -> str:
@@ -148,6 +149,7 @@ class AsyncSessionKeeper:
                 call.cancel()
                 raise Unavailable("the client is closed")
             self.session_id, self.grace_s = first.session_id, first.grace_ms / 1000
+            self.peer_address = first.peer_address
             if first.resumed:
                 self.resumes += 1
             self._state = "ready"

@@ -111,6 +111,17 @@ class Client(LandingCalls):
         return self._session.current(self.timeout)
 
     @property
+    def service_peer_address(self) -> str:
+        """The address other kvservices reach this client's service at, as the service tells
+        each session (its ``advertise_address``, else its peer TCP listener, else its engine
+        address). A prefill engine names it as the sender of its transfers, so the decode's
+        service lets only that service fetch the plan (ExpectDelta's ``sender_address``).
+        Opens the session if needed; "" when the service is older and sends none.
+        """
+        self._session.current(self.timeout)
+        return self._session.peer_address
+
+    @property
     def lane_sent(self) -> int:
         """Transfers this client handed to its service's native lane (see ``lane_wire``)."""
         return self._lane.sent

@@ -178,6 +178,7 @@ class SessionKeeper:
         self._call: Any = None
         self.session_id = ""
         self.grace_s = 0.0
+        self.peer_address = ""  # the service as other kvservices reach it ("" from older services)
         self.resumes = 0
 
     def current(self, timeout: float) -> str:
@@ -281,6 +282,7 @@ class SessionKeeper:
                 call.cancel()
                 raise Unavailable("the client is closed")
             self.session_id, self.grace_s = first.session_id, first.grace_ms / 1000
+            self.peer_address = first.peer_address
             if first.resumed:
                 self.resumes += 1
             self._state = "ready"

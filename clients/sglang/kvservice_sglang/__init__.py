@@ -7,9 +7,11 @@ SGLang picks backends from a fixed enum, so run it through the launcher, which a
 
 Environment: ``SGLANG_KVSERVICE_ADDRESS`` (the local service, default ``unix:/tmp/kvservice-<uid>.sock``),
 ``SGLANG_KVSERVICE_PEER_ADDRESS`` (the address other nodes' services reach it at; a decode instance
-publishes it to the prefill's bootstrap server), ``SGLANG_KVSERVICE_DEADLINE_MS`` (30000),
-``SGLANG_KVSERVICE_LANDING_TTL_MS`` (decode; 0, the default, is off: > 0 lands a request's pages
-and metadata rows in the service's landing pool before SGLang allocates, and claims them then).
+publishes it to the prefill's bootstrap server, default ``SGLANG_KVSERVICE_ADDRESS``; a prefill's
+bootstrap server names it as the sender, default what the service says it is),
+``SGLANG_KVSERVICE_DEADLINE_MS`` (30000), ``SGLANG_KVSERVICE_LANDING_TTL_MS`` (decode; 0, the
+default, is off: > 0 lands a request's pages and metadata rows in the service's landing pool
+before SGLang allocates, and claims them then).
 
 The classes (which import SGLang) load on first use: ``kvservice_sglang.regions`` (the pools'
 registration) imports without the engine package.

@@ -23,8 +23,10 @@ the decode's allocation (seed 002's pre-allocation queue)::
 
 The decode names the prefill's kvservice as the sender (ExpectDelta's ``sender_address``, issue 33)
 so no other peer can fetch the plan first: the prefill's bootstrap server answers ``GET /service``
-with its ``SGLANG_KVSERVICE_PEER_ADDRESS`` (404 where that is not set: then no sender is named, as
-before), which the decode reads once a minute per bootstrap server, when a receiver is made.
+with its ``SGLANG_KVSERVICE_PEER_ADDRESS``, else with what its kvservice tells its sessions
+(``Client.service_peer_address``, asked once; 404 while the service cannot be reached: then no
+sender is named, as before), which the decode reads once a minute per bootstrap server, when a
+receiver is made.
 
 Only the delta moves: SGLang's prefill sends from the decode's prefix on (seed 000's
 ``decode_prefix_len``, which the prefill learns from the room), so the transfer is exactly the
@@ -50,7 +52,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
-from kvservice_client import BackgroundClient, KVClientError, TransferStatus
+from kvservice_client import BackgroundClient, Client, KVClientError, TransferStatus
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -76,6 +78,7 @@ _ROOM_TTL_S = 600.0
 _PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing]} or /room/<int>/pages {pages}"
 _LOOKUP_EVERY_S = 0.01
 _SENDER_TTL_S = 60.0  # how long a decode trusts a bootstrap server's answer to GET /service
+_SERVICE_LOOKUP_TIMEOUT_S = 3.0  # the bootstrap server asking its kvservice (within a GET's 5 s)
 
 
 class KVServiceTransferError(RuntimeError):
@@ -88,16 +91,63 @@ def transfer_id(room: int) -> str:
     return f"sgl-{int(room)}"
 
 
+def _service_address() -> str:
+    """The local kvservice (``SGLANG_KVSERVICE_ADDRESS``)."""
+    return os.environ.get("SGLANG_KVSERVICE_ADDRESS", f"unix:/tmp/kvservice-{os.getuid()}.sock")
+
+
+class _PrefillService:
+    """The prefill's kvservice as other services reach it: ``configured`` (None: not configured),
+    else what the local service tells its sessions (asked on first use, kept once it answers)."""
+
+    def __init__(self, configured: str | None, local: str) -> None:
+        self._value = configured  # None: not known yet
+        self._local = local
+        self._lock = threading.Lock()
+
+    def get(self) -> str:
+        """The address ("" while the local service cannot be reached, or is too old to say)."""
+        with self._lock:
+            if self._value is None:
+                path = self._local[len("unix:") :] if self._local.startswith("unix:") else ""
+                if path and not os.path.exists(path):  # no service there (yet): do not wait for it
+                    log.info("kvservice: no peer address yet, %s does not exist", path)
+                    return ""
+                try:
+                    with Client(
+                        self._local,
+                        client_name="sglang-bootstrap",
+                        timeout=_SERVICE_LOOKUP_TIMEOUT_S,
+                        transfer_stream=False,
+                        lane=False,
+                    ) as kv:
+                        self._value = kv.service_peer_address
+                except (KVClientError, OSError, ValueError) as exc:
+                    log.info("kvservice: no peer address from %s yet (%s)", self._local, exc)
+                    return ""
+                log.info("kvservice: this prefill names its kvservice as %r", self._value)
+            return self._value
+
+
 # -- rendezvous -----------------------------------------------------------------------------------
 class KVServiceBootstrapServer(BaseKVBootstrapServer):
     """On the prefill node: decode instances post where a room's pages go; its senders read it.
-    ``GET /service`` names the prefill's kvservice (``peer_address``, default the explicit
-    ``SGLANG_KVSERVICE_PEER_ADDRESS`` of this process, which the prefill's schedulers inherit; 404
-    without one); nobody can set it over HTTP."""
+    ``GET /service`` names the prefill's kvservice: ``peer_address`` ("": none), default the
+    ``SGLANG_KVSERVICE_PEER_ADDRESS`` of this process when set (the prefill's schedulers inherit
+    it), else what the local kvservice (``service_address``, default ``SGLANG_KVSERVICE_ADDRESS``)
+    tells its sessions; 404 while none is known. Nobody can set it over HTTP."""
 
-    def __init__(self, host: str, port: int, peer_address: str | None = None, **_: Any) -> None:
-        env = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS", "")
-        service = env if peer_address is None else peer_address
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        peer_address: str | None = None,
+        service_address: str | None = None,
+        **_: Any,
+    ) -> None:
+        if peer_address is None:
+            peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS") or None
+        prefill = _PrefillService(peer_address, service_address or _service_address())
         rooms: dict[int, tuple[float, dict[str, Any]]] = {}
         sizes: dict[int, tuple[float, dict[str, Any]]] = {}  # landing rooms: the prefill's page count
         lock = threading.Lock()
@@ -140,6 +190,7 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.strip("/") == "service":  # the prefill's kvservice: the decode's sender
+                    service = prefill.get()
                     return self._reply(200, {"peer": service}) if service else self._reply(404, {})
                 room, book = self._target()
                 with lock:
@@ -187,7 +238,7 @@ class KVServiceManager(BaseKVManager):
         self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
     ) -> None:
         self.kv_args, self.mode = args, str(getattr(disaggregation_mode, "value", disaggregation_mode))
-        self.address = os.environ.get("SGLANG_KVSERVICE_ADDRESS", f"unix:/tmp/kvservice-{os.getuid()}.sock")
+        self.address = _service_address()
         self.peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS", self.address)
         self.deadline_ms = int(os.environ.get("SGLANG_KVSERVICE_DEADLINE_MS", "30000"))
         self.bootstrap_timeout_s = float(os.environ.get("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "300"))

@@ -7,7 +7,9 @@ kv_connector_extra_config:
     landing_ttl_ms     decode: a request vLLM cannot allocate at once lands meanwhile (0: off)
     kvservice_peer_address  prefill: this instance's kvservice as other services reach it (its
                        peer address); returned as ``kvservice_sender``, the decode names it in
-                       ExpectDelta so only that service may fetch the plan ("": not named)
+                       ExpectDelta so only that service may fetch the plan. Default (""): what
+                       the local kvservice says it is (``Client.service_peer_address``); set it
+                       where peers reach the service at another address (NAT)
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class KVServiceConnector(KVConnectorBase_V1):
             # landing_ttl_ms > 0: a decode request vLLM cannot allocate at once lands meanwhile
             landing_ttl_ms = int(extra.get_from_extra_config("landing_ttl_ms", 0))
             peer_address = str(extra.get_from_extra_config("kvservice_peer_address", "") or "")
-            self._sched = SchedulerSide(self.block_size, deadline_ms, landing_ttl_ms, peer_address)
+            self._sched = SchedulerSide(
+                self.block_size, deadline_ms, landing_ttl_ms, peer_address, self.address
+            )
             self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
             pc, mc = vllm_config.parallel_config, vllm_config.model_config

@@ -20,21 +20,30 @@ request's blocks in the step that matched it (its pre-allocation would wait)::
     request_finished before its blocks came ─▶ AbortJob (the landing is freed)
 A request allocated in the step that matched it takes the default path (RecvJob) unchanged.
 
-The prefill's answer names its own kvservice (``kvservice_sender``: the ``kvservice_peer_address``
-it is configured with), and the decode's loads pass it on as ExpectDelta's ``sender_address``, so
-only that service may fetch the transfer's plan (issue 33; docs/security.md). Without it the
-params carry none and the loads name no sender, as before.
+The prefill's answer names its own kvservice (``kvservice_sender``), and the decode's loads pass it
+on as ExpectDelta's ``sender_address``, so only that service may fetch the transfer's plan (issue
+33; docs/security.md). It is the ``kvservice_peer_address`` the prefill is configured with, else
+what its kvservice tells its sessions (``Client.service_peer_address``), asked once on a
+background thread at start; until that answer comes (or when nothing answers) the params carry
+none and the loads name no sender, as before.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+import threading
+import time
 from typing import Any
 
 from .meta import AbortJob, ClaimJob, KVServiceMeta, LandJob, RecvJob, SendJob
 from .sched_timer import trace
 
 __all__ = ["SchedulerSide"]
+
+log = logging.getLogger(__name__)
+_LOOKUP_TIMEOUT_S = 10.0  # one try to open a session with the local service
+_LOOKUP_BACKOFF_S = (1.0, 30.0)  # between tries: first, most
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -46,18 +55,59 @@ def _first_group(block_ids: Any) -> list[int]:
 
 class SchedulerSide:
     def __init__(
-        self, block_size: int, deadline_ms: int, landing_ttl_ms: int = 0, peer_address: str = ""
+        self,
+        block_size: int,
+        deadline_ms: int,
+        landing_ttl_ms: int = 0,
+        peer_address: str = "",
+        service_address: str = "",
     ) -> None:
         self.block_size = block_size
         self.deadline_ms = deadline_ms
         self.landing_ttl_ms = landing_ttl_ms  # 0: no landing (the default path only)
         self.peer_address = peer_address  # prefill: this instance's kvservice as peers reach it
+        # set once peer_address is final: configured, or asked of ``service_address`` (the local
+        # kvservice) on a background thread, never on the scheduler's
+        self.peer_address_known = threading.Event()
+        if peer_address or not service_address:
+            self.peer_address_known.set()
+        else:
+            threading.Thread(
+                target=self._ask_peer_address,
+                args=(service_address,),
+                name="kvservice-peer-address",
+                daemon=True,
+            ).start()
         self._unallocated: dict[str, Any] = {}  # matched this step, no blocks yet (landing option)
         self.landed: dict[str, LandJob] = {}  # decode: landings declared, not yet claimed
         self._meta = KVServiceMeta()
         self.sending: set[str] = set()  # prefill: requests whose blocks we hold until their send ends
         self.receiving: dict[str, RecvJob | ClaimJob] = {}  # decode: loads not yet reported finished
         self._local_hit: dict[str, int] = {}  # decode: the local prefix hit seen at matching
+
+    def _ask_peer_address(self, service_address: str) -> None:
+        """``peer_address`` from the local kvservice (what it tells each session), tried until it
+        answers; "" stays when it is too old to say."""
+        from kvservice_client import Client, KVClientError
+
+        pause = _LOOKUP_BACKOFF_S[0]
+        while True:
+            try:
+                with Client(
+                    service_address,
+                    client_name="vllm-scheduler",
+                    timeout=_LOOKUP_TIMEOUT_S,
+                    transfer_stream=False,
+                    lane=False,
+                ) as kv:
+                    self.peer_address = kv.service_peer_address
+                break
+            except (KVClientError, OSError, ValueError) as exc:
+                log.info("kvservice: no peer address from %s yet (%s); retrying", service_address, exc)
+                time.sleep(pause)
+                pause = min(pause * 2, _LOOKUP_BACKOFF_S[1])
+        log.info("kvservice: this prefill names its kvservice as %r", self.peer_address)
+        self.peer_address_known.set()
 
     def _pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

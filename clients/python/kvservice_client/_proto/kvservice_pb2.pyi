@@ -68,16 +68,18 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "grace_ms", "resumed", "duplicates")
+    __slots__ = ("session_id", "grace_ms", "resumed", "duplicates", "peer_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     grace_ms: int
     resumed: bool
     duplicates: DuplicateNotice
-    def __init__(self, session_id: _Optional[str] = ..., grace_ms: _Optional[int] = ..., resumed: bool = ..., duplicates: _Optional[_Union[DuplicateNotice, _Mapping]] = ...) -> None: ...
+    peer_address: str
+    def __init__(self, session_id: _Optional[str] = ..., grace_ms: _Optional[int] = ..., resumed: bool = ..., duplicates: _Optional[_Union[DuplicateNotice, _Mapping]] = ..., peer_address: _Optional[str] = ...) -> None: ...
 
 class DuplicateNotice(_message.Message):
     __slots__ = ("buffer_set_id", "duplicated_pages")

@@ -1,0 +1,38 @@
+"""The service tells each session the address other kvservices reach it at (SessionEvent.peer_address,
+issue 33 item 2); the SDK exposes it as ``service_peer_address``, so an engine can name its own
+service as the sender of its transfers without being configured with it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvservice_client import AsyncClient, Client
+
+
+async def _async_peer_address(address: str) -> str:
+    async with AsyncClient(address) as kv:
+        return await kv.service_peer_address()
+
+
+def test_the_sdk_sees_the_services_peer_address(make_server: Any) -> None:
+    """A Unix-socket service names its engine address; with advertise_address, that value. Both
+    clients see it, from the first event of the session stream."""
+    unix = make_server(tcp_address="")
+    advertised = make_server(tcp_address="", advertise_address="10.1.2.3:50052")
+    for server, want in ((unix, unix.address), (advertised, "10.1.2.3:50052")):
+        assert server.app.peer_address == want
+        with Client(server.address) as kv:
+            assert kv.service_peer_address == want
+            assert kv.session_id  # the same session: asking opened it, nothing else
+        assert asyncio.run(_async_peer_address(server.address)) == want
+
+
+def test_an_older_service_that_sends_none_gives_an_empty_address(make_server: Any) -> None:
+    """A service that does not fill the field (older than issue 33): "" rather than a guess."""
+    server = make_server(tcp_address="")
+    assert server.app.servicer is not None
+    server.app.servicer.peer_address = ""  # what an older service sends: no field
+    with Client(server.address) as kv:
+        assert kv.service_peer_address == ""
+    assert asyncio.run(_async_peer_address(server.address)) == ""
