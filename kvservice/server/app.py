@@ -84,11 +84,31 @@ class App:
             return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.tcp_port}"
         return self.address
 
+    @property
+    def announced_address(self) -> str:
+        """What sessions are told (SessionEvent.peer_address), for a decode to name this service as
+        the sender of its transfers: only an address that means this service wherever the decode
+        runs — ``advertise_address``, or a TCP listener for peers bound to a named host. '' when
+        that is not known (a wildcard bind reports 127.0.0.1, a Unix socket only this host; a
+        sending service needs no listener at all): the engine then names no sender, as before,
+        rather than one that would refuse the real one."""
+        cfg = self.node.config
+        if cfg.advertise_address:
+            return cfg.advertise_address
+        listeners = [(self.peer_port, cfg.peer_tcp_address)]
+        if cfg.peers_on_engine_tcp:
+            listeners.append((self.tcp_port, cfg.tcp_address))
+        for port, bound in listeners:
+            host = bound.rpartition(":")[0]
+            if port and host not in ("0.0.0.0", "[::]", ""):
+                return f"{host}:{port}"
+        return ""
+
     async def start(self) -> None:
         from ..transfer.engine import TransferEngine
 
         if self.servicer is not None:  # told to every session (SessionEvent.peer_address)
-            self.servicer.peer_address = self.peer_address
+            self.servicer.peer_address = self.announced_address
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()

@@ -16,12 +16,21 @@ async def _async_peer_address(address: str) -> str:
 
 
 def test_the_sdk_sees_the_services_peer_address(make_server: Any) -> None:
-    """A Unix-socket service names its engine address; with advertise_address, that value. Both
-    clients see it, from the first event of the session stream."""
+    """advertise_address, or a peer listener bound to a named host, is announced; a Unix socket
+    alone or a wildcard bind announces nothing (a remote decode would otherwise name a sender that
+    refuses the real one). Both clients see it, from the first event of the session stream."""
     unix = make_server(tcp_address="")
     advertised = make_server(tcp_address="", advertise_address="10.1.2.3:50052")
-    for server, want in ((unix, unix.address), (advertised, "10.1.2.3:50052")):
-        assert server.app.peer_address == want
+    named = make_server(tcp_address="", peer_tcp_address="127.0.0.1:0", insecure=True)
+    wildcard = make_server(tcp_address="", peer_tcp_address="0.0.0.0:0", insecure=True)
+    cases = (
+        (unix, ""),
+        (advertised, "10.1.2.3:50052"),
+        (named, f"127.0.0.1:{named.app.peer_port}"),
+        (wildcard, ""),
+    )
+    for server, want in cases:
+        assert server.app.announced_address == want
         with Client(server.address) as kv:
             assert kv.service_peer_address == want
             assert kv.session_id  # the same session: asking opened it, nothing else
