@@ -211,8 +211,7 @@ class LandingBook:
             self._free(key, entry)
 
     async def _free_when_idle(self, key: tuple[str, str], entry: Entry) -> None:
-        while entry.inc.busy:
-            await asyncio.sleep(0.001)
+        await entry.inc.quiet()
         self._free(key, entry)
 
     def _free(self, key: tuple[str, str], entry: Entry) -> None:

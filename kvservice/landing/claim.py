@@ -70,18 +70,18 @@ async def claim(
     entry.claiming = True
     if entry.timer is not None:
         entry.timer.cancel()
-    inc.busy += 1  # from here an Abort waits for the copy, and the bytes stay until it ended
+    inc.enter()  # from here an Abort waits for the copy, and the bytes stay until it ended
     try:
         await _copy(entry.mem.regions, e.kv_regions[bs.buffer_set_id], dst)
         _copy_aux(entry.mem.bs, bs, aux)
     except KVServiceError as exc:
-        inc.busy -= 1
+        inc.leave()
         await e.fail_incoming(inc, exc)
         raise
     except BaseException:
-        inc.busy -= 1
+        inc.leave()
         raise
-    inc.busy -= 1
+    inc.leave()
     if inc.rec.terminal:  # aborted (or the owner went) during the copy
         raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
     us = int((time.monotonic() - t0) * 1e6)

@@ -143,8 +143,7 @@ class Ends:
                     if key.rpartition("/")[0] != origin and key.rpartition("/")[0] in inc.senders
                 )
             )
-        while inc.busy:  # an unpack in progress finishes first
-            await asyncio.sleep(0.001)
+        await inc.quiet()  # an unpack or copy in progress finishes first
         self.receiver.release_slots(inc)
         if inc.landing is not None:  # its landing-pool bytes are free when the abort returns
             self._landing().release(inc.landing)

@@ -129,7 +129,7 @@ class Inbound:
                 raise FailedPrecondition(f"sender {sender} committed without fetching the plan")
             dst = units.land(c.positions, inc.prefix_pages, inc.dst_pages)
             nbytes = kernels.packed_nbytes(regions, int(dst.size), c.num_heads, unit=units.tokens)
-            inc.busy += 1
+            inc.enter()
             t0 = time.monotonic()
             try:
                 if inc.rec.terminal:
@@ -154,7 +154,7 @@ class Inbound:
                         view.device, "unpack", lambda: kernels.unpack(regions, view, dst, **kw)
                     )
             finally:
-                inc.busy -= 1
+                inc.leave()
         finally:
             if release:
                 pool.release(slot)

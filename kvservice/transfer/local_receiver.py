@@ -74,11 +74,11 @@ class LocalReceiver:
         inc = self._inc(out, target)
         if inc.rec.terminal:
             raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-        inc.busy += 1  # from here an abort of the receiver waits until the copy ended
+        inc.enter()  # from here an abort of the receiver waits until the copy ended
         try:
             yield
         finally:
-            inc.busy -= 1
+            inc.leave()
 
     async def batch_pages(self, out: Outgoing, target: Target, per_page: int, pages: int) -> int:
         return pages

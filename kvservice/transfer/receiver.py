@@ -71,11 +71,30 @@ class Incoming:
     integrity: bool = False  # commits must carry a checksum the receiver verifies
     slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
     aux_done: bool = False
-    busy: int = 0
+    busy: int = 0  # copies and unpacks writing its pages now (enter / leave; an abort awaits quiet)
+    _idle: asyncio.Event | None = dataclasses.field(default=None, repr=False)
     # A landing declaration (kvservice.landing): ``bs`` is then a view of the landing pool under the
     # engine's buffer set id, ``regions`` its KV regions, and completion is LANDED, not DONE.
     landing: Any = None
     regions: Any = None
+
+    def enter(self) -> None:
+        """A copy or unpack starts writing this declaration's pages."""
+        self.busy += 1
+
+    def leave(self) -> None:
+        """It ended: wakes whoever awaits :meth:`quiet` once none is left."""
+        self.busy -= 1
+        if not self.busy and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    async def quiet(self) -> None:
+        """Return once no copy or unpack writes this declaration's pages (no polling)."""
+        while self.busy:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 def _region(r: MappedRegion) -> Region:

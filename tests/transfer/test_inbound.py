@@ -119,3 +119,23 @@ def test_a_packed_slot_too_small_for_its_positions_fails_and_is_freed() -> None:
     with pytest.raises(FailedPrecondition, match="staging slot"):
         side.accept(_commit([0, 1, 2], path="PACKED", slot_id=slot.serial))
     assert side.inc.rec.state == "FAILED" and side.pool.stats().slots_in_use == 0
+
+
+def test_quiet_returns_only_once_every_writer_left() -> None:
+    """An abort's wait for copies in flight ends at the last leave, not at a poll."""
+    inc = Side([4]).inc
+
+    async def run() -> None:
+        inc.enter()
+        inc.enter()
+        waiter = asyncio.ensure_future(inc.quiet())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        inc.leave()
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        inc.leave()
+        await asyncio.wait_for(waiter, 1)
+        await asyncio.wait_for(inc.quiet(), 1)  # nothing in flight: at once
+
+    asyncio.run(run())
