@@ -77,7 +77,6 @@ class SameNodeRoute:
             us = int((time.monotonic() - t0) * 1e6)
             if port.verifies_copies:
                 check = await pages_check(target.plan, src, cmap.src, target)
-        self.ctx.table.update(out.rec, path="FUSED")
         c = Commit(
             cmap.positions,
             "FUSED",
