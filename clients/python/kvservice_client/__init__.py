@@ -2,7 +2,7 @@
 
 from ._aio import AsyncClient
 from ._background import BackgroundClient
-from ._client import Client
+from ._client import Client, ask_service_peer_address
 from ._errors import (
     Aborted,
     AlreadyExists,
@@ -35,6 +35,7 @@ from ._types import (
 from .hashing import page_hashes, tokens_to_u32le
 
 __all__ = [
+    "ask_service_peer_address",
     "Aborted",
     "AlreadyExists",
     "AsyncClient",

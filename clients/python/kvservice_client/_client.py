@@ -112,11 +112,11 @@ class Client(LandingCalls):
 
     @property
     def service_peer_address(self) -> str:
-        """The address other kvservices reach this client's service at, as the service tells
-        each session (its ``advertise_address``, else its peer TCP listener, else its engine
-        address). A prefill engine names it as the sender of its transfers, so the decode's
-        service lets only that service fetch the plan (ExpectDelta's ``sender_address``).
-        Opens the session if needed; "" when the service is older and sends none.
+        """The address that names this client's service on every node, as the service tells each
+        session (its ``advertise_address``, else a peer TCP listener bound to a named host). A
+        prefill engine names it as the sender of its transfers, so the decode's service lets only
+        that service fetch the plan (ExpectDelta's ``sender_address``). Opens the session if
+        needed; "" when the service announces none or is older and sends none.
         """
         self._session.current(self.timeout)
         return self._session.peer_address
@@ -509,3 +509,11 @@ class Client(LandingCalls):
         """
         req = pb.GetStatsRequest(window_ms=window_ms, probe_peers=probe_peers)
         return self._call("GetStats", req)
+
+
+def ask_service_peer_address(address: str, client_name: str, timeout: float) -> str:
+    """:attr:`Client.service_peer_address` of the service at ``address``, from a short session
+    of its own (no transfer stream, no lane). Raises what connecting raises (KVClientError,
+    OSError, ValueError)."""
+    with Client(address, client_name=client_name, timeout=timeout, transfer_stream=False, lane=False) as kv:
+        return kv.service_peer_address

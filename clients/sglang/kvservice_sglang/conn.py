@@ -52,7 +52,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
-from kvservice_client import BackgroundClient, Client, KVClientError, TransferStatus
+from kvservice_client import BackgroundClient, KVClientError, TransferStatus, ask_service_peer_address
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -114,14 +114,9 @@ class _PrefillService:
                     log.info("kvservice: no peer address yet, %s does not exist", path)
                     return ""
                 try:
-                    with Client(
-                        self._local,
-                        client_name="sglang-bootstrap",
-                        timeout=_SERVICE_LOOKUP_TIMEOUT_S,
-                        transfer_stream=False,
-                        lane=False,
-                    ) as kv:
-                        self._value = kv.service_peer_address
+                    self._value = ask_service_peer_address(
+                        self._local, "sglang-bootstrap", _SERVICE_LOOKUP_TIMEOUT_S
+                    )
                 except (KVClientError, OSError, ValueError) as exc:
                     log.info("kvservice: no peer address from %s yet (%s)", self._local, exc)
                     return ""

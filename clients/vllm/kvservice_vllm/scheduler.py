@@ -88,19 +88,14 @@ class SchedulerSide:
     def _ask_peer_address(self, service_address: str) -> None:
         """``peer_address`` from the local kvservice (what it tells each session), tried until it
         answers; "" stays when it is too old to say."""
-        from kvservice_client import Client, KVClientError
+        from kvservice_client import KVClientError, ask_service_peer_address
 
         pause = _LOOKUP_BACKOFF_S[0]
         while True:
             try:
-                with Client(
-                    service_address,
-                    client_name="vllm-scheduler",
-                    timeout=_LOOKUP_TIMEOUT_S,
-                    transfer_stream=False,
-                    lane=False,
-                ) as kv:
-                    self.peer_address = kv.service_peer_address
+                self.peer_address = ask_service_peer_address(
+                    service_address, "vllm-scheduler", _LOOKUP_TIMEOUT_S
+                )
                 break
             except (KVClientError, OSError, ValueError) as exc:
                 log.info("kvservice: no peer address from %s yet (%s); retrying", service_address, exc)
