@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "CudaIpcExport",
     "close_handle",
+    "copy_async",
     "device_uuid",
     "enable_peer_access",
     "export_pointer",
@@ -170,6 +171,18 @@ def enable_peer_access(ordinal: int, peer_ordinal: int) -> bool:
     if res not in (0, 704):  # 704 = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
         raise CudaError("cuCtxEnablePeerAccess", res)
     return True
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Enqueue a copy of ``nbytes`` from device pointer ``src`` to ``dst`` on CUDA stream handle
+    ``stream`` (unified addressing: the two may live on different GPUs; over the peer link when
+    peer access is enabled). The calling thread's current context must be the stream's."""
+    _check(
+        "cuMemcpyAsync",
+        _driver().cuMemcpyAsync(
+            ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(nbytes), ctypes.c_void_p(stream)
+        ),
+    )
 
 
 def close_handle(base: int) -> None:

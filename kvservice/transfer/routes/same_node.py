@@ -23,8 +23,9 @@ import time
 import numpy as np
 
 from ...kernels import KVRegions, _fused_cpu
+from ...kernels.across import copy_across
 from ...kernels.fused import copy_pages, fused_nbytes
-from ...kernels.streams import on_side_stream, run_on_device
+from ...kernels.streams import on_side_stream, run_on_device, service_stream
 from .. import trace
 from ..integrity import pages_check
 from ..plan import ChunkMap
@@ -106,9 +107,17 @@ class SameNodeRoute:
             "unit": unit,
         }
         sd, dd = src.device, dst.device
-        if sd.type == "cuda" and dd.type == "cuda" and self._enable_peer(sd.index, dd.index):
+        if sd.type == "cuda" and dd.type == "cuda" and sd.index == dd.index:
             return await run_on_device(sd, "copy", lambda: copy_pages(src, dst, sp, dp, **kw))  # type: ignore[arg-type]
-        if sd.type == "cuda" or dd.type == "cuda":  # host <-> device pool, or GPUs without P2P
+        if sd.type == "cuda" and dd.type == "cuda":  # two GPUs: pack, link copy, unpack (across.py)
+            self._enable_peer(sd.index, dd.index)  # the link copy goes over NVLink / PCIe P2P
+            pack_s, link_s = service_stream(sd.index, "pack-across"), service_stream(sd.index, "link")
+            return await run_on_device(  # type: ignore[no-any-return]
+                dd,
+                "copy",
+                lambda: copy_across(src, dst, sp, dp, pack_stream=pack_s, link_stream=link_s, **kw),  # type: ignore[arg-type]
+            )
+        if sd.type == "cuda" or dd.type == "cuda":  # host <-> device pool
             dev = sd if sd.type == "cuda" else dd
             return await asyncio.to_thread(
                 on_side_stream,
@@ -131,7 +140,7 @@ class SameNodeRoute:
             if not ok:
                 log.warning(
                     "no peer access from cuda:%d to cuda:%d: same-node copies between them go through "
-                    "torch (gather, device copy, scatter)",
+                    "host memory (the driver stages the link copy)",
                     a,
                     b,
                 )
