@@ -190,7 +190,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--pool-pages", type=int, default=2048, help="pages per region in each pool")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--paths", default="", help="comma list; default auto,direct,packed on CPU, auto on GPU")
-    ap.add_argument("--vram-staging-mb", type=int, default=1024)
+    ap.add_argument("--vram-staging-mb", type=int, default=2048)  # the service default
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--same-node", action="store_true", help="one service for both engines (fused route)")
     ap.add_argument("--skip-nixl", action="store_true", help="no raw NIXL baselines (same-node runs)")

@@ -26,6 +26,7 @@ import numpy as np
 from ... import kernels
 from ...kernels.streams import on_side_stream
 from ..integrity import pack_hashed
+from ..peer_channel import WINDOW
 from ..plan import ChunkMap
 from ..port import ReceiverPort
 from ..sender import Chunk, Outgoing, check_live
@@ -36,7 +37,10 @@ __all__ = ["PIPELINE", "PackedRoute"]
 
 log = logging.getLogger(__name__)
 
-PIPELINE = 3  # packed batches of one chunk in flight at once
+# NOTE: as many batches of one chunk in flight as a peer channel holds credits (WINDOW): with 3,
+# the fourth credit sat idle while the first batch waited for its write (H200 timeline, 2 GiB
+# cross-node on one GPU, bench/results/NOTES.md).
+PIPELINE = WINDOW
 
 
 def _trace_batch(out: Outgoing, first: int, nbytes: int, times: tuple[float, ...]) -> None:
