@@ -566,7 +566,9 @@ def _headline(runs: dict[str, dict]) -> list[str]:
 
     def row(goal: str, run: str, value: str, base: str, met: bool | None) -> None:
         status = "" if met is None else ("met" if met else "**missed**")
-        rows.append(f"| {goal} | {run} | {value} | {base} | {status} |")
+        gpu = str(runs.get(run, {}).get("meta", {}).get("gpu", ""))
+        card = next((c for c in ("H200", "H100") if c in gpu), "")  # H100 and H200 rows mix here
+        rows.append(f"| {goal} | {run}{f' ({card})' if card else ''} | {value} | {base} | {status} |")
 
     j = runs.get("transfer_same_node_gpu")
     if j and _p50(j) and _base(j, "contiguous_copy"):
@@ -613,9 +615,26 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             runs.get(f"transfer_same_node_gpu_delta_{tag}"),
             runs.get(f"transfer_same_node_gpu_nolane_delta_{tag}"),
         )
-        if j and nl and _p50(j) and _p50(nl):
+        same_card = j and nl and j.get("meta", {}).get("gpu") == nl.get("meta", {}).get("gpu")
+        if j and nl and _p50(j) and _p50(nl) and same_card:  # never across two machines
             row(f"same node {tag}: the native lane vs the gRPC route", f"transfer_same_node_gpu_nolane_delta_{tag}",
                 f"{_p50(j):.3f} ms (lane)", f"{_p50(nl):.3f} ms (gRPC route, --no-lane)", None)  # fmt: skip
+    # issue 32: GPU0 -> GPU1 on one host (two-GPU machine)
+    for run, what, goal in (
+        ("transfer_same_node_gpu0to1", "same node GPU0 -> GPU1, one service, 2 GiB", 0.90),
+        ("transfer_gpu0to1", "GPU0 -> GPU1, two services on the host, 2 GiB", 0.90),
+    ):
+        j = runs.get(run)
+        if j and _p50(j) and _base(j, "contiguous_copy"):
+            frac = _base(j, "contiguous_copy") / _p50(j)
+            row(f"{what} >= {goal:.0%} of the peer copy", run, f"{_p50(j):.2f} ms ({frac:.0%})",
+                f"peer copy {_base(j, 'contiguous_copy'):.2f} ms", frac >= goal)  # fmt: skip
+    j = runs.get("transfer_gpu0to1_xnode")
+    if j and _p50(j) and _base(j, "raw_nixl_one_descriptor"):
+        frac = _base(j, "raw_nixl_one_descriptor") / _p50(j)
+        row("cross-node route GPU0 -> GPU1, 2 GiB >= 85% of NIXL 1 desc", "transfer_gpu0to1_xnode",
+            f"{_p50(j):.2f} ms ({frac:.0%})", f"NIXL 1 desc {_base(j, 'raw_nixl_one_descriptor'):.2f} ms",
+            frac >= 0.85)  # fmt: skip
     for run in ("launch_gpu_64k", "launch_gpu_2m"):
         j = runs.get(run)
         if j:

@@ -13,7 +13,9 @@ pools of different page sizes exchange tokens; either side may order its pages t
 (``nhd``) or head-major (``hnd``, ``hnd_kv``): the runs follow ``copy_loops``.
 
 Backends ("auto"): Triton on CUDA (source and destination on one device, or peer devices with
-peer access), a compiled CPU loop (``_fused_cpu``: one call for every region, threads over
+peer access whose memory is mapped in the launching GPU's context: not a pool another process
+exported and this one opened on the other GPU, which faults; the service copies between two GPUs
+with ``across.copy_across``), a compiled CPU loop (``_fused_cpu``: one call for every region, threads over
 pages, no temporary buffer) for host memory, and the torch reference (the oracle; also
 ``backend="torch"``). A bad call raises :class:`~kvservice.errors.InvalidArgument` and writes
 nothing; only the named destination pages' heads ``[hd, hd+h)`` change.

@@ -5,7 +5,8 @@
 
 The pools are this service's own (the receiver is a session of this service) or a same-host
 service's, opened here through their CUDA IPC / shm handles (peer_pools.py). Per receiver rank
-one call: one kernel launch on CUDA, one compiled loop on the CPU. CUDA launches go on a
+one call: one kernel launch on one GPU, pack / link copy / unpack in chunks between two GPUs
+(kernels/across.py), one compiled loop on the CPU. CUDA launches go on a
 service-owned stream of the source device and completion is an event a completion thread waits
 for (``streams.run_on_device``: the loop never polls); host pools copy in a worker thread (the
 compiled loop releases the GIL), or inline when the copy is small (``INLINE_BYTES``) and the
