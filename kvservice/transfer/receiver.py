@@ -151,7 +151,9 @@ class Receiver:
         self._pool_for = pool_for
         self.incoming: dict[tuple[str, str], Incoming] = {}  # (transfer_id, bs_id)
         self._by_tid: dict[str, dict[str, Incoming]] = {}  # transfer_id -> bs_id -> declaration
-        self._declared = asyncio.Condition()
+        # NOTE: waiters per transfer id, woken by that id's declarations only: one condition for
+        # every pending plan woke all of them at each ExpectDelta (a herd under many senders).
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
 
     # -- ExpectDelta -------------------------------------------------------------------------
     async def expect(self, inc: Incoming) -> None:
@@ -173,8 +175,9 @@ class Receiver:
         self.incoming[key] = inc
         self._by_tid.setdefault(key[0], {})[key[1]] = inc
         self.table.add(inc.rec)
-        async with self._declared:
-            self._declared.notify_all()
+        for fut in self._waiters.pop(key[0], ()):
+            if not fut.done():
+                fut.set_result(None)
 
     def of(self, transfer_id: str) -> list[Incoming]:
         """The declarations of ``transfer_id`` (every rank), in O(their number)."""
@@ -211,17 +214,11 @@ class Receiver:
                 return None
             return [(by_rank[r.dst_rank], r) for r in wanted]
 
-        async with self._declared:
-            while (found := ready()) is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise NotFound(
-                        f"transfer_id: receiver never declared {transfer_id!r} (waited {wait_s:.3f}s)"
-                    )
-                try:
-                    await asyncio.wait_for(self._declared.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
+        while (found := ready()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NotFound(f"transfer_id: receiver never declared {transfer_id!r} (waited {wait_s:.3f}s)")
+            await self._declared(transfer_id, left)
         key = f"{sender_id}/{src.tp_rank}"
         for inc, _ in found:
             if inc.allowed_senders and identity not in inc.allowed_senders:
@@ -263,6 +260,22 @@ class Receiver:
             inc.covered.setdefault(key, np.zeros(inc.dst_pages.size * units.dst_per_page, dtype=bool))
             self.table.update(inc.rec, state="TRANSFERRING")
         return found
+
+    async def _declared(self, transfer_id: str, timeout: float) -> None:
+        """Until a rank declares ``transfer_id`` or ``timeout`` seconds passed."""
+        fut = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault(transfer_id, [])
+        waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            still = self._waiters.get(transfer_id)
+            if still is not None and fut in still:
+                still.remove(fut)
+                if not still:
+                    del self._waiters[transfer_id]
 
     @staticmethod
     def check_sender(inc: Incoming, sender_id: str, identity: str, key: str = "", ticket: str = "") -> None:

@@ -139,3 +139,30 @@ def test_quiet_returns_only_once_every_writer_left() -> None:
         await asyncio.wait_for(inc.quiet(), 1)  # nothing in flight: at once
 
     asyncio.run(run())
+
+
+def test_a_plan_asked_before_its_declaration_waits_for_that_transfer_only() -> None:
+    """GetReceivePlan before ExpectDelta waits; another transfer's declaration does not end the
+    wait (per-id waiters), its own does; an undeclared one is NotFound after the wait."""
+
+    def incoming(tid: str) -> Incoming:
+        bs = types.SimpleNamespace(buffer_set_id=f"bs-{tid}", layout=LAYOUT)
+        rec = Record(tid, "RECEIVER", bs.buffer_set_id, "s", time.monotonic() + 30)
+        empty = np.zeros(0, dtype=np.int64)
+        return Incoming(rec, bs, 0, np.array([1], dtype=np.int64), {}, 0, None, empty)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        receiver = Receiver(TransferTable(60.0), lambda _bs: None)  # type: ignore[arg-type,return-value]
+        asked = asyncio.ensure_future(receiver.plans("late", LAYOUT, "prefill", "addr", 5.0, ""))
+        await asyncio.sleep(0.05)
+        await receiver.expect(incoming("other"))
+        await asyncio.sleep(0.05)
+        assert not asked.done() and len(receiver._waiters["late"]) == 1
+        await receiver.expect(incoming("late"))
+        (found,) = await asyncio.wait_for(asked, 2.0)
+        assert found[0].rec.transfer_id == "late" and not receiver._waiters
+        with pytest.raises(NotFound, match="never declared 'nobody'"):
+            await receiver.plans("nobody", LAYOUT, "prefill", "addr", 0.05, "")
+        assert not receiver._waiters
+
+    asyncio.run(run())
