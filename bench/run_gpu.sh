@@ -7,7 +7,7 @@ set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 if [ -d .whl ] && ! python3 -c "import nixl" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
@@ -37,6 +37,8 @@ if [ "$1" = x1 ]; then
   T=90 run bench/bench_landing.py --device cuda --mib 64   # issue 31: claim <= copy + 0.3 ms
   T=70 run bench/bench_transfer.py --device cpu --layers 32 --pages 256 --pool-pages 512 --iters 3 --tag host16
 else
+  # which kernels may touch a pool imported on the other GPU (c1/c2 fault by design: not run here)
+  for c in a d e; do echo "== probe $c" | tee -a "$LOG"; timeout 60 python3 bench/probe_two_gpu_ipc.py $c 2>&1 | tail -3 | tee -a "$LOG"; done
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto,packed
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto,packed

@@ -10,7 +10,7 @@ as CUDA IPC handles, and memory another process exported is mapped only into the
 GPU this service opened it on. Peer access (``cuCtxEnablePeerAccess``, with or without the lazy
 flag at open) does not map it into the other GPU's context: a kernel on GPU0 writing an
 imported GPU1 pool faults with CUDA_ERROR_ILLEGAL_ADDRESS, which poisons the service's CUDA
-context (measured on 2×H200, ``scratch`` case in bench/results/NOTES.md). Here every kernel
+context (2×H200: bench/probe_two_gpu_ipc.py, docs/design-notes.md §19). Here every kernel
 touches only its own GPU's pools; the link copy moves between our own staging buffers, and the
 link is the slowest stage, so the packing costs little: the copy of each chunk hides the next
 chunk's pack and the previous chunk's unpack.
