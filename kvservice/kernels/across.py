@@ -14,6 +14,10 @@ context (2×H200: bench/probe_two_gpu_ipc.py, docs/design-notes.md §19). Here e
 touches only its own GPU's pools; the link copy moves between our own staging buffers, and the
 link is the slowest stage, so the packing costs little: the copy of each chunk hides the next
 chunk's pack and the previous chunk's unpack.
+
+NOTE: the chunks' buffers come from torch's caching allocator, outside ``vram_staging_mb``: up to
+~3 chunks on the source GPU (packed, not yet copied) and 2 on the destination, 1.25 GiB at the
+default chunk, kept cached by torch once used.
 """
 
 from __future__ import annotations
