@@ -570,11 +570,22 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         card = next((c for c in ("H200", "H100") if c in gpu), "")  # H100 and H200 rows mix here
         rows.append(f"| {goal} | {run}{f' ({card})' if card else ''} | {value} | {base} | {status} |")
 
-    j = runs.get("transfer_same_node_gpu")
-    if j and _p50(j) and _base(j, "contiguous_copy"):
-        frac = _base(j, "contiguous_copy") / _p50(j)
-        row("same node 2 GiB >= 85% of a device copy", "transfer_same_node_gpu", f"{_p50(j):.2f} ms ({frac:.0%})",
-            f"copy {_base(j, 'contiguous_copy'):.2f} ms", frac >= 0.85)  # fmt: skip
+    def share_row(goal: str, run: str, baseline: str, label: str, at_least: float) -> None:
+        """A row for "``run`` reaches ``at_least`` of the same-run ``baseline``'s rate"."""
+        j = runs.get(run)
+        if j and _p50(j) and _base(j, baseline):
+            frac = _base(j, baseline) / _p50(j)
+            row(
+                goal,
+                run,
+                f"{_p50(j):.2f} ms ({frac:.0%})",
+                f"{label} {_base(j, baseline):.2f} ms",
+                frac >= at_least,
+            )
+
+    share_row(
+        "same node 2 GiB >= 85% of a device copy", "transfer_same_node_gpu", "contiguous_copy", "copy", 0.85
+    )
     for tag, goal in (("64k", 0.3), ("1m", 0.35), ("64m", None)):
         j = runs.get(f"transfer_same_node_gpu_delta_{tag}")
         if j and _p50(j):
@@ -589,11 +600,8 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             limit = 1.0 if tag == "64k" else 2 * nixl + 0.5
             row(f"cross-node {tag} <= {limit:.2f} ms p50", run, f"{_p50(j):.2f} ms", f"NIXL 1 desc {nixl:.2f} ms",
                 _p50(j) <= limit)  # fmt: skip
-    j = runs.get("transfer_gpu_xnode")
-    if j and _p50(j) and _base(j, "raw_nixl_one_descriptor"):
-        frac = _base(j, "raw_nixl_one_descriptor") / _p50(j)
-        row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", "transfer_gpu_xnode", f"{_p50(j):.2f} ms ({frac:.0%})",
-            f"NIXL 1 desc {_base(j, 'raw_nixl_one_descriptor'):.2f} ms", frac >= 0.30)  # fmt: skip
+    share_row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", "transfer_gpu_xnode", "raw_nixl_one_descriptor",
+              "NIXL 1 desc", 0.30)  # fmt: skip
     j, nl = runs.get("control_same_node_gpu"), runs.get("control_same_node_gpu_nolane")
     if j and j.get("sustained_by_senders"):
         top = max(j["sustained_by_senders"], key=lambda r: r["threads"])
@@ -620,21 +628,12 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             row(f"same node {tag}: the native lane vs the gRPC route", f"transfer_same_node_gpu_nolane_delta_{tag}",
                 f"{_p50(j):.3f} ms (lane)", f"{_p50(nl):.3f} ms (gRPC route, --no-lane)", None)  # fmt: skip
     # issue 32: GPU0 -> GPU1 on one host (two-GPU machine)
-    for run, what, goal in (
-        ("transfer_same_node_gpu0to1", "same node GPU0 -> GPU1, one service, 2 GiB", 0.90),
-        ("transfer_gpu0to1", "GPU0 -> GPU1, two services on the host, 2 GiB", 0.90),
-    ):
-        j = runs.get(run)
-        if j and _p50(j) and _base(j, "contiguous_copy"):
-            frac = _base(j, "contiguous_copy") / _p50(j)
-            row(f"{what} >= {goal:.0%} of the peer copy", run, f"{_p50(j):.2f} ms ({frac:.0%})",
-                f"peer copy {_base(j, 'contiguous_copy'):.2f} ms", frac >= goal)  # fmt: skip
-    j = runs.get("transfer_gpu0to1_xnode")
-    if j and _p50(j) and _base(j, "raw_nixl_one_descriptor"):
-        frac = _base(j, "raw_nixl_one_descriptor") / _p50(j)
-        row("cross-node route GPU0 -> GPU1, 2 GiB >= 85% of NIXL 1 desc", "transfer_gpu0to1_xnode",
-            f"{_p50(j):.2f} ms ({frac:.0%})", f"NIXL 1 desc {_base(j, 'raw_nixl_one_descriptor'):.2f} ms",
-            frac >= 0.85)  # fmt: skip
+    share_row("same node GPU0 -> GPU1, one service, 2 GiB >= 90% of the peer copy", "transfer_same_node_gpu0to1",
+              "contiguous_copy", "peer copy", 0.90)  # fmt: skip
+    share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy", "transfer_gpu0to1",
+              "contiguous_copy", "peer copy", 0.90)  # fmt: skip
+    share_row("cross-node route GPU0 -> GPU1, 2 GiB >= 85% of NIXL 1 desc", "transfer_gpu0to1_xnode",
+              "raw_nixl_one_descriptor", "NIXL 1 desc", 0.85)  # fmt: skip
     for run in ("launch_gpu_64k", "launch_gpu_2m"):
         j = runs.get(run)
         if j:

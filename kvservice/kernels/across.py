@@ -61,31 +61,27 @@ def copy_across(
         return 0
     sdev, ddev = src.device, dst.device
     out_stream = torch.cuda.current_stream(ddev)
-    step = max(1, chunk_bytes // fused_nbytes(src, 1, a.num_heads, a.unit))
+    per_unit = fused_nbytes(src, 1, a.num_heads, a.unit)
+    step = max(1, chunk_bytes // per_unit)
     order = dst.head_major  # the destination's own order: its unpack is the straight copy
-    per_chunk = step * fused_nbytes(src, 1, a.num_heads, a.unit)
     with torch.cuda.device(ddev):
         # two landing buffers on the destination (out_stream's pool), taken in turn: the copy of
         # chunk k waits only for the unpack of chunk k-2, never for the one just queued
-        ring = [
-            torch.empty(
-                min(per_chunk, fused_nbytes(src, n, a.num_heads, a.unit)), dtype=torch.uint8, device=ddev
-            )
-        ]
-        ring.append(torch.empty_like(ring[0]) if n > step else ring[0])
+        first = torch.empty(min(step, n) * per_unit, dtype=torch.uint8, device=ddev)
+        ring = [first, torch.empty_like(first) if n > step else first]
         before = torch.cuda.Event()
         before.record(out_stream)  # a block of ours may be one earlier work on out_stream still reads
     unpacked = [before, before]
     for k, i in enumerate(range(0, n, step)):
         sp, dp = a.src_pages[i : i + step], a.dst_pages[i : i + step]
-        with torch.cuda.device(sdev), torch.cuda.stream(pack_stream):
-            staged = pack(
-                src, sp, head_start=a.src_head_start, num_heads=a.num_heads, unit=a.unit, head_major=order
-            )
+        with torch.cuda.device(sdev):
+            with torch.cuda.stream(pack_stream):
+                staged = pack(
+                    src, sp, head_start=a.src_head_start, num_heads=a.num_heads, unit=a.unit, head_major=order
+                )
             packed = torch.cuda.Event()
             packed.record(pack_stream)
-        landed = ring[k % 2][: staged.numel()]
-        with torch.cuda.device(sdev):
+            landed = ring[k % 2][: staged.numel()]
             link_stream.wait_event(packed)
             link_stream.wait_event(unpacked[k % 2])
             cuda_ipc.copy_async(landed.data_ptr(), staged.data_ptr(), staged.numel(), link_stream.cuda_stream)
@@ -105,4 +101,4 @@ def copy_across(
             )
             unpacked[k % 2] = torch.cuda.Event()
             unpacked[k % 2].record(out_stream)
-    return fused_nbytes(src, n, a.num_heads, a.unit)
+    return n * per_unit
