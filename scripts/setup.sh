@@ -10,7 +10,8 @@ fi
 stamp=.venv/.kvservice-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ clients/python/pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  # NOTE: torch pulls ~3 GB of CUDA wheels from PyPI; resume broken downloads instead of failing
-  .venv/bin/python -m pip install -q --resume-retries 20 -e ./clients/python -e ".[dev]"
+  # torch pulls ~3 GB of CUDA wheels from PyPI: resume broken downloads instead of failing, and keep
+  # no second copy in the pip cache (a 2-core CI machine ran out of disk with one)
+  .venv/bin/python -m pip install -q --no-cache-dir --resume-retries 20 -e ./clients/python -e ".[dev]"
   touch "$stamp"
 fi
