@@ -44,7 +44,16 @@ def timed(samples: list[float], fn, *a, **kw):  # type: ignore[no-untyped-def]
 
 
 def _engine_pair(
-    a: str, b: str, peer: str, lay: Layout, devs: tuple, threads: int, sustain_s: float, sync: tuple, tag: str
+    a: str,
+    b: str,
+    peer: str,
+    sender: str,
+    lay: Layout,
+    devs: tuple,
+    threads: int,
+    sustain_s: float,
+    sync: tuple,
+    tag: str,
 ) -> None:
     """One sending and one receiving engine process pair's worth of senders (``--sustain-procs``):
     own pools, clients, sessions and lanes. Says ready after one warm transfer, then runs
@@ -56,7 +65,7 @@ def _engine_pair(
         with Client(a, client_name="sus-tx") as ka, Client(b, client_name="sus-rx") as kb:
             sb = ka.register_buffers(lay, *sp.regions()).buffer_set_id
             rb = kb.register_buffers(lay, *rp.regions()).buffer_set_id
-            kb.expect_delta(f"{tag}-warm", rb, prefix_pages=0, dst_page_indices=[0])
+            kb.expect_delta(f"{tag}-warm", rb, prefix_pages=0, dst_page_indices=[0], sender_address=sender)
             ka.send_delta(f"{tag}-warm", sb, src_page_indices=[0], peer_address=peer)
             kb.wait(f"{tag}-warm", timeout=60)
             ready.put(tag)
@@ -64,7 +73,7 @@ def _engine_pair(
             done: list[int] = [0]
             errors: list[str] = []
             stop = time.monotonic() + sustain_s
-            ends = (ka, kb, sb, rb, peer)
+            ends = (ka, kb, sb, rb, peer, sender)
             ths = [
                 threading.Thread(target=_sustain_worker, args=(ends, w, f"{tag}-{w}", stop, done, errors))
                 for w in range(threads)
@@ -80,12 +89,12 @@ def _engine_pair(
 
 
 def _sustain_worker(ends: tuple, w: int, tag: str, stop: float, done: list[int], errors: list[str]) -> None:
-    ka, kb, sb, rb, peer = ends
+    ka, kb, sb, rb, peer, sender = ends
     n = 0
     while time.monotonic() < stop:
         tid = f"{tag}-{n}"
         try:
-            kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=[w % 64])
+            kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=[w % 64], sender_address=sender)
             ka.send_delta(tid, sb, src_page_indices=[w % 64], peer_address=peer)
             (st,) = kb.wait(tid, timeout=30)
             done[0] += st.state == "DONE"
@@ -106,10 +115,11 @@ def sustain_procs(
     per = [senders // n_procs + (i < senders % n_procs) for i in range(n_procs)]
     ready, start, out = ctx.Queue(), ctx.Event(), ctx.Queue()
     a, b, peer = svc.addresses[0], svc.addresses[-1], svc.peer_addresses[-1]
+    sender = "" if args.same_node else svc.peer_addresses[0]  # ExpectDelta names it, as adapters do
     ps = [
         ctx.Process(
             target=_engine_pair,
-            args=(a, b, peer, xl, devs, n, args.sustain_s, (ready, start, out), f"p{senders}-{i}"),
+            args=(a, b, peer, sender, xl, devs, n, args.sustain_s, (ready, start, out), f"p{senders}-{i}"),
         )
         for i, n in enumerate(per)
     ]
@@ -198,6 +208,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
     with Services(1 if args.same_node else 2, route_env(args), net=args.net) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
+        sender = "" if args.same_node else svc.peer_addresses[0]  # ExpectDelta names it, as adapters do
         ip, sp, rp = KVPool(idx_layout), KVPool(xl, sdev, 1), KVPool(xl, ddev)
         try:
             with Client(a, client_name="ctl-tx") as ka, Client(b, client_name="ctl-rx") as kb:
@@ -222,6 +233,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
                         rb,
                         prefix_pages=0,
                         dst_page_indices=[i % 64],
+                        sender_address=sender,
                     )
                     if args.same_node:  # SendDelta call -> DONE on the receiver's watch stream
                         t0 = time.perf_counter()
@@ -273,7 +285,9 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
                         while time.monotonic() < stop:
                             tid = f"sus{threads}-{w}-{n}"
                             try:
-                                kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=[w])
+                                kb.expect_delta(
+                                    tid, rb, prefix_pages=0, dst_page_indices=[w], sender_address=sender
+                                )
                                 ka.send_delta(tid, sb, src_page_indices=[w], peer_address=peer)
                                 (st,) = kb.wait(tid, timeout=30)
                                 ok = st.state == "DONE"

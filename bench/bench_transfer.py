@@ -50,7 +50,9 @@ def kvservice_runs(
     sdev, ddev = devices(args)
     env = {"KVSERVICE_VRAM_STAGING_MB": str(args.vram_staging_mb)} if args.device != "cpu" else {}
     logs = Path(tempfile.mkdtemp(prefix="kvbench-logs-")) if args.timeline else None
-    if logs is not None:  # the services' per-batch DEBUG lines (kvservice/transfer/routes/packed.py, inbound.py)
+    if (
+        logs is not None
+    ):  # the services' per-batch DEBUG lines (kvservice/transfer/routes/packed.py, inbound.py)
         env |= {"KVSERVICE_LOG_LEVEL": "DEBUG", "KVSERVICE_LOG_FORMAT": "json"}
     out: dict = {}
     t0_mono: dict[str, float] = {}  # the last round's SendDelta call and receiver-DONE seen, per path
@@ -65,6 +67,7 @@ def kvservice_runs(
     ):
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
+        sender = svc.peer_addresses[0]  # ExpectDelta names the sending service, as the adapters do
         with Client(a, client_name="bench-tx") as ka, Client(b, client_name="bench-rx") as kb:
             ra = ka.register_buffers(layout, *ps.regions()).buffer_set_id
             rb = kb.register_buffers(layout, *pr.regions()).buffer_set_id
@@ -72,7 +75,7 @@ def kvservice_runs(
                 samples, phases, sstat, rstat, err = [], [], None, None, ""
                 for it in progress(range(args.iters + 1), f"kvservice {path}"):
                     tid = f"xfer-{path}-{it}"
-                    kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=dst)
+                    kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=dst, sender_address=sender)
                     t0, t0_mono[path] = time.perf_counter(), time.monotonic()
                     ka.send_delta(tid, ra, src_page_indices=src, peer_address=peer, path=path)
                     t_sent_mono[path] = time.monotonic()

@@ -165,6 +165,13 @@ class Dispatch:
             )
             await commit(self.ctx, port, out, target, chunk.seq, c)
 
+    def drop_offer(self, receiver_id: str, transfer_id: str, ticket: str) -> bool:
+        """The receiving service ``receiver_id`` ended ``transfer_id`` before any SendDelta of
+        ours took its offered plan: forget the offer (a later SendDelta asks, and learns)."""
+        return any(
+            p.drop_offer(transfer_id, ticket) for p in self.ports.values() if p.peer.service_id == receiver_id
+        )
+
     async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None:
         await self._port(out.peer_address).tell_abort(out, code, reason)
 

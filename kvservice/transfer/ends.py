@@ -108,11 +108,12 @@ class Ends:
             ]
         )
         incs = [i for i in self.receiver.of(transfer_id) if may_abort_in(i, origin, identity, ticket)]
+        dropped = senders and not outs and self.dispatch.drop_offer(origin, transfer_id, ticket)
         await asyncio.gather(
             *(self._abort_out(o, code, reason, False) for o in outs),
             *(self._abort_in(i, code, reason, True, origin) for i in incs),
         )
-        return bool(outs or incs)
+        return bool(outs or incs or dropped)
 
     async def _abort_out(self, out: Outgoing, code: str, reason: str, notify: bool) -> None:
         self.sender.stop(out, code, reason)
@@ -128,19 +129,21 @@ class Ends:
         if not self.table.finish(inc.rec, state, code, reason):
             return
         if notify and not landed:  # senders settle their in-flight writes before they answer
+            told = [
+                (inc.senders[svc], ticket)
+                for key, ticket in inc.tickets.items()
+                if (svc := key.rpartition("/")[0]) != origin and svc in inc.senders
+            ] + [  # offered, not bound yet: it may be writing already (or drops the offer)
+                (o.address, o.ticket)
+                for svc, o in inc.offers.items()
+                if svc != origin and o.ticket not in inc.tickets.values()
+            ]
             await asyncio.gather(
                 *(
                     tell_sender(
-                        self.peers,
-                        self.service_id,
-                        inc.senders[key.rpartition("/")[0]],
-                        inc.rec.transfer_id,
-                        code,
-                        reason,
-                        ticket,
+                        self.peers, self.service_id, address, inc.rec.transfer_id, code, reason, ticket
                     )
-                    for key, ticket in inc.tickets.items()
-                    if key.rpartition("/")[0] != origin and key.rpartition("/")[0] in inc.senders
+                    for address, ticket in told
                 )
             )
         await inc.quiet()  # an unpack or copy in progress finishes first

@@ -24,8 +24,9 @@ from .ends import Ends
 from .inbound import Inbound
 from .load import Budget, LoadBook
 from .memory import TransportMemory
-from .peer_channel import CreditBroker
+from .peer_channel import CreditBroker, OfferChannels
 from .peer_names import PeerNames
+from .peer_serving import offer_plan
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
@@ -83,6 +84,7 @@ class TransferEngine:
         self.dispatch = Dispatch(self)
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
+        self.offer_channels = OfferChannels()  # ... by sending service address (plans pushed)
         self.sender = Sender(self.table, self.dispatch, cfg.workers_per_peer, cfg.peer_inflight_mb)
         self.duplicates = DuplicateBook(self)
         from ..landing import LandingBook  # NOTE: the landing pool's receivers use this engine
@@ -156,7 +158,11 @@ class TransferEngine:
         # NOTE: no await between admission and the record's add in receiver.expect: one step.
         self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)
         await self.receiver.expect(inc)
-        self.lane.arm(inc)  # an engine on this node may now send it over the native lane
+        chan = self.offer_channels.get(sender_address) if sender_address != self.address else None
+        # the sender's channel is open: its plan goes now, unasked (data path v3 §3); else an
+        # engine on this node may send it over the native lane
+        if chan is None or not await offer_plan(self, inc, chan):
+            self.lane.arm(inc)
         return inc.rec
 
     async def send(self, out: Outgoing, chunk: Any) -> Record:

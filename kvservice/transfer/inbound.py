@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+from kvservice_client import Layout
 
 from .. import kernels
-from ..errors import Aborted, FailedPrecondition, KVServiceError, NotFound
+from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound
 from ..kernels.streams import run_on_device
 from . import trace
 from .integrity import landed_check, unpack_verified
@@ -65,12 +66,20 @@ class Inbound:
         identity: str,
         c: Commit,
         credits: dict[int, Held] | None = None,
+        src_layout: Layout | None = None,
     ) -> str:
         """A peer's commit: only the sender rank that fetched this transfer's plan, as the same peer
-        ``identity``, with its ticket, may commit; ``credits``: its channel's credit slots."""
+        ``identity``, with its ticket, may commit; ``credits``: its channel's credit slots.
+        ``src_layout``: the commit of an offered plan (the rank binds at its first)."""
         trace.mark(transfer_id, "commit_got")
         inc = self.receiver.get(transfer_id, dst_bs)
         key = f"{sender_id}/{src_rank}"
+        if src_layout is not None:
+            if src_layout.tp_rank != src_rank:
+                raise InvalidArgument(
+                    "src_layout", f"tp_rank {src_layout.tp_rank} is not src_tp_rank {src_rank}"
+                )
+            self.receiver.bind_offered(inc, src_layout, key, sender_id, identity, ticket)
         self.receiver.check_sender(inc, sender_id, identity, key, ticket)
         held = None
         if c.path == "PACKED" and c.positions.size and c.credit:

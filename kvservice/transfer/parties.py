@@ -8,7 +8,8 @@ aborts here::
 
     abort arriving at                  stops it when
     ──────────────────────────────────────────────────────────────────────────────────────────
-    a receiver rank (Incoming)         it carries the ticket of one of its senders, or the
+    a receiver rank (Incoming)         it carries the ticket of one of its senders (or of an
+                                       offer it pushed, data path v3 §3), or the
                                        caller proved an identity (certificate name, or "local")
                                        that is the bound sender's, or that allowed_senders names
                                        before any plan went out
@@ -31,7 +32,9 @@ __all__ = ["may_abort_in", "may_abort_out"]
 
 def may_abort_in(inc: Incoming, origin: str, identity: str, ticket: str) -> bool:
     """A peer abort from service ``origin`` (proven as ``identity``) may stop this declaration."""
-    if ticket and any(ticket_matches(t, ticket) for t in inc.tickets.values()):
+    if ticket and any(
+        ticket_matches(t, ticket) for t in (*inc.tickets.values(), *(o.ticket for o in inc.offers.values()))
+    ):
         return True
     if not identity:  # a token-only peer: its ticket is its only proof
         return False
@@ -44,4 +47,6 @@ def may_abort_out(out: Any, identity: str, ticket: str) -> bool:
     """A peer abort from the receiving service of ``out`` may stop this sender rank."""
     if identity == LOCAL_PEER:
         return True
-    return bool(ticket) and any(ticket_matches(t.plan.sender_ticket, ticket) for t in out.targets or ())
+    # NOTE: the tickets as they arrived, not the targets: those are set a step later, and an
+    # abort in between must still stop this sender before it writes.
+    return bool(ticket) and any(ticket_matches(t, ticket) for t in out.tickets)

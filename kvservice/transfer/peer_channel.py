@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,11 +34,21 @@ from ..identity import peer_identity
 from ..staging import Slot, StagingPool
 from .peer_serving import apply_commit, receive_plans
 from .peers import error_from_code
+from .receiver import ticket_matches
 
-__all__ = ["CreditBroker", "InboundChannel", "OutboundChannel", "WINDOW", "serve_channel"]
+__all__ = [
+    "CreditBroker",
+    "InboundChannel",
+    "OfferBook",
+    "OfferChannels",
+    "OutboundChannel",
+    "WINDOW",
+    "serve_channel",
+]
 
 log = logging.getLogger(__name__)
 MAX_PENDING_PER_CHANNEL = 4096  # commits and plan requests being handled for one sender
+MAX_OFFERS = 4096  # plans a sender keeps offered per channel (the oldest go first)
 WINDOW = 4  # credit slots a receiver grants one channel per pool, while it has room
 IDLE_RETURN_S = 1.0  # a channel unused this long gives its credits back
 _SLOT_FRACTION = 8  # a credit slot is 1/8 of the receiver's pool
@@ -100,6 +111,25 @@ class CreditBroker:
             waiters[:] = [w for w in waiters if w[0] is not chan]
 
 
+class OfferChannels:
+    """The open inbound channel of each sending service, by its address: where ExpectDelta's
+    ``sender_address`` finds the channel to push its plan on (data path v3 §3)."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[str, InboundChannel] = {}
+
+    def opened(self, chan: InboundChannel) -> None:
+        if chan.address:
+            self._by_address[chan.address] = chan
+
+    def closed(self, chan: InboundChannel) -> None:
+        if self._by_address.get(chan.address) is chan:
+            del self._by_address[chan.address]
+
+    def get(self, address: str) -> InboundChannel | None:
+        return self._by_address.get(address)
+
+
 class InboundChannel:
     """One sender's channel on the receiving service; ``apply`` runs a commit (peer_serving.apply_commit)."""
 
@@ -110,7 +140,12 @@ class InboundChannel:
         send: Callable[[peer_pb2.ChannelMessage], Awaitable[None]],
         broker: CreditBroker,
         plans: Callable[[peer_pb2.GetReceivePlanRequest], Awaitable[peer_pb2.ReceivePlanSet]],
+        identity: str = "",
+        on_open: Callable[[InboundChannel], None] | None = None,
     ) -> None:
+        self.identity = identity  # what the sending service proved at the channel's connection
+        self.address = ""  # the sending service's address (its open message)
+        self._on_open = on_open
         self._plans = plans
         self._pool_of = pool_of
         self._apply = apply
@@ -125,7 +160,9 @@ class InboundChannel:
     async def on_message(self, msg: peer_pb2.ChannelMessage) -> None:
         which = msg.WhichOneof("body")
         if which == "open":
-            self.peer = msg.open.sender_service_id
+            self.peer, self.address = msg.open.sender_service_id, msg.open.sender_address
+            if self._on_open is not None:
+                self._on_open(self)
         elif which == "credit_request":
             await self._grant(msg.credit_request.mem_kind, msg.credit_request.device_id)
         elif which in ("commit", "plan_request") and len(self._tasks) >= MAX_PENDING_PER_CHANNEL:
@@ -159,6 +196,11 @@ class InboundChannel:
             )
         if not self.closed:
             await self._send(reply)
+
+    async def offer(self, plans: peer_pb2.ReceivePlanSet) -> None:
+        """Push plans the sender did not ask for yet (ExpectDelta named this sending service)."""
+        if not self.closed:
+            await self._send(peer_pb2.ChannelMessage(plan_offer=plans))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -262,7 +304,15 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
     async def apply(req: peer_pb2.CommitChunkRequest, slots: dict[int, tuple[StagingPool, Slot]]) -> str:
         return await apply_commit(engine, req, identity, slots)
 
-    chan = InboundChannel(engine.memory.pool_of, apply, send, engine.credit_broker, plans)
+    chan = InboundChannel(
+        engine.memory.pool_of,
+        apply,
+        send,
+        engine.credit_broker,
+        plans,
+        identity,
+        engine.offer_channels.opened,
+    )
     wtask = asyncio.get_running_loop().create_task(writer())
     why = "the sending service closed its channel"
     me = asyncio.current_task()
@@ -278,6 +328,7 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
         why = "the sending service's channel broke (service gone or connection lost)"
     finally:
         engine.inbound_channels.discard(me)
+        engine.offer_channels.closed(chan)
         chan.close()
         if chan.peer:  # its transfers fail now, not at their deadline
             asyncio.get_running_loop().create_task(engine.sender_gone(chan.peer, why))
@@ -289,6 +340,57 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
 
 
 # -- sender side -----------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class Offered:
+    """The plans of one transfer a receiver pushed (one per receiver rank), until its deadline."""
+
+    plans: dict[int, peer_pb2.ReceivePlan]  # receiver TP rank -> its plan (no route)
+    metadata_epoch: int
+    expires: float
+    used_by: set[int] = dataclasses.field(default_factory=set)  # our TP ranks that took it
+
+
+class OfferBook:
+    """Offers by transfer id, bounded (MAX_OFFERS, oldest out) and dropped at their deadline."""
+
+    def __init__(self) -> None:
+        self._by_tid: dict[str, Offered] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_tid)
+
+    def add(self, offer: peer_pb2.ReceivePlanSet) -> None:
+        now = time.monotonic()
+        for m in offer.plans:
+            hit = self._by_tid.get(m.transfer_id)
+            if hit is None or hit.expires < now:
+                hit = self._by_tid[m.transfer_id] = Offered(
+                    {}, offer.metadata_epoch, now + m.remaining_ms / 1000
+                )
+            hit.plans[m.dst_layout.tp_rank] = m
+            hit.metadata_epoch = max(hit.metadata_epoch, offer.metadata_epoch)
+        while len(self._by_tid) > MAX_OFFERS:
+            del self._by_tid[next(iter(self._by_tid))]
+
+    def get(self, transfer_id: str) -> Offered | None:
+        hit = self._by_tid.get(transfer_id)
+        if hit is not None and hit.expires < time.monotonic():
+            del self._by_tid[transfer_id]
+            return None
+        return hit
+
+    def drop(self, transfer_id: str, ticket: str) -> bool:
+        """Forget ``transfer_id``'s offers if one carries ``ticket`` (the receiver ended it)."""
+        hit = self._by_tid.get(transfer_id)
+        if hit is None or not any(ticket_matches(m.sender_ticket, ticket) for m in hit.plans.values()):
+            return False
+        del self._by_tid[transfer_id]
+        return True
+
+    def clear(self) -> None:
+        self._by_tid.clear()
+
+
 class OutboundChannel:
     """This service's channel to one receiving service; reopened after a break."""
 
@@ -311,6 +413,7 @@ class OutboundChannel:
         self._lock = asyncio.Lock()
         self._wlock = asyncio.Lock()
         self.epoch = 0  # bumped on every (re)open: credits of an older epoch are void
+        self.offers = OfferBook()  # plans the receiver pushed before we asked (data path v3 §3)
 
     async def _write(self, msg: peer_pb2.ChannelMessage) -> None:
         call = self._call
@@ -344,6 +447,8 @@ class OutboundChannel:
                     fut = self._pending.pop(msg.seq, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
+                elif which == "plan_offer":
+                    self.offers.add(msg.plan_offer)
                 elif which == "grant":
                     key = (msg.grant.mem_kind, msg.grant.device_id)
                     self._credits.setdefault(key, collections.deque()).extend(msg.grant.slots)
@@ -368,6 +473,7 @@ class OutboundChannel:
         if self._call is not call:
             return
         self._call = None
+        self.offers.clear()  # NOTE: offers are tied to the channel's identity: ask after a break
         self._credits.clear()
         self._asked.clear()
         self._granted.clear()

@@ -90,13 +90,16 @@ def plan_from_pb(m: peer_pb2.ReceivePlan, src_tp_rank: int) -> Plan:
 
 
 def commit_to_pb(
-    c: Commit, transfer_id: str, plan: Plan, sender_service_id: str, src_tp_rank: int, seq: int
+    c: Commit, transfer_id: str, plan: Plan, sender_service_id: str, src: Layout, seq: int
 ) -> peer_pb2.CommitChunkRequest:
+    """The commit of sender rank ``src`` (its layout rides along when the plan was offered: the
+    receiver binds the rank at its first commit)."""
     return peer_pb2.CommitChunkRequest(
+        src_layout=src.to_proto() if plan.offered else None,
         transfer_id=transfer_id,
         dst_buffer_set_id=plan.dst_buffer_set_id,
         sender_service_id=sender_service_id,
-        src_tp_rank=src_tp_rank,
+        src_tp_rank=src.tp_rank,
         chunk_seq=seq,
         last_chunk=c.last,
         path=_PATH_PB[c.path],

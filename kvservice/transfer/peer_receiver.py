@@ -1,6 +1,7 @@
 """The receiver port of another service: its plans, staging and commits over the peer channel.
 
-targets    GetReceivePlan on the channel (unary for a peer without one) ─▶ port.Plan each rank;
+targets    the plans the receiver pushed at ExpectDelta (the channel's offers), else
+           GetReceivePlan on the channel (unary for a peer without one) ─▶ port.Plan each rank;
            same host: the receiver's pools opened here (peer_pools) for fused copies
 reserve    a channel credit (returned with the commit's ack), else ReserveStaging
 write_aux  one WRITE of the aux rows
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
+from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2
 
 from .. import host
@@ -29,6 +32,7 @@ from .peer_channel import OutboundChannel
 from .peer_codec import commit_to_pb, plan_from_pb
 from .peer_pools import PeerPools
 from .peers import PeerClient, error_from_code
+from .receiver import check_compatible, routes_for
 from .sender import Chunk, Outgoing
 from .transport import MemKind, RemoteDescList, Transport
 from .values import Commit, Plan, Reserved, Target
@@ -85,6 +89,10 @@ class PeerReceiver:
     async def targets(self, out: Outgoing) -> list[Target]:
         peer = self.peer
         same_host = self._same_host_auto and bool(peer.boot_id) and peer.boot_id == host.boot_id()
+        if not same_host and self.opened is not None:  # NOTE: same host: the plan carries pool handles
+            offered = await self._offered(out)
+            if offered is not None:
+                return offered
         req = peer_pb2.GetReceivePlanRequest(
             transfer_id=out.rec.transfer_id,
             sender_service_id=self._me[0],
@@ -104,9 +112,41 @@ class PeerReceiver:
             if time.monotonic() >= out.rec.deadline - 0.05:  # the wait was bounded by our deadline
                 raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
             raise
+        out.tickets.update(m.sender_ticket for m in resp.plans)
         await peer.refresh(min_epoch=resp.metadata_epoch, timeout=_left(out))
         plans = [plan_from_pb(m, out.bs.layout.tp_rank) for m in resp.plans]
         return [Target.of(p, out.bs.layout, self._open(out, p) if same_host else None) for p in plans]
+
+    async def _offered(self, out: Outgoing) -> list[Target] | None:
+        """Targets from the plans the receiver pushed at ExpectDelta (no round trip), or None:
+        none pushed for every receiver rank we route to, or this rank took them already, or the
+        layouts do not fit (the ask then makes the receiver fail it, as it would have)."""
+        assert self.opened is not None
+        src, tid = out.bs.layout, out.rec.transfer_id
+        hit = self.opened.offers.get(tid)
+        if hit is None or src.tp_rank in hit.used_by:
+            return None
+        dst = Layout.from_proto(next(iter(hit.plans.values())).dst_layout)
+        wanted = routes_for(src, dst.tp_size)
+        if any(r.dst_rank not in hit.plans for r in wanted):
+            return None
+        try:
+            check_compatible(src, dst)
+        except FailedPrecondition:
+            return None
+        hit.used_by.add(src.tp_rank)
+        out.tickets.update(hit.plans[r.dst_rank].sender_ticket for r in wanted)
+        trace.mark(tid, "plan_offered")
+        await self.peer.refresh(min_epoch=hit.metadata_epoch, timeout=_left(out))
+        plans = [
+            dataclasses.replace(plan_from_pb(hit.plans[r.dst_rank], src.tp_rank), route=r, offered=True)
+            for r in wanted
+        ]
+        return [Target.of(p, src) for p in plans]
+
+    def drop_offer(self, transfer_id: str, ticket: str) -> bool:
+        """The receiver ended ``transfer_id`` before we used its offer: forget it."""
+        return self.opened is not None and self.opened.offers.drop(transfer_id, ticket)
 
     def _open(self, out: Outgoing, plan: Plan) -> KVRegions | None:
         """The receiver rank's pools mapped here, or None with the reason noted."""
@@ -213,7 +253,7 @@ class PeerReceiver:
     async def commit(
         self, out: Outgoing, target: Target, seq: int, commit: Commit, slot: Reserved | None = None
     ) -> None:
-        req = commit_to_pb(commit, out.rec.transfer_id, target.plan, self._me[0], out.bs.layout.tp_rank, seq)
+        req = commit_to_pb(commit, out.rec.transfer_id, target.plan, self._me[0], out.bs.layout, seq)
         trace.mark(out.rec.transfer_id, "commit_sent")
         if self.channel is None:
             await self.peer.call("CommitChunk", req, _left(out) + 1.0)

@@ -1,6 +1,8 @@
 """This service answering a sending service (KVPeer unary calls and the peer channel): protobuf in,
 domain calls (Receiver, Inbound), protobuf out.
 
+    ExpectDelta    ─▶ offer_plan: pushed on the named sender's open channel, before it asks
+                      (it binds its rank at its first commit, Receiver.bind_offered)
     GetReceivePlan ─▶ Receiver.plans (wait for the declarations, bind the sender) ─▶ plans + tickets
                       (+ the pools' handles for a same-host sender on a local connection)
     ReserveStaging ─▶ Receiver.reserve ─▶ a staging slot
@@ -9,6 +11,7 @@ domain calls (Receiver, Inbound), protobuf out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,11 +19,13 @@ from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2
 
 from .. import host
+from ..errors import FailedPrecondition
+from ..kernels.heads import HeadRoute
 from . import trace
 from .peer_codec import commit_from_pb, plan_to_pb
-from .receiver import plan_of
+from .receiver import Incoming, plan_of
 
-__all__ = ["apply_commit", "receive_plans", "reserve_staging", "tell_sender"]
+__all__ = ["apply_commit", "offer_plan", "receive_plans", "reserve_staging", "tell_sender"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,25 @@ async def receive_plans(
         out.plans.append(plan)
     trace.mark(request.transfer_id, "plan_served")
     return out
+
+
+async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
+    """Push ``inc``'s plan to the sending service on its open channel ``chan`` before any of
+    its ranks asks (ExpectDelta named it): the ask's round trip leaves the transfer's path.
+    False: nothing offered (that service may not send it, or this node's lane moves it)."""
+    try:
+        engine.lane.gate(inc.rec.transfer_id)  # a peer sends it: the native lane may not
+    except FailedPrecondition:
+        return False
+    offer = engine.receiver.offer(inc, chan.peer, chan.address, chan.identity)
+    if offer is None:
+        return False
+    route = HeadRoute(0, inc.bs.layout.tp_rank, 0, 0, 0)  # each sender rank derives its own
+    plan = plan_of(inc, route, inc.bs.buffer_set_id not in engine.no_direct)
+    pb = plan_to_pb(dataclasses.replace(plan, sender_ticket=offer.ticket))
+    await chan.offer(peer_pb2.ReceivePlanSet(plans=[pb], metadata_epoch=engine.metadata_epoch))
+    trace.mark(inc.rec.transfer_id, "plan_offered")
+    return True
 
 
 async def reserve_staging(
@@ -96,6 +120,7 @@ async def apply_commit(
         identity,
         commit_from_pb(req),
         credits,
+        Layout.from_proto(req.src_layout) if req.HasField("src_layout") else None,
     )
 
 

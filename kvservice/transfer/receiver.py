@@ -39,12 +39,23 @@ from .plan import Units
 from .records import Record, TransferTable
 from .values import Plan, Region
 
-__all__ = ["Incoming", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
+__all__ = ["Incoming", "Offer", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
 
 
 def ticket_matches(expected: str, given: str) -> bool:
     """``given`` is the (non-empty) ticket ``expected``, compared in constant time."""
     return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """This declaration's plan, offered unasked to the sending service its ExpectDelta named
+    (data path v3 §3, design-notes §18): the ticket binds whichever rank of that service, as
+    ``identity``, commits first with it."""
+
+    ticket: str
+    address: str
+    identity: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,6 +79,7 @@ class Incoming:
     identities: dict[str, str] = dataclasses.field(default_factory=dict)  # service id -> peer identity
     allowed_senders: frozenset[str] = frozenset()  # ExpectDelta.allowed_senders (empty: any)
     tickets: dict[str, str] = dataclasses.field(default_factory=dict)  # sender key -> its secret
+    offers: dict[str, Offer] = dataclasses.field(default_factory=dict)  # service id -> its offer
     integrity: bool = False  # commits must carry a checksum the receiver verifies
     slots: dict[int, tuple[StagingPool, Slot]] = dataclasses.field(default_factory=dict)
     aux_done: bool = False
@@ -221,45 +233,87 @@ class Receiver:
             await self._declared(transfer_id, left)
         key = f"{sender_id}/{src.tp_rank}"
         for inc, _ in found:
-            if inc.allowed_senders and identity not in inc.allowed_senders:
-                raise PermissionDenied(
-                    f"allowed_senders: peer {identity or '(no certificate identity)'!r} may not send "
-                    f"transfer {transfer_id!r}"
-                )
-            bound = inc.identities.get(sender_id)
-            if key in inc.tickets or (bound is not None and bound != identity):
-                # NOTE: a sender rank binds once (issue 33): a second fetch under its name, by
-                # anyone, would hand out its ticket or rebind it to another connection.
-                raise PermissionDenied(
-                    f"sender_service_id: sender {key!r} already has the plan of transfer {transfer_id!r}"
-                )
+            self._may_bind(inc, transfer_id, key, sender_id, identity)
         for inc, _ in found:
-            if inc.rec.terminal:
-                raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-            try:
-                check_compatible(src, inc.bs.layout)
-                derived = sum(
-                    1
-                    for r in plan_heads(src.total_kv_heads, src.tp_size, inc.bs.layout.tp_size)
-                    if r.dst_rank == inc.bs.layout.tp_rank
-                )
-                if inc.expected_senders and inc.expected_senders != derived:
-                    raise FailedPrecondition(
-                        f"expected_senders: declared {inc.expected_senders} but TP {src.tp_size} -> "
-                        f"{inc.bs.layout.tp_size} means {derived} sender ranks write to rank "
-                        f"{inc.bs.layout.tp_rank}"
-                    )
-            except KVServiceError as exc:
-                self.table.finish(inc.rec, "FAILED", exc.code.name, exc.message)
-                raise
-            inc.expected_senders = derived
-            inc.senders[sender_id] = sender_address
-            inc.identities[sender_id] = identity
-            inc.tickets[key] = secrets.token_hex(16)
-            units = inc.units.setdefault(key, Units.of(src, inc.bs.layout))
-            inc.covered.setdefault(key, np.zeros(inc.dst_pages.size * units.dst_per_page, dtype=bool))
-            self.table.update(inc.rec, state="TRANSFERRING")
+            self._bind(inc, src, key, sender_id, sender_address, identity, secrets.token_hex(16))
         return found
+
+    @staticmethod
+    def _may_bind(inc: Incoming, transfer_id: str, key: str, sender_id: str, identity: str) -> None:
+        if inc.allowed_senders and identity not in inc.allowed_senders:
+            raise PermissionDenied(
+                f"allowed_senders: peer {identity or '(no certificate identity)'!r} may not send "
+                f"transfer {transfer_id!r}"
+            )
+        bound = inc.identities.get(sender_id)
+        if key in inc.tickets or (bound is not None and bound != identity):
+            # NOTE: a sender rank binds once (issue 33): a second fetch under its name, by
+            # anyone, would hand out its ticket or rebind it to another connection.
+            raise PermissionDenied(
+                f"sender_service_id: sender {key!r} already has the plan of transfer {transfer_id!r}"
+            )
+
+    def _bind(
+        self, inc: Incoming, src: Layout, key: str, sender_id: str, address: str, identity: str, ticket: str
+    ) -> None:
+        """Make sender rank ``key`` (layout ``src``) a sender of ``inc`` with ``ticket``; a layout
+        that cannot write these pages fails the declaration (no await: one step)."""
+        if inc.rec.terminal:
+            raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
+        try:
+            check_compatible(src, inc.bs.layout)
+            derived = sum(
+                1
+                for r in plan_heads(src.total_kv_heads, src.tp_size, inc.bs.layout.tp_size)
+                if r.dst_rank == inc.bs.layout.tp_rank
+            )
+            if inc.expected_senders and inc.expected_senders != derived:
+                raise FailedPrecondition(
+                    f"expected_senders: declared {inc.expected_senders} but TP {src.tp_size} -> "
+                    f"{inc.bs.layout.tp_size} means {derived} sender ranks write to rank "
+                    f"{inc.bs.layout.tp_rank}"
+                )
+        except KVServiceError as exc:
+            self.table.finish(inc.rec, "FAILED", exc.code.name, exc.message)
+            raise
+        inc.expected_senders = derived
+        inc.senders[sender_id] = address
+        inc.identities[sender_id] = identity
+        inc.tickets[key] = ticket
+        units = inc.units.setdefault(key, Units.of(src, inc.bs.layout))
+        inc.covered.setdefault(key, np.zeros(inc.dst_pages.size * units.dst_per_page, dtype=bool))
+        self.table.update(inc.rec, state="TRANSFERRING")
+
+    # -- plans offered before the sender asks (data path v3 §3) ---------------------------------
+    def offer(self, inc: Incoming, sender_id: str, address: str, identity: str) -> Offer | None:
+        """An offer of ``inc`` to the sending service ``sender_id`` (proven as ``identity`` on its
+        open channel), or None when that service may not send it or already holds a plan."""
+        if inc.rec.terminal or inc.landing is not None or sender_id in inc.offers:
+            return None
+        if inc.allowed_senders and identity not in inc.allowed_senders:
+            return None
+        if sender_id in inc.identities:  # a rank of it already asked: it has its plans
+            return None
+        offer = inc.offers[sender_id] = Offer(secrets.token_hex(16), address, identity)
+        return offer
+
+    def bind_offered(
+        self, inc: Incoming, src: Layout, key: str, sender_id: str, identity: str, ticket: str
+    ) -> None:
+        """A commit of sender rank ``key`` carrying its layout: bind it now if it holds this
+        declaration's offer (as the identity the offer went to) and is not bound yet; every
+        check GetReceivePlan makes applies. Nothing happens for a bound rank (check_sender
+        decides) or a commit without a matching offer (it is refused there)."""
+        offer = inc.offers.get(sender_id)
+        if key in inc.tickets or offer is None or not ticket_matches(offer.ticket, ticket):
+            return
+        if offer.identity != identity:
+            raise PermissionDenied(
+                f"sender_service_id: the plan of {inc.rec.transfer_id!r} was offered to another peer; "
+                f"this commit comes from {identity!r}"
+            )
+        self._may_bind(inc, inc.rec.transfer_id, key, sender_id, identity)
+        self._bind(inc, src, key, sender_id, offer.address, identity, offer.ticket)
 
     async def _declared(self, transfer_id: str, timeout: float) -> None:
         """Until a rank declares ``transfer_id`` or ``timeout`` seconds passed."""
@@ -310,8 +364,12 @@ class Receiver:
     ) -> tuple[StagingPool, Slot]:
         """Room for one packed chunk, for a peer that fetched the transfer's plan (as ``identity``)."""
         inc = self.get(transfer_id, bs_id)
-        if identity not in inc.identities.values() or not any(
-            ticket_matches(t, ticket) for t in inc.tickets.values()
+        offered = any(
+            o.identity == identity and ticket_matches(o.ticket, ticket) for o in inc.offers.values()
+        )
+        if not offered and (
+            identity not in inc.identities.values()
+            or not any(ticket_matches(t, ticket) for t in inc.tickets.values())
         ):
             raise PermissionDenied(
                 f"transfer_id: no sender of {transfer_id!r} fetched its plan as peer {identity!r} "

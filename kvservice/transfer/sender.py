@@ -54,6 +54,7 @@ class Outgoing:
     seq: int = 0
     got_last: bool = False
     targets: list[Target] | None = None
+    tickets: set[str] = dataclasses.field(default_factory=set)  # its plans' tickets, as they arrive
     stop: str = ""  # error code that stops the worker ("ABORTED", "DEADLINE_EXCEEDED", ...)
     stop_reason: str = ""
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -181,6 +182,7 @@ class Sender:
             out.planning = asyncio.ensure_future(mover.fetch_targets(out))
             try:
                 out.targets = await out.planning
+                out.tickets.update(t.plan.sender_ticket for t in out.targets)
             except asyncio.CancelledError:
                 me = asyncio.current_task()
                 if out.stop and not (me is not None and getattr(me, "cancelling", lambda: 0)()):

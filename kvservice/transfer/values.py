@@ -63,6 +63,7 @@ class Plan:
     aux_names: tuple[str, ...] = ()
     kv_handles: tuple[Any, ...] = ()  # the receiver's pool handles, for a same-host sender
     same_host_refusal: str = ""  # why no handles came (same host, but the route is not allowed)
+    offered: bool = False  # pushed unasked (data path v3 §3): commits carry the sender's layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -507,7 +507,12 @@ type SessionEvent struct {
 	// Later events: the P/D duplicates of one of the session's buffer sets changed (pages another
 	// engine also holds after a DONE transfer this service sent, or such marks cleared). Ask
 	// SuggestEvictions which pages to evict first.
-	Duplicates    *DuplicateNotice `protobuf:"bytes,4,opt,name=duplicates,proto3" json:"duplicates,omitempty"`
+	Duplicates *DuplicateNotice `protobuf:"bytes,4,opt,name=duplicates,proto3" json:"duplicates,omitempty"`
+	// First event: an address that names this service wherever a peer runs (its
+	// `advertise_address`, else a TCP listener for peers bound to a named host). A prefill engine
+	// names it as the sender of its transfers (ExpectDelta's `sender_address` on the decode). Empty
+	// when not known (a wildcard bind, a Unix socket only) and from older services.
+	PeerAddress   string `protobuf:"bytes,5,opt,name=peer_address,json=peerAddress,proto3" json:"peer_address,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -568,6 +573,13 @@ func (x *SessionEvent) GetDuplicates() *DuplicateNotice {
 		return x.Duplicates
 	}
 	return nil
+}
+
+func (x *SessionEvent) GetPeerAddress() string {
+	if x != nil {
+		return x.PeerAddress
+	}
+	return ""
 }
 
 // How many of a buffer set's indexed pages another engine also holds now.
@@ -4355,7 +4367,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x12OpenSessionRequest\x12\x1f\n" +
 	"\vclient_name\x18\x01 \x01(\tR\n" +
 	"clientName\x12*\n" +
-	"\x11resume_session_id\x18\x02 \x01(\tR\x0fresumeSessionId\"\xa1\x01\n" +
+	"\x11resume_session_id\x18\x02 \x01(\tR\x0fresumeSessionId\"\xc4\x01\n" +
 	"\fSessionEvent\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x19\n" +
@@ -4363,7 +4375,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\aresumed\x18\x03 \x01(\bR\aresumed\x12=\n" +
 	"\n" +
 	"duplicates\x18\x04 \x01(\v2\x1d.kvservice.v1.DuplicateNoticeR\n" +
-	"duplicates\"`\n" +
+	"duplicates\x12!\n" +
+	"\fpeer_address\x18\x05 \x01(\tR\vpeerAddress\"`\n" +
 	"\x0fDuplicateNotice\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12)\n" +
 	"\x10duplicated_pages\x18\x02 \x01(\x04R\x0fduplicatedPages\"\x15\n" +

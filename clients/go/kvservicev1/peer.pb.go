@@ -39,6 +39,7 @@ type ChannelMessage struct {
 	//	*ChannelMessage_Release
 	//	*ChannelMessage_PlanRequest
 	//	*ChannelMessage_Plan
+	//	*ChannelMessage_PlanOffer
 	Body          isChannelMessage_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -160,6 +161,15 @@ func (x *ChannelMessage) GetPlan() *ReceivePlanSet {
 	return nil
 }
 
+func (x *ChannelMessage) GetPlanOffer() *ReceivePlanSet {
+	if x != nil {
+		if x, ok := x.Body.(*ChannelMessage_PlanOffer); ok {
+			return x.PlanOffer
+		}
+	}
+	return nil
+}
+
 type isChannelMessage_Body interface {
 	isChannelMessage_Body()
 }
@@ -207,6 +217,15 @@ type ChannelMessage_Plan struct {
 	Plan *ReceivePlanSet `protobuf:"bytes,9,opt,name=plan,proto3,oneof"`
 }
 
+type ChannelMessage_PlanOffer struct {
+	// receiver -> sender, unasked: a declaration whose ExpectDelta named this sending service,
+	// offered before any sender rank asks (one plan per receiver rank; no route: the sender
+	// derives it from its own layout; sender_ticket is the receiver rank's offer ticket). A sender
+	// that uses it commits with src_layout set, and the receiver binds the sender rank at its
+	// first commit with the checks GetReceivePlan makes.
+	PlanOffer *ReceivePlanSet `protobuf:"bytes,10,opt,name=plan_offer,json=planOffer,proto3,oneof"`
+}
+
 func (*ChannelMessage_Open) isChannelMessage_Body() {}
 
 func (*ChannelMessage_CreditRequest) isChannelMessage_Body() {}
@@ -222,6 +241,8 @@ func (*ChannelMessage_Release) isChannelMessage_Body() {}
 func (*ChannelMessage_PlanRequest) isChannelMessage_Body() {}
 
 func (*ChannelMessage_Plan) isChannelMessage_Body() {}
+
+func (*ChannelMessage_PlanOffer) isChannelMessage_Body() {}
 
 // Credits a sender gives back unused.
 type CreditRelease struct {
@@ -1454,8 +1475,11 @@ type CommitChunkRequest struct {
 	// the receiver rank (the staging batch itself on the packed path), and its algorithm
 	// ("xxh3": XXH3-64 over the bytes; "wsum64": the GPU checksum of kernels/checksum.py); ""
 	// when the sender sent none.
-	Checksum      uint64 `protobuf:"varint,21,opt,name=checksum,proto3" json:"checksum,omitempty"`
-	ChecksumKind  string `protobuf:"bytes,22,opt,name=checksum_kind,json=checksumKind,proto3" json:"checksum_kind,omitempty"`
+	Checksum     uint64 `protobuf:"varint,21,opt,name=checksum,proto3" json:"checksum,omitempty"`
+	ChecksumKind string `protobuf:"bytes,22,opt,name=checksum_kind,json=checksumKind,proto3" json:"checksum_kind,omitempty"`
+	// The sender rank's layout, on the commits of an offered plan (ChannelMessage.plan_offer):
+	// the receiver binds the rank at its first commit, as GetReceivePlan binds it.
+	SrcLayout     *Layout `protobuf:"bytes,24,opt,name=src_layout,json=srcLayout,proto3" json:"src_layout,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1642,6 +1666,13 @@ func (x *CommitChunkRequest) GetChecksumKind() string {
 		return x.ChecksumKind
 	}
 	return ""
+}
+
+func (x *CommitChunkRequest) GetSrcLayout() *Layout {
+	if x != nil {
+		return x.SrcLayout
+	}
+	return nil
 }
 
 // The receiver applied the commit.
@@ -1933,7 +1964,7 @@ var File_kvservice_v1_peer_proto protoreflect.FileDescriptor
 
 const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
-	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xf5\x03\n" +
+	"\x17kvservice/v1/peer.proto\x12\fkvservice.v1\x1a\x19kvservice/v1/common.proto\"\xb4\x04\n" +
 	"\x0eChannelMessage\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12/\n" +
 	"\x04open\x18\x02 \x01(\v2\x19.kvservice.v1.ChannelOpenH\x00R\x04open\x12D\n" +
@@ -1943,7 +1974,10 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\x03ack\x18\x06 \x01(\v2\x18.kvservice.v1.ChannelAckH\x00R\x03ack\x127\n" +
 	"\arelease\x18\a \x01(\v2\x1b.kvservice.v1.CreditReleaseH\x00R\arelease\x12H\n" +
 	"\fplan_request\x18\b \x01(\v2#.kvservice.v1.GetReceivePlanRequestH\x00R\vplanRequest\x122\n" +
-	"\x04plan\x18\t \x01(\v2\x1c.kvservice.v1.ReceivePlanSetH\x00R\x04planB\x06\n" +
+	"\x04plan\x18\t \x01(\v2\x1c.kvservice.v1.ReceivePlanSetH\x00R\x04plan\x12=\n" +
+	"\n" +
+	"plan_offer\x18\n" +
+	" \x01(\v2\x1c.kvservice.v1.ReceivePlanSetH\x00R\tplanOfferB\x06\n" +
 	"\x04body\"*\n" +
 	"\rCreditRelease\x12\x19\n" +
 	"\bslot_ids\x18\x01 \x03(\x04R\aslotIds\"`\n" +
@@ -2048,7 +2082,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\x12\x1c\n" +
 	"\tpublishes\x18\x11 \x01(\bR\tpublishes\x12#\n" +
 	"\rsender_ticket\x18\x12 \x01(\tR\fsenderTicket\x12\x1c\n" +
-	"\tintegrity\x18\x13 \x01(\bR\tintegrity\"\xfa\x05\n" +
+	"\tintegrity\x18\x13 \x01(\bR\tintegrity\"\xaf\x06\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -2075,7 +2109,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"creditSlot\x12#\n" +
 	"\rsender_ticket\x18\x14 \x01(\tR\fsenderTicket\x12\x1a\n" +
 	"\bchecksum\x18\x15 \x01(\x04R\bchecksum\x12#\n" +
-	"\rchecksum_kind\x18\x16 \x01(\tR\fchecksumKind\"H\n" +
+	"\rchecksum_kind\x18\x16 \x01(\tR\fchecksumKind\x123\n" +
+	"\n" +
+	"src_layout\x18\x18 \x01(\v2\x14.kvservice.v1.LayoutR\tsrcLayout\"H\n" +
 	"\x13CommitChunkResponse\x121\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x1b.kvservice.v1.TransferStateR\x05state\"\xbb\x01\n" +
 	"\x10PeerAbortRequest\x12\x1f\n" +
@@ -2154,37 +2190,39 @@ var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	1,  // 5: kvservice.v1.ChannelMessage.release:type_name -> kvservice.v1.CreditRelease
 	8,  // 6: kvservice.v1.ChannelMessage.plan_request:type_name -> kvservice.v1.GetReceivePlanRequest
 	10, // 7: kvservice.v1.ChannelMessage.plan:type_name -> kvservice.v1.ReceivePlanSet
-	12, // 8: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
-	21, // 9: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
-	22, // 10: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
-	14, // 11: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
-	22, // 12: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
-	23, // 13: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
-	13, // 14: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
-	13, // 15: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
-	9,  // 16: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
-	24, // 17: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
-	25, // 18: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
-	21, // 19: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
-	6,  // 20: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
-	8,  // 21: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
-	11, // 22: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
-	15, // 23: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
-	19, // 24: kvservice.v1.KVPeer.HeldPages:input_type -> kvservice.v1.HeldPagesRequest
-	17, // 25: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
-	0,  // 26: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
-	7,  // 27: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
-	10, // 28: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
-	12, // 29: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
-	16, // 30: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
-	20, // 31: kvservice.v1.KVPeer.HeldPages:output_type -> kvservice.v1.HeldPagesResponse
-	18, // 32: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
-	0,  // 33: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
-	27, // [27:34] is the sub-list for method output_type
-	20, // [20:27] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	10, // 8: kvservice.v1.ChannelMessage.plan_offer:type_name -> kvservice.v1.ReceivePlanSet
+	12, // 9: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
+	21, // 10: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
+	22, // 11: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
+	14, // 12: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
+	22, // 13: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
+	23, // 14: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
+	13, // 15: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
+	13, // 16: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
+	9,  // 17: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
+	24, // 18: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
+	25, // 19: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
+	22, // 20: kvservice.v1.CommitChunkRequest.src_layout:type_name -> kvservice.v1.Layout
+	21, // 21: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
+	6,  // 22: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
+	8,  // 23: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
+	11, // 24: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
+	15, // 25: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
+	19, // 26: kvservice.v1.KVPeer.HeldPages:input_type -> kvservice.v1.HeldPagesRequest
+	17, // 27: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
+	0,  // 28: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
+	7,  // 29: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
+	10, // 30: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
+	12, // 31: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
+	16, // 32: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
+	20, // 33: kvservice.v1.KVPeer.HeldPages:output_type -> kvservice.v1.HeldPagesResponse
+	18, // 34: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
+	0,  // 35: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
+	29, // [29:36] is the sub-list for method output_type
+	22, // [22:29] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_peer_proto_init() }
@@ -2202,6 +2240,7 @@ func file_kvservice_v1_peer_proto_init() {
 		(*ChannelMessage_Release)(nil),
 		(*ChannelMessage_PlanRequest)(nil),
 		(*ChannelMessage_Plan)(nil),
+		(*ChannelMessage_PlanOffer)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ChannelMessage(_message.Message):
-    __slots__ = ("seq", "open", "credit_request", "grant", "commit", "ack", "release", "plan_request", "plan")
+    __slots__ = ("seq", "open", "credit_request", "grant", "commit", "ack", "release", "plan_request", "plan", "plan_offer")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CREDIT_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ChannelMessage(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PLAN_REQUEST_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_OFFER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     open: ChannelOpen
     credit_request: CreditRequest
@@ -27,7 +28,8 @@ class ChannelMessage(_message.Message):
     release: CreditRelease
     plan_request: GetReceivePlanRequest
     plan: ReceivePlanSet
-    def __init__(self, seq: _Optional[int] = ..., open: _Optional[_Union[ChannelOpen, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., grant: _Optional[_Union[CreditGrant, _Mapping]] = ..., commit: _Optional[_Union[CommitChunkRequest, _Mapping]] = ..., ack: _Optional[_Union[ChannelAck, _Mapping]] = ..., release: _Optional[_Union[CreditRelease, _Mapping]] = ..., plan_request: _Optional[_Union[GetReceivePlanRequest, _Mapping]] = ..., plan: _Optional[_Union[ReceivePlanSet, _Mapping]] = ...) -> None: ...
+    plan_offer: ReceivePlanSet
+    def __init__(self, seq: _Optional[int] = ..., open: _Optional[_Union[ChannelOpen, _Mapping]] = ..., credit_request: _Optional[_Union[CreditRequest, _Mapping]] = ..., grant: _Optional[_Union[CreditGrant, _Mapping]] = ..., commit: _Optional[_Union[CommitChunkRequest, _Mapping]] = ..., ack: _Optional[_Union[ChannelAck, _Mapping]] = ..., release: _Optional[_Union[CreditRelease, _Mapping]] = ..., plan_request: _Optional[_Union[GetReceivePlanRequest, _Mapping]] = ..., plan: _Optional[_Union[ReceivePlanSet, _Mapping]] = ..., plan_offer: _Optional[_Union[ReceivePlanSet, _Mapping]] = ...) -> None: ...
 
 class CreditRelease(_message.Message):
     __slots__ = ("slot_ids",)
@@ -232,7 +234,7 @@ class ReceivePlan(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ..., sender_ticket: _Optional[str] = ..., integrity: bool = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
-    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot", "sender_ticket", "checksum", "checksum_kind")
+    __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot", "sender_ticket", "checksum", "checksum_kind", "src_layout")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class CommitChunkRequest(_message.Message):
     SENDER_TICKET_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
+    SRC_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     sender_service_id: str
     src_tp_rank: int
@@ -277,7 +280,8 @@ class CommitChunkRequest(_message.Message):
     sender_ticket: str
     checksum: int
     checksum_kind: str
-    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ..., credit_slot: bool = ..., sender_ticket: _Optional[str] = ..., checksum: _Optional[int] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
+    src_layout: _common_pb2.Layout
+    def __init__(self, transfer_id: _Optional[str] = ..., sender_service_id: _Optional[str] = ..., src_tp_rank: _Optional[int] = ..., chunk_seq: _Optional[int] = ..., last_chunk: bool = ..., path: _Optional[_Union[_common_pb2.TransferPath, str]] = ..., staging_slot: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., pages_skipped: _Optional[int] = ..., descriptors: _Optional[int] = ..., pack_us: _Optional[int] = ..., wire_us: _Optional[int] = ..., dst_buffer_set_id: _Optional[str] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ..., aux_delivered: bool = ..., release_only: bool = ..., credit_slot: bool = ..., sender_ticket: _Optional[str] = ..., checksum: _Optional[int] = ..., checksum_kind: _Optional[str] = ..., src_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ...) -> None: ...
 
 class CommitChunkResponse(_message.Message):
     __slots__ = ("state",)
