@@ -158,7 +158,8 @@ class TransferEngine:
         # NOTE: no await between admission and the record's add in receiver.expect: one step.
         self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)
         await self.receiver.expect(inc)
-        chan = self.offer_channels.get(sender_address) if sender_address != self.address else None
+        own = sender_address == self.address
+        chan = None if own else self.offer_channels.get(sender_address, inc.allowed_senders)
         # the sender's channel is open: its plan goes now, unasked (data path v3 §3); else an
         # engine on this node may send it over the native lane
         if chan is None or not await offer_plan(self, inc, chan):

@@ -116,18 +116,25 @@ class OfferChannels:
     ``sender_address`` finds the channel to push its plan on (data path v3 §3)."""
 
     def __init__(self) -> None:
-        self._by_address: dict[str, InboundChannel] = {}
+        self._by_address: dict[str, list[InboundChannel]] = {}
 
     def opened(self, chan: InboundChannel) -> None:
-        if chan.address:
-            self._by_address[chan.address] = chan
+        if chan.address:  # NOTE: a claim: another peer may claim it too (offers check identities)
+            self._by_address.setdefault(chan.address, []).append(chan)
 
     def closed(self, chan: InboundChannel) -> None:
-        if self._by_address.get(chan.address) is chan:
-            del self._by_address[chan.address]
+        chans = self._by_address.get(chan.address, [])
+        if chan in chans:
+            chans.remove(chan)
+            if not chans:
+                del self._by_address[chan.address]
 
-    def get(self, address: str) -> InboundChannel | None:
-        return self._by_address.get(address)
+    def get(self, address: str, allowed: frozenset[str]) -> InboundChannel | None:
+        """The newest open channel claiming ``address`` whose proven identity ``allowed`` names."""
+        for chan in reversed(self._by_address.get(address, [])):
+            if chan.identity in allowed:
+                return chan
+        return None
 
 
 class InboundChannel:

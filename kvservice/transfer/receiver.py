@@ -290,7 +290,9 @@ class Receiver:
         open channel), or None when that service may not send it or already holds a plan."""
         if inc.rec.terminal or inc.landing is not None or sender_id in inc.offers:
             return None
-        if inc.allowed_senders and identity not in inc.allowed_senders:
+        # NOTE: only to a proven identity the declaration names: a channel's service id and
+        # address are its own claims, and a token-only peer proves no identity (docs/security.md)
+        if identity not in inc.allowed_senders:
             return None
         if sender_id in inc.identities:  # a rank of it already asked: it has its plans
             return None

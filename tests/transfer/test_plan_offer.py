@@ -25,6 +25,7 @@ from e2e_helpers import (
     snapshot,
 )
 from kvservice_client import Layout
+from pki import CA
 
 from kvservice.errors import FailedPrecondition, PermissionDenied
 from kvservice.staging import StagingPool
@@ -41,9 +42,24 @@ def _layout(tp: int = 1, rank: int = 0, heads: int = 4) -> Layout:
     )  # fmt: skip
 
 
-def _services(make_server):  # type: ignore[no-untyped-def]
-    kw = {"transport": "loopback", "same_host_route": "off"}
-    return make_server(**kw), make_server(**kw)
+def _services(make_server, tmp_path):  # type: ignore[no-untyped-def]
+    """A prefill and a decode service over mutual TLS: offers go only to a proven identity."""
+    ca = CA(str(tmp_path), "cluster")
+
+    def one_service(name: str):  # type: ignore[no-untyped-def]
+        leaf = ca.leaf(name)
+        return make_server(
+            transport="loopback",
+            same_host_route="off",
+            tcp_address="",
+            peer_tcp_address="127.0.0.1:0",
+            insecure=False,
+            peer_tls_cert=leaf.cert,
+            peer_tls_key=leaf.key,
+            peer_tls_ca=ca.cert,
+        )
+
+    return one_service("prefill-a"), one_service("decode-b")
 
 
 def _engine(server, make_pool, make_client, layout: Layout, seed: int):  # type: ignore[no-untyped-def]
@@ -77,9 +93,9 @@ def _warm(ka, kb, a, b, sender, peer) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("path", ["packed", "direct"])
 def test_an_offered_plan_needs_no_ask_and_binds_at_the_first_commit(
-    make_server, make_pool, make_client, monkeypatch, path
+    make_server, make_pool, make_client, tmp_path, monkeypatch, path
 ) -> None:
-    sa, sb = _services(make_server)
+    sa, sb = _services(make_server, tmp_path)
     ka, pa, a = _engine(sa, make_pool, make_client, _layout(), 1)
     kb, pb, b = _engine(sb, make_pool, make_client, _layout(), 2)
     sender, peer = sa.app.peer_address, sb.app.peer_address
@@ -102,9 +118,11 @@ def test_an_offered_plan_needs_no_ask_and_binds_at_the_first_commit(
     assert inc.tickets[f"{sid}/0"] == inc.offers[sid].ticket  # bound by the commit, not by an ask
 
 
-def test_two_sender_ranks_share_one_offer_mixed_tp(make_server, make_pool, make_client, monkeypatch) -> None:
+def test_two_sender_ranks_share_one_offer_mixed_tp(
+    make_server, make_pool, make_client, tmp_path, monkeypatch
+) -> None:
     """TP 2 -> 1: both ranks of the sending service write their heads through the one offer."""
-    sa, sb = _services(make_server)
+    sa, sb = _services(make_server, tmp_path)
     glob = global_kv(_layout(), 5)
     senders = []
     for rank in (0, 1):
@@ -133,8 +151,10 @@ def test_two_sender_ranks_share_one_offer_mixed_tp(make_server, make_pool, make_
     assert_tp_pages(pb, dst, glob, src)
 
 
-def test_a_receiver_abort_drops_the_offer_and_nothing_is_written(make_server, make_pool, make_client) -> None:
-    sa, sb = _services(make_server)
+def test_a_receiver_abort_drops_the_offer_and_nothing_is_written(
+    make_server, make_pool, make_client, tmp_path
+) -> None:
+    sa, sb = _services(make_server, tmp_path)
     ka, pa, a = _engine(sa, make_pool, make_client, _layout(), 1)
     kb, pb, b = _engine(sb, make_pool, make_client, _layout(), 2)
     sender, peer = sa.app.peer_address, sb.app.peer_address
@@ -151,8 +171,10 @@ def test_a_receiver_abort_drops_the_offer_and_nothing_is_written(make_server, ma
     assert_unchanged(pb, before)
 
 
-def test_no_open_channel_means_the_sender_asks(make_server, make_pool, make_client, monkeypatch) -> None:
-    sa, sb = _services(make_server)
+def test_no_open_channel_means_the_sender_asks(
+    make_server, make_pool, make_client, tmp_path, monkeypatch
+) -> None:
+    sa, sb = _services(make_server, tmp_path)
     ka, pa, a = _engine(sa, make_pool, make_client, _layout(), 1)
     kb, pb, b = _engine(sb, make_pool, make_client, _layout(), 2)
     asked = _no_asking(sa, monkeypatch)
@@ -163,7 +185,7 @@ def test_no_open_channel_means_the_sender_asks(make_server, make_pool, make_clie
 
 
 # -- the receiver's binding rules, in-process ------------------------------------------------------
-def _declared(allowed: frozenset[str] = frozenset()) -> tuple[Receiver, Incoming]:
+def _declared(allowed: frozenset[str] = frozenset({"peer-a"})) -> tuple[Receiver, Incoming]:
     receiver = Receiver(TransferTable(60.0), lambda _bs: StagingPool(1 << 20, "host"))
     bs = types.SimpleNamespace(buffer_set_id="d-bs", layout=_layout())
     rec = Record("t", "RECEIVER", "d-bs", "s", time.monotonic() + 30)
@@ -206,7 +228,24 @@ def test_an_offered_rank_with_a_layout_that_cannot_write_fails_the_declaration()
     assert inc.rec.state == "FAILED"
 
 
-def test_no_offer_to_a_service_the_declaration_does_not_allow() -> None:
+def test_offers_go_only_to_a_proven_identity_the_declaration_names() -> None:
+    """A channel's service id and address are its own claims: without a proven identity that
+    allowed_senders names (a token-only peer proves none), the sender asks as before."""
     receiver, inc = _declared(frozenset({"prefill-a"}))
     assert receiver.offer(inc, "prefill", "prefill:1", "prefill-c") is None
     assert receiver.offer(inc, "prefill", "prefill:1", "prefill-a") is not None
+    receiver, inc = _declared(frozenset())
+    assert receiver.offer(inc, "prefill", "prefill:1", "") is None
+
+
+def test_a_channel_claiming_the_address_under_another_identity_gets_no_offer() -> None:
+    from kvservice.transfer.peer_channel import OfferChannels
+
+    chans = OfferChannels()
+    real = types.SimpleNamespace(address="prefill:1", identity="prefill-a")
+    rogue = types.SimpleNamespace(address="prefill:1", identity="intruder")
+    chans.opened(real)  # type: ignore[arg-type]
+    chans.opened(rogue)  # type: ignore[arg-type]
+    assert chans.get("prefill:1", frozenset({"prefill-a", "local"})) is real
+    chans.closed(real)  # type: ignore[arg-type]
+    assert chans.get("prefill:1", frozenset({"prefill-a", "local"})) is None
