@@ -118,7 +118,12 @@ def kvservice_run(
                 tid = f"tp{p}{d}-{it}"
                 for bs in rb:
                     kb.expect_delta(
-                        tid, bs, prefix_pages=0, dst_page_indices=dst, expected_senders=max(1, p // d)
+                        tid,
+                        bs,
+                        prefix_pages=0,
+                        dst_page_indices=dst,
+                        expected_senders=max(1, p // d),
+                        sender_address=svc.peer_addresses[0],  # as the adapters do
                     )
                 t0 = time.perf_counter()
                 for bs in sb:

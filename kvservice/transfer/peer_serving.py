@@ -20,6 +20,7 @@ from kvservice_client._proto import peer_pb2
 
 from .. import host
 from ..errors import FailedPrecondition
+from ..identity import LOCAL_PEER
 from ..kernels.heads import HeadRoute
 from . import trace
 from .peer_codec import commit_from_pb, plan_to_pb
@@ -66,6 +67,8 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
     """Push ``inc``'s plan to the sending service on its open channel ``chan`` before any of
     its ranks asks (ExpectDelta named it): the ask's round trip leaves the transfer's path.
     False: nothing offered (that service may not send it, or this node's lane moves it)."""
+    if chan.identity == LOCAL_PEER and engine.config.same_host_route == "auto":
+        return False  # a Unix-socket peer is on this host: it asks, for the fused route's handles
     try:
         engine.lane.gate(inc.rec.transfer_id)  # a peer sends it: the native lane may not
     except FailedPrecondition:
