@@ -1,9 +1,10 @@
-"""A/B of bench_control between two source trees, interleaved in one session on one machine.
+"""A/B of bench_control or bench_transfer between two source trees, interleaved on one machine.
 
     python bench/ab_trees.py --base /tmp/base --new . --rounds 3 --what "..." \\
         --out bench/results/ab_plan_offer_cpu.json -- --cross-node --transfers 300 ...
+    python bench/ab_trees.py --bench transfer ... -- --device cpu --cross-node --pages 1 ...
 
-Each round runs ``bench_control.py <args>`` in the base tree, then in the new tree (the services
+Each round runs ``bench_<bench>.py <args>`` in the base tree, then in the new tree (the services
 each bench starts run that tree's code: the harness starts them from its own checkout). The
 trees' bench/ should be the same files (copy the new ones into the base worktree) so only the
 service code differs. Writes one JSON: every run's headline numbers and a per-side summary.
@@ -23,6 +24,12 @@ from typing import Any
 
 
 def headline(j: dict[str, Any]) -> dict[str, Any]:
+    if j["benchmark"] == "transfer":  # SendDelta -> the receiver's DONE, per path
+        return {
+            path: {k: v[k] for k in ("p50_ms", "p99_ms", "phases_us_median") if k in v}
+            for path, v in j["kvservice"].items()
+            if not path.startswith("_")
+        }
     rpc = j["rpc"]
     return {
         "e2e_p50_ms": rpc["transfer_e2e"]["p50_ms"],
@@ -44,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", type=Path, required=True)
     ap.add_argument("--new", type=Path, required=True)
+    ap.add_argument("--bench", choices=("control", "transfer"), default="control")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--what", default="", help="what the two sides differ in (goes into the JSON)")
     ap.add_argument("--out", type=Path, required=True)
@@ -55,16 +63,23 @@ def main() -> None:
         for n in range(args.rounds):
             for side, tree in (("base", args.base), ("new", args.new)):
                 tag = f"ab_{side}_r{n}"
-                cmd = [sys.executable, "bench/bench_control.py", *bench_args, "--out", tmp, "--tag", tag]
+                script = f"bench/bench_{args.bench}.py"
+                cmd = [sys.executable, script, *bench_args, "--out", tmp, "--tag", tag]
                 subprocess.run(cmd, cwd=tree.resolve(), check=True)
-                (path,) = Path(tmp).glob(f"control_*_{tag}.json")
+                (path,) = Path(tmp).glob(f"{args.bench}_*_{tag}.json")
                 j = json.loads(path.read_text())
                 runs.append({"side": side, "round": n, "commit": commit_of(tree), "argv": j["meta"]["argv"]}
                             | headline(j))  # fmt: skip
-                print(f"{side} r{n}: e2e p50 {runs[-1]['e2e_p50_ms']:.2f} ms", file=sys.stderr)
     summary: dict[str, Any] = {}
     for side in ("base", "new"):
         mine = [r for r in runs if r["side"] == side]
+        if args.bench == "transfer":
+            summary[side] = {
+                path: {"p50_ms": [round(r[path]["p50_ms"], 3) for r in mine if path in r]}
+                for path in mine[0]
+                if isinstance(mine[0][path], dict) and "p50_ms" in mine[0][path]
+            }
+            continue
         summary[side] = {
             "runs": len(mine),
             "e2e_p50_ms": [round(r["e2e_p50_ms"], 3) for r in mine],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -602,6 +603,15 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 _p50(j) <= limit)  # fmt: skip
     share_row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", "transfer_gpu_xnode", "raw_nixl_one_descriptor",
               "NIXL 1 desc", 0.30)  # fmt: skip
+    ab = runs.get("ab_plan_offer_cpu")
+    if ab:  # no GPU figure yet: the step's CPU A/B, both sides in one session on one VM
+        med = {k: statistics.median(v["e2e_p50_ms"]) for k, v in ab["summary"].items()}
+        sus = {k: statistics.median(v["sustained_per_s"]["8"]) for k, v in ab["summary"].items()}
+        rows.append(
+            f"| cross-node one page, plan offered at ExpectDelta (CPU A/B, 2-core VM; no GPU run yet) | "
+            f"ab_plan_offer_cpu | {med['new']:.2f} ms; {sus['new']:.0f}/s with 8 senders | "
+            f"plan asked: {med['base']:.2f} ms; {sus['base']:.0f}/s | |"
+        )
     j, nl = runs.get("control_same_node_gpu"), runs.get("control_same_node_gpu_nolane")
     if j and j.get("sustained_by_senders"):
         top = max(j["sustained_by_senders"], key=lambda r: r["threads"])

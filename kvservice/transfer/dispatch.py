@@ -130,6 +130,13 @@ class Dispatch:
         await peer.refresh(timeout=left)
         return await self._port(out.peer_address).targets(out)
 
+    def targets_now(self, out: Outgoing) -> list[Target] | None:
+        """Targets known without waiting (a plan the receiver offered), or None: fetch_targets."""
+        peer, port = self.peers.get(out.peer_address), self.ports.get(out.peer_address)
+        if port is None or port.peer is not peer or peer.is_self:
+            return None
+        return port.offered_now(out)
+
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
         port = self._port(out.peer_address)
         aux = (0, 0)

@@ -40,6 +40,7 @@ __all__ = [
     "CreditBroker",
     "InboundChannel",
     "OfferBook",
+    "Offered",
     "OfferChannels",
     "OutboundChannel",
     "WINDOW",

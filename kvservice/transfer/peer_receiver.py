@@ -28,7 +28,7 @@ from ..kernels import KVRegions
 from . import trace
 from .aux_rows import aux_rows
 from .descriptors import prepped_rows
-from .peer_channel import OutboundChannel
+from .peer_channel import Offered, OutboundChannel
 from .peer_codec import commit_to_pb, plan_from_pb
 from .peer_pools import PeerPools
 from .peers import PeerClient, error_from_code
@@ -88,7 +88,7 @@ class PeerReceiver:
     # -- plans -----------------------------------------------------------------------------------
     async def targets(self, out: Outgoing) -> list[Target]:
         peer = self.peer
-        same_host = self._same_host_auto and bool(peer.boot_id) and peer.boot_id == host.boot_id()
+        same_host = self._same_host(peer)
         if not same_host and self.opened is not None:  # NOTE: same host: the plan carries pool handles
             offered = await self._offered(out)
             if offered is not None:
@@ -117,14 +117,33 @@ class PeerReceiver:
         plans = [plan_from_pb(m, out.bs.layout.tp_rank) for m in resp.plans]
         return [Target.of(p, out.bs.layout, self._open(out, p) if same_host else None) for p in plans]
 
+    def offered_now(self, out: Outgoing) -> list[Target] | None:
+        """The targets of an offered plan without a single await (no task, no loop hop), when
+        the receiver's transport metadata here is as new as the offer's; else None."""
+        peer = self.peer
+        if self.opened is None or not peer.agent or self._same_host(peer):
+            return None
+        hit = self.opened.offers.get(out.rec.transfer_id)
+        if hit is None or peer.epoch < hit.metadata_epoch:
+            return None
+        return self._take(out, hit)
+
     async def _offered(self, out: Outgoing) -> list[Target] | None:
-        """Targets from the plans the receiver pushed at ExpectDelta (no round trip), or None:
-        none pushed for every receiver rank we route to, or this rank took them already, or the
-        layouts do not fit (the ask then makes the receiver fail it, as it would have)."""
+        """Targets from the plans the receiver pushed at ExpectDelta (no round trip), or None
+        (the sender asks)."""
         assert self.opened is not None
+        hit = self.opened.offers.get(out.rec.transfer_id)
+        if hit is None:
+            return None
+        await self.peer.refresh(min_epoch=hit.metadata_epoch, timeout=_left(out))
+        return self._take(out, hit)
+
+    def _take(self, out: Outgoing, hit: Offered) -> list[Target] | None:
+        """This rank's targets from ``hit``, or None: not every receiver rank we route to was
+        offered, this rank took it already, or the layouts do not fit (the ask then makes the
+        receiver fail it, as it would have)."""
         src, tid = out.bs.layout, out.rec.transfer_id
-        hit = self.opened.offers.get(tid)
-        if hit is None or src.tp_rank in hit.used_by:
+        if src.tp_rank in hit.used_by:
             return None
         dst = Layout.from_proto(next(iter(hit.plans.values())).dst_layout)
         wanted = routes_for(src, dst.tp_size)
@@ -137,12 +156,14 @@ class PeerReceiver:
         hit.used_by.add(src.tp_rank)
         out.tickets.update(hit.plans[r.dst_rank].sender_ticket for r in wanted)
         trace.mark(tid, "plan_offered")
-        await self.peer.refresh(min_epoch=hit.metadata_epoch, timeout=_left(out))
         plans = [
             dataclasses.replace(plan_from_pb(hit.plans[r.dst_rank], src.tp_rank), route=r, offered=True)
             for r in wanted
         ]
         return [Target.of(p, src) for p in plans]
+
+    def _same_host(self, peer: PeerClient) -> bool:
+        return self._same_host_auto and bool(peer.boot_id) and peer.boot_id == host.boot_id()
 
     def drop_offer(self, transfer_id: str, ticket: str) -> bool:
         """The receiver ended ``transfer_id`` before we used its offer: forget it."""

@@ -78,6 +78,8 @@ def check_live(out: Outgoing) -> None:
 class Movement(Protocol):
     """What moves a sender's chunks (dispatch.Dispatch)."""
 
+    def targets_now(self, out: Outgoing) -> list[Target] | None: ...
+
     async def fetch_targets(self, out: Outgoing) -> list[Target]: ...
 
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None: ...
@@ -175,6 +177,10 @@ class Sender:
 
     async def _chunk(self, out: Outgoing, chunk: Chunk) -> None:
         mover = self.dispatch
+        if out.targets is None and (now := mover.targets_now(out)) is not None:
+            t0 = time.monotonic()  # an offered plan (data path v3 §3): no wait, no task
+            out.targets = now
+            self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
         if out.targets is None:
             t0 = time.monotonic()
             # NOTE: the plan wait (up to the deadline, when the receiver has not declared yet)
