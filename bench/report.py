@@ -35,6 +35,7 @@ def _load(d: Path) -> dict[str, dict[str, Any]]:
             "routing",
             "launch",
             "convert",
+            "ab",
         ):
             out[f.stem] = j
     return out
@@ -603,14 +604,17 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 _p50(j) <= limit)  # fmt: skip
     share_row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", "transfer_gpu_xnode", "raw_nixl_one_descriptor",
               "NIXL 1 desc", 0.30)  # fmt: skip
-    ab = runs.get("ab_plan_offer_cpu")
+    ab, ctl = runs.get("ab_plan_offer_transfer_cpu"), runs.get("ab_plan_offer_cpu")
     if ab:  # no GPU figure yet: the step's CPU A/B, both sides in one session on one VM
-        med = {k: statistics.median(v["e2e_p50_ms"]) for k, v in ab["summary"].items()}
-        sus = {k: statistics.median(v["sustained_per_s"]["8"]) for k, v in ab["summary"].items()}
+        med = {k: statistics.median(v["auto"]["p50_ms"]) for k, v in ab["summary"].items()}
+        sus = {
+            k: statistics.median(v["sustained_per_s"]["8"]) for k, v in (ctl or {}).get("summary", {}).items()
+        }
+        rate = {k: f"; {v:.0f}/s with 8 senders" for k, v in sus.items()}
         rows.append(
-            f"| cross-node one page, plan offered at ExpectDelta (CPU A/B, 2-core VM; no GPU run yet) | "
-            f"ab_plan_offer_cpu | {med['new']:.2f} ms; {sus['new']:.0f}/s with 8 senders | "
-            f"plan asked: {med['base']:.2f} ms; {sus['base']:.0f}/s | |"
+            "| cross-node one page, plan offered at ExpectDelta (CPU A/B, 2-core VM; no GPU run yet) "
+            f"| ab_plan_offer_transfer_cpu | {med['new']:.2f} ms{rate.get('new', '')} "
+            f"| plan asked: {med['base']:.2f} ms{rate.get('base', '')} | |"
         )
     j, nl = runs.get("control_same_node_gpu"), runs.get("control_same_node_gpu_nolane")
     if j and j.get("sustained_by_senders"):
@@ -703,7 +707,7 @@ def main() -> None:
     for name, j in runs.items():
         if j["benchmark"] == "convert":
             lines += ["## Cross-engine conversion (page size, page layout)", "", *_convert(name, j)]
-    plots = _plots(d, runs)
+    plots = _plots(d, {k: v for k, v in runs.items() if v["benchmark"] != "ab"})  # A/Bs: NOTES.md
     (d / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {d / 'SUMMARY.md'} and {len(plots)} plots")
 
