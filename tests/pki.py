@@ -78,3 +78,17 @@ class CA:
             )
         os.chmod(out.key, 0o600)
         return out
+
+
+def mtls_peer(ca: CA, name: str) -> dict[str, str]:
+    """Server config overrides: KVPeer on a loopback TCP listener (no engine TCP port) over mutual
+    TLS with a certificate ``name`` of ``ca`` (its identity as a peer)."""
+    leaf = ca.leaf(name)
+    return {
+        "tcp_address": "",
+        "peer_tcp_address": "127.0.0.1:0",
+        "insecure": False,
+        "peer_tls_cert": leaf.cert,
+        "peer_tls_key": leaf.key,
+        "peer_tls_ca": ca.cert,
+    }

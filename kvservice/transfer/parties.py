@@ -32,9 +32,7 @@ __all__ = ["may_abort_in", "may_abort_out"]
 
 def may_abort_in(inc: Incoming, origin: str, identity: str, ticket: str) -> bool:
     """A peer abort from service ``origin`` (proven as ``identity``) may stop this declaration."""
-    if ticket and any(
-        ticket_matches(t, ticket) for t in (*inc.tickets.values(), *(o.ticket for o in inc.offers.values()))
-    ):
+    if ticket and (any(ticket_matches(t, ticket) for t in inc.tickets.values()) or inc.holds_offer(ticket)):
         return True
     if not identity:  # a token-only peer: its ticket is its only proof
         return False

@@ -40,7 +40,6 @@ __all__ = [
     "CreditBroker",
     "InboundChannel",
     "OfferBook",
-    "Offered",
     "OfferChannels",
     "OutboundChannel",
     "WINDOW",
@@ -363,9 +362,6 @@ class OfferBook:
 
     def __init__(self) -> None:
         self._by_tid: dict[str, Offered] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_tid)
 
     def add(self, offer: peer_pb2.ReceivePlanSet) -> None:
         now = time.monotonic()

@@ -28,7 +28,7 @@ from ..kernels import KVRegions
 from . import trace
 from .aux_rows import aux_rows
 from .descriptors import prepped_rows
-from .peer_channel import Offered, OutboundChannel
+from .peer_channel import OutboundChannel
 from .peer_codec import commit_to_pb, plan_from_pb
 from .peer_pools import PeerPools
 from .peers import PeerClient, error_from_code
@@ -88,11 +88,10 @@ class PeerReceiver:
     # -- plans -----------------------------------------------------------------------------------
     async def targets(self, out: Outgoing) -> list[Target]:
         peer = self.peer
+        offered = await self._offered(out)
+        if offered is not None:
+            return offered
         same_host = self._same_host(peer)
-        if not same_host and self.opened is not None:  # NOTE: same host: the plan carries pool handles
-            offered = await self._offered(out)
-            if offered is not None:
-                return offered
         req = peer_pb2.GetReceivePlanRequest(
             transfer_id=out.rec.transfer_id,
             sender_service_id=self._me[0],
@@ -117,33 +116,25 @@ class PeerReceiver:
         plans = [plan_from_pb(m, out.bs.layout.tp_rank) for m in resp.plans]
         return [Target.of(p, out.bs.layout, self._open(out, p) if same_host else None) for p in plans]
 
-    def offered_now(self, out: Outgoing) -> list[Target] | None:
-        """The targets of an offered plan without a single await (no task, no loop hop), when
-        the receiver's transport metadata here is as new as the offer's; else None."""
-        peer = self.peer
-        if self.opened is None or not peer.agent or self._same_host(peer):
-            return None
-        hit = self.opened.offers.get(out.rec.transfer_id)
-        if hit is None or peer.epoch < hit.metadata_epoch:
-            return None
-        return self._take(out, hit)
-
     async def _offered(self, out: Outgoing) -> list[Target] | None:
-        """Targets from the plans the receiver pushed at ExpectDelta (no round trip), or None
-        (the sender asks)."""
-        assert self.opened is not None
-        hit = self.opened.offers.get(out.rec.transfer_id)
+        """``offered_now`` once the receiver's metadata here is as new as its offer's."""
+        hit = self.opened.offers.get(out.rec.transfer_id) if self.opened is not None else None
         if hit is None:
             return None
         await self.peer.refresh(min_epoch=hit.metadata_epoch, timeout=_left(out))
-        return self._take(out, hit)
+        return self.offered_now(out)
 
-    def _take(self, out: Outgoing, hit: Offered) -> list[Target] | None:
-        """This rank's targets from ``hit``, or None: not every receiver rank we route to was
-        offered, this rank took it already, or the layouts do not fit (the ask then makes the
-        receiver fail it, as it would have)."""
-        src, tid = out.bs.layout, out.rec.transfer_id
-        if src.tp_rank in hit.used_by:
+    def offered_now(self, out: Outgoing) -> list[Target] | None:
+        """Targets from the plans the receiver pushed at ExpectDelta, without a single await (no
+        task, no loop hop), or None, and the sender asks: no offer, the receiver's metadata here
+        older than the offer's, the same host (the plan then carries pool handles), not every
+        receiver rank we route to offered, this rank took it already, or layouts that do not
+        fit (the ask then makes the receiver fail it, as it would have)."""
+        peer, src, tid = self.peer, out.bs.layout, out.rec.transfer_id
+        if self.opened is None or not peer.agent or self._same_host(peer):
+            return None
+        hit = self.opened.offers.get(tid)
+        if hit is None or peer.epoch < hit.metadata_epoch or src.tp_rank in hit.used_by:
             return None
         dst = Layout.from_proto(next(iter(hit.plans.values())).dst_layout)
         wanted = routes_for(src, dst.tp_size)

@@ -90,6 +90,12 @@ class Incoming:
     landing: Any = None
     regions: Any = None
 
+    def holds_offer(self, ticket: str, identity: str | None = None) -> bool:
+        """``ticket`` is one of this declaration's offers (given to ``identity``, when named)."""
+        return any(
+            ticket_matches(o.ticket, ticket) and identity in (None, o.identity) for o in self.offers.values()
+        )
+
     def enter(self) -> None:
         """A copy or unpack starts writing this declaration's pages."""
         self.busy += 1
@@ -296,8 +302,8 @@ class Receiver:
             return None
         if sender_id in inc.identities:  # a rank of it already asked: it has its plans
             return None
-        offer = inc.offers[sender_id] = Offer(secrets.token_hex(16), address, identity)
-        return offer
+        inc.offers[sender_id] = Offer(secrets.token_hex(16), address, identity)
+        return inc.offers[sender_id]
 
     def bind_offered(
         self, inc: Incoming, src: Layout, key: str, sender_id: str, identity: str, ticket: str
@@ -366,10 +372,7 @@ class Receiver:
     ) -> tuple[StagingPool, Slot]:
         """Room for one packed chunk, for a peer that fetched the transfer's plan (as ``identity``)."""
         inc = self.get(transfer_id, bs_id)
-        offered = any(
-            o.identity == identity and ticket_matches(o.ticket, ticket) for o in inc.offers.values()
-        )
-        if not offered and (
+        if not inc.holds_offer(ticket, identity) and (
             identity not in inc.identities.values()
             or not any(ticket_matches(t, ticket) for t in inc.tickets.values())
         ):

@@ -177,10 +177,11 @@ class Sender:
 
     async def _chunk(self, out: Outgoing, chunk: Chunk) -> None:
         mover = self.dispatch
-        if out.targets is None and (now := mover.targets_now(out)) is not None:
-            t0 = time.monotonic()  # an offered plan (data path v3 §3): no wait, no task
-            out.targets = now
-            self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
+        if out.targets is None:  # an offered plan (data path v3 §3): no wait, no task
+            t0 = time.monotonic()
+            out.targets = mover.targets_now(out)
+            if out.targets is not None:
+                self.table.update(out.rec, add_plan=int((time.monotonic() - t0) * 1e6))
         if out.targets is None:
             t0 = time.monotonic()
             # NOTE: the plan wait (up to the deadline, when the receiver has not declared yet)

@@ -30,7 +30,7 @@ import sglang_stub  # noqa: E402
 from engine_pools import DEADLINE_MS, EnginePool, Spec, _step  # noqa: E402
 from kvservice_client import AsyncClient  # noqa: E402
 from kvservice_vllm.jobs import ClaimJob, LandJob  # noqa: E402
-from pki import CA  # noqa: E402
+from pki import CA, mtls_peer  # noqa: E402
 from test_sglang_landing import Pools, manager  # noqa: E402
 
 SPEC = Spec("vllm", "nhc", 16, 12)
@@ -44,17 +44,7 @@ def mtls(make_server: Any, tmp_path: Any) -> dict[str, Any]:
     ca = CA(str(tmp_path), "cluster")
 
     def service(name: str) -> Any:
-        leaf = ca.leaf(name)
-        return make_server(
-            transport="loopback",
-            same_host_route="off",
-            tcp_address="",
-            peer_tcp_address="127.0.0.1:0",
-            insecure=False,
-            peer_tls_cert=leaf.cert,
-            peer_tls_key=leaf.key,
-            peer_tls_ca=ca.cert,
-        )
+        return make_server(transport="loopback", same_host_route="off", **mtls_peer(ca, name))
 
     return {"a": service("prefill-a"), "c": service("prefill-c"), "b": service("decode-b")}
 

@@ -25,7 +25,7 @@ from e2e_helpers import (
     snapshot,
 )
 from kvservice_client import Layout
-from pki import CA
+from pki import CA, mtls_peer
 
 from kvservice.errors import FailedPrecondition, PermissionDenied
 from kvservice.staging import StagingPool
@@ -45,21 +45,10 @@ def _layout(tp: int = 1, rank: int = 0, heads: int = 4) -> Layout:
 def _services(make_server, tmp_path):  # type: ignore[no-untyped-def]
     """A prefill and a decode service over mutual TLS: offers go only to a proven identity."""
     ca = CA(str(tmp_path), "cluster")
-
-    def one_service(name: str):  # type: ignore[no-untyped-def]
-        leaf = ca.leaf(name)
-        return make_server(
-            transport="loopback",
-            same_host_route="off",
-            tcp_address="",
-            peer_tcp_address="127.0.0.1:0",
-            insecure=False,
-            peer_tls_cert=leaf.cert,
-            peer_tls_key=leaf.key,
-            peer_tls_ca=ca.cert,
-        )
-
-    return one_service("prefill-a"), one_service("decode-b")
+    return tuple(
+        make_server(transport="loopback", same_host_route="off", **mtls_peer(ca, name))
+        for name in ("prefill-a", "decode-b")
+    )
 
 
 def _engine(server, make_pool, make_client, layout: Layout, seed: int):  # type: ignore[no-untyped-def]
@@ -84,6 +73,14 @@ def _no_asking(server, monkeypatch) -> list[str]:  # type: ignore[no-untyped-def
     return asked
 
 
+def _declare_offered(kb, b, sa, sender, peer, tid, dst, prefix=0):  # type: ignore[no-untyped-def]
+    """ExpectDelta naming the sender; returns once its offer reached the sender's channel."""
+    kb.expect_delta(tid, b, prefix_pages=prefix, dst_page_indices=dst, sender_address=sender)
+    chan = sa.app.node.transfers.dispatch.channels[peer]
+    eventually(lambda: chan.offers.get(tid) is not None, 5, "the offer reached the sender")
+    return chan
+
+
 def _warm(ka, kb, a, b, sender, peer) -> None:  # type: ignore[no-untyped-def]
     """One transfer that opens the sender's channel (nothing to push on before it)."""
     kb.expect_delta("warm", b, prefix_pages=0, dst_page_indices=[0], sender_address=sender)
@@ -103,9 +100,7 @@ def test_an_offered_plan_needs_no_ask_and_binds_at_the_first_commit(
     asked = _no_asking(sa, monkeypatch)
     src, dst = [3, 7, 1, 9, 12], [20, 4, 17, 2, 30]
     before = snapshot(pb)
-    kb.expect_delta("t", b, prefix_pages=1, dst_page_indices=dst[1:], sender_address=sender)
-    chan = sa.app.node.transfers.dispatch.channels[peer]
-    eventually(lambda: chan.offers.get("t") is not None, 5, "the offer reached the sender")
+    _declare_offered(kb, b, sa, sender, peer, "t", dst[1:], prefix=1)
     ka.send_delta("t", a, src_page_indices=src, peer_address=peer, path=path)
     r, s = one(kb, "t"), one(ka, "t")
     assert (r.state, s.state) == ("DONE", "DONE"), (r, s)
@@ -138,9 +133,7 @@ def test_two_sender_ranks_share_one_offer_mixed_tp(
     assert one(kb, "warm").state == "DONE"
     asked = _no_asking(sa, monkeypatch)
     src, dst = [3, 7, 1], [20, 4, 17]
-    kb.expect_delta("t", b, prefix_pages=0, dst_page_indices=dst, sender_address=sender)
-    chan = sa.app.node.transfers.dispatch.channels[peer]
-    eventually(lambda: chan.offers.get("t") is not None, 5, "the offer reached the sender")
+    _declare_offered(kb, b, sa, sender, peer, "t", dst)
     for kv, bs in senders:
         kv.send_delta("t", bs, src_page_indices=src, peer_address=peer)
     r = one(kb, "t")
@@ -160,9 +153,7 @@ def test_a_receiver_abort_drops_the_offer_and_nothing_is_written(
     sender, peer = sa.app.peer_address, sb.app.peer_address
     _warm(ka, kb, a, b, sender, peer)
     before = snapshot(pb)
-    kb.expect_delta("t", b, prefix_pages=0, dst_page_indices=[5, 6], sender_address=sender)
-    chan = sa.app.node.transfers.dispatch.channels[peer]
-    eventually(lambda: chan.offers.get("t") is not None, 5, "the offer reached the sender")
+    chan = _declare_offered(kb, b, sa, sender, peer, "t", [5, 6])
     kb.abort("t", "decode gave up")
     eventually(lambda: chan.offers.get("t") is None, 5, "the sender dropped the offer")
     ka.send_delta("t", a, src_page_indices=[1, 2], peer_address=peer)
