@@ -32,9 +32,11 @@ from kvservice_client._proto import common_pb2, peer_pb2
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import peer_identity
 from ..staging import Slot, StagingPool
+from .peer_codec import plan_from_pb
 from .peer_serving import apply_commit, receive_plans
 from .peers import error_from_code
 from .receiver import ticket_matches
+from .values import Plan
 
 __all__ = [
     "CreditBroker",
@@ -351,7 +353,7 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
 class Offered:
     """The plans of one transfer a receiver pushed (one per receiver rank), until its deadline."""
 
-    plans: dict[int, peer_pb2.ReceivePlan]  # receiver TP rank -> its plan (no route)
+    plans: dict[int, Plan]  # receiver TP rank -> its plan (decoded on arrival; no route yet)
     metadata_epoch: int
     expires: float
     used_by: set[int] = dataclasses.field(default_factory=set)  # our TP ranks that took it
@@ -365,13 +367,14 @@ class OfferBook:
 
     def add(self, offer: peer_pb2.ReceivePlanSet) -> None:
         now = time.monotonic()
-        for m in offer.plans:
-            hit = self._by_tid.get(m.transfer_id)
+        for m in offer.plans:  # NOTE: decoded here, while the prefill computes, not at SendDelta
+            plan = plan_from_pb(m, 0)  # the route (and its source rank) is each sender rank's
+            hit = self._by_tid.get(plan.transfer_id)
             if hit is None or hit.expires < now:
-                hit = self._by_tid[m.transfer_id] = Offered(
-                    {}, offer.metadata_epoch, now + m.remaining_ms / 1000
+                hit = self._by_tid[plan.transfer_id] = Offered(
+                    {}, offer.metadata_epoch, now + plan.remaining_ms / 1000
                 )
-            hit.plans[m.dst_layout.tp_rank] = m
+            hit.plans[plan.dst_layout.tp_rank] = plan
             hit.metadata_epoch = max(hit.metadata_epoch, offer.metadata_epoch)
         while len(self._by_tid) > MAX_OFFERS:
             del self._by_tid[next(iter(self._by_tid))]
@@ -386,7 +389,7 @@ class OfferBook:
     def drop(self, transfer_id: str, ticket: str) -> bool:
         """Forget ``transfer_id``'s offers if one carries ``ticket`` (the receiver ended it)."""
         hit = self._by_tid.get(transfer_id)
-        if hit is None or not any(ticket_matches(m.sender_ticket, ticket) for m in hit.plans.values()):
+        if hit is None or not any(ticket_matches(p.sender_ticket, ticket) for p in hit.plans.values()):
             return False
         del self._by_tid[transfer_id]
         return True

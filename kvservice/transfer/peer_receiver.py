@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from kvservice_client import Layout
 from kvservice_client._proto import peer_pb2
 
 from .. import host
@@ -136,7 +135,7 @@ class PeerReceiver:
         hit = self.opened.offers.get(tid)
         if hit is None or peer.epoch < hit.metadata_epoch or src.tp_rank in hit.used_by:
             return None
-        dst = Layout.from_proto(next(iter(hit.plans.values())).dst_layout)
+        dst = next(iter(hit.plans.values())).dst_layout
         wanted = routes_for(src, dst.tp_size)
         if any(r.dst_rank not in hit.plans for r in wanted):
             return None
@@ -147,11 +146,9 @@ class PeerReceiver:
         hit.used_by.add(src.tp_rank)
         out.tickets.update(hit.plans[r.dst_rank].sender_ticket for r in wanted)
         trace.mark(tid, "plan_offered")
-        plans = [
-            dataclasses.replace(plan_from_pb(hit.plans[r.dst_rank], src.tp_rank), route=r, offered=True)
-            for r in wanted
+        return [
+            Target.of(dataclasses.replace(hit.plans[r.dst_rank], route=r, offered=True), src) for r in wanted
         ]
-        return [Target.of(p, src) for p in plans]
 
     def _same_host(self, peer: PeerClient) -> bool:
         return self._same_host_auto and bool(peer.boot_id) and peer.boot_id == host.boot_id()
