@@ -94,6 +94,7 @@ def write_json(out: str | Path, name: str, report: dict[str, Any]) -> Path:
         "argv": sys.argv,
         "unix_time": time.time(),
         "ucx_tls": os.environ.get("UCX_TLS", "(unset)"),
+        "service_env": {k: v for k, v in os.environ.items() if k.startswith("KVSERVICE_")},
     }
     path = Path(out) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +156,9 @@ class Services:
                     peer = f"{self.net.ips[i]}:{self.PEER_PORT}"
                     cmd = ["ip", "netns", "exec", self.net.names[i], *cmd]
                     cmd += ["--peer-tcp-address", peer, "--peer-token-file", str(token)]
+                if os.environ.get("BENCH_TORCH_PROFILE_DIR"):  # GPU activity: bench/_profiled.py
+                    m = cmd.index("-m")
+                    cmd[m : m + 2] = [str(ROOT / "bench/_profiled.py")]
                 spy = os.environ.get("BENCH_PYSPY_DIR")
                 if spy:  # profile: py-spy samples every thread, idle ones too (collapsed stacks)
                     out = Path(spy) / f"svc{i}-{os.getpid()}.txt"

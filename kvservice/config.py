@@ -88,6 +88,13 @@ class Config:
         "or loopback) hands over its engine pools and transfers copy page to page into them (FUSED), "
         "falling back to the transport when they cannot be opened; 'off': always the transport.",
     )
+    two_gpu_copy: str = _opt(
+        "auto",
+        "A same-node copy between pools on two GPUs: 'push' (the fused kernel on the source GPU "
+        "writes the destination pools through their mapping in its own context), 'pull' (the "
+        "kernel on the destination GPU reads the source pools), 'staged' (pack, one link copy, "
+        "unpack: no second mapping), 'auto' (the measured fastest; bench/results/NOTES.md).",
+    )
     transfer_integrity: bool = _opt(
         False,
         "End-to-end integrity of incoming transfers: senders checksum every packed batch (and the "
@@ -271,6 +278,10 @@ class Config:
             raise ConfigError("hash_seed: must fit in an unsigned 64-bit integer")
         if self.max_lease_ttl_ms <= 0:
             raise ConfigError("max_lease_ttl_ms: must be > 0")
+        if self.two_gpu_copy not in ("auto", "push", "pull", "staged"):
+            raise ConfigError(
+                f"two_gpu_copy: {self.two_gpu_copy!r} is not 'auto', 'push', 'pull' or 'staged'"
+            )
         if self.same_host_route not in ("auto", "off"):
             raise ConfigError(f"same_host_route: {self.same_host_route!r} is not 'auto' or 'off'")
         if self.session_grace_s < 0:

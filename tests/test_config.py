@@ -34,6 +34,7 @@ def test_precedence_flags_over_env_over_yaml(tmp_path: Path) -> None:
         ({"KVSERVICE_DEFAULT_DEADLINE_MS": "0"}, "default_deadline_ms"),
         ({"KVSERVICE_LOG_LEVEL": "LOUD"}, "log_level"),
         ({"KVSERVICE_NIXL_PROGRESS_DELAY_US": "-1"}, "nixl_progress_delay_us"),
+        ({"KVSERVICE_TWO_GPU_COPY": "sideways"}, "two_gpu_copy"),
         ({"KVSERVICE_NOPE": "1"}, "KVSERVICE_NOPE"),
         ({"KVSERVICE_UDS_PATH": "", "KVSERVICE_TCP_ADDRESS": ""}, "uds_path"),
     ],

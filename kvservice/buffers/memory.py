@@ -13,6 +13,8 @@ import mmap
 import os
 import re
 import threading
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import torch
 
 from ..errors import InvalidArgument, KVServiceError, PermissionDenied, Unimplemented, translate_os_error
 
-__all__ = ["MappedRegion", "MemoryImporter"]
+__all__ = ["MappedRegion", "MemoryImporter", "alias_addresses"]
 
 _SHM_NAME = re.compile(r"^/?[A-Za-z0-9_.\-]{1,240}$")
 
@@ -55,12 +57,58 @@ class _CudaArray:
         }
 
 
+_importers: weakref.WeakSet[MemoryImporter] = weakref.WeakSet()
+
+
+def alias_addresses(addresses: Sequence[int], device: int) -> list[int] | None:
+    """The same memory as device pointers a kernel on GPU ``device`` may use (design-notes §19).
+
+    An imported CUDA IPC allocation is mapped only in the context it was opened in; peer access
+    does not extend that mapping to another GPU. So a kernel on ``device`` reaches an imported
+    pool of another GPU only through a second opening of its handle in ``device``'s context
+    (made on first use, closed with the first mapping). An address of memory no importer holds
+    (this process's own allocations: peer access reaches them) stays as it is. None if a second
+    opening fails (no peer path): the caller copies another way.
+    """
+    out = [int(a) for a in addresses]
+    for imp in list(_importers):
+        if not imp.translate(out, device):
+            return None
+    return out
+
+
 class MemoryImporter:
     """Opens and closes engine memory; thread-safe; one instance per service."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: dict[str, list[Any]] = {}  # key -> [refcount, backing, base_ptr, length]
+        # key -> [refcount, backing, base_ptr, length]; CUDA: [refcount, ordinal, base_ptr,
+        # length, handle, {other device: base_ptr of its own opening}]
+        self._maps: dict[str, list[Any]] = {}
+        _importers.add(self)
+
+    def translate(self, addresses: list[int], device: int) -> bool:
+        """Rewrite (in place) each address inside an imported CUDA allocation of another GPU into
+        its mapping in ``device``'s context, opening it there on first use; False if that fails."""
+        from kvservice_client import cuda_ipc
+
+        with self._lock:
+            cuda = [e for k, e in self._maps.items() if k.startswith("cuda:") and e[1] != device]
+            if not cuda:
+                return True
+            for i, a in enumerate(addresses):
+                e = next((e for e in cuda if e[2] <= a < e[2] + e[3]), None)
+                if e is None:
+                    continue
+                alias = e[5].get(device)
+                if alias is None:
+                    try:
+                        alias, _ = cuda_ipc.open_handle(e[4], e[1], context=device)
+                    except (cuda_ipc.CudaError, OSError):
+                        return False
+                    e[5][device] = alias
+                addresses[i] = alias + (a - e[2])
+        return True
 
     def import_region(self, field: str, region: Any, owner_uid: int | None = None) -> MappedRegion:
         """Map one ``common_pb2.Region``; raises InvalidArgument naming ``field``.
@@ -144,10 +192,10 @@ class MemoryImporter:
                     base, ordinal = cuda_ipc.open_handle(ipc.handle, ipc.device_uuid or ipc.device_index)
                 except (cuda_ipc.CudaError, LookupError, ValueError, OSError) as exc:
                     raise InvalidArgument(f"{field}.cuda_ipc", f"cannot open handle: {exc}") from None
-                entry = [0, ordinal, base, ipc.allocation_size]
+                entry = [0, ordinal, base, ipc.allocation_size, bytes(ipc.handle), {}]
                 self._maps[key] = entry
             entry[0] += 1
-            _, ordinal, base, _ = entry
+            ordinal, base = entry[1], entry[2]
         view = torch.as_tensor(_CudaArray(base + ipc.offset, size), device=f"cuda:{ordinal}")
         return MappedRegion(base + ipc.offset, size, "VRAM", ordinal, view, key)
 
@@ -171,7 +219,9 @@ class MemoryImporter:
             from kvservice_client import cuda_ipc
 
             try:
-                cuda_ipc.close_handle(entry[2])
+                for device, alias in entry[5].items():  # the other GPUs' openings first
+                    cuda_ipc.close_handle(alias, context=device)
+                cuda_ipc.close_handle(entry[2], context=entry[1])
             except cuda_ipc.CudaError as exc:
                 raise KVServiceError(f"closing CUDA IPC mapping: {exc}") from None
 

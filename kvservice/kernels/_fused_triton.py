@@ -59,6 +59,7 @@ def _fused_kernel(
     ROW_BLOCK: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ALIGNED: tl.constexpr,  # every run starts 16-byte aligned on both sides (checked on the host)
+    EVICT: tl.constexpr,  # "" or "evict_first": the bytes are read and written once (streaming)
 ):
     pid = tl.program_id(0).to(tl.int64)
     region = tl.program_id(1).to(tl.int64)
@@ -87,11 +88,18 @@ def _fused_kernel(
         # 16-byte vectors (the pack kernel does the same).
         s_ptrs = tl.max_contiguous(tl.multiple_of(s_ptrs, [1, 16]), [1, ROW_BLOCK])
         d_ptrs = tl.max_contiguous(tl.multiple_of(d_ptrs, [1, 16]), [1, ROW_BLOCK])
-    tl.store(d_ptrs, tl.load(s_ptrs, mask=mask), mask=mask)
+    tl.store(d_ptrs, tl.load(s_ptrs, mask=mask, eviction_policy=EVICT), mask=mask, eviction_policy=EVICT)
 
 
 def copy(
-    src: KVRegions, dst: KVRegions, a: FusedArgs, block_words: int = _BLOCK_WORDS, num_warps: int = 8
+    src: KVRegions,
+    dst: KVRegions,
+    a: FusedArgs,
+    block_words: int = _BLOCK_WORDS,
+    num_warps: int = 8,
+    *,
+    max_row_block: int = _MAX_ROW_BLOCK,
+    evict: str = "",
 ) -> None:
     """Launch on the source device's current stream (asynchronous)."""
     n = int(a.src_pages.size)
@@ -114,7 +122,7 @@ def copy(
         if d_ptrs.device != s_ptrs.device:
             d_ptrs = d_ptrs.to(s_ptrs.device)
         row_words = loops.row // word
-        row_block = pow2_divisor(row_words, cap=_MAX_ROW_BLOCK)
+        row_block = pow2_divisor(row_words, cap=max_row_block)
         kch = row_words // row_block
         n_chunks = n * loops.outer_count * loops.inner_count * kch
         block_c = max(1, min(block_words // row_block, triton.next_power_of_2(n_chunks)))
@@ -142,5 +150,6 @@ def copy(
             ROW_BLOCK=row_block,
             BLOCK_C=block_c,
             ALIGNED=aligned,
+            EVICT=evict,
             num_warps=num_warps,
         )

@@ -97,6 +97,9 @@ class KVRegions:
     head_bytes_v: int
     num_pages: int
     page_layout: str = "nhd"
+    # (device, base address of every region in staging order) when a kernel on another GPU than
+    # the tensors' reaches them through other pointers (``aliased``); the tensors stay as they are
+    alias: tuple[torch.device, tuple[int, ...]] | None = None
 
     @classmethod
     def of_layout(cls, layout: Any, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None) -> KVRegions:
@@ -176,7 +179,23 @@ class KVRegions:
 
     @property
     def device(self) -> torch.device:
-        return self.k[0].device
+        """Where kernels over these regions launch: the tensors' GPU, or the alias's."""
+        return self.k[0].device if self.alias is None else self.alias[0]
+
+    def aliased(self, device: torch.device, addresses: Sequence[int]) -> KVRegions:
+        """These regions as a kernel on ``device`` reaches them: ``addresses`` (staging order,
+        e.g. ``buffers.memory.alias_addresses``) instead of the tensors' pointers. Only the
+        Triton kernels use an alias (they take base addresses); views and the torch reference
+        keep the tensors."""
+        if len(addresses) != len(self.regions):
+            raise InvalidArgument("addresses", f"{len(addresses)} for {len(self.regions)} regions")
+        return dataclasses.replace(self, alias=(device, tuple(int(a) for a in addresses)))
+
+    def _pointers(self, ts: Sequence[torch.Tensor]) -> list[int]:
+        if self.alias is None:
+            return [t.data_ptr() for t in ts]
+        at = {id(t): a for t, a in zip(self.regions, self.alias[1], strict=True)}
+        return [at[id(t)] for t in ts]
 
     @property
     def regions(self) -> tuple[torch.Tensor, ...]:
@@ -190,7 +209,7 @@ class KVRegions:
         """int64 base addresses on the regions' device: 'all' (staging order), 'k', 'v'."""
 
         def table(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-            return torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=self.device)
+            return torch.tensor(self._pointers(ts), dtype=torch.int64, device=self.device)
 
         return {"all": table(self.regions), "k": table(self.k), "v": table(self.v)}
 
@@ -220,12 +239,12 @@ class KVRegions:
     @functools.cached_property
     def base_addresses(self) -> np.ndarray:
         """int64 base address of every region (staging order), on the host."""
-        return np.array([t.data_ptr() for t in self.regions], dtype=np.int64)
+        return np.array(self._pointers(self.regions), dtype=np.int64)
 
     @functools.cached_property
     def min_alignment(self) -> int:
         """Largest power of two (<= 16) dividing every region's base address."""
-        return pow2_divisor(*(t.data_ptr() for t in self.regions), cap=16)
+        return pow2_divisor(*self._pointers(self.regions), cap=16)
 
 
 def pow2_divisor(*values: int, cap: int) -> int:

@@ -77,7 +77,12 @@ class Dispatch:
         self._local: LocalReceiver | None = None
         self._noted: set[tuple[str, str]] = set()  # (peer, reason) of same-host refusals logged
         self.ctx = RouteContext(
-            engine.table, engine.transport, engine.kv_regions, engine.local_lists, engine.memory.pool_for
+            engine.table,
+            engine.transport,
+            engine.kv_regions,
+            engine.local_lists,
+            engine.memory.pool_for,
+            engine.config.two_gpu_copy,
         )
         self.fused = SameNodeRoute(self.ctx)
         self.packed = PackedRoute(self.ctx)

@@ -140,6 +140,7 @@ class Inbound:
             nbytes = kernels.packed_nbytes(regions, int(dst.size), c.num_heads, unit=units.tokens)
             inc.enter()
             t0 = time.monotonic()
+            trace.mark(inc.rec.transfer_id, "unpack_start")
             try:
                 if inc.rec.terminal:
                     raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
@@ -168,6 +169,7 @@ class Inbound:
             if release:
                 pool.release(slot)
         t1 = time.monotonic()
+        trace.mark(inc.rec.transfer_id, "unpacked")
         self.table.update(inc.rec, add_unpack=int((t1 - t0) * 1e6))
         if log.isEnabledFor(logging.DEBUG):  # the receiver's half of a batch timeline (monotonic s)
             log.debug(

@@ -32,6 +32,7 @@ from kvservice_client._proto import common_pb2, peer_pb2
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import peer_identity
 from ..staging import Slot, StagingPool
+from . import trace
 from .peer_codec import plan_from_pb
 from .peer_serving import apply_commit, receive_plans
 from .peers import error_from_code
@@ -185,6 +186,7 @@ class InboundChannel:
                 )
             )
         elif which == "commit":
+            trace.mark(msg.commit.transfer_id, "commit_rx")
             self._spawn(self._commit(msg.seq, msg.commit))
         elif which == "release":
             self._release([int(i) for i in msg.release.slot_ids])
@@ -284,6 +286,7 @@ class InboundChannel:
         if held is not None and self._broker.should_revoke(self, held[0]):
             ack.credit_revoked = True
             self._release([req.staging_slot])
+        trace.mark(req.transfer_id, "ack_sent")
         await self._send(peer_pb2.ChannelMessage(seq=seq, ack=ack))
 
     def close(self) -> None:

@@ -133,6 +133,11 @@ def main() -> None:
                 {"location": p.location, "used": p.used_bytes, "landings": p.landings, "claims": p.claims}
                 for p in kv.get_stats().landing  # type: ignore[union-attr]
             ]
+        elif op == "unregister":  # the service closes its mappings of the pool (every opening)
+            try:
+                kv.unregister_buffers(bs)  # type: ignore[union-attr]
+            except Exception as exc:
+                out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
         elif op == "stop":
             if kv is not None:
                 kv.close()

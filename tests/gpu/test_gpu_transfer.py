@@ -58,22 +58,35 @@ def test_scattered_delta_lands_byte_for_byte(services, path: str) -> None:
     not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
     reason="needs 2 GPUs",
 )
-@pytest.mark.parametrize(("path", "one_service"), [("auto", False), ("packed", False), ("auto", True)])
-def test_cross_gpu_delta(services, path: str, one_service: bool) -> None:
+@pytest.mark.parametrize(
+    ("path", "one_service", "mode"),
+    [
+        ("auto", False, "push"),
+        ("auto", False, "pull"),
+        ("auto", False, "staged"),
+        ("packed", False, "auto"),
+        ("auto", True, "push"),
+        ("auto", True, "pull"),
+        ("auto", True, "staged"),
+    ],
+)
+def test_cross_gpu_delta(tmp_path: Path, path: str, one_service: bool, mode: str) -> None:
     """GPU0 engine -> GPU1 engine, byte for byte, pages not named untouched: through one service
-    (FUSED route: pack on GPU0, link copy, unpack on GPU1; kernels/across.py), two services on
-    the host (the same, the receiver's pools opened over CUDA IPC), or staging + NIXL (packed).
-    A kernel on one GPU writing the other's CUDA-IPC-imported pool faulted here once and
-    poisoned the service's context (bench/results/NOTES.md)."""
-    a, b = services
+    or two services on the host (the receiver's pools opened over CUDA IPC) by the FUSED route
+    (``two_gpu_copy``: one kernel across the link on GPU0 = push or GPU1 = pull, through a
+    second opening of the other GPU's pools in the launching GPU's context; or staged = pack,
+    link copy, unpack, kernels/across.py), or by staging + NIXL (packed). A kernel on one GPU
+    writing the other's CUDA-IPC-imported pool through the first opening faulted here once and
+    poisoned the service's context (design-notes §19)."""
+    procs, (a, b) = kvservice_procs(tmp_path, ("a", "b"), KVSERVICE_TWO_GPU_COPY=mode)
     rx = a if one_service else b
     src_eng, dst_eng = Engine(), Engine()
     try:
         src_eng(op="register", address=a, layout=LAYOUT, fill=True, seed=3, device=0)
         dst_eng(op="register", address=rx, layout=LAYOUT, device=1)
         src, dst = list(range(0, 64, 2)), list(range(1, 64, 2))
-        for turn in range(2):  # a second transfer reuses the service's streams and landing blocks
-            tid = f"x-{path}-{one_service}-{turn}"
+        for turn in range(2):  # a second transfer reuses the service's streams and mappings
+            tid = f"x-{path}-{one_service}-{mode}-{turn}"
             dst_eng(op="expect", tid=tid, prefix=4, dst=dst[4:])
             src_eng(op="send", tid=tid, src=src, peer=rx, path=path)
             got_s, got_d = src_eng(op="wait", tid=tid), dst_eng(op="wait", tid=tid)
@@ -81,6 +94,11 @@ def test_cross_gpu_delta(services, path: str, one_service: bool) -> None:
             assert dst_eng(op="pages", pages=dst[4:])["sums"] == src_eng(op="pages", pages=src[4:])["sums"]
         untouched = sorted(set(range(64)) - set(dst[4:]))
         assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)
+        assert dst_eng(op="unregister")["ok"]  # the mappings (every opening) close with it
     finally:
         src_eng.close()
         dst_eng.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(20)

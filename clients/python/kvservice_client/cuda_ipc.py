@@ -122,10 +122,15 @@ def export_pointer(ptr: int, device_index: int) -> CudaIpcExport:
     )
 
 
-def open_handle(handle: bytes, device_uuid_or_index: str | int) -> tuple[int, int]:
+def open_handle(
+    handle: bytes, device_uuid_or_index: str | int, context: int | None = None
+) -> tuple[int, int]:
     """Open an exported allocation in this process; returns (base pointer, device ordinal).
 
-    Makes the device's primary context current on the calling thread (the one torch uses).
+    Makes the primary context of ``context`` (default: the allocation's device) current on the
+    calling thread (the one torch uses) and opens the handle there: the pointer is valid for
+    kernels of that GPU only. Another GPU's context gives a second mapping of the same memory,
+    reached over the link (peer access); a context opens one handle at most once.
     """
     if len(handle) != 64:
         raise ValueError(f"handle must be 64 bytes, got {len(handle)}")
@@ -133,7 +138,7 @@ def open_handle(handle: bytes, device_uuid_or_index: str | int) -> tuple[int, in
     ordinal = (
         _ordinal_of(device_uuid_or_index) if isinstance(device_uuid_or_index, str) else device_uuid_or_index
     )
-    _make_current(lib, ordinal)
+    _make_current(lib, ordinal if context is None else context)
     h = _Handle()
     ctypes.memmove(ctypes.addressof(h), handle, 64)
     ptr = ctypes.c_uint64()
@@ -185,8 +190,12 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     )
 
 
-def close_handle(base: int) -> None:
-    _check("cuIpcCloseMemHandle", _driver().cuIpcCloseMemHandle(ctypes.c_uint64(base)))
+def close_handle(base: int, context: int | None = None) -> None:
+    """Close a mapping :func:`open_handle` returned (``context``: the GPU it was opened in)."""
+    lib = _driver()
+    if context is not None:
+        _make_current(lib, context)
+    _check("cuIpcCloseMemHandle", lib.cuIpcCloseMemHandle(ctypes.c_uint64(base)))
 
 
 def tensor_export(tensor: Any) -> CudaIpcExport:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ... import kernels
 from ...kernels.streams import on_side_stream
+from .. import trace
 from ..integrity import pack_hashed
 from ..peer_channel import WINDOW
 from ..plan import ChunkMap
@@ -141,6 +142,7 @@ class PackedRoute:
                     staged = pool.view(mine)[:nbytes]
                     check = await pack_hashed(plan, target, regions, src, staged)
                     t1 = time.monotonic()
+                    trace.mark(out.rec.transfer_id, "packed")
                     if slot.view is not None:  # mapped on another device: one device-to-device copy
                         await asyncio.to_thread(_copy, slot.view, staged)
                     else:
@@ -150,6 +152,7 @@ class PackedRoute:
                             out, local, remote, "VRAM" if pool.kind == "vram" else "DRAM", slot.mem_kind
                         )
             t2 = time.monotonic()
+            trace.mark(out.rec.transfer_id, "written")
         except BaseException:
             await port.unreserve(out, target, slot)
             raise

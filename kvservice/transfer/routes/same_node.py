@@ -4,15 +4,17 @@
           ─▶ port.commit(FUSED, with the chunk's end)                  no staging, no WRITE
 
 The pools are this service's own (the receiver is a session of this service) or a same-host
-service's, opened here through their CUDA IPC / shm handles (peer_pools.py). Per receiver rank
-one call: one kernel launch on one GPU, pack / link copy / unpack in chunks between two GPUs
-(kernels/across.py), one compiled loop on the CPU. CUDA launches go on a
-service-owned stream of the source device and completion is an event a completion thread waits
-for (``streams.run_on_device``: the loop never polls); host pools copy in a worker thread (the
-compiled loop releases the GIL), or inline when the copy is small (``INLINE_BYTES``) and the
-compiled loop is ready (the event loop never waits for the JIT). The copy runs inside the port's
-``writing`` block: on this service an Abort of the receiver returns only after the copy ended,
-and no copy starts once the receiver's record is terminal.
+service's, opened here through their CUDA IPC / shm handles (peer_pools.py). Per receiver rank one
+call: one kernel launch on one GPU; between two GPUs one kernel across the link, on the source GPU
+(push) or the destination's (pull), with the other GPU's pools opened a second time in the
+launching GPU's context (``buffers.memory.alias_addresses``), or pack / link copy / unpack in
+chunks (kernels/across.py, ``two_gpu_copy = staged``); one compiled loop on the CPU. CUDA launches
+go on a service-owned stream of the launching device and completion is an event a completion
+thread waits for (``streams.run_on_device``: the loop never polls); host pools copy in a worker
+thread (the compiled loop releases the GIL), or inline when the copy is small (``INLINE_BYTES``)
+and the compiled loop is ready (the event loop never waits for the JIT). The copy runs inside the
+port's ``writing`` block: on this service an Abort of the receiver returns only after the copy
+ended, and no copy starts once the receiver's record is terminal.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 
 import numpy as np
 
+from ...buffers.memory import alias_addresses
 from ...kernels import KVRegions, _fused_cpu
 from ...kernels.across import copy_across
 from ...kernels.fused import copy_pages, fused_nbytes
@@ -35,7 +38,7 @@ from ..sender import Chunk, Outgoing, check_live
 from ..values import Commit, Target
 from . import RouteContext, commit
 
-__all__ = ["INLINE_BYTES", "SameNodeRoute"]
+__all__ = ["INLINE_BYTES", "TWO_GPU_AUTO", "SameNodeRoute"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,22 @@ log = logging.getLogger(__name__)
 # them to a worker thread cost 0.15-7 ms of wake-up on the 2-core VM (bench_transfer --same-node,
 # 1 MiB delta: 10.9 ms through a thread).
 INLINE_BYTES = 2 << 20
+
+# NOTE: Config.two_gpu_copy "auto": the faster of push and pull on the two-GPU host
+# (bench_transfer --src-gpu 0 --dst-gpu 1 --same-node, bench/results/NOTES.md).
+TWO_GPU_AUTO = "push"
+
+
+def _across_link(src: KVRegions, dst: KVRegions, push: bool) -> tuple[KVRegions, KVRegions] | None:
+    """The two pools as one kernel reaches them: on the source GPU (``push``, the destination
+    aliased there) or the destination GPU (pull); None when the other GPU's pools cannot be
+    mapped into the launching GPU's context (design-notes §19)."""
+    far, here = (dst, src) if push else (src, dst)
+    addresses = alias_addresses(far.base_addresses.tolist(), here.device.index or 0)
+    if addresses is None:
+        return None
+    far = far.aliased(here.device, addresses)
+    return (src, far) if push else (far, dst)
 
 
 class SameNodeRoute:
@@ -110,8 +129,15 @@ class SameNodeRoute:
         sd, dd = src.device, dst.device
         if sd.type == "cuda" and dd.type == "cuda" and sd.index == dd.index:
             return await run_on_device(sd, "copy", lambda: copy_pages(src, dst, sp, dp, **kw))  # type: ignore[arg-type]
-        if sd.type == "cuda" and dd.type == "cuda":  # two GPUs: pack, link copy, unpack (across.py)
-            self._enable_peer(sd.index, dd.index)  # the link copy goes over NVLink / PCIe P2P
+        if sd.type == "cuda" and dd.type == "cuda":
+            peer = self._enable_peer(sd.index, dd.index)  # NVLink / PCIe P2P for either way
+            mode = TWO_GPU_AUTO if self.ctx.two_gpu_copy == "auto" else self.ctx.two_gpu_copy
+            if peer and mode in ("push", "pull"):  # one fused kernel across the link
+                pair = _across_link(src, dst, push=mode == "push")
+                if pair is not None:
+                    s2, d2 = pair
+                    return await run_on_device(s2.device, "copy", lambda: copy_pages(s2, d2, sp, dp, **kw))  # type: ignore[arg-type]
+            # pack, link copy, unpack (across.py)
             pack_s, link_s = service_stream(sd.index, "pack-across"), service_stream(sd.index, "link")
             return await run_on_device(  # type: ignore[no-any-return]
                 dd,
