@@ -53,6 +53,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="a few configurations (smoke)")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="only these, comma list of block_words:num_warps:max_row_block:evict (evict '' or evict_first)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="time the grid this many times, interleaved")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     ps, heads, hd = 16, 8, 128
@@ -79,12 +85,14 @@ def main() -> None:
     }
     copy_ms = base["copy"]["p50_ms"]
     print(f"copy {copy_ms:.3f} ms  pack {base['pack']['p50_ms']:.3f}  unpack {base['unpack']['p50_ms']:.3f}")
-    if args.quick:
+    if args.configs:
+        grid = [(int(b), int(w), int(r), e) for b, w, r, e in (c.split(":") for c in args.configs.split(","))]
+    elif args.quick:
         grid = list(itertools.product([8192], [8], [64], ["", "evict_first"]))
     else:
         grid = list(itertools.product([4096, 8192, 16384, 32768], [4, 8, 16], [64, 256], ["", "evict_first"]))
     rows = []
-    for bw, nw, rb, ev in grid:
+    for bw, nw, rb, ev in grid * args.rounds:
         t0 = time.perf_counter()
 
         def run(bw=bw, nw=nw, rb=rb, ev=ev) -> None:
@@ -93,16 +101,33 @@ def main() -> None:
         try:
             st = _stat(_time(run, args.iters))
         except Exception as exc:  # a shape Triton cannot compile: recorded, not fatal
-            rows.append({"block_words": bw, "num_warps": nw, "max_row_block": rb, "evict": ev, "error": str(exc)[:200]})
+            rows.append(
+                {
+                    "block_words": bw,
+                    "num_warps": nw,
+                    "max_row_block": rb,
+                    "evict": ev,
+                    "error": str(exc)[:200],
+                }
+            )
             continue
-        st.update(block_words=bw, num_warps=nw, max_row_block=rb, evict=ev, share_of_copy=copy_ms / st["p50_ms"])
+        st.update(
+            block_words=bw, num_warps=nw, max_row_block=rb, evict=ev, share_of_copy=copy_ms / st["p50_ms"]
+        )
         st["compile_and_time_s"] = time.perf_counter() - t0
         rows.append(st)
-        print(f"bw {bw:6d} warps {nw:2d} rb {rb:3d} {ev or '-':12s} {st['p50_ms']:.3f} ms {st['share_of_copy']:.1%}")
+        print(
+            f"bw {bw:6d} warps {nw:2d} rb {rb:3d} {ev or '-':12s} {st['p50_ms']:.3f} ms {st['share_of_copy']:.1%}"
+        )
     ok = [r for r in rows if "error" not in r]
     best = min(ok, key=lambda r: r["p50_ms"])
     default = next(
-        (r for r in ok if (r["block_words"], r["num_warps"], r["max_row_block"], r["evict"]) == (8192, 8, 64, "")), None
+        (
+            r
+            for r in ok
+            if (r["block_words"], r["num_warps"], r["max_row_block"], r["evict"]) == (8192, 8, 64, "")
+        ),
+        None,
     )
     res = {
         "benchmark": "sweep_fused",

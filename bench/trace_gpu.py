@@ -24,7 +24,9 @@ def main() -> None:
             if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
                 continue
             ts = base / 1e3 + float(e["ts"])  # microseconds, one epoch for every trace
-            rows.append((ts, float(e["dur"]), f.stem, e["cat"], e.get("args", {}).get("stream"), e["name"][:60]))
+            rows.append(
+                (ts, float(e["dur"]), f.stem, e["cat"], e.get("args", {}).get("stream"), e["name"][:60])
+            )
     if not rows:
         print("no GPU activity in", args.dir)
         return

@@ -151,6 +151,9 @@ struct Pool {
   uint64_t sig;
   int rank;
   std::vector<RegionDesc> regions;
+  // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
+  // only in the context that opened it: a kernel on another GPU needs its own opening)
+  std::unordered_map<int, std::vector<uint64_t>> alias;
 };
 
 enum : int { ARMED = 1, RUNNING = 2, COMPLETED = 3 };
@@ -284,6 +287,16 @@ class Lane {
     for (py::ssize_t i = 0; i < r.shape(0); ++i) p.regions.push_back({r(i, 0), r(i, 1), r(i, 2)});
     std::lock_guard<std::mutex> g(mu_);
     pools_[bs] = std::move(p);
+  }
+
+  // Bases of pool ``bs``'s regions in GPU ``device``'s context: kernels there may write it.
+  void set_alias(const std::string& bs, int device,
+                 py::array_t<uint64_t, py::array::c_style | py::array::forcecast> bases) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto p = pools_.find(bs);
+    if (p == pools_.end()) return;
+    if ((size_t)bases.size() != p->second.regions.size()) throw std::invalid_argument("bases: one per region");
+    p->second.alias[device].assign(bases.data(), bases.data() + bases.size());
   }
 
   void drop_pool(const std::string& bs) {
@@ -561,9 +574,11 @@ class Lane {
 
   static std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src) {
     if (sp.sig != dp.sig || sp.regions.size() != dp.regions.size()) return "layouts differ";
-    // One device (or host memory) on both sides: a copy between two GPUs needs peer access in
-    // the service's context, which the gRPC route enables and checks (same_node._enable_peer).
-    if (sp.device != dp.device) return "pools on different devices";
+    // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
+    // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
+    if (sp.device != dp.device &&
+        (sp.device < 0 || dp.device < 0 || dp.alias.find(sp.device) == dp.alias.end()))
+      return "pools on different devices, the receiver's not mapped on the sender's GPU";
     for (size_t i = 0; i < sp.regions.size(); ++i)
       if (sp.regions[i].nbytes != dp.regions[i].nbytes) return "region geometry differs";
     if ((int64_t)src.size() != a.prefix + (int64_t)a.dst.size()) return "page count is not prefix + delta";
@@ -600,14 +615,16 @@ class Lane {
       uint64_t maxb = 0;
       int vec = 1;
       uint64_t* reg = (uint64_t*)d.host;
+      const std::vector<uint64_t>* far = dp.device == sp.device ? nullptr : &dp.alias.at(sp.device);
       for (size_t r = 0; r < nr; ++r) {
         const RegionDesc &s = sp.regions[r], &t = dp.regions[r];
+        const uint64_t tb = far ? (*far)[r] : t.base;
         reg[5 * r] = s.base;
-        reg[5 * r + 1] = t.base;
+        reg[5 * r + 1] = tb;
         reg[5 * r + 2] = s.stride;
         reg[5 * r + 3] = t.stride;
         reg[5 * r + 4] = s.nbytes;
-        if ((s.base | t.base | s.stride | t.stride | s.nbytes) & 15) vec = 0;
+        if ((s.base | tb | s.stride | t.stride | s.nbytes) & 15) vec = 0;
         if (s.nbytes > maxb) maxb = s.nbytes;
       }
       std::memcpy(d.host + rbytes, pairs.data(), pairs.size() * 4);
@@ -656,6 +673,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drop_session", &Lane::drop_session)
       .def("conns", &Lane::conns)
       .def("add_pool", &Lane::add_pool)
+      .def("set_alias", &Lane::set_alias)
       .def("drop_pool", &Lane::drop_pool)
       .def("arm", &Lane::arm)
       .def("disarm", &Lane::disarm)

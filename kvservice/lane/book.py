@@ -100,6 +100,32 @@ class LaneBook(NoLane):
             bs.buffer_set_id, bs.session_id, device, lay.num_pages, layout_signature(lay), lay.tp_rank, table
         )
         self.pools[bs.buffer_set_id] = bs
+        if device >= 0:
+            self._map_across(bs, device)
+
+    def _map_across(self, bs: Any, device: int) -> None:
+        """Two GPUs: the native copy runs on the sender's GPU, which reaches an imported pool of
+        the other GPU only through that pool's mapping in its own context (design-notes §19).
+        Map this pool into each other GPU that holds lane pools and theirs into this one; a pair
+        that cannot be mapped (no peer path) stays unmapped and the lane refuses it (the
+        engine's send falls back to the gRPC route)."""
+        from kvservice_client import cuda_ipc
+
+        from ..buffers.memory import alias_addresses
+
+        others = {int(p.regions[0].device) for p in self.pools.values() if p.memory == "cuda_ipc"} - {device}
+        for e in sorted(others):
+            if not (cuda_ipc.enable_peer_access(e, device) and cuda_ipc.enable_peer_access(device, e)):
+                continue
+            pairs = [(bs, e)] + [
+                (p, device)
+                for p in self.pools.values()
+                if p.memory == "cuda_ipc" and p.regions[0].device == e
+            ]
+            for pool, on in pairs:
+                bases = alias_addresses([r.address for r in pool.regions], on)
+                if bases is not None:
+                    self.n.set_alias(pool.buffer_set_id, on, np.array(bases, dtype=np.uint64))
 
     def drop_pool(self, buffer_set_id: str) -> None:
         bs = self.pools.pop(buffer_set_id, None)

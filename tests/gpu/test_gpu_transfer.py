@@ -3,6 +3,8 @@ processes registered through CUDA IPC, checked page by page (needs a CUDA GPU an
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,27 +61,36 @@ def test_scattered_delta_lands_byte_for_byte(services, path: str) -> None:
     reason="needs 2 GPUs",
 )
 @pytest.mark.parametrize(
-    ("path", "one_service", "mode"),
+    ("path", "one_service", "mode", "lane"),
     [
-        ("auto", False, "push"),
-        ("auto", False, "pull"),
-        ("auto", False, "staged"),
-        ("packed", False, "auto"),
-        ("auto", True, "push"),
-        ("auto", True, "pull"),
-        ("auto", True, "staged"),
+        ("auto", True, "auto", True),  # the native lane, its kernel on GPU0 (push)
+        ("auto", True, "push", False),
+        ("auto", True, "pull", False),
+        ("auto", True, "staged", False),
+        ("auto", False, "push", True),
+        ("auto", False, "pull", True),
+        ("auto", False, "staged", True),
+        ("packed", False, "auto", True),
     ],
 )
-def test_cross_gpu_delta(tmp_path: Path, path: str, one_service: bool, mode: str) -> None:
+def test_cross_gpu_delta(tmp_path: Path, path: str, one_service: bool, mode: str, lane: bool) -> None:
     """GPU0 engine -> GPU1 engine, byte for byte, pages not named untouched: through one service
-    or two services on the host (the receiver's pools opened over CUDA IPC) by the FUSED route
-    (``two_gpu_copy``: one kernel across the link on GPU0 = push or GPU1 = pull, through a
-    second opening of the other GPU's pools in the launching GPU's context; or staged = pack,
-    link copy, unpack, kernels/across.py), or by staging + NIXL (packed). A kernel on one GPU
-    writing the other's CUDA-IPC-imported pool through the first opening faulted here once and
-    poisoned the service's context (design-notes §19)."""
-    procs, (a, b) = kvservice_procs(tmp_path, ("a", "b"), KVSERVICE_TWO_GPU_COPY=mode)
+    (its native lane, or the gRPC route without it) or two services on the host (the receiver's
+    pools opened over CUDA IPC) by the FUSED route (``two_gpu_copy``: one kernel across the link
+    on GPU0 = push or GPU1 = pull, through a second opening of the other GPU's pools in the
+    launching GPU's context; or staged = pack, link copy, unpack, kernels/across.py), or by
+    staging + NIXL (packed). A kernel on one GPU writing the other's CUDA-IPC-imported pool
+    through the first opening faulted here once and poisoned the service's context
+    (design-notes §19)."""
+    procs, (a, b) = kvservice_procs(
+        tmp_path, ("a", "b"), KVSERVICE_TWO_GPU_COPY=mode, KVSERVICE_LANE="1" if lane else "0"
+    )
     rx = a if one_service else b
+    if lane and one_service:
+        end = time.monotonic() + 120
+        while not os.path.exists(a[5:] + ".lane"):  # the first start builds it
+            assert time.monotonic() < end, "the lane did not start"
+            time.sleep(0.1)
     src_eng, dst_eng = Engine(), Engine()
     try:
         src_eng(op="register", address=a, layout=LAYOUT, fill=True, seed=3, device=0)
@@ -88,9 +99,10 @@ def test_cross_gpu_delta(tmp_path: Path, path: str, one_service: bool, mode: str
         for turn in range(2):  # a second transfer reuses the service's streams and mappings
             tid = f"x-{path}-{one_service}-{mode}-{turn}"
             dst_eng(op="expect", tid=tid, prefix=4, dst=dst[4:])
-            src_eng(op="send", tid=tid, src=src, peer=rx, path=path)
+            sent = src_eng(op="send", tid=tid, src=src, peer=rx, path=path)
             got_s, got_d = src_eng(op="wait", tid=tid), dst_eng(op="wait", tid=tid)
             assert got_s["state"] == got_d["state"] == "DONE", (got_s, got_d)
+            assert sent["lane"] == (lane and one_service), (sent, got_d)
             assert dst_eng(op="pages", pages=dst[4:])["sums"] == src_eng(op="pages", pages=src[4:])["sums"]
         untouched = sorted(set(range(64)) - set(dst[4:]))
         assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)

@@ -38,7 +38,7 @@ from ..sender import Chunk, Outgoing, check_live
 from ..values import Commit, Target
 from . import RouteContext, commit
 
-__all__ = ["INLINE_BYTES", "TWO_GPU_AUTO", "SameNodeRoute"]
+__all__ = ["INLINE_BYTES", "TWO_GPU_STAGED_FROM", "SameNodeRoute"]
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,12 @@ log = logging.getLogger(__name__)
 # 1 MiB delta: 10.9 ms through a thread).
 INLINE_BYTES = 2 << 20
 
-# NOTE: Config.two_gpu_copy "auto": the faster of push and pull on the two-GPU host
-# (bench_transfer --src-gpu 0 --dst-gpu 1 --same-node, bench/results/NOTES.md).
-TWO_GPU_AUTO = "push"
+# NOTE: Config.two_gpu_copy "auto" (2×H200, bench_transfer --src-gpu 0 --dst-gpu 1 --same-node
+# --no-lane, bench/results/NOTES.md): for 2 GiB the staged copy's link copies run at the copy
+# engines' rate and beat one kernel across the link (copy phase 6.46 ms staged, 6.89 pull, 7.03
+# push); a small chunk is one launch across the link instead of three launches and a copy.
+TWO_GPU_STAGED_FROM = 64 << 20  # bytes
+TWO_GPU_SMALL = "pull"
 
 
 def _across_link(src: KVRegions, dst: KVRegions, push: bool) -> tuple[KVRegions, KVRegions] | None:
@@ -131,7 +134,10 @@ class SameNodeRoute:
             return await run_on_device(sd, "copy", lambda: copy_pages(src, dst, sp, dp, **kw))  # type: ignore[arg-type]
         if sd.type == "cuda" and dd.type == "cuda":
             peer = self._enable_peer(sd.index, dd.index)  # NVLink / PCIe P2P for either way
-            mode = TWO_GPU_AUTO if self.ctx.two_gpu_copy == "auto" else self.ctx.two_gpu_copy
+            mode = self.ctx.two_gpu_copy
+            if mode == "auto":
+                big = fused_nbytes(src, int(sp.size), route.num_heads, unit) >= TWO_GPU_STAGED_FROM
+                mode = "staged" if big else TWO_GPU_SMALL
             if peer and mode in ("push", "pull"):  # one fused kernel across the link
                 pair = _across_link(src, dst, push=mode == "push")
                 if pair is not None:
