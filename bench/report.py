@@ -658,16 +658,22 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 f"{_p50(j):.3f} ms (lane)", f"{_p50(nl):.3f} ms (gRPC route, --no-lane)", None)  # fmt: skip
     # issue 32: GPU0 -> GPU1 on one host (two-GPU machine)
     share_row("same node GPU0 -> GPU1, one service, 2 GiB >= 90% of the peer copy",
-              latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_staged"),
+              latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_lane", "transfer_same_node_gpu0to1_lane_push_16"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
+    for lane, same in (("transfer_same_node_gpu0to1_delta_64k_lane", "transfer_same_node_gpu_delta_64k_x2host_b"),):
+        a, b = runs.get(lane), runs.get(same)
+        if a and b and _p50(a) and _p50(b):
+            gap = (_p50(a) - _p50(b)) * 1e3
+            row("one page GPU0 -> GPU1 (lane) within 50 µs of the same GPU", lane, f"{_p50(a):.3f} ms (+{gap:.0f} µs)",
+                f"same GPU {_p50(b):.3f} ms", gap <= 50)  # fmt: skip
     modes = {m: runs.get(f"transfer_same_node_gpu0to1_{m}") for m in ("push", "pull", "staged")}
     if all(modes.values()):
         copy = {m: j["kvservice"]["auto"]["phases_us_median"]["wire"] / 1e3 for m, j in modes.items()}
-        row("GPU0 -> GPU1 2 GiB, two_gpu_copy push / pull / staged: copy phase (e2e)", "transfer_same_node_gpu0to1_staged",
+        row("GPU0 -> GPU1 2 GiB, gRPC route (--no-lane) push / pull / staged: copy phase (e2e)", "transfer_same_node_gpu0to1_staged",
             " / ".join(f"{copy[m]:.2f} ({_p50(j):.2f})" for m, j in modes.items()) + " ms",
             f"fused kernel alone {_base(modes['push'], 'fused_kernel_only'):.2f} ms", None)  # fmt: skip
-    share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy", "transfer_gpu0to1",
-              "contiguous_copy", "peer copy", 0.90)  # fmt: skip
+    share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy",
+              latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged"), "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     two = [runs.get(f"transfer_gpu0to1_svc2_{m}") for m in ("push", "pull")]
     if all(two) and _p50(two[0]) and _p50(two[1]):
         row("GPU0 -> GPU1, two services, 2 GiB: push / pull", "transfer_gpu0to1_svc2_pull",

@@ -93,7 +93,8 @@ class Config:
         "A same-node copy between pools on two GPUs: 'push' (the fused kernel on the source GPU "
         "writes the destination pools through their mapping in its own context), 'pull' (the "
         "kernel on the destination GPU reads the source pools), 'staged' (pack, one link copy, "
-        "unpack: no second mapping), 'auto' (the measured fastest; bench/results/NOTES.md).",
+        "unpack: no second mapping), 'auto' (the measured fastest per size; bench/results/NOTES.md). "
+        "The native lane copies in one kernel: on the destination GPU with 'pull', else the source's.",
     )
     transfer_integrity: bool = _opt(
         False,

@@ -57,6 +57,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         return None
     lane = mod.Lane()
     lane.set_chunk(node.config.lane_cuda_chunk_kb * 1024)
+    lane.set_pull(node.config.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
     cuda = await asyncio.to_thread(_init_cuda, lane)
     book = LaneBook(engine, lane, cuda)
     for bs in node.buffers.all():

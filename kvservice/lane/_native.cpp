@@ -210,6 +210,9 @@ class Lane {
 
   // Bytes of one page region a CUDA block copies (config lane_cuda_chunk_kb; a multiple of 16).
   void set_chunk(unsigned bytes) { chunk_ = std::max(16u, bytes & ~15u); }
+  // Between two GPUs the kernel runs on the receiver's GPU (pull) or the sender's (push, default).
+  void set_pull(bool pull) { pull_ = pull; }
+  int launch_device(const Pool& sp, const Pool& dp) const { return pull_ ? dp.device : sp.device; }
 
   // CUDA: load the driver and NVRTC (paths chosen by Python); false + why() when unavailable.
   bool init_cuda(const std::string& libcuda, const std::string& libnvrtc) {
@@ -572,13 +575,16 @@ class Lane {
     (void)!write(done_, &one, 8);
   }
 
-  static std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src) {
+  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src) const {
     if (sp.sig != dp.sig || sp.regions.size() != dp.regions.size()) return "layouts differ";
     // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
     // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
-    if (sp.device != dp.device &&
-        (sp.device < 0 || dp.device < 0 || dp.alias.find(sp.device) == dp.alias.end()))
-      return "pools on different devices, the receiver's not mapped on the sender's GPU";
+    if (sp.device != dp.device) {
+      if (sp.device < 0 || dp.device < 0) return "pools on different devices";
+      const Pool& far = pull_ ? sp : dp;
+      if (far.alias.find(launch_device(sp, dp)) == far.alias.end())
+        return "pools on two GPUs, not mapped in the launching GPU's context";
+    }
     for (size_t i = 0; i < sp.regions.size(); ++i)
       if (sp.regions[i].nbytes != dp.regions[i].nbytes) return "region geometry differs";
     if ((int64_t)src.size() != a.prefix + (int64_t)a.dst.size()) return "page count is not prefix + delta";
@@ -607,7 +613,8 @@ class Lane {
     }
     try {
       std::lock_guard<std::mutex> g(cuda_mu_);
-      DeviceLane& d = device(sp.device);
+      const int on = launch_device(sp, dp);
+      DeviceLane& d = device(on);
       CUresult r;
       if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
       const size_t rbytes = nr * 40, need = rbytes + pairs.size() * 4;
@@ -615,16 +622,18 @@ class Lane {
       uint64_t maxb = 0;
       int vec = 1;
       uint64_t* reg = (uint64_t*)d.host;
-      const std::vector<uint64_t>* far = dp.device == sp.device ? nullptr : &dp.alias.at(sp.device);
+      // two GPUs: the other GPU's pool through its mapping in the launching GPU's context
+      const std::vector<uint64_t>* sa = sp.device == on ? nullptr : &sp.alias.at(on);
+      const std::vector<uint64_t>* da = dp.device == on ? nullptr : &dp.alias.at(on);
       for (size_t r = 0; r < nr; ++r) {
         const RegionDesc &s = sp.regions[r], &t = dp.regions[r];
-        const uint64_t tb = far ? (*far)[r] : t.base;
-        reg[5 * r] = s.base;
+        const uint64_t sb = sa ? (*sa)[r] : s.base, tb = da ? (*da)[r] : t.base;
+        reg[5 * r] = sb;
         reg[5 * r + 1] = tb;
         reg[5 * r + 2] = s.stride;
         reg[5 * r + 3] = t.stride;
         reg[5 * r + 4] = s.nbytes;
-        if ((s.base | tb | s.stride | t.stride | s.nbytes) & 15) vec = 0;
+        if ((sb | tb | s.stride | t.stride | s.nbytes) & 15) vec = 0;
         if (s.nbytes > maxb) maxb = s.nbytes;
       }
       std::memcpy(d.host + rbytes, pairs.data(), pairs.size() * 4);
@@ -644,6 +653,7 @@ class Lane {
   }
 
   std::atomic<unsigned> chunk_{16384};
+  std::atomic<bool> pull_{false};
   int epfd_, wake_, done_;
   std::atomic<bool> running_{true};
   std::thread thread_;
@@ -666,6 +676,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stop", &Lane::stop, py::call_guard<py::gil_scoped_release>())
       .def("completion_fd", &Lane::completion_fd)
       .def("set_chunk", &Lane::set_chunk)
+      .def("set_pull", &Lane::set_pull)
       .def("init_cuda", &Lane::init_cuda, py::call_guard<py::gil_scoped_release>())
       .def("cuda_why", &Lane::cuda_why)
       .def("prepare_device", &Lane::prepare_device, py::call_guard<py::gil_scoped_release>())

@@ -64,6 +64,7 @@ def test_scattered_delta_lands_byte_for_byte(services, path: str) -> None:
     ("path", "one_service", "mode", "lane"),
     [
         ("auto", True, "auto", True),  # the native lane, its kernel on GPU0 (push)
+        ("auto", True, "pull", True),  # the native lane, its kernel on GPU1
         ("auto", True, "push", False),
         ("auto", True, "pull", False),
         ("auto", True, "staged", False),
