@@ -615,7 +615,9 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         pairs = [r for r in j.get("sustained_by_engine_pairs", []) if r["senders"] == top["threads"]]
         best = max([top["transfers_per_s"], *(r["transfers_per_s"] for r in pairs)])
         value = f"{top['transfers_per_s']:.0f}/s one process" + (
-            f"; {pairs[0]['transfers_per_s']:.0f}/s in {pairs[0]['engine_pairs']} engine pairs" if pairs else ""
+            f"; {pairs[0]['transfers_per_s']:.0f}/s in {pairs[0]['engine_pairs']} engine pairs"
+            if pairs
+            else ""
         )
         row(f"cross-node one-page transfers/s, {top['threads']} senders >= 1,000", "control_gpu_xnode", value,
             f"raw NIXL one page {j['raw_nixl_one_page']['p50_ms']:.3f} ms", best >= 1000)  # fmt: skip
@@ -660,13 +662,19 @@ def _headline(runs: dict[str, dict]) -> list[str]:
     share_row("same node GPU0 -> GPU1, one service, 2 GiB >= 90% of the peer copy",
               latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_lane", "transfer_same_node_gpu0to1_lane_push_16"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
-    for lane, same in (("transfer_same_node_gpu0to1_delta_64k_lane", "transfer_same_node_gpu_delta_64k_x2host_b"),):
+    for lane, same in (
+        ("transfer_same_node_gpu0to1_delta_64k_lane", "transfer_same_node_gpu_delta_64k_x2host_b"),
+    ):
         a, b = runs.get(lane), runs.get(same)
         if a and b and _p50(a) and _p50(b):
             gap = (_p50(a) - _p50(b)) * 1e3
             row("one page GPU0 -> GPU1 (lane) within 50 µs of the same GPU", lane, f"{_p50(a):.3f} ms (+{gap:.0f} µs)",
                 f"same GPU {_p50(b):.3f} ms", gap <= 50)  # fmt: skip
-    modes = {m: runs.get(f"transfer_same_node_gpu0to1_{m}") for m in ("push", "pull", "staged")}
+    # the gRPC route's modes: measured before the lane took two GPUs (no --no-lane needed then)
+    modes = {
+        m: runs.get(latest(f"transfer_same_node_gpu0to1_{m}", f"transfer_same_node_gpu0to1_nolane_{m}"))
+        for m in ("push", "pull", "staged")
+    }
     if all(modes.values()):
         copy = {m: j["kvservice"]["auto"]["phases_us_median"]["wire"] / 1e3 for m, j in modes.items()}
         row("GPU0 -> GPU1 2 GiB, gRPC route (--no-lane) push / pull / staged: copy phase (e2e)", "transfer_same_node_gpu0to1_staged",

@@ -27,7 +27,8 @@ if [ "$1" = x1 ]; then
   done
   set -- x1
   T=150 run bench/bench_transfer.py --device cuda --paths auto
-  T=150 run bench/bench_transfer.py --device cuda --cross-node --paths auto,packed
+  T=150 run bench/bench_transfer.py --device cuda --cross-node --paths auto,packed --timeline  # batch timeline
+  T=170 run bench/sweep_fused.py   # the fused kernel's launch shapes against a device copy
   T=150 run bench/bench_mixed_tp.py --device cuda
   T=110 run bench/bench_multiturn.py --device cuda
   T=60 run bench/bench_control.py
@@ -39,8 +40,17 @@ if [ "$1" = x1 ]; then
 else
   # which kernels may touch a pool imported on the other GPU (c1/c2 fault by design: not run here)
   for c in a d e; do echo "== probe $c" | tee -a "$LOG"; timeout 60 python3 bench/probe_two_gpu_ipc.py $c 2>&1 | tail -3 | tee -a "$LOG"; done
-  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto,packed
-  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto
+  # one service: the native lane's kernel across the link (push, then pull), one page beside the same GPU's
+  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto --iters 10 --skip-nixl --tag lane
+  KVSERVICE_TWO_GPU_COPY=pull T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto --iters 10 --skip-nixl --tag lane_pull_16
+  T=60 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --layers 1 --pages 1 --iters 100 --skip-nixl --skip-baseline --paths auto --tag delta_64k_lane
+  T=60 run bench/bench_transfer.py --device cuda --same-node --layers 1 --pages 1 --iters 100 --skip-nixl --skip-baseline --paths auto --tag delta_64k_x2host_b
+  # the gRPC route (no lane): two_gpu_copy push / pull / staged, 2 GiB and one page
+  for m in push pull staged; do
+    KVSERVICE_TWO_GPU_COPY=$m T=70 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --no-lane --paths auto --iters 10 --skip-nixl --tag $m
+    KVSERVICE_TWO_GPU_COPY=$m T=50 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --no-lane --layers 1 --pages 1 --iters 60 --skip-nixl --skip-baseline --paths auto --tag delta_64k_$m
+  done
+  T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --tag svc2_staged
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto,packed
   T=150 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
   T=130 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1

@@ -117,7 +117,8 @@ def main() -> None:
         st["compile_and_time_s"] = time.perf_counter() - t0
         rows.append(st)
         print(
-            f"bw {bw:6d} warps {nw:2d} rb {rb:3d} {ev or '-':12s} {st['p50_ms']:.3f} ms {st['share_of_copy']:.1%}"
+            f"bw {bw:6d} warps {nw:2d} rb {rb:3d} {ev or '-':12s} "
+            f"{st['p50_ms']:.3f} ms {st['share_of_copy']:.1%}"
         )
     ok = [r for r in rows if "error" not in r]
     best = min(ok, key=lambda r: r["p50_ms"])

@@ -1,19 +1,23 @@
-"""A same-node copy between pools on two GPUs: pack on the source GPU, one device-to-device copy
-over the link, unpack on the destination GPU, in chunks that overlap on three streams.
+"""A same-node copy between pools on two GPUs (``two_gpu_copy = staged``; ``auto`` from 64 MiB):
+pack on the source GPU, one device-to-device copy over the link, unpack on the destination GPU,
+in chunks that overlap on three streams.
 
     source GPU   pack stream:  pack c0 ─ pack c1 ─ pack c2 ─ …            (HBM, ~1.7 TB/s)
                  link stream:        └▶ copy c0 ─▶ copy c1 ─▶ copy c2 …    (NVLink, the bound)
     dest GPU     current stream:              └▶ unpack c0 ─ unpack c1 …  (HBM)
 
-Why not the fused kernel reading one GPU and writing the other: engine pools reach the service
-as CUDA IPC handles, and memory another process exported is mapped only into the context of the
-GPU this service opened it on. Peer access (``cuCtxEnablePeerAccess``, with or without the lazy
-flag at open) does not map it into the other GPU's context: a kernel on GPU0 writing an
-imported GPU1 pool faults with CUDA_ERROR_ILLEGAL_ADDRESS, which poisons the service's CUDA
-context (2×H200: bench/probe_two_gpu_ipc.py, docs/design-notes.md §19). Here every kernel
-touches only its own GPU's pools; the link copy moves between our own staging buffers, and the
-link is the slowest stage, so the packing costs little: the copy of each chunk hides the next
-chunk's pack and the previous chunk's unpack.
+Why not always the fused kernel reading one GPU and writing the other: engine pools reach the
+service as CUDA IPC handles, and memory another process exported is mapped only into the context
+of the GPU this service opened it on. Peer access (``cuCtxEnablePeerAccess``, with or without
+the lazy flag at open) does not map it into the other GPU's context: a kernel on GPU0 writing
+through GPU1's opening faults with CUDA_ERROR_ILLEGAL_ADDRESS, which poisons the service's CUDA
+context (2×H200: bench/probe_two_gpu_ipc.py, docs/design-notes.md §19). The ``push`` / ``pull``
+modes open the pool a second time in the launching GPU's context
+(``buffers.memory.alias_addresses``); this staged copy needs no second opening, and for 2 GiB it
+is faster than one Triton kernel across the link: every kernel touches only its own GPU's pools,
+the link copy moves between our own staging buffers at the copy engines' rate, and the link is
+the slowest stage, so the copy of each chunk hides the next chunk's pack and the previous
+chunk's unpack.
 
 NOTE: the chunks' buffers come from torch's caching allocator, outside ``vram_staging_mb``: up to
 ~3 chunks on the source GPU (packed, not yet copied) and 2 on the destination, 1.25 GiB at the
