@@ -126,11 +126,12 @@ class PeerReceiver:
     def offered_now(self, out: Outgoing) -> list[Target] | None:
         """Targets from the plans the receiver pushed at ExpectDelta, without a single await (no
         task, no loop hop), or None, and the sender asks: no offer, the receiver's metadata here
-        older than the offer's, the same host (the plan then carries pool handles), not every
-        receiver rank we route to offered, this rank took it already, or layouts that do not
-        fit (the ask then makes the receiver fail it, as it would have)."""
+        older than the offer's, not every receiver rank we route to offered, this rank took it
+        already, or layouts that do not fit (the ask then makes the receiver fail it, as it
+        would have). On the same host the offered plan carries the pools' handles (or why not),
+        as an asked one does: the fused route, or the transport with the reason noted."""
         peer, src, tid = self.peer, out.bs.layout, out.rec.transfer_id
-        if self.opened is None or not peer.agent or self._same_host(peer):
+        if self.opened is None or not peer.agent:
             return None
         hit = self.opened.offers.get(tid)
         if hit is None or peer.epoch < hit.metadata_epoch or src.tp_rank in hit.used_by:
@@ -143,12 +144,12 @@ class PeerReceiver:
             check_compatible(src, dst)
         except FailedPrecondition:
             return None
+        plans = [dataclasses.replace(hit.plans[r.dst_rank], route=r, offered=True) for r in wanted]
+        same_host = self._same_host(peer)
         hit.used_by.add(src.tp_rank)
-        out.tickets.update(hit.plans[r.dst_rank].sender_ticket for r in wanted)
+        out.tickets.update(p.sender_ticket for p in plans)
         trace.mark(tid, "plan_offered")
-        return [
-            Target.of(dataclasses.replace(hit.plans[r.dst_rank], route=r, offered=True), src) for r in wanted
-        ]
+        return [Target.of(p, src, self._open(out, p) if same_host else None) for p in plans]
 
     def _same_host(self, peer: PeerClient) -> bool:
         return self._same_host_auto and bool(peer.boot_id) and peer.boot_id == host.boot_id()

@@ -54,10 +54,8 @@ async def receive_plans(
     key = f"{request.sender_service_id}/{src.tp_rank}"
     for inc, route in found:
         plan = plan_to_pb(plan_of(inc, route, inc.bs.buffer_set_id not in engine.no_direct, key))
-        why = refusal or ("the receiver lands it in its landing pool" if same_host and inc.landing else "")
-        if same_host and not why:
-            plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
-        plan.same_host_refusal = why
+        if same_host:
+            _same_host_pools(engine, inc, plan, refusal)
         out.plans.append(plan)
     trace.mark(request.transfer_id, "plan_served")
     return out
@@ -66,9 +64,11 @@ async def receive_plans(
 async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
     """Push ``inc``'s plan to the sending service on its open channel ``chan`` before any of
     its ranks asks (ExpectDelta named it): the ask's round trip leaves the transfer's path.
-    False: nothing offered (that service may not send it, or this node's lane moves it)."""
-    if chan.identity == LOCAL_PEER and engine.config.same_host_route == "auto":
-        return False  # a Unix-socket peer is on this host: it asks, for the fused route's handles
+    False: nothing offered (that service may not send it, or this node's lane moves it).
+
+    A channel over a Unix socket (identity ``local``) comes from a service on this host: with
+    ``same_host_route=auto`` its plan carries the pools' handles, as an asked plan would, so the
+    same-host fused route needs no ask either."""
     try:
         engine.lane.gate(inc.rec.transfer_id)  # a peer sends it: the native lane may not
     except FailedPrecondition:
@@ -79,9 +79,21 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
     route = HeadRoute(0, inc.bs.layout.tp_rank, 0, 0, 0)  # each sender rank derives its own
     plan = plan_of(inc, route, inc.bs.buffer_set_id not in engine.no_direct)
     pb = plan_to_pb(dataclasses.replace(plan, sender_ticket=offer.ticket))
+    if chan.identity == LOCAL_PEER:
+        _same_host_pools(engine, inc, pb, "")
     await chan.offer(peer_pb2.ReceivePlanSet(plans=[pb], metadata_epoch=engine.metadata_epoch))
     trace.mark(inc.rec.transfer_id, "plan_offered")
     return True
+
+
+def _same_host_pools(engine: Any, inc: Incoming, plan: peer_pb2.ReceivePlan, refusal: str) -> None:
+    """A plan for a sender on this host: the receiver's pool handles (the fused route), or why not."""
+    if not refusal and engine.config.same_host_route != "auto":
+        refusal = "the receiver's same_host_route is 'off'"
+    why = refusal or ("the receiver lands it in its landing pool" if inc.landing else "")
+    if not why:
+        plan.kv_handles.extend(r.origin for r in (*inc.bs.k, *inc.bs.v))
+    plan.same_host_refusal = why
 
 
 async def reserve_staging(

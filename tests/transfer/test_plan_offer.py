@@ -113,6 +113,34 @@ def test_an_offered_plan_needs_no_ask_and_binds_at_the_first_commit(
     assert inc.tickets[f"{sid}/0"] == inc.offers[sid].ticket  # bound by the commit, not by an ask
 
 
+def test_a_same_host_offer_carries_the_pools_and_the_fused_route_needs_no_ask(
+    make_server, make_pool, make_client, monkeypatch
+) -> None:
+    """Two services on one host over their Unix sockets (identity ``local``): the offered plan
+    carries the receiver's pool handles, as an asked one does, so the sender copies page to page
+    (FUSED) without a plan round trip and binds at its first commit."""
+    sa, sb = (make_server(transport="loopback", tcp_address="") for _ in range(2))
+    ka, pa, a = _engine(sa, make_pool, make_client, _layout(), 1)
+    kb, pb, b = _engine(sb, make_pool, make_client, _layout(), 2)
+    sender, peer = sa.app.peer_address, sb.app.peer_address
+    assert sender.startswith("unix:") and peer.startswith("unix:")
+    _warm(ka, kb, a, b, sender, peer)
+    asked = _no_asking(sa, monkeypatch)
+    src, dst = [3, 7, 1, 9], [20, 4, 17, 2]
+    before = snapshot(pb)
+    chan = _declare_offered(kb, b, sa, sender, peer, "t", dst[1:], prefix=1)
+    assert all(p.kv_handles for p in chan.offers.get("t").plans.values())
+    ka.send_delta("t", a, src_page_indices=src, peer_address=peer)
+    r, s = one(kb, "t"), one(ka, "t")
+    assert (r.state, s.state, r.path, s.path) == ("DONE", "DONE", "FUSED", "FUSED"), (r, s)
+    assert asked == [] and s.route_note == "", s
+    assert_pages_equal(pb, dst[1:], pa, src[1:])
+    assert_unchanged(pb, before, except_pages=dst[1:])
+    inc = sb.app.node.transfers.receiver.incoming[("t", b)]
+    sid = sa.app.node.transfers.service_id
+    assert inc.tickets[f"{sid}/0"] == inc.offers[sid].ticket
+
+
 def test_two_sender_ranks_share_one_offer_mixed_tp(
     make_server, make_pool, make_client, tmp_path, monkeypatch
 ) -> None:

@@ -1,0 +1,212 @@
+"""The native lane's copy kernel and variants of it against a device copy of the same bytes (GPU).
+
+The lane (kvservice/lane/_native.cpp) compiles its kernel with NVRTC; here the same source, and
+variants, compile through CuPy and copy the same-node 2 GiB row's pages (32 layers x K/V, 1,024
+scattered 32 KiB pages of pools of 2,048) with the lane's argument layout: a table of regions
+(src, dst, strides, bytes) and (src page, dst page) pairs. Each variant is checked byte for byte
+and timed with CUDA events against ``copy_`` of 2 GiB, interleaved over rounds::
+
+    python3 bench/sweep_lane_kernel.py --out bench/results      # sweep_lane_kernel_<gpu>.json
+    python3 bench/sweep_lane_kernel.py --src-gpu 0 --dst-gpu 1  # across two GPUs (peer access)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Variants: name -> (source, how to size the launch). "grid3": the lane's (pairs, regions,
+# chunks) grid; "persistent": blocks = SMs x per_sm, each looping over (pair, region, chunk) items.
+_PERSISTENT = r"""
+struct Region { unsigned long long src, dst, src_stride, dst_stride, nbytes; };
+extern "C" __global__ void __launch_bounds__(THREADS) lane_copy_p(
+    const Region* __restrict__ regions, const int* __restrict__ pairs, int vec16, unsigned chunk,
+    unsigned npairs, unsigned nregions, unsigned nchunks) {
+  const unsigned long long items = (unsigned long long)npairs * nregions * nchunks;
+  for (unsigned long long it = blockIdx.x; it < items; it += gridDim.x) {
+    const unsigned c = (unsigned)(it % nchunks);
+    const unsigned r = (unsigned)((it / nchunks) % nregions);
+    const unsigned p = (unsigned)(it / ((unsigned long long)nchunks * nregions));
+    const Region R = regions[r];
+    const unsigned long long start = (unsigned long long)c * chunk;
+    if (start >= R.nbytes) continue;
+    unsigned long long n = R.nbytes - start;
+    if (n > chunk) n = chunk;
+    const int sp = pairs[2 * p], dp = pairs[2 * p + 1];
+    const uint4* s4 = (const uint4*)(R.src + (unsigned long long)sp * R.src_stride + start);
+    uint4* d4 = (uint4*)(R.dst + (unsigned long long)dp * R.dst_stride + start);
+    const unsigned n4 = (unsigned)(n >> 4);
+    unsigned i = threadIdx.x;
+    for (; i + (UNROLL - 1) * THREADS < n4; i += UNROLL * THREADS) {
+      uint4 v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) v[u] = LOAD(s4 + i + u * THREADS);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) STORE(d4 + i + u * THREADS, v[u]);
+    }
+    for (; i < n4; i += THREADS) STORE(d4 + i, LOAD(s4 + i));
+  }
+}
+"""
+
+
+def _lane_source() -> str:
+    text = (ROOT / "kvservice/lane/_native.cpp").read_text()
+    m = re.search(r'const char\* KERNEL_SRC = R"\((.*?)\)";', text, re.S)
+    assert m, "KERNEL_SRC not found in _native.cpp"
+    return m.group(1)
+
+
+def _persistent(threads: int, unroll: int, load: str, store: str) -> str:
+    loads = {"plain": "(*(P))", "ldg": "__ldg(P)", "ldcs": "__ldcs(P)"}
+    stores = {"plain": "(*(P) = (V))", "stcs": "__stcs(P, V)", "stcg": "__stcg(P, V)"}
+    head = (
+        f"#define THREADS {threads}\n#define UNROLL {unroll}\n"
+        f"#define LOAD(P) {loads[load]}\n#define STORE(P, V) {stores[store]}\n"
+    )
+    return head + _PERSISTENT
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--pages", type=int, default=1024)
+    ap.add_argument("--pool-pages", type=int, default=2048)
+    ap.add_argument("--src-gpu", type=int, default=0)
+    ap.add_argument("--dst-gpu", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    args = ap.parse_args()
+    page = 16 * 8 * 128 * 2  # bytes of one page of one region (16 tokens, 8 heads, 128 dims, bf16)
+    nreg = 2 * args.layers
+    with cp.cuda.Device(args.src_gpu):
+        src = [cp.random.randint(0, 256, args.pool_pages * page, dtype=cp.uint8) for _ in range(nreg)]
+    with cp.cuda.Device(args.dst_gpu):
+        dst = [cp.zeros(args.pool_pages * page, dtype=cp.uint8) for _ in range(nreg)]
+    if args.src_gpu != args.dst_gpu:
+        with cp.cuda.Device(args.src_gpu):
+            cp.cuda.runtime.deviceEnablePeerAccess(args.dst_gpu)
+    rng = np.random.default_rng(0)
+    sp = rng.choice(args.pool_pages, args.pages, replace=False).astype(np.int32)
+    dp = rng.choice(args.pool_pages, args.pages, replace=False).astype(np.int32)
+    nbytes = args.pages * page * nreg
+    launch_dev = args.src_gpu
+    with cp.cuda.Device(launch_dev):
+        table = cp.asarray(
+            np.array(
+                [[s.data.ptr, d.data.ptr, page, page, page] for s, d in zip(src, dst, strict=True)], np.uint64
+            )
+        )
+        pairs = cp.asarray(np.stack([sp, dp], axis=1).reshape(-1))
+        flat_s = cp.empty(nbytes, dtype=cp.uint8)
+    with cp.cuda.Device(args.dst_gpu):
+        flat_d = cp.empty(nbytes, dtype=cp.uint8)  # a peer copy when the GPUs differ
+    with cp.cuda.Device(launch_dev):
+        sms = cp.cuda.runtime.getDeviceProperties(launch_dev)["multiProcessorCount"]
+        name = cp.cuda.runtime.getDeviceProperties(launch_dev)["name"].decode()
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        with cp.cuda.Device(launch_dev):
+            fn()
+            cp.cuda.Device(launch_dev).synchronize()
+            ts = []
+            for _ in range(args.iters):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(a, b))
+            return statistics.median(ts)
+
+    variants = {}
+    with cp.cuda.Device(launch_dev):
+        opts = ("-default-device",)
+        lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)
+        for chunk in (16384, 32768):
+            zc = (page + chunk - 1) // chunk
+
+            def run(k=lane, c=chunk, z=zc) -> None:  # type: ignore[no-untyped-def]
+                k((args.pages, nreg, z), (256,), (table, pairs, np.int32(1), np.uint32(c)))
+
+            variants[f"lane_grid3_chunk{chunk // 1024}k"] = run
+        for threads, unroll, load, store, per_sm, chunk in (
+            (256, 4, "plain", "plain", 8, 16384),
+            (256, 8, "plain", "plain", 8, 32768),
+            (512, 4, "plain", "plain", 4, 32768),
+            (256, 4, "ldcs", "stcs", 8, 16384),
+            (256, 8, "ldg", "stcs", 8, 32768),
+            (256, 8, "ldcs", "stcg", 8, 32768),
+            (128, 8, "plain", "plain", 16, 16384),
+        ):
+            k = cp.RawKernel(_persistent(threads, unroll, load, store), "lane_copy_p", options=opts)
+            nch = (page + chunk - 1) // chunk
+
+            def run(k=k, t=threads, b=sms * per_sm, c=chunk, z=nch) -> None:  # type: ignore[no-untyped-def]
+                dims = (np.uint32(args.pages), np.uint32(nreg), np.uint32(z))
+                k((b,), (t,), (table, pairs, np.int32(1), np.uint32(c), *dims))
+
+            variants[f"persistent_t{threads}_u{unroll}_{load}_{store}_x{per_sm}_c{chunk // 1024}k"] = run
+
+    def check() -> bool:
+        for s, d in zip(src[:2], dst[:2], strict=True):
+            sv = cp.asnumpy(s).reshape(-1, page)[sp]
+            dv = cp.asnumpy(d).reshape(-1, page)[dp]
+            if not np.array_equal(sv, dv):
+                return False
+        return True
+
+    results: dict[str, list[float]] = {"copy": []}
+    ok: dict[str, bool] = {}
+    for _ in range(args.rounds):
+        results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
+        for vname, fn in variants.items():
+            if vname not in ok:  # byte for byte, once
+                for d in dst:
+                    d.fill(0)
+                fn()
+                with cp.cuda.Device(launch_dev):
+                    cp.cuda.Device(launch_dev).synchronize()
+                ok[vname] = check()
+            results.setdefault(vname, []).append(timed(fn))
+    copy = statistics.median(results["copy"])
+    rows = {
+        v: {
+            "p50_ms": statistics.median(t),
+            "rounds_ms": t,
+            "share_of_copy": copy / statistics.median(t),
+            "exact": ok.get(v, True),
+        }
+        for v, t in results.items()
+    }
+    for v, r in rows.items():
+        print(f"{v:48s} {r['p50_ms']:.3f} ms  {r['share_of_copy']:.1%}  exact={r['exact']}")
+    res = {
+        "benchmark": "sweep_lane_kernel",
+        "gpu": name,
+        "command": " ".join(["python3", *sys.argv]),
+        "src_gpu": args.src_gpu,
+        "dst_gpu": args.dst_gpu,
+        "bytes": nbytes,
+        "rows": rows,
+    }
+    tag = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
+    if args.src_gpu != args.dst_gpu:
+        tag += f"_gpu{args.src_gpu}to{args.dst_gpu}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"sweep_lane_kernel_{tag}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
