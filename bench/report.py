@@ -664,11 +664,13 @@ def _headline(runs: dict[str, dict]) -> list[str]:
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     for lane, same in (
         ("transfer_same_node_gpu0to1_delta_64k_lane", "transfer_same_node_gpu_delta_64k_x2host_b"),
+        ("transfer_same_node_gpu0to1_delta_64k_lane_r1", "transfer_same_node_gpu_delta_64k_x2host_r1"),
+        ("transfer_same_node_gpu0to1_delta_64k_lane_r2", "transfer_same_node_gpu_delta_64k_x2host_r2"),
     ):
         a, b = runs.get(lane), runs.get(same)
         if a and b and _p50(a) and _p50(b):
             gap = (_p50(a) - _p50(b)) * 1e3
-            row("one page GPU0 -> GPU1 (lane) within 50 µs of the same GPU", lane, f"{_p50(a):.3f} ms (+{gap:.0f} µs)",
+            row("one page GPU0 -> GPU1 (lane) within 50 µs of the same GPU", lane, f"{_p50(a):.3f} ms ({gap:+.0f} µs)",
                 f"same GPU {_p50(b):.3f} ms", gap <= 50)  # fmt: skip
     # the gRPC route's modes: measured before the lane took two GPUs (no --no-lane needed then)
     modes = {
@@ -681,7 +683,8 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             " / ".join(f"{copy[m]:.2f} ({_p50(j):.2f})" for m, j in modes.items()) + " ms",
             f"fused kernel alone {_base(modes['push'], 'fused_kernel_only'):.2f} ms", None)  # fmt: skip
     share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy",
-              latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged"), "contiguous_copy", "peer copy", 0.90)  # fmt: skip
+              latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged", "transfer_gpu0to1_svc2_offer"),
+              "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     two = [runs.get(f"transfer_gpu0to1_svc2_{m}") for m in ("push", "pull")]
     if all(two) and _p50(two[0]) and _p50(two[1]):
         row("GPU0 -> GPU1, two services, 2 GiB: push / pull", "transfer_gpu0to1_svc2_pull",
