@@ -561,6 +561,18 @@ def _base(j: dict, name: str) -> float | None:
     return v.get("p50_ms") if isinstance(v, dict) else None
 
 
+def _sustained(j: dict) -> tuple[int, str, float]:
+    """A bench_control run's most senders: their count, "N/s one process; M/s in K engine pairs",
+    and the better of the two rates."""
+    top = max(j["sustained_by_senders"], key=lambda r: r["threads"])
+    pairs = [r for r in j.get("sustained_by_engine_pairs", []) if r["senders"] == top["threads"]]
+    best = max([top["transfers_per_s"], *(r["transfers_per_s"] for r in pairs)])
+    value = f"{top['transfers_per_s']:.0f}/s one process" + (
+        f"; {pairs[0]['transfers_per_s']:.0f}/s in {pairs[0]['engine_pairs']} engine pairs" if pairs else ""
+    )
+    return top["threads"], value, best
+
+
 def _headline(runs: dict[str, dict]) -> list[str]:
     """The GPU path's goals (issue 28, data path v3): the latest figure beside its same-run
     baseline, one row per goal; runs missing from this folder are left out."""
@@ -611,15 +623,8 @@ def _headline(runs: dict[str, dict]) -> list[str]:
               "raw_nixl_one_descriptor", "NIXL 1 desc", 0.30)  # fmt: skip
     j = runs.get("control_gpu_xnode")
     if j and j.get("sustained_by_senders"):
-        top = max(j["sustained_by_senders"], key=lambda r: r["threads"])
-        pairs = [r for r in j.get("sustained_by_engine_pairs", []) if r["senders"] == top["threads"]]
-        best = max([top["transfers_per_s"], *(r["transfers_per_s"] for r in pairs)])
-        value = f"{top['transfers_per_s']:.0f}/s one process" + (
-            f"; {pairs[0]['transfers_per_s']:.0f}/s in {pairs[0]['engine_pairs']} engine pairs"
-            if pairs
-            else ""
-        )
-        row(f"cross-node one-page transfers/s, {top['threads']} senders >= 1,000", "control_gpu_xnode", value,
+        senders, value, best = _sustained(j)
+        row(f"cross-node one-page transfers/s, {senders} senders >= 1,000", "control_gpu_xnode", value,
             f"raw NIXL one page {j['raw_nixl_one_page']['p50_ms']:.3f} ms", best >= 1000)  # fmt: skip
     ab, ctl = runs.get("ab_plan_offer_transfer_cpu"), runs.get("ab_plan_offer_cpu")
     if ab:  # no GPU figure yet: the step's CPU A/B, both sides in one session on one VM
@@ -635,19 +640,12 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         )
     j, nl = runs.get("control_same_node_gpu"), runs.get("control_same_node_gpu_nolane")
     if j and j.get("sustained_by_senders"):
-        top = max(j["sustained_by_senders"], key=lambda r: r["threads"])
-        pairs = [r for r in j.get("sustained_by_engine_pairs", []) if r["senders"] == top["threads"]]
-        best = max([top["transfers_per_s"], *(r["transfers_per_s"] for r in pairs)])
+        senders, value, best = _sustained(j)
         base = ""
         if nl and nl.get("sustained_by_senders"):
             ntop = max(nl["sustained_by_senders"], key=lambda r: r["threads"])
             base = f"gRPC route (--no-lane) {ntop['transfers_per_s']:.0f}/s"
-        value = f"{top['transfers_per_s']:.0f}/s one process" + (
-            f"; {pairs[0]['transfers_per_s']:.0f}/s in {pairs[0]['engine_pairs']} engine pairs"
-            if pairs
-            else ""
-        )
-        row(f"same node one-page transfers/s, {top['threads']} senders >= 2,000", "control_same_node_gpu",
+        row(f"same node one-page transfers/s, {senders} senders >= 2,000", "control_same_node_gpu",
             value, base, best >= 2000)  # fmt: skip
     for tag in ("64k", "1m", "64m"):
         j, nl = (

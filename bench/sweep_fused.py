@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,23 +25,8 @@ from kvservice import kernels  # noqa: E402
 from kvservice.kernels import KVRegions, _fused_triton  # noqa: E402
 from kvservice.kernels.fused import check_fused  # noqa: E402
 
-
-def _time(fn, iters: int) -> list[float]:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
-def _stat(ms: list[float]) -> dict:
-    return {"p50_ms": statistics.median(ms), "min_ms": min(ms), "n": len(ms)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import _timer  # noqa: E402
 
 
 def main() -> None:
@@ -78,10 +62,11 @@ def main() -> None:
     flat_s = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     flat_d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     staging = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    timed = _timer(True, args.iters, 1)  # median ms over CUDA events, after one warm-up call
     base = {
-        "copy": _stat(_time(lambda: flat_d.copy_(flat_s), args.iters)),
-        "pack": _stat(_time(lambda: kernels.pack(src, sp, staging), args.iters)),
-        "unpack": _stat(_time(lambda: kernels.unpack(dst, staging, dp), args.iters)),
+        "copy": {"p50_ms": timed(lambda: flat_d.copy_(flat_s))},
+        "pack": {"p50_ms": timed(lambda: kernels.pack(src, sp, staging))},
+        "unpack": {"p50_ms": timed(lambda: kernels.unpack(dst, staging, dp))},
     }
     copy_ms = base["copy"]["p50_ms"]
     print(f"copy {copy_ms:.3f} ms  pack {base['pack']['p50_ms']:.3f}  unpack {base['unpack']['p50_ms']:.3f}")
@@ -99,7 +84,7 @@ def main() -> None:
             _fused_triton.copy(src, dst, a, bw, nw, max_row_block=rb, evict=ev)
 
         try:
-            st = _stat(_time(run, args.iters))
+            st = {"p50_ms": timed(run)}
         except Exception as exc:  # a shape Triton cannot compile: recorded, not fatal
             rows.append(
                 {

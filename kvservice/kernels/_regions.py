@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -190,6 +190,21 @@ class KVRegions:
         if len(addresses) != len(self.regions):
             raise InvalidArgument("addresses", f"{len(addresses)} for {len(self.regions)} regions")
         return dataclasses.replace(self, alias=(device, tuple(int(a) for a in addresses)))
+
+    def on_device(
+        self, device: torch.device, translate: Callable[[list[int], int], list[int] | None]
+    ) -> KVRegions | None:
+        """:meth:`aliased` on ``device`` with the addresses ``translate`` (base addresses, GPU
+        index) gives, made once per device and kept with these regions (their pointer tables
+        too); None, and asked again next time, when ``translate`` finds no mapping."""
+        cache: dict[torch.device, KVRegions] = self.__dict__.setdefault("_on_device", {})
+        hit = cache.get(device)
+        if hit is None:
+            addresses = translate(self.base_addresses.tolist(), device.index or 0)
+            if addresses is None:
+                return None
+            hit = cache[device] = self.aliased(device, addresses)
+        return hit
 
     def _pointers(self, ts: Sequence[torch.Tensor]) -> list[int]:
         if self.alias is None:

@@ -113,16 +113,15 @@ class LaneBook(NoLane):
 
         from ..buffers.memory import alias_addresses
 
-        others = {int(p.regions[0].device) for p in self.pools.values() if p.memory == "cuda_ipc"} - {device}
-        for e in sorted(others):
+        by_gpu: dict[int, list[Any]] = {}
+        for p in self.pools.values():
+            if p.memory == "cuda_ipc" and p is not bs:
+                by_gpu.setdefault(int(p.regions[0].device), []).append(p)
+        by_gpu.pop(device, None)
+        for e, theirs in sorted(by_gpu.items()):
             if not (cuda_ipc.enable_peer_access(e, device) and cuda_ipc.enable_peer_access(device, e)):
                 continue
-            pairs = [(bs, e)] + [
-                (p, device)
-                for p in self.pools.values()
-                if p.memory == "cuda_ipc" and p.regions[0].device == e
-            ]
-            for pool, on in pairs:
+            for pool, on in [(bs, e), *((p, device) for p in theirs)]:
                 bases = alias_addresses([r.address for r in pool.regions], on)
                 if bases is not None:
                     self.n.set_alias(pool.buffer_set_id, on, np.array(bases, dtype=np.uint64))

@@ -46,11 +46,9 @@ async def receive_plans(
     engine.lane.gate(request.transfer_id)
     out = peer_pb2.ReceivePlanSet(metadata_epoch=engine.metadata_epoch)
     same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
-    refusal = ""
-    if same_host and engine.config.same_host_route != "auto":
-        refusal = "the receiver's same_host_route is 'off'"
-    elif same_host and not host.is_local_peer(peer):
-        refusal = f"the plan was asked over {peer}, not a Unix socket or loopback"
+    refusal = (
+        "" if host.is_local_peer(peer) else f"the plan was asked over {peer}, not a Unix socket or loopback"
+    )
     key = f"{request.sender_service_id}/{src.tp_rank}"
     for inc, route in found:
         plan = plan_to_pb(plan_of(inc, route, inc.bs.buffer_set_id not in engine.no_direct, key))
@@ -87,8 +85,9 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
 
 
 def _same_host_pools(engine: Any, inc: Incoming, plan: peer_pb2.ReceivePlan, refusal: str) -> None:
-    """A plan for a sender on this host: the receiver's pool handles (the fused route), or why not."""
-    if not refusal and engine.config.same_host_route != "auto":
+    """A plan for a sender on this host: the receiver's pool handles (the fused route), or why not
+    (``refusal``: the connection's reason, if any)."""
+    if engine.config.same_host_route != "auto":
         refusal = "the receiver's same_host_route is 'off'"
     why = refusal or ("the receiver lands it in its landing pool" if inc.landing else "")
     if not why:

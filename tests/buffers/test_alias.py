@@ -103,3 +103,22 @@ def test_aliased_regions_use_the_alias_addresses() -> None:
     assert np.array_equal(r.base_addresses, [t.data_ptr() for t in r.regions])  # the original is as it was
     with pytest.raises(InvalidArgument, match="addresses"):
         r.aliased(torch.device("cpu"), addrs[:3])
+
+
+def test_on_device_translates_once_per_device_and_retries_a_failure() -> None:
+    k = [torch.zeros(4 * 16 * 2 * 8, dtype=torch.uint8) for _ in range(2)]
+    r = KVRegions.create(k, None, page_size=16, num_heads=2, head_dim_k=4, itemsize=2)
+    calls: list[int] = []
+    answer: list[int] | None = None
+
+    def translate(addresses: list[int], device: int) -> list[int] | None:
+        calls.append(device)
+        return answer
+
+    dev = torch.device("cpu")
+    assert r.on_device(dev, translate) is None and r.on_device(dev, translate) is None
+    assert len(calls) == 2  # no mapping: asked again each time
+    answer = [0x1000, 0x2000]
+    first = r.on_device(dev, translate)
+    assert first is not None and first.base_addresses.tolist() == answer
+    assert r.on_device(dev, translate) is first and len(calls) == 3  # kept with the regions

@@ -61,11 +61,10 @@ def _across_link(src: KVRegions, dst: KVRegions, push: bool) -> tuple[KVRegions,
     aliased there) or the destination GPU (pull); None when the other GPU's pools cannot be
     mapped into the launching GPU's context (design-notes §19)."""
     far, here = (dst, src) if push else (src, dst)
-    addresses = alias_addresses(far.base_addresses.tolist(), here.device.index or 0)
-    if addresses is None:
+    there = far.on_device(here.device, alias_addresses)
+    if there is None:
         return None
-    far = far.aliased(here.device, addresses)
-    return (src, far) if push else (far, dst)
+    return (src, there) if push else (there, dst)
 
 
 class SameNodeRoute:
