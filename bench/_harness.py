@@ -28,6 +28,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients/python")]
 
 from kvservice_client import Layout, ShmKVPool  # noqa: E402
 
+# The bench process's own thread switch interval (the services': KVSERVICE_GIL_SWITCH_US): its
+# clients' reader threads hand a lane END or a stream message to the waiting caller under the GIL.
+if os.environ.get("BENCH_GIL_SWITCH_US"):
+    sys.setswitchinterval(int(os.environ["BENCH_GIL_SWITCH_US"]) * 1e-6)
+
 __all__ = [
     "ROOT",
     "KVPool",
@@ -95,6 +100,8 @@ def write_json(out: str | Path, name: str, report: dict[str, Any]) -> Path:
         "unix_time": time.time(),
         "ucx_tls": os.environ.get("UCX_TLS", "(unset)"),
         "service_env": {k: v for k, v in os.environ.items() if k.startswith("KVSERVICE_")},
+        "bench_switch_interval_us": round(sys.getswitchinterval() * 1e6),
+        "bench_settle_s": float(os.environ.get("BENCH_SETTLE_S", "0")),
     }
     path = Path(out) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +174,7 @@ class Services:
                         "record",
                         "-r",
                         "2000",
-                        "--idle",
+                        *os.environ.get("BENCH_PYSPY_FLAGS", "--idle").split(),  # e.g. "--gil"
                         "--threads",
                         "--nonblocking",
                         "-f",
@@ -200,6 +207,9 @@ class Services:
                         if p.poll() is not None or time.monotonic() > end:
                             raise RuntimeError(f"kvservice on {a} did not open its native lane (--no-lane?)")
                         time.sleep(0.05)
+            settle = float(os.environ.get("BENCH_SETTLE_S", "0"))
+            if settle > 0:  # let the services' start-up work (JIT warm-up threads) finish first
+                time.sleep(settle)
         except BaseException:
             self.__exit__()
             raise

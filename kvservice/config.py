@@ -115,6 +115,13 @@ class Config:
         "KiB of one page region each CUDA block of the lane's copy kernel moves (a page region is "
         "split into such chunks; bench/results/NOTES.md has the sweep).",
     )
+    gil_switch_us: int = _opt(
+        0,
+        "Python's thread switch interval in this service, in µs (sys.setswitchinterval; 0 keeps "
+        "Python's 5,000). A completion or poller thread that finished waiting needs the GIL to hand "
+        "its result to the event loop; while the loop runs Python it waits up to this long for it "
+        "(bench/results/NOTES.md has the measurement).",
+    )
     transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     kv_events: str = _opt(
         "",
@@ -271,6 +278,8 @@ class Config:
             _check_host_port("tcp_address", self.tcp_address)
         if self.grace_period_s < 0:
             raise ConfigError("grace_period_s: must be >= 0")
+        if not 0 <= self.gil_switch_us <= 100_000:
+            raise ConfigError("gil_switch_us: must be 0 (Python's default) .. 100000 µs")
         if not 1 <= self.lane_cuda_chunk_kb <= 65536:
             raise ConfigError("lane_cuda_chunk_kb: must be 1..65536 (KiB)")
         if not 0 < self.default_deadline_ms <= self.max_deadline_ms:

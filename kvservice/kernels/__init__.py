@@ -16,11 +16,11 @@ from typing import Literal
 import torch
 
 from . import reference
-from ._checks import PageIndices, check_copy
+from ._checks import PageIndices, check_copy, distinct
 from ._regions import KVRegions, packed_nbytes
 from .heads import HeadRoute, plan_heads
 
-__all__ = ["Backend", "HeadRoute", "KVRegions", "pack", "packed_nbytes", "plan_heads", "unpack"]
+__all__ = ["Backend", "HeadRoute", "KVRegions", "distinct", "pack", "packed_nbytes", "plan_heads", "unpack"]
 
 Backend = Literal["auto", "torch", "triton", "cpu"]
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
 import socket
 import stat
+import sys
 import threading
 from typing import Any
 
@@ -63,6 +65,7 @@ class App:
     peer_server: grpc.aio.Server | None = None  # KVPeer's own listener (peer_tcp_address)
     peer_port: int = 0
     lane: asyncio.Task[Any] | None = None  # starting kvservice.lane (its result: RunningLane | None)
+    warmed: threading.Event = dataclasses.field(default_factory=threading.Event)  # warm-up ended
 
     @property
     def address(self) -> str:
@@ -104,6 +107,12 @@ class App:
                 return f"{host}:{port}"
         return ""
 
+    def _warm_up(self) -> None:
+        try:
+            self.node.warm_up()
+        finally:
+            self.warmed.set()
+
     async def start(self) -> None:
         from ..transfer.engine import TransferEngine
 
@@ -117,7 +126,7 @@ class App:
         self.node.transfers.start()
         self.node.start_republishers()  # before the subscribers, so ingested pages are re-published
         self.node.start_event_streams()
-        threading.Thread(target=self.node.warm_up, name="warm-up", daemon=True).start()
+        threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
         if self.servicer is not None:
             self.node.transfers.table.terminal_listeners.append(self.servicer.activity.observe)
         if self.metrics is not None:
@@ -294,10 +303,22 @@ def _clear_stale_socket(path: str) -> None:
     os.unlink(path)
 
 
+def _freeze_after(warmed: threading.Event) -> None:
+    if warmed.wait(300):  # the JIT warm-up's objects too
+        gc.freeze()
+
+
 async def serve(config: Config) -> None:
     """Run until SIGTERM/SIGINT, then drain and stop."""
+    if config.gil_switch_us:
+        sys.setswitchinterval(config.gil_switch_us * 1e-6)
     app = build_server(config)
     await app.start()
+    # NOTE: the start-up's objects (torch, NIXL, numba's caches: ~350k) never become garbage, yet
+    # each full collection walked them all: pauses of 0.1-0.3 s in the middle of transfers on the
+    # 2-core VM (bench/results/NOTES.md). Frozen, the cyclic GC scans only what came after.
+    gc.freeze()
+    asyncio.get_running_loop().run_in_executor(None, _freeze_after, app.warmed)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,25 +35,42 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 class ReplayCache:
-    """(session id, request id) -> the task that runs that call, oldest first, bounded."""
+    """(session id, request id) -> the task that runs that call (its outcome once it ended),
+    oldest first, bounded."""
 
     def __init__(self, ttl_s: float = TTL_S, capacity: int = CAPACITY) -> None:
         self.ttl_s, self.capacity = ttl_s, capacity
-        self._tasks: collections.OrderedDict[tuple[str, str], tuple[float, asyncio.Task[Any]]] = (
+        self._tasks: collections.OrderedDict[tuple[str, str], tuple[float, asyncio.Future[Any]]] = (
             collections.OrderedDict()
         )
         self.replays = 0
 
-    def run(self, key: tuple[str, str], start: Callable[[], Awaitable[Any]]) -> asyncio.Task[Any]:
+    def run(self, key: tuple[str, str], start: Callable[[], Awaitable[Any]]) -> asyncio.Future[Any]:
         self._expire()
         held = self._tasks.get(key)
         if held is not None:
             self.replays += 1
             return held[1]
         task = asyncio.ensure_future(start())
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(functools.partial(self._settled, key))
         self._tasks[key] = (time.monotonic(), task)
         return task
+
+    def _settled(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
+        """Keep the outcome, not the task: a finished task still holds its coroutine and context,
+        three more objects the cyclic GC walks for each of up to CAPACITY calls."""
+        _retrieve(task)
+        held = self._tasks.get(key)
+        if held is None or held[1] is not task or task.cancelled():
+            return
+        done: asyncio.Future[Any] = task.get_loop().create_future()
+        exc = task.exception()
+        if exc is None:
+            done.set_result(task.result())
+        else:
+            done.set_exception(exc)
+            done.exception()  # retrieved: each try re-raises it
+        self._tasks[key] = (held[0], done)
 
     def _expire(self) -> None:
         old = time.monotonic() - self.ttl_s
@@ -67,7 +84,7 @@ class ReplayCache:
         return len(self._tasks)
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # its error is re-raised to each try; never "exception never retrieved"
 

@@ -5,8 +5,9 @@
     Abort (peer)          ─▶ only the sides that peer is a party to (parties.py)
     a failed commit       ─▶ fail_incoming: the receiver ends and tells its senders
     the sender's channel  ─▶ sender_gone: its receivers end now, not at their deadline
-    the deadline          ─▶ the reaper (every 10 ms) ends what passed it; every second it prunes
-                             finished records, expires index leases and idle peer pool mappings
+    the deadline          ─▶ the reaper (every 10 ms) ends what passed it; every second it drops
+                             the working state of sides ended STATE_GRACE_S ago, prunes finished
+                             records, expires index leases and idle peer pool mappings
     a session or buffer set goes ─▶ its transfers are aborted
 
 Every path ends with the record terminal (DONE / FAILED / ABORTED with a reason) and no staging
@@ -16,6 +17,7 @@ slot, landing or in-flight write left behind.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +30,13 @@ from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
 from .sender import Outgoing, Sender
 
-__all__ = ["Ends"]
+__all__ = ["STATE_GRACE_S", "Ends"]
+
+# NOTE: an ended side's working state (its Outgoing / Incoming with their task, plans and page
+# arrays: ~25 objects the cyclic GC tracks) goes this long after its end; its record (what Poll
+# and WatchTransfers answer) stays ``transfer_retain_s``. Kept as long as the records, at 2,000
+# transfers/s it was ~15M tracked objects and full collections of seconds (bench/results/NOTES.md).
+STATE_GRACE_S = 5.0
 
 
 class Ends:
@@ -54,6 +62,8 @@ class Ends:
         self._index = index
         self._reaper: asyncio.Task[None] | None = None
         self._reaping: set[tuple[str, str, str]] = set()
+        self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
+        table.terminal_listeners.append(lambda rec: self._ended.append((rec.ended, rec.key)))
 
     async def abort(
         self,
@@ -73,8 +83,13 @@ class Ends:
         incs = [
             i for i in self.receiver.of(transfer_id) if session_id is None or i.rec.session_id == session_id
         ]
-        if session_id is not None and not outs and not incs:
-            raise NotFound(f"transfer_id: no transfer {transfer_id!r} of this client on this service")
+        if not outs and not incs:  # ended a while ago (its working state went): its records say how
+            ended = [
+                r for r in self.table.find(transfer_id) if session_id is None or r.session_id == session_id
+            ]
+            if session_id is not None and not ended:
+                raise NotFound(f"transfer_id: no transfer {transfer_id!r} of this client on this service")
+            return [r.snapshot() for r in ended if r.terminal]
         await asyncio.gather(
             *(
                 self._abort_out(o, code, reason, notify and bool(self.peers.get(o.peer_address).service_id))
@@ -194,6 +209,9 @@ class Ends:
                     asyncio.ensure_future(self._expire(rec))
             tick += 1
             if tick % 100 == 0:
+                grace = now - min(STATE_GRACE_S, self.table.retain_s)
+                while self._ended and self._ended[0][0] < grace:
+                    self._forget(self._ended.popleft()[1])
                 for key in self.table.prune():
                     self._forget(key)
                 self._index().expire_leases()

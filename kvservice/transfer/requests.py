@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FailedPrecondition, InvalidArgument
+from ..kernels import distinct
 from .load import expected_bytes
 from .plan import src_pages_array
 from .receiver import Incoming
@@ -50,7 +51,7 @@ def check_aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             raise InvalidArgument("aux", f"buffer set has no aux region named {name!r}")
         if rows.size and (rows.min() < 0 or rows.max() >= mine.num_rows):
             raise InvalidArgument(f"aux[{name}].rows", f"row outside 0..{mine.num_rows - 1}")
-        if np.unique(rows).size != rows.size:
+        if rows.size and not distinct(rows.astype(np.int64, copy=False), mine.num_rows):
             raise InvalidArgument(f"aux[{name}].rows", "rows must be distinct")
     return aux
 

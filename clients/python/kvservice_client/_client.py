@@ -99,6 +99,8 @@ class Client(LandingCalls):
         self._tx_lock = threading.Lock()
         self._tx_enabled = transfer_stream
         self._lane = LaneOpener(target, self._tx_book, lane)  # same-node transfers without gRPC
+        if self._lane.enabled:  # wait() reads the lane on the waiting thread (see _lane)
+            self._tx_book.pump, self._tx_book.wake = self._lane.pump, self._lane.wake
         self._credential_path = find_credential_path(target, credential_path)
         self._session = SessionKeeper(
             self._stub, client_name, target, self.owned, on_session_lost, self._credential_path

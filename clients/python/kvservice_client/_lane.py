@@ -2,7 +2,13 @@
 END of this session's transfers without gRPC.
 
     send_delta ─▶ Lane.send: SEND packet ─▶ waits for its REPLY (accepted | fallback)
-    reader thread ◀─ REPLY (wakes that caller) | END ─▶ ``Ended`` book ─▶ wait(transfer_id)
+    wait(transfer_id) ─▶ ``Ended`` book ─▶ Lane.pump until its END is in the book
+
+Whoever waits reads the socket itself: a caller that finds nobody reading takes the read lock
+and receives on its own thread until its REPLY (or, in ``wait``, any message: the book decides)
+arrives, dispatching every message it reads (REPLYs to their callers' slots, ENDs to the book).
+The reader thread reads only while no caller does, for ENDs nobody waits for yet. One thread
+hand-off fewer each way, ~50-70 µs each on the GPU host (bench/results/NOTES.md).
 
 Opened lazily by the client over a Unix socket target, at most once a second while the service
 has none (it builds its native module in the background at start); any failure leaves the
@@ -13,6 +19,8 @@ END, so nothing waits forever on a lost packet.
 from __future__ import annotations
 
 import itertools
+import os
+import select
 import socket
 import threading
 import time
@@ -72,6 +80,15 @@ class Lane:
         self._replies: dict[int, list[Any]] = {}  # seq -> [event, reply]
         self.closed = False
         self.sent = 0
+        self._rlock = threading.Lock()  # held by the one thread that may receive (reader or caller)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # the book wakes a pump
+        self._fds: tuple[int, ...] = (self._wake_r, self._wake_w)  # open until close()
+        self._sock_fd = self.sock.fileno()
+        self._poll_sock = select.poll()  # poll, not select: engines hold more than 1,024 fds
+        self._poll_sock.register(self._sock_fd, select.POLLIN)
+        self._poll_both = select.poll()
+        self._poll_both.register(self._sock_fd, select.POLLIN)
+        self._poll_both.register(self._wake_r, select.POLLIN)
         self._reader = threading.Thread(target=self._read, name="kvservice-lane", daemon=True)
         self._reader.start()
 
@@ -86,12 +103,21 @@ class Lane:
         slot: list[Any] = [threading.Event(), None]
         with self._lock:
             self._replies[seq] = slot
+        deadline = time.monotonic() + timeout
         try:
             self.sock.send(msg)
         except OSError:
             self._drop()
             return False
-        if not slot[0].wait(timeout):
+        if self._rlock.acquire(blocking=False):  # nobody reads: take the REPLY on this thread
+            try:
+                while not slot[0].is_set() and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._receive(left, False) is None:
+                        break
+            finally:
+                self._rlock.release()
+        if not slot[0].wait(max(0.0, deadline - time.monotonic())):
             with self._lock:
                 self._replies.pop(seq, None)
             return False  # NOTE: the service may still run it; its gRPC twin is then refused
@@ -101,27 +127,82 @@ class Lane:
         self.sent += 1
         return True
 
-    def _read(self) -> None:
-        while True:
+    def pump(self, timeout: float) -> bool:
+        """Receive and dispatch on the calling thread until one message came, :meth:`wake` was
+        called or ``timeout`` passed; False at once when another thread reads (or the lane is
+        closed): the caller then waits on the book, which that reader feeds."""
+        if self.closed or not self._rlock.acquire(blocking=False):
+            return False
+        try:
+            if not self.closed:  # close() closes the fds with the read lock held
+                self._receive(timeout, True)
+        finally:
+            self._rlock.release()
+        return True
+
+    def wake(self) -> None:
+        """Make a :meth:`pump` in progress return (an END came another way: the Transfers stream)."""
+        with self._lock:  # close() closes the pipe under it: never a write to a reused number
+            if self._fds:
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:  # full: a wake is pending anyway
+                    pass
+
+    def _receive(self, timeout: float, wakeable: bool) -> bool | None:
+        """With the read lock held: wait up to ``timeout`` for a message and dispatch it. True: one
+        was dispatched; False: none (timeout, woken, taken by nobody); None: the lane is gone."""
+        try:
+            ready = {fd for fd, _ in (self._poll_both if wakeable else self._poll_sock).poll(timeout * 1000)}
+        except (OSError, ValueError):  # closed meanwhile
+            self._drop()
+            return None
+        if self._wake_r in ready:
             try:
-                data = self.sock.recv(lane_wire.MAX_MESSAGE)
+                os.read(self._wake_r, 4096)
             except OSError:
-                data = b""
-            if not data:
-                self._drop()
-                return
+                pass
+        if self._sock_fd not in ready:
+            return False
+        try:
+            data = self.sock.recv(lane_wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self._drop()
+            return None
+        self._dispatch(data)
+        return True
+
+    def _read(self) -> None:
+        """The reader thread: waits for the socket without the read lock, reads with it."""
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN)
+        while not self.closed:
             try:
-                msg = lane_wire.decode(data)
-            except ValueError:
-                continue
-            if isinstance(msg, lane_wire.Reply):
-                with self._lock:
-                    slot = self._replies.pop(msg[0], None)
-                if slot is not None:
-                    slot[1] = msg
-                    slot[0].set()
-            else:
-                self.book.ended(_status(msg))
+                poll.poll()
+            except (OSError, ValueError):
+                break
+            with self._rlock:
+                if self._receive(0.0, False) is None:
+                    return
+        self._drop()
+
+    def _dispatch(self, data: bytes) -> None:
+        try:
+            msg = lane_wire.decode(data)
+        except ValueError:
+            return
+        if isinstance(msg, lane_wire.Reply):
+            with self._lock:
+                slot = self._replies.pop(msg[0], None)
+            if slot is not None:
+                slot[1] = msg
+                slot[0].set()
+        else:
+            self.book.ended(_status(msg))
 
     def _drop(self) -> None:
         self.closed = True
@@ -136,7 +217,14 @@ class Lane:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.sock.close()
+        self.wake()
+        if self._reader is not threading.current_thread():
+            self._reader.join(2.0)  # it sees the shutdown; then nobody selects on the fds we close
+        with self._rlock, self._lock:  # a pumping caller finishes its select first
+            self.sock.close()
+            fds, self._fds = self._fds, ()
+            for fd in fds:  # once: a second close would close whatever reused the numbers
+                os.close(fd)
 
 
 class LaneOpener:
@@ -174,6 +262,16 @@ class LaneOpener:
                 except (OSError, ValueError, PermissionError):
                     self.lane = None
             return self.lane
+
+    def pump(self, timeout: float) -> bool:
+        """The book's pump (``Ended.pump``): the open lane's, else False."""
+        lane = self.lane
+        return lane is not None and lane.pump(timeout)
+
+    def wake(self) -> None:
+        lane = self.lane
+        if lane is not None:
+            lane.wake()
 
     def close(self) -> None:
         with self._lock:

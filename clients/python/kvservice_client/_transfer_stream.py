@@ -16,6 +16,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -58,6 +59,10 @@ class Ended:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        # the lane's pump/wake (``_lane.LaneOpener``): a waiter reads the lane on its own thread
+        self.pump: Callable[[float], bool] | None = None
+        self.wake: Callable[[], None] | None = None
+        self._pumping = 0  # waiters in pump(): an END from the stream must wake them
         self._ended: dict[tuple[str, str, str], TransferStatus] = {}
         self.sides: dict[str, set[tuple[str, str]]] = {}  # transfer id -> (role, buffer set)
         self._unsure: set[str] = set()  # transfer ids with a side made outside the stream
@@ -90,7 +95,12 @@ class Ended:
             self._ended[(st.transfer_id, st.role, st.buffer_set_id)] = st
             if len(self._ended) > _KEEP_ENDED:
                 del self._ended[next(iter(self._ended))]
-            self._cond.notify_all()
+            self._notify()
+
+    def _notify(self) -> None:  # with the condition held
+        self._cond.notify_all()
+        if self._pumping and self.wake is not None:
+            self.wake()
 
     def forget_all(self) -> None:
         with self._cond:
@@ -98,7 +108,7 @@ class Ended:
             self._ended.clear()
             self._unsure.clear()
             self.epoch += 1
-            self._cond.notify_all()
+            self._notify()
 
     def wait_all(self, transfer_id: str, deadline: float) -> list[TransferStatus] | None:
         """The ended statuses of every side made for ``transfer_id``; None when the book cannot
@@ -119,7 +129,21 @@ class Ended:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
+                if self.pump is not None and self._pump(left):
+                    continue
                 self._cond.wait(left)
+
+    def _pump(self, left: float) -> bool:
+        """With the condition held: read the lane on this thread for up to ``left`` (the condition
+        released meanwhile); False when another thread reads it (then wait on the condition)."""
+        assert self.pump is not None
+        self._pumping += 1
+        self._cond.release()
+        try:
+            return self.pump(left)
+        finally:
+            self._cond.acquire()
+            self._pumping -= 1
 
 
 class TransferStream:
