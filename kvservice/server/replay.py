@@ -22,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
 from ..errors import InvalidArgument
 from . import convert
 
@@ -40,48 +42,63 @@ class ReplayCache:
 
     def __init__(self, ttl_s: float = TTL_S, capacity: int = CAPACITY) -> None:
         self.ttl_s, self.capacity = ttl_s, capacity
-        self._tasks: collections.OrderedDict[tuple[str, str], tuple[float, asyncio.Future[Any]]] = (
-            collections.OrderedDict()
-        )
+        # the task while it runs; then its error, or its response as (message type name, bytes)
+        self._tasks: collections.OrderedDict[tuple[str, str], tuple[float, Any]] = collections.OrderedDict()
         self.replays = 0
+        self._types: dict[str, type[Message]] = {}  # response message types by full name
 
     def run(self, key: tuple[str, str], start: Callable[[], Awaitable[Any]]) -> asyncio.Future[Any]:
         self._expire()
         held = self._tasks.get(key)
         if held is not None:
             self.replays += 1
-            return held[1]
+            return held[1] if isinstance(held[1], asyncio.Future) else _revive(held[1], self._types)
         task = asyncio.ensure_future(start())
         task.add_done_callback(functools.partial(self._settled, key))
         self._tasks[key] = (time.monotonic(), task)
         return task
 
     def _settled(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
-        """Keep the outcome, not the task: a finished task still holds its coroutine and context,
-        three more objects the cyclic GC walks for each of up to CAPACITY calls."""
+        """Keep the outcome, not the task: a finished task still holds its coroutine, context and
+        response, objects the cyclic GC walks for each of up to CAPACITY calls; a response is
+        kept as its bytes (none of them, once a retry comes, which is rare)."""
         _retrieve(task)
         held = self._tasks.get(key)
         if held is None or held[1] is not task or task.cancelled():
             return
-        done: asyncio.Future[Any] = task.get_loop().create_future()
         exc = task.exception()
-        if exc is None:
-            done.set_result(task.result())
-        else:
-            done.set_exception(exc)
-            done.exception()  # retrieved: each try re-raises it
-        self._tasks[key] = (held[0], done)
+        if exc is not None:
+            self._tasks[key] = (held[0], exc)
+            return
+        result = task.result()
+        if isinstance(result, Message):  # strings only: the tuple leaves the GC's scans
+            name = type(result).DESCRIPTOR.full_name
+            self._types.setdefault(name, type(result))
+            self._tasks[key] = (held[0], (name, result.SerializeToString()))
 
     def _expire(self) -> None:
         old = time.monotonic() - self.ttl_s
         while self._tasks:
-            key, (t, task) = next(iter(self._tasks.items()))
-            if (t > old and len(self._tasks) <= self.capacity) or not task.done():
+            key, (t, held) = next(iter(self._tasks.items()))
+            if (t > old and len(self._tasks) <= self.capacity) or (
+                isinstance(held, asyncio.Future) and not held.done()
+            ):
                 break
             del self._tasks[key]
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+
+def _revive(outcome: Any, types: dict[str, type[Message]]) -> asyncio.Future[Any]:
+    """A settled future of a kept outcome (an error, or a response's type name and bytes)."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+        fut.exception()  # retrieved: the caller re-raises it
+    else:
+        fut.set_result(types[outcome[0]].FromString(outcome[1]))
+    return fut
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

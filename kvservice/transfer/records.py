@@ -90,7 +90,9 @@ class TransferTable:
         # transfer id, and finished ones in the order they will be pruned.
         self._live: dict[tuple[str, str, str], Record] = {}
         self._live_by_bs: dict[str, dict[tuple[str, str, str], Record]] = {}
-        self._by_tid: dict[str, set[tuple[str, str, str]]] = {}
+        # NOTE: tuples, not sets: a tuple of strings leaves the cyclic GC's scans, and a
+        # transfer has one or two keys (GC pauses grew with retained records; NOTES.md)
+        self._by_tid: dict[str, tuple[tuple[str, str, str], ...]] = {}
         self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, _Queue, Callable[[Record], bool]]] = []
         self.retain_s = retain_s
@@ -106,7 +108,9 @@ class TransferTable:
     def add(self, rec: Record) -> Record:
         with self._lock:
             self._records[rec.key] = rec
-            self._by_tid.setdefault(rec.transfer_id, set()).add(rec.key)
+            keys = self._by_tid.get(rec.transfer_id, ())
+            if rec.key not in keys:
+                self._by_tid[rec.transfer_id] = (*keys, rec.key)
             if not rec.terminal and rec.key not in self._live:
                 self._live[rec.key] = rec
                 self._live_by_bs.setdefault(rec.buffer_set_id, {})[rec.key] = rec
@@ -236,11 +240,11 @@ class TransferTable:
                 if rec is None or not rec.terminal or rec.ended >= cutoff:
                     continue  # replaced by a newer record under the same key
                 del self._records[key]
-                tids = self._by_tid.get(key[0])
-                if tids is not None:
-                    tids.discard(key)
-                    if not tids:
-                        del self._by_tid[key[0]]
+                left = tuple(k for k in self._by_tid.get(key[0], ()) if k != key)
+                if left:
+                    self._by_tid[key[0]] = left
+                else:
+                    self._by_tid.pop(key[0], None)
                 gone.append(key)
         return gone
 

@@ -117,6 +117,40 @@ def test_request_ids_are_per_session_and_bounded() -> None:
     asyncio.run(main())
 
 
+def test_a_finished_call_is_kept_as_its_outcome_not_its_task() -> None:
+    """The cache keeps a response as its bytes and an error as itself (a task holds its
+    coroutine and context: GC work for each of up to 65,536 entries); replays answer the same."""
+    from kvservice_client._proto import kvservice_pb2 as pb
+
+    from kvservice.errors import FailedPrecondition
+
+    async def main() -> None:
+        cache = ReplayCache(ttl_s=60.0, capacity=8)
+        ran: list[str] = []
+
+        async def ok() -> pb.ExpectDeltaResponse:
+            ran.append("ok")
+            return pb.ExpectDeltaResponse(status=pb.TransferStatus(transfer_id="t1", bytes_sent=7))
+
+        async def bad() -> None:
+            ran.append("bad")
+            raise FailedPrecondition("nope")
+
+        first = await cache.run(("s", "1"), ok)
+        with pytest.raises(FailedPrecondition):
+            await cache.run(("s", "2"), bad)
+        await asyncio.sleep(0)  # done callbacks ran
+        kept = [held for _, held in cache._tasks.values()]
+        assert not any(isinstance(h, asyncio.Future) for h in kept), kept
+        again = await cache.run(("s", "1"), ok)
+        assert again == first and again is not first
+        with pytest.raises(FailedPrecondition, match="nope"):
+            await cache.run(("s", "2"), bad)
+        assert ran == ["ok", "bad"] and cache.replays == 2
+
+    asyncio.run(main())
+
+
 def test_break_without_a_marker_is_retried_until_the_service_answers(make_server) -> None:
     """Refused connections (UNAVAILABLE, no marker) keep an owned call trying within its timeout;
     the service's own answer (NOT_FOUND here) ends it."""

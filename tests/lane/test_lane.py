@@ -309,3 +309,43 @@ def test_service_stops_with_a_lane_open_and_a_transfer_armed() -> None:
     assert native.armed_count() == 0, "the stop aborted it, which disarmed it"
     assert not os.path.exists(lane_wire.lane_path(server.app.uds_path))
     e.close()
+
+
+def test_callers_read_the_lane_with_many_fds_open_and_many_threads(make_server: Any) -> None:
+    """The caller that finds nobody reading takes its REPLY / END on its own thread (poll, not
+    select: an engine holds more than 1,024 fds); concurrent senders and waiters all finish,
+    every transfer over the lane, none falling back to gRPC."""
+    import threading
+
+    held = [os.pipe() for _ in range(600)]  # 1,200 fds: the lane's own fds land above 1,024
+    try:
+        eng = Engines(make_server(transport="loopback"))
+        try:
+            errors: list[BaseException] = []
+
+            def worker(w: int) -> None:
+                try:
+                    for i in range(15):
+                        tid = f"fd-{w}-{i}"
+                        eng.kb.expect_delta(tid, eng.b, prefix_pages=0, dst_page_indices=[w])
+                        eng.ka.send_delta(tid, eng.a, src_page_indices=[w + 8], peer_address=eng.peer)
+                        (r,) = eng.kb.wait(tid, timeout=10)
+                        assert r.state == "DONE" and r.route_note == "lane", r
+                        eng.ka.wait(tid, timeout=10)
+                except BaseException as exc:  # surfaced below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors[0]
+            assert eng.ka.lane_sent == 90
+            assert eng.pages(eng.pb, list(range(6))) == eng.pages(eng.pa, list(range(8, 14)))
+        finally:
+            eng.close()
+    finally:
+        for r, w in held:
+            os.close(r)
+            os.close(w)
