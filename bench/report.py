@@ -610,8 +610,9 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         if j and _p50(j):
             copy = _base(j, "contiguous_copy") or 0.0
             limit = goal if goal is not None else 0.3 + 1.2 * copy
+            base = f"copy {copy:.3f} ms" if copy else "(no copy baseline in this run)"
             row(f"same node {tag} delta <= {limit:.2f} ms p50", f"transfer_same_node_gpu_delta_{tag}",
-                f"{_p50(j):.2f} ms", f"copy {copy:.3f} ms", _p50(j) <= limit)  # fmt: skip
+                f"{_p50(j):.2f} ms", base, _p50(j) <= limit)  # fmt: skip
     for tag, run in (("64k", "transfer_gpu_xnode_xdelta_64k"), ("64m", "transfer_gpu_xnode_xdelta_64m")):
         j = runs.get(run)
         if j and _p50(j) and _base(j, "raw_nixl_one_descriptor"):
@@ -647,6 +648,12 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             base = f"gRPC route (--no-lane) {ntop['transfers_per_s']:.0f}/s"
         row(f"same node one-page transfers/s, {senders} senders >= 2,000", "control_same_node_gpu",
             value, base, best >= 2000)  # fmt: skip
+    for ab in ("control_same_node_gpu_ab", "control_same_node_gpu_ab2"):  # a change vs its parent, one call
+        new, old = runs.get(f"{ab}_new"), runs.get(f"{ab}_base")
+        if new and old and new.get("sustained_by_senders") and old.get("sustained_by_senders"):
+            commits = f"{new['meta'].get('commit', '?')} vs {old['meta'].get('commit', '?')}"
+            row(f"same node one-page transfers/s: {commits}, same device call", f"{ab}_new",
+                _sustained(new)[1], _sustained(old)[1], None)  # fmt: skip
     for tag in ("64k", "1m", "64m"):
         j, nl = (
             runs.get(f"transfer_same_node_gpu_delta_{tag}"),
