@@ -212,7 +212,7 @@ class Ends:
                 grace = now - min(STATE_GRACE_S, self.table.retain_s)
                 while self._ended and self._ended[0][0] < grace:
                     self._forget(self._ended.popleft()[1])
-                for key in self.table.prune():
+                for key in self.table.prune():  # a record added already ended never told us
                     self._forget(key)
                 self._index().expire_leases()
                 self.dispatch.peer_pools.expire()

@@ -178,8 +178,8 @@ class Lane:
 
     def _read(self) -> None:
         """The reader thread: waits for the socket without the read lock, reads with it."""
-        poll = select.poll()
-        poll.register(self.sock, select.POLLIN)
+        poll = select.poll()  # its own: a poll object serves one thread at a time
+        poll.register(self._sock_fd, select.POLLIN)
         while not self.closed:
             try:
                 poll.poll()
@@ -219,8 +219,8 @@ class Lane:
             pass
         self.wake()
         if self._reader is not threading.current_thread():
-            self._reader.join(2.0)  # it sees the shutdown; then nobody selects on the fds we close
-        with self._rlock, self._lock:  # a pumping caller finishes its select first
+            self._reader.join(2.0)  # it sees the shutdown; then nobody polls the fds we close
+        with self._rlock, self._lock:  # a pumping caller finishes its poll first
             self.sock.close()
             fds, self._fds = self._fds, ()
             for fd in fds:  # once: a second close would close whatever reused the numbers
