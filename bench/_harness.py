@@ -142,7 +142,7 @@ class Services:
         env = {
             **os.environ,
             "KVSERVICE_LOG_FORMAT": "text",
-            "KVSERVICE_LOG_LEVEL": "WARNING",
+            "KVSERVICE_LOG_LEVEL": os.environ.get("BENCH_SERVICE_LOG_LEVEL", "WARNING"),
             "PYTHONPATH": os.pathsep.join(
                 [str(ROOT), str(ROOT / "clients/python"), os.environ.get("PYTHONPATH", "")]
             ),

@@ -1,6 +1,7 @@
 """Control plane: p50/p99 of MatchPrefix (131,072-token prompt over the UDS), ExpectDelta,
 SendDelta and Poll; one-page transfer end to end vs a raw NIXL one-descriptor write of the same
-page (the per-transfer overhead); sustained tiny transfers per second.
+page (the per-transfer overhead) and vs a plain unary RPC (a health check on the receiving
+engine's channel, same run); sustained tiny transfers per second.
 
     .venv/bin/python bench/bench_control.py [--small] [--same-node]
 
@@ -139,6 +140,20 @@ def sustain_procs(
     return {"senders": senders, "engine_pairs": n_procs, "transfers_per_s": rate, "errors": errors}
 
 
+def unary_rpc(kv: Client, n: int, out: list[float]) -> None:
+    """The baseline of the one-page e2e goal: a plain unary RPC (grpc.health.v1 Check, nothing
+    behind it) on ``kv``'s own channel, ``n`` times after 3 warm ones."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(kv._channel)
+    req = health_pb2.HealthCheckRequest()
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        stub.Check(req, timeout=5)
+        if i >= 3:
+            out.append(time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     base_args(ap, netns=True)
@@ -203,7 +218,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
     print(f"raw NIXL one page: p50 {np.median(raw) * 1e3:.3f} ms", file=sys.stderr)
     prompt = np.random.default_rng(0).integers(0, 150_000, args.prompt_tokens, dtype=np.int64)
     lat: dict[str, list[float]] = {
-        k: [] for k in ("match_prefix", "expect_delta", "send_delta", "poll", "transfer_e2e")
+        k: [] for k in ("match_prefix", "expect_delta", "send_delta", "poll", "transfer_e2e", "unary_rpc")
     }
     with Services(1 if args.same_node else 2, route_env(args), net=args.net) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
@@ -223,6 +238,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
                         lat["match_prefix"], kb.match_prefix, tokens=prompt, page_size=ps, buffer_set_ids=[ib]
                     )
                 matched = m.best.matched_pages if m.best else 0
+                unary_rpc(kb, args.transfers, lat["unary_rpc"])
                 for i in progress(range(args.transfers + 3), "tiny transfers"):
                     tid = f"ctl-{i}"
                     t0 = time.perf_counter()
@@ -321,6 +337,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
     stats = {k: summarize(v) for k, v in lat.items()}
     raw_s = summarize(raw)
     overhead = stats["transfer_e2e"]["p50_ms"] - raw_s["p50_ms"]
+    e2e_vs_unary = stats["transfer_e2e"]["p50_ms"] / stats["unary_rpc"]["p50_ms"]
     report = {
         "benchmark": "control",
         "prompt_tokens": args.prompt_tokens,
@@ -328,6 +345,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
         "rpc": stats,
         "raw_nixl_one_page": raw_s,
         "overhead_per_transfer_p50_ms": overhead,
+        "e2e_over_unary_rpc_p50": e2e_vs_unary,  # issue 28's CPU goal: <= 2
         "sustained_s": args.sustain_s,
         "sustained_by_senders": sustained,  # threads of this one process (its GIL included)
         "sustained_by_engine_pairs": by_engines,  # senders spread over --sustain-procs processes
@@ -342,7 +360,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
     }
     for k, v in stats.items():
         print(f"{k:14s} p50 {v['p50_ms']:.3f} ms p99 {v['p99_ms']:.3f} ms", file=sys.stderr)
-    print(f"overhead p50 {overhead:.3f} ms", file=sys.stderr)
+    print(f"overhead p50 {overhead:.3f} ms; e2e / unary RPC p50 {e2e_vs_unary:.2f}", file=sys.stderr)
     print(f"idle CPU per service: {', '.join(f'{c:.1%}' for c in idle)} of a core", file=sys.stderr)
     report["device"] = args.device
     report["same_node"] = args.same_node

@@ -76,6 +76,8 @@ def kvservice_runs(
                 for it in progress(range(args.iters + 1), f"kvservice {path}"):
                     tid = f"xfer-{path}-{it}"
                     kb.expect_delta(tid, rb, prefix_pages=0, dst_page_indices=dst, sender_address=sender)
+                    if args.expect_lead_ms:  # the prefill's compute between ExpectDelta and SendDelta
+                        time.sleep(args.expect_lead_ms / 1000)
                     t0, t0_mono[path] = time.perf_counter(), time.monotonic()
                     ka.send_delta(tid, ra, src_page_indices=src, peer_address=peer, path=path)
                     t_sent_mono[path] = time.monotonic()
@@ -197,6 +199,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--same-node", action="store_true", help="one service for both engines (fused route)")
     ap.add_argument("--skip-nixl", action="store_true", help="no raw NIXL baselines (same-node runs)")
+    ap.add_argument(
+        "--expect-lead-ms",
+        type=float,
+        default=0.0,
+        help="pause between ExpectDelta and SendDelta (the prefill's compute; the receiver's offer "
+        "travels meanwhile); the timer starts at SendDelta either way",
+    )
     ap.add_argument(
         "--timeline",
         action="store_true",

@@ -120,25 +120,28 @@ def _transfer(name: str, j: dict) -> list[str]:
 
 
 def _mixed(name: str, j: dict) -> list[str]:
+    copy = j.get("baselines", {}).get("contiguous_copy", {}).get("p50_ms")
     lines = [
         f"### {name} — {_where(j)}",
         "",
-        f"{j['pages']} pages x {j['layout']['layers']} layers ({j['bytes'] / 2**20:.0f} MiB of KV in all), median of {j['iters']}",
+        f"{j['pages']} pages x {j['layout']['layers']} layers ({j['bytes'] / 2**20:.0f} MiB of KV in all), median of {j['iters']}"
+        + (f"; contiguous copy of those bytes {_f(copy, 3)} ms" if copy else ""),
         "",
-        "| TP | per-token descs | per-token p50 ms | kvservice p50 ms | kvservice p99 ms | kvservice GB/s | speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| TP | per-token descs | per-token p50 ms | kvservice p50 ms | kvservice p99 ms | kvservice GB/s | speedup | of a copy |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for k, e in j["configs"].items():
-        b, kv = e["raw_nixl_per_token"], e["kvservice"]
+        b, kv = e.get("raw_nixl_per_token", {}), e["kvservice"]
+        base = f"{b['descriptors']:,} | {_f(b['p50_ms'])}" if b else "(not run) | "
         if "p50_ms" in kv:
+            speedup = f"{_f(e['speedup_vs_per_token'], 1)}x" if "speedup_vs_per_token" in e else ""
+            share = f"{e['fraction_of_contiguous_copy']:.0%}" if "fraction_of_contiguous_copy" in e else ""
             lines.append(
-                f"| {k} | {b['descriptors']:,} | {_f(b['p50_ms'])} | {_f(kv['p50_ms'])} | {_f(kv['p99_ms'])} "
-                f"| {_f(kv['gb_per_s'])} | {_f(e['speedup_vs_per_token'], 1)}x |"
+                f"| {k} | {base} | {_f(kv['p50_ms'])} | {_f(kv['p99_ms'])} "
+                f"| {_f(kv['gb_per_s'])} | {speedup} | {share} |"
             )
         else:
-            lines.append(
-                f"| {k} | {b['descriptors']:,} | {_f(b['p50_ms'])} | FAILED: {kv.get('error', '')[:80]} | | | |"
-            )
+            lines.append(f"| {k} | {base} | FAILED: {kv.get('error', '')[:80]} | | | | |")
     return lines + [""]
 
 
@@ -300,11 +303,14 @@ def _goals(runs: dict[str, dict]) -> list[str]:
         if j["benchmark"] == "transfer" and "auto_vs_best_of_direct_packed" in j["ratios"]:
             x = j["ratios"]["auto_vs_best_of_direct_packed"]
             add("CPU auto <= best(direct, packed)", name, f"{x:.2f}x of best", x <= 1.0)
-        if j["benchmark"] == "mixed_tp" and j.get("netns"):
-            sps = [e.get("speedup_vs_per_token", 0) for e in j["configs"].values()]
+        sps = [
+            e.get("speedup_vs_per_token", 0)
+            for e in j.get("configs", {}).values()
+            if "raw_nixl_per_token" in e
+        ]
+        if j["benchmark"] == "mixed_tp" and j.get("netns") and sps:
             add(">= 10x per-token, mixed TP (netns, TCP)", name, f"min {min(sps):.1f}x", min(sps) >= 10)
-        if j["benchmark"] == "mixed_tp" and j["device"] != "cpu":
-            sps = [e.get("speedup_vs_per_token", 0) for e in j["configs"].values()]
+        if j["benchmark"] == "mixed_tp" and j["device"] != "cpu" and sps:
             add(">= 100x per-token (mixed TP)", name, f"min {min(sps):.0f}x", min(sps) >= 100)
         if j["benchmark"] == "multiturn":
             x = max(e["wire_bytes_over_needed"] for e in j["modes"].values())
@@ -576,7 +582,8 @@ def _sustained(j: dict) -> tuple[int, str, float]:
 def _headline(runs: dict[str, dict]) -> list[str]:
     """The GPU path's goals (issue 28, data path v3): the latest figure beside its same-run
     baseline, one row per goal; runs missing from this folder are left out."""
-    rows: list[str] = []
+    rows: list[str] = []  # one per goal: met or missed
+    compare: list[str] = []  # same-run comparisons (A/B, lane vs gRPC, floors): no goal of their own
 
     def latest(*names: str) -> str:
         """Of several runs of one goal, the one measured last."""
@@ -587,7 +594,11 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         status = "" if met is None else ("met" if met else "**missed**")
         gpu = str(runs.get(run, {}).get("meta", {}).get("gpu", ""))
         card = next((c for c in ("H200", "H100") if c in gpu), "")  # H100 and H200 rows mix here
-        rows.append(f"| {goal} | {run}{f' ({card})' if card else ''} | {value} | {base} | {status} |")
+        if not card and runs.get(run, {}).get("meta", {}).get("host") == "vm":
+            card = f"{runs[run]['meta'].get('cpus', '?')}-core VM, CPU"
+        (rows if met is not None else compare).append(
+            f"| {goal} | {run}{f' ({card})' if card else ''} | {value} | {base} | {status} |"
+        )
 
     def share_row(goal: str, run: str, baseline: str, label: str, at_least: float) -> None:
         """A row for "``run`` reaches ``at_least`` of the same-run ``baseline``'s rate"."""
@@ -613,7 +624,9 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             base = f"copy {copy:.3f} ms" if copy else "(no copy baseline in this run)"
             row(f"same node {tag} delta <= {limit:.2f} ms p50", f"transfer_same_node_gpu_delta_{tag}",
                 f"{_p50(j):.2f} ms", base, _p50(j) <= limit)  # fmt: skip
-    for tag, run in (("64k", "transfer_gpu_xnode_xdelta_64k"), ("64m", "transfer_gpu_xnode_xdelta_64m")):
+    for tag in ("64k", "64m"):  # the latest of: the gRPC route's runs, the cross-node lane's
+        run = latest(f"transfer_gpu_xnode_xdelta_{tag}", f"transfer_gpu_xnode_xlane_{tag}",
+                     f"transfer_gpu_xnode_xlane_final_{tag}", f"transfer_gpu_xnode_xlane_x2host_{tag}")  # fmt: skip
         j = runs.get(run)
         if j and _p50(j) and _base(j, "raw_nixl_one_descriptor"):
             nixl = _base(j, "raw_nixl_one_descriptor")
@@ -622,11 +635,32 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 _p50(j) <= limit)  # fmt: skip
     share_row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", latest("transfer_gpu_xnode", "transfer_gpu_xnode_tl"),
               "raw_nixl_one_descriptor", "NIXL 1 desc", 0.30)  # fmt: skip
-    j = runs.get("control_gpu_xnode")
-    if j and j.get("sustained_by_senders"):
-        senders, value, best = _sustained(j)
-        row(f"cross-node one-page transfers/s, {senders} senders >= 1,000", "control_gpu_xnode", value,
-            f"raw NIXL one page {j['raw_nixl_one_page']['p50_ms']:.3f} ms", best >= 1000)  # fmt: skip
+    ctl = latest("control_gpu_xnode", "control_gpu_xnode_xlane", "control_gpu_xnode_xlane2",
+                 "control_gpu_xnode_xlane_final")  # fmt: skip  # the other calls: NOTES.md
+    if ctl:
+        j = runs.get(ctl)
+        if j and j.get("sustained_by_senders"):
+            senders, value, best = _sustained(j)
+            row(f"cross-node one-page transfers/s, {senders} senders >= 1,000", ctl, value,
+                f"raw NIXL one page {j['raw_nixl_one_page']['p50_ms']:.3f} ms", best >= 1000)  # fmt: skip
+    for tag in ("64k", "64m"):  # each service on its own GPU (2×H200): the cross-node lane GPU0 -> GPU1
+        j, one = (
+            runs.get(f"transfer_gpu0to1_xnode_xlane_{tag}"),
+            runs.get(f"transfer_gpu_xnode_xlane_x2host_{tag}"),
+        )
+        if j and one and _p50(j) and _p50(one) and _base(j, "raw_nixl_one_descriptor"):
+            row(f"cross-node {tag}, each service on its own GPU (GPU0 -> GPU1), cross-node lane",
+                f"transfer_gpu0to1_xnode_xlane_{tag}",
+                f"{_p50(j):.3f} ms (NIXL 1 desc {_base(j, 'raw_nixl_one_descriptor'):.3f} ms)",
+                f"both services on GPU0, same call: {_p50(one):.3f} ms", None)  # fmt: skip
+    for tag in ("64k", "64m"):  # the cross-node lane against the gRPC route, one device call
+        j, nl = (
+            runs.get(f"transfer_gpu_xnode_xlane_{tag}"),
+            runs.get(f"transfer_gpu_xnode_nolane_xlane_{tag}"),
+        )
+        if j and nl and _p50(j) and _p50(nl):
+            row(f"cross-node {tag}: the cross-node lane vs the gRPC route, same call", f"transfer_gpu_xnode_xlane_{tag}",
+                f"{_p50(j):.3f} ms (lane)", f"{_p50(nl):.3f} ms (gRPC route, --no-lane)", None)  # fmt: skip
     ab, ctl = runs.get("ab_plan_offer_transfer_cpu"), runs.get("ab_plan_offer_cpu")
     if ab:  # no GPU figure yet: the step's CPU A/B, both sides in one session on one VM
         med = {k: statistics.median(v["auto"]["p50_ms"]) for k, v in ab["summary"].items()}
@@ -634,7 +668,7 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             k: statistics.median(v["sustained_per_s"]["8"]) for k, v in (ctl or {}).get("summary", {}).items()
         }
         rate = {k: f"; {v:.0f}/s with 8 senders" for k, v in sus.items()}
-        rows.append(
+        compare.append(
             "| cross-node one page, plan offered at ExpectDelta (CPU A/B, 2-core VM) "
             f"| ab_plan_offer_transfer_cpu | {med['new']:.2f} ms{rate.get('new', '')} "
             f"| plan asked: {med['base']:.2f} ms{rate.get('base', '')} | |"
@@ -667,12 +701,14 @@ def _headline(runs: dict[str, dict]) -> list[str]:
     share_row("same node GPU0 -> GPU1, one service, 2 GiB >= 90% of the peer copy",
               latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_lane", "transfer_same_node_gpu0to1_lane_push_16"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
-    for lane, same in (
-        ("transfer_same_node_gpu0to1_delta_64k_lane", "transfer_same_node_gpu_delta_64k_x2host_b"),
-        ("transfer_same_node_gpu0to1_delta_64k_lane_r1", "transfer_same_node_gpu_delta_64k_x2host_r1"),
-        ("transfer_same_node_gpu0to1_delta_64k_lane_r2", "transfer_same_node_gpu_delta_64k_x2host_r2"),
-    ):
-        a, b = runs.get(lane), runs.get(same)
+    pairs = {
+        "transfer_same_node_gpu0to1_delta_64k_lane": "transfer_same_node_gpu_delta_64k_x2host_b",
+        "transfer_same_node_gpu0to1_delta_64k_lane_r1": "transfer_same_node_gpu_delta_64k_x2host_r1",
+        "transfer_same_node_gpu0to1_delta_64k_lane_r2": "transfer_same_node_gpu_delta_64k_x2host_r2",
+    }
+    lane = latest(*pairs)  # the earlier repeats: NOTES.md
+    if lane:
+        a, b = runs.get(lane), runs.get(pairs[lane])
         if a and b and _p50(a) and _p50(b):
             gap = (_p50(a) - _p50(b)) * 1e3
             row("one page GPU0 -> GPU1 (lane) within 50 µs of the same GPU", lane, f"{_p50(a):.3f} ms ({gap:+.0f} µs)",
@@ -704,18 +740,76 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             row("floor: one fused launch from Python (no service)", run,
                 f"launch {r['launch_fused']['p50_ms'] * 1e3:.0f} µs; launch + completion thread {r['completion_loop']['p50_ms'] * 1e3:.0f} µs",
                 f"sync {r['fused_sync']['p50_ms'] * 1e3:.0f} µs", None)  # fmt: skip
-    if not rows:
+    mixed = runs.get("mixed_tp_gpu_2g")
+    if mixed:  # 2 GiB beside a device copy of the same bytes (bench_mixed_tp.py --tag 2g)
+        c = mixed["configs"]
+        got = {k: c[k] for k in ("4->2", "2->1") if k in c and "fraction_of_contiguous_copy" in c[k]}
+        if got:
+            worst = min(e["fraction_of_contiguous_copy"] for e in got.values())
+            value = " / ".join(
+                f"{k} {e['kvservice']['p50_ms']:.2f} ms ({e['fraction_of_contiguous_copy']:.0%})"
+                for k, e in got.items()
+            )
+            row("mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy", "mixed_tp_gpu_2g", value,
+                f"copy {mixed['baselines']['contiguous_copy']['p50_ms']:.2f} ms", worst >= 0.80)  # fmt: skip
+    elif runs.get("mixed_tp_gpu"):  # the goal's run was never made: say what there is
+        c = runs["mixed_tp_gpu"]["configs"]
+        value = " / ".join(f"{k} {c[k]['kvservice']['p50_ms']:.2f} ms" for k in ("4->2", "2->1") if k in c)
+        rows.append(f"| mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy | mixed_tp_gpu (H200) "
+                    f"| {runs['mixed_tp_gpu']['bytes'] >> 20} MiB only: {value} | (no copy baseline in that run) | **not measured** |")  # fmt: skip
+    _cpu_goals(runs, latest, row)
+    if not rows and not compare:
         return []
+    head = ["| goal | run | kvservice p50 | same-run baseline | status |", "|---|---|---|---|---|"]
     return [
-        "## GPU path goals (issue 28; latest run, baseline from the same run)",
+        "## Goals (issues 28 and 32): the latest figure per goal, baseline from the same run",
         "",
-        "| goal | run | kvservice p50 | same-run baseline | status |",
-        "|---|---|---|---|---|",
+        *head,
         *rows,
+        "",
+        "## Same-run comparisons (A/B of a change, the lanes vs the gRPC route, floors)",
+        "",
+        *head,
+        *compare,
         "",
         "Runs before data path v3 on the same machine kind: the `*_before_v3.json` files (NOTES.md).",
         "",
     ]
+
+
+def _cpu_goals(runs: dict[str, dict], latest: Any, row: Any) -> None:
+    """Issue 28's CPU goals (the 2-core VM, shm pools, same node): one-page e2e <= 2x a plain
+    unary RPC of the same run, >= 800 one-page transfers/s with 8 senders, a large same-node
+    transfer >= 90% of memcpy."""
+    ctl = [n for n in runs if n.startswith("control_same_node_cpu") and "nolane" not in n]
+    name = latest(*ctl) if ctl else ""
+    j = runs.get(name)
+    if j and "unary_rpc" in j["rpc"]:
+        e2e, unary = j["rpc"]["transfer_e2e"]["p50_ms"], j["rpc"]["unary_rpc"]["p50_ms"]
+        row("CPU one-page e2e <= 2x a plain unary RPC", name, f"{e2e:.3f} ms ({e2e / unary:.2f}x)",
+            f"health check {unary:.3f} ms", e2e <= 2 * unary)  # fmt: skip
+    if j:
+        rates = [r["transfers_per_s"] for r in j["sustained_by_senders"] if r["threads"] == 8]
+        rates += [r["transfers_per_s"] for r in j.get("sustained_by_engine_pairs", []) if r["senders"] == 8]
+        if rates:
+            row("CPU one-page transfers/s, 8 senders >= 800", name, f"{max(rates):.0f}/s",
+                "(a rate: no baseline)", max(rates) >= 800)  # fmt: skip
+    big = [
+        n
+        for n, v in runs.items()
+        if v["benchmark"] == "transfer"
+        and "nolane" not in n  # the default route's figure (the gRPC route's: same-run comparison)
+        and v.get("device") == "cpu"
+        and v.get("same_node")
+        and v["bytes"] >= 256 << 20
+    ]
+    if big:
+        run = latest(*big)
+        share_of = runs[run]["ratios"]["auto"].get("fraction_of_contiguous_copy")
+        copy = _base(runs[run], "contiguous_copy")
+        if share_of is not None and copy:
+            row("CPU same node (shm) 256 MiB >= 90% of memcpy", run, f"{_p50(runs[run]):.1f} ms ({share_of:.0%})",
+                f"memcpy {copy:.1f} ms", share_of >= 0.90)  # fmt: skip
 
 
 def main() -> None:
@@ -730,13 +824,12 @@ def main() -> None:
     lines = [
         "# Benchmark summary",
         "",
-        GOALS,
-        "",
-        "Generated by `bench/report.py` from the JSON files here (hand-written notes: NOTES.md).",
+        "Generated by `bench/report.py` from the JSON files here (hand-written notes: NOTES.md, below).",
         "",
     ]
     lines += _headline(runs)
-    lines += _goals(runs)
+    lines += ["## Every run against the first round's goals (history)", "", GOALS, ""]
+    lines += _goals(runs)[1:]
     notes = d / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text(), ""]

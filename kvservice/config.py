@@ -34,6 +34,7 @@ def _opt(default: Any, help: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    # -- Listening and lifecycle -------------------------------------------------------------------------
     uds_path: str = _opt(
         f"/tmp/kvservice-{os.getuid()}.sock",
         "Unix domain socket the engine API listens on ('' disables it).",
@@ -45,10 +46,6 @@ class Config:
     )
     service_name: str = _opt("", "Label of this service in logs and stats (default: hostname).")
     grace_period_s: float = _opt(10.0, "On SIGTERM, seconds in-flight work may take to finish.")
-    default_deadline_ms: int = _opt(30_000, "Transfer deadline when a call gives none.")
-    max_deadline_ms: int = _opt(600_000, "Largest deadline a call may ask for.")
-    hash_seed: int = _opt(0, "Seed of the canonical page hash (XXH3-64); must match clients.")
-    max_lease_ttl_ms: int = _opt(600_000, "Largest lease a MatchPrefix call may ask for.")
     session_grace_s: float = _opt(
         5.0,
         "Seconds a session outlives a broken session stream (the client resumes it meanwhile); "
@@ -63,6 +60,11 @@ class Config:
         "together count as strikes and the connection is cut after two.",
     )
     max_message_mb: int = _opt(64, "Largest gRPC message, MiB.")
+
+    # -- Transfers: deadlines, transport, staging, routes ------------------------------------------------
+    default_deadline_ms: int = _opt(30_000, "Transfer deadline when a call gives none.")
+    max_deadline_ms: int = _opt(600_000, "Largest deadline a call may ask for.")
+    transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
     transport: str = _opt("nixl", "Data transport: 'nixl' (UCX; DRAM and VRAM) or 'loopback' (one process).")
     nixl_progress_delay_us: int = _opt(
         1000,
@@ -103,6 +105,15 @@ class Config:
         "service verifies before unpacking or counting them, failing the transfer on a mismatch. "
         "Costs one extra read of the bytes on each side.",
     )
+    gil_switch_us: int = _opt(
+        0,
+        "Python's thread switch interval in this service, in µs (sys.setswitchinterval; 0 keeps "
+        "Python's 5,000). A completion or poller thread that finished waiting needs the GIL to hand "
+        "its result to the event loop; while the loop runs Python it waits up to this long for it "
+        "(bench/results/NOTES.md has the measurement).",
+    )
+
+    # -- Native lane (same node and cross-node) ----------------------------------------------------------
     lane: bool = _opt(
         True,
         "The native lane (<uds_path>.lane): engines on this node send same-node transfers through a "
@@ -115,14 +126,33 @@ class Config:
         "KiB of one page region each CUDA block of the lane's copy kernel moves (a page region is "
         "split into such chunks; bench/results/NOTES.md has the sweep).",
     )
-    gil_switch_us: int = _opt(
-        0,
-        "Python's thread switch interval in this service, in µs (sys.setswitchinterval; 0 keeps "
-        "Python's 5,000). A completion or poller thread that finished waiting needs the GIL to hand "
-        "its result to the event loop; while the loop runs Python it waits up to this long for it "
-        "(bench/results/NOTES.md has the measurement).",
+    lane_cross_mb: int = _opt(
+        256,
+        "MiB of staging per device (host memory, and each GPU) for the cross-node lane: a delta "
+        "offered at ExpectDelta to another service's engine goes from that service's lane straight "
+        "into this one's (one NIXL WRITE, notified; no Python on its path; docs/design-notes.md "
+        "§20). Half receives, half packs what this lane sends; a delta above a quarter streams "
+        "through a slot in chunks (lane_cross_stream). 0: off. Needs the lane and the NIXL "
+        "transport.",
     )
-    transfer_retain_s: float = _opt(300.0, "Seconds a finished transfer's status stays pollable.")
+    lane_cross_stream: str = _opt(
+        "gpu",
+        "Which deltas larger than a cross-node lane slot stream through it in chunks: 'gpu' (GPU "
+        "pools: the gRPC route packs those anyway), 'all' (host pools too; there the gRPC route's "
+        "DIRECT writes into the registered pools are faster: bench/results/NOTES.md), 'off' "
+        "(larger deltas use gRPC).",
+    )
+    native_dir: str = _opt(
+        "",
+        "Directory of prebuilt native lane modules (<native_dir>/<tag>/, made by "
+        "`KVSERVICE_NATIVE_DIR=... python -m kvservice.lane.native`; the image has one): a module "
+        "built for this source, Python and torch is imported from there, read-only, and no compiler "
+        "is needed. Default: built on first use into the cache dir.",
+    )
+
+    # -- Prefix index and KV events ----------------------------------------------------------------------
+    hash_seed: int = _opt(0, "Seed of the canonical page hash (XXH3-64); must match clients.")
+    max_lease_ttl_ms: int = _opt(600_000, "Largest lease a MatchPrefix call may ask for.")
     kv_events: str = _opt(
         "",
         "KV-event streams to ingest, as a JSON list (a YAML list in --config): each "
@@ -135,6 +165,57 @@ class Config:
         '--config): each {"endpoint" (ZMQ bind, e.g. "tcp://*:5600"), optional "replay_endpoint", '
         '"topic" (default "kv"), "engine_id" (default "*": every buffer set)}.',
     )
+
+    # -- P/D duplicates and landing ----------------------------------------------------------------------
+    duplicate_policy: str = _opt(
+        "lower",
+        "What a sender's index does with pages a DONE transfer copied to a receiver that indexes "
+        "them (the P/D duplicate): 'keep' (mark only), 'lower' (eviction priority lowered to "
+        "duplicate_priority while the mark holds) or 'off' (no marks).",
+    )
+    duplicate_priority: int = _opt(-1000, "Eviction priority of duplicated pages under policy 'lower'.")
+    duplicate_check_ms: int = _opt(
+        1000,
+        "How often a sender checks with the receivers' services that its duplicate marks still "
+        "hold; a mark whose receiver evicted the pages, unregistered or went away is cleared "
+        "within this period (plus one peer call timeout).",
+    )
+    landing_pool_mb: int = _opt(
+        512,
+        "Landing pool per memory location (host memory; each GPU with CUDA buffer sets), MiB: landing "
+        "transfers (ExpectDelta.landing) land here until claimed. Allocated at its first landing; a "
+        "declaration that does not fit is refused at once (RESOURCE_EXHAUSTED).",
+    )
+    landing_ttl_ms: int = _opt(
+        10_000, "How long landed pages wait for a Claim when the declaration gives no TTL."
+    )
+    landing_max_ttl_ms: int = _opt(600_000, "Largest landing TTL a declaration may ask for.")
+    landing_evict: str = _opt(
+        "never",
+        "When a landing does not fit: 'never' (refuse it) or 'oldest' (end the oldest LANDED, unclaimed "
+        "landings FAILED 'landing evicted' if that makes it fit, else refuse without evicting).",
+    )
+
+    # -- Limits and budgets ------------------------------------------------------------------------------
+    max_pages_per_call: int = _opt(
+        1_048_576, "Most page indices one call may name (ExpectDelta, SendDelta, PublishPages, ...)."
+    )
+    max_tokens_per_call: int = _opt(4_194_304, "Most token ids one MatchPrefix or publish call may carry.")
+    max_buffer_sets_per_session: int = _opt(256, "Most buffer sets one session may hold registered.")
+    max_transfers_per_session: int = _opt(16_384, "Most unfinished transfers one session may have.")
+    max_leases_per_session: int = _opt(65_536, "Most live prefix leases one session may hold.")
+    inbound_max_transfers: int = _opt(
+        0,
+        "Default inbound budget of a buffer set: most unfinished inbound transfers (0: unlimited). "
+        "Over it ExpectDelta is refused at once with RESOURCE_EXHAUSTED; RegisterBuffers may override.",
+    )
+    inbound_max_bytes: int = _opt(
+        0,
+        "Default inbound budget of a buffer set: most bytes still to arrive over its unfinished "
+        "inbound transfers (0: unlimited); RegisterBuffers may override.",
+    )
+
+    # -- Security: who may call, TLS, tokens, peers ------------------------------------------------------
     admin_uids: str = _opt(
         "",
         "Comma-separated uids (besides root and the service's own uid) whose local sessions are "
@@ -203,62 +284,12 @@ class Config:
         "File of shared peer tokens, one per line: KVPeer calls over TCP must carry one "
         "('kvservice-peer-token'); this service sends the first. Re-read when it changes.",
     )
-    max_pages_per_call: int = _opt(
-        1_048_576, "Most page indices one call may name (ExpectDelta, SendDelta, PublishPages, ...)."
-    )
-    max_tokens_per_call: int = _opt(4_194_304, "Most token ids one MatchPrefix or publish call may carry.")
-    max_buffer_sets_per_session: int = _opt(256, "Most buffer sets one session may hold registered.")
-    max_transfers_per_session: int = _opt(16_384, "Most unfinished transfers one session may have.")
-    max_leases_per_session: int = _opt(65_536, "Most live prefix leases one session may hold.")
-    inbound_max_transfers: int = _opt(
-        0,
-        "Default inbound budget of a buffer set: most unfinished inbound transfers (0: unlimited). "
-        "Over it ExpectDelta is refused at once with RESOURCE_EXHAUSTED; RegisterBuffers may override.",
-    )
-    inbound_max_bytes: int = _opt(
-        0,
-        "Default inbound budget of a buffer set: most bytes still to arrive over its unfinished "
-        "inbound transfers (0: unlimited); RegisterBuffers may override.",
-    )
-    duplicate_policy: str = _opt(
-        "lower",
-        "What a sender's index does with pages a DONE transfer copied to a receiver that indexes "
-        "them (the P/D duplicate): 'keep' (mark only), 'lower' (eviction priority lowered to "
-        "duplicate_priority while the mark holds) or 'off' (no marks).",
-    )
-    landing_pool_mb: int = _opt(
-        512,
-        "Landing pool per memory location (host memory; each GPU with CUDA buffer sets), MiB: landing "
-        "transfers (ExpectDelta.landing) land here until claimed. Allocated at its first landing; a "
-        "declaration that does not fit is refused at once (RESOURCE_EXHAUSTED).",
-    )
-    landing_ttl_ms: int = _opt(
-        10_000, "How long landed pages wait for a Claim when the declaration gives no TTL."
-    )
-    landing_max_ttl_ms: int = _opt(600_000, "Largest landing TTL a declaration may ask for.")
-    landing_evict: str = _opt(
-        "never",
-        "When a landing does not fit: 'never' (refuse it) or 'oldest' (end the oldest LANDED, unclaimed "
-        "landings FAILED 'landing evicted' if that makes it fit, else refuse without evicting).",
-    )
-    duplicate_priority: int = _opt(-1000, "Eviction priority of duplicated pages under policy 'lower'.")
-    duplicate_check_ms: int = _opt(
-        1000,
-        "How often a sender checks with the receivers' services that its duplicate marks still "
-        "hold; a mark whose receiver evicted the pages, unregistered or went away is cleared "
-        "within this period (plus one peer call timeout).",
-    )
+
+    # -- Operations --------------------------------------------------------------------------------------
     cache_dir: str = _opt(
         "",
         "Writable directory for JIT caches (numba, Triton); nothing is written into the installed "
         "package. Default: $XDG_CACHE_HOME/kvservice, else <tmp>/kvservice-<uid>.",
-    )
-    native_dir: str = _opt(
-        "",
-        "Directory of prebuilt native lane modules (<native_dir>/<tag>/, made by "
-        "`KVSERVICE_NATIVE_DIR=... python -m kvservice.lane.native`; the image has one): a module "
-        "built for this source, Python and torch is imported from there, read-only, and no compiler "
-        "is needed. Default: built on first use into the cache dir.",
     )
     metrics_port: int = _opt(0, "Prometheus metrics port (0: off; -1: pick a free one).")
     log_level: str = _opt("INFO", "DEBUG, INFO, WARNING or ERROR.")
@@ -280,6 +311,10 @@ class Config:
             raise ConfigError("grace_period_s: must be >= 0")
         if not 0 <= self.gil_switch_us <= 100_000:
             raise ConfigError("gil_switch_us: must be 0 (Python's default) .. 100000 µs")
+        if not 0 <= self.lane_cross_mb <= 1 << 20:
+            raise ConfigError("lane_cross_mb: must be 0..1048576 (MiB)")
+        if self.lane_cross_stream not in ("gpu", "all", "off"):
+            raise ConfigError("lane_cross_stream: must be 'gpu', 'all' or 'off'")
         if not 1 <= self.lane_cuda_chunk_kb <= 65536:
             raise ConfigError("lane_cuda_chunk_kb: must be 1..65536 (KiB)")
         if not 0 < self.default_deadline_ms <= self.max_deadline_ms:
@@ -508,6 +543,94 @@ class Config:
         return int(self.uds_mode, 8)
 
 
+# The options by subject: the declaration above follows it, and so do --help and the docs.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "Listening and lifecycle": (
+        "uds_path",
+        "uds_mode",
+        "tcp_address",
+        "advertise_address",
+        "service_name",
+        "grace_period_s",
+        "session_grace_s",
+        "keepalive_time_ms",
+        "keepalive_timeout_ms",
+        "keepalive_min_ping_interval_ms",
+        "max_message_mb",
+    ),
+    "Transfers: deadlines, transport, staging, routes": (
+        "default_deadline_ms",
+        "max_deadline_ms",
+        "transfer_retain_s",
+        "transport",
+        "nixl_progress_delay_us",
+        "host_staging_mb",
+        "vram_staging_mb",
+        "workers_per_peer",
+        "peer_inflight_mb",
+        "same_host_route",
+        "two_gpu_copy",
+        "transfer_integrity",
+        "gil_switch_us",
+    ),
+    "Native lane (same node and cross-node)": (
+        "lane",
+        "lane_cuda_chunk_kb",
+        "lane_cross_mb",
+        "lane_cross_stream",
+        "native_dir",
+    ),
+    "Prefix index and KV events": (
+        "hash_seed",
+        "max_lease_ttl_ms",
+        "kv_events",
+        "republish_events",
+    ),
+    "P/D duplicates and landing": (
+        "duplicate_policy",
+        "duplicate_priority",
+        "duplicate_check_ms",
+        "landing_pool_mb",
+        "landing_ttl_ms",
+        "landing_max_ttl_ms",
+        "landing_evict",
+    ),
+    "Limits and budgets": (
+        "max_pages_per_call",
+        "max_tokens_per_call",
+        "max_buffer_sets_per_session",
+        "max_transfers_per_session",
+        "max_leases_per_session",
+        "inbound_max_transfers",
+        "inbound_max_bytes",
+    ),
+    "Security: who may call, TLS, tokens, peers": (
+        "admin_uids",
+        "admin_identities",
+        "admin_token_file",
+        "allowed_uids",
+        "peer_uids",
+        "peer_allowlist",
+        "insecure",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "token_file",
+        "peer_tcp_address",
+        "peer_tls_cert",
+        "peer_tls_key",
+        "peer_tls_ca",
+        "peer_token_file",
+    ),
+    "Operations": (
+        "cache_dir",
+        "metrics_port",
+        "log_level",
+        "log_format",
+    ),
+}
+
+
 def _check_host_port(name: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -561,14 +684,18 @@ def _coerce(name: str, raw: Any) -> Any:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--option-name`` flag per config field (all default to 'not given')."""
+    """Add one ``--option-name`` flag per config field (all default to 'not given'), in the
+    argument groups of ``SECTIONS``."""
     parser.add_argument("--config", help="YAML file with options (keys as in KVSERVICE_*).")
-    for name, field in _FIELDS.items():
-        # NOTE: a boolean flag alone means true ("--insecure"); "--insecure false" also parses
-        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if isinstance(field.default, bool) else {}
-        parser.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, help=field.metadata["help"], **extra
-        )
+    for title, names in SECTIONS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            field = _FIELDS[name]
+            # NOTE: a boolean flag alone means true ("--insecure"); "--insecure false" also parses
+            extra: dict[str, Any] = {"nargs": "?", "const": "true"} if isinstance(field.default, bool) else {}
+            group.add_argument(
+                "--" + name.replace("_", "-"), dest=name, default=None, help=field.metadata["help"], **extra
+            )
 
 
 def load_config(

@@ -1,9 +1,10 @@
 """The node: one kvservice's domain state (sessions, buffer sets, index, transfers).
 
 The gRPC servicers are thin adapters over this class; everything here speaks domain values and
-raises the error tree in ``errors.py``. Capabilities that later subsystems provide (prefix index,
-transfer engine) are attached with ``attach_*``; until then their calls raise Unimplemented with
-a message saying what is missing.
+raises the error tree in ``errors.py``. Here: sessions, buffer registration and drain; the index's
+calls (hashing, match, publish, evictions, KV events) are ``prefix`` (``index/calls.py``). The
+transfer engine is attached as ``transfers``; until then its calls raise Unimplemented with a
+message saying what is missing.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ import socket
 import time
 from typing import Any
 
-import numpy as np
 from kvservice_client import Layout
-from kvservice_client.hashing import page_hashes
 
 from .buffers import BufferRegistry, BufferSet
 from .config import Config
 from .errors import (
-    InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -32,7 +30,8 @@ from .errors import (
     Unimplemented,
 )
 from .identity import CredentialBook
-from .index import Lease, Match, PrefixIndex, as_hashes
+from .index import PrefixIndex
+from .index.calls import IndexCalls
 from .latest import LatestQueue
 from .peers_allow import peer_allowed
 from .sessions import Session, SessionRegistry
@@ -65,13 +64,11 @@ class Node:
         self.buffers = BufferRegistry()
         self.index = PrefixIndex()
         self.transfers: Any = None
-        self.event_subscribers: list[Any] = []
-        self.republishers: list[Any] = []
+        self.prefix = IndexCalls(config, self.index, self.buffers, lambda: self.transfers)
         self.draining = False
         # session id -> its stream's pending duplicate counts, per buffer set (newest only)
         self._notices: dict[str, LatestQueue[str, int]] = {}
         self.sessions.on_close(self._release_session)
-        self.buffers.add_hooks(self._index_add, self._index_drop)
 
     # -- capabilities attached by later subsystems ----------------------------------------
     def require_transfers(self, rpc: str) -> Any:
@@ -80,110 +77,6 @@ class Node:
         if self.draining and rpc in ("ExpectDelta", "SendDelta"):
             raise Unavailable(f"{rpc}: the service is draining for shutdown; retry on another instance")
         return self.transfers
-
-    def _index_add(self, bs: BufferSet) -> None:
-        lay = bs.layout
-        self.index.add_buffer_set(
-            bs.buffer_set_id,
-            engine_id=bs.engine_id,
-            page_size=lay.page_size,
-            num_pages=lay.num_pages,
-            tp_rank=lay.tp_rank,
-            dp_rank=lay.dp_rank,
-        )
-
-    def _index_drop(self, bs: BufferSet) -> None:
-        try:
-            self.index.remove_buffer_set(bs.buffer_set_id)
-        except NotFound:  # already dropped by unregister_buffers
-            pass
-
-    # -- index -----------------------------------------------------------------------------
-    def hashes(
-        self, tokens: np.ndarray | None, hashes: np.ndarray | None, page_size: int, field: str
-    ) -> np.ndarray:
-        """Chained page hashes of a query given as tokens (canonical scheme) or as hashes."""
-        if tokens is None and hashes is None:
-            raise InvalidArgument(field, "give tokens or hashes")
-        if tokens is not None:
-            if page_size <= 0:
-                raise InvalidArgument("page_size", "is required (> 0) with token ids")
-            return page_hashes(tokens, page_size, self.config.hash_seed)
-        return as_hashes(hashes, field)  # type: ignore[arg-type]
-
-    def match_prefix(
-        self,
-        session_id: str | None,
-        hashes: np.ndarray,
-        page_size: int,
-        buffer_set_ids: list[str],
-        dp_rank: int | None,
-        scores_only: bool,
-        lease_ttl_ms: int,
-    ) -> tuple[list[Match], Lease | None]:
-        if lease_ttl_ms:
-            if session_id is None:
-                raise Unauthenticated("lease_ttl_ms: a lease needs a session (kvservice-session metadata)")
-            if scores_only:
-                raise InvalidArgument("lease_ttl_ms", "scores_only matches take no lease")
-            if lease_ttl_ms > self.config.max_lease_ttl_ms:
-                raise InvalidArgument(
-                    "lease_ttl_ms", f"exceeds the service maximum {self.config.max_lease_ttl_ms}"
-                )
-        matches = self.index.match(
-            hashes,
-            page_size=page_size,
-            buffer_set_ids=buffer_set_ids or None,
-            dp_rank=dp_rank,
-            scores_only=scores_only,
-        )
-        lease = None
-        if lease_ttl_ms and any(m.matched_pages for m in matches):
-            cap = self.config.max_leases_per_session
-            if self.index.lease_count(session_id) >= cap:  # type: ignore[arg-type]
-                raise ResourceExhausted(
-                    f"max_leases_per_session: this session already holds {cap} live leases; release some"
-                )
-            lease = self.index.lease(matches, lease_ttl_ms, session_id)  # type: ignore[arg-type]
-        return matches, lease
-
-    def publish_pages(
-        self,
-        session_id: str,
-        buffer_set_id: str,
-        tokens: np.ndarray | None,
-        hashes: np.ndarray | None,
-        page_indices: np.ndarray,
-        priority: int,
-    ) -> int:
-        bs = self.buffers.get(buffer_set_id, session_id)
-        h = self.hashes(tokens, hashes, bs.layout.page_size, "key")
-        return self.index.publish(buffer_set_id, h, page_indices, priority, tokens=tokens)
-
-    async def suggest_evictions(
-        self, session_id: str, buffer_set_id: str, max_pages: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pages to evict first (see ``PrefixIndex.suggest_evictions``). Duplicate marks of the
-        buffer set are checked with the receivers first, so a page offered as duplicated was
-        held there a moment ago; with policy 'lower' they carry ``duplicate_priority``."""
-        self.buffers.get(buffer_set_id, session_id)
-        if max_pages <= 0:
-            raise InvalidArgument("max_pages", "must be > 0")
-        dup_priority = None
-        if self.transfers is not None:
-            await self.transfers.duplicates.check(buffer_set_id)
-            dup_priority = self.transfers.duplicates.dup_priority
-        return self.index.suggest_evictions(buffer_set_id, max_pages, dup_priority)
-
-    def evict_pages(
-        self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool
-    ) -> int:
-        self.buffers.get(buffer_set_id, session_id)
-        if all_pages:
-            if page_indices.size:
-                raise InvalidArgument("page_indices", "must be empty with all=true")
-            return self.index.evict_all(buffer_set_id)
-        return self.index.evict(buffer_set_id, page_indices)
 
     # -- sessions --------------------------------------------------------------------------
     def open_session(
@@ -313,57 +206,6 @@ class Node:
         self.buffers.unregister(buffer_set_id, session_id)
         return Unregistered(aborted, dropped)
 
-    def warm_up(self) -> None:
-        """Compile the index and hashing code paths on scratch data (JIT) so no caller pays it."""
-        ix = PrefixIndex()
-        ix.add_buffer_set("warm-up", engine_id="", page_size=16, num_pages=64)
-        h = page_hashes(np.arange(512, dtype=np.uint32), 16, self.config.hash_seed)
-        ix.publish("warm-up", h, np.arange(h.size), 0)
-        matches = ix.match(h, page_size=16)
-        ix.release_lease(ix.lease(matches, 1000, "warm-up").lease_id, "warm-up")
-        ix.evict("warm-up", np.arange(4))
-        ix.evictable_leaves("warm-up", 4)
-        ix.evict_all("warm-up")
-
-    # -- KV events ---------------------------------------------------------------------------
-    def start_event_streams(self) -> None:
-        """Subscribe to the configured vLLM/SGLang KV-event publishers (presence-only sets)."""
-        from .index.events import EventSubscriber, StreamConfig
-
-        for st in self.config.event_streams():
-            bs_id = f"events-{st['engine_id']}"
-            self.index.add_buffer_set(
-                bs_id,
-                engine_id=st["engine_id"],
-                page_size=st["page_size"],
-                num_pages=0,
-                dp_rank=st.get("dp_rank", 0),
-                presence_only=True,
-            )
-            cfg = StreamConfig(
-                endpoint=st["endpoint"],
-                buffer_set_id=bs_id,
-                page_size=st["page_size"],
-                replay_endpoint=st.get("replay_endpoint"),
-                topic=st.get("topic", ""),
-                scheme=st.get("scheme", "canonical"),
-                seed=self.config.hash_seed,
-            )
-            sub = EventSubscriber(self.index, cfg)
-            sub.start()
-            self.event_subscribers.append(sub)
-            log.info("kv events subscribed", extra={"engine_id": st["engine_id"], "endpoint": st["endpoint"]})
-
-    def start_republishers(self) -> None:
-        """Re-publish the index as vLLM-format KV events on the configured endpoints."""
-        from .index.events import EventRepublisher, RepublishConfig
-
-        for st in self.config.republish_streams():
-            pub = EventRepublisher(RepublishConfig(**st))
-            self.index.listeners.append(pub)
-            self.republishers.append(pub)
-            log.info("kv events republished", extra={"endpoints": list(pub.endpoints)})
-
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def uptime_ms(self) -> int:
@@ -383,11 +225,7 @@ class Node:
             await self.transfers.abort_all("service shutting down")
 
     async def close(self) -> None:
-        for sub in self.event_subscribers:
-            sub.stop()
-        for pub in self.republishers:
-            self.index.listeners.remove(pub)
-            pub.close()
+        self.prefix.close()
         for task in list(self._session_timers):
             task.cancel()
         for sid in self.sessions.ids():

@@ -34,6 +34,10 @@ class ServerThread:
 
     def stop(self, grace_s: float = 0.5) -> None:
         self.call(self.app.stop(grace_s))
+        try:  # its worker threads too: a test run starts hundreds of services
+            self.call(self.loop.shutdown_default_executor(), timeout=10)
+        except Exception:
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -41,16 +42,34 @@ def _env() -> dict[str, str]:
     }
 
 
-def _run(name: str, out: Path) -> subprocess.CompletedProcess[str]:
-    env = _env()
-    return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--small", "--device", "cpu", "--out", str(out)],
+def _bench(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark in its own process group; on timeout the whole group goes (the services it
+    started too: left running they would load the rest of the test run)."""
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
         cwd=ROOT,
-        env=env,
-        capture_output=True,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=150,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run(name: str, out: Path) -> subprocess.CompletedProcess[str]:
+    return _bench([str(ROOT / "bench" / f"{name}.py"), "--small", "--device", "cpu", "--out", str(out)], 150)
 
 
 @pytest.mark.timeout(180)
@@ -72,15 +91,7 @@ def test_every_benchmark_runs_small_and_writes_json(tmp_path: Path) -> None:
 def test_bench_routing_small_replays_every_policy(tmp_path: Path) -> None:
     """bench_routing --small: every policy serves the short trace against real services, every
     received page is verified, and no transfer read an evicted page."""
-    env = _env()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_routing.py"), "--small", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = _bench([str(ROOT / "bench" / "bench_routing.py"), "--small", "--out", str(tmp_path)], 400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("routing_*.json")
     report = json.loads(path.read_text())
@@ -103,15 +114,10 @@ def test_bench_transfer_small_across_network_namespaces(tmp_path: Path) -> None:
         if os.environ.get("CI"):
             pytest.fail("CI runs as root with iproute2: --netns must run there")
         pytest.skip("network namespaces need root and iproute2")
-    env = _env()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_transfer.py"), "--small", "--netns", "--paths", "packed"]
+    proc = _bench(
+        [str(ROOT / "bench" / "bench_transfer.py"), "--small", "--netns", "--paths", "packed"]
         + ["--timeline", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=220,
+        220,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("transfer_*.json")

@@ -75,3 +75,23 @@ def test_image_environment_is_known_options() -> None:
         assert "KVSERVICE_NATIVE_DIR" in ours and "KVSERVICE_CACHE_DIR" in ours
         cfg = load_config({}, environ=ours)
         assert cfg.native_dir == ours["KVSERVICE_NATIVE_DIR"]
+
+
+def test_options_are_declared_and_listed_by_section() -> None:
+    """Each option is in exactly one section of ``SECTIONS``; the declaration follows the sections
+    (a new option goes under its subject), and ``--help`` shows them as argument groups."""
+    import argparse
+    import dataclasses
+
+    from kvservice.config import SECTIONS, Config, add_flags
+
+    listed = [name for names in SECTIONS.values() for name in names]
+    assert len(listed) == len(set(listed))
+    assert listed == [f.name for f in dataclasses.fields(Config)]
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    text = parser.format_help()
+    at = [text.index(f"{title}:") for title in SECTIONS]
+    assert at == sorted(at)
+    lane = text.index("Native lane (same node and cross-node):")
+    assert lane < text.index("  --lane-cross-stream") < text.index("Prefix index and KV events:")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from ..errors import KVServiceError
@@ -38,6 +39,9 @@ class RunningLane:
         loop.remove_reader(self.native.completion_fd())
         self.listener.close()
         engine.lane = NoLane()
+        engine.peers.me.lane = None
+        if self.book.cross is not None:
+            self.book.cross.log_stats()
         self.native.stop()
 
 
@@ -58,8 +62,23 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     lane = mod.Lane()
     lane.set_chunk(node.config.lane_cuda_chunk_kb * 1024)
     lane.set_pull(node.config.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
+    # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the
+    # WRITE (1) instead of following it once DONE (unset: the measured faster way)
+    lane.set_note_after(os.environ.get("KVLANE_NOTE_WITH_WRITE", "") != "1")
     cuda = await asyncio.to_thread(_init_cuda, lane)
     book = LaneBook(engine, lane, cuda)
+    if node.config.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
+        from .cross import CrossBook
+
+        devices = _cuda_devices() if cuda else 0
+        book.cross = await asyncio.to_thread(
+            CrossBook.start, engine, lane, node.config.lane_cross_mb, devices, node.config.lane_cross_stream
+        )
+        engine.peers.me.lane = book
+        # handshakes made before this point carried no lane metadata either way: our peers see a
+        # new epoch in our plans and handshake again; our own clients do at their next use
+        engine.metadata_epoch += 1
+        engine.peers.stale()
     for bs in node.buffers.all():
         book.add_pool(bs)
     engine.lane = book
@@ -73,12 +92,24 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         except KVServiceError:
             pass
     listener = LaneListener(
-        lane_path(uds_path), cfg.uds_mode_int, node.sessions, cfg.allowed_uid_set, lane, allowed
+        lane_path(uds_path),
+        cfg.uds_mode_int,
+        node.sessions,
+        cfg.allowed_uid_set,
+        lane,
+        allowed,
+        book.cross is not None,
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
     log.info("native lane serving", extra={"path": listener.path, "cuda": cuda})
     return RunningLane(lane, listener, book)
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def _init_cuda(lane: Any) -> bool:

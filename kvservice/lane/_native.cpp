@@ -18,6 +18,8 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -25,26 +27,62 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
+#include <system_error>
 #include <string>
 #include <thread>
+#include <set>
 #include <unordered_map>
 #include <vector>
+
+#include "_nixl_capi.h"
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace py = pybind11;
 
 namespace {
 
 // ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
-enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3 };
+enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4 };
 enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1 };
 struct SendHdr {
   uint32_t type, seq, n_src, tid_len, bs_len, flags;
 };
+struct SendToHdr {  // SEND to another node's service: + the receiving service's address
+  uint32_t type, seq, n_src, tid_len, bs_len, flags, addr_len;
+};
+// The cross-node lane's NIXL notifications (W: the sender wrote a chunk of a transfer's pages
+// into the receiver's slot; C: the receiver unpacked a chunk that was not the last, its part of
+// the slot is free again; A: the receiver unpacked the last chunk, or refused), binary, then tid
+// and message. A delta larger than its slot streams through it in chunks (two halves in turn).
+struct XNote {
+  char magic[4];
+  uint32_t kind, rank, ok;
+  uint64_t nbytes, npages;
+  uint64_t first, off;  // W: the chunk's first page (of the delta) and its offset in the slot
+  double at;  // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
+  uint32_t tid_len, msg_len;
+};
+constexpr char XMAGIC[4] = {'K', 'V', 'X', '2'};
+// The scratch's first 1/XSMALL is where the lane thread packs the cross-node sends that fit it
+// whole; the rest is the bulk thread's (streamed sends). A slot is at most half the receive
+// staging, which is as large as the scratch: with 2, every one-WRITE send stays on the lane
+// thread (as measured: no hand-off on the 64 MiB row) and only streamed ones move.
+constexpr uint64_t XSMALL = 2;
+enum : uint32_t { XNOTE_WRITTEN = 1, XNOTE_ACK = 2, XNOTE_CREDIT = 3 };
+// A receiver that ended a transfer while the lane unpacked one of its chunks (Abort, deadline):
+// the completion's error, which Python books as its own end (no END from the lane).
+constexpr const char* CANCELLED = "cancelled by the receiving service";
 struct ReplyHdr {
   uint32_t type, seq;
   int32_t code;
@@ -55,6 +93,7 @@ struct EndHdr {
   uint64_t nbytes, npages, skipped, copy_us;
 };
 constexpr size_t MAX_MSG = 256 * 1024;
+constexpr uint32_t END_CROSS = 1;
 
 double now_s() {
   timespec ts;
@@ -151,6 +190,7 @@ struct Pool {
   uint64_t sig;
   int rank;
   std::vector<RegionDesc> regions;
+  uint64_t xsig = 0;  // layout and region geometry (the cross-node lane compares it with the receiver's)
   // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
   // only in the context that opened it: a kernel on another GPU needs its own opening)
   std::unordered_map<int, std::vector<uint64_t>> alias;
@@ -171,8 +211,75 @@ struct Conn {
   std::string session;
 };
 
+// ---- cross-node lane (docs/design-notes.md §20) ---------------------------------------------
+struct Arena {  // staging registered with this lane's NIXL agent: receive slots, then the scratch
+  uint64_t base = 0, size = 0, scratch = 0;  // scratch: offset of the sender's packing area
+  int device = -1;
+};
+
+struct XOut {  // a transfer the receiving service offered: its slot there
+  int state = ARMED;
+  int rank = 0;  // the receiver's rank
+  std::string address, remote_agent;
+  uint64_t raddr = 0, rbytes = 0, xsig = 0;
+  int rdev = 0, rmem = 0;
+  int64_t prefix = 0, ndst = 0;
+  double deadline = 0;
+};
+
+struct XIn {  // a transfer this service declared and offered with a slot
+  int state = ARMED;
+  std::string recv_session, recv_bs, sender_agent;
+  int64_t prefix = 0;
+  std::vector<int32_t> dst;
+  uint64_t slot = 0, bytes = 0;  // the slot: its address and size (a larger delta streams through it)
+  uint64_t got = 0, us = 0;       // pages unpacked so far, and the µs it took
+  bool cancel = false;            // ended by the receiver while a chunk was being unpacked
+  int device = -1;
+  double deadline = 0;
+};
+
+struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or the bulk thread)
+  int fd = -1;
+  uint32_t flags = 0;
+  std::string tid, bs, session, akey;
+  Pool sp, dp;
+  int64_t prefix = 0;
+  std::vector<int32_t> dst, src;
+};
+
+struct XSend {  // an accepted SEND_TO, to pack and write (the lane thread, or the bulk thread)
+  Pool sp;
+  XOut xo;
+  std::string xk, tid;
+  std::vector<int32_t> src;
+  uint64_t scratch = 0, page = 0, chunk = 0;  // where it packs, a page's bytes, pages a chunk
+};
+
+struct XPend {  // written (or being written), waiting for the receiver's ack
+  int fd = -1, rank = 0;
+  std::string tid, session, bs, remote_agent;
+  std::vector<int32_t> src;
+  uint64_t nbytes = 0, npages = 0, prefix = 0, copy_us = 0;
+  uint64_t credits = 0;  // chunks the receiver unpacked (a streamed transfer)
+  uint32_t flags = 0;
+  double deadline = 0;
+  bool written = false, acked = false, ack_ok = false;
+  std::string ack_msg;
+};
+
+struct Posted {  // a chunk's WRITE in flight (stream_out)
+  void* req = nullptr;
+  int state = 0;
+  bool after = true;
+  std::string rkey, msg;
+};
+
+enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2 };
+
 struct Completion {
   std::string tid, bs, sender_session, error;
+  int kind = DONE_SAME_NODE;
   int rank = 0;
   bool ok = true;
   uint32_t flags = 0;
@@ -193,6 +300,7 @@ class Lane {
     ev.data.fd = wake_;
     epoll_ctl(epfd_, EPOLL_CTL_ADD, wake_, &ev);
     thread_ = std::thread([this] { run(); });
+    bthread_ = std::thread([this] { bulk_run(); });
   }
   ~Lane() { stop(); }
 
@@ -201,6 +309,14 @@ class Lane {
     uint64_t one = 1;
     (void)!write(wake_, &one, 8);
     if (thread_.joinable()) thread_.join();
+    xcv_.notify_all();
+    if (xthread_.joinable()) xthread_.join();
+    {
+      std::lock_guard<std::mutex> g(bulk_mu_);  // no lost wake-up between its check and its wait
+    }
+    bulk_cv_.notify_all();
+    if (bthread_.joinable()) bthread_.join();
+    close_nixl();
     std::lock_guard<std::mutex> g(mu_);
     for (auto& kv : conns_) close(kv.first);
     conns_.clear();
@@ -283,9 +399,11 @@ class Lane {
   }
 
   void add_pool(const std::string& bs, const std::string& owner, int device, int64_t num_pages, uint64_t sig,
-                int rank, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> regions) {
+                int rank, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> regions,
+                uint64_t xsig) {
     if (regions.ndim() != 2 || regions.shape(1) != 3) throw std::invalid_argument("regions: want [n, 3]");
     Pool p{owner, device, num_pages, sig, rank, {}};
+    p.xsig = xsig;
     auto r = regions.unchecked<2>();
     for (py::ssize_t i = 0; i < r.shape(0); ++i) p.regions.push_back({r(i, 0), r(i, 1), r(i, 2)});
     std::lock_guard<std::mutex> g(mu_);
@@ -343,6 +461,173 @@ class Lane {
     return armed_.size();
   }
 
+
+  // ---- cross-node lane: set-up (Python) -------------------------------------------------------
+  // NIXL's C API from ``capi`` and one agent ``name`` with a UCX backend; false + nixl_why().
+  bool init_nixl(const std::string& capi, const std::string& name) {
+    std::lock_guard<std::mutex> g(nx_mu_);
+    if (agent_) return true;
+    if (!nx_.ok && !nx_.load(capi)) return false;
+    xnixl::AgentConfig cfg;  // no progress thread: this lane's threads poll (they hold the work)
+    if (nx_.create_configured_agent(name.c_str(), &cfg, &agent_) != xnixl::OK)
+      return nx_.fail("creating the NIXL agent failed");
+    void *mems = nullptr, *params = nullptr;
+    int r = nx_.get_plugin_params(agent_, "UCX", &mems, &params);
+    if (r == xnixl::OK) r = nx_.create_backend(agent_, "UCX", params, &backend_);
+    if (mems) nx_.destroy_mem_list(mems);
+    if (params) nx_.destroy_params(params);
+    if (r != xnixl::OK) {
+      nx_.destroy_agent(agent_);
+      agent_ = nullptr;
+      return nx_.fail("NIXL's UCX backend failed (" + std::to_string(r) + ")");
+    }
+    xthread_ = std::thread([this] { xrun(); });
+    return true;
+  }
+  std::string nixl_why() const { return nx_.why; }
+
+  // Staging on ``device`` (-1: host memory) registered with the agent: ``in_bytes`` of receive
+  // slots (Python allocates them), then ``scratch_bytes`` where this lane packs what it sends.
+  uint64_t add_arena(int device, uint64_t in_bytes, uint64_t scratch_bytes) {
+    if (!agent_) throw std::runtime_error("lane: no NIXL agent");
+    Arena a;
+    a.device = device;
+    a.size = in_bytes + scratch_bytes;
+    a.scratch = in_bytes;
+    if (device >= 0) {
+      std::lock_guard<std::mutex> g(cuda_mu_);
+      device_ctx(device);
+      CUdeviceptr p = 0;
+      CUresult r = cuda_.cuMemAlloc(&p, a.size);
+      if (r) throw std::runtime_error("lane: staging: " + cu_err(r));
+      a.base = p;
+    } else {
+      void* p = nullptr;
+      // mapped, not touched: a page costs memory only once a transfer writes it
+      p = mmap(nullptr, a.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) throw std::runtime_error("lane: staging: out of memory");
+      a.base = (uint64_t)p;
+    }
+    std::string err = nx_register(a, true);
+    if (!err.empty()) {
+      free_arena(a);
+      throw std::runtime_error("lane: registering staging with NIXL: " + err);
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    arenas_[device] = a;
+    return a.base;
+  }
+
+  py::bytes local_md() {
+    void* data = nullptr;
+    size_t len = 0;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> g(nx_mu_);
+      if (!agent_ || nx_.get_local_md(agent_, &data, &len) != xnixl::OK) throw std::runtime_error("lane: no NIXL metadata");
+    }
+    py::bytes out((const char*)data, len);
+    free(data);
+    return out;
+  }
+
+  // A peer lane's metadata: its agent name (this lane writes to it and notifies it).
+  std::string load_md(const std::string& md) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> g(nx_mu_);
+    char* name = nullptr;
+    int r = agent_ ? nx_.load_remote_md(agent_, md.data(), md.size(), &name) : -1;
+    if (r != xnixl::OK || !name) throw std::runtime_error("lane: loading a peer's NIXL metadata failed (" + std::to_string(r) + ")");
+    std::string out(name);
+    free(name);
+    return out;
+  }
+
+  // The receiving service offered ``tid`` with a slot: an engine here may now SEND_TO it.
+  // Python's answer for an offer without a lane slot: a SEND_TO parked for it goes to gRPC now.
+  void refuse_out(const std::string& tid, int rank) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = parked_.find(key(tid, rank));
+    if (it == parked_.end()) return;
+    it->second.until = 0;  // the lane thread answers FALLBACK
+    kick();
+  }
+
+  void arm_out(const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
+               uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
+               double deadline) {
+    XOut x;
+    x.rank = rank;
+    x.address = address;
+    x.remote_agent = remote_agent;
+    x.raddr = raddr;
+    x.rbytes = rbytes;
+    x.rdev = rdev;
+    x.rmem = rmem;
+    x.xsig = xsig;
+    x.prefix = prefix;
+    x.ndst = ndst;
+    x.deadline = deadline;
+    std::lock_guard<std::mutex> g(mu_);
+    lane_peers_.insert(address);
+    const std::string k = key(tid, rank);  // the sender's rank is the receiver's (one layout)
+    xout_[k] = std::move(x);
+    if (parked_.count(k)) kick();  // its SEND_TO came first: the lane thread takes it now
+  }
+  int disarm_out(const std::string& tid, int rank) { return disarm_of(xout_, key(tid, rank)); }
+  void forget_out(const std::string& tid, int rank) {
+    std::lock_guard<std::mutex> g(mu_);
+    xout_.erase(key(tid, rank));
+  }
+
+  // This service declared ``tid`` and offered slot ``slot`` (``bytes``) to ``sender_agent``.
+  void arm_in(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
+              const std::string& sender_agent, int64_t prefix,
+              py::array_t<int32_t, py::array::c_style | py::array::forcecast> dst, uint64_t slot, uint64_t bytes,
+              int device, double deadline) {
+    XIn x;
+    x.recv_session = recv_session;
+    x.recv_bs = recv_bs;
+    x.sender_agent = sender_agent;
+    x.prefix = prefix;
+    x.dst.assign(dst.data(), dst.data() + dst.size());
+    x.slot = slot;
+    x.bytes = bytes;
+    x.device = device;
+    x.deadline = deadline;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      xin_[key(tid, rank)] = std::move(x);
+    }
+    xcv_.notify_one();
+  }
+  // 1 (gone): no chunk is unpacked after this returns; 2: a chunk is being unpacked, or all
+  // were: ``cancel`` ends a streamed one after that chunk (a completion with CANCELLED), else it
+  // goes on (a gRPC sender is refused meanwhile).
+  int disarm_in(const std::string& tid, int rank, bool cancel) {
+    return disarm_of(xin_, key(tid, rank), [cancel](XIn& x) { x.cancel |= cancel && x.state == RUNNING; });
+  }
+  void forget_in(const std::string& tid, int rank) {
+    std::lock_guard<std::mutex> g(mu_);
+    xin_.erase(key(tid, rank));
+  }
+  // sent, pack µs, post µs, wait µs, W-note µs, ack µs, received, unpack µs, re-posts, CUDA copies,
+  // their µs waiting for the device lock, and in cuStreamSynchronize (cumulative)
+  std::vector<uint64_t> stats() {
+    std::vector<uint64_t> out;
+    for (auto& s : st_) out.push_back(s.load());
+    return out;
+  }
+  void set_req_cache(bool on) { req_cache_ = on; }
+  void set_note_after(bool on) { note_after_ = on; }
+  // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
+  void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
+
+  size_t cross_count() {
+    std::lock_guard<std::mutex> g(mu_);
+    return xout_.size() + xin_.size() + xpend_.size();
+  }
+
   py::list drain() {
     uint64_t v;
     (void)!read(done_, &v, 8);  // first: a completion queued after the swap signals again
@@ -356,7 +641,7 @@ class Lane {
       py::array_t<int32_t> src(c.src.size());
       if (!c.src.empty()) std::memcpy(src.mutable_data(), c.src.data(), c.src.size() * 4);
       out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us,
-                                c.flags, c.told_recv, c.told_send));
+                                c.flags, c.told_recv, c.told_send, c.kind));
     }
     return out;
   }
@@ -430,8 +715,9 @@ class Lane {
     std::vector<char> buf(MAX_MSG);
     epoll_event evs[64];
     while (running_) {
-      int n = epoll_wait(epfd_, evs, 64, -1);
+      int n = epoll_wait(epfd_, evs, 64, parked_count_ ? 1 : -1);
       if (n < 0 && errno == EINTR) continue;
+      if (parked_count_) unpark();
       for (int i = 0; i < n && running_; ++i) {
         int fd = evs[i].data.fd;
         if (fd == wake_) {
@@ -452,10 +738,19 @@ class Lane {
 
   void closed(int fd) {
     std::lock_guard<std::mutex> g(mu_);
+    for (auto it = parked_.begin(); it != parked_.end();) it = it->second.fd == fd ? parked_.erase(it) : std::next(it);
+    parked_count_ = parked_.size();
     if (conns_.erase(fd)) {
       epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
       close(fd);
     }
+  }
+
+  // mu_ held: ``m`` to connection ``fd`` if it is still one of ``session``'s (the number of a
+  // closed connection may belong to another engine's by now: it gets nothing).
+  bool tell(int fd, const std::string& session, const std::string& m) {
+    auto c = conns_.find(fd);
+    return c != conns_.end() && c->second.session == session && sendmsg_(fd, m);
   }
 
   static bool sendmsg_(int fd, const std::string& m) {
@@ -470,16 +765,18 @@ class Lane {
 
   static std::string end_msg(uint32_t role, bool ok, const std::string& tid, const std::string& bs,
                              const std::string& err, uint64_t nbytes, uint64_t npages, uint64_t skipped,
-                             uint64_t us) {
+                             uint64_t us, uint32_t flags = 0) {
     EndHdr h{MSG_END, role, ok ? 0u : 1u, (uint32_t)tid.size(), (uint32_t)bs.size(), (uint32_t)err.size(),
              nbytes, npages, skipped, us};
-    return std::string((const char*)&h, sizeof h) + tid + bs + err;
+    // trailing u32 flags (END_CROSS: the cross-node lane moved it); older readers stop at msg
+    return std::string((const char*)&h, sizeof h) + tid + bs + err + std::string((const char*)&flags, 4);
   }
 
   void handle(int fd, const char* p, size_t n) {
     if (n < sizeof(SendHdr)) return closed(fd);  // not our protocol: drop the connection
     SendHdr h;
     std::memcpy(&h, p, sizeof h);
+    if (h.type == MSG_SEND_TO) return handle_x(fd, p, n);
     if (h.type != MSG_SEND || (uint64_t)sizeof h + h.tid_len + h.bs_len + 4ull * h.n_src != n) return closed(fd);
     std::string tid(p + sizeof h, h.tid_len), bs(p + sizeof h + h.tid_len, h.bs_len);
     std::vector<int32_t> src(h.n_src);
@@ -525,7 +822,26 @@ class Lane {
     }
     if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
     reply(fd, h.seq, REPLY_ACCEPTED, "");
+    LocalCopy job{fd, h.flags, tid, bs, session, akey, std::move(sp), std::move(dp), prefix, std::move(dst), std::move(src)};
+    uint64_t bytes = 0;
+    for (auto& r : job.sp.regions) bytes += r.nbytes * job.dst.size();
+    if (bytes < LOCAL_BULK_BYTES || job.sp.device >= 0) return copy_local(job);
+    to_bulk([this, job]() mutable { copy_local(job); });
+  }
 
+  // A larger same-node copy of host pools goes to the bulk thread: the lane thread keeps
+  // answering (a 256 MiB host copy takes ~25 ms). GPU copies stay here (2 GiB is ~1.4 ms on one
+  // GPU, and the hand-off would land on the same-node 2 GiB row, a goal still missed).
+  static constexpr uint64_t LOCAL_BULK_BYTES = 16ull << 20;
+
+  // An accepted same-node SEND: copy, then END to both engines and the completion for Python.
+  void copy_local(LocalCopy& job) {
+    const int fd = job.fd;
+    const std::string &tid = job.tid, &bs = job.bs, &session = job.session, &akey = job.akey;
+    const Pool &sp = job.sp, &dp = job.dp;
+    const int64_t prefix = job.prefix;
+    const std::vector<int32_t>& dst = job.dst;
+    std::vector<int32_t>& src = job.src;
     // The copy: src[prefix + i] -> dst[i] for every region.
     const size_t moved = src.size() - (size_t)prefix;
     std::vector<int32_t> pairs(2 * moved);
@@ -557,7 +873,7 @@ class Lane {
       for (auto& kv : conns_) {
         if (kv.second.session == recv_session) told_recv |= sendmsg_(kv.first, to_recv);
       }
-      done.told_send = sendmsg_(fd, to_send);
+      done.told_send = tell(fd, session, to_send);
       done.told_recv = told_recv;
       done.tid = tid;
       done.rank = sp.rank;
@@ -567,7 +883,7 @@ class Lane {
       done.error = err;
       done.nbytes = nbytes;
       done.copy_us = us;
-      done.flags = h.flags;
+      done.flags = job.flags;
       done.src.swap(src);
       completions_.push_back(std::move(done));
     }
@@ -588,6 +904,10 @@ class Lane {
     for (size_t i = 0; i < sp.regions.size(); ++i)
       if (sp.regions[i].nbytes != dp.regions[i].nbytes) return "region geometry differs";
     if ((int64_t)src.size() != a.prefix + (int64_t)a.dst.size()) return "page count is not prefix + delta";
+    return pages_ok(sp, src);
+  }
+
+  static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src) {
     std::vector<uint64_t> seen((size_t)(sp.num_pages + 63) / 64, 0);
     for (int32_t s : src) {
       if (s < 0 || s >= sp.num_pages) return "source page out of range";
@@ -599,20 +919,76 @@ class Lane {
     return "";
   }
 
+  // Host pools: (region, page) jobs region-major, as the service's compiled CPU copy
+  // (kernels/_fused_cpu.py) does: 16-byte aligned runs with non-temporal stores on x86 (no
+  // read-for-ownership of the destination lines; the engine reads the pages later), then one
+  // sfence; from HOST_PARALLEL_BYTES on, the jobs split over a few threads. Measured on the 2-core
+  // VM, 256 MiB of scattered 4 KiB pages: 64 ms page-major memcpy on this thread (the gRPC route's
+  // copy 26 ms); bench/results/NOTES.md has the figures after.
+  static constexpr uint64_t HOST_PARALLEL_BYTES = 4ull << 20;
+  static constexpr unsigned HOST_MAX_THREADS = 8;
+
+  static inline void host_run(char* d, const char* s, uint64_t n) {
+#if defined(__x86_64__)
+    if ((((uintptr_t)d | (uintptr_t)s | n) & 15) == 0) {
+      __m128i* dv = (__m128i*)d;
+      const __m128i* sv = (const __m128i*)s;
+      for (uint64_t i = 0, m = n / 16; i < m; ++i) _mm_stream_si128(dv + i, _mm_load_si128(sv + i));
+      return;
+    }
+#endif
+    std::memcpy(d, s, n);
+  }
+
+  static void host_jobs(const Pool& sp, const Pool& dp, const int32_t* pairs, size_t moved, size_t lo, size_t hi) {
+    for (size_t job = lo; job < hi; ++job) {
+      const size_t r = job / moved, i = job % moved;
+      const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
+      host_run((char*)(d.base + (uint64_t)pairs[2 * i + 1] * d.stride),
+               (const char*)(s.base + (uint64_t)pairs[2 * i] * s.stride), s.nbytes);
+    }
+#if defined(__x86_64__)
+    _mm_sfence();  // the streamed stores are visible before the END that follows
+#endif
+  }
+
+  static void host_copy(const Pool& sp, const Pool& dp, const int32_t* pairs, size_t moved) {
+    const size_t jobs = sp.regions.size() * moved;
+    uint64_t bytes = 0;
+    for (auto& r : sp.regions) bytes += r.nbytes * (uint64_t)moved;
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    const size_t n = bytes < HOST_PARALLEL_BYTES
+                         ? 1
+                         : std::min<size_t>({(size_t)hw, (size_t)HOST_MAX_THREADS, jobs,
+                                             (size_t)(bytes / (HOST_PARALLEL_BYTES / 2))});
+    std::vector<std::thread> helpers;
+    size_t inline_from = jobs;  // a helper that could not start leaves its jobs (and later ones) here
+    for (size_t t = 1; t < n; ++t) {
+      try {
+        helpers.emplace_back(host_jobs, std::cref(sp), std::cref(dp), pairs, moved, jobs * t / n,
+                             jobs * (t + 1) / n);
+      } catch (const std::system_error&) {
+        inline_from = jobs * t / n;
+        break;
+      }
+    }
+    host_jobs(sp, dp, pairs, moved, 0, jobs / n);
+    if (inline_from < jobs) host_jobs(sp, dp, pairs, moved, inline_from, jobs);
+    for (auto& h : helpers) h.join();
+  }
+
   std::string copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
     const size_t nr = sp.regions.size();
     if (moved == 0 || nr == 0) return "";
     if (sp.device < 0) {
-      for (size_t i = 0; i < moved; ++i)
-        for (size_t r = 0; r < nr; ++r) {
-          const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
-          std::memcpy((char*)(d.base + (uint64_t)pairs[2 * i + 1] * d.stride),
-                      (const char*)(s.base + (uint64_t)pairs[2 * i] * s.stride), s.nbytes);
-        }
+      host_copy(sp, dp, pairs.data(), moved);
       return "";
     }
     try {
+      const double t_lock = now_s();
       std::lock_guard<std::mutex> g(cuda_mu_);
+      stat(S_CULOCK, t_lock);
+      st_[S_COPIES]++;
       const int on = launch_device(sp, dp);
       DeviceLane& d = device(on);
       CUresult r;
@@ -645,11 +1021,644 @@ class Lane {
       void* args[] = {&regs, &prs, &vec, &chunk};
       if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)))
         return cu_err(r);
+      const double t_sync = now_s();
       if ((r = cuda_.cuStreamSynchronize(d.stream))) return cu_err(r);
+      stat(S_CUSYNC, t_sync);
       return "";
     } catch (const std::exception& e) {
       return e.what();
     }
+  }
+
+
+  // ---- cross-node lane: the per-transfer path (no GIL) ----------------------------------------
+  // 0 none, 1 was armed (now gone), 2 moving/moved (``moving`` sees it, under the lock)
+  template <class M, class F = void (*)(typename M::mapped_type&)>
+  int disarm_of(M& m, const std::string& k, F moving = [](typename M::mapped_type&) {}) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = m.find(k);
+    if (it == m.end()) return 0;
+    if (it->second.state == ARMED) {
+      m.erase(it);
+      return 1;
+    }
+    moving(it->second);
+    return 2;
+  }
+
+  // Pages packed page-major: page i's regions back to back (the layout both lanes derive).
+  static Pool packed(uint64_t base, const Pool& like, int device) {
+    Pool p{like.owner, device, INT32_MAX, like.sig, like.rank, {}};
+    uint64_t page = 0, off = 0;
+    for (auto& r : like.regions) page += r.nbytes;
+    for (auto& r : like.regions) {
+      p.regions.push_back({base + off, page, r.nbytes});
+      off += r.nbytes;
+    }
+    return p;
+  }
+
+  void handle_x(int fd, const char* p, size_t n) {
+    if (n < sizeof(SendToHdr)) return closed(fd);
+    SendToHdr h;
+    std::memcpy(&h, p, sizeof h);
+    if ((uint64_t)sizeof h + h.tid_len + h.bs_len + h.addr_len + 4ull * h.n_src != n) return closed(fd);
+    const char* q = p + sizeof h;
+    std::string tid(q, h.tid_len), bs(q + h.tid_len, h.bs_len), addr(q + h.tid_len + h.bs_len, h.addr_len);
+    std::vector<int32_t> src(h.n_src);
+    if (h.n_src) std::memcpy(src.data(), q + h.tid_len + h.bs_len + h.addr_len, 4ull * h.n_src);
+
+    std::string session, why;
+    Pool sp;
+    XOut xo;
+    Arena ar;
+    std::string xk;  // key(tid, the sender pool's rank): the receiver rank it pairs with
+    uint64_t nbytes = 0, page = 0, chunk = 0;  // the delta's bytes, a page's, pages a chunk
+    uint64_t scratch = 0;  // where it packs
+    bool bulk = false;     // on the bulk thread (see XSMALL)
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto c = conns_.find(fd);
+      if (c == conns_.end()) return;
+      session = c->second.session;
+      auto ps = pools_.find(bs);
+      xk = key(tid, ps != pools_.end() ? ps->second.rank : -1);
+      auto xi = xout_.find(xk);
+      if (xi == xout_.end() && ps != pools_.end() && lane_peers_.count(addr) && !parked_.count(xk) &&
+          !unparking_) {
+        // the receiver's offer may still be on its way (ExpectDelta and the prefill raced):
+        // wait for it (20 ms at most; arm_out or refuse_out ends the wait), then fall back
+        parked_[xk] = Parked{fd, std::string(p, n), now_s() + PARK_S};
+        parked_count_ = parked_.size();
+        return;
+      }
+      if (ps == pools_.end() || ps->second.owner != session) {
+        why = "buffer set not on the lane";
+      } else if (xi == xout_.end() || xi->second.state != ARMED) {
+        why = "transfer not offered to this node's lane";
+      } else if (now_s() > xi->second.deadline) {
+        why = "transfer deadline passed";
+      } else if (xi->second.address != addr) {
+        why = "offered by another receiving service than the one named";
+      } else if (!ps->second.xsig || ps->second.xsig != xi->second.xsig) {
+        why = "layouts differ";
+      } else if ((int64_t)src.size() != xi->second.prefix + xi->second.ndst) {
+        why = "page count is not prefix + delta";
+      } else if (arenas_.find(ps->second.device) == arenas_.end()) {
+        why = "no lane staging on the sender's device";
+      } else {
+        sp = ps->second;
+        xo = xi->second;
+        ar = arenas_[sp.device];
+        for (auto& r : sp.regions) page += r.nbytes;
+        nbytes = page * (uint64_t)xo.ndst;
+        why = pages_ok(sp, src);
+        // A delta that fits the scratch's first part (XSMALL) whole is packed and written on
+        // this thread (microseconds to a millisecond on a GPU); one that streams goes to the bulk
+        // thread through the rest, so that it does not hold up the sends behind it (head of line)
+        // while it takes milliseconds to seconds.
+        const uint64_t scr = ar.size - ar.scratch, small = scr / XSMALL / 4096 * 4096;
+        bulk = !(nbytes == xo.rbytes && nbytes <= small);
+        scratch = ar.base + ar.scratch + (bulk ? small : 0);
+        // one WRITE when slot and scratch area hold the delta, else chunks through halves of both
+        const uint64_t cap = std::min(xo.rbytes, bulk ? scr - small : small);
+        chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : cap / 2 / std::max<uint64_t>(page, 1);
+        if (why.empty() && xo.rbytes > nbytes) why = "the offered slot does not match the delta";
+        if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
+        if (why.empty()) xi->second.state = RUNNING;
+      }
+    }
+    if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
+    reply(fd, h.seq, REPLY_ACCEPTED, "");
+
+    const size_t moved = (size_t)xo.ndst;
+    XPend pend;
+    pend.tid = tid;
+    pend.fd = fd;
+    pend.rank = xo.rank;
+    pend.session = session;
+    pend.bs = bs;
+    pend.remote_agent = xo.remote_agent;
+    pend.nbytes = nbytes;
+    pend.npages = moved;
+    pend.prefix = (uint64_t)xo.prefix;
+    pend.flags = h.flags;
+    pend.deadline = xo.deadline;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      xpend_[xk] = std::move(pend);  // before the WRITE: its ack may come before we see it done
+    }
+    xcv_.notify_one();
+    XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk};
+    if (!bulk) return send_out(job);
+    to_bulk([this, job]() mutable { send_out(job); });
+  }
+
+  void to_bulk(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> g(bulk_mu_);
+      bulk_q_.push_back(std::move(job));
+    }
+    bulk_cv_.notify_one();
+  }
+
+  // The bulk thread: what would hold the lane thread up for milliseconds (larger cross-node
+  // sends, larger same-node copies), one at a time in arrival order; what is queued when the lane
+  // stops still runs (a cross-node send then fails at once, a copy completes).
+  void bulk_run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> g(bulk_mu_);
+        bulk_cv_.wait(g, [this] { return !bulk_q_.empty() || !running_; });
+        if (bulk_q_.empty()) return;
+        job = std::move(bulk_q_.front());
+        bulk_q_.pop_front();
+      }
+      job();
+    }
+  }
+
+  // Pack and write an accepted SEND_TO (its XPend is registered), then book what came of it.
+  void send_out(XSend& job) {
+    const XOut& xo = job.xo;
+    const std::string &xk = job.xk, &tid = job.tid;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!xpend_.count(xk)) return;  // expired while it queued (told already)
+    }
+    const double t0 = now_s();
+    std::string err = running_ ? stream_out(job.sp, xo, xk, tid, job.src, job.scratch, job.page, job.chunk)
+                               : std::string("the lane is stopping");
+    st_[S_SENT]++;
+    std::string told;  // the receiver's agent, when the WRITE failed: it fails its side at once
+    const std::string failed = "cross-node write failed: " + err;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = xpend_.find(xk);
+      if (it == xpend_.end()) return;  // expired meanwhile (told already)
+      it->second.copy_us = (uint64_t)((now_s() - t0) * 1e6);
+      it->second.src.swap(job.src);
+      if (!err.empty()) {
+        told = it->second.remote_agent;
+        finish_sent(it, false, failed);
+      } else {
+        it->second.written = true;
+        if (it->second.acked) finish_sent(it, it->second.ack_ok, it->second.ack_msg);
+      }
+    }
+    if (!told.empty()) send_note(told, note(XNOTE_WRITTEN, xo.rank, false, 0, 0, 0, 0, tid, failed));
+  }
+
+  // The delta's pages, ``chunk`` at a time: pack chunk k into half k % 2 of the scratch, WRITE
+  // it to the same half of the receiver's slot, and notify once the WRITE is done; chunk k + 1
+  // is packed while chunk k is on the wire, and chunk k + 2 waits until the receiver has
+  // unpacked chunk k (its credit). One chunk (the delta fits): one WRITE into the whole slot.
+  std::string stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
+                         const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk) {
+    const uint64_t n = (uint64_t)xo.ndst, chunks = (n + chunk - 1) / chunk;
+    Posted out[2];  // per half: its WRITE in flight, and the note that follows it
+    std::string err;
+    std::vector<int32_t> pairs;
+    for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
+      const int h = (int)(k & 1);
+      const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
+      if (k >= 2) err = await_credits(xk, k - 1, xo.deadline);  // chunk k - 2 left half h
+      if (!err.empty()) break;
+      pairs.resize(2 * cnt);
+      for (uint64_t i = 0; i < cnt; ++i) {
+        pairs[2 * i] = src[(size_t)(xo.prefix + first + i)];
+        pairs[2 * i + 1] = (int32_t)i;
+      }
+      const double t0 = now_s();
+      err = copy(sp, packed(scratch + off, sp, sp.device), pairs, cnt);
+      stat(S_PACK, t0);
+      if (!err.empty()) break;
+      out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
+      err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
+      if (err.empty() && k >= 1) err = nx_finish(xo, out[1 - h]);  // chunk k - 1: done, noted
+    }
+    for (auto& o : out) {  // the last chunk's WRITE (after a failure: any, released unnoted)
+      if (!o.req) continue;
+      if (err.empty()) {
+        err = nx_finish(xo, o);
+      } else {
+        release_req(o.req);
+        o.req = nullptr;
+      }
+    }
+    return err;
+  }
+
+  // mu_ not held: until the receiver has unpacked ``need`` chunks of ``xk``.
+  std::string await_credits(const std::string& xk, uint64_t need, double deadline) {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      auto it = xpend_.find(xk);
+      if (it == xpend_.end()) return "the transfer ended meanwhile";
+      if (it->second.acked) return it->second.ack_ok ? "the receiver acknowledged before the last chunk" : it->second.ack_msg;
+      if (it->second.credits >= need) return "";
+      if (!running_) return "the lane is stopping";
+      if (now_s() > deadline) return "the receiver unpacked no chunk before the transfer's deadline";
+      credit_cv_.wait_for(g, std::chrono::milliseconds(1));
+    }
+  }
+
+  void kick() {  // mu_ held: wake the lane thread to look at the parked SEND_TOs
+    kicked_ = true;
+    uint64_t one = 1;
+    (void)!write(wake_, &one, 8);
+  }
+
+  // Lane thread: each parked SEND_TO whose offer came is handled now, one past its wait (or
+  // refused) is answered FALLBACK.
+  void unpark() {
+    std::vector<std::pair<std::string, Parked>> go;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      const double now = now_s();
+      for (auto it = parked_.begin(); it != parked_.end();) {
+        if (xout_.count(it->first) || now >= it->second.until) {
+          go.emplace_back(it->first, std::move(it->second));
+          it = parked_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      parked_count_ = parked_.size();
+      kicked_ = false;
+    }
+    for (auto& kv : go) {
+      unparking_ = true;  // handled once more, never parked again
+      handle(kv.second.fd, kv.second.msg.data(), kv.second.msg.size());
+      unparking_ = false;
+    }
+  }
+
+  static std::string note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
+                          uint64_t off, const std::string& tid, const std::string& msg) {
+    XNote h{};
+    std::memcpy(h.magic, XMAGIC, 4);
+    h.kind = kind;
+    h.rank = (uint32_t)rank;
+    h.ok = ok ? 1u : 0u;
+    h.nbytes = nbytes;
+    h.npages = npages;
+    h.first = first;
+    h.off = off;
+    h.at = now_s();
+    h.tid_len = (uint32_t)tid.size();
+    h.msg_len = (uint32_t)msg.size();
+    return std::string((const char*)&h, sizeof h) + tid + msg;
+  }
+
+  // Post one WRITE of [local, local + n) to ``off`` in the offered slot; ``o.msg`` tells the
+  // receiver: sent once the WRITE is DONE (nx_finish: the bytes are there), or as the WRITE's own
+  // notification (note_after off: NIXL's UCX backend flushes the endpoint inside the post then,
+  // ~0.2 ms on cuda_ipc). A finished WRITE is kept and re-posted for the same bytes and slot.
+  std::string nx_post(uint64_t local, uint64_t n, int device, const XOut& xo, uint64_t off, Posted& o) {
+    void *ld = nullptr, *rd = nullptr, *oa = nullptr, *req = nullptr;
+    int r;
+    const double t_post = now_s();
+    const bool after = note_after_;
+    o.after = after;
+    o.rkey = xo.remote_agent + '/' + std::to_string(local) + '/' + std::to_string(xo.raddr + off) + '/' +
+             std::to_string(n) + (after ? "/a" : "/n");
+    {
+      std::lock_guard<std::mutex> g(nx_mu_);
+      if (!after) {
+        nx_.create_opt_args(&oa);
+        nx_.opt_args_set_notif_msg(oa, o.msg.data(), o.msg.size());
+        nx_.opt_args_set_has_notif(oa, true);
+      }
+      auto hit = req_cache_ ? reqs_.find(o.rkey) : reqs_.end();
+      if (hit != reqs_.end()) {  // the same WRITE as before (a slot reused): post it again
+        req = hit->second;
+        reqs_.erase(hit);
+        r = nx_.post_xfer_req(agent_, req, oa);
+        st_[S_REPOST]++;
+      } else {
+        nx_.create_xfer_dlist(device >= 0 ? xnixl::VRAM : xnixl::DRAM, &ld, false);
+        nx_.xfer_dlist_add_desc(ld, (uintptr_t)local, n, device >= 0 ? (uint64_t)device : 0);
+        nx_.create_xfer_dlist(xo.rmem, &rd, false);
+        nx_.xfer_dlist_add_desc(rd, (uintptr_t)(xo.raddr + off), n, (uint64_t)xo.rdev);
+        r = nx_.create_xfer_req(agent_, xnixl::WRITE, ld, rd, xo.remote_agent.c_str(), &req, oa);
+        if (r == xnixl::OK) r = nx_.post_xfer_req(agent_, req, oa);
+        nx_.destroy_xfer_dlist(ld);
+        nx_.destroy_xfer_dlist(rd);
+      }
+      if (oa) nx_.destroy_opt_args(oa);
+    }
+    if (r < 0) {
+      if (req) release_req(req);
+      return "NIXL refused the WRITE (" + std::to_string(r) + ")";
+    }
+    stat(S_POST, t_post);
+    o.req = req;
+    o.state = r;
+    return "";
+  }
+
+  // Until ``o``'s WRITE is done (or the deadline passed: then released, which aborts it), then
+  // the receiver's note.
+  std::string nx_finish(const XOut& xo, Posted& o) {
+    void* req = o.req;
+    o.req = nullptr;
+    int r = o.state;
+    const double t_wait = now_s();
+    while (r == xnixl::IN_PROG) {
+      if (now_s() > xo.deadline || !running_) {
+        release_req(req);  // a request released in flight is aborted by NIXL
+        return running_ ? "the WRITE outlived the transfer's deadline" : "the lane is stopping";
+      }
+      {
+        std::lock_guard<std::mutex> g(nx_mu_);
+        r = nx_.get_xfer_status(agent_, req);
+      }
+      if (r == xnixl::IN_PROG) std::this_thread::yield();
+    }
+    stat(S_WAIT, t_wait);
+    if (r != xnixl::OK || !req_cache_) {
+      release_req(req);
+    } else {
+      std::lock_guard<std::mutex> g(nx_mu_);
+      reqs_[o.rkey] = req;  // re-posted by the next WRITE of the same bytes to the same place
+    }
+    if (r != xnixl::OK) return "the WRITE failed (" + std::to_string(r) + ")";
+    if (o.after) {
+      std::lock_guard<std::mutex> g(nx_mu_);
+      r = nx_.gen_notif(agent_, xo.remote_agent.c_str(), o.msg.data(), o.msg.size(), nullptr);
+      if (r != xnixl::OK) return "notifying the receiver failed (" + std::to_string(r) + ")";
+    }
+    return "";
+  }
+
+  void release_req(void* req) {
+    std::lock_guard<std::mutex> g(nx_mu_);
+    if (nx_.release_xfer_req(agent_, req) == xnixl::OK) nx_.destroy_xfer_req(req);
+  }
+
+  void send_note(const std::string& agent, const std::string& msg) {
+    std::lock_guard<std::mutex> g(nx_mu_);
+    nx_.gen_notif(agent_, agent.c_str(), msg.data(), msg.size(), nullptr);
+  }
+
+  // The notification thread: busy (10 µs naps) while a cross-node transfer is armed or waits
+  // for its ack, else a 50 ms nap (arming one wakes it; an idle service costs ~nothing, and a
+  // stray note, e.g. a late WRITE's, is still answered); what arrives is handled here.
+  void xrun() {
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);  // its 10 µs naps: not the default 50 µs of slack
+    void* map = nullptr;
+    nx_.create_notif_map(&map);
+    std::vector<std::pair<std::string, std::string>> got;
+    while (running_) {
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        if (xin_.empty() && xpend_.empty()) xcv_.wait_for(g, std::chrono::milliseconds(50));
+      }
+      if (!running_) break;
+      got.clear();
+      {
+        std::lock_guard<std::mutex> g(nx_mu_);
+        if (nx_.get_notifs(agent_, map, nullptr) == xnixl::OK) {
+          size_t na = 0;
+          nx_.notif_map_size(map, &na);
+          for (size_t i = 0; i < na; ++i) {
+            const char* an = nullptr;
+            size_t nn = 0;
+            if (nx_.notif_map_get_agent_at(map, i, &an) != xnixl::OK || !an) continue;
+            nx_.notif_map_get_notifs_size(map, an, &nn);
+            for (size_t j = 0; j < nn; ++j) {
+              const void* d = nullptr;
+              size_t len = 0;
+              if (nx_.notif_map_get_notif(map, an, j, &d, &len) == xnixl::OK && d)
+                got.emplace_back(an, std::string((const char*)d, len));
+            }
+          }
+          nx_.notif_map_clear(map);
+        }
+      }
+      for (auto& g : got) on_note(g.first, g.second);
+      expire_sent();
+      if (got.empty()) {
+        timespec ts{0, 10000};
+        nanosleep(&ts, nullptr);
+      }
+    }
+    nx_.destroy_notif_map(map);
+  }
+
+  void on_note(const std::string& agent, const std::string& m) {
+    XNote h;
+    if (m.size() < sizeof h) return;
+    std::memcpy(&h, m.data(), sizeof h);
+    if (std::memcmp(h.magic, XMAGIC, 4) != 0 || sizeof h + (uint64_t)h.tid_len + h.msg_len != m.size()) return;
+    std::string tid = m.substr(sizeof h, h.tid_len), msg = m.substr(sizeof h + h.tid_len, h.msg_len);
+    stat(h.kind == XNOTE_WRITTEN ? S_NOTE : S_ACK, h.at);
+    if (h.kind == XNOTE_WRITTEN && !h.ok) return on_failed(agent, tid, (int)h.rank, msg);
+    if (h.kind == XNOTE_WRITTEN) return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off);
+    if (h.kind == XNOTE_ACK || h.kind == XNOTE_CREDIT) {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = xpend_.find(key(tid, (int)h.rank));
+        if (it == xpend_.end() || it->second.remote_agent != agent) return;
+        if (h.kind == XNOTE_CREDIT) {
+          it->second.credits++;
+        } else {
+          it->second.acked = true;
+          it->second.ack_ok = h.ok != 0;
+          it->second.ack_msg = msg;
+          if (it->second.written) finish_sent(it, h.ok != 0, msg);
+        }
+      }
+      credit_cv_.notify_all();  // a streaming sender waits for either
+    }
+  }
+
+  // The sender could not write: the declaration fails now (its slot is never read).
+  void on_failed(const std::string& agent, const std::string& tid, int rank, const std::string& why) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = xin_.find(key(tid, rank));
+    if (it == xin_.end() || it->second.state != ARMED || it->second.sender_agent != agent) return;
+    it->second.state = COMPLETED;
+    finish_received(it->second, tid, rank, why, 0, 0, 0, 0, true);
+  }
+
+  // mu_ held: END to the receiving engine and the completion for Python's books.
+  // ``tell`` false (CANCELLED): Python books the end and the engine hears it from the service.
+  void finish_received(const XIn& xi, const std::string& tid, int rank, const std::string& err, uint64_t nbytes,
+                       uint64_t npages, uint64_t prefix, uint64_t us, bool tell) {
+    const bool ok = err.empty();
+    std::string to_recv = end_msg(0, ok, tid, xi.recv_bs, err, nbytes, npages, prefix, us, END_CROSS);
+    bool told = false;
+    if (tell)
+      for (auto& kv : conns_)
+        if (kv.second.session == xi.recv_session) told |= sendmsg_(kv.first, to_recv);
+    Completion done;
+    done.kind = DONE_RECEIVED;
+    done.tid = tid;
+    done.rank = rank;
+    done.bs = xi.recv_bs;
+    done.ok = ok;
+    done.error = err;
+    done.nbytes = nbytes;
+    done.copy_us = us;
+    done.told_recv = told;
+    completions_.push_back(std::move(done));
+    uint64_t one = 1;
+    (void)!write(done_, &one, 8);
+  }
+
+  // A chunk of the sender's pages is in our slot: unpack it into the declared pages; after the
+  // last, END to the receiving engine, then ack to the sender (it reports DONE only after that);
+  // after another, a credit (its half of the slot is free).
+  void on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
+                  uint64_t first, uint64_t off) {
+    const std::string k = key(tid, rank);
+    std::string why;
+    XIn xi;  // the declaration's fields but its pages
+    Pool dp;
+    std::vector<int32_t> pairs;
+    uint64_t page = 0, total = 0;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = xin_.find(k);
+      auto pd = it == xin_.end() ? pools_.end() : pools_.find(it->second.recv_bs);
+      if (pd != pools_.end())
+        for (auto& r : pd->second.regions) page += r.nbytes;
+      if (it == xin_.end() || it->second.state != ARMED) {
+        why = "transfer not armed on the receiving service's lane";
+      } else if (it->second.sender_agent != agent) {
+        why = "written by another service than the one offered";
+      } else if (now_s() > it->second.deadline) {
+        why = "transfer deadline passed";
+      } else if (pd == pools_.end()) {
+        why = "receiver buffer set gone";
+      } else if (first != it->second.got) {
+        why = "chunk out of order";
+      } else if (npages == 0 || first + npages > it->second.dst.size() || nbytes != npages * page ||
+                 off + nbytes > it->second.bytes) {
+        why = "chunk outside the offer";
+      } else {
+        dp = pd->second;
+        it->second.state = RUNNING;
+        XIn& x = it->second;
+        xi.recv_session = x.recv_session;
+        xi.recv_bs = x.recv_bs;
+        xi.prefix = x.prefix;
+        xi.slot = x.slot;
+        xi.device = x.device;
+        total = x.dst.size();
+        pairs.resize(2 * npages);
+        for (uint64_t i = 0; i < npages; ++i) {
+          pairs[2 * i] = (int32_t)i;
+          pairs[2 * i + 1] = x.dst[first + i];
+        }
+      }
+    }
+    if (!why.empty()) return send_note(agent, note(XNOTE_ACK, rank, false, 0, 0, 0, 0, tid, why));
+    if (const unsigned slow = slow_unpack_us_) std::this_thread::sleep_for(std::chrono::microseconds(slow));
+    const double t0 = now_s();
+    std::string err = dp.device == xi.device ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
+                                             : "the lane's staging is on another device than the receiver's pool";
+    const uint64_t us = (uint64_t)((now_s() - t0) * 1e6);
+    st_[S_UNPACK] += us;
+    bool last = false, cancelled = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = xin_.find(k);
+      if (it == xin_.end()) return;  // forgotten meanwhile (the service is closing)
+      XIn& x = it->second;
+      x.got += npages;
+      x.us += us;
+      last = x.got == total;
+      cancelled = x.cancel && !last && err.empty();
+      if (!last && err.empty() && !cancelled) {
+        x.state = ARMED;  // the next chunk's
+      } else {
+        x.state = COMPLETED;
+        st_[S_RECEIVED]++;
+        if (cancelled) err = CANCELLED;
+        finish_received(xi, tid, rank, err, total * page, total, (uint64_t)xi.prefix, x.us, !cancelled);
+      }
+    }
+    if (!last && err.empty()) return send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
+    send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
+  }
+
+  // mu_ held: END to the sending engine and the completion for Python's books.
+  void finish_sent(std::unordered_map<std::string, XPend>::iterator it, bool ok, const std::string& err) {
+    XPend& p = it->second;
+    const std::string tid = p.tid;
+    Completion done;
+    done.kind = DONE_SENT;
+    done.told_send = tell(p.fd, p.session, end_msg(1, ok, tid, p.bs, err, p.nbytes, p.npages, p.prefix, p.copy_us, END_CROSS));
+    done.tid = tid;
+    done.rank = p.rank;
+    done.bs = p.bs;
+    done.sender_session = p.session;
+    done.ok = ok;
+    done.error = err;
+    done.nbytes = p.nbytes;
+    done.copy_us = p.copy_us;
+    done.flags = p.flags;
+    done.src.swap(p.src);
+    completions_.push_back(std::move(done));
+    auto xo = xout_.find(it->first);  // the same key(tid, rank)
+    if (xo != xout_.end()) xo->second.state = COMPLETED;
+    xpend_.erase(it);
+    uint64_t one = 1;
+    (void)!write(done_, &one, 8);
+  }
+
+  void expire_sent() {  // no ack a second past the deadline: the receiver is gone or wedged
+    std::lock_guard<std::mutex> g(mu_);
+    const double now = now_s();
+    for (auto it = xpend_.begin(); it != xpend_.end();) {
+      auto next = std::next(it);
+      if (now > it->second.deadline + 1.0 && it->second.written)
+        finish_sent(it, false, "the receiving service did not acknowledge before the deadline");
+      it = next;
+    }
+  }
+
+  std::string nx_register(const Arena& a, bool on) {
+    void* dl = nullptr;
+    std::lock_guard<std::mutex> g(nx_mu_);
+    nx_.create_reg_dlist(a.device >= 0 ? xnixl::VRAM : xnixl::DRAM, &dl, false);
+    nx_.reg_dlist_add_desc(dl, (uintptr_t)a.base, a.size, a.device >= 0 ? (uint64_t)a.device : 0, nullptr, 0);
+    int r = on ? nx_.register_mem(agent_, dl, nullptr) : nx_.deregister_mem(agent_, dl, nullptr);
+    nx_.destroy_reg_dlist(dl);
+    return r == xnixl::OK ? "" : "status " + std::to_string(r);
+  }
+
+  void free_arena(const Arena& a) {
+    if (a.device >= 0) {
+      std::lock_guard<std::mutex> g(cuda_mu_);
+      cuda_.cuMemFree(a.base);
+    } else {
+      munmap((void*)a.base, a.size);
+    }
+  }
+
+  void close_nixl() {  // threads joined
+    if (!agent_) return;
+    for (auto& kv : reqs_)
+      if (nx_.release_xfer_req(agent_, kv.second) == xnixl::OK) nx_.destroy_xfer_req(kv.second);
+    reqs_.clear();
+    for (auto& kv : arenas_) {
+      nx_register(kv.second, false);
+      free_arena(kv.second);
+    }
+    arenas_.clear();
+    nx_.destroy_agent(agent_);
+    agent_ = nullptr;
+  }
+
+  void device_ctx(int dev) {  // cuda_mu_ held: the device's context current on this thread
+    DeviceLane& d = device(dev);
+    CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
+    if (r) throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
   }
 
   std::atomic<unsigned> chunk_{16384};
@@ -665,6 +1674,41 @@ class Lane {
   Cuda cuda_;
   NvRtc nvrtc_;
   std::unordered_map<int, DeviceLane> devs_;
+  // cross-node lane
+  xnixl::Api nx_;
+  xnixl::Agent agent_ = nullptr;
+  void* backend_ = nullptr;
+  std::mutex nx_mu_;  // one NIXL call at a time (never taken inside mu_)
+  std::unordered_map<int, Arena> arenas_;        // device (-1: host) -> staging
+  std::unordered_map<std::string, XOut> xout_;   // key(tid, rank) -> an offer an engine here may SEND_TO
+  std::unordered_map<std::string, XIn> xin_;     // key(tid, rank) -> a declaration with a slot
+  std::unordered_map<std::string, XPend> xpend_; // key(tid, rank) -> written, waiting for the ack
+  struct Parked {
+    int fd;
+    std::string msg;
+    double until;
+  };
+  std::condition_variable credit_cv_;  // a streamed transfer's credit (or ack) came
+  static constexpr double PARK_S = 0.02;
+  // cumulative µs (and counts) of the cross-node path's steps, for benchmarks (stats())
+  enum { S_SENT, S_PACK, S_POST, S_WAIT, S_NOTE, S_ACK, S_RECEIVED, S_UNPACK, S_REPOST, S_COPIES, S_CULOCK, S_CUSYNC, S_N };
+  std::atomic<uint64_t> st_[S_N] = {};
+  void stat(int i, double since) { st_[i] += (uint64_t)std::max(0.0, (now_s() - since) * 1e6); }
+  std::unordered_map<std::string, void*> reqs_;  // finished WRITEs kept for re-posting (nx_mu_)
+  std::atomic<bool> req_cache_{true};
+  std::atomic<bool> note_after_{true};
+  std::atomic<unsigned> slow_unpack_us_{0};
+  std::unordered_map<std::string, Parked> parked_;  // key(tid, rank) -> a SEND_TO waiting for its offer
+  std::atomic<size_t> parked_count_{0};
+  bool kicked_ = false;
+  bool unparking_ = false;  // lane thread only
+  std::set<std::string> lane_peers_;  // addresses whose lanes have offered slots
+  std::condition_variable xcv_;
+  std::thread xthread_;
+  std::thread bthread_;  // larger cross-node sends (bulk_run)
+  std::mutex bulk_mu_;
+  std::condition_variable bulk_cv_;
+  std::deque<std::function<void()>> bulk_q_;
 };
 
 }  // namespace
@@ -690,5 +1734,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("disarm", &Lane::disarm)
       .def("forget", &Lane::forget)
       .def("armed_count", &Lane::armed_count)
-      .def("drain", &Lane::drain);
+      .def("drain", &Lane::drain)
+      .def("init_nixl", &Lane::init_nixl, py::call_guard<py::gil_scoped_release>())
+      .def("nixl_why", &Lane::nixl_why)
+      .def("add_arena", &Lane::add_arena, py::call_guard<py::gil_scoped_release>())
+      .def("local_md", &Lane::local_md)
+      .def("load_md", &Lane::load_md)
+      .def("arm_out", &Lane::arm_out)
+      .def("refuse_out", &Lane::refuse_out)
+      .def("disarm_out", &Lane::disarm_out)
+      .def("forget_out", &Lane::forget_out)
+      .def("arm_in", &Lane::arm_in)
+      .def("disarm_in", &Lane::disarm_in, py::arg("tid"), py::arg("rank"), py::arg("cancel") = false)
+      .def("forget_in", &Lane::forget_in)
+      .def("cross_count", &Lane::cross_count)
+      .def("stats", &Lane::stats)
+      .def("set_req_cache", &Lane::set_req_cache)
+      .def("set_note_after", &Lane::set_note_after)
+      .def("set_slow_unpack", &Lane::set_slow_unpack);
 }

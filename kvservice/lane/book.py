@@ -67,6 +67,28 @@ class NoLane:
     def drop_session(self, session_id: str) -> None:
         pass
 
+    # the cross-node lane (cross.py)
+    def metadata(self) -> bytes:
+        return b""
+
+    def load_peer(self, service_id: str, md: bytes) -> str:
+        return ""
+
+    def offer_slot(self, inc: Any, sender_id: str, identity: str, ticket: str, plan: Any) -> None:
+        pass
+
+    def offered(self, address: str, peer: Any, plan: Any) -> None:
+        pass
+
+    def gate_out(self, transfer_id: str, rank: int) -> None:
+        pass
+
+    def drop_out(self, transfer_id: str) -> None:
+        pass
+
+    def gate_in(self, transfer_id: str, buffer_set_id: str) -> None:
+        pass
+
 
 class LaneBook(NoLane):
     active = True
@@ -82,6 +104,7 @@ class LaneBook(NoLane):
         self.sent = 0  # transfers the lane moved (finalized)
         self.failed = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self.cross: Any = None  # cross.CrossBook when the cross-node lane runs
 
     # -- pools ---------------------------------------------------------------------------------
     def add_pool(self, bs: Any) -> None:
@@ -96,8 +119,17 @@ class LaneBook(NoLane):
         table = np.stack([np.array([r.address for r in regions], dtype=np.uint64), stride, stride], axis=1)
         if device >= 0:
             self.n.prepare_device(device)
+        from .cross_slots import geometry_signature
+
         self.n.add_pool(
-            bs.buffer_set_id, bs.session_id, device, lay.num_pages, layout_signature(lay), lay.tp_rank, table
+            bs.buffer_set_id,
+            bs.session_id,
+            device,
+            lay.num_pages,
+            layout_signature(lay),
+            lay.tp_rank,
+            table,
+            geometry_signature(bs),
         )
         self.pools[bs.buffer_set_id] = bs
         if device >= 0:
@@ -168,7 +200,8 @@ class LaneBook(NoLane):
         key = (inc.rec.transfer_id, inc.bs.layout.tp_rank)
         if self._finalizing.get(key, False) is asyncio.current_task():
             return  # the finalize itself fails the receiver (a malformed commit): nothing to wait for
-        if self.n.disarm(*key) == 2:
+        crossing = self.cross is not None and self.cross.rx.settle_in(*key)
+        if self.n.disarm(*key) == 2 or crossing:
             fut = self._waiters.get(key)
             if fut is None:
                 fut = self._waiters[key] = asyncio.get_running_loop().create_future()
@@ -186,13 +219,69 @@ class LaneBook(NoLane):
     def drop_session(self, session_id: str) -> None:
         self.n.drop_session(session_id)
 
+    # -- the cross-node lane ---------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self.cross.metadata() if self.cross is not None else b""
+
+    def load_peer(self, service_id: str, md: bytes) -> str:
+        return self.cross.load_peer(service_id, md) if self.cross is not None else ""
+
+    def offer_slot(self, inc: Any, sender_id: str, identity: str, ticket: str, plan: Any) -> None:
+        if self.cross is not None:
+            self.cross.rx.offer_slot(inc, sender_id, identity, ticket, plan, self.pools)
+
+    def offered(self, address: str, peer: Any, plan: Any) -> None:
+        if self.cross is not None:
+            self.cross.tx.offered(address, peer, plan)
+
+    def gate_out(self, transfer_id: str, rank: int) -> None:
+        if self.cross is not None:
+            self.cross.tx.gate_out(transfer_id, rank)
+
+    def gate_in(self, transfer_id: str, buffer_set_id: str) -> None:
+        """A peer moves ``transfer_id`` into ``buffer_set_id`` over gRPC (a plan asked, a slot
+        reserved, a commit): that rank's cross-node lane slot goes, or the call is refused while
+        the lane moves it. Only that rank: another rank may be on the lane."""
+        if self.cross is None:
+            return
+        for inc in self.e.receiver.of(transfer_id):
+            if inc.bs.buffer_set_id == buffer_set_id:
+                self.cross.rx.gate_in(transfer_id, inc.bs.layout.tp_rank)
+
+    def drop_out(self, transfer_id: str) -> None:
+        """The receiver ended ``transfer_id``: no SEND_TO of it is taken from now on (one already
+        writing ends with the receiver's refusal)."""
+        if self.cross is not None:
+            self.cross.tx.drop_out(transfer_id)
+
     # -- completions ---------------------------------------------------------------------------
     def on_completions(self) -> None:
         """The native thread's completion fd is readable: book each completion in a task."""
         for c in self.n.drain():
-            task = asyncio.get_running_loop().create_task(self._finalize(*c), name=f"lane-{c[0]}")
+            kind = c[-1]
+            work = self._finalize(*c[:-1]) if kind == 0 else self._cross_done(kind, c)
+            task = asyncio.get_running_loop().create_task(work, name=f"lane-{c[0]}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _cross_done(self, kind: int, c: tuple[Any, ...]) -> None:
+        """A cross-node completion (cross.py): 1 = sent (this side's engine had its END), 2 =
+        received into a declaration here."""
+        tid, rank = c[0], c[1]
+        try:
+            if kind == 1:
+                await self.cross.tx.sent(c)
+            else:
+                self._finalizing[(tid, rank)] = asyncio.current_task()
+                await self.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10])
+        except Exception:
+            log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
+        finally:
+            if kind != 1:
+                self._finalizing.pop((tid, rank), None)
+                fut = self._waiters.pop((tid, rank), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
 
     async def _finalize(
         self,

@@ -35,12 +35,14 @@ class LaneListener:
         allowed_uids: frozenset[int] | None,
         native: Any,
         self_addresses: list[str],
+        cross: bool = False,
     ) -> None:
         self.path = path
         self.sessions = sessions
         self.allowed_uids = allowed_uids
         self.native = native
         self.self_addresses = self_addresses
+        self.cross = cross
         if os.path.exists(path):
             os.unlink(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -95,7 +97,7 @@ class LaneListener:
                 conn.send(lane_wire.welcome(False, why))
                 log.warning("lane refused", extra={"reason": why})
                 return
-            conn.send(lane_wire.welcome(True, self_addresses=self.self_addresses))
+            conn.send(lane_wire.welcome(True, self_addresses=self.self_addresses, cross=self.cross))
             self.native.add_conn(conn.detach(), session_id)
             handed = True
             self.admitted += 1

@@ -28,10 +28,11 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["LaneUnavailable", "cuda_libraries", "load"]
+__all__ = ["LaneUnavailable", "cuda_libraries", "load", "nixl_capi_path"]
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("_native.cpp")
+_HEADERS = (Path(__file__).with_name("_nixl_capi.h"),)
 _NAME = "kvservice_lane"
 _lock = threading.Lock()
 _mod: ModuleType | None = None
@@ -45,6 +46,8 @@ def _tag() -> str:
     import torch
 
     h = hashlib.sha256(_SRC.read_bytes())
+    for header in _HEADERS:
+        h.update(header.read_bytes())
     h.update(f"{sys.implementation.cache_tag}/{torch.__version__}".encode())
     return h.hexdigest()[:16]
 
@@ -112,6 +115,7 @@ def load() -> ModuleType:
                 sources=[str(_SRC)],
                 build_directory=str(out),
                 extra_cflags=["-O2", "-std=c++17"],
+                extra_include_paths=[str(_SRC.parent)],
                 extra_ldflags=["-ldl"],
                 verbose=False,
             )
@@ -131,6 +135,20 @@ def cuda_libraries() -> tuple[str, str]:
     found = [f for f in found if "builtins" not in os.path.basename(f) and "alt" not in os.path.basename(f)]
     nvrtc = found[0] if found else (ctypes.util.find_library("nvrtc") or "libnvrtc.so")
     return "libcuda.so.1", nvrtc
+
+
+def nixl_capi_path() -> str | None:
+    """NIXL's C API library beside the Python bindings in use (the wheels ship it without a
+    header: see ``_nixl_capi.h``), or None when NIXL is not installed."""
+    try:
+        from nixl import _bindings  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    pkg = Path(_bindings.__file__).parent
+    for cand in (pkg.parent / f".{pkg.name}.mesonpy.libs" / "libnixl_capi.so", pkg / "libnixl_capi.so"):
+        if cand.is_file():
+            return str(cand)
+    return None
 
 
 if __name__ == "__main__":  # python -m kvservice.lane.native: build ahead of the first service start

@@ -109,7 +109,7 @@ class App:
 
     def _warm_up(self) -> None:
         try:
-            self.node.warm_up()
+            self.node.prefix.warm_up()
         finally:
             self.warmed.set()
 
@@ -124,8 +124,8 @@ class App:
         self.node.transfers = TransferEngine(self.node, self.peer_address)
         self.node.transfers.peers.me.local = self.peer_servicer
         self.node.transfers.start()
-        self.node.start_republishers()  # before the subscribers, so ingested pages are re-published
-        self.node.start_event_streams()
+        self.node.prefix.start_republishers()  # before the subscribers, so ingested pages are re-published
+        self.node.prefix.start_event_streams()
         threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
         if self.servicer is not None:
             self.node.transfers.table.terminal_listeners.append(self.servicer.activity.observe)
@@ -146,6 +146,7 @@ class App:
             self.lane = asyncio.get_running_loop().create_task(
                 lane.start(self.node, self.uds_path, sorted({self.peer_address, self.address})), name="lane"
             )
+            self.node.transfers.peers.me.lane_starting = self.lane  # handshakes wait for it
         _log_exposure(self.node.config)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

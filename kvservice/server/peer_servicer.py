@@ -33,6 +33,9 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     @grpc_errors
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
         e = self.engine
+        await e.peers.me.lane_settled()  # our lane's metadata in the answer; theirs loaded into it
+        if request.service_id != e.service_id:  # its cross-node lane writes here and we ack to it
+            e.lane.load_peer(request.service_id, bytes(request.lane_agent_metadata))
         return peer_pb2.HandshakeResponse(
             service_id=e.service_id,
             version=VERSION,
@@ -43,6 +46,7 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
             metadata_epoch=e.metadata_epoch,
             boot_id=host.boot_id(),
             hostname=host.hostname(),
+            lane_agent_metadata=e.lane.metadata(),
         )
 
     @grpc_errors

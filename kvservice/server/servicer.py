@@ -128,8 +128,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         session = convert.session_of(context)
         if request.lease_ttl_ms:
             session = self._session(context)
-        hashes = node.hashes(*convert.key(request, "tokens"), request.page_size, "key")
-        matches, lease = node.match_prefix(
+        hashes = node.prefix.hashes(*convert.key(request, "tokens"), request.page_size, "key")
+        matches, lease = node.prefix.match_prefix(
             session,
             hashes,
             request.page_size,
@@ -157,7 +157,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     @replayable
     async def PublishPages(self, request: pb.PublishPagesRequest, context: Ctx) -> pb.PublishPagesResponse:
         tokens, hashes = convert.key(request, "tokens")
-        n = self.node.publish_pages(
+        n = self.node.prefix.publish_pages(
             self._session(context),
             request.buffer_set_id,
             tokens,
@@ -170,7 +170,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     @grpc_errors
     @replayable
     async def EvictPages(self, request: pb.EvictPagesRequest, context: Ctx) -> pb.EvictPagesResponse:
-        n = self.node.evict_pages(
+        n = self.node.prefix.evict_pages(
             self._session(context),
             request.buffer_set_id,
             np.asarray(request.page_indices, dtype=np.int64),
@@ -308,7 +308,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def SuggestEvictions(
         self, request: pb.SuggestEvictionsRequest, context: Ctx
     ) -> pb.SuggestEvictionsResponse:
-        pages, prios, dup = await self.node.suggest_evictions(
+        pages, prios, dup = await self.node.prefix.suggest_evictions(
             self._session(context), request.buffer_set_id, request.max_pages
         )
         return pb.SuggestEvictionsResponse(

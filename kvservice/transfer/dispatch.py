@@ -105,6 +105,7 @@ class Dispatch:
                 self.peer_pools,
                 e.config.same_host_route == "auto",
                 self._note,
+                lambda address, peer, plan: self._engine.lane.offered(address, peer, plan),
             )
         return port
 
@@ -180,9 +181,12 @@ class Dispatch:
     def drop_offer(self, receiver_id: str, transfer_id: str, ticket: str) -> bool:
         """The receiving service ``receiver_id`` ended ``transfer_id`` before any SendDelta of
         ours took its offered plan: forget the offer (a later SendDelta asks, and learns)."""
-        return any(
+        dropped = any(
             p.drop_offer(transfer_id, ticket) for p in self.ports.values() if p.peer.service_id == receiver_id
         )
+        if dropped:  # nor may an engine here send it on the cross-node lane
+            self._engine.lane.drop_out(transfer_id)
+        return dropped
 
     async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None:
         await self._port(out.peer_address).tell_abort(out, code, reason)

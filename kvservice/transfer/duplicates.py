@@ -98,17 +98,24 @@ class DuplicateBook:
             return
         if not all(t.plan.publishes for t in out.targets):
             return  # the receiver does not index them: its copy could not be tracked
-        pages = np.concatenate(out.sent_src)
+        targets = tuple(t.plan.dst_buffer_set_id for t in out.targets)
+        self.mark(rec.buffer_set_id, np.concatenate(out.sent_src), out.peer_address, targets)
+
+    def mark(self, src_bs: str, pages: np.ndarray, address: str, targets: tuple[str, ...]) -> None:
+        """``pages`` of ``src_bs`` are now also held by ``targets`` at the service at ``address``
+        (a DONE transfer whose receivers publish; the gRPC route's and the cross-node lane's)."""
+        if self.policy == "off":
+            return
         index = self._e.node.index
         try:
-            slots, epochs, hashes = index.mark_duplicates(rec.buffer_set_id, pages)
+            slots, epochs, hashes = index.mark_duplicates(src_bs, pages)
         except KVServiceError:  # the buffer set went meanwhile
             return
-        key = (rec.buffer_set_id, out.peer_address, tuple(t.plan.dst_buffer_set_id for t in out.targets))
+        key = (src_bs, address, targets)
         old = self._by_key.get(key)
         if old is not None:  # entries it already marks count once
             known = np.isin(_ids(slots, epochs), _ids(old.slots, old.epochs))
-            index.unmark_duplicates(rec.buffer_set_id, slots[known], epochs[known])
+            index.unmark_duplicates(src_bs, slots[known], epochs[known])
             slots, epochs, hashes = slots[~known], epochs[~known], hashes[~known]
         if not slots.size:
             return
@@ -119,16 +126,16 @@ class DuplicateBook:
         else:
             m = Mark(
                 next(self._ids),
-                rec.buffer_set_id,
+                src_bs,
                 slots,
                 epochs,
                 hashes,
-                out.peer_address,
-                self._e.peers.get(out.peer_address).service_id,
-                key[2],
+                address,
+                self._e.peers.get(address).service_id,
+                targets,
             )
             self.marks[m.mark_id] = self._by_key[key] = m
-        self._e.node.notify_duplicates(rec.buffer_set_id)
+        self._e.node.notify_duplicates(src_bs)
 
     def _drop(self, m: Mark, keep: np.ndarray | None = None) -> None:
         """Clear ``m`` entirely, or only the entries where ``keep`` is False."""

@@ -170,6 +170,7 @@ class TransferEngine:
         new = self.table.get(out.rec.key) is None
         if new and not out.via_lane:  # the lane's booking of a copy already made is never refused
             self._check_transfer_cap(out.rec.session_id)
+            self.lane.gate_out(out.rec.transfer_id, out.bs.layout.tp_rank)  # over gRPC: not on the lane
         self.sender.add(out)
         if new:
             self.table.add(out.rec)

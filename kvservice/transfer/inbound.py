@@ -79,8 +79,8 @@ class Inbound:
                 raise InvalidArgument(
                     "src_layout", f"tp_rank {src_layout.tp_rank} is not src_tp_rank {src_rank}"
                 )
-            self.receiver.bind_offered(inc, src_layout, key, sender_id, identity, ticket)
-        self.receiver.check_sender(inc, sender_id, identity, key, ticket)
+            self.receiver.senders.bind_offered(inc, src_layout, key, sender_id, identity, ticket)
+        self.receiver.senders.check_sender(inc, sender_id, identity, key, ticket)
         held = None
         if c.path == "PACKED" and c.positions.size and c.credit:
             held = (credits or {}).get(c.slot_id)
@@ -100,7 +100,7 @@ class Inbound:
     ) -> str:
         """A sender gives back a reserved slot it will not commit."""
         inc = self.receiver.get(transfer_id, dst_bs)
-        self.receiver.check_sender(inc, sender_id, identity, key, ticket)
+        self.receiver.senders.check_sender(inc, sender_id, identity, key, ticket)
         held = inc.slots.pop(slot_id, None)
         if held is not None:
             held[0].release(held[1])

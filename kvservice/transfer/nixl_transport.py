@@ -423,3 +423,6 @@ class NixlTransport(Transport):
                 self._agent.remove_remote_agent(peer)
             except Exception:
                 pass
+        # The agent goes now, with UCX's threads and NIXL's progress thread: left to the garbage
+        # collector (the service's objects form cycles) a stopped service kept polling.
+        self._agent = None  # type: ignore[assignment]  # a later call fails translated (_nixl)

@@ -359,14 +359,16 @@ class Offered:
     plans: dict[int, Plan]  # receiver TP rank -> its plan (decoded on arrival; no route yet)
     metadata_epoch: int
     expires: float
+    service_id: str = ""  # the receiving service's (another than our handshake's: it restarted)
     used_by: set[int] = dataclasses.field(default_factory=set)  # our TP ranks that took it
 
 
 class OfferBook:
     """Offers by transfer id, bounded (MAX_OFFERS, oldest out) and dropped at their deadline."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_lane_slot: Callable[[peer_pb2.ReceivePlan], None] | None = None) -> None:
         self._by_tid: dict[str, Offered] = {}
+        self._on_lane_slot = on_lane_slot  # each offer, for the cross-node lane (kvservice.lane)
 
     def add(self, offer: peer_pb2.ReceivePlanSet) -> None:
         now = time.monotonic()
@@ -375,10 +377,17 @@ class OfferBook:
             hit = self._by_tid.get(plan.transfer_id)
             if hit is None or hit.expires < now:
                 hit = self._by_tid[plan.transfer_id] = Offered(
-                    {}, offer.metadata_epoch, now + plan.remaining_ms / 1000
+                    {}, offer.metadata_epoch, now + plan.remaining_ms / 1000, offer.service_id
                 )
             hit.plans[plan.dst_layout.tp_rank] = plan
             hit.metadata_epoch = max(hit.metadata_epoch, offer.metadata_epoch)
+            if self._on_lane_slot is not None:
+                try:
+                    self._on_lane_slot(m)
+                except Exception:  # the offer stands for gRPC; the lane just does not take it
+                    log.exception(
+                        "arming the cross-node lane failed", extra={"transfer_id": plan.transfer_id}
+                    )
         while len(self._by_tid) > MAX_OFFERS:
             del self._by_tid[next(iter(self._by_tid))]
 
@@ -404,7 +413,13 @@ class OfferBook:
 class OutboundChannel:
     """This service's channel to one receiving service; reopened after a break."""
 
-    def __init__(self, address: str, stub_of: Callable[[], Any], me: tuple[str, str]) -> None:
+    def __init__(
+        self,
+        address: str,
+        stub_of: Callable[[], Any],
+        me: tuple[str, str],
+        on_lane_slot: Callable[[peer_pb2.ReceivePlan], None] | None = None,
+    ) -> None:
         self.address = address
         self._stub_of = stub_of
         self._me = me
@@ -423,7 +438,7 @@ class OutboundChannel:
         self._lock = asyncio.Lock()
         self._wlock = asyncio.Lock()
         self.epoch = 0  # bumped on every (re)open: credits of an older epoch are void
-        self.offers = OfferBook()  # plans the receiver pushed before we asked (data path v3 §3)
+        self.offers = OfferBook(on_lane_slot)  # plans the receiver pushed before we asked (data path v3 §3)
 
     async def _write(self, msg: peer_pb2.ChannelMessage) -> None:
         call = self._call

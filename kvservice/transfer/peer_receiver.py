@@ -66,8 +66,10 @@ class PeerReceiver:
         peer_pools: PeerPools,
         same_host_auto: bool,
         note: Any,
+        on_lane_slot: Any = None,
     ) -> None:
         self.peer = peer
+        self._on_lane_slot = on_lane_slot  # (address, peer, ReceivePlan) -> None: the cross-node lane
         self._me = me  # (service id, address) of this sending service
         self.transport = transport
         self._pools = peer_pools
@@ -81,7 +83,9 @@ class PeerReceiver:
         """The persistent channel to the receiving service (None: a peer without one). Made at
         first use after a handshake: a port made before one (an early abort) gets it later."""
         if self.opened is None and "channel" in self.peer.capabilities:
-            self.opened = OutboundChannel(self.peer.address, lambda: self.peer.stub, self._me)
+            lane = self._on_lane_slot
+            on_plan = None if lane is None else (lambda m: lane(self.peer.address, self.peer, m))
+            self.opened = OutboundChannel(self.peer.address, lambda: self.peer.stub, self._me, on_plan)
         return self.opened
 
     # -- plans -----------------------------------------------------------------------------------
@@ -111,7 +115,7 @@ class PeerReceiver:
                 raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
             raise
         out.tickets.update(m.sender_ticket for m in resp.plans)
-        await peer.refresh(min_epoch=resp.metadata_epoch, timeout=_left(out))
+        await peer.refresh(min_epoch=resp.metadata_epoch, service_id=resp.service_id, timeout=_left(out))
         plans = [plan_from_pb(m, out.bs.layout.tp_rank) for m in resp.plans]
         return [Target.of(p, out.bs.layout, self._open(out, p) if same_host else None) for p in plans]
 
@@ -120,7 +124,7 @@ class PeerReceiver:
         hit = self.opened.offers.get(out.rec.transfer_id) if self.opened is not None else None
         if hit is None:
             return None
-        await self.peer.refresh(min_epoch=hit.metadata_epoch, timeout=_left(out))
+        await self.peer.refresh(min_epoch=hit.metadata_epoch, service_id=hit.service_id, timeout=_left(out))
         return self.offered_now(out)
 
     def offered_now(self, out: Outgoing) -> list[Target] | None:
@@ -134,7 +138,7 @@ class PeerReceiver:
         if self.opened is None or not peer.agent:
             return None
         hit = self.opened.offers.get(tid)
-        if hit is None or peer.epoch < hit.metadata_epoch or src.tp_rank in hit.used_by:
+        if hit is None or not peer.knows(hit.metadata_epoch, hit.service_id) or src.tp_rank in hit.used_by:
             return None
         dst = next(iter(hit.plans.values())).dst_layout
         wanted = routes_for(src, dst.tp_size)

@@ -2,7 +2,7 @@
 domain calls (Receiver, Inbound), protobuf out.
 
     ExpectDelta    ─▶ offer_plan: pushed on the named sender's open channel, before it asks
-                      (it binds its rank at its first commit, Receiver.bind_offered)
+                      (it binds its rank at its first commit, SenderBinding.bind_offered)
     GetReceivePlan ─▶ Receiver.plans (wait for the declarations, bind the sender) ─▶ plans + tickets
                       (+ the pools' handles for a same-host sender on a local connection)
     ReserveStaging ─▶ Receiver.reserve ─▶ a staging slot
@@ -44,12 +44,14 @@ async def receive_plans(
         request.transfer_id, src, request.sender_service_id, request.sender_address, wait, identity
     )
     engine.lane.gate(request.transfer_id)
-    out = peer_pb2.ReceivePlanSet(metadata_epoch=engine.metadata_epoch)
+    out = peer_pb2.ReceivePlanSet(metadata_epoch=engine.metadata_epoch, service_id=engine.service_id)
     same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
     refusal = (
         "" if host.is_local_peer(peer) else f"the plan was asked over {peer}, not a Unix socket or loopback"
     )
     key = f"{request.sender_service_id}/{src.tp_rank}"
+    for inc, _ in found:  # asked: those ranks' cross-node lane slots go (their sender uses gRPC)
+        engine.lane.gate_in(request.transfer_id, inc.bs.buffer_set_id)
     for inc, route in found:
         plan = plan_to_pb(plan_of(inc, route, inc.bs.buffer_set_id not in engine.no_direct, key))
         if same_host:
@@ -71,7 +73,7 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
         engine.lane.gate(inc.rec.transfer_id)  # a peer sends it: the native lane may not
     except FailedPrecondition:
         return False
-    offer = engine.receiver.offer(inc, chan.peer, chan.address, chan.identity)
+    offer = engine.receiver.senders.offer(inc, chan.peer, chan.address, chan.identity)
     if offer is None:
         return False
     route = HeadRoute(0, inc.bs.layout.tp_rank, 0, 0, 0)  # each sender rank derives its own
@@ -79,7 +81,11 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
     pb = plan_to_pb(dataclasses.replace(plan, sender_ticket=offer.ticket))
     if chan.identity == LOCAL_PEER:
         _same_host_pools(engine, inc, pb, "")
-    await chan.offer(peer_pb2.ReceivePlanSet(plans=[pb], metadata_epoch=engine.metadata_epoch))
+    engine.lane.offer_slot(inc, chan.peer, chan.identity, offer.ticket, pb)  # the cross-node lane's
+    offer_set = peer_pb2.ReceivePlanSet(
+        plans=[pb], metadata_epoch=engine.metadata_epoch, service_id=engine.service_id
+    )
+    await chan.offer(offer_set)
     trace.mark(inc.rec.transfer_id, "plan_offered")
     return True
 
@@ -98,6 +104,7 @@ def _same_host_pools(engine: Any, inc: Incoming, plan: peer_pb2.ReceivePlan, ref
 async def reserve_staging(
     engine: Any, request: peer_pb2.ReserveStagingRequest, identity: str
 ) -> peer_pb2.StagingSlot:
+    engine.lane.gate_in(request.transfer_id, request.dst_buffer_set_id)  # the sender took gRPC
     pool, slot = await engine.receiver.reserve(
         request.transfer_id, request.dst_buffer_set_id, request.nbytes, identity, request.sender_ticket
     )
@@ -114,6 +121,7 @@ async def apply_commit(
     engine: Any, req: peer_pb2.CommitChunkRequest, identity: str, credits: dict[int, Any] | None = None
 ) -> str:
     """A sender's CommitChunk (unary, or on its channel with the channel's ``credits``)."""
+    engine.lane.gate_in(req.transfer_id, req.dst_buffer_set_id)  # the sender took gRPC: not the lane
     if req.release_only:
         key = f"{req.sender_service_id}/{req.src_tp_rank}"
         return engine.inbound.release(  # type: ignore[no-any-return]

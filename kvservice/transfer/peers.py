@@ -26,6 +26,11 @@ from kvservice_client._security import PLAIN, ChannelSecurity
 from .. import errors, host
 from .transport import Transport
 
+# NOTE: the lane's start is a module load (tens of ms) once built, a first build ~20 s: a handshake
+# waits this long at most, then goes on without the lane's metadata; when the lane comes up later,
+# the lane's start makes every peer handshake again (``PeerDirectory.stale``, a new epoch).
+LANE_SETTLE_S = 2.0
+
 __all__ = ["CAPABILITIES", "PeerClient", "PeerDirectory", "Self", "error_from_code"]
 
 CAPABILITIES = ("direct", "packed", "mixed_tp", "mla", "aux", "same_host_fused", "channel")
@@ -98,6 +103,16 @@ class Self:
         self.address = address
         self.transport = transport
         self.epoch = epoch  # callable returning our metadata epoch
+        self.lane: Any = None  # the lane book (kvservice.lane): its cross-node agent's metadata
+        self.lane_starting: asyncio.Future[Any] | None = None  # the lane's start, while it runs
+
+    async def lane_settled(self, timeout: float = LANE_SETTLE_S) -> None:
+        """Wait (``timeout`` at most) for the lane's start to end: a handshake either way carries
+        and loads cross-node lane metadata (one made before the lane is up is made again once it
+        is: see ``PeerDirectory.stale``)."""
+        starting = self.lane_starting
+        if starting is not None and not starting.done():
+            await asyncio.wait({starting}, timeout=timeout)
 
     def request(self) -> peer_pb2.HandshakeRequest:
         return peer_pb2.HandshakeRequest(
@@ -110,6 +125,7 @@ class Self:
             address=self.address,
             boot_id=host.boot_id(),
             hostname=host.hostname(),
+            lane_agent_metadata=self.lane.metadata() if self.lane is not None else b"",
         )
 
 
@@ -133,6 +149,7 @@ class PeerClient:
         self.is_self = False  # the peer is this very service (both engines on one node)
         self.boot_id = ""  # the peer's kernel boot id (same as ours: same host)
         self.capabilities: frozenset[str] = frozenset()
+        self.lane_agent = ""  # the peer's cross-node lane agent, loaded into ours ("": none)
         self._lock = asyncio.Lock()
 
     async def call(self, method: str, request: Any, timeout: float) -> Any:
@@ -149,11 +166,15 @@ class PeerClient:
                 self.invalidate()  # lost peer: the next use handshakes again (it may have restarted)
             raise err from None
 
-    async def refresh(self, min_epoch: int = 0, timeout: float = 10.0) -> None:
-        """Handshake if never done, or if the peer's metadata is older than ``min_epoch``."""
+    async def refresh(self, min_epoch: int = 0, timeout: float = 10.0, service_id: str = "") -> None:
+        """Handshake if never done, if the peer's metadata is older than ``min_epoch``, or if
+        the peer answered as ``service_id`` and that is not whom we handshook (it restarted on
+        the same address: its epochs start over)."""
         async with self._lock:
-            if (self.agent or self.is_self) and self.epoch >= min_epoch:
+            if self.knows(min_epoch, service_id):
                 return
+            await self._me.lane_settled()
+            lane = self._me.lane  # the lane came up while this handshake flew: make it again later
             resp = await self.call("Handshake", self._me.request(), timeout)
             if resp.service_id == self._me.service_id:
                 # NOTE: NIXL cannot load its own agent; same-node transfers copy locally.
@@ -169,6 +190,20 @@ class PeerClient:
             self.epoch = resp.metadata_epoch
             self.boot_id = resp.boot_id
             self.capabilities = frozenset(resp.capabilities)
+            if self._me.lane is not None:
+                self.lane_agent = self._me.lane.load_peer(resp.service_id, bytes(resp.lane_agent_metadata))
+            if self._me.lane is not lane:
+                self.stale()
+
+    def stale(self) -> None:
+        """Our side of the handshake changed: the next use handshakes again (the agent stays)."""
+        self.epoch = -1
+
+    def knows(self, min_epoch: int, service_id: str = "") -> bool:
+        """Our handshake is of this peer (``service_id``, when given) and its metadata at least
+        as new as ``min_epoch``."""
+        fresh = self.epoch >= min_epoch and (not service_id or service_id == self.service_id)
+        return bool(self.agent or self.is_self) and fresh
 
     def invalidate(self) -> None:
         """Forget the handshake (after a failure); the next use handshakes again."""
@@ -196,6 +231,12 @@ class PeerDirectory:
             sec = dataclasses.replace(self._security, credential_path=credential_path_of(address))
             peer = self._peers[address] = PeerClient(address, self.me, self._options, sec)
         return peer
+
+    def stale(self) -> None:
+        """Our handshake metadata changed (the lane came up): each peer's next use handshakes
+        again, carrying ours and loading theirs (as after its own epoch moved)."""
+        for peer in self._peers.values():
+            peer.stale()
 
     async def close(self) -> None:
         for peer in self._peers.values():

@@ -4,7 +4,8 @@ A declaration is one receiver rank's view of transfer T. Senders find it through
 ``plans`` (which waits, within the deadline, until every rank they route to has declared),
 reserve staging slots for packed chunks, write, then ``commit``: packed chunks are unpacked
 here into the engine's pages; direct chunks already landed. DONE when every expected sender
-committed its last chunk covering all delta pages and the declared aux rows arrived.
+committed its last chunk covering all delta pages and the declared aux rows arrived. Which
+sender may bind to a declaration, and prove it at each commit, is ``sender_binding``.
 
     expected senders (derived from the layouts; H heads, sender TP p, receiver TP d):
       MHA p <= d: 1     MHA p > d: p/d     replicated heads / MLA: 1 (one replica sends)
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import secrets
 import time
 from collections.abc import Callable
@@ -29,7 +29,6 @@ from ..errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
-    KVServiceError,
     NotFound,
     PermissionDenied,
 )
@@ -37,25 +36,10 @@ from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
 from .plan import Units
 from .records import Record, TransferTable
+from .sender_binding import Offer, SenderBinding, check_compatible, ticket_matches
 from .values import Plan, Region
 
 __all__ = ["Incoming", "Offer", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
-
-
-def ticket_matches(expected: str, given: str) -> bool:
-    """``given`` is the (non-empty) ticket ``expected``, compared in constant time."""
-    return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
-
-
-@dataclasses.dataclass(frozen=True)
-class Offer:
-    """This declaration's plan, offered unasked to the sending service its ExpectDelta named
-    (data path v3 §3, design-notes §18): the ticket binds whichever rank of that service, as
-    ``identity``, commits first with it."""
-
-    ticket: str
-    address: str
-    identity: str
 
 
 @dataclasses.dataclass(eq=False)
@@ -147,15 +131,6 @@ def plan_of(
     )
 
 
-def check_compatible(src: Layout, dst: Layout) -> None:
-    """FAILED_PRECONDITION unless the tokens of ``src`` can be written into ``dst``: the per-token
-    rows must agree; page size and page layout may differ (the kernels convert)."""
-    for field in ("kind", "num_layers", "dtype", "head_dim_k", "head_dim_v", "total_kv_heads"):
-        a, b = getattr(src, field), getattr(dst, field)
-        if a != b:
-            raise FailedPrecondition(f"layout mismatch: sender {field}={a}, receiver {field}={b}")
-
-
 def routes_for(src: Layout, dst_tp: int) -> list[HeadRoute]:
     """Head routes of the sender rank ``src.tp_rank`` towards a receiver of TP ``dst_tp``."""
     return [r for r in plan_heads(src.total_kv_heads, src.tp_size, dst_tp) if r.src_rank == src.tp_rank]
@@ -172,6 +147,7 @@ class Receiver:
         # NOTE: waiters per transfer id, woken by that id's declarations only: one condition for
         # every pending plan woke all of them at each ExpectDelta (a herd under many senders).
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self.senders = SenderBinding(table)  # who may send each declaration (offer, bind, check)
 
     # -- ExpectDelta -------------------------------------------------------------------------
     async def expect(self, inc: Incoming) -> None:
@@ -239,89 +215,10 @@ class Receiver:
             await self._declared(transfer_id, left)
         key = f"{sender_id}/{src.tp_rank}"
         for inc, _ in found:
-            self._may_bind(inc, transfer_id, key, sender_id, identity)
+            self.senders.may_bind(inc, transfer_id, key, sender_id, identity)
         for inc, _ in found:
-            self._bind(inc, src, key, sender_id, sender_address, identity, secrets.token_hex(16))
+            self.senders.bind(inc, src, key, sender_id, sender_address, identity, secrets.token_hex(16))
         return found
-
-    @staticmethod
-    def _may_bind(inc: Incoming, transfer_id: str, key: str, sender_id: str, identity: str) -> None:
-        if inc.allowed_senders and identity not in inc.allowed_senders:
-            raise PermissionDenied(
-                f"allowed_senders: peer {identity or '(no certificate identity)'!r} may not send "
-                f"transfer {transfer_id!r}"
-            )
-        bound = inc.identities.get(sender_id)
-        if key in inc.tickets or (bound is not None and bound != identity):
-            # NOTE: a sender rank binds once (issue 33): a second fetch under its name, by
-            # anyone, would hand out its ticket or rebind it to another connection.
-            raise PermissionDenied(
-                f"sender_service_id: sender {key!r} already has the plan of transfer {transfer_id!r}"
-            )
-
-    def _bind(
-        self, inc: Incoming, src: Layout, key: str, sender_id: str, address: str, identity: str, ticket: str
-    ) -> None:
-        """Make sender rank ``key`` (layout ``src``) a sender of ``inc`` with ``ticket``; a layout
-        that cannot write these pages fails the declaration (no await: one step)."""
-        if inc.rec.terminal:
-            raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
-        try:
-            check_compatible(src, inc.bs.layout)
-            derived = sum(
-                1
-                for r in plan_heads(src.total_kv_heads, src.tp_size, inc.bs.layout.tp_size)
-                if r.dst_rank == inc.bs.layout.tp_rank
-            )
-            if inc.expected_senders and inc.expected_senders != derived:
-                raise FailedPrecondition(
-                    f"expected_senders: declared {inc.expected_senders} but TP {src.tp_size} -> "
-                    f"{inc.bs.layout.tp_size} means {derived} sender ranks write to rank "
-                    f"{inc.bs.layout.tp_rank}"
-                )
-        except KVServiceError as exc:
-            self.table.finish(inc.rec, "FAILED", exc.code.name, exc.message)
-            raise
-        inc.expected_senders = derived
-        inc.senders[sender_id] = address
-        inc.identities[sender_id] = identity
-        inc.tickets[key] = ticket
-        units = inc.units.setdefault(key, Units.of(src, inc.bs.layout))
-        inc.covered.setdefault(key, np.zeros(inc.dst_pages.size * units.dst_per_page, dtype=bool))
-        self.table.update(inc.rec, state="TRANSFERRING")
-
-    # -- plans offered before the sender asks (data path v3 §3) ---------------------------------
-    def offer(self, inc: Incoming, sender_id: str, address: str, identity: str) -> Offer | None:
-        """An offer of ``inc`` to the sending service ``sender_id`` (proven as ``identity`` on its
-        open channel), or None when that service may not send it or already holds a plan."""
-        if inc.rec.terminal or inc.landing is not None or sender_id in inc.offers:
-            return None
-        # NOTE: only to a proven identity the declaration names: a channel's service id and
-        # address are its own claims, and a token-only peer proves no identity (docs/security.md)
-        if identity not in inc.allowed_senders:
-            return None
-        if sender_id in inc.identities:  # a rank of it already asked: it has its plans
-            return None
-        inc.offers[sender_id] = Offer(secrets.token_hex(16), address, identity)
-        return inc.offers[sender_id]
-
-    def bind_offered(
-        self, inc: Incoming, src: Layout, key: str, sender_id: str, identity: str, ticket: str
-    ) -> None:
-        """A commit of sender rank ``key`` carrying its layout: bind it now if it holds this
-        declaration's offer (as the identity the offer went to) and is not bound yet; every
-        check GetReceivePlan makes applies. Nothing happens for a bound rank (check_sender
-        decides) or a commit without a matching offer (it is refused there)."""
-        offer = inc.offers.get(sender_id)
-        if key in inc.tickets or offer is None or not ticket_matches(offer.ticket, ticket):
-            return
-        if offer.identity != identity:
-            raise PermissionDenied(
-                f"sender_service_id: the plan of {inc.rec.transfer_id!r} was offered to another peer; "
-                f"this commit comes from {identity!r}"
-            )
-        self._may_bind(inc, inc.rec.transfer_id, key, sender_id, identity)
-        self._bind(inc, src, key, sender_id, offer.address, identity, offer.ticket)
 
     async def _declared(self, transfer_id: str, timeout: float) -> None:
         """Until a rank declares ``transfer_id`` or ``timeout`` seconds passed."""
@@ -338,25 +235,6 @@ class Receiver:
                 still.remove(fut)
                 if not still:
                     del self._waiters[transfer_id]
-
-    @staticmethod
-    def check_sender(inc: Incoming, sender_id: str, identity: str, key: str = "", ticket: str = "") -> None:
-        """A commit comes from the sender rank ``key`` that fetched this transfer's plan, as the
-        same peer, with the ticket the plan gave it (in every auth mode: a peer token proves
-        membership of the cluster, the ticket that this is the sender)."""
-        if sender_id not in inc.senders:
-            raise PermissionDenied(
-                f"sender_service_id: {sender_id!r} has no receive plan for transfer {inc.rec.transfer_id!r}"
-            )
-        if inc.identities.get(sender_id) != identity:
-            raise PermissionDenied(
-                f"sender_service_id: {sender_id!r} fetched the plan of {inc.rec.transfer_id!r} as another "
-                f"peer; this commit comes from {identity!r}"
-            )
-        if key and not ticket_matches(inc.tickets.get(key, ""), ticket):
-            raise PermissionDenied(
-                f"sender_ticket: not the ticket of sender {key!r} for transfer {inc.rec.transfer_id!r}"
-            )
 
     def get(self, transfer_id: str, bs_id: str) -> Incoming:
         inc = self.incoming.get((transfer_id, bs_id))

@@ -67,7 +67,7 @@ def test_async_publish_cut_mid_call_runs_once(make_server, pool) -> None:
         cred = server.app.uds_path + ".cred"
         async with AsyncClient(proxy.address, credential_path=cred, timeout=20) as kv:
             bs = await kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
-            _cut_during(server.node, "publish_pages", proxy, calls)
+            _cut_during(server.node.prefix, "publish_pages", proxy, calls)
             return await kv.publish_pages(bs.buffer_set_id, [1, 2], tokens=np.arange(8))
 
     try:

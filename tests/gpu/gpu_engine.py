@@ -83,6 +83,7 @@ def main() -> None:
                 prefix_pages=cmd["prefix"],
                 dst_page_indices=cmd["dst"],  # type: ignore[union-attr]
                 deadline_ms=cmd.get("deadline_ms", 0),
+                sender_address=cmd.get("sender", ""),
             )
             out["state"] = st.state
         elif op == "send":

@@ -37,25 +37,25 @@ def lane_of(server: Any) -> Any:
 
 
 class Engines:
-    def __init__(self, server: Any, **client_kw: Any) -> None:
+    def __init__(self, server: Any, layout: Layout = LAYOUT, **client_kw: Any) -> None:
         self.server = server
+        self.layout = layout
         self.lane = lane_of(server)
-        self.pa, self.pb = ShmKVPool.create(LAYOUT), ShmKVPool.create(LAYOUT)
+        self.pa, self.pb = ShmKVPool.create(layout), ShmKVPool.create(layout)
         rng = np.random.default_rng(3)
         for pool in (self.pa, self.pb):
             for r in self.regions(pool):
                 r[:] = rng.integers(0, 256, r.shape, dtype=np.uint8)
         self.ka = Client(server.address, client_name="prefill", **client_kw)
         self.kb = Client(server.address, client_name="decode", **client_kw)
-        self.a = self.ka.register_buffers(LAYOUT, self.pa.k_regions, self.pa.v_regions).buffer_set_id
-        self.b = self.kb.register_buffers(LAYOUT, self.pb.k_regions, self.pb.v_regions).buffer_set_id
+        self.a = self.ka.register_buffers(layout, self.pa.k_regions, self.pa.v_regions).buffer_set_id
+        self.b = self.kb.register_buffers(layout, self.pb.k_regions, self.pb.v_regions).buffer_set_id
         self.peer = server.app.peer_address
 
-    @staticmethod
-    def regions(pool: ShmKVPool) -> list[np.ndarray]:
+    def regions(self, pool: ShmKVPool) -> list[np.ndarray]:
         """Every KV region as ``[num_pages, page_bytes]`` uint8 (K layers, then V layers)."""
-        return [pool.k(i) for i in range(LAYOUT.num_layers)] + [
-            pool.v(i) for i in range(LAYOUT.num_v_regions)
+        return [pool.k(i) for i in range(self.layout.num_layers)] + [
+            pool.v(i) for i in range(self.layout.num_v_regions)
         ]
 
     def pages(self, pool: ShmKVPool, pages: list[int]) -> list[bytes]:
@@ -106,6 +106,36 @@ def test_same_node_transfer_goes_over_the_lane_byte_exact(eng: Engines) -> None:
     assert polled["RECEIVER"].pages_sent == 3 and polled["SENDER"].path == "FUSED"
     assert book.n.armed_count() == 0
     assert eng.server.node.transfers.table.live() == []
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [  # 20 MiB: on the bulk thread (>= 16 MiB), over threads (>= 4 MiB), 16-byte runs streamed
+        Layout.mha(num_layers=8, page_size=16, num_pages=400, total_kv_heads=2, head_dim=64, dtype="float16"),
+        # 42-byte page runs: no 16-byte alignment, memcpy; 1.3 MiB on one thread
+        Layout.mha(num_layers=4, page_size=3, num_pages=4096, total_kv_heads=1, head_dim=7, dtype="float16"),
+    ],
+    ids=["20MiB-bulk-threads", "unaligned"],
+)
+def test_large_host_copy_on_the_lane_is_byte_exact(make_server: Any, layout: Layout) -> None:
+    """The lane's host copy (region-major jobs, streamed stores, threads for large ones, the bulk
+    thread for larger ones) writes exactly the named pages, each from its source page."""
+    eng = Engines(make_server(transport="loopback"), layout)
+    try:
+        rng = np.random.default_rng(5)
+        n = layout.num_pages * 4 // 5
+        src = rng.choice(layout.num_pages, n, replace=False).tolist()
+        dst = rng.choice(layout.num_pages, n, replace=False).tolist()
+        before = eng.snapshot()
+        eng.kb.expect_delta("big", eng.b, prefix_pages=0, dst_page_indices=dst)
+        eng.ka.send_delta("big", eng.a, src_page_indices=src, peer_address=eng.peer)
+        (r,) = eng.kb.wait("big", timeout=30)
+        assert r.state == "DONE" and r.route_note == "lane", r
+        assert r.bytes_sent == n * layout.page_bytes_all_layers
+        assert eng.pages(eng.pb, dst) == eng.pages(eng.pa, src)
+        assert eng.changed_pages(before) <= set(dst)
+    finally:
+        eng.close()
 
 
 def test_many_transfers_each_once_and_nothing_left(eng: Engines) -> None:

@@ -73,7 +73,7 @@ def test_a_second_service_follows_the_first_through_its_republished_events(node_
             _until(lambda: _best(kb, t1) == _best(kv, t1) == 5)
             kv.unregister_buffers(bs2)  # a buffer set going drops its pages
             _until(lambda: _best(kb, t2) == _best(kv, t2) == 0)
-            assert b.node.event_subscribers[0].counters["event_errors"] == 0
+            assert b.node.prefix.event_subscribers[0].counters["event_errors"] == 0
 
 
 def test_vllms_own_event_classes_decode_the_republished_stream(node_a) -> None:

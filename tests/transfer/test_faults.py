@@ -253,6 +253,48 @@ def test_a_restarted_service_under_connected_engines(tmp_path: Any) -> None:
         srx.stop()
 
 
+def test_a_sender_that_talked_to_a_restarted_receiver_handshakes_again() -> None:
+    """The receiving service restarts on the same address while the sender holds its handshake
+    (agent, epoch) and an open channel: the new one's epochs start over, so its plans carry its
+    service id and the sender handshakes again (before: every later transfer failed NOT_FOUND,
+    written against the dead agent's memory). The cross-node lane is off: the gRPC route alone."""
+    off = {"KVSERVICE_LANE_CROSS_MB": "0"}
+    stx = ServiceProc("tx", *FAST, "--same-host-route", "off", env=off)
+    srx = ServiceProc("rx", *FAST, "--same-host-route", "off", env=off)
+    engines: list[EngineProc] = []
+    try:
+        stx.wait_ready()
+        srx.wait_ready()
+        tx = EngineProc(stx.address, LAYOUT, seed=1).ready()
+        engines.append(tx)
+        for turn in ("before", "after"):
+            rx = EngineProc(srx.address, LAYOUT, seed=2).ready()
+            engines.append(rx)
+            for i in range(2):
+                tid = f"{turn}-{i}"
+                rx.call(
+                    "expect_delta",
+                    tid,
+                    rx.bs,
+                    prefix_pages=0,
+                    dst_page_indices=[9 + i],
+                    deadline_ms=DEADLINE_MS,
+                )
+                tx.call("send_delta", tid, tx.bs, src_page_indices=[4 + i], peer_address=srx.address)
+                ended = lambda t=tid, e=rx: [s for s in e.call("poll", [t]) if s.terminal]  # noqa: E731
+                (st,) = eventually(ended, 10, tid)
+                assert st.state == "DONE", st
+            if turn == "before":
+                rx.stop()
+                engines.remove(rx)
+                srx.restart()
+    finally:
+        for e in engines:
+            e.stop()
+        stx.stop()
+        srx.stop()
+
+
 # -- the network between two services goes away ------------------------------------------------
 def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True)

@@ -218,32 +218,32 @@ def _declared(allowed: frozenset[str] = frozenset({"peer-a"})) -> tuple[Receiver
 
 def test_an_offer_binds_only_its_ticket_and_identity() -> None:
     receiver, inc = _declared()
-    offer = receiver.offer(inc, "prefill", "prefill:1", "peer-a")
-    assert offer is not None and receiver.offer(inc, "prefill", "prefill:1", "peer-a") is None  # once
-    receiver.bind_offered(inc, _layout(), "prefill/0", "prefill", "peer-a", "not-the-ticket")
+    offer = receiver.senders.offer(inc, "prefill", "prefill:1", "peer-a")
+    assert offer is not None and receiver.senders.offer(inc, "prefill", "prefill:1", "peer-a") is None  # once
+    receiver.senders.bind_offered(inc, _layout(), "prefill/0", "prefill", "peer-a", "not-the-ticket")
     assert "prefill/0" not in inc.tickets  # a wrong ticket binds nothing; check_sender refuses it
     with pytest.raises(PermissionDenied, match="no receive plan"):
-        receiver.check_sender(inc, "prefill", "peer-a", "prefill/0", "not-the-ticket")
+        receiver.senders.check_sender(inc, "prefill", "peer-a", "prefill/0", "not-the-ticket")
     with pytest.raises(PermissionDenied, match="offered to another peer"):
-        receiver.bind_offered(inc, _layout(), "prefill/0", "prefill", "peer-b", offer.ticket)
-    receiver.bind_offered(inc, _layout(2, 1), "prefill/1", "prefill", "peer-a", offer.ticket)
+        receiver.senders.bind_offered(inc, _layout(), "prefill/0", "prefill", "peer-b", offer.ticket)
+    receiver.senders.bind_offered(inc, _layout(2, 1), "prefill/1", "prefill", "peer-a", offer.ticket)
     assert (
         inc.tickets["prefill/1"] == offer.ticket
         and inc.expected_senders == 2
         and inc.senders == {"prefill": "prefill:1"}
     )
-    receiver.check_sender(inc, "prefill", "peer-a", "prefill/1", offer.ticket)
+    receiver.senders.check_sender(inc, "prefill", "peer-a", "prefill/1", offer.ticket)
 
 
 def test_an_offered_rank_with_a_layout_that_cannot_write_fails_the_declaration() -> None:
     receiver, inc = _declared()
-    offer = receiver.offer(inc, "prefill", "prefill:1", "peer-a")
+    offer = receiver.senders.offer(inc, "prefill", "prefill:1", "peer-a")
     assert offer is not None
     bad = Layout.mha(
         num_layers=3, page_size=4, num_pages=PAGES, total_kv_heads=4, head_dim=8, dtype="float16"
     )
     with pytest.raises(FailedPrecondition, match="num_layers"):
-        receiver.bind_offered(inc, bad, "prefill/0", "prefill", "peer-a", offer.ticket)
+        receiver.senders.bind_offered(inc, bad, "prefill/0", "prefill", "peer-a", offer.ticket)
     assert inc.rec.state == "FAILED"
 
 
@@ -251,10 +251,10 @@ def test_offers_go_only_to_a_proven_identity_the_declaration_names() -> None:
     """A channel's service id and address are its own claims: without a proven identity that
     allowed_senders names (a token-only peer proves none), the sender asks as before."""
     receiver, inc = _declared(frozenset({"prefill-a"}))
-    assert receiver.offer(inc, "prefill", "prefill:1", "prefill-c") is None
-    assert receiver.offer(inc, "prefill", "prefill:1", "prefill-a") is not None
+    assert receiver.senders.offer(inc, "prefill", "prefill:1", "prefill-c") is None
+    assert receiver.senders.offer(inc, "prefill", "prefill:1", "prefill-a") is not None
     receiver, inc = _declared(frozenset())
-    assert receiver.offer(inc, "prefill", "prefill:1", "") is None
+    assert receiver.senders.offer(inc, "prefill", "prefill:1", "") is None
 
 
 def test_a_channel_claiming_the_address_under_another_identity_gets_no_offer() -> None:

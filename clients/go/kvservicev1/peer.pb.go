@@ -556,10 +556,12 @@ type HandshakeRequest struct {
 	Address string `protobuf:"bytes,7,opt,name=address,proto3" json:"address,omitempty"`
 	// The caller's host: kernel boot id (/proc/sys/kernel/random/boot_id) and host name. Two
 	// services with the same boot id run on one kernel and may map each other's engine pools.
-	BootId        string `protobuf:"bytes,8,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
-	Hostname      string `protobuf:"bytes,9,opt,name=hostname,proto3" json:"hostname,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	BootId   string `protobuf:"bytes,8,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	Hostname string `protobuf:"bytes,9,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	// Metadata of the service's cross-node lane agent (its own NIXL agent, native); empty: no lane.
+	LaneAgentMetadata []byte `protobuf:"bytes,10,opt,name=lane_agent_metadata,json=laneAgentMetadata,proto3" json:"lane_agent_metadata,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *HandshakeRequest) Reset() {
@@ -655,6 +657,13 @@ func (x *HandshakeRequest) GetHostname() string {
 	return ""
 }
 
+func (x *HandshakeRequest) GetLaneAgentMetadata() []byte {
+	if x != nil {
+		return x.LaneAgentMetadata
+	}
+	return nil
+}
+
 // The answering service's side of the handshake; fields mean the same as in the request.
 type HandshakeResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -673,10 +682,12 @@ type HandshakeResponse struct {
 	// older than a ReceivePlanSet.metadata_epoch handshakes again.
 	MetadataEpoch uint64 `protobuf:"varint,7,opt,name=metadata_epoch,json=metadataEpoch,proto3" json:"metadata_epoch,omitempty"`
 	// The answering service's host (see HandshakeRequest.boot_id).
-	BootId        string `protobuf:"bytes,8,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
-	Hostname      string `protobuf:"bytes,9,opt,name=hostname,proto3" json:"hostname,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	BootId   string `protobuf:"bytes,8,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	Hostname string `protobuf:"bytes,9,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	// Metadata of the service's cross-node lane agent (its own NIXL agent, native); empty: no lane.
+	LaneAgentMetadata []byte `protobuf:"bytes,10,opt,name=lane_agent_metadata,json=laneAgentMetadata,proto3" json:"lane_agent_metadata,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *HandshakeResponse) Reset() {
@@ -770,6 +781,13 @@ func (x *HandshakeResponse) GetHostname() string {
 		return x.Hostname
 	}
 	return ""
+}
+
+func (x *HandshakeResponse) GetLaneAgentMetadata() []byte {
+	if x != nil {
+		return x.LaneAgentMetadata
+	}
+	return nil
 }
 
 // A sender rank asks the receiving service where its pages of a transfer go.
@@ -935,6 +953,10 @@ type ReceivePlanSet struct {
 	Plans []*ReceivePlan `protobuf:"bytes,1,rep,name=plans,proto3" json:"plans,omitempty"`
 	// The receiver's metadata epoch (see HandshakeResponse.metadata_epoch).
 	MetadataEpoch uint64 `protobuf:"varint,2,opt,name=metadata_epoch,json=metadataEpoch,proto3" json:"metadata_epoch,omitempty"`
+	// The receiving service's id (HandshakeResponse.service_id). Another id than the sender's last
+	// handshake gave means the receiver restarted on the same address: its epochs start over, so
+	// the sender handshakes again whatever the epoch says. Empty from older services.
+	ServiceId     string `protobuf:"bytes,3,opt,name=service_id,json=serviceId,proto3" json:"service_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -981,6 +1003,13 @@ func (x *ReceivePlanSet) GetMetadataEpoch() uint64 {
 		return x.MetadataEpoch
 	}
 	return 0
+}
+
+func (x *ReceivePlanSet) GetServiceId() string {
+	if x != nil {
+		return x.ServiceId
+	}
+	return ""
 }
 
 // A sender asks the receiver for room in its staging pool for one packed chunk.
@@ -1260,7 +1289,11 @@ type ReceivePlan struct {
 	SenderTicket string `protobuf:"bytes,18,opt,name=sender_ticket,json=senderTicket,proto3" json:"sender_ticket,omitempty"`
 	// The receiver verifies each commit's checksum (CommitChunkRequest.checksum): the sender
 	// hashes every packed batch, or the pages of a direct or fused chunk as packed for this rank.
-	Integrity     bool `protobuf:"varint,19,opt,name=integrity,proto3" json:"integrity,omitempty"`
+	Integrity bool `protobuf:"varint,19,opt,name=integrity,proto3" json:"integrity,omitempty"`
+	// The receiving service's cross-node lane took this transfer (docs/design-notes.md §20): an
+	// engine of the sending service may hand it to that service's lane, which writes the packed
+	// delta into this slot with one NIXL WRITE; unset otherwise.
+	LaneSlot      *LaneSlot `protobuf:"bytes,20,opt,name=lane_slot,json=laneSlot,proto3" json:"lane_slot,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1428,6 +1461,101 @@ func (x *ReceivePlan) GetIntegrity() bool {
 	return false
 }
 
+func (x *ReceivePlan) GetLaneSlot() *LaneSlot {
+	if x != nil {
+		return x.LaneSlot
+	}
+	return nil
+}
+
+// A slot of the receiving service's lane staging, registered with its lane's NIXL agent.
+type LaneSlot struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The receiving lane's NIXL agent (loaded from HandshakeResponse.lane_agent_metadata).
+	Agent     string `protobuf:"bytes,1,opt,name=agent,proto3" json:"agent,omitempty"`
+	Address   uint64 `protobuf:"varint,2,opt,name=address,proto3" json:"address,omitempty"`
+	SizeBytes uint64 `protobuf:"varint,3,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	// "VRAM" or "DRAM", and the device of VRAM.
+	MemKind  string `protobuf:"bytes,4,opt,name=mem_kind,json=memKind,proto3" json:"mem_kind,omitempty"`
+	DeviceId uint32 `protobuf:"varint,5,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	// The receiver pool's layout and region geometry; the sender's pool must match it.
+	Signature     uint64 `protobuf:"varint,6,opt,name=signature,proto3" json:"signature,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LaneSlot) Reset() {
+	*x = LaneSlot{}
+	mi := &file_kvservice_v1_peer_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LaneSlot) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LaneSlot) ProtoMessage() {}
+
+func (x *LaneSlot) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_peer_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LaneSlot.ProtoReflect.Descriptor instead.
+func (*LaneSlot) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *LaneSlot) GetAgent() string {
+	if x != nil {
+		return x.Agent
+	}
+	return ""
+}
+
+func (x *LaneSlot) GetAddress() uint64 {
+	if x != nil {
+		return x.Address
+	}
+	return 0
+}
+
+func (x *LaneSlot) GetSizeBytes() uint64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *LaneSlot) GetMemKind() string {
+	if x != nil {
+		return x.MemKind
+	}
+	return ""
+}
+
+func (x *LaneSlot) GetDeviceId() uint32 {
+	if x != nil {
+		return x.DeviceId
+	}
+	return 0
+}
+
+func (x *LaneSlot) GetSignature() uint64 {
+	if x != nil {
+		return x.Signature
+	}
+	return 0
+}
+
 // A sender reports one chunk as written (or, with last_chunk, that it has finished).
 type CommitChunkRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1486,7 +1614,7 @@ type CommitChunkRequest struct {
 
 func (x *CommitChunkRequest) Reset() {
 	*x = CommitChunkRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[15]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1498,7 +1626,7 @@ func (x *CommitChunkRequest) String() string {
 func (*CommitChunkRequest) ProtoMessage() {}
 
 func (x *CommitChunkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[15]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1511,7 +1639,7 @@ func (x *CommitChunkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitChunkRequest.ProtoReflect.Descriptor instead.
 func (*CommitChunkRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{15}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CommitChunkRequest) GetTransferId() string {
@@ -1686,7 +1814,7 @@ type CommitChunkResponse struct {
 
 func (x *CommitChunkResponse) Reset() {
 	*x = CommitChunkResponse{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[16]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1698,7 +1826,7 @@ func (x *CommitChunkResponse) String() string {
 func (*CommitChunkResponse) ProtoMessage() {}
 
 func (x *CommitChunkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[16]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1711,7 +1839,7 @@ func (x *CommitChunkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitChunkResponse.ProtoReflect.Descriptor instead.
 func (*CommitChunkResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{16}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CommitChunkResponse) GetState() TransferState {
@@ -1741,7 +1869,7 @@ type PeerAbortRequest struct {
 
 func (x *PeerAbortRequest) Reset() {
 	*x = PeerAbortRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[17]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1753,7 +1881,7 @@ func (x *PeerAbortRequest) String() string {
 func (*PeerAbortRequest) ProtoMessage() {}
 
 func (x *PeerAbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[17]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1766,7 +1894,7 @@ func (x *PeerAbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerAbortRequest.ProtoReflect.Descriptor instead.
 func (*PeerAbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{17}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PeerAbortRequest) GetTransferId() string {
@@ -1815,7 +1943,7 @@ type PeerAbortResponse struct {
 
 func (x *PeerAbortResponse) Reset() {
 	*x = PeerAbortResponse{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[18]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1827,7 +1955,7 @@ func (x *PeerAbortResponse) String() string {
 func (*PeerAbortResponse) ProtoMessage() {}
 
 func (x *PeerAbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[18]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1840,7 +1968,7 @@ func (x *PeerAbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerAbortResponse.ProtoReflect.Descriptor instead.
 func (*PeerAbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{18}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PeerAbortResponse) GetKnown() bool {
@@ -1863,7 +1991,7 @@ type HeldPagesRequest struct {
 
 func (x *HeldPagesRequest) Reset() {
 	*x = HeldPagesRequest{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[19]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1875,7 +2003,7 @@ func (x *HeldPagesRequest) String() string {
 func (*HeldPagesRequest) ProtoMessage() {}
 
 func (x *HeldPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[19]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1888,7 +2016,7 @@ func (x *HeldPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldPagesRequest.ProtoReflect.Descriptor instead.
 func (*HeldPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{19}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *HeldPagesRequest) GetBufferSetId() string {
@@ -1918,7 +2046,7 @@ type HeldPagesResponse struct {
 
 func (x *HeldPagesResponse) Reset() {
 	*x = HeldPagesResponse{}
-	mi := &file_kvservice_v1_peer_proto_msgTypes[20]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1930,7 +2058,7 @@ func (x *HeldPagesResponse) String() string {
 func (*HeldPagesResponse) ProtoMessage() {}
 
 func (x *HeldPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_peer_proto_msgTypes[20]
+	mi := &file_kvservice_v1_peer_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1943,7 +2071,7 @@ func (x *HeldPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldPagesResponse.ProtoReflect.Descriptor instead.
 func (*HeldPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{20}
+	return file_kvservice_v1_peer_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *HeldPagesResponse) GetHeld() []bool {
@@ -1997,7 +2125,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"error_code\x18\x02 \x01(\tR\terrorCode\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12%\n" +
-	"\x0ecredit_revoked\x18\x04 \x01(\bR\rcreditRevoked\"\xa2\x02\n" +
+	"\x0ecredit_revoked\x18\x04 \x01(\bR\rcreditRevoked\"\xd2\x02\n" +
 	"\x10HandshakeRequest\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -2009,7 +2137,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\fcapabilities\x18\x06 \x03(\tR\fcapabilities\x12\x18\n" +
 	"\aaddress\x18\a \x01(\tR\aaddress\x12\x17\n" +
 	"\aboot_id\x18\b \x01(\tR\x06bootId\x12\x1a\n" +
-	"\bhostname\x18\t \x01(\tR\bhostname\"\xb0\x02\n" +
+	"\bhostname\x18\t \x01(\tR\bhostname\x12.\n" +
+	"\x13lane_agent_metadata\x18\n" +
+	" \x01(\fR\x11laneAgentMetadata\"\xe0\x02\n" +
 	"\x11HandshakeResponse\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -2021,7 +2151,9 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\fcapabilities\x18\x06 \x03(\tR\fcapabilities\x12%\n" +
 	"\x0emetadata_epoch\x18\a \x01(\x04R\rmetadataEpoch\x12\x17\n" +
 	"\aboot_id\x18\b \x01(\tR\x06bootId\x12\x1a\n" +
-	"\bhostname\x18\t \x01(\tR\bhostname\"\xff\x01\n" +
+	"\bhostname\x18\t \x01(\tR\bhostname\x12.\n" +
+	"\x13lane_agent_metadata\x18\n" +
+	" \x01(\fR\x11laneAgentMetadata\"\xff\x01\n" +
 	"\x15GetReceivePlanRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -2034,10 +2166,12 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\tHeadRoute\x12$\n" +
 	"\x0esrc_head_start\x18\x01 \x01(\rR\fsrcHeadStart\x12$\n" +
 	"\x0edst_head_start\x18\x02 \x01(\rR\fdstHeadStart\x12\x1b\n" +
-	"\tnum_heads\x18\x03 \x01(\rR\bnumHeads\"h\n" +
+	"\tnum_heads\x18\x03 \x01(\rR\bnumHeads\"\x87\x01\n" +
 	"\x0eReceivePlanSet\x12/\n" +
 	"\x05plans\x18\x01 \x03(\v2\x19.kvservice.v1.ReceivePlanR\x05plans\x12%\n" +
-	"\x0emetadata_epoch\x18\x02 \x01(\x04R\rmetadataEpoch\"\xa0\x01\n" +
+	"\x0emetadata_epoch\x18\x02 \x01(\x04R\rmetadataEpoch\x12\x1d\n" +
+	"\n" +
+	"service_id\x18\x03 \x01(\tR\tserviceId\"\xa0\x01\n" +
 	"\x15ReserveStagingRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12)\n" +
@@ -2056,7 +2190,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\n" +
 	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\x12\x19\n" +
 	"\bmem_kind\x18\x03 \x01(\tR\amemKind\x12\x1b\n" +
-	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\x99\x06\n" +
+	"\tdevice_id\x18\x04 \x01(\rR\bdeviceId\"\xce\x06\n" +
 	"\vReceivePlan\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x123\n" +
@@ -2082,7 +2216,16 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\x11same_host_refusal\x18\x10 \x01(\tR\x0fsameHostRefusal\x12\x1c\n" +
 	"\tpublishes\x18\x11 \x01(\bR\tpublishes\x12#\n" +
 	"\rsender_ticket\x18\x12 \x01(\tR\fsenderTicket\x12\x1c\n" +
-	"\tintegrity\x18\x13 \x01(\bR\tintegrity\"\xaf\x06\n" +
+	"\tintegrity\x18\x13 \x01(\bR\tintegrity\x123\n" +
+	"\tlane_slot\x18\x14 \x01(\v2\x16.kvservice.v1.LaneSlotR\blaneSlot\"\xaf\x01\n" +
+	"\bLaneSlot\x12\x14\n" +
+	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x18\n" +
+	"\aaddress\x18\x02 \x01(\x04R\aaddress\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\x03 \x01(\x04R\tsizeBytes\x12\x19\n" +
+	"\bmem_kind\x18\x04 \x01(\tR\amemKind\x12\x1b\n" +
+	"\tdevice_id\x18\x05 \x01(\rR\bdeviceId\x12\x1c\n" +
+	"\tsignature\x18\x06 \x01(\x04R\tsignature\"\xaf\x06\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +
@@ -2152,7 +2295,7 @@ func file_kvservice_v1_peer_proto_rawDescGZIP() []byte {
 	return file_kvservice_v1_peer_proto_rawDescData
 }
 
-var file_kvservice_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_kvservice_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_kvservice_v1_peer_proto_goTypes = []any{
 	(*ChannelMessage)(nil),        // 0: kvservice.v1.ChannelMessage
 	(*CreditRelease)(nil),         // 1: kvservice.v1.CreditRelease
@@ -2169,60 +2312,62 @@ var file_kvservice_v1_peer_proto_goTypes = []any{
 	(*StagingSlot)(nil),           // 12: kvservice.v1.StagingSlot
 	(*RemoteRegion)(nil),          // 13: kvservice.v1.RemoteRegion
 	(*ReceivePlan)(nil),           // 14: kvservice.v1.ReceivePlan
-	(*CommitChunkRequest)(nil),    // 15: kvservice.v1.CommitChunkRequest
-	(*CommitChunkResponse)(nil),   // 16: kvservice.v1.CommitChunkResponse
-	(*PeerAbortRequest)(nil),      // 17: kvservice.v1.PeerAbortRequest
-	(*PeerAbortResponse)(nil),     // 18: kvservice.v1.PeerAbortResponse
-	(*HeldPagesRequest)(nil),      // 19: kvservice.v1.HeldPagesRequest
-	(*HeldPagesResponse)(nil),     // 20: kvservice.v1.HeldPagesResponse
-	(TransferState)(0),            // 21: kvservice.v1.TransferState
-	(*Layout)(nil),                // 22: kvservice.v1.Layout
-	(*AuxRows)(nil),               // 23: kvservice.v1.AuxRows
-	(*Region)(nil),                // 24: kvservice.v1.Region
-	(TransferPath)(0),             // 25: kvservice.v1.TransferPath
+	(*LaneSlot)(nil),              // 15: kvservice.v1.LaneSlot
+	(*CommitChunkRequest)(nil),    // 16: kvservice.v1.CommitChunkRequest
+	(*CommitChunkResponse)(nil),   // 17: kvservice.v1.CommitChunkResponse
+	(*PeerAbortRequest)(nil),      // 18: kvservice.v1.PeerAbortRequest
+	(*PeerAbortResponse)(nil),     // 19: kvservice.v1.PeerAbortResponse
+	(*HeldPagesRequest)(nil),      // 20: kvservice.v1.HeldPagesRequest
+	(*HeldPagesResponse)(nil),     // 21: kvservice.v1.HeldPagesResponse
+	(TransferState)(0),            // 22: kvservice.v1.TransferState
+	(*Layout)(nil),                // 23: kvservice.v1.Layout
+	(*AuxRows)(nil),               // 24: kvservice.v1.AuxRows
+	(*Region)(nil),                // 25: kvservice.v1.Region
+	(TransferPath)(0),             // 26: kvservice.v1.TransferPath
 }
 var file_kvservice_v1_peer_proto_depIdxs = []int32{
 	2,  // 0: kvservice.v1.ChannelMessage.open:type_name -> kvservice.v1.ChannelOpen
 	3,  // 1: kvservice.v1.ChannelMessage.credit_request:type_name -> kvservice.v1.CreditRequest
 	4,  // 2: kvservice.v1.ChannelMessage.grant:type_name -> kvservice.v1.CreditGrant
-	15, // 3: kvservice.v1.ChannelMessage.commit:type_name -> kvservice.v1.CommitChunkRequest
+	16, // 3: kvservice.v1.ChannelMessage.commit:type_name -> kvservice.v1.CommitChunkRequest
 	5,  // 4: kvservice.v1.ChannelMessage.ack:type_name -> kvservice.v1.ChannelAck
 	1,  // 5: kvservice.v1.ChannelMessage.release:type_name -> kvservice.v1.CreditRelease
 	8,  // 6: kvservice.v1.ChannelMessage.plan_request:type_name -> kvservice.v1.GetReceivePlanRequest
 	10, // 7: kvservice.v1.ChannelMessage.plan:type_name -> kvservice.v1.ReceivePlanSet
 	10, // 8: kvservice.v1.ChannelMessage.plan_offer:type_name -> kvservice.v1.ReceivePlanSet
 	12, // 9: kvservice.v1.CreditGrant.slots:type_name -> kvservice.v1.StagingSlot
-	21, // 10: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
-	22, // 11: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
+	22, // 10: kvservice.v1.ChannelAck.state:type_name -> kvservice.v1.TransferState
+	23, // 11: kvservice.v1.GetReceivePlanRequest.src_layout:type_name -> kvservice.v1.Layout
 	14, // 12: kvservice.v1.ReceivePlanSet.plans:type_name -> kvservice.v1.ReceivePlan
-	22, // 13: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
-	23, // 14: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
+	23, // 13: kvservice.v1.ReceivePlan.dst_layout:type_name -> kvservice.v1.Layout
+	24, // 14: kvservice.v1.ReceivePlan.aux:type_name -> kvservice.v1.AuxRows
 	13, // 15: kvservice.v1.ReceivePlan.kv_regions:type_name -> kvservice.v1.RemoteRegion
 	13, // 16: kvservice.v1.ReceivePlan.aux_regions:type_name -> kvservice.v1.RemoteRegion
 	9,  // 17: kvservice.v1.ReceivePlan.route:type_name -> kvservice.v1.HeadRoute
-	24, // 18: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
-	25, // 19: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
-	22, // 20: kvservice.v1.CommitChunkRequest.src_layout:type_name -> kvservice.v1.Layout
-	21, // 21: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
-	6,  // 22: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
-	8,  // 23: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
-	11, // 24: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
-	15, // 25: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
-	19, // 26: kvservice.v1.KVPeer.HeldPages:input_type -> kvservice.v1.HeldPagesRequest
-	17, // 27: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
-	0,  // 28: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
-	7,  // 29: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
-	10, // 30: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
-	12, // 31: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
-	16, // 32: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
-	20, // 33: kvservice.v1.KVPeer.HeldPages:output_type -> kvservice.v1.HeldPagesResponse
-	18, // 34: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
-	0,  // 35: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
-	29, // [29:36] is the sub-list for method output_type
-	22, // [22:29] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	25, // 18: kvservice.v1.ReceivePlan.kv_handles:type_name -> kvservice.v1.Region
+	15, // 19: kvservice.v1.ReceivePlan.lane_slot:type_name -> kvservice.v1.LaneSlot
+	26, // 20: kvservice.v1.CommitChunkRequest.path:type_name -> kvservice.v1.TransferPath
+	23, // 21: kvservice.v1.CommitChunkRequest.src_layout:type_name -> kvservice.v1.Layout
+	22, // 22: kvservice.v1.CommitChunkResponse.state:type_name -> kvservice.v1.TransferState
+	6,  // 23: kvservice.v1.KVPeer.Handshake:input_type -> kvservice.v1.HandshakeRequest
+	8,  // 24: kvservice.v1.KVPeer.GetReceivePlan:input_type -> kvservice.v1.GetReceivePlanRequest
+	11, // 25: kvservice.v1.KVPeer.ReserveStaging:input_type -> kvservice.v1.ReserveStagingRequest
+	16, // 26: kvservice.v1.KVPeer.CommitChunk:input_type -> kvservice.v1.CommitChunkRequest
+	20, // 27: kvservice.v1.KVPeer.HeldPages:input_type -> kvservice.v1.HeldPagesRequest
+	18, // 28: kvservice.v1.KVPeer.Abort:input_type -> kvservice.v1.PeerAbortRequest
+	0,  // 29: kvservice.v1.KVPeer.Channel:input_type -> kvservice.v1.ChannelMessage
+	7,  // 30: kvservice.v1.KVPeer.Handshake:output_type -> kvservice.v1.HandshakeResponse
+	10, // 31: kvservice.v1.KVPeer.GetReceivePlan:output_type -> kvservice.v1.ReceivePlanSet
+	12, // 32: kvservice.v1.KVPeer.ReserveStaging:output_type -> kvservice.v1.StagingSlot
+	17, // 33: kvservice.v1.KVPeer.CommitChunk:output_type -> kvservice.v1.CommitChunkResponse
+	21, // 34: kvservice.v1.KVPeer.HeldPages:output_type -> kvservice.v1.HeldPagesResponse
+	19, // 35: kvservice.v1.KVPeer.Abort:output_type -> kvservice.v1.PeerAbortResponse
+	0,  // 36: kvservice.v1.KVPeer.Channel:output_type -> kvservice.v1.ChannelMessage
+	30, // [30:37] is the sub-list for method output_type
+	23, // [23:30] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_peer_proto_init() }
@@ -2248,7 +2393,7 @@ func file_kvservice_v1_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_peer_proto_rawDesc), len(file_kvservice_v1_peer_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

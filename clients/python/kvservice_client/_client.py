@@ -390,7 +390,7 @@ class Client(LandingCalls):
         """
         if chunk_offset == 0 and last_chunk and not aux and path.lower() in ("auto", "fused"):
             sent = self._send_on_lane(
-                transfer_id, buffer_set_id, src_page_indices, peer_address, no_duplicate_mark
+                transfer_id, buffer_set_id, src_page_indices, peer_address, no_duplicate_mark, path
             )
             if sent is not None:
                 return sent
@@ -412,23 +412,33 @@ class Client(LandingCalls):
         return status
 
     def _send_on_lane(
-        self, transfer_id: str, buffer_set_id: str, src: Any, peer_address: str, no_duplicate_mark: bool
+        self,
+        transfer_id: str,
+        buffer_set_id: str,
+        src: Any,
+        peer_address: str,
+        no_duplicate_mark: bool,
+        path: str = "auto",
     ) -> TransferStatus | None:
-        """The whole transfer over the lane when its receiver is this node's service and the
-        service takes it; None: make the gRPC call (see kvservice_client.lane_wire)."""
+        """The whole transfer over the lane when its receiver is this node's service, or another
+        service whose cross-node lane offered it, and the service takes it; None: make the gRPC
+        call (see kvservice_client.lane_wire)."""
         lane = self._lane.get(self.session_id)
-        if lane is None or peer_address not in lane.self_addresses:
+        if lane is None:
+            return None
+        to = "" if peer_address in lane.self_addresses else peer_address
+        if to and (not lane.cross or path.lower() != "auto"):  # FUSED asked: gRPC says why not
             return None
         pages = np.asarray(src, dtype=np.int64).reshape(-1)
         if pages.size == 0 or pages.min() < 0 or pages.max() >= 2**31:
             return None
         flags = lane_wire.FLAG_NO_DUPLICATE_MARK if no_duplicate_mark else 0
         self._tx_book.made(transfer_id, "SENDER", buffer_set_id)
-        if not lane.send(transfer_id, buffer_set_id, pages, flags, self.timeout):
+        if not lane.send(transfer_id, buffer_set_id, pages, flags, self.timeout, to):
             self._tx_book.unmade(transfer_id, "SENDER", buffer_set_id)
             return None
         self.owned.add_transfer(transfer_id)
-        return TransferStatus.queued(transfer_id, "SENDER", buffer_set_id, "FUSED")
+        return TransferStatus.queued(transfer_id, "SENDER", buffer_set_id, "PACKED" if to else "FUSED")
 
     def poll(self, transfer_ids: Sequence[str] = ()) -> list[TransferStatus]:
         r = self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))

@@ -37,7 +37,8 @@ _RETRY_S = 1.0
 
 
 def _status(end: lane_wire.End) -> TransferStatus:
-    role, ok, tid, bs, err, nbytes, pages, skipped, us = end
+    role, ok, tid, bs, err, nbytes, pages, skipped, us, flags = end
+    cross = bool(flags & lane_wire.END_CROSS)
     return TransferStatus(
         transfer_id=tid,
         role="RECEIVER" if role == 0 else "SENDER",
@@ -49,12 +50,12 @@ def _status(end: lane_wire.End) -> TransferStatus:
         descriptors=0,
         chunks_done=1,
         senders_done=1 if ok and role == 0 else 0,
-        path="FUSED",
+        path="PACKED" if cross else "FUSED",
         timings_us={"wire": us, "total": us},
         error_code="" if ok else "INTERNAL",
         error=err,
         updated_unix_ms=int(time.time() * 1000),
-        route_note="lane",
+        route_note="cross-node lane" if cross else "lane",
     )
 
 
@@ -75,6 +76,7 @@ class Lane:
             raise PermissionError(f"lane refused: {w.get('error')}")
         self.sock.settimeout(None)
         self.self_addresses = frozenset(w.get("self_addresses") or ())
+        self.cross = bool(w.get("cross"))  # the service's cross-node lane runs: SEND_TO elsewhere
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._replies: dict[int, list[Any]] = {}  # seq -> [event, reply]
@@ -92,12 +94,18 @@ class Lane:
         self._reader = threading.Thread(target=self._read, name="kvservice-lane", daemon=True)
         self._reader.start()
 
-    def send(self, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int, timeout: float) -> bool:
-        """True: the service took the transfer (its END follows); False: make the gRPC call."""
+    def send(
+        self, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int, timeout: float, to: str = ""
+    ) -> bool:
+        """True: the service took the transfer (its END follows); False: make the gRPC call.
+        ``to``: another service's address (the cross-node lane's SEND_TO)."""
         if self.closed:
             return False
         seq = next(self._seq)
-        msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags)
+        if to:
+            msg = lane_wire.encode_send_to(seq, transfer_id, buffer_set_id, src, flags, to)
+        else:
+            msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags)
         if len(msg) > lane_wire.MAX_MESSAGE:
             return False
         slot: list[Any] = [threading.Event(), None]

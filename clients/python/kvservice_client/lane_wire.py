@@ -6,9 +6,12 @@ engine opens it after its session, says which session it is (the service checks 
 and reads REPLY and END messages. Every message is one packet, little endian::
 
     SEND   u32 type=1, seq, n_src, tid_len, bs_len, flags │ tid │ buffer set id │ i32 src[n_src]
+    SEND_TO u32 type=4, seq, n_src, tid_len, bs_len, flags, addr_len │ tid │ buffer set id │
+           the receiving service's address │ i32 src[n_src]   (the cross-node lane)
     REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback) │ u32 msg_len │ msg
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
-           msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg
+           msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg │
+           u32 flags (END_CROSS: the cross-node lane moved it; absent from older services)
 
 A SEND is the whole transfer in one chunk (``chunk_offset`` 0, ``last_chunk``): the receiver's
 prefix and delta pages, in order. The service accepts it only for a transfer its receiver
@@ -34,6 +37,7 @@ __all__ = [
     "Reply",
     "decode",
     "encode_send",
+    "encode_send_to",
     "hello",
     "lane_path",
     "parse_hello",
@@ -41,11 +45,13 @@ __all__ = [
     "welcome",
 ]
 
-MSG_SEND, MSG_REPLY, MSG_END = 1, 2, 3
+MSG_SEND, MSG_REPLY, MSG_END, MSG_SEND_TO = 1, 2, 3, 4
+END_CROSS = 1
 ACCEPTED, FALLBACK = 0, 1
 FLAG_NO_DUPLICATE_MARK = 1
 MAX_MESSAGE = 256 * 1024  # the service's receive buffer: a larger SEND goes over gRPC
 _SEND = struct.Struct("<6I")
+_SEND_TO = struct.Struct("<7I")
 _REPLY = struct.Struct("<IIiI")
 _END = struct.Struct("<6I4Q")
 
@@ -60,11 +66,22 @@ def encode_send(seq: int, transfer_id: str, buffer_set_id: str, src: np.ndarray,
     return _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags) + t + b + pages.tobytes()
 
 
+def encode_send_to(
+    seq: int, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int, address: str
+) -> bytes:
+    """A SEND to another service's engine (the cross-node lane): + that service's address, as
+    the engine names it in SendDelta; the service accepts it only for an offer from there."""
+    t, b, a = transfer_id.encode(), buffer_set_id.encode(), address.encode()
+    pages = np.ascontiguousarray(src, dtype="<i4")
+    head = _SEND_TO.pack(MSG_SEND_TO, seq, pages.size, len(t), len(b), flags, len(a))
+    return head + t + b + a + pages.tobytes()
+
+
 class Reply(tuple):  # (seq, code, message)
     __slots__ = ()
 
 
-class End(tuple):  # (role, ok, transfer_id, buffer_set_id, error, nbytes, pages, skipped, copy_us)
+class End(tuple):  # (role, ok, transfer_id, buffer_set_id, error, nbytes, pages, skipped, copy_us, flags)
     __slots__ = ()
 
 
@@ -78,7 +95,9 @@ def decode(msg: bytes) -> Reply | End:
         o = _END.size
         tid, bs = msg[o : o + tl].decode(), msg[o + tl : o + tl + bl].decode()
         err = msg[o + tl + bl : o + tl + bl + ml].decode(errors="replace")
-        return End((role, state == 0, tid, bs, err, nbytes, pages, skipped, us))
+        tail = o + tl + bl + ml
+        flags = struct.unpack_from("<I", msg, tail)[0] if len(msg) >= tail + 4 else 0
+        return End((role, state == 0, tid, bs, err, nbytes, pages, skipped, us, flags))
     raise ValueError(f"lane: unknown message type {kind}")
 
 
@@ -94,8 +113,10 @@ def parse_hello(data: bytes) -> str:
     return str(msg["session_id"])
 
 
-def welcome(ok: bool, error: str = "", self_addresses: list[str] | None = None) -> bytes:
-    return json.dumps({"ok": ok, "error": error, "self_addresses": self_addresses or []}).encode()
+def welcome(ok: bool, error: str = "", self_addresses: list[str] | None = None, cross: bool = False) -> bytes:
+    """``cross``: the service's cross-node lane runs (SEND_TO is worth trying)."""
+    msg = {"ok": ok, "error": error, "self_addresses": self_addresses or [], "cross": cross}
+    return json.dumps(msg).encode()
 
 
 def parse_welcome(data: bytes) -> dict[str, Any]:

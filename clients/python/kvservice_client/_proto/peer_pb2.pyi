@@ -76,7 +76,7 @@ class ChannelAck(_message.Message):
     def __init__(self, state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., credit_revoked: bool = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "address", "boot_id", "hostname")
+    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "address", "boot_id", "hostname", "lane_agent_metadata")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class HandshakeRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    LANE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     transport: str
@@ -95,10 +96,11 @@ class HandshakeRequest(_message.Message):
     address: str
     boot_id: str
     hostname: str
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+    lane_agent_metadata: bytes
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., address: _Optional[str] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., lane_agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "metadata_epoch", "boot_id", "hostname")
+    __slots__ = ("service_id", "version", "transport", "agent_name", "agent_metadata", "capabilities", "metadata_epoch", "boot_id", "hostname", "lane_agent_metadata")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class HandshakeResponse(_message.Message):
     METADATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    LANE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     transport: str
@@ -117,7 +120,8 @@ class HandshakeResponse(_message.Message):
     metadata_epoch: int
     boot_id: str
     hostname: str
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., metadata_epoch: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+    lane_agent_metadata: bytes
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., capabilities: _Optional[_Iterable[str]] = ..., metadata_epoch: _Optional[int] = ..., boot_id: _Optional[str] = ..., hostname: _Optional[str] = ..., lane_agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class GetReceivePlanRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_service_id", "src_layout", "wait_ms", "sender_address", "sender_boot_id")
@@ -146,12 +150,14 @@ class HeadRoute(_message.Message):
     def __init__(self, src_head_start: _Optional[int] = ..., dst_head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class ReceivePlanSet(_message.Message):
-    __slots__ = ("plans", "metadata_epoch")
+    __slots__ = ("plans", "metadata_epoch", "service_id")
     PLANS_FIELD_NUMBER: _ClassVar[int]
     METADATA_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     plans: _containers.RepeatedCompositeFieldContainer[ReceivePlan]
     metadata_epoch: int
-    def __init__(self, plans: _Optional[_Iterable[_Union[ReceivePlan, _Mapping]]] = ..., metadata_epoch: _Optional[int] = ...) -> None: ...
+    service_id: str
+    def __init__(self, plans: _Optional[_Iterable[_Union[ReceivePlan, _Mapping]]] = ..., metadata_epoch: _Optional[int] = ..., service_id: _Optional[str] = ...) -> None: ...
 
 class ReserveStagingRequest(_message.Message):
     __slots__ = ("transfer_id", "dst_buffer_set_id", "nbytes", "sender_ticket")
@@ -192,7 +198,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class ReceivePlan(_message.Message):
-    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal", "publishes", "sender_ticket", "integrity")
+    __slots__ = ("transfer_id", "dst_layout", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "remaining_ms", "kv_regions", "aux_regions", "aux_row_bytes", "aux_names", "dst_buffer_set_id", "route", "direct_ok", "kv_handles", "same_host_refusal", "publishes", "sender_ticket", "integrity", "lane_slot")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +218,7 @@ class ReceivePlan(_message.Message):
     PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     SENDER_TICKET_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    LANE_SLOT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     dst_layout: _common_pb2.Layout
     prefix_pages: int
@@ -231,7 +238,24 @@ class ReceivePlan(_message.Message):
     publishes: bool
     sender_ticket: str
     integrity: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ..., sender_ticket: _Optional[str] = ..., integrity: bool = ...) -> None: ...
+    lane_slot: LaneSlot
+    def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ..., sender_ticket: _Optional[str] = ..., integrity: bool = ..., lane_slot: _Optional[_Union[LaneSlot, _Mapping]] = ...) -> None: ...
+
+class LaneSlot(_message.Message):
+    __slots__ = ("agent", "address", "size_bytes", "mem_kind", "device_id", "signature")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    address: int
+    size_bytes: int
+    mem_kind: str
+    device_id: int
+    signature: int
+    def __init__(self, agent: _Optional[str] = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., signature: _Optional[int] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot", "sender_ticket", "checksum", "checksum_kind", "src_layout")

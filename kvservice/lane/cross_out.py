@@ -1,0 +1,106 @@
+"""The cross-node lane's sending side (docs/design-notes.md §20): a receiver's offer with a lane
+slot arms the native lane for that transfer (an engine here may SEND_TO it); the native thread's
+END comes back here to book the sender's record and its duplicate marks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from kvservice_client import lane_wire
+
+from ..errors import FailedPrecondition
+
+__all__ = ["CrossOut"]
+
+
+class CrossOut:
+    """Offers armed and sends booked on the sending side of one service's lane."""
+
+    def __init__(self, engine: Any, native: Any, agents: dict[str, str]) -> None:
+        self.e = engine
+        self.n = native
+        self._agents = agents  # the book's: peer service id -> its lane agent
+        # (transfer, rank) offered to an engine here -> (receiver's address, its buffer set if it
+        # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route)
+        self._out: dict[str, dict[int, tuple[str, str]]] = {}  # transfer -> rank -> that
+        self.n_sent = 0  # transfers booked
+        self.n_failed = 0
+
+    def offered(self, address: str, peer: Any, plan: Any) -> None:
+        """An offer with a lane slot arrived on our channel to ``address``: an engine here may
+        SEND_TO it now."""
+        s = plan.lane_slot
+        agent = self._agents.get(peer.service_id)
+        if not plan.HasField("lane_slot") or not s.agent or agent != s.agent:
+            self.n.refuse_out(plan.transfer_id, plan.dst_layout.tp_rank)  # a waiting SEND_TO: gRPC now
+            return
+        deadline = time.monotonic() + plan.remaining_ms / 1000
+        rank = plan.dst_layout.tp_rank
+        into = plan.dst_buffer_set_id if plan.publishes else ""
+        self._out.setdefault(plan.transfer_id, {})[rank] = (address, into)
+        self.n.arm_out(
+            plan.transfer_id,
+            plan.dst_layout.tp_rank,
+            address,
+            agent,
+            s.address,
+            s.size_bytes,
+            s.device_id,
+            1 if s.mem_kind == "VRAM" else 0,
+            s.signature,
+            plan.prefix_pages,
+            len(plan.dst_page_indices),
+            deadline,
+        )
+
+    def gate_out(self, transfer_id: str, rank: int) -> None:
+        """A SendDelta of sender rank ``rank`` over gRPC: the lane gives it up, or refuses."""
+        if self.n.disarm_out(transfer_id, rank) == 2:
+            raise FailedPrecondition(f"transfer_id: {transfer_id!r} is being sent on the cross-node lane")
+        self._forget_out(transfer_id, rank)
+
+    def _forget_out(self, transfer_id: str, rank: int) -> tuple[str, str]:
+        ranks = self._out.get(transfer_id, {})
+        got = ranks.pop(rank, ("", ""))
+        if not ranks:
+            self._out.pop(transfer_id, None)
+        return got
+
+    def drop_out(self, transfer_id: str) -> None:
+        """The receiver ended ``transfer_id``: no SEND_TO of it is taken from now on (one already
+        writing ends with the receiver's refusal, and its completion forgets the rest)."""
+        for rank in list(self._out.get(transfer_id, ())):  # every rank armed here is in _out
+            if self.n.disarm_out(transfer_id, rank) != 2:
+                self._forget_out(transfer_id, rank)
+
+    async def sent(self, c: tuple[Any, ...]) -> None:
+        """The native thread's END to a sending engine: book the sender's side (its record, for
+        Poll and the Transfers stream; the engine read its END on the lane already)."""
+        from ..transfer.records import Record
+
+        tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send, _ = c
+        e = self.e
+        self.n.forget_out(tid, rank)
+        address, publishes_into = self._forget_out(tid, rank)
+        rec = Record(tid, "SENDER", bs_id, session_id, time.monotonic() + 60)
+        rec.lane_told = told_send
+        rec.route_note = "cross-node lane"
+        e.table.add(rec)
+        if not ok:
+            self.n_failed += 1
+            e.table.finish(rec, "FAILED", "UNAVAILABLE", f"cross-node lane: {error}")
+            return
+        e.table.update(
+            rec,
+            state="TRANSFERRING",
+            add_bytes_sent=nbytes,
+            add_descriptors=1,
+            add_wire=copy_us,
+            path="PACKED",
+        )
+        e.table.finish(rec, "DONE")
+        self.n_sent += 1
+        if publishes_into and not flags & lane_wire.FLAG_NO_DUPLICATE_MARK:
+            e.duplicates.mark(bs_id, np.asarray(src, dtype=np.int64), address, (publishes_into,))

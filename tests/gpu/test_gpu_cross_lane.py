@@ -1,0 +1,68 @@
+"""GPU: the cross-node lane (kvservice/lane/cross.py) between two services that do not map each
+other's pools: engines in their own processes with CUDA IPC pools; the sender's lane packs into
+its VRAM staging, one NIXL WRITE lands in the receiver's lane staging, the receiver's lane
+unpacks, with no service's Python on the path."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .conftest import kvservice_procs
+from .test_cuda_ipc import LAYOUT, Engine
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("nixl")
+
+
+@pytest.fixture(params=["256", "4"], ids=["one-write", "streamed"])
+def services(tmp_path: Path, request: pytest.FixtureRequest):
+    """Two services; lane_cross_mb 256 (a delta up to 64 MiB is one WRITE) or 4 (a 1 MiB slot:
+    40 pages of 192 KiB stream through it in 2-page chunks)."""
+    env = {
+        "KVSERVICE_TRANSFER_INTEGRITY": "0",
+        "KVSERVICE_SAME_HOST_ROUTE": "off",
+        "KVSERVICE_LANE_CROSS_MB": request.param,
+    }
+    procs, socks = kvservice_procs(tmp_path, ("prefill", "decode"), **env)
+    end = time.monotonic() + 180  # the first start builds the native module
+    while not all(os.path.exists(s[5:] + ".lane") for s in socks):
+        assert time.monotonic() < end, "the lanes did not start"
+        time.sleep(0.1)
+    yield socks
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(20)
+
+
+@pytest.mark.parametrize("n", [1, 40])
+def test_cross_node_lane_moves_the_delta_byte_for_byte(services: list[str], n: int) -> None:
+    a, b = services
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=a, layout=LAYOUT, fill=True, seed=7)
+        dst_eng(op="register", address=b, layout=LAYOUT)
+        rng = np.random.default_rng(n)
+        src = rng.permutation(64)[: n + 2].tolist()
+        dst = rng.permutation(64)[:n].tolist()
+        lane = []
+        for turn in range(4):  # the first opens the prefill service's channel (gRPC); offers follow
+            tid = f"x-{n}-{turn}"
+            assert dst_eng(op="expect", tid=tid, prefix=2, dst=dst, sender=a)["state"] != "FAILED"
+            time.sleep(0.05)  # the prefill's compute: the offer reaches the sender's lane
+            lane.append(src_eng(op="send", tid=tid, src=src, peer=b)["lane"])
+            got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
+            assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+            assert dst_eng(op="pages", pages=dst)["sums"] == src_eng(op="pages", pages=src[2:])["sums"]
+        assert lane[1:] == [True, True, True], lane
+        assert got_d["route_note"] == "cross-node lane" and got_d["path"] == "PACKED", got_d
+        untouched = sorted(set(range(64)) - set(dst))
+        assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        src_eng.close()
+        dst_eng.close()

@@ -1,0 +1,244 @@
+"""The cross-node lane's native half alone (two lanes in one process, host memory, NIXL over
+UCX): what each engine reads on its lane when the path works, and when it fails on either side."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from kvservice_client import lane_wire
+
+pytest.importorskip("nixl")
+R, P, PB = 4, 16, 1024  # regions, pages, bytes of a page region
+
+
+class Pair:
+    def __init__(self) -> None:
+        from kvservice.lane import native
+
+        m = native.load()
+        cap = native.nixl_capi_path()
+        if cap is None:
+            pytest.skip("no NIXL C API")
+        self.tx, self.rx = m.Lane(), m.Lane()
+        assert self.tx.init_nixl(cap, f"t-tx-{id(self)}"), self.tx.nixl_why()
+        assert self.rx.init_nixl(cap, f"t-rx-{id(self)}"), self.rx.nixl_why()
+        self.slot = self.rx.add_arena(-1, 1 << 20, 1 << 20)
+        self.tx.add_arena(-1, 1 << 20, 1 << 20)
+        self.rx_agent = self.tx.load_md(self.rx.local_md())
+        self.tx_agent = self.rx.load_md(self.tx.local_md())
+        rng = np.random.default_rng(1)
+        self.a = rng.integers(0, 255, size=(R, P, PB), dtype=np.uint8)
+        self.b = rng.integers(0, 255, size=(R, P, PB), dtype=np.uint8)
+        self.b0 = self.b.copy()
+        for lane, arr, bs, s in ((self.tx, self.a, "bsA", "sA"), (self.rx, self.b, "bsB", "sB")):
+            table = np.array([[arr[r].ctypes.data, PB, PB] for r in range(R)], dtype=np.uint64)
+            lane.add_pool(bs, s, -1, P, 7, 0, table, 99)
+        self.ea, sa = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.eb, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for e in (self.ea, self.eb):
+            e.settimeout(10)
+        self.tx.add_conn(sa.detach(), "sA")
+        self.rx.add_conn(sb.detach(), "sB")
+
+    def arm(
+        self,
+        tid: str,
+        dst: list[int],
+        prefix: int,
+        *,
+        raddr: int | None = None,
+        rx: bool = True,
+        slot_pages: int = 0,
+        slot_at: int = 0,
+    ) -> int:
+        """Both lanes armed for ``tid``; the slot holds ``slot_pages`` pages (0: the delta), from
+        ``slot_at`` bytes into the receiver's staging (as its allocator would place another)."""
+        nbytes = len(dst) * R * PB
+        slot = (slot_pages or len(dst)) * R * PB
+        deadline = time.monotonic() + 10
+        if rx:
+            d = np.array(dst, dtype=np.int32)
+            self.rx.arm_in(
+                tid, 0, "sB", "bsB", self.tx_agent, prefix, d, self.slot + slot_at, slot, -1, deadline
+            )
+        addr = self.slot + slot_at if raddr is None else raddr
+        self.tx.arm_out(tid, 0, "peerB", self.rx_agent, addr, slot, 0, 0, 99, prefix, len(dst), deadline)
+        return nbytes
+
+    def send(self, tid: str, src: list[int]) -> Any:
+        t, b, a = tid.encode(), b"bsA", b"peerB"
+        pages = np.array(src, dtype=np.int32)
+        head = struct.pack("<7I", 4, 1, pages.size, len(t), len(b), 0, len(a))
+        self.ea.send(head + t + b + a + pages.tobytes())
+        return lane_wire.decode(self.ea.recv(65536))
+
+    def close(self) -> None:
+        self.tx.stop()
+        self.rx.stop()
+        self.ea.close()
+        self.eb.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_written_unpacked_and_both_engines_told(pair: Pair) -> None:
+    nbytes = pair.arm("t1", [2, 9, 11], prefix=1)
+    assert pair.send("t1", [3, 5, 7, 1])[1] == lane_wire.ACCEPTED
+    rx = lane_wire.decode(pair.eb.recv(65536))
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
+    assert rx[5] == tx[5] == nbytes and rx[-1] & lane_wire.END_CROSS
+    assert (pair.b[:, [2, 9, 11]] == pair.a[:, [5, 7, 1]]).all()
+    others = [p for p in range(P) if p not in (2, 9, 11)]
+    assert (pair.b[:, others] == pair.b0[:, others]).all()  # nothing outside the declared pages
+    kinds = sorted(c[-1] for c in pair.tx.drain() + pair.rx.drain())
+    assert kinds == [1, 2]
+
+
+def test_a_write_nixl_refuses_fails_both_sides_at_once(pair: Pair) -> None:
+    pair.arm("bad", [4], prefix=0, raddr=pair.slot + (64 << 20))  # not registered at the receiver
+    assert pair.send("bad", [6])[1] == lane_wire.ACCEPTED
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    rx = lane_wire.decode(pair.eb.recv(65536))  # told by the sender, not by its deadline
+    assert not tx[1] and "write failed" in tx[4], tx
+    assert not rx[1] and "write failed" in rx[4], rx
+    assert (pair.b == pair.b0).all()
+
+
+def test_the_receiver_disarmed_first_nothing_lands(pair: Pair) -> None:
+    pair.arm("gone", [4], prefix=0)
+    assert pair.rx.disarm_in("gone", 0) == 1  # an Abort at the receiver
+    assert pair.send("gone", [6])[1] == lane_wire.ACCEPTED
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    assert not tx[1] and "not armed" in tx[4], tx
+    assert (pair.b == pair.b0).all()
+    assert pair.rx.disarm_in("gone", 0) == 0
+
+
+def test_a_send_nobody_offered_falls_back(pair: Pair) -> None:
+    reply = pair.send("never", [1])
+    assert reply[1] == lane_wire.FALLBACK and "not offered" in reply[2], reply
+
+
+def test_a_delta_larger_than_its_slot_streams_through_it(pair: Pair) -> None:
+    """A 2-page slot and 11 pages: 11 one-page chunks through the slot's halves, each unpacked
+    before its half is written again; both engines told once, byte exact."""
+    dst, src = [0, 2, 3, 5, 6, 8, 9, 10, 12, 14, 15], [1, 4, 0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 13]
+    nbytes = pair.arm("big", dst, prefix=2, slot_pages=2)
+    assert pair.send("big", src)[1] == lane_wire.ACCEPTED
+    rx = lane_wire.decode(pair.eb.recv(65536))
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
+    assert rx[5] == tx[5] == nbytes
+    assert (pair.b[:, dst] == pair.a[:, src[2:]]).all()
+    others = [p for p in range(P) if p not in dst]
+    assert (pair.b[:, others] == pair.b0[:, others]).all()
+    done = {c[-1]: c for c in pair.tx.drain() + pair.rx.drain()}
+    assert sorted(done) == [1, 2] and done[2][5] and done[2][7] == nbytes, done
+    assert pair.rx.disarm_in("big", 0) == 2  # completed: not armed any more
+
+
+def test_a_slot_smaller_than_two_pages_falls_back(pair: Pair) -> None:
+    pair.arm("tiny", [1, 2, 3], prefix=0, slot_pages=1)
+    reply = pair.send("tiny", [4, 5, 6])
+    assert reply[1] == lane_wire.FALLBACK and "two pages" in reply[2], reply
+
+
+def test_an_abort_during_a_chunks_unpack_cancels_after_it(pair: Pair) -> None:
+    """The receiver ends a streamed transfer while its lane unpacks chunk 0 (held 200 ms): the
+    disarm answers 2 (wait), the lane stops after that chunk with CANCELLED, tells the receiving
+    engine nothing (the service books the abort), refuses the rest, and the sender fails."""
+    dst = list(range(P))
+    pair.rx.set_slow_unpack(200_000)
+    pair.arm("cx", dst, prefix=0, slot_pages=2)
+    assert pair.send("cx", dst)[1] == lane_wire.ACCEPTED
+    end = time.monotonic() + 10
+    while pair.rx.stats()[4] == 0:  # chunk 0's note arrived: its unpack is held (200 ms)
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    time.sleep(0.02)  # past the few µs between the note's arrival and its unpack being RUNNING
+    assert pair.rx.disarm_in("cx", 0, cancel=True) == 2
+    (c,) = eventually_drain(pair.rx)
+    assert not c[5] and c[6] == "cancelled by the receiving service" and not c[10], c
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    assert not tx[1] and "cancelled" in tx[4], tx
+    landed = [p for p in range(P) if not (pair.b[:, p] == pair.b0[:, p]).all()]
+    assert landed == [0], landed  # chunk 0 (one page), nothing after it
+    pair.eb.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        pair.eb.recv(65536)  # no END to the receiving engine
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 15.0])
+def test_the_receiver_ends_a_streamed_transfer_midway(pair: Pair, delay_ms: float) -> None:
+    """Abort at the receiver while 16 one-page chunks stream (each unpack starts 3 ms late):
+    disarmed (1) means no byte lands after that; a chunk being unpacked (2, cancel) ends the
+    transfer after it with CANCELLED and no END to the receiving engine; the sender always ends,
+    failed unless all was unpacked."""
+    dst = list(range(P))
+    pair.rx.set_slow_unpack(3000)
+    pair.arm("mid", dst, prefix=0, slot_pages=2)
+    assert pair.send("mid", list(reversed(dst)))[1] == lane_wire.ACCEPTED
+    time.sleep(delay_ms / 1000)
+    got = pair.rx.disarm_in("mid", 0, cancel=True)
+    after = pair.b.copy()
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    time.sleep(0.05)
+    rx_done = eventually_drain(pair.rx) if got == 2 else []
+    if got == 1:  # disarmed between chunks: nothing lands from now on
+        assert not tx[1], tx
+        assert (pair.b == after).all()
+        assert pair.rx.drain() == []
+    else:
+        assert got == 2, got
+        (c,) = rx_done
+        if c[5]:  # all chunks were in: an ordinary DONE
+            assert tx[1] and (pair.b[:, dst] == pair.a[:, list(reversed(dst))]).all()
+        else:  # the service's Abort returns after this completion: nothing lands after it
+            assert c[6] == "cancelled by the receiving service" and not c[10], c  # engine not told
+            assert not tx[1], tx
+            settled = pair.b.copy()
+            time.sleep(0.05)
+            assert (pair.b == settled).all()
+    print("outcome", got, tx[1], rx_done and rx_done[0][6])
+
+
+def eventually_drain(lane: Any) -> list[Any]:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        got = lane.drain()
+        if got:
+            return list(got)
+        time.sleep(0.005)
+    raise AssertionError("no completion")
+
+
+def test_a_small_send_is_not_held_up_behind_a_streaming_one(pair: Pair) -> None:
+    """A streamed send (11 one-page chunks through a 2-page slot, each unpack held 40 ms: ~0.5 s)
+    runs on the sender's bulk thread; a one-page send accepted meanwhile is packed and written on
+    the lane thread and ends first (it used to wait on the lane thread for the whole stream)."""
+    pair.rx.set_slow_unpack(40_000)
+    big = list(range(11))
+    pair.arm("big", big, prefix=0, slot_pages=2)
+    pair.arm("small", [13], prefix=0, slot_at=4 * R * PB)  # a slot beside the big one's
+    assert pair.send("big", big)[1] == lane_wire.ACCEPTED
+    time.sleep(0.1)  # the big one is streaming: chunk 0 or 1 is being unpacked
+    assert pair.send("small", [14])[1] == lane_wire.ACCEPTED
+    ends = [lane_wire.decode(pair.ea.recv(65536)) for _ in range(2)]
+    assert [e[2] for e in ends] == ["small", "big"], ends
+    assert all(e[1] for e in ends), ends
+    assert (pair.b[:, 13] == pair.a[:, 14]).all(), "small"
+    assert (pair.b[:, big] == pair.a[:, big]).all(), [
+        p for p in big if not (pair.b[:, p] == pair.a[:, p]).all()
+    ]
