@@ -125,6 +125,8 @@ def kvservice_runs(
             out["_fused_kernel_only"] = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
             print(f"fused kernel alone: {out['_fused_kernel_only']['p50_ms']:.2f} ms", file=sys.stderr)
     if logs is not None:  # the services have exited: their logs are complete
+        if stats := lane_stats(logs):
+            out["_lane_stats"] = stats
         for path in paths:
             if "p50_ms" in out.get(path, {}):
                 out[path]["timeline"] = timeline(logs, f"xfer-{path}-{args.iters}")
@@ -135,6 +137,17 @@ def kvservice_runs(
                 ]
         shutil.rmtree(logs, ignore_errors=True)
     return out
+
+
+def lane_stats(logs: Path) -> dict[str, str]:
+    """Each service's closing "cross-node lane: ..." line (kvservice/lane/cross.py log_stats:
+    where its cross-node lane's sends and receives spent their time, µs each)."""
+    got = {}
+    for f in sorted(logs.glob("svc*.log")):
+        for line in f.read_text().splitlines():
+            if '"cross-node lane: ' in line:
+                got[f.stem] = json.loads(line).get("msg", "")
+    return got
 
 
 def points(logs: Path, transfer_id: str, t0: float) -> list[dict]:
@@ -269,6 +282,7 @@ def run(args: argparse.Namespace) -> None:
     kv = kvservice_runs(args, layout, src, dst, paths)
     if "_fused_kernel_only" in kv:
         base["fused_kernel_only"] = kv.pop("_fused_kernel_only")
+    lane = kv.pop("_lane_stats", None)
     gbps = lambda ms: total / (ms * 1e-3) / 1e9  # noqa: E731
     for d in list(base.values()) + list(kv.values()):
         if "p50_ms" in d:
@@ -317,6 +331,8 @@ def run(args: argparse.Namespace) -> None:
         "kvservice": kv,
         "ratios": ratios,
     }
+    if lane:
+        report["lane_stats"] = lane
     write_json(args.out, f"transfer{'_same_node' if args.same_node else ''}_{run_tag(args)}", report)
     for k, v in ratios.items():
         print(f"  {k}: {v}", file=sys.stderr)

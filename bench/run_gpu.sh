@@ -3,6 +3,7 @@
 #   bash bench/run_gpu.sh x1   # one GPU: both services and engines on GPU 0, plus the CPU path run
 #   bash bench/run_gpu.sh x2   # GPU0 -> GPU1: senders on 0, receivers on 1
 #   bash bench/run_gpu.sh x2open # two GPUs, one device call (< 10 min): issue 32's open goals
+#   bash bench/run_gpu.sh stream # the cross-node lane's streamed 2 GiB, parts 4/8/2, one and two GPUs
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
 # Writes JSON and a log under ${OUT:-bench/results}.
@@ -39,6 +40,16 @@ elif [ "$1" = x2open ]; then
   T=120 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1 --pages 1024 --pool-pages 1088 --configs 2:4,4:2 --skip-per-token --tag 2g
   echo "== GPU tests across two GPUs" | tee -a "$LOG"
   timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_gpu_across.py tests/gpu/test_gpu_cross_lane.py 2>&1 | tail -8 | tee -a "$LOG"
+elif [ "$1" = stream ]; then
+  # the cross-node lane's streamed 2 GiB on a two-GPU host: lane_cross_parts 4 (default) / 8 / 2
+  # with 1 GiB of GPU staging (default), both services on GPU 0 (issue 28), then GPU0 -> GPU1 (32)
+  T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_stream_p4
+  KVSERVICE_LANE_CROSS_PARTS=8 T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p8
+  KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p2
+  T=120 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_stream_p4
+  KVSERVICE_LANE_CROSS_PARTS=8 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p8
+  echo "== GPU tests: the cross-node lane" | tee -a "$LOG"
+  timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gpu_cross_lane.py 2>&1 | tail -4 | tee -a "$LOG"
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
   # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json

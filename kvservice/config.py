@@ -135,6 +135,18 @@ class Config:
         "through a slot in chunks (lane_cross_stream). 0: off. Needs the lane and the NIXL "
         "transport.",
     )
+    lane_cross_gpu_mb: int = _opt(
+        1024,
+        "MiB of the cross-node lane's staging on each GPU (lane_cross_mb is host memory's, and the "
+        "GPUs' too when this is 0). Larger slots mean fewer, larger chunks for a streamed delta: "
+        "2 GiB through the default 256 MiB slot goes in 64 MiB chunks (bench/results/NOTES.md).",
+    )
+    lane_cross_parts: int = _opt(
+        4,
+        "Chunks of a streamed cross-node delta in flight: its slot is split in this many parts, "
+        "and chunk k waits until the receiver has unpacked chunk k - parts (2..16). More parts hide "
+        "the notification round trip behind the WRITEs; fewer make each chunk larger.",
+    )
     lane_cross_stream: str = _opt(
         "gpu",
         "Which deltas larger than a cross-node lane slot stream through it in chunks: 'gpu' (GPU "
@@ -313,6 +325,10 @@ class Config:
             raise ConfigError("gil_switch_us: must be 0 (Python's default) .. 100000 µs")
         if not 0 <= self.lane_cross_mb <= 1 << 20:
             raise ConfigError("lane_cross_mb: must be 0..1048576 (MiB)")
+        if not 0 <= self.lane_cross_gpu_mb <= 1 << 20:
+            raise ConfigError("lane_cross_gpu_mb: must be 0..1048576 (MiB)")
+        if not 2 <= self.lane_cross_parts <= 16:
+            raise ConfigError("lane_cross_parts: must be 2..16")
         if self.lane_cross_stream not in ("gpu", "all", "off"):
             raise ConfigError("lane_cross_stream: must be 'gpu', 'all' or 'off'")
         if not 1 <= self.lane_cuda_chunk_kb <= 65536:
@@ -577,6 +593,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "lane",
         "lane_cuda_chunk_kb",
         "lane_cross_mb",
+        "lane_cross_gpu_mb",
+        "lane_cross_parts",
         "lane_cross_stream",
         "native_dir",
     ),

@@ -71,8 +71,16 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         from .cross import CrossBook
 
         devices = _cuda_devices() if cuda else 0
+        cfg = node.config
+        lane.set_parts(cfg.lane_cross_parts)  # a streamed send's chunks in flight
         book.cross = await asyncio.to_thread(
-            CrossBook.start, engine, lane, node.config.lane_cross_mb, devices, node.config.lane_cross_stream
+            CrossBook.start,
+            engine,
+            lane,
+            cfg.lane_cross_mb,
+            devices,
+            cfg.lane_cross_stream,
+            cfg.lane_cross_gpu_mb,
         )
         engine.peers.me.lane = book
         # handshakes made before this point carried no lane metadata either way: our peers see a

@@ -64,7 +64,7 @@ struct SendToHdr {  // SEND to another node's service: + the receiving service's
 // The cross-node lane's NIXL notifications (W: the sender wrote a chunk of a transfer's pages
 // into the receiver's slot; C: the receiver unpacked a chunk that was not the last, its part of
 // the slot is free again; A: the receiver unpacked the last chunk, or refused), binary, then tid
-// and message. A delta larger than its slot streams through it in chunks (two halves in turn).
+// and message. A delta larger than its slot streams through it in chunks (lane_cross_parts parts in turn).
 struct XNote {
   char magic[4];
   uint32_t kind, rank, ok;
@@ -254,6 +254,7 @@ struct XSend {  // an accepted SEND_TO, to pack and write (the lane thread, or t
   std::string xk, tid;
   std::vector<int32_t> src;
   uint64_t scratch = 0, page = 0, chunk = 0;  // where it packs, a page's bytes, pages a chunk
+  uint64_t parts = 2;                         // chunks in flight (stream_out)
 };
 
 struct XPend {  // written (or being written), waiting for the receiver's ack
@@ -620,6 +621,9 @@ class Lane {
   }
   void set_req_cache(bool on) { req_cache_ = on; }
   void set_note_after(bool on) { note_after_ = on; }
+  // Chunks of a streamed cross-node send in flight (config lane_cross_parts): the slot and the
+  // scratch split in this many parts.
+  void set_parts(unsigned parts) { parts_ = std::min(16u, std::max(2u, parts)); }
   // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
   void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
 
@@ -1073,7 +1077,7 @@ class Lane {
     XOut xo;
     Arena ar;
     std::string xk;  // key(tid, the sender pool's rank): the receiver rank it pairs with
-    uint64_t nbytes = 0, page = 0, chunk = 0;  // the delta's bytes, a page's, pages a chunk
+    uint64_t nbytes = 0, page = 0, chunk = 0, parts = 2;  // the delta's bytes, a page's, pages a chunk
     uint64_t scratch = 0;  // where it packs
     bool bulk = false;     // on the bulk thread (see XSMALL)
     {
@@ -1120,9 +1124,12 @@ class Lane {
         const uint64_t scr = ar.size - ar.scratch, small = scr / XSMALL / 4096 * 4096;
         bulk = !(nbytes == xo.rbytes && nbytes <= small);
         scratch = ar.base + ar.scratch + (bulk ? small : 0);
-        // one WRITE when slot and scratch area hold the delta, else chunks through halves of both
+        // one WRITE when slot and scratch area hold the delta, else chunks through parts of both
         const uint64_t cap = std::min(xo.rbytes, bulk ? scr - small : small);
-        chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : cap / 2 / std::max<uint64_t>(page, 1);
+        // (parts_ parts, fewer when the staging holds fewer pages; two at least)
+        const uint64_t fit = cap / std::max<uint64_t>(page, 1);
+        parts = std::max<uint64_t>(2, std::min<uint64_t>(parts_, fit));
+        chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : fit / parts;
         if (why.empty() && xo.rbytes > nbytes) why = "the offered slot does not match the delta";
         if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
         if (why.empty()) xi->second.state = RUNNING;
@@ -1149,7 +1156,7 @@ class Lane {
       xpend_[xk] = std::move(pend);  // before the WRITE: its ack may come before we see it done
     }
     xcv_.notify_one();
-    XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk};
+    XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk, parts};
     if (!bulk) return send_out(job);
     to_bulk([this, job]() mutable { send_out(job); });
   }
@@ -1188,7 +1195,7 @@ class Lane {
       if (!xpend_.count(xk)) return;  // expired while it queued (told already)
     }
     const double t0 = now_s();
-    std::string err = running_ ? stream_out(job.sp, xo, xk, tid, job.src, job.scratch, job.page, job.chunk)
+    std::string err = running_ ? stream_out(job.sp, xo, xk, tid, job.src, job.scratch, job.page, job.chunk, job.parts)
                                : std::string("the lane is stopping");
     st_[S_SENT]++;
     std::string told;  // the receiver's agent, when the WRITE failed: it fails its side at once
@@ -1210,20 +1217,22 @@ class Lane {
     if (!told.empty()) send_note(told, note(XNOTE_WRITTEN, xo.rank, false, 0, 0, 0, 0, tid, failed));
   }
 
-  // The delta's pages, ``chunk`` at a time: pack chunk k into half k % 2 of the scratch, WRITE
-  // it to the same half of the receiver's slot, and notify once the WRITE is done; chunk k + 1
-  // is packed while chunk k is on the wire, and chunk k + 2 waits until the receiver has
-  // unpacked chunk k (its credit). One chunk (the delta fits): one WRITE into the whole slot.
+  // The delta's pages, ``chunk`` at a time through P = ``parts`` parts of scratch and slot: pack
+  // chunk k into part k % P of the scratch, WRITE it to the same part of the receiver's slot, and
+  // notify once the WRITE is done; chunk k + 1 is packed while chunk k is on the wire, and chunk
+  // k + P waits until the receiver has unpacked chunk k (its credit), so P - 1 notification
+  // round trips overlap the WRITEs. One chunk (the delta fits): one WRITE into the whole slot.
   std::string stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
-                         const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk) {
+                         const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
+                         uint64_t parts) {
     const uint64_t n = (uint64_t)xo.ndst, chunks = (n + chunk - 1) / chunk;
-    Posted out[2];  // per half: its WRITE in flight, and the note that follows it
+    std::vector<Posted> out(parts);  // per part: its WRITE in flight, and the note that follows it
     std::string err;
     std::vector<int32_t> pairs;
     for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
-      const int h = (int)(k & 1);
+      const uint64_t h = k % parts;
       const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
-      if (k >= 2) err = await_credits(xk, k - 1, xo.deadline);  // chunk k - 2 left half h
+      if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline);  // chunk k - P left part h
       if (!err.empty()) break;
       pairs.resize(2 * cnt);
       for (uint64_t i = 0; i < cnt; ++i) {
@@ -1236,7 +1245,7 @@ class Lane {
       if (!err.empty()) break;
       out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
       err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
-      if (err.empty() && k >= 1) err = nx_finish(xo, out[1 - h]);  // chunk k - 1: done, noted
+      if (err.empty() && k >= 1) err = nx_finish(xo, out[(k - 1) % parts]);  // chunk k - 1: done, noted
     }
     for (auto& o : out) {  // the last chunk's WRITE (after a failure: any, released unnoted)
       if (!o.req) continue;
@@ -1662,6 +1671,7 @@ class Lane {
   }
 
   std::atomic<unsigned> chunk_{16384};
+  std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight
   std::atomic<bool> pull_{false};
   int epfd_, wake_, done_;
   std::atomic<bool> running_{true};
@@ -1751,5 +1761,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &Lane::stats)
       .def("set_req_cache", &Lane::set_req_cache)
       .def("set_note_after", &Lane::set_note_after)
+      .def("set_parts", &Lane::set_parts)
       .def("set_slow_unpack", &Lane::set_slow_unpack);
 }

@@ -66,10 +66,16 @@ class CrossBook:
 
     @classmethod
     def start(
-        cls, engine: Any, native: Any, staging_mb: int, cuda_devices: int, stream: str = "gpu"
+        cls,
+        engine: Any,
+        native: Any,
+        staging_mb: int,
+        cuda_devices: int,
+        stream: str = "gpu",
+        gpu_staging_mb: int = 0,
     ) -> CrossBook | None:
-        """The lane's NIXL agent and its staging (host memory, and each GPU's); None (logged)
-        when NIXL's C API is not there."""
+        """The lane's NIXL agent and its staging (host memory: ``staging_mb``; each GPU:
+        ``gpu_staging_mb``, or ``staging_mb`` when 0); None (logged) when NIXL's C API is not there."""
         from .native import nixl_capi_path
 
         path = nixl_capi_path()
@@ -80,9 +86,9 @@ class CrossBook:
         if not native.init_nixl(path, name):
             log.warning("cross-node lane off: %s", native.nixl_why())
             return None
-        half = staging_mb * (1 << 20) // 2
         arenas = []
         for device in [-1, *range(cuda_devices)]:
+            half = (gpu_staging_mb if device >= 0 and gpu_staging_mb else staging_mb) * (1 << 20) // 2
             try:
                 base = native.add_arena(device, half, half)
             except RuntimeError as exc:

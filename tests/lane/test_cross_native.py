@@ -149,6 +149,26 @@ def test_a_delta_larger_than_its_slot_streams_through_it(pair: Pair) -> None:
     assert pair.rx.disarm_in("big", 0) == 2  # completed: not armed any more
 
 
+@pytest.mark.parametrize("parts", [2, 3, 4, 8, 16])
+def test_a_streamed_delta_keeps_parts_chunks_in_flight_and_never_overwrites_one_unread(
+    pair: Pair, parts: int
+) -> None:
+    """lane_cross_parts: an 8-page slot in ``parts`` parts (8 at most: a part holds a page or
+    more) and 15 pages; the receiver unpacks each chunk 2 ms late, so a sender that wrote a part
+    again before its credit came would land the wrong bytes."""
+    pair.tx.set_parts(parts)
+    pair.rx.set_slow_unpack(2_000)
+    dst, src = list(range(1, P)), [int(x) for x in np.random.default_rng(parts).permutation(P)[:15]]
+    nbytes = pair.arm("parts", dst, prefix=0, slot_pages=8)
+    assert pair.send("parts", src)[1] == lane_wire.ACCEPTED
+    rx = lane_wire.decode(pair.eb.recv(65536))
+    tx = lane_wire.decode(pair.ea.recv(65536))
+    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
+    assert rx[5] == tx[5] == nbytes
+    assert (pair.b[:, dst] == pair.a[:, src]).all()
+    assert (pair.b[:, 0] == pair.b0[:, 0]).all()
+
+
 def test_a_slot_smaller_than_two_pages_falls_back(pair: Pair) -> None:
     pair.arm("tiny", [1, 2, 3], prefix=0, slot_pages=1)
     reply = pair.send("tiny", [4, 5, 6])
