@@ -50,6 +50,13 @@ elif [ "$1" = stream ]; then
   KVSERVICE_LANE_CROSS_PARTS=8 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p8
   echo "== GPU tests: the cross-node lane" | tee -a "$LOG"
   timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_gpu_cross_lane.py 2>&1 | tail -4 | tee -a "$LOG"
+elif [ "$1" = stream2 ]; then
+  # after `stream`: two services GPU0 -> GPU1 with the new defaults (issue 32's >= 90% row), the
+  # forced cross-node route's staging/parts on two GPUs, and one GPU with the delta in one WRITE
+  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --timeline --tag svc2_p4
+  KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p2
+  KVSERVICE_LANE_CROSS_GPU_MB=2048 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p4_2g
+  KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_one_write_8g
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
   # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json
