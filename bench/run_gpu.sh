@@ -57,12 +57,6 @@ elif [ "$1" = stream2 ]; then
   KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p2
   KVSERVICE_LANE_CROSS_GPU_MB=2048 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p4_2g
   KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_one_write_8g
-elif [ "$1" = stream3 ]; then
-  # the chunk ramp (small first and last chunks): two services GPU0 -> GPU1 (default config, two
-  # runs), the forced cross-node route on two GPUs, one GPU with the delta in one WRITE
-  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --timeline --tag svc2_ramp
-  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --timeline --tag svc2_ramp_b
-  T=120 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_stream_ramp
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
   # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json

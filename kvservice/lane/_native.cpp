@@ -624,23 +624,6 @@ class Lane {
   // Chunks of a streamed cross-node send in flight (config lane_cross_parts): the slot and the
   // scratch split in this many parts.
   void set_parts(unsigned parts) { parts_ = std::min(16u, std::max(2u, parts)); }
-  // Pages per chunk of an ``n``-page delta through parts of ``c`` pages: c / 8, c / 4, c / 2
-  // first, and the same at the end in reverse, where the delta is long enough: the first WRITE
-  // starts after a small pack, and the last unpack (after the last WRITE) is a small one; c
-  // between. Measured on two H200s (bench/results/NOTES.md).
-  static std::vector<uint64_t> chunk_sizes(uint64_t n, uint64_t c) {
-    std::vector<uint64_t> head, tail, out;
-    uint64_t left = n;
-    for (uint64_t s : {c >> 3, c >> 2, c >> 1})
-      if (s && left > 4 * c) head.push_back(s), left -= s;
-    for (uint64_t s : {c >> 3, c >> 2, c >> 1})
-      if (s && left > 2 * c + s) tail.push_back(s), left -= s;
-    out = head;
-    for (; left; left -= std::min(c, left)) out.push_back(std::min(c, left));
-    out.insert(out.end(), tail.rbegin(), tail.rend());
-    return out;
-  }
-
   // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
   void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
 
@@ -1242,15 +1225,13 @@ class Lane {
   std::string stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
                          const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
                          uint64_t parts) {
-    const std::vector<uint64_t> sizes = chunk_sizes((uint64_t)xo.ndst, chunk);
-    const uint64_t chunks = sizes.size();
+    const uint64_t n = (uint64_t)xo.ndst, chunks = (n + chunk - 1) / chunk;
     std::vector<Posted> out(parts);  // per part: its WRITE in flight, and the note that follows it
     std::string err;
     std::vector<int32_t> pairs;
-    uint64_t first = 0;
-    for (uint64_t k = 0; k < chunks && err.empty(); first += sizes[k], ++k) {
+    for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
       const uint64_t h = k % parts;
-      const uint64_t cnt = sizes[k], off = h * chunk * page;
+      const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
       if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline);  // chunk k - P left part h
       if (!err.empty()) break;
       pairs.resize(2 * cnt);
@@ -1781,6 +1762,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_req_cache", &Lane::set_req_cache)
       .def("set_note_after", &Lane::set_note_after)
       .def("set_parts", &Lane::set_parts)
-      .def_static("chunk_sizes", &Lane::chunk_sizes)
       .def("set_slow_unpack", &Lane::set_slow_unpack);
 }
