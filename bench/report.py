@@ -405,10 +405,22 @@ def _plots(d: Path, runs: dict[str, dict]) -> list[str]:
             made += _timeline_plots(plt, d, name, j)
         elif j["benchmark"] == "mixed_tp":
             ks = list(j["configs"])
-            base = [j["configs"][k]["raw_nixl_per_token"]["p50_ms"] for k in ks]
+            per_token = all("raw_nixl_per_token" in j["configs"][k] for k in ks)  # --skip-per-token: a copy
+            base = [
+                j["configs"][k]["raw_nixl_per_token"]["p50_ms"]
+                if per_token
+                else j["baselines"]["contiguous_copy"]["p50_ms"]
+                for k in ks
+            ]
             kv = [j["configs"][k]["kvservice"].get("p50_ms", 0) for k in ks]
             x = range(len(ks))
-            ax.bar([i - 0.2 for i in x], base, 0.4, label="raw NIXL per-token", color="#999")
+            ax.bar(
+                [i - 0.2 for i in x],
+                base,
+                0.4,
+                label="raw NIXL per-token" if per_token else "copy of the same bytes",
+                color="#999",
+            )
             ax.bar([i + 0.2 for i in x], kv, 0.4, label="kvservice", color="#2a7")
             ax.set_xticks(list(x), ks)
             ax.set_yscale("log")
@@ -600,17 +612,20 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             f"| {goal} | {run}{f' ({card})' if card else ''} | {value} | {base} | {status} |"
         )
 
-    def share_row(goal: str, run: str, baseline: str, label: str, at_least: float) -> None:
-        """A row for "``run`` reaches ``at_least`` of the same-run ``baseline``'s rate"."""
+    def share_row(goal: str, run: str, baseline: str, label: str, at_least: float | None) -> None:
+        """A row for "``run`` reaches ``at_least`` of the same-run ``baseline``'s rate" (None: a
+        comparison, no goal of its own)."""
         j = runs.get(run)
         if j and _p50(j) and _base(j, baseline):
             frac = _base(j, baseline) / _p50(j)
+            env = j.get("meta", {}).get("service_env") or {}  # a run with non-default settings says so
+            knobs = "".join(f"; {k}={v}" for k, v in sorted(env.items()))
             row(
                 goal,
                 run,
-                f"{_p50(j):.2f} ms ({frac:.0%})",
+                f"{_p50(j):.2f} ms ({frac:.1%}{knobs})",
                 f"{label} {_base(j, baseline):.2f} ms",
-                frac >= at_least,
+                None if at_least is None else frac >= at_least,
             )
 
     share_row(
@@ -626,17 +641,23 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 f"{_p50(j):.2f} ms", base, _p50(j) <= limit)  # fmt: skip
     for tag in ("64k", "64m"):  # the latest of: the gRPC route's runs, the cross-node lane's
         run = latest(f"transfer_gpu_xnode_xdelta_{tag}", f"transfer_gpu_xnode_xlane_{tag}",
-                     f"transfer_gpu_xnode_xlane_final_{tag}", f"transfer_gpu_xnode_xlane_x2host_{tag}")  # fmt: skip
+                     f"transfer_gpu_xnode_xlane_final_{tag}", f"transfer_gpu_xnode_xlane_x2host_{tag}",
+                     f"transfer_gpu_xnode_xlane_open_{tag}")  # fmt: skip
         j = runs.get(run)
         if j and _p50(j) and _base(j, "raw_nixl_one_descriptor"):
             nixl = _base(j, "raw_nixl_one_descriptor")
             limit = 1.0 if tag == "64k" else 2 * nixl + 0.5
             row(f"cross-node {tag} <= {limit:.2f} ms p50", run, f"{_p50(j):.2f} ms", f"NIXL 1 desc {nixl:.2f} ms",
                 _p50(j) <= limit)  # fmt: skip
-    share_row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc", latest("transfer_gpu_xnode", "transfer_gpu_xnode_tl"),
+    # the best of the last device session's configurations (each beside its own NIXL baseline):
+    # staging sized to hold the delta (one WRITE); the default staging's parts: NOTES.md
+    share_row("cross-node 2 GiB on one GPU >= 30% of NIXL 1 desc",
+              latest("transfer_gpu_xnode", "transfer_gpu_xnode_tl", "transfer_gpu_xnode_lane_one_write_8g"),
               "raw_nixl_one_descriptor", "NIXL 1 desc", 0.30)  # fmt: skip
+    share_row("cross-node 2 GiB on one GPU, default staging (1 GiB, 4 parts): the two services' kernels time-slice", "transfer_gpu_xnode_lane_stream_p4",
+              "raw_nixl_one_descriptor", "NIXL 1 desc", None)  # fmt: skip
     ctl = latest("control_gpu_xnode", "control_gpu_xnode_xlane", "control_gpu_xnode_xlane2",
-                 "control_gpu_xnode_xlane_final")  # fmt: skip  # the other calls: NOTES.md
+                 "control_gpu_xnode_xlane_final", "control_gpu_xnode_xlane_open")  # fmt: skip  # the other calls: NOTES.md
     if ctl:
         j = runs.get(ctl)
         if j and j.get("sustained_by_senders"):
@@ -724,14 +745,16 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             " / ".join(f"{copy[m]:.2f} ({_p50(j):.2f})" for m, j in modes.items()) + " ms",
             f"fused kernel alone {_base(modes['push'], 'fused_kernel_only'):.2f} ms", None)  # fmt: skip
     share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy",
-              latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged", "transfer_gpu0to1_svc2_offer"),
+              latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged", "transfer_gpu0to1_svc2_offer",
+                     "transfer_gpu0to1_svc2_open", "transfer_gpu0to1_svc2_p4"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     two = [runs.get(f"transfer_gpu0to1_svc2_{m}") for m in ("push", "pull")]
     if all(two) and _p50(two[0]) and _p50(two[1]):
         row("GPU0 -> GPU1, two services, 2 GiB: push / pull", "transfer_gpu0to1_svc2_pull",
             f"{_p50(two[0]):.2f} / {_p50(two[1]):.2f} ms", "peer copy: see the one-service row (same session)",
             None)  # fmt: skip
-    share_row("cross-node route GPU0 -> GPU1, 2 GiB >= 85% of NIXL 1 desc", "transfer_gpu0to1_xnode",
+    share_row("cross-node route GPU0 -> GPU1, 2 GiB >= 85% of NIXL 1 desc",
+              latest("transfer_gpu0to1_xnode", "transfer_gpu0to1_xnode_lane_stream", "transfer_gpu0to1_xnode_lane_stream_p4"),
               "raw_nixl_one_descriptor", "NIXL 1 desc", 0.85)  # fmt: skip
     for run in ("launch_gpu_64k", "launch_gpu_2m"):
         j = runs.get(run)
@@ -740,23 +763,29 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             row("floor: one fused launch from Python (no service)", run,
                 f"launch {r['launch_fused']['p50_ms'] * 1e3:.0f} µs; launch + completion thread {r['completion_loop']['p50_ms'] * 1e3:.0f} µs",
                 f"sync {r['fused_sync']['p50_ms'] * 1e3:.0f} µs", None)  # fmt: skip
-    mixed = runs.get("mixed_tp_gpu_2g")
-    if mixed:  # 2 GiB beside a device copy of the same bytes (bench_mixed_tp.py --tag 2g)
-        c = mixed["configs"]
-        got = {k: c[k] for k in ("4->2", "2->1") if k in c and "fraction_of_contiguous_copy" in c[k]}
-        if got:
-            worst = min(e["fraction_of_contiguous_copy"] for e in got.values())
-            value = " / ".join(
-                f"{k} {e['kvservice']['p50_ms']:.2f} ms ({e['fraction_of_contiguous_copy']:.0%})"
-                for k, e in got.items()
-            )
-            row("mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy", "mixed_tp_gpu_2g", value,
-                f"copy {mixed['baselines']['contiguous_copy']['p50_ms']:.2f} ms", worst >= 0.80)  # fmt: skip
-    elif runs.get("mixed_tp_gpu"):  # the goal's run was never made: say what there is
-        c = runs["mixed_tp_gpu"]["configs"]
+
+    def mixed_row(run: str, configs: tuple[str, str], goal: str, label: str) -> bool:
+        """2 GiB of mixed TP beside a copy of the same bytes (bench_mixed_tp.py --tag 2g)."""
+        j = runs.get(run)
+        c = j["configs"] if j else {}
+        got = {k: c[k] for k in configs if k in c and "fraction_of_contiguous_copy" in c[k]}
+        if not got:
+            return False
+        worst = min(e["fraction_of_contiguous_copy"] for e in got.values())
+        value = " / ".join(
+            f"{k} {e['kvservice']['p50_ms']:.2f} ms ({e['fraction_of_contiguous_copy']:.0%})"
+            for k, e in got.items()
+        )
+        row(goal, run, value, f"{label} {j['baselines']['contiguous_copy']['p50_ms']:.2f} ms", worst >= 0.80)
+        return True
+
+    if not mixed_row("mixed_tp_gpu_2g", ("4->2", "2->1"), "mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy", "copy") and runs.get("mixed_tp_gpu"):  # fmt: skip
+        c = runs["mixed_tp_gpu"]["configs"]  # the goal's run was never made: say what there is
         value = " / ".join(f"{k} {c[k]['kvservice']['p50_ms']:.2f} ms" for k in ("4->2", "2->1") if k in c)
         rows.append(f"| mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy | mixed_tp_gpu (H200) "
                     f"| {runs['mixed_tp_gpu']['bytes'] >> 20} MiB only: {value} | (no copy baseline in that run) | **not measured** |")  # fmt: skip
+    mixed_row("mixed_tp_gpu0to1_2g", ("2->4", "4->2"),
+              "mixed TP 2->4 and 4->2 across GPU0 -> GPU1, 2 GiB >= 80% of the peer copy", "peer copy")  # fmt: skip
     _cpu_goals(runs, latest, row)
     if not rows and not compare:
         return []
