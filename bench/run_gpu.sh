@@ -57,14 +57,6 @@ elif [ "$1" = stream2 ]; then
   KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p2
   KVSERVICE_LANE_CROSS_GPU_MB=2048 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p4_2g
   KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_one_write_8g
-elif [ "$1" = split ]; then
-  # a delta its slot holds whole, split in chunks (pack, WRITE, unpack overlap): one GPU with 8 GiB
-  # of staging, 4 and 2 chunks; two GPUs the same; two services with 1 GiB (default) / 2 GiB staging
-  KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_split4_8g
-  KVSERVICE_LANE_CROSS_GPU_MB=8192 KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_split2_8g
-  KVSERVICE_LANE_CROSS_GPU_MB=8192 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_split4_8g
-  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --timeline --tag svc2_1g
-  KVSERVICE_LANE_CROSS_GPU_MB=2048 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --timeline --tag svc2_2g
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
   # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json

@@ -75,9 +75,9 @@ struct XNote {
 };
 constexpr char XMAGIC[4] = {'K', 'V', 'X', '2'};
 // The scratch's first 1/XSMALL is where the lane thread packs the cross-node sends that fit it
-// whole; the rest is the bulk thread's (streamed and split sends). A slot is at most half the
-// receive staging, which is as large as the scratch: with 2, every one-WRITE send stays on the
-// lane thread (as measured: no hand-off on the 64 MiB row) and only streamed or split ones move.
+// whole; the rest is the bulk thread's (streamed sends). A slot is at most half the receive
+// staging, which is as large as the scratch: with 2, every one-WRITE send stays on the lane
+// thread (as measured: no hand-off on the 64 MiB row) and only streamed ones move.
 constexpr uint64_t XSMALL = 2;
 enum : uint32_t { XNOTE_WRITTEN = 1, XNOTE_ACK = 2, XNOTE_CREDIT = 3 };
 // A receiver that ended a transfer while the lane unpacked one of its chunks (Abort, deadline):
@@ -613,7 +613,7 @@ class Lane {
     xin_.erase(key(tid, rank));
   }
   // sent, pack µs, post µs, wait µs, W-note µs, ack µs, received, unpack µs, re-posts, CUDA copies,
-  // their µs waiting for the device lock, and in cuStreamSynchronize, chunks unpacked (cumulative)
+  // their µs waiting for the device lock, and in cuStreamSynchronize (cumulative)
   std::vector<uint64_t> stats() {
     std::vector<uint64_t> out;
     for (auto& s : st_) out.push_back(s.load());
@@ -624,9 +624,6 @@ class Lane {
   // Chunks of a streamed cross-node send in flight (config lane_cross_parts): the slot and the
   // scratch split in this many parts.
   void set_parts(unsigned parts) { parts_ = std::min(16u, std::max(2u, parts)); }
-  // A delta its slot holds whole goes in one WRITE below twice this, else in chunks of this or
-  // more (128 MiB; tests set less).
-  void set_split_min(uint64_t bytes) { split_min_ = std::max<uint64_t>(1, bytes); }
   // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
   void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
 
@@ -1124,21 +1121,15 @@ class Lane {
         // this thread (microseconds to a millisecond on a GPU); one that streams goes to the bulk
         // thread through the rest, so that it does not hold up the sends behind it (head of line)
         // while it takes milliseconds to seconds.
-        // A delta its slot holds whole but of 2 x split_min_ or more goes in up to parts_ chunks of
-        // that size at least (no credits to wait for: each has its own place in the slot), so that
-        // packing the next overlaps the WRITE of one and the receiver's unpack of the one before.
         const uint64_t scr = ar.size - ar.scratch, small = scr / XSMALL / 4096 * 4096;
-        const bool whole = nbytes == xo.rbytes;
-        const uint64_t split = whole ? std::min<uint64_t>(parts_, nbytes / split_min_) : 0;
-        bulk = !(whole && nbytes <= small) || split >= 2;
+        bulk = !(nbytes == xo.rbytes && nbytes <= small);
         scratch = ar.base + ar.scratch + (bulk ? small : 0);
         // one WRITE when slot and scratch area hold the delta, else chunks through parts of both
         const uint64_t cap = std::min(xo.rbytes, bulk ? scr - small : small);
         // (parts_ parts, fewer when the staging holds fewer pages; two at least)
         const uint64_t fit = cap / std::max<uint64_t>(page, 1);
         parts = std::max<uint64_t>(2, std::min<uint64_t>(parts_, fit));
-        const uint64_t n = (uint64_t)xo.ndst;
-        chunk = whole && nbytes <= cap ? (split >= 2 ? (n + split - 1) / split : n) : fit / parts;
+        chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : fit / parts;
         if (why.empty() && xo.rbytes > nbytes) why = "the offered slot does not match the delta";
         if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
         if (why.empty()) xi->second.state = RUNNING;
@@ -1581,7 +1572,6 @@ class Lane {
                                              : "the lane's staging is on another device than the receiver's pool";
     const uint64_t us = (uint64_t)((now_s() - t0) * 1e6);
     st_[S_UNPACK] += us;
-    st_[S_CHUNKS]++;
     bool last = false, cancelled = false;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -1682,7 +1672,6 @@ class Lane {
 
   std::atomic<unsigned> chunk_{16384};
   std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight
-  std::atomic<uint64_t> split_min_{128ull << 20};  // set_split_min
   std::atomic<bool> pull_{false};
   int epfd_, wake_, done_;
   std::atomic<bool> running_{true};
@@ -1712,7 +1701,7 @@ class Lane {
   std::condition_variable credit_cv_;  // a streamed transfer's credit (or ack) came
   static constexpr double PARK_S = 0.02;
   // cumulative µs (and counts) of the cross-node path's steps, for benchmarks (stats())
-  enum { S_SENT, S_PACK, S_POST, S_WAIT, S_NOTE, S_ACK, S_RECEIVED, S_UNPACK, S_REPOST, S_COPIES, S_CULOCK, S_CUSYNC, S_CHUNKS, S_N };
+  enum { S_SENT, S_PACK, S_POST, S_WAIT, S_NOTE, S_ACK, S_RECEIVED, S_UNPACK, S_REPOST, S_COPIES, S_CULOCK, S_CUSYNC, S_N };
   std::atomic<uint64_t> st_[S_N] = {};
   void stat(int i, double since) { st_[i] += (uint64_t)std::max(0.0, (now_s() - since) * 1e6); }
   std::unordered_map<std::string, void*> reqs_;  // finished WRITEs kept for re-posting (nx_mu_)
@@ -1773,6 +1762,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_req_cache", &Lane::set_req_cache)
       .def("set_note_after", &Lane::set_note_after)
       .def("set_parts", &Lane::set_parts)
-      .def("set_split_min", &Lane::set_split_min)
       .def("set_slow_unpack", &Lane::set_slow_unpack);
 }

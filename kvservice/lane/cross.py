@@ -127,8 +127,7 @@ class CrossBook:
         sent, got, copies = max(st[0], 1), max(st[6], 1), max(st[9], 1)
         log.info(
             "cross-node lane: %d sent (pack %d, post %d, wait %d, ack %d µs each; %d re-posted), "
-            "%d received in %d chunks (note %d, unpack %d µs each); "
-            "%d CUDA copies (lock %d, sync %d µs each)",
+            "%d received (note %d, unpack %d µs each); %d CUDA copies (lock %d, sync %d µs each)",
             st[0],
             st[1] // sent,
             st[2] // sent,
@@ -136,7 +135,6 @@ class CrossBook:
             st[5] // sent,
             st[8],
             st[6],
-            st[12],
             st[4] // got,
             st[7] // got,
             st[9],

@@ -169,28 +169,6 @@ def test_a_streamed_delta_keeps_parts_chunks_in_flight_and_never_overwrites_one_
     assert (pair.b[:, 0] == pair.b0[:, 0]).all()
 
 
-@pytest.mark.parametrize(("split_min_pages", "slow_us"), [(4, 0), (4, 2_000), (2, 0), (8, 0), (16, 0)])
-def test_a_large_delta_its_slot_holds_goes_in_chunks_byte_exact(
-    pair: Pair, split_min_pages: int, slow_us: int
-) -> None:
-    """A whole-slot delta of 15 pages with split_min 4 pages: 3 chunks (parts 4: 4 at most);
-    2 pages: 4 chunks; 8 pages: one WRITE (under twice it); each unpacked in order (late, too),
-    both engines told once."""
-    pair.tx.set_split_min(split_min_pages * R * PB)
-    pair.rx.set_slow_unpack(slow_us)
-    dst, src = list(range(1, P)), [int(x) for x in np.random.default_rng(split_min_pages).permutation(P)[:15]]
-    nbytes = pair.arm("split", dst, prefix=0)
-    assert pair.send("split", src)[1] == lane_wire.ACCEPTED
-    rx = lane_wire.decode(pair.eb.recv(65536))
-    tx = lane_wire.decode(pair.ea.recv(65536))
-    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
-    assert rx[5] == tx[5] == nbytes
-    assert (pair.b[:, dst] == pair.a[:, src]).all()
-    assert (pair.b[:, 0] == pair.b0[:, 0]).all()
-    chunks = {4: 3, 2: 4, 8: 1, 16: 1}[split_min_pages]
-    assert pair.rx.stats()[12] == chunks  # chunks the receiver unpacked
-
-
 def test_a_slot_smaller_than_two_pages_falls_back(pair: Pair) -> None:
     pair.arm("tiny", [1, 2, 3], prefix=0, slot_pages=1)
     reply = pair.send("tiny", [4, 5, 6])
