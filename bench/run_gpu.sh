@@ -4,6 +4,7 @@
 #   bash bench/run_gpu.sh x2   # GPU0 -> GPU1: senders on 0, receivers on 1
 #   bash bench/run_gpu.sh x2open # two GPUs, one device call (< 10 min): issue 32's open goals
 #   bash bench/run_gpu.sh stream # the cross-node lane's streamed 2 GiB, parts 4/8/2, one and two GPUs
+#   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
 # Writes JSON and a log under ${OUT:-bench/results}.
@@ -57,6 +58,13 @@ elif [ "$1" = stream2 ]; then
   KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p2
   KVSERVICE_LANE_CROSS_GPU_MB=2048 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p4_2g
   KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_one_write_8g
+elif [ "$1" = verify ]; then
+  # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs), verbose,
+  # into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
+  timeout "${T:-480}" python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py \
+    tests/gpu/test_gpu_cross_lane.py tests/gpu/test_gpu_abort.py tests/gpu/test_gpu_across.py \
+    tests/gpu/test_gpu_transfer.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
   # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json

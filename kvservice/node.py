@@ -15,6 +15,7 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from kvservice_client import Layout
@@ -42,6 +43,11 @@ from . import VERSION
 
 log = logging.getLogger(__name__)
 
+# What the aborts of a shutdown may take in all (the drain's, then the sessions' and the transfer
+# engine's at close; an abort settles in milliseconds, an in-flight write within the transport's
+# settle bound): past it the stop goes on, naming the transfers that did not settle.
+SHUTDOWN_SETTLE_S = 10.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Unregistered:
@@ -66,6 +72,8 @@ class Node:
         self.transfers: Any = None
         self.prefix = IndexCalls(config, self.index, self.buffers, lambda: self.transfers)
         self.draining = False
+        self.shutdown_settle_s = SHUTDOWN_SETTLE_S
+        self._settle_by: float | None = None  # the shutdown's bound, from its first bounded step
         # session id -> its stream's pending duplicate counts, per buffer set (newest only)
         self._notices: dict[str, LatestQueue[str, int]] = {}
         self.sessions.on_close(self._release_session)
@@ -125,16 +133,20 @@ class Node:
         self._session_timers.add(task)
         task.add_done_callback(self._session_timers.discard)
 
-    async def close_session(self, session_id: str, reason: str = "closed", epoch: int | None = None) -> bool:
+    async def close_session(
+        self, session_id: str, reason: str = "closed", epoch: int | None = None, bounded: bool = False
+    ) -> bool:
         """End a session: abort its transfers (settled), then release its leases and buffers.
 
         With ``epoch``: only if still detached since that stream ended (see SessionRegistry.take).
+        ``bounded`` (shutdown): the aborts within the shutdown's bound (``_settled``).
         """
         session = self.sessions.take(session_id, reason, epoch)
         if session is None:
             return False
         if self.transfers is not None:
-            await self.transfers.release_session(session_id)
+            ending = self.transfers.release_session(session_id)
+            await (self._settled(ending, f"closing session {session_id}") if bounded else ending)
         self.sessions.release(session, reason)
         return True
 
@@ -222,13 +234,39 @@ class Node:
         left = self.transfers.in_flight()
         if left:
             log.warning("grace period over; aborting in-flight transfers", extra={"count": left})
-            await self.transfers.abort_all("service shutting down")
+            await self._settled(
+                self.transfers.abort_all("service shutting down"), "aborting in-flight transfers"
+            )
+
+    async def _settled(self, step: Awaitable[Any], what: str) -> None:
+        """A shutdown step that aborts transfers, within what is left of the shutdown's bound
+        (``shutdown_settle_s`` from the first such step; at least 0.5 s each). Past it the step
+        is cancelled and the stop goes on, saying which transfers did not settle: a shutdown
+        never hangs on one (the service's state goes with the process)."""
+        if self._settle_by is None:
+            self._settle_by = time.monotonic() + self.shutdown_settle_s
+        task = asyncio.ensure_future(step)
+        done, _ = await asyncio.wait({task}, timeout=max(self._settle_by - time.monotonic(), 0.5))
+        if task in done:
+            task.result()
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+        live = self.transfers.table.live() if self.transfers is not None else []
+        stuck = sorted({f"{r.transfer_id} ({r.role.lower()})" for r in live})
+        log.warning(
+            "%s: transfers did not settle within the shutdown bound (%.1fs); stopping anyway: %s",
+            what,
+            self.shutdown_settle_s,
+            ", ".join(stuck[:20]) + (f" and {len(stuck) - 20} more" if len(stuck) > 20 else ""),
+            extra={"count": len(stuck)},
+        )
 
     async def close(self) -> None:
         self.prefix.close()
         for task in list(self._session_timers):
             task.cancel()
         for sid in self.sessions.ids():
-            await self.close_session(sid)
+            await self.close_session(sid, bounded=True)
         if self.transfers is not None:
-            await self.transfers.close()
+            await self.transfers.close(self._settled)

@@ -8,6 +8,7 @@ bookkeeping of what it did.
     completion fd   ─▶ finalize: the ordinary same-node SendDelta with its copy already made
                        (records, commit, DONE, index, metrics) ─▶ forget       native: —
     Abort / deadline / failure of the receiver ─▶ settle: disarm, or wait for the finalize
+    Abort / deadline / session end of the sender ─▶ the finalize's booking is not stopped: waited for
     any other sender of an armed transfer     ─▶ gate: disarm, or refuse (the lane has it)
     UnregisterBuffers ─▶ drop_pool (returns once no copy uses the pool)
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import hashlib
 import logging
 import time
@@ -34,6 +36,12 @@ __all__ = ["LaneBook", "NoLane"]
 
 log = logging.getLogger(__name__)
 _RETIRED = 256  # unregistered buffer sets kept for a finalize in flight
+# The (transfer id, rank) a finalize books, seen by it and by every task it starts (the booking's
+# sender worker, the receiver's end that worker may tell): their settle of it must not wait for
+# the finalize, which waits for them.
+_BOOKING: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "lane_booking", default=None
+)
 
 
 def layout_signature(layout: Any) -> int:
@@ -100,7 +108,6 @@ class LaneBook(NoLane):
         self.pools: dict[str, Any] = {}  # buffer set id -> BufferSet on the lane
         self._retired: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._waiters: dict[tuple[str, int], asyncio.Future[None]] = {}
-        self._finalizing: dict[tuple[str, int], asyncio.Task[Any] | None] = {}
         self.sent = 0  # transfers the lane moved (finalized)
         self.failed = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -198,8 +205,8 @@ class LaneBook(NoLane):
     async def settle(self, inc: Any) -> None:
         """Before the receiver ends otherwise: disarm, or wait until the lane's copy is booked."""
         key = (inc.rec.transfer_id, inc.bs.layout.tp_rank)
-        if self._finalizing.get(key, False) is asyncio.current_task():
-            return  # the finalize itself fails the receiver (a malformed commit): nothing to wait for
+        if _BOOKING.get() == key:
+            return  # the booking itself ends the receiver (a malformed commit): nothing to wait for
         crossing = self.cross is not None and self.cross.rx.settle_in(*key)
         if self.n.disarm(*key) == 2 or crossing:
             fut = self._waiters.get(key)
@@ -272,13 +279,12 @@ class LaneBook(NoLane):
             if kind == 1:
                 await self.cross.tx.sent(c)
             else:
-                self._finalizing[(tid, rank)] = asyncio.current_task()
+                _BOOKING.set((tid, rank))  # this task's own context (create_task copied it)
                 await self.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10])
         except Exception:
             log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
         finally:
             if kind != 1:
-                self._finalizing.pop((tid, rank), None)
                 fut = self._waiters.pop((tid, rank), None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)
@@ -302,7 +308,9 @@ class LaneBook(NoLane):
         from ..transfer.sender import Chunk, Outgoing
 
         e = self.e
-        self._finalizing[(tid, rank)] = asyncio.current_task()
+        # NOTE: in this task's own context (create_task copied it), inherited by the tasks it
+        # starts: the booking's sender worker, and whatever that worker ends (see settle).
+        _BOOKING.set((tid, rank))
         inc = next((i for i in e.receiver.of(tid) if i.bs.layout.tp_rank == rank), None)
         bs = self.pools.get(bs_id) or self._retired.get(bs_id)
         try:
@@ -312,7 +320,10 @@ class LaneBook(NoLane):
             rec.lane_told = told_send
             if inc is not None:
                 inc.rec.lane_told = told_recv
-            if ok and bs is not None:
+            if ok and bs is not None and inc is not None:
+                # the booking: the ordinary same-node send of a copy already made, on this
+                # service's own declaration; nothing stops it and nothing in it waits (an end that
+                # meets it waits for it: Sender.stop)
                 out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
                 out.seq, out.next_offset, out.got_last = 1, int(src.size), True
                 chunk = Chunk(
@@ -320,10 +331,15 @@ class LaneBook(NoLane):
                 )
                 await e.send(out, chunk)
                 await e.sender.stopped(out)
-                self.sent += 1
+                if rec.state == "DONE":
+                    self.sent += 1
+                else:
+                    self.failed += 1
                 return
             self.failed += 1
-            why = error or "the sender's buffer set is gone"
+            why = error or (
+                "the sender's buffer set is gone" if bs is None else "the receiver's declaration is gone"
+            )
             e.table.add(rec)
             e.table.finish(rec, "FAILED", "INTERNAL", f"lane copy failed: {why}")
             if inc is not None:
@@ -331,7 +347,6 @@ class LaneBook(NoLane):
         except Exception:
             log.exception("lane finalize failed", extra={"transfer_id": tid})
         finally:
-            self._finalizing.pop((tid, rank), None)
             self.n.forget(tid, rank)
             fut = self._waiters.pop((tid, rank), None)
             if fut is not None and not fut.done():

@@ -89,12 +89,20 @@ class Dispatch:
         self.direct = DirectRoute(self.ctx)
 
     # -- ports -----------------------------------------------------------------------------------
+    def _local_port(self) -> LocalReceiver:
+        if self._local is None:
+            self._local = LocalReceiver(self._engine)
+        return self._local
+
+    def _port_of(self, out: Outgoing) -> ReceiverPort:
+        """The lane's booking (``via_lane``) is of this service's own declaration: its port
+        without a handshake (nothing in a booking waits on the network)."""
+        return self._local_port() if out.via_lane else self._port(out.peer_address)
+
     def _port(self, address: str) -> ReceiverPort:
         peer = self.peers.get(address)
         if peer.is_self:
-            if self._local is None:
-                self._local = LocalReceiver(self._engine)
-            return self._local
+            return self._local_port()
         port = self.ports.get(address)
         if port is None or port.peer is not peer:
             e = self._engine
@@ -129,6 +137,8 @@ class Dispatch:
 
     # -- the sender's three calls ----------------------------------------------------------------
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
+        if out.via_lane:
+            return await self._local_port().targets(out)
         peer = self.peers.get(out.peer_address)
         left = out.rec.deadline - time.monotonic()
         if left <= 0:
@@ -138,13 +148,15 @@ class Dispatch:
 
     def targets_now(self, out: Outgoing) -> list[Target] | None:
         """Targets known without waiting (a plan the receiver offered), or None: fetch_targets."""
+        if out.via_lane:
+            return None
         peer, port = self.peers.get(out.peer_address), self.ports.get(out.peer_address)
         if port is None or port.peer is not peer or peer.is_self:
             return None
         return port.offered_now(out)
 
     async def move(self, out: Outgoing, target: Target, chunk: Chunk, cmap: ChunkMap) -> None:
-        port = self._port(out.peer_address)
+        port = self._port_of(out)
         aux = (0, 0)
         if cmap.num_pages:
             registered = out.bs.buffer_set_id not in self.no_direct
@@ -189,7 +201,7 @@ class Dispatch:
         return dropped
 
     async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None:
-        await self._port(out.peer_address).tell_abort(out, code, reason)
+        await self._port_of(out).tell_abort(out, code, reason)
 
     def _choose(self, bs: BufferSet, num_pages: int) -> str:
         descs = len(bs.regions) * num_pages

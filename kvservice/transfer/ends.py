@@ -131,7 +131,7 @@ class Ends:
         return bool(outs or incs or dropped)
 
     async def _abort_out(self, out: Outgoing, code: str, reason: str, notify: bool) -> None:
-        self.sender.stop(out, code, reason)
+        self.sender.stop(out, code, reason)  # the lane's booking is not stopped: waited for (DONE)
         await self.sender.stopped(out)
         state = "ABORTED" if code == "ABORTED" else "FAILED"
         if self.table.finish(out.rec, state, code, reason) and notify:

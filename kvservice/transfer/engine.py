@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from .. import kernels
@@ -203,10 +203,12 @@ class TransferEngine:
     def in_flight(self) -> int:
         return self.table.in_flight()
 
-    async def close(self) -> None:
+    async def close(self, settled: Callable[[Awaitable[Any], str], Awaitable[None]] | None = None) -> None:
+        """Abort what is left (through ``settled``: the node's shutdown bound) and release it all."""
         self.ends.stop()
         await self.duplicates.close()
-        await self.abort_all("service shutting down")
+        aborting = self.abort_all("service shutting down")
+        await (settled(aborting, "aborting transfers at close") if settled is not None else aborting)
         completions.shutdown()
         await self.dispatch.close()
         for task in list(self.inbound_channels):

@@ -51,7 +51,9 @@ class LocalReceiver:
         if not out.via_lane:  # the native lane may hold it (kvservice.lane): disarm, or refuse
             self._lane(tid)
         left = out.rec.deadline - time.monotonic()
-        if left <= 0:
+        if out.via_lane:  # booking the lane's copy: its declaration is here, late or not; no wait
+            left = 0.0
+        elif left <= 0:
             raise DeadlineExceeded("transfer deadline passed")
         try:
             found = await self._receiver.plans(tid, lay, self._service_id, self._address, left, LOCAL_PEER)

@@ -67,7 +67,11 @@ class Outgoing:
 
 
 def check_live(out: Outgoing) -> None:
-    """Raise (Aborted / DeadlineExceeded) once ``out`` was stopped or its deadline passed."""
+    """Raise (Aborted / DeadlineExceeded) once ``out`` was stopped or its deadline passed. Never
+    for the lane's booking (``via_lane``): the native thread took the copy before the deadline,
+    made it and told both engines DONE; what is left only books that (see ``Sender.stop``)."""
+    if out.via_lane:
+        return
     if out.stop:
         raise (DeadlineExceeded if out.stop == "DEADLINE_EXCEEDED" else Aborted)(out.stop_reason)
     if time.monotonic() > out.rec.deadline:
@@ -215,6 +219,13 @@ class Sender:
                 self.table.update(out.rec, add_pages_sent=cmap.num_pages, add_pages_skipped=cmap.skipped)
 
     def stop(self, out: Outgoing, code: str, reason: str) -> None:
+        """Stop ``out``'s worker (``stopped`` waits for it). The lane's booking is not stopped:
+        its copy is made, both engines heard DONE, and its worker waits on nothing but this
+        service's own bookkeeping; an end that meets it waits for it (``stopped``), as a
+        receiver's settle does (kvservice.lane.book). Stopped, it would tell the receiver, whose
+        settle waits for the booking, which waits for this worker: none of them would end."""
+        if out.via_lane:
+            return
         if not out.stop:
             out.stop, out.stop_reason = code, reason
         if out.planning is not None and not out.planning.done():
