@@ -746,7 +746,8 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             f"fused kernel alone {_base(modes['push'], 'fused_kernel_only'):.2f} ms", None)  # fmt: skip
     share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy",
               latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged", "transfer_gpu0to1_svc2_offer",
-                     "transfer_gpu0to1_svc2_open", "transfer_gpu0to1_svc2_p4", "transfer_gpu0to1_svc2_1g"),
+                     "transfer_gpu0to1_svc2_open", "transfer_gpu0to1_svc2_p4", "transfer_gpu0to1_svc2_1g",
+                     "transfer_gpu0to1_svc2_final"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     two = [runs.get(f"transfer_gpu0to1_svc2_{m}") for m in ("push", "pull")]
     if all(two) and _p50(two[0]) and _p50(two[1]):
