@@ -59,19 +59,19 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     except native.LaneUnavailable as exc:
         log.warning("native lane off: %s; same-node transfers use gRPC only", exc)
         return None
+    cfg = node.config
     lane = mod.Lane()
-    lane.set_chunk(node.config.lane_cuda_chunk_kb * 1024)
-    lane.set_pull(node.config.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
+    lane.set_chunk(cfg.lane_cuda_chunk_kb * 1024)
+    lane.set_pull(cfg.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
     # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the
     # WRITE (1) instead of following it once DONE (unset: the measured faster way)
     lane.set_note_after(os.environ.get("KVLANE_NOTE_WITH_WRITE", "") != "1")
     cuda = await asyncio.to_thread(_init_cuda, lane)
     book = LaneBook(engine, lane, cuda)
-    if node.config.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
+    if cfg.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
         from .cross import CrossBook
 
         devices = _cuda_devices() if cuda else 0
-        cfg = node.config
         lane.set_parts(cfg.lane_cross_parts)  # a streamed send's chunks in flight
         book.cross = await asyncio.to_thread(
             CrossBook.start,
@@ -91,7 +91,6 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         book.add_pool(bs)
     engine.lane = book
     node.sessions.on_close(book.drop_session)
-    cfg = node.config
     allowed = []  # the lane aims only at this service: listed when peer_allowlist lets SendDelta aim here
     for address in self_addresses:
         try:

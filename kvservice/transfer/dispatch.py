@@ -137,18 +137,17 @@ class Dispatch:
 
     # -- the sender's three calls ----------------------------------------------------------------
     async def fetch_targets(self, out: Outgoing) -> list[Target]:
-        if out.via_lane:
-            return await self._local_port().targets(out)
-        peer = self.peers.get(out.peer_address)
-        left = out.rec.deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("transfer deadline passed")
-        await peer.refresh(timeout=left)
-        return await self._port(out.peer_address).targets(out)
+        if not out.via_lane:  # a booking's declaration is this service's own: no handshake
+            peer = self.peers.get(out.peer_address)
+            left = out.rec.deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded("transfer deadline passed")
+            await peer.refresh(timeout=left)
+        return await self._port_of(out).targets(out)
 
     def targets_now(self, out: Outgoing) -> list[Target] | None:
         """Targets known without waiting (a plan the receiver offered), or None: fetch_targets."""
-        if out.via_lane:
+        if out.via_lane:  # a booking's plan comes from this service's own receiver (fetch_targets)
             return None
         peer, port = self.peers.get(out.peer_address), self.ports.get(out.peer_address)
         if port is None or port.peer is not peer or peer.is_self:

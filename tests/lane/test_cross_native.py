@@ -78,6 +78,16 @@ class Pair:
         self.ea.send(head + t + b + a + pages.tobytes())
         return lane_wire.decode(self.ea.recv(65536))
 
+    def sent_and_told(self, tid: str, src: list[int], nbytes: int) -> tuple[Any, Any]:
+        """SEND_TO ``tid`` accepted; both engines' ENDs (receiver's, sender's), each told once,
+        DONE with ``nbytes``."""
+        assert self.send(tid, src)[1] == lane_wire.ACCEPTED
+        rx = lane_wire.decode(self.eb.recv(65536))
+        tx = lane_wire.decode(self.ea.recv(65536))
+        assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
+        assert rx[5] == tx[5] == nbytes
+        return rx, tx
+
     def close(self) -> None:
         self.tx.stop()
         self.rx.stop()
@@ -94,11 +104,8 @@ def pair() -> Iterator[Pair]:
 
 def test_written_unpacked_and_both_engines_told(pair: Pair) -> None:
     nbytes = pair.arm("t1", [2, 9, 11], prefix=1)
-    assert pair.send("t1", [3, 5, 7, 1])[1] == lane_wire.ACCEPTED
-    rx = lane_wire.decode(pair.eb.recv(65536))
-    tx = lane_wire.decode(pair.ea.recv(65536))
-    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
-    assert rx[5] == tx[5] == nbytes and rx[-1] & lane_wire.END_CROSS
+    rx, _ = pair.sent_and_told("t1", [3, 5, 7, 1], nbytes)
+    assert rx[-1] & lane_wire.END_CROSS
     assert (pair.b[:, [2, 9, 11]] == pair.a[:, [5, 7, 1]]).all()
     others = [p for p in range(P) if p not in (2, 9, 11)]
     assert (pair.b[:, others] == pair.b0[:, others]).all()  # nothing outside the declared pages
@@ -136,11 +143,7 @@ def test_a_delta_larger_than_its_slot_streams_through_it(pair: Pair) -> None:
     before its half is written again; both engines told once, byte exact."""
     dst, src = [0, 2, 3, 5, 6, 8, 9, 10, 12, 14, 15], [1, 4, 0, 2, 3, 5, 6, 7, 8, 9, 10, 11, 13]
     nbytes = pair.arm("big", dst, prefix=2, slot_pages=2)
-    assert pair.send("big", src)[1] == lane_wire.ACCEPTED
-    rx = lane_wire.decode(pair.eb.recv(65536))
-    tx = lane_wire.decode(pair.ea.recv(65536))
-    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
-    assert rx[5] == tx[5] == nbytes
+    pair.sent_and_told("big", src, nbytes)
     assert (pair.b[:, dst] == pair.a[:, src[2:]]).all()
     others = [p for p in range(P) if p not in dst]
     assert (pair.b[:, others] == pair.b0[:, others]).all()
@@ -160,11 +163,7 @@ def test_a_streamed_delta_keeps_parts_chunks_in_flight_and_never_overwrites_one_
     pair.rx.set_slow_unpack(2_000)
     dst, src = list(range(1, P)), [int(x) for x in np.random.default_rng(parts).permutation(P)[:15]]
     nbytes = pair.arm("parts", dst, prefix=0, slot_pages=8)
-    assert pair.send("parts", src)[1] == lane_wire.ACCEPTED
-    rx = lane_wire.decode(pair.eb.recv(65536))
-    tx = lane_wire.decode(pair.ea.recv(65536))
-    assert rx[:2] == (0, True) and tx[:2] == (1, True), (rx, tx)
-    assert rx[5] == tx[5] == nbytes
+    pair.sent_and_told("parts", src, nbytes)
     assert (pair.b[:, dst] == pair.a[:, src]).all()
     assert (pair.b[:, 0] == pair.b0[:, 0]).all()
 
