@@ -126,6 +126,13 @@ class Config:
         "KiB of one page region each CUDA block of the lane's copy kernel moves (a page region is "
         "split into such chunks; bench/results/NOTES.md has the sweep).",
     )
+    lane_spin_us: int = _opt(
+        0,
+        "µs the lane's thread keeps polling its sockets without sleeping after a message (0: it "
+        "sleeps at once). A sleeping thread's wake-up on an idle core costs tens of µs per hop, "
+        "which a small transfer pays twice; spinning costs up to one core while engines send "
+        "(bench/results/NOTES.md has the measurement).",
+    )
     lane_cross_mb: int = _opt(
         256,
         "MiB of staging per device (host memory, and each GPU) for the cross-node lane: a delta "
@@ -331,6 +338,8 @@ class Config:
             raise ConfigError("lane_cross_parts: must be 2..16")
         if self.lane_cross_stream not in ("gpu", "all", "off"):
             raise ConfigError("lane_cross_stream: must be 'gpu', 'all' or 'off'")
+        if not 0 <= self.lane_spin_us <= 1_000_000:
+            raise ConfigError("lane_spin_us: must be 0..1000000 (µs)")
         if not 1 <= self.lane_cuda_chunk_kb <= 65536:
             raise ConfigError("lane_cuda_chunk_kb: must be 1..65536 (KiB)")
         if not 0 < self.default_deadline_ms <= self.max_deadline_ms:
@@ -592,6 +601,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Native lane (same node and cross-node)": (
         "lane",
         "lane_cuda_chunk_kb",
+        "lane_spin_us",
         "lane_cross_mb",
         "lane_cross_gpu_mb",
         "lane_cross_parts",

@@ -62,6 +62,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     cfg = node.config
     lane = mod.Lane()
     lane.set_chunk(cfg.lane_cuda_chunk_kb * 1024)
+    lane.set_spin_us(cfg.lane_spin_us)
     lane.set_pull(cfg.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
     # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the
     # WRITE (1) instead of following it once DONE (unset: the measured faster way)

@@ -133,7 +133,11 @@ struct Cuda {
 };
 
 const char* KERNEL_SRC = R"(
-struct Region { unsigned long long src, dst, src_stride, dst_stride, nbytes; };
+// One segment: a region of one receiver rank. A page's bytes move as runs of ``run`` bytes,
+// ``src_run`` / ``dst_run`` apart (a head slice, token-major pages); run >= nbytes: one run.
+struct Region {
+  unsigned long long src, dst, src_stride, dst_stride, nbytes, run, src_run, dst_run, pairs;
+};
 extern "C" __global__ void __launch_bounds__(256) lane_copy(
     const Region* __restrict__ regions, const int* __restrict__ pairs, int vec16, unsigned chunk) {
   const Region R = regions[blockIdx.y];
@@ -141,7 +145,40 @@ extern "C" __global__ void __launch_bounds__(256) lane_copy(
   if (start >= R.nbytes) return;
   unsigned long long n = R.nbytes - start;
   if (n > chunk) n = chunk;
-  const int sp = pairs[2 * blockIdx.x], dp = pairs[2 * blockIdx.x + 1];
+  const int* pr = pairs + 2 * (R.pairs + blockIdx.x);
+  const int sp = pr[0], dp = pr[1];
+  if (R.run < R.nbytes) {  // runs: thread j moves 16-byte word i0 + j of the page's runs, end to end
+    const char* s = (const char*)(R.src + (unsigned long long)sp * R.src_stride);
+    char* d = (char*)(R.dst + (unsigned long long)dp * R.dst_stride);
+    if (vec16) {
+      const unsigned run4 = (unsigned)(R.run >> 4), i0 = (unsigned)(start >> 4), n4 = (unsigned)(n >> 4);
+      unsigned j = threadIdx.x;
+      for (; j + 3 * 256 < n4; j += 4 * 256) {
+        uint4 v[4];
+        unsigned long long so[4], dof[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const unsigned i = i0 + j + u * 256, k = i / run4, w = i - k * run4;
+          so[u] = k * R.src_run + 16ull * w;
+          dof[u] = k * R.dst_run + 16ull * w;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = *(const uint4*)(s + so[u]);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) *(uint4*)(d + dof[u]) = v[u];
+      }
+      for (; j < n4; j += 256) {
+        const unsigned i = i0 + j, k = i / run4, w = i - k * run4;
+        *(uint4*)(d + k * R.dst_run + 16ull * w) = *(const uint4*)(s + k * R.src_run + 16ull * w);
+      }
+    } else {
+      for (unsigned long long i = start + threadIdx.x; i < start + n; i += 256) {
+        const unsigned long long k = i / R.run, w = i - k * R.run;
+        d[k * R.dst_run + w] = s[k * R.src_run + w];
+      }
+    }
+    return;
+  }
   const char* s = (const char*)(R.src + (unsigned long long)sp * R.src_stride + start);
   char* d = (char*)(R.dst + (unsigned long long)dp * R.dst_stride + start);
   if (vec16) {
@@ -191,19 +228,46 @@ struct Pool {
   int rank;
   std::vector<RegionDesc> regions;
   uint64_t xsig = 0;  // layout and region geometry (the cross-node lane compares it with the receiver's)
+  // heads (set_heads): mixed TP on the lane. hmode 0: no head slices (another page layout,
+  // replicated heads); 1: token-major pages (NHD), 2: head-major (HND). msig: the layout but for
+  // its TP; global heads [hlo, hlo + hn) of ``ps`` tokens a page.
+  int hmode = 0, hlo = 0, hn = 0, ps = 0;
+  uint64_t msig = 0;
   // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
   // only in the context that opened it: a kernel on another GPU needs its own opening)
   std::unordered_map<int, std::vector<uint64_t>> alias;
 };
 
-enum : int { ARMED = 1, RUNNING = 2, COMPLETED = 3 };
+// ARMED: takes senders; RUNNING: every sender taken; COMPLETED: all copied (or one failed);
+// GATED: disarmed while a copy was pending (takes no sender, goes once booked).
+enum : int { ARMED = 1, RUNNING = 2, COMPLETED = 3, GATED = 4 };
 
-struct Armed {
+struct Armed {  // one receiver rank's declaration
   int state = ARMED;
   std::string recv_session, recv_bs;
   int64_t prefix = 0;
   std::vector<int32_t> dst;
   double deadline = 0;
+  int senders = 1;           // sender ranks it expects (mixed TP: several; 0: the first says)
+  int pending = 0;           // copies taken and not yet booked by Python (forget)
+  int done = 0;              // copies made
+  uint64_t ranks = 0;        // sender ranks taken (bit per rank)
+  uint64_t nbytes = 0;       // bytes copied into it
+  bool told = false;         // its END went out
+};
+
+// A segment of a copy: one region of one receiver rank (the kernel's Region, 9 x u64).
+struct Seg {
+  uint64_t src, dst, src_stride, dst_stride, nbytes, run, src_run, dst_run, pairs;
+};
+
+struct Target {  // a receiver rank a same-node SEND copies into: all of it, or a head slice
+  std::string akey;
+  int rank = 0;
+  Pool dp;
+  std::vector<int32_t> dst;
+  int hs = 0, hd = 0, nh = 0;  // nh 0: the whole page (equal layouts)
+  int senders = 1;             // sender ranks this receiver rank has, by the layouts
 };
 
 struct Conn {
@@ -242,10 +306,11 @@ struct XIn {  // a transfer this service declared and offered with a slot
 struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or the bulk thread)
   int fd = -1;
   uint32_t flags = 0;
-  std::string tid, bs, session, akey;
-  Pool sp, dp;
+  std::string tid, bs, session;
+  Pool sp;
+  std::vector<Target> tg;
   int64_t prefix = 0;
-  std::vector<int32_t> dst, src;
+  std::vector<int32_t> src;
 };
 
 struct XSend {  // an accepted SEND_TO, to pack and write (the lane thread, or the bulk thread)
@@ -287,6 +352,8 @@ struct Completion {
   uint64_t nbytes = 0, copy_us = 0;
   bool told_recv = false, told_send = false;  // END reached that engine's lane
   std::vector<int32_t> src;
+  std::vector<int> ranks;   // same node: the receiver ranks copied into
+  std::vector<int> told;    // ... and whether each one's END went out now (1) or not (0)
 };
 
 class Lane {
@@ -327,6 +394,8 @@ class Lane {
 
   // Bytes of one page region a CUDA block copies (config lane_cuda_chunk_kb; a multiple of 16).
   void set_chunk(unsigned bytes) { chunk_ = std::max(16u, bytes & ~15u); }
+  // µs the lane thread polls without sleeping after a message (config lane_spin_us; 0: never).
+  void set_spin_us(unsigned us) { spin_us_ = us; }
   // Between two GPUs the kernel runs on the receiver's GPU (pull) or the sender's (push, default).
   void set_pull(bool pull) { pull_ = pull; }
   int launch_device(const Pool& sp, const Pool& dp) const { return pull_ ? dp.device : sp.device; }
@@ -426,40 +495,72 @@ class Lane {
     pools_.erase(bs);
   }
 
+  // Pool ``bs``'s heads, for head slices between TP sizes (see Pool::hmode).
+  void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto p = pools_.find(bs);
+    if (p == pools_.end()) return;
+    Pool& q = p->second;
+    q.hmode = hmode, q.msig = msig, q.hlo = hlo, q.hn = hn, q.ps = ps;
+  }
+
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
-           int64_t prefix, py::array_t<int32_t, py::array::c_style | py::array::forcecast> dst, double deadline) {
+           int64_t prefix, py::array_t<int32_t, py::array::c_style | py::array::forcecast> dst, double deadline,
+           int senders) {
     Armed a;
     a.recv_session = recv_session;
     a.recv_bs = recv_bs;
     a.prefix = prefix;
     a.dst.assign(dst.data(), dst.data() + dst.size());
     a.deadline = deadline;
+    a.senders = std::max(0, senders);
     std::lock_guard<std::mutex> g(mu_);
-    armed_[key(tid, rank)] = std::move(a);
+    const std::string k = key(tid, rank);
+    if (!armed_.count(k)) by_tid_[tid].push_back(rank);
+    armed_[k] = std::move(a);
   }
 
-  // Disarm: 0 = nothing armed, 1 = was armed and is no more; 2 = the lane is copying or has
-  // copied it (Python's finalize is pending): the caller must wait for that completion.
+  // Disarm: 0 = nothing armed, 1 = was armed and is no more (no copy of it is pending: one
+  // booked before stays booked); 2 = the lane is copying or has copied into it and Python's
+  // finalize is pending: the caller must wait for that completion (it takes no sender now).
   int disarm(const std::string& tid, int rank) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = armed_.find(key(tid, rank));
     if (it == armed_.end()) return 0;
-    if (it->second.state == ARMED) {
-      armed_.erase(it);
+    if (it->second.pending == 0) {
+      unarm(it, tid, rank);
       return 1;
     }
+    if (it->second.state == ARMED) it->second.state = GATED;
     return 2;
   }
 
-  // Python's finalize of a completion: the entry goes.
-  void forget(const std::string& tid, int rank) {
+  // Python's finalize of a completion booked a copy into (tid, rank): the copies still pending
+  // there; the entry goes with its last one unless it still takes senders.
+  int forget(const std::string& tid, int rank) {
     std::lock_guard<std::mutex> g(mu_);
-    armed_.erase(key(tid, rank));
+    auto it = armed_.find(key(tid, rank));
+    if (it == armed_.end()) return 0;
+    Armed& a = it->second;
+    a.pending = std::max(0, a.pending - 1);
+    const int left = a.pending;
+    if (left == 0 && a.state != ARMED) unarm(it, tid, rank);
+    return left;
   }
 
   size_t armed_count() {
     std::lock_guard<std::mutex> g(mu_);
     return armed_.size();
+  }
+
+  // mu_ held: the entry goes, and its rank from its transfer's list.
+  void unarm(std::unordered_map<std::string, Armed>::iterator it, const std::string& tid, int rank) {
+    armed_.erase(it);
+    auto t = by_tid_.find(tid);
+    if (t == by_tid_.end()) return;
+    auto& v = t->second;
+    v.erase(std::remove(v.begin(), v.end(), rank), v.end());
+    if (v.empty()) by_tid_.erase(t);
   }
 
 
@@ -645,7 +746,7 @@ class Lane {
       py::array_t<int32_t> src(c.src.size());
       if (!c.src.empty()) std::memcpy(src.mutable_data(), c.src.data(), c.src.size() * 4);
       out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us,
-                                c.flags, c.told_recv, c.told_send, c.kind));
+                                c.flags, c.told_recv, c.told_send, py::cast(c.ranks), py::cast(c.told), c.kind));
     }
     return out;
   }
@@ -718,9 +819,15 @@ class Lane {
   void run() {
     std::vector<char> buf(MAX_MSG);
     epoll_event evs[64];
+    double busy = 0;  // when this thread last handled a message
     while (running_) {
-      int n = epoll_wait(epfd_, evs, 64, parked_count_ ? 1 : -1);
+      // NOTE: within spin_us_ of the last message the thread polls without sleeping: a sleeping
+      // thread's wake-up on an idle core of the GPU host cost tens of µs per hop
+      // (bench/probe_lane.py), the whole budget of a small transfer
+      const bool spin = spin_us_ && (now_s() - busy) * 1e6 < spin_us_;
+      int n = epoll_wait(epfd_, evs, 64, spin ? 0 : parked_count_ ? 1 : -1);
       if (n < 0 && errno == EINTR) continue;
+      if (n > 0 && spin_us_) busy = now_s();
       if (parked_count_) unpark();
       for (int i = 0; i < n && running_; ++i) {
         int fd = evs[i].data.fd;
@@ -787,10 +894,7 @@ class Lane {
     if (h.n_src) std::memcpy(src.data(), p + sizeof h + h.tid_len + h.bs_len, 4ull * h.n_src);
 
     std::string session, why;
-    Pool sp, dp;
-    int64_t prefix = 0;
-    std::vector<int32_t> dst;
-    std::string akey;
+    LocalCopy job;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto c = conns_.find(fd);
@@ -800,37 +904,87 @@ class Lane {
       if (ps == pools_.end() || ps->second.owner != session) {
         why = "buffer set not on the lane";
       } else {
-        sp = ps->second;
-        akey = key(tid, sp.rank);
-        auto ai = armed_.find(akey);
-        if (ai == armed_.end() || ai->second.state != ARMED) {
-          why = "transfer not armed";
-        } else if (now_s() > ai->second.deadline) {
-          why = "transfer deadline passed";
-        } else {
-          Armed& a = ai->second;
-          auto pd = pools_.find(a.recv_bs);
-          if (pd == pools_.end()) {
-            why = "receiver buffer set gone";
-          } else {
-            dp = pd->second;
-            why = check(sp, dp, a, src);
-          }
-          if (why.empty()) {
-            a.state = RUNNING;
-            prefix = a.prefix;
-            dst = a.dst;
-          }
+        job.sp = ps->second;
+        why = targets(tid, job.sp, src, job.tg, job.prefix);
+      }
+      if (why.empty()) {
+        const uint64_t bit = 1ull << (job.sp.rank & 63);
+        for (auto& t : job.tg) {  // taken: atomic with the checks (a disarm sees it pending)
+          Armed& a = armed_.at(t.akey);
+          a.senders = t.senders;
+          a.pending++;
+          a.ranks |= bit;
+          if (__builtin_popcountll(a.ranks) >= a.senders) a.state = RUNNING;
         }
       }
     }
     if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
     reply(fd, h.seq, REPLY_ACCEPTED, "");
-    LocalCopy job{fd, h.flags, tid, bs, session, akey, std::move(sp), std::move(dp), prefix, std::move(dst), std::move(src)};
+    job.fd = fd;
+    job.flags = h.flags;
+    job.tid = tid;
+    job.bs = bs;
+    job.session = session;
+    job.src = std::move(src);
     uint64_t bytes = 0;
-    for (auto& r : job.sp.regions) bytes += r.nbytes * job.dst.size();
+    for (auto& r : job.sp.regions) bytes += r.nbytes * (job.src.size() - (size_t)job.prefix);
     if (bytes < LOCAL_BULK_BYTES || job.sp.device >= 0) return copy_local(job);
     to_bulk([this, job]() mutable { copy_local(job); });
+  }
+
+  // mu_ held: the receiver ranks of ``tid`` armed here that sender pool ``sp`` copies into, each
+  // checked (or why not: the engine's SDK then makes the gRPC call). Equal layouts: the rank of
+  // the sender's rank, whole pages. Mixed TP (Pool::hmode): every armed rank whose heads overlap
+  // the sender's, and together they must hold all of the sender's heads.
+  //
+  //   H = 8, sender TP 4 -> receiver TP 2:   sender 1 holds heads 2-3; receiver 0 holds 0-3
+  //     head slice: nh = 2 heads, from the sender's local head hs = 0 to the receiver's hd = 2
+  std::string targets(const std::string& tid, const Pool& sp, const std::vector<int32_t>& src,
+                      std::vector<Target>& tg, int64_t& prefix) {
+    auto ranks = by_tid_.find(tid);
+    if (ranks == by_tid_.end()) return "transfer not armed";
+    int covered = 0;
+    bool whole = false, other = false;
+    const double now = now_s();
+    for (int rank : ranks->second) {
+      auto ai = armed_.find(key(tid, rank));
+      if (ai == armed_.end()) continue;
+      Armed& a = ai->second;
+      auto pd = pools_.find(a.recv_bs);
+      if (pd == pools_.end()) return "receiver buffer set gone";
+      const Pool& dp = pd->second;
+      Target t;
+      if (dp.sig == sp.sig) {
+        if (rank != sp.rank) continue;
+        whole = true;
+      } else if (sp.hmode && sp.hmode == dp.hmode && sp.msig == dp.msig) {
+        const int lo = std::max(sp.hlo, dp.hlo), hi = std::min(sp.hlo + sp.hn, dp.hlo + dp.hn);
+        if (lo >= hi) continue;
+        t.hs = lo - sp.hlo, t.hd = lo - dp.hlo, t.nh = hi - lo;
+        t.senders = std::max(1, dp.hn / sp.hn);
+        covered += t.nh;
+      } else {
+        other = true;
+        continue;
+      }
+      if (a.state != ARMED) return "transfer not armed";
+      if (now > a.deadline) return "transfer deadline passed";
+      if (a.ranks & (1ull << (sp.rank & 63))) return "this sender rank sent it already";
+      if (a.senders && a.senders != t.senders) return "expected_senders differs from the layouts";
+      std::string why = check(sp, dp, a, src, t.nh);
+      if (!why.empty()) return why;
+      if (!tg.empty() && (a.prefix != prefix || dp.device != tg[0].dp.device))
+        return "receiver ranks differ in prefix or device";
+      prefix = a.prefix;
+      t.akey = key(tid, rank);
+      t.rank = rank;
+      t.dp = dp;
+      t.dst = a.dst;
+      tg.push_back(std::move(t));
+    }
+    if (tg.empty()) return other ? "layouts differ" : "transfer not armed";
+    if (!whole && covered != sp.hn) return "not every receiver rank of its heads is armed here";
+    return pages_ok(sp, src);
   }
 
   // A larger same-node copy of host pools goes to the bulk thread: the lane thread keeps
@@ -838,49 +992,68 @@ class Lane {
   // GPU, and the hand-off would land on the same-node 2 GiB row, a goal still missed).
   static constexpr uint64_t LOCAL_BULK_BYTES = 16ull << 20;
 
-  // An accepted same-node SEND: copy, then END to both engines and the completion for Python.
+  // An accepted same-node SEND: one copy into every target, then END to the sender and to each
+  // receiver rank that has all its senders now, and the completion for Python.
   void copy_local(LocalCopy& job) {
     const int fd = job.fd;
-    const std::string &tid = job.tid, &bs = job.bs, &session = job.session, &akey = job.akey;
-    const Pool &sp = job.sp, &dp = job.dp;
+    const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
+    const Pool& sp = job.sp;
     const int64_t prefix = job.prefix;
-    const std::vector<int32_t>& dst = job.dst;
     std::vector<int32_t>& src = job.src;
-    // The copy: src[prefix + i] -> dst[i] for every region.
-    const size_t moved = src.size() - (size_t)prefix;
-    std::vector<int32_t> pairs(2 * moved);
-    for (size_t i = 0; i < moved; ++i) {
-      pairs[2 * i] = src[(size_t)prefix + i];
-      pairs[2 * i + 1] = dst[i];
+    // The copy: src[prefix + i] -> target's dst[i] for every region of every target.
+    const size_t moved = src.size() - (size_t)prefix, nt = job.tg.size();
+    std::vector<int32_t> pairs(2 * moved * nt);
+    for (size_t t = 0; t < nt; ++t) {
+      const std::vector<int32_t>& dst = job.tg[t].dst;
+      int32_t* pr = pairs.data() + 2 * moved * t;
+      for (size_t i = 0; i < moved; ++i) {
+        pr[2 * i] = src[(size_t)prefix + i];
+        pr[2 * i + 1] = dst[i];
+      }
+    }
+    std::vector<Seg> segs;
+    std::string err;
+    try {
+      segs = segments(sp, job.tg, moved);
+    } catch (const std::exception& e) {
+      err = e.what();
     }
     uint64_t nbytes = 0;
-    for (auto& r : sp.regions) nbytes += r.nbytes * moved;
+    for (auto& g : segs) nbytes += g.nbytes * moved;
     double t0 = now_s();
-    std::string err = copy(sp, dp, pairs, moved);
+    if (err.empty()) err = copy_segs(sp.device, job.tg[0].dp.device, segs, pairs, moved);
     uint64_t us = (uint64_t)((now_s() - t0) * 1e6);
     bool ok = err.empty();
+    const uint64_t each = nt ? nbytes / nt : 0;
 
     Completion done;
-    std::string recv_session, recv_bs;
     {
       std::lock_guard<std::mutex> g(mu_);
-      auto ai = armed_.find(akey);  // still ours: disarm() answers 2 while RUNNING/COMPLETED
-      if (ai != armed_.end()) {
-        ai->second.state = COMPLETED;
-        recv_session = ai->second.recv_session;
-        recv_bs = ai->second.recv_bs;
+      // END to the engines first (receivers, then sender); Python's bookkeeping follows.
+      for (auto& t : job.tg) {
+        int told = 0;
+        auto ai = armed_.find(t.akey);  // still ours: disarm() answers 2 while a copy is pending
+        if (ai != armed_.end()) {
+          Armed& a = ai->second;
+          a.done += ok;
+          a.nbytes += each;
+          if (!a.told && (!ok || a.done >= a.senders)) {  // its last sender, or a failure: END
+            a.told = true;
+            a.state = a.state == GATED ? GATED : COMPLETED;
+            std::string to_recv = end_msg(0, ok, tid, a.recv_bs, err, a.nbytes, moved, (uint64_t)prefix, us);
+            for (auto& kv : conns_) {
+              if (kv.second.session == a.recv_session) told |= sendmsg_(kv.first, to_recv);
+            }
+          }
+        }
+        done.ranks.push_back(t.rank);
+        done.told.push_back(told);
       }
-      // END to the engines first (receiver, then sender); Python's bookkeeping follows.
-      std::string to_recv = end_msg(0, ok, tid, recv_bs, err, nbytes, moved, (uint64_t)prefix, us);
       std::string to_send = end_msg(1, ok, tid, bs, err, nbytes, moved, (uint64_t)prefix, us);
-      bool told_recv = false;
-      for (auto& kv : conns_) {
-        if (kv.second.session == recv_session) told_recv |= sendmsg_(kv.first, to_recv);
-      }
       done.told_send = tell(fd, session, to_send);
-      done.told_recv = told_recv;
+      done.told_recv = !done.told.empty() && done.told[0];
       done.tid = tid;
-      done.rank = sp.rank;
+      done.rank = job.tg.empty() ? sp.rank : job.tg[0].rank;
       done.bs = bs;
       done.sender_session = session;
       done.ok = ok;
@@ -895,8 +1068,10 @@ class Lane {
     (void)!write(done_, &one, 8);
   }
 
-  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src) const {
-    if (sp.sig != dp.sig || sp.regions.size() != dp.regions.size()) return "layouts differ";
+  // One target's geometry against the sender's (nh 0: equal layouts, whole pages).
+  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src, int nh) const {
+    if (nh == 0 && (sp.sig != dp.sig || sp.regions.size() != dp.regions.size())) return "layouts differ";
+    if (sp.regions.size() != dp.regions.size()) return "layouts differ";
     // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
     // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
     if (sp.device != dp.device) {
@@ -905,10 +1080,50 @@ class Lane {
       if (far.alias.find(launch_device(sp, dp)) == far.alias.end())
         return "pools on two GPUs, not mapped in the launching GPU's context";
     }
-    for (size_t i = 0; i < sp.regions.size(); ++i)
-      if (sp.regions[i].nbytes != dp.regions[i].nbytes) return "region geometry differs";
+    for (size_t i = 0; i < sp.regions.size(); ++i) {
+      const uint64_t a_ = sp.regions[i].nbytes, b_ = dp.regions[i].nbytes;
+      if (nh == 0 ? a_ != b_
+                  : (a_ % ((uint64_t)sp.ps * sp.hn) || b_ % ((uint64_t)dp.ps * dp.hn) ||
+                     a_ / ((uint64_t)sp.ps * sp.hn) != b_ / ((uint64_t)dp.ps * dp.hn)))
+        return "region geometry differs";
+    }
     if ((int64_t)src.size() != a.prefix + (int64_t)a.dst.size()) return "page count is not prefix + delta";
-    return pages_ok(sp, src);
+    return "";
+  }
+
+  // The copy's segments: per target, per region. A head slice of token-major pages is a run of
+  // nh heads per token; of head-major pages one run of nh heads' tokens:
+  //
+  //   NHD page [ps][hn][hb]:  token k's run at hs*hb + k*hn*hb (sender), hd*hb + k*hn'*hb (receiver)
+  //   HND page [hn][ps][hb]:  one run of nh*ps*hb at hs*ps*hb (sender), hd*ps*hb (receiver)
+  std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const {
+    const int on = tg.empty() ? sp.device : launch_device(sp, tg[0].dp);
+    const std::vector<uint64_t>* sa = sp.device == on || sp.device < 0 ? nullptr : &sp.alias.at(on);
+    std::vector<Seg> out;
+    for (size_t t = 0; t < tg.size(); ++t) {
+      const Target& x = tg[t];
+      const Pool& dp = x.dp;
+      const std::vector<uint64_t>* da = dp.device == on || dp.device < 0 ? nullptr : &dp.alias.at(on);
+      for (size_t r = 0; r < sp.regions.size(); ++r) {
+        const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
+        Seg g{sa ? (*sa)[r] : s.base, da ? (*da)[r] : d.base, s.stride, d.stride, s.nbytes, s.nbytes, 0, 0,
+              (uint64_t)(t * moved)};
+        if (x.nh) {
+          const uint64_t hb = s.nbytes / ((uint64_t)sp.ps * sp.hn), ps = (uint64_t)sp.ps;
+          if (sp.hmode == 1) {  // token-major
+            g.src += x.hs * hb, g.dst += x.hd * hb;
+            g.run = x.nh * hb, g.src_run = sp.hn * hb, g.dst_run = dp.hn * hb;
+            g.nbytes = g.run * ps;
+            if (g.run == g.src_run && g.run == g.dst_run) g.run = g.nbytes;  // all heads: one run
+          } else {  // head-major
+            g.src += x.hs * ps * hb, g.dst += x.hd * ps * hb;
+            g.nbytes = g.run = x.nh * ps * hb;
+          }
+        }
+        out.push_back(g);
+      }
+    }
+    return out;
   }
 
   static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src) {
@@ -944,22 +1159,28 @@ class Lane {
     std::memcpy(d, s, n);
   }
 
-  static void host_jobs(const Pool& sp, const Pool& dp, const int32_t* pairs, size_t moved, size_t lo, size_t hi) {
+  static void host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t lo, size_t hi) {
     for (size_t job = lo; job < hi; ++job) {
-      const size_t r = job / moved, i = job % moved;
-      const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
-      host_run((char*)(d.base + (uint64_t)pairs[2 * i + 1] * d.stride),
-               (const char*)(s.base + (uint64_t)pairs[2 * i] * s.stride), s.nbytes);
+      const Seg& g = segs[job / moved];
+      const size_t i = job % moved;
+      const int32_t* pr = pairs + 2 * (g.pairs + i);
+      char* d = (char*)(g.dst + (uint64_t)pr[1] * g.dst_stride);
+      const char* s = (const char*)(g.src + (uint64_t)pr[0] * g.src_stride);
+      if (g.run >= g.nbytes) {
+        host_run(d, s, g.nbytes);
+      } else {
+        for (uint64_t k = 0, n = g.nbytes / g.run; k < n; ++k) host_run(d + k * g.dst_run, s + k * g.src_run, g.run);
+      }
     }
 #if defined(__x86_64__)
     _mm_sfence();  // the streamed stores are visible before the END that follows
 #endif
   }
 
-  static void host_copy(const Pool& sp, const Pool& dp, const int32_t* pairs, size_t moved) {
-    const size_t jobs = sp.regions.size() * moved;
+  static void host_copy(const std::vector<Seg>& segs, const int32_t* pairs, size_t moved) {
+    const size_t jobs = segs.size() * moved;
     uint64_t bytes = 0;
-    for (auto& r : sp.regions) bytes += r.nbytes * (uint64_t)moved;
+    for (auto& g : segs) bytes += g.nbytes * (uint64_t)moved;
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     const size_t n = bytes < HOST_PARALLEL_BYTES
                          ? 1
@@ -969,23 +1190,32 @@ class Lane {
     size_t inline_from = jobs;  // a helper that could not start leaves its jobs (and later ones) here
     for (size_t t = 1; t < n; ++t) {
       try {
-        helpers.emplace_back(host_jobs, std::cref(sp), std::cref(dp), pairs, moved, jobs * t / n,
-                             jobs * (t + 1) / n);
+        helpers.emplace_back(host_jobs, segs.data(), pairs, moved, jobs * t / n, jobs * (t + 1) / n);
       } catch (const std::system_error&) {
         inline_from = jobs * t / n;
         break;
       }
     }
-    host_jobs(sp, dp, pairs, moved, 0, jobs / n);
-    if (inline_from < jobs) host_jobs(sp, dp, pairs, moved, inline_from, jobs);
+    host_jobs(segs.data(), pairs, moved, 0, jobs / n);
+    if (inline_from < jobs) host_jobs(segs.data(), pairs, moved, inline_from, jobs);
     for (auto& h : helpers) h.join();
   }
 
+  // Pool to pool, whole pages (the cross-node lane's pack and unpack).
   std::string copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
-    const size_t nr = sp.regions.size();
+    Target t;
+    t.dp = dp;
+    return copy_segs(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
+  }
+
+  // Every segment's ``moved`` pages (``pairs``: source, destination page per segment's block)
+  // in one kernel launch on the launching GPU, or memcpy for host pools; returns once copied.
+  std::string copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
+                        size_t moved) {
+    const size_t nr = segs.size();
     if (moved == 0 || nr == 0) return "";
-    if (sp.device < 0) {
-      host_copy(sp, dp, pairs.data(), moved);
+    if (sdev < 0) {
+      host_copy(segs, pairs.data(), moved);
       return "";
     }
     try {
@@ -993,28 +1223,18 @@ class Lane {
       std::lock_guard<std::mutex> g(cuda_mu_);
       stat(S_CULOCK, t_lock);
       st_[S_COPIES]++;
-      const int on = launch_device(sp, dp);
+      const int on = pull_ ? ddev : sdev;
       DeviceLane& d = device(on);
       CUresult r;
       if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
-      const size_t rbytes = nr * 40, need = rbytes + pairs.size() * 4;
+      const size_t rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
       grow(d, need);
       uint64_t maxb = 0;
       int vec = 1;
-      uint64_t* reg = (uint64_t*)d.host;
-      // two GPUs: the other GPU's pool through its mapping in the launching GPU's context
-      const std::vector<uint64_t>* sa = sp.device == on ? nullptr : &sp.alias.at(on);
-      const std::vector<uint64_t>* da = dp.device == on ? nullptr : &dp.alias.at(on);
-      for (size_t r = 0; r < nr; ++r) {
-        const RegionDesc &s = sp.regions[r], &t = dp.regions[r];
-        const uint64_t sb = sa ? (*sa)[r] : s.base, tb = da ? (*da)[r] : t.base;
-        reg[5 * r] = sb;
-        reg[5 * r + 1] = tb;
-        reg[5 * r + 2] = s.stride;
-        reg[5 * r + 3] = t.stride;
-        reg[5 * r + 4] = s.nbytes;
-        if ((sb | tb | s.stride | t.stride | s.nbytes) & 15) vec = 0;
-        if (s.nbytes > maxb) maxb = s.nbytes;
+      std::memcpy(d.host, segs.data(), rbytes);
+      for (auto& x : segs) {
+        if ((x.src | x.dst | x.src_stride | x.dst_stride | x.nbytes | x.run | x.src_run | x.dst_run) & 15) vec = 0;
+        if (x.nbytes > maxb) maxb = x.nbytes;
       }
       std::memcpy(d.host + rbytes, pairs.data(), pairs.size() * 4);
       if ((r = cuda_.cuMemcpyHtoDAsync(d.dev, d.host, need, d.stream))) return cu_err(r);
@@ -1671,6 +1891,7 @@ class Lane {
   }
 
   std::atomic<unsigned> chunk_{16384};
+  std::atomic<unsigned> spin_us_{0};
   std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight
   std::atomic<bool> pull_{false};
   int epfd_, wake_, done_;
@@ -1680,6 +1901,7 @@ class Lane {
   std::unordered_map<int, Conn> conns_;
   std::unordered_map<std::string, Pool> pools_;
   std::unordered_map<std::string, Armed> armed_;
+  std::unordered_map<std::string, std::vector<int>> by_tid_;  // transfer id -> its armed ranks
   std::deque<Completion> completions_;
   Cuda cuda_;
   NvRtc nvrtc_;
@@ -1730,6 +1952,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stop", &Lane::stop, py::call_guard<py::gil_scoped_release>())
       .def("completion_fd", &Lane::completion_fd)
       .def("set_chunk", &Lane::set_chunk)
+      .def("set_spin_us", &Lane::set_spin_us)
       .def("set_pull", &Lane::set_pull)
       .def("init_cuda", &Lane::init_cuda, py::call_guard<py::gil_scoped_release>())
       .def("cuda_why", &Lane::cuda_why)
@@ -1740,7 +1963,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_pool", &Lane::add_pool)
       .def("set_alias", &Lane::set_alias)
       .def("drop_pool", &Lane::drop_pool)
-      .def("arm", &Lane::arm)
+      .def("set_heads", &Lane::set_heads)
+      .def("arm", &Lane::arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"),
+           py::arg("prefix"), py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1)
       .def("disarm", &Lane::disarm)
       .def("forget", &Lane::forget)
       .def("armed_count", &Lane::armed_count)

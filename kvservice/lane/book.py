@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import dataclasses
 import hashlib
 import logging
 import time
@@ -39,17 +40,37 @@ _RETIRED = 256  # unregistered buffer sets kept for a finalize in flight
 # The (transfer id, rank) a finalize books, seen by it and by every task it starts (the booking's
 # sender worker, the receiver's end that worker may tell): their settle of it must not wait for
 # the finalize, which waits for them.
-_BOOKING: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+_BOOKING: contextvars.ContextVar[tuple[str, tuple[int, ...]] | None] = contextvars.ContextVar(
     "lane_booking", default=None
 )
 
 
+def _booking(transfer_id: str, rank: int) -> bool:
+    """This task books (or was started by the booking of) receiver rank ``rank`` of ``transfer_id``."""
+    b = _BOOKING.get()
+    return b is not None and b[0] == transfer_id and rank in b[1]
+
+
 def layout_signature(layout: Any) -> int:
     """What two pools must share for a page-for-page copy (all but the pool size and the rank)."""
-    import dataclasses
+    return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0))
 
-    key = repr(dataclasses.replace(layout, num_pages=0, tp_rank=0)).encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
+    """What the lane needs for head slices between TP sizes: (mode, signature of the layout but
+    for its TP, first global head, local heads, page size). Mode 1: token-major pages ("nhd"),
+    2: head-major ("hnd"), 0: none (K and V in one region, MLA, replicated heads: gRPC)."""
+    mode = {"nhd": 1, "hnd": 2}.get(layout.page_layout, 0)
+    if layout.kind != "mha" or layout.tp_size > layout.total_kv_heads:
+        mode = 0
+    but_tp = dataclasses.replace(layout, num_pages=0, tp_rank=0, tp_size=1, local_kv_heads=0, dp_rank=0)
+    sig = _signature(but_tp)
+    local = layout.local_kv_heads
+    return mode, sig, layout.tp_rank * local, local, layout.page_size
+
+
+def _signature(layout: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little")
 
 
 class NoLane:
@@ -138,6 +159,7 @@ class LaneBook(NoLane):
             table,
             geometry_signature(bs),
         )
+        self.n.set_heads(bs.buffer_set_id, *head_geometry(lay))
         self.pools[bs.buffer_set_id] = bs
         if device >= 0:
             self._map_across(bs, device)
@@ -176,14 +198,15 @@ class LaneBook(NoLane):
 
     # -- transfers -----------------------------------------------------------------------------
     def eligible(self, inc: Any) -> bool:
-        """A declaration the lane may complete: the plain same-layout case, one sender rank.
+        """A declaration the lane may complete: whole pages, or head slices from several sender
+        ranks of another TP size (mixed TP) when its pages allow them (``head_geometry``).
         (Integrity does not exclude it: like the Python same-service route, one copy by this
         service has no hop between sender and receiver to verify.)"""
         return (
             inc.bs.buffer_set_id in self.pools
             and inc.landing is None
             and not inc.aux
-            and inc.expected_senders <= 1
+            and (inc.expected_senders <= 1 or head_geometry(inc.bs.layout)[0] != 0)
             and (not inc.allowed_senders or LOCAL_PEER in inc.allowed_senders)
             and inc.dst_pages.size > 0
         )
@@ -199,13 +222,14 @@ class LaneBook(NoLane):
             inc.prefix_pages,
             inc.dst_pages.astype(np.int32),
             inc.rec.deadline,
+            inc.expected_senders,  # 0: the layouts say (the lane derives it from the first sender)
         )
         return True
 
     async def settle(self, inc: Any) -> None:
         """Before the receiver ends otherwise: disarm, or wait until the lane's copy is booked."""
         key = (inc.rec.transfer_id, inc.bs.layout.tp_rank)
-        if _BOOKING.get() == key:
+        if _booking(*key):
             return  # the booking itself ends the receiver (a malformed commit): nothing to wait for
         crossing = self.cross is not None and self.cross.rx.settle_in(*key)
         if self.n.disarm(*key) == 2 or crossing:
@@ -279,7 +303,7 @@ class LaneBook(NoLane):
             if kind == 1:
                 await self.cross.tx.sent(c)
             else:
-                _BOOKING.set((tid, rank))  # this task's own context (create_task copied it)
+                _BOOKING.set((tid, (rank,)))  # this task's own context (create_task copied it)
                 await self.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10])
         except Exception:
             log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
@@ -303,32 +327,37 @@ class LaneBook(NoLane):
         flags: int,
         told_recv: bool = False,
         told_send: bool = False,
+        ranks: list[int] | None = None,
+        told: list[int] | None = None,
     ) -> None:
+        """Book one SEND the lane copied into receiver ranks ``ranks`` (``told``: which of them
+        heard their END with it: their last sender)."""
         from ..transfer.records import Record
         from ..transfer.sender import Chunk, Outgoing
 
         e = self.e
+        ranks = list(ranks) if ranks else [rank]
+        told_by = dict(zip(ranks, told or [told_recv], strict=False))
         # NOTE: in this task's own context (create_task copied it), inherited by the tasks it
         # starts: the booking's sender worker, and whatever that worker ends (see settle).
-        _BOOKING.set((tid, rank))
-        inc = next((i for i in e.receiver.of(tid) if i.bs.layout.tp_rank == rank), None)
+        _BOOKING.set((tid, tuple(ranks)))
+        incs = [i for i in e.receiver.of(tid) if i.bs.layout.tp_rank in told_by]
         bs = self.pools.get(bs_id) or self._retired.get(bs_id)
         try:
-            deadline = inc.rec.deadline if inc is not None else time.monotonic() + 60
+            deadline = incs[0].rec.deadline if incs else time.monotonic() + 60
             rec = Record(tid, "SENDER", bs_id, session_id, deadline)
             # an engine the lane told has its END: its Transfers stream need not say it again
             rec.lane_told = told_send
-            if inc is not None:
-                inc.rec.lane_told = told_recv
-            if ok and bs is not None and inc is not None:
+            for inc in incs:
+                inc.rec.lane_told = inc.rec.lane_told or bool(told_by.get(inc.bs.layout.tp_rank))
+            if ok and bs is not None and len(incs) == len(ranks):
                 # the booking: the ordinary same-node send of a copy already made, on this
-                # service's own declaration; nothing stops it and nothing in it waits (an end that
-                # meets it waits for it: Sender.stop)
+                # service's own declarations; nothing stops it and nothing in it waits (an end
+                # that meets it waits for it: Sender.stop)
                 out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
                 out.seq, out.next_offset, out.got_last = 1, int(src.size), True
-                chunk = Chunk(
-                    0, 0, src.astype(np.int64), True, {}, time.monotonic(), copied=(nbytes, copy_us)
-                )
+                each = (nbytes // len(ranks), copy_us)  # per receiver rank (even head splits)
+                chunk = Chunk(0, 0, src.astype(np.int64), True, {}, time.monotonic(), copied=each)
                 await e.send(out, chunk)
                 await e.sender.stopped(out)
                 if rec.state == "DONE":
@@ -342,12 +371,13 @@ class LaneBook(NoLane):
             )
             e.table.add(rec)
             e.table.finish(rec, "FAILED", "INTERNAL", f"lane copy failed: {why}")
-            if inc is not None:
+            for inc in incs:
                 await e.fail_incoming(inc, KVServiceError(f"lane copy failed: {why}"))
         except Exception:
             log.exception("lane finalize failed", extra={"transfer_id": tid})
         finally:
-            self.n.forget(tid, rank)
-            fut = self._waiters.pop((tid, rank), None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            for r in ranks:
+                if self.n.forget(tid, r) == 0:  # its last pending copy is booked
+                    fut = self._waiters.pop((tid, r), None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)

@@ -80,7 +80,7 @@ class CrossOut:
         Poll and the Transfers stream; the engine read its END on the lane already)."""
         from ..transfer.records import Record
 
-        tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send, _ = c
+        tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send = c[:12]
         e = self.e
         self.n.forget_out(tid, rank)
         address, publishes_into = self._forget_out(tid, rank)

@@ -7,6 +7,7 @@ by the service when the client closes or its process dies.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
@@ -53,6 +54,11 @@ def message_size_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
+# NOTE: µs a thread waiting on the lane polls before it sleeps (``lane_spin_us``;
+# bench/results/NOTES.md has the measurement behind the default)
+_LANE_SPIN_US = 0
+
+
 def channel_options(
     max_message_mb: int = 64, keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE
 ) -> list[tuple[str, Any]]:
@@ -73,6 +79,8 @@ class Client(LandingCalls):
     ``transfer_stream``: make ExpectDelta / SendDelta / Abort on the session's Transfers stream
     (one held stream; ended transfers arrive on it, so :meth:`wait` opens no watch). False, or
     a service without that RPC: unary calls and a watch per wait.
+    ``lane_spin_us``: how long a thread waiting for the lane's answer polls before it sleeps
+    (None: ``KVSERVICE_LANE_SPIN_US``, else the default); each try releases the GIL.
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class Client(LandingCalls):
         security: ChannelSecurity = PLAIN,
         transfer_stream: bool = True,
         lane: bool = True,
+        lane_spin_us: int | None = None,
     ) -> None:
         self.target = target
         self.client_name = client_name
@@ -98,7 +107,10 @@ class Client(LandingCalls):
         self._tx: TransferStream | None = None
         self._tx_lock = threading.Lock()
         self._tx_enabled = transfer_stream
-        self._lane = LaneOpener(target, self._tx_book, lane)  # same-node transfers without gRPC
+        if lane_spin_us is None:
+            lane_spin_us = int(os.environ.get("KVSERVICE_LANE_SPIN_US", "") or _LANE_SPIN_US)
+        # same-node transfers without gRPC
+        self._lane = LaneOpener(target, self._tx_book, lane, lane_spin_us)
         if self._lane.enabled:  # wait() reads the lane on the waiting thread (see _lane)
             self._tx_book.pump, self._tx_book.wake = self._lane.pump, self._lane.wake
         self._credential_path = find_credential_path(target, credential_path)
