@@ -5,7 +5,11 @@ rank pair, covering that pair's heads), same layout and pages, one run.
     .venv/bin/python bench/bench_mixed_tp.py --device cpu [--small]
     python bench/bench_mixed_tp.py --device cuda [--src-gpu 0 --dst-gpu 1]
     python bench/bench_mixed_tp.py --device cuda --pages 1024 --pool-pages 1088 --configs 4:2,2:1 \
-        --skip-per-token --tag 2g        # issue 28's goal: 2 GiB >= 80% of a device copy
+        --skip-per-token --same-node --tag 2g_lane   # issue 28's goal: 2 GiB >= 80% of a device copy
+
+``--same-node``: one service serves every rank (one service per node, as deployed), so each
+sender rank's SendDelta takes the native lane's head-slice copy; without it two services on this
+host (the sender's fuses into the receiver's pools over CUDA IPC / shm, or ``--cross-node``).
 
 Each run also times a contiguous copy of the moved bytes between the two devices (the same-run
 baseline of the goal: ``fraction_of_contiguous_copy`` per config).
@@ -111,7 +115,7 @@ def kvservice_run(
     args: argparse.Namespace, svc: Services, p: int, d: int, src: np.ndarray, dst: np.ndarray
 ) -> dict:
     sdev, ddev = devices(args)
-    a, b = svc.addresses
+    a, b = svc.addresses[0], svc.addresses[-1]
     peer = svc.peer_addresses[-1]
     tx = [KVPool(layout(args, p, s), sdev, 10 + s) for s in range(p)]
     rx = [KVPool(layout(args, d, r), ddev, None) for r in range(d)]
@@ -153,6 +157,7 @@ def kvservice_run(
                             for k in ("plan", "pack", "wire", "total")
                         }
                     )
+            lane = ka.lane_sent
             for bs in rb:
                 kb.unregister_buffers(bs)
             for bs in sb:
@@ -163,6 +168,8 @@ def kvservice_run(
                 summarize(samples),
                 samples_ms=[x * 1e3 for x in samples],
                 paths=sorted({s.path for s in stats}),
+                routes=sorted({s.route_note or "grpc" for s in stats}),
+                lane_sent=lane,
                 descriptors=sum(s.descriptors for s in stats),
                 bytes_sent=sum(s.bytes_sent for s in stats),
                 phases_us_median={k: float(np.median([q[k] for q in phases])) for k in phases[0]},
@@ -257,6 +264,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--configs", default="2:1,1:2,4:2", help="sender:receiver TP list")
     ap.add_argument("--vram-staging-mb", type=int, default=1024)
+    ap.add_argument("--same-node", action="store_true", help="one service serves every rank (the lane)")
     ap.add_argument(
         "--skip-per-token",
         action="store_true",
@@ -276,12 +284,14 @@ def main() -> None:
     t = contiguous_copy(sdev, ddev, full_bytes, max(args.iters, 5))
     copy = summarize(t) | {"samples_ms": [x * 1e3 for x in t]}
     print(f"contiguous copy: {copy['p50_ms']:.2f} ms", file=sys.stderr)
-    with network(args) as args.net, Services(2, env | route_env(args), net=args.net) as svc:
+    nsvc = 1 if args.same_node else 2
+    with network(args) as args.net, Services(nsvc, env | route_env(args), net=args.net) as svc:
         for p, d in configs:
             results[f"{p}->{d}"] = one_config(args, svc, p, d, src, dst, full_bytes, copy["p50_ms"])
     report = {
         "benchmark": "mixed_tp",
         "netns": args.netns,
+        "same_node": args.same_node,
         "device": args.device,
         "src_gpu": args.src_gpu,
         "dst_gpu": args.dst_gpu,

@@ -6,6 +6,7 @@ decoded, ``wait`` returning; ``copy_us`` is the service's own copy time from the
 for one page (64 KiB) and 2 GiB, at Python's default thread switch interval and at 50 µs.
 
     python3 bench/probe_lane.py            # GPU 0 (PROBE_DEV=cpu: shm pools); JSON to $OUT
+    PROBE_SPINS=0:0,200:0,200:100 python3 bench/probe_lane.py   # lane_spin_us service:SDK
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ DEV: Any = os.environ.get("PROBE_DEV", "0")
 DEV = int(DEV) if DEV.isdigit() else DEV
 
 
-def one(layers: int, pages: int, iters: int) -> dict[str, Any]:
+def one(layers: int, pages: int, iters: int, svc_spin: int = 0, sdk_spin: int = 0) -> dict[str, Any]:
     layout = Layout.mha(
         num_layers=layers, page_size=16, num_pages=2048, total_kv_heads=8, head_dim=128, dtype="bfloat16"
     )
@@ -52,9 +53,13 @@ def one(layers: int, pages: int, iters: int) -> dict[str, Any]:
     src = rng.choice(2048, pages, replace=False).astype(np.int64)
     dst = rng.choice(2048, pages, replace=False).astype(np.int64)
     rows = []
-    with Services(1, {}) as svc, pools((layout, DEV, 1), (layout, DEV, None)) as (ps, pr):
+    env = {"KVSERVICE_LANE_SPIN_US": str(svc_spin)}
+    with Services(1, env) as svc, pools((layout, DEV, 1), (layout, DEV, None)) as (ps, pr):
         a, peer = svc.addresses[0], svc.peer_addresses[0]
-        with Client(a, client_name="tx") as ka, Client(a, client_name="rx") as kb:
+        with (
+            Client(a, client_name="tx", lane_spin_us=sdk_spin) as ka,
+            Client(a, client_name="rx", lane_spin_us=sdk_spin) as kb,
+        ):
             ra = ka.register_buffers(layout, *ps.regions()).buffer_set_id
             rb = kb.register_buffers(layout, *pr.regions()).buffer_set_id
             for it in range(iters + 1):
@@ -87,13 +92,18 @@ def one(layers: int, pages: int, iters: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    """PROBE_SPINS: "service µs:SDK µs" pairs (lane_spin_us of the service and of the clients),
+    each measured at Python's thread switch interval; PROBE_SW50=1 adds the 50 µs one."""
     out: dict[str, Any] = {}
-    for sw in (0, 50):
+    spins = [tuple(int(x) for x in p.split(":")) for p in os.environ.get("PROBE_SPINS", "0:0").split(",")]
+    for sw in (0, 50) if os.environ.get("PROBE_SW50") == "1" else (0,):
         if sw:
             sys.setswitchinterval(sw * 1e-6)
-        out[f"64k_sw{sw}"] = one(1, 1, 300)
-        out[f"2g_sw{sw}"] = one(32, 1024, 40)
-        print(json.dumps(out, indent=1), flush=True)
+        for svc_spin, sdk_spin in spins:
+            tag = f"sw{sw}_spin{svc_spin}_{sdk_spin}"
+            out[f"64k_{tag}"] = one(1, 1, 300, svc_spin, sdk_spin)
+            out[f"2g_{tag}"] = one(32, 1024, 40, svc_spin, sdk_spin)
+            print(json.dumps({k: out[k] for k in (f"64k_{tag}", f"2g_{tag}")}, indent=1), flush=True)
     d = os.environ.get("OUT", "/tmp")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "lane_probe.json"), "w") as f:

@@ -4,6 +4,7 @@
 #   bash bench/run_gpu.sh x2   # GPU0 -> GPU1: senders on 0, receivers on 1
 #   bash bench/run_gpu.sh x2open # two GPUs, one device call (< 10 min): issue 32's open goals
 #   bash bench/run_gpu.sh stream # the cross-node lane's streamed 2 GiB, parts 4/8/2, one and two GPUs
+#   bash bench/run_gpu.sh mixed  # mixed TP on the same-node lane, the lane's spin (one GPU)
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -58,6 +59,16 @@ elif [ "$1" = stream2 ]; then
   KVSERVICE_LANE_CROSS_PARTS=2 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p2
   KVSERVICE_LANE_CROSS_GPU_MB=2048 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --skip-baseline --tag lane_stream_p4_2g
   KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag lane_one_write_8g
+elif [ "$1" = mixed ]; then
+  # mixed TP on the same-node lane (one service, every rank; issue 28's >= 80% row) and the lane's
+  # spin (lane_spin_us, service and SDK) on the one-page and 2 GiB same-node rows (>= 85%)
+  T=150 run bench/sweep_lane_kernel.py --rounds 3
+  PROBE_SPINS=0:0,200:0,0:100,200:100 OUT=$OUT T=300 run bench/probe_lane.py
+  T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 10 --tag 2g_lane
+  KVSERVICE_LANE_SPIN_US=200 T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 10 --tag 2g_lane_spin
+  KVSERVICE_LANE_SPIN_US=200 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag spin
+  echo "== GPU tests: the lane (mixed TP)" | tee -a "$LOG"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_lane.py 2>&1 | tail -4 | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs), verbose,
   # into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

@@ -8,6 +8,10 @@ and timed with CUDA events against ``copy_`` of 2 GiB, interleaved over rounds::
 
     python3 bench/sweep_lane_kernel.py --out bench/results      # sweep_lane_kernel_<gpu>.json
     python3 bench/sweep_lane_kernel.py --src-gpu 0 --dst-gpu 1  # across two GPUs (peer access)
+
+Rows ``lane_slice_*``: the lane kernel's head-slice path (mixed TP 4 -> 2 and 2 -> 1, H = 8:
+each sender page's 16 tokens x 2 (4) heads into 512 (1,024)-byte runs of the receiver's tokens)
+against a device copy of the same bytes (``copy_slice_*``).
 """
 
 from __future__ import annotations
@@ -102,11 +106,10 @@ def main() -> None:
     nbytes = args.pages * page * nreg
     launch_dev = args.src_gpu
     with cp.cuda.Device(launch_dev):
-        table = cp.asarray(
-            np.array(
-                [[s.data.ptr, d.data.ptr, page, page, page] for s, d in zip(src, dst, strict=True)], np.uint64
-            )
-        )
+        geo = [[s.data.ptr, d.data.ptr, page, page, page] for s, d in zip(src, dst, strict=True)]
+        table5 = cp.asarray(np.array(geo, np.uint64))  # the persistent variants' Region
+        # the lane's Region: + run (one run: the whole page), src_run, dst_run, pairs offset
+        table = cp.asarray(np.array([g + [page, 0, 0, 0] for g in geo], np.uint64))
         pairs = cp.asarray(np.stack([sp, dp], axis=1).reshape(-1))
         flat_s = cp.empty(nbytes, dtype=cp.uint8)
     with cp.cuda.Device(args.dst_gpu):
@@ -154,9 +157,29 @@ def main() -> None:
 
             def run(k=k, t=threads, b=sms * per_sm, c=chunk, z=nch) -> None:  # type: ignore[no-untyped-def]
                 dims = (np.uint32(args.pages), np.uint32(nreg), np.uint32(z))
-                k((b,), (t,), (table, pairs, np.int32(1), np.uint32(c), *dims))
+                k((b,), (t,), (table5, pairs, np.int32(1), np.uint32(c), *dims))
 
             variants[f"persistent_t{threads}_u{unroll}_{load}_{store}_x{per_sm}_c{chunk // 1024}k"] = run
+
+        # head slices: sender TP p (H/p heads a page) into receiver TP p/2 (2H/p heads), its first half
+        for p_ in (4, 2):
+            sl = page // p_  # a sender page of one region
+            run, dst_run = sl // 16, 2 * sl // 16  # one token's heads: sender, receiver
+            sgeo = [
+                [s.data.ptr, d.data.ptr, sl, 2 * sl, sl, run, run, dst_run, 0]
+                for s, d in zip(src, dst, strict=True)
+            ]
+            stab = cp.asarray(np.array(sgeo, np.uint64))
+            snb = args.pages * sl * nreg
+
+            def srun(st=stab, z=(sl + 16383) // 16384) -> None:  # type: ignore[no-untyped-def]
+                lane((args.pages, nreg, z), (256,), (st, pairs, np.int32(1), np.uint32(16384)))
+
+            def scopy(n=snb) -> None:  # type: ignore[no-untyped-def]
+                flat_d.data.copy_from_device_async(flat_s.data, n)
+
+            variants[f"copy_slice_{p_}to{p_ // 2}"] = scopy
+            variants[f"lane_slice_{p_}to{p_ // 2}"] = srun
 
     def check() -> bool:
         for s, d in zip(src[:2], dst[:2], strict=True):
@@ -171,7 +194,7 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            if vname not in ok:  # byte for byte, once
+            if vname not in ok and not vname.startswith(("lane_slice", "copy_slice")):  # byte for byte, once
                 for d in dst:
                     d.fill(0)
                 fn()
@@ -189,6 +212,11 @@ def main() -> None:
         }
         for v, t in results.items()
     }
+    for p_ in (4, 2):  # a slice against the device copy of its own bytes
+        c, k = f"copy_slice_{p_}to{p_ // 2}", f"lane_slice_{p_}to{p_ // 2}"
+        rows[k]["share_of_copy"] = rows[c]["p50_ms"] / rows[k]["p50_ms"]
+        rows[k]["exact"] = None  # not checked here: tests/lane/test_lane_mixed_tp.py (CPU), GPU tests
+        rows[c]["share_of_copy"] = 1.0
     for v, r in rows.items():
         print(f"{v:48s} {r['p50_ms']:.3f} ms  {r['share_of_copy']:.1%}  exact={r['exact']}")
     res = {

@@ -71,3 +71,45 @@ def test_lane_abort_before_send_writes_nothing(service: str) -> None:
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+MIXED = dict(num_layers=2, page_size=16, num_pages=32, total_kv_heads=8, head_dim=128, dtype="bfloat16")
+
+
+@pytest.mark.parametrize(("p", "d"), [(4, 2), (2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("across", [False, True], ids=["one-gpu", "gpu0to1"])
+def test_lane_mixed_tp_head_slices_on_the_gpu(service: str, p: int, d: int, across: bool) -> None:
+    """Mixed TP on the lane's kernel: every sender rank's SEND goes over the lane, every receiver
+    rank ends DONE over it with each global head where it belongs, and no other page changed."""
+    import torch
+
+    if across and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    senders = [Engine() for _ in range(p)]
+    receivers = [Engine() for _ in range(d)]
+    try:
+        for r, e in enumerate(senders):
+            lay = {**MIXED, "tp_size": p, "tp_rank": r}
+            e(op="register", address=service, layout=lay, fill=True, seed=10 + r)
+        for r, e in enumerate(receivers):
+            lay = {**MIXED, "tp_size": d, "tp_rank": r}
+            e(op="register", address=service, layout=lay, device=int(across))
+        src, dst = [3, 7, 9, 30, 12], [1, 2, 4, 5]
+        tid = f"lane-tp-{p}-{d}-{across}"
+        for e in receivers:
+            assert e(op="expect", tid=tid, prefix=1, dst=dst)["ok"]
+        for e in senders:
+            assert e(op="send", tid=tid, src=src, peer=service)["lane"], "not sent over the lane"
+        states = [e(op="wait", tid=tid) for e in receivers + senders]
+        assert all(s["state"] == "DONE" and s["route_note"] == "lane" for s in states), states
+        ls, ld = 8 // p, 8 // d
+        src_sums = [np.array(e(op="head_sums", pages=src[1:])["sums"]) for e in senders]
+        dst_sums = [np.array(e(op="head_sums", pages=dst)["sums"]) for e in receivers]
+        for g in range(8):  # global head g: sender rank g // ls (local g % ls), receiver g // ld
+            np.testing.assert_array_equal(dst_sums[g // ld][:, :, g % ld], src_sums[g // ls][:, :, g % ls])
+        untouched = sorted(set(range(32)) - set(dst))
+        for e in receivers:
+            assert all(s == 0 for region in e(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        for e in senders + receivers:
+            e.close()
