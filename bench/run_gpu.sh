@@ -69,6 +69,16 @@ elif [ "$1" = mixed ]; then
   KVSERVICE_LANE_SPIN_US=200 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag spin
   echo "== GPU tests: the lane (mixed TP)" | tee -a "$LOG"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_lane.py 2>&1 | tail -4 | tee -a "$LOG"
+elif [ "$1" = mixed2 ]; then
+  # after `mixed`: launches pipelined (the lane thread takes the next SEND while a copy runs), the
+  # TMA bulk-copy kernel variant, and lane_spin_us 5000 (service) with the SDK's 100 / 2000
+  T=150 run bench/sweep_lane_kernel.py --rounds 3
+  PROBE_SPINS=0:0,5000:100,5000:2000 OUT=$OUT T=240 run bench/probe_lane.py
+  T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 10 --tag 2g_lane_pipe
+  KVSERVICE_LANE_SPIN_US=5000 T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 10 --tag 2g_lane_pipe_spin
+  KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag spin5000
+  echo "== GPU tests: the lane (pipelined launches)" | tee -a "$LOG"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_abort.py 2>&1 | tail -4 | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs), verbose,
   # into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

@@ -30,6 +30,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Variants: name -> (source, how to size the launch). "grid3": the lane's (pairs, regions,
 # chunks) grid; "persistent": blocks = SMs x per_sm, each looping over (pair, region, chunk) items.
+# Hopper's bulk copy engine (TMA, sm_90): one thread per block moves a chunk global -> shared ->
+# global with cp.async.bulk, completion on an mbarrier; CHUNK bytes of shared memory per block.
+_TMA = r"""
+struct Region { unsigned long long src, dst, src_stride, dst_stride, nbytes; };
+extern "C" __global__ void __launch_bounds__(32) lane_copy_tma(
+    const Region* __restrict__ regions, const int* __restrict__ pairs, unsigned chunk) {
+  extern __shared__ __align__(128) char buf[];
+  __shared__ __align__(8) unsigned long long mbar;
+  if (threadIdx.x != 0) return;
+  const Region R = regions[blockIdx.y];
+  const unsigned long long start = (unsigned long long)blockIdx.z * chunk;
+  if (start >= R.nbytes) return;
+  unsigned long long n = R.nbytes - start;
+  if (n > chunk) n = chunk;
+  const int sp = pairs[2 * blockIdx.x], dp = pairs[2 * blockIdx.x + 1];
+  const char* s = (const char*)(R.src + (unsigned long long)sp * R.src_stride + start);
+  char* d = (char*)(R.dst + (unsigned long long)dp * R.dst_stride + start);
+  const unsigned mb = (unsigned)__cvta_generic_to_shared(&mbar);
+  const unsigned sb = (unsigned)__cvta_generic_to_shared(buf);
+  const unsigned nb = (unsigned)n;
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(mb) : "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(mb), "r"(nb) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(sb), "l"(s), "r"(nb), "r"(mb) : "memory");
+  unsigned ok = 0;
+  while (!ok)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; "
+                 "selp.u32 %0, 1, 0, p; }" : "=r"(ok) : "r"(mb) : "memory");
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               :: "l"(d), "r"(sb), "r"(nb) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+"""
+
 _PERSISTENT = r"""
 struct Region { unsigned long long src, dst, src_stride, dst_stride, nbytes; };
 extern "C" __global__ void __launch_bounds__(THREADS) lane_copy_p(
@@ -143,6 +179,18 @@ def main() -> None:
                 k((args.pages, nreg, z), (256,), (table, pairs, np.int32(1), np.uint32(c)))
 
             variants[f"lane_grid3_chunk{chunk // 1024}k"] = run
+        try:  # sm_90 only
+            tma = cp.RawKernel(_TMA, "lane_copy_tma", options=opts)
+            for chunk in (8192, 16384, 32768):
+                zc = (page + chunk - 1) // chunk
+
+                def trun(k=tma, c=chunk, z=zc) -> None:  # type: ignore[no-untyped-def]
+                    k((args.pages, nreg, z), (32,), (table5, pairs, np.uint32(c)), shared_mem=c)
+
+                trun()
+                variants[f"tma_bulk_chunk{chunk // 1024}k"] = trun
+        except Exception as exc:  # noqa: BLE001  (a compile or launch error: reported, not fatal)
+            print(f"TMA variant skipped: {exc}", file=sys.stderr)
         for threads, unroll, load, store, per_sm, chunk in (
             (256, 4, "plain", "plain", 8, 16384),
             (256, 8, "plain", "plain", 8, 32768),

@@ -105,6 +105,7 @@ double now_s() {
 using CUresult = int;
 using CUdevice = int;
 using CUcontext = void*;
+using CUevent = void*;
 using CUmodule = void*;
 using CUfunction = void*;
 using CUstream = void*;
@@ -130,6 +131,9 @@ struct Cuda {
                              CUstream, void**, void**) = nullptr;
   CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
   CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventSynchronize)(CUevent) = nullptr;
 };
 
 const char* KERNEL_SRC = R"(
@@ -207,6 +211,14 @@ struct NvRtc {
   int (*destroy)(void**) = nullptr;
 };
 
+struct Slot {  // descriptor buffers of one launch in flight (pinned host, device), its event
+  char* host = nullptr;
+  CUdeviceptr dev = 0;
+  size_t cap = 0;
+  CUevent ev = nullptr;
+  bool busy = false;
+};
+
 struct DeviceLane {  // per CUDA device: context, stream, kernel, descriptor buffers
   CUcontext ctx = nullptr;
   CUstream stream = nullptr;
@@ -214,6 +226,7 @@ struct DeviceLane {  // per CUDA device: context, stream, kernel, descriptor buf
   char* host = nullptr;  // pinned
   CUdeviceptr dev = 0;
   size_t cap = 0;
+  std::vector<Slot> ring;  // same-node copies launched and not yet seen done (launch_local)
 };
 
 struct RegionDesc {
@@ -369,6 +382,7 @@ class Lane {
     epoll_ctl(epfd_, EPOLL_CTL_ADD, wake_, &ev);
     thread_ = std::thread([this] { run(); });
     bthread_ = std::thread([this] { bulk_run(); });
+    fthread_ = std::thread([this] { finish_run(); });
   }
   ~Lane() { stop(); }
 
@@ -384,6 +398,12 @@ class Lane {
     }
     bulk_cv_.notify_all();
     if (bthread_.joinable()) bthread_.join();
+    {
+      std::lock_guard<std::mutex> g(fin_mu_);  // what is in flight still ends (its END goes out)
+      fin_running_ = false;
+    }
+    fin_cv_.notify_all();
+    if (fthread_.joinable()) fthread_.join();
     close_nixl();
     std::lock_guard<std::mutex> g(mu_);
     for (auto& kv : conns_) close(kv.first);
@@ -416,6 +436,8 @@ class Lane {
     SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
     SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
     SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
+    SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
+    SYM(cuEventSynchronize, "cuEventSynchronize")
 #undef SYM
     void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
@@ -995,11 +1017,9 @@ class Lane {
   // An accepted same-node SEND: one copy into every target, then END to the sender and to each
   // receiver rank that has all its senders now, and the completion for Python.
   void copy_local(LocalCopy& job) {
-    const int fd = job.fd;
-    const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
     const Pool& sp = job.sp;
     const int64_t prefix = job.prefix;
-    std::vector<int32_t>& src = job.src;
+    const std::vector<int32_t>& src = job.src;
     // The copy: src[prefix + i] -> target's dst[i] for every region of every target.
     const size_t moved = src.size() - (size_t)prefix, nt = job.tg.size();
     std::vector<int32_t> pairs(2 * moved * nt);
@@ -1021,9 +1041,147 @@ class Lane {
     uint64_t nbytes = 0;
     for (auto& g : segs) nbytes += g.nbytes * moved;
     double t0 = now_s();
-    if (err.empty()) err = copy_segs(sp.device, job.tg[0].dp.device, segs, pairs, moved);
-    uint64_t us = (uint64_t)((now_s() - t0) * 1e6);
-    bool ok = err.empty();
+    if (err.empty() && sp.device >= 0) {
+      err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it
+      if (err.empty()) return;
+    } else if (err.empty()) {
+      err = copy_segs(sp.device, job.tg[0].dp.device, segs, pairs, moved);
+    }
+    end_local(job, err, (uint64_t)((now_s() - t0) * 1e6), nbytes, moved);
+  }
+
+  // A GPU copy launched, not waited for: the lane thread takes the next SEND while it runs (a
+  // TP 4 -> 2 transfer's four SENDs queue four kernels back to back); the finisher thread waits
+  // for its event and ends it (end_local). Each launch in flight holds a slot of descriptor
+  // buffers, so a later launch never overwrites the table an earlier one still reads.
+  struct InFlight {
+    LocalCopy job;
+    int device = 0, slot = 0;
+    uint64_t nbytes = 0;
+    size_t moved = 0;
+    double t0 = 0;
+  };
+  static constexpr size_t RING = 8;
+
+  std::string launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
+                           size_t moved, uint64_t nbytes, double t0) {
+    const size_t nr = segs.size();
+    if (moved == 0 || nr == 0) {  // nothing to copy: ends at once
+      end_local(job, "", 0, 0, moved);
+      return "";
+    }
+    const int on = launch_device(job.sp, job.tg[0].dp);
+    int si = -1;
+    try {
+      std::unique_lock<std::mutex> g(fin_mu_);  // a free slot (the finisher frees them)
+      fin_cv_.wait(g, [&] {
+        if (!running_) return true;
+        std::lock_guard<std::mutex> c(cuda_mu_);
+        DeviceLane& d = device(on);
+        if (d.ring.size() < RING) d.ring.resize(RING);
+        for (size_t i = 0; i < d.ring.size(); ++i)
+          if (!d.ring[i].busy) return (si = (int)i) >= 0;
+        return false;
+      });
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    if (si < 0) return "lane: stopping";
+    try {
+      std::lock_guard<std::mutex> g(cuda_mu_);
+      st_[S_COPIES]++;
+      DeviceLane& d = device(on);
+      Slot& sl = d.ring[(size_t)si];
+      CUresult r;
+      if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
+      const size_t rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
+      if (need > sl.cap) {
+        size_t cap = sl.cap ? sl.cap : 1 << 16;
+        while (cap < need) cap <<= 1;
+        if (sl.host) cuda_.cuMemFreeHost(sl.host);
+        if (sl.dev) cuda_.cuMemFree(sl.dev);
+        sl.host = nullptr, sl.dev = 0, sl.cap = 0;
+        if ((r = cuda_.cuMemAllocHost((void**)&sl.host, cap)) || (r = cuda_.cuMemAlloc(&sl.dev, cap)))
+          return "lane: descriptor buffers: " + cu_err(r);
+        sl.cap = cap;
+      }
+      if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
+      uint64_t maxb = 0;
+      int vec = 1;
+      std::memcpy(sl.host, segs.data(), rbytes);
+      for (auto& x : segs) {
+        if ((x.src | x.dst | x.src_stride | x.dst_stride | x.nbytes | x.run | x.src_run | x.dst_run) & 15) vec = 0;
+        if (x.nbytes > maxb) maxb = x.nbytes;
+      }
+      std::memcpy(sl.host + rbytes, pairs.data(), pairs.size() * 4);
+      unsigned chunk = chunk_;
+      unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
+      if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
+      if ((r = cuda_.cuMemcpyHtoDAsync(sl.dev, sl.host, need, d.stream))) return cu_err(r);
+      CUdeviceptr regs = sl.dev, prs = sl.dev + rbytes;
+      void* args[] = {&regs, &prs, &vec, &chunk};
+      if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)) ||
+          (r = cuda_.cuEventRecord(sl.ev, d.stream)))
+        return cu_err(r);
+      sl.busy = true;
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    {
+      std::lock_guard<std::mutex> g(fin_mu_);
+      fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
+    }
+    fin_cv_.notify_all();
+    return "";
+  }
+
+  // The finisher thread: each launched copy in launch order, once its event completed.
+  void finish_run() {
+    for (;;) {
+      InFlight f;
+      {
+        std::unique_lock<std::mutex> g(fin_mu_);
+        fin_cv_.wait(g, [&] { return !fin_q_.empty() || !fin_running_; });
+        if (fin_q_.empty()) return;
+        f = std::move(fin_q_.front());
+        fin_q_.pop_front();
+      }
+      std::string err;
+      CUevent ev = nullptr;
+      {
+        std::lock_guard<std::mutex> c(cuda_mu_);
+        DeviceLane& d = device(f.device);
+        ev = d.ring[(size_t)f.slot].ev;
+        CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
+        if (r) err = cu_err(r);
+      }
+      const double t_sync = now_s();
+      if (err.empty()) {
+        CUresult r = cuda_.cuEventSynchronize(ev);  // outside cuda_mu_: launches go on meanwhile
+        if (r) err = cu_err(r);
+      }
+      stat(S_CUSYNC, t_sync);
+      {
+        std::lock_guard<std::mutex> c(cuda_mu_);
+        device(f.device).ring[(size_t)f.slot].busy = false;
+      }
+      {
+        std::lock_guard<std::mutex> g(fin_mu_);  // a launch waiting for a slot
+      }
+      fin_cv_.notify_all();
+      end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
+    }
+  }
+
+  // END to the sender and to each receiver rank that has all its senders now (or a failure),
+  // then the completion for Python.
+  void end_local(LocalCopy& job, const std::string& err, uint64_t us, uint64_t nbytes, size_t moved) {
+    const int fd = job.fd;
+    const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
+    const Pool& sp = job.sp;
+    const int64_t prefix = job.prefix;
+    const size_t nt = job.tg.size();
+    const bool ok = err.empty();
     const uint64_t each = nt ? nbytes / nt : 0;
 
     Completion done;
@@ -1061,7 +1219,7 @@ class Lane {
       done.nbytes = nbytes;
       done.copy_us = us;
       done.flags = job.flags;
-      done.src.swap(src);
+      done.src.swap(job.src);
       completions_.push_back(std::move(done));
     }
     uint64_t one = 1;
@@ -1941,6 +2099,11 @@ class Lane {
   std::mutex bulk_mu_;
   std::condition_variable bulk_cv_;
   std::deque<std::function<void()>> bulk_q_;
+  std::thread fthread_;  // same-node GPU copies in flight (finish_run)
+  std::mutex fin_mu_;
+  std::condition_variable fin_cv_;
+  std::deque<InFlight> fin_q_;
+  std::atomic<bool> fin_running_{true};
 };
 
 }  // namespace
