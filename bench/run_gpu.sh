@@ -5,6 +5,7 @@
 #   bash bench/run_gpu.sh x2open # two GPUs, one device call (< 10 min): issue 32's open goals
 #   bash bench/run_gpu.sh stream # the cross-node lane's streamed 2 GiB, parts 4/8/2, one and two GPUs
 #   bash bench/run_gpu.sh mixed  # mixed TP on the same-node lane, the lane's spin (one GPU)
+#   bash bench/run_gpu.sh x2mixed # two GPUs: mixed TP across them on the lane, the one-GPU goal rows
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -79,6 +80,17 @@ elif [ "$1" = mixed2 ]; then
   KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag spin5000
   echo "== GPU tests: the lane (pipelined launches)" | tee -a "$LOG"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_abort.py 2>&1 | tail -4 | tee -a "$LOG"
+elif [ "$1" = x2mixed ]; then
+  # two GPUs: mixed TP 2->4 and 4->2 GPU0 -> GPU1 on the same-node lane (issue 32's >= 80% row),
+  # the one-service GPU0 -> GPU1 2 GiB row again (pipelined launches), the one-GPU goal rows of
+  # mixed TP and same node 2 GiB (GPU 0) with lane_spin_us 5000, and the GPU tests of the lane
+  KVSERVICE_LANE_SPIN_US=5000 T=120 run bench/bench_mixed_tp.py --device cuda --same-node --src-gpu 0 --dst-gpu 1 --pages 1024 --pool-pages 1088 --configs 2:4,4:2 --skip-per-token --iters 10 --tag 2g_lane_spin
+  KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto --iters 20 --skip-nixl --tag lane_spin
+  KVSERVICE_LANE_SPIN_US=5000 T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_spin_final
+  KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag spin_final
+  echo "== GPU tests: the lane, two GPUs" | tee -a "$LOG"
+  timeout 240 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_across.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs), verbose,
   # into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
