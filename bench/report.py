@@ -629,7 +629,16 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             )
 
     share_row(
-        "same node 2 GiB >= 85% of a device copy", "transfer_same_node_gpu", "contiguous_copy", "copy", 0.85
+        "same node 2 GiB >= 85% of a device copy",
+        latest(
+            "transfer_same_node_gpu",
+            "transfer_same_node_gpu_spin",
+            "transfer_same_node_gpu_spin5000",
+            "transfer_same_node_gpu_spin_final",
+        ),
+        "contiguous_copy",
+        "copy",
+        0.85,
     )
     for tag, goal in (("64k", 0.3), ("1m", 0.35), ("64m", None)):
         j = runs.get(f"transfer_same_node_gpu_delta_{tag}")
@@ -720,7 +729,8 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 f"{_p50(j):.3f} ms (lane)", f"{_p50(nl):.3f} ms (gRPC route, --no-lane)", None)  # fmt: skip
     # issue 32: GPU0 -> GPU1 on one host (two-GPU machine)
     share_row("same node GPU0 -> GPU1, one service, 2 GiB >= 90% of the peer copy",
-              latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_lane", "transfer_same_node_gpu0to1_lane_push_16"),
+              latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_lane", "transfer_same_node_gpu0to1_lane_push_16",
+                     "transfer_same_node_gpu0to1_lane_spin"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     pairs = {
         "transfer_same_node_gpu0to1_delta_64k_lane": "transfer_same_node_gpu_delta_64k_x2host_b",
@@ -765,28 +775,44 @@ def _headline(runs: dict[str, dict]) -> list[str]:
                 f"launch {r['launch_fused']['p50_ms'] * 1e3:.0f} µs; launch + completion thread {r['completion_loop']['p50_ms'] * 1e3:.0f} µs",
                 f"sync {r['fused_sync']['p50_ms'] * 1e3:.0f} µs", None)  # fmt: skip
 
-    def mixed_row(run: str, configs: tuple[str, str], goal: str, label: str) -> bool:
-        """2 GiB of mixed TP beside a copy of the same bytes (bench_mixed_tp.py --tag 2g)."""
+    def mixed_row(
+        run: str, configs: tuple[str, str], goal: str, label: str, at_least: float | None = 0.80
+    ) -> bool:
+        """2 GiB of mixed TP beside a copy of the same bytes (bench_mixed_tp.py --tag 2g...)."""
         j = runs.get(run)
         c = j["configs"] if j else {}
         got = {k: c[k] for k in configs if k in c and "fraction_of_contiguous_copy" in c[k]}
         if not got:
             return False
         worst = min(e["fraction_of_contiguous_copy"] for e in got.values())
-        value = " / ".join(
-            f"{k} {e['kvservice']['p50_ms']:.2f} ms ({e['fraction_of_contiguous_copy']:.0%})"
-            for k, e in got.items()
+        env = j.get("meta", {}).get("service_env") or {}  # type: ignore[union-attr]
+        how = "one service, the lane" if j.get("same_node") else "two services"  # type: ignore[union-attr]
+        knobs = "".join(f"; {k}={v}" for k, v in sorted(env.items()))
+        value = (
+            " / ".join(
+                f"{k} {e['kvservice']['p50_ms']:.2f} ms ({e['fraction_of_contiguous_copy']:.1%})"
+                for k, e in got.items()
+            )
+            + f" ({how}{knobs})"
         )
-        row(goal, run, value, f"{label} {j['baselines']['contiguous_copy']['p50_ms']:.2f} ms", worst >= 0.80)
+        base = f"{label} {j['baselines']['contiguous_copy']['p50_ms']:.2f} ms"  # type: ignore[index]
+        row(goal, run, value, base, None if at_least is None else worst >= at_least)
         return True
 
-    if not mixed_row("mixed_tp_gpu_2g", ("4->2", "2->1"), "mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy", "copy") and runs.get("mixed_tp_gpu"):  # fmt: skip
+    one_gpu = latest("mixed_tp_gpu_2g", "mixed_tp_gpu_2g_lane", "mixed_tp_gpu_2g_lane_spin", "mixed_tp_gpu_2g_lane_pipe",
+                     "mixed_tp_gpu_2g_lane_pipe_spin", "mixed_tp_gpu_2g_lane_spin_final")  # fmt: skip
+    if not mixed_row(one_gpu, ("4->2", "2->1"), "mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy", "copy") and runs.get("mixed_tp_gpu"):  # fmt: skip
         c = runs["mixed_tp_gpu"]["configs"]  # the goal's run was never made: say what there is
         value = " / ".join(f"{k} {c[k]['kvservice']['p50_ms']:.2f} ms" for k in ("4->2", "2->1") if k in c)
         rows.append(f"| mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy | mixed_tp_gpu (H200) "
                     f"| {runs['mixed_tp_gpu']['bytes'] >> 20} MiB only: {value} | (no copy baseline in that run) | **not measured** |")  # fmt: skip
-    mixed_row("mixed_tp_gpu0to1_2g", ("2->4", "4->2"),
+    mixed_row(latest("mixed_tp_gpu0to1_2g", "mixed_tp_gpu0to1_2g_lane_spin"), ("2->4", "4->2"),
               "mixed TP 2->4 and 4->2 across GPU0 -> GPU1, 2 GiB >= 80% of the peer copy", "peer copy")  # fmt: skip
+    # the same rows' earlier routes and settings, each beside its own same-run copy
+    mixed_row("mixed_tp_gpu_2g", ("4->2", "2->1"), "mixed TP one GPU, 2 GiB: two services (gRPC fused route over CUDA IPC)", "copy", None)  # fmt: skip
+    mixed_row("mixed_tp_gpu_2g_lane", ("4->2", "2->1"), "mixed TP one GPU, 2 GiB: the lane, each copy waited for", "copy", None)  # fmt: skip
+    mixed_row("mixed_tp_gpu_2g_lane_pipe", ("4->2", "2->1"), "mixed TP one GPU, 2 GiB: the lane, launches pipelined, no spin", "copy", None)  # fmt: skip
+    mixed_row("mixed_tp_gpu0to1_2g", ("2->4", "4->2"), "mixed TP GPU0 -> GPU1, 2 GiB: two services (gRPC route)", "peer copy", None)  # fmt: skip
     _cpu_goals(runs, latest, row)
     if not rows and not compare:
         return []

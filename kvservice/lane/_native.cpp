@@ -826,16 +826,20 @@ class Lane {
     return devs_.emplace(dev, d).first->second;
   }
 
-  void grow(DeviceLane& d, size_t need) {
-    if (need <= d.cap) return;
-    size_t cap = d.cap ? d.cap : 1 << 16;
+  void grow(DeviceLane& d, size_t need) { grow(d.host, d.dev, d.cap, need); }
+
+  // Descriptor buffers (pinned host, device) of at least ``need`` bytes.
+  void grow(char*& host, CUdeviceptr& dev, size_t& cap_, size_t need) {
+    if (need <= cap_) return;
+    size_t cap = cap_ ? cap_ : 1 << 16;
     while (cap < need) cap <<= 1;
-    if (d.host) cuda_.cuMemFreeHost(d.host);
-    if (d.dev) cuda_.cuMemFree(d.dev);
+    if (host) cuda_.cuMemFreeHost(host);
+    if (dev) cuda_.cuMemFree(dev);
+    host = nullptr, dev = 0, cap_ = 0;
     CUresult r;
-    if ((r = cuda_.cuMemAllocHost((void**)&d.host, cap)) || (r = cuda_.cuMemAlloc(&d.dev, cap)))
+    if ((r = cuda_.cuMemAllocHost((void**)&host, cap)) || (r = cuda_.cuMemAlloc(&dev, cap)))
       throw std::runtime_error("lane: descriptor buffers: " + cu_err(r));
-    d.cap = cap;
+    cap_ = cap;
   }
 
   void run() {
@@ -1094,35 +1098,11 @@ class Lane {
       Slot& sl = d.ring[(size_t)si];
       CUresult r;
       if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
-      const size_t rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
-      if (need > sl.cap) {
-        size_t cap = sl.cap ? sl.cap : 1 << 16;
-        while (cap < need) cap <<= 1;
-        if (sl.host) cuda_.cuMemFreeHost(sl.host);
-        if (sl.dev) cuda_.cuMemFree(sl.dev);
-        sl.host = nullptr, sl.dev = 0, sl.cap = 0;
-        if ((r = cuda_.cuMemAllocHost((void**)&sl.host, cap)) || (r = cuda_.cuMemAlloc(&sl.dev, cap)))
-          return "lane: descriptor buffers: " + cu_err(r);
-        sl.cap = cap;
-      }
+      grow(sl.host, sl.dev, sl.cap, nr * sizeof(Seg) + pairs.size() * 4);
       if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
-      uint64_t maxb = 0;
-      int vec = 1;
-      std::memcpy(sl.host, segs.data(), rbytes);
-      for (auto& x : segs) {
-        if ((x.src | x.dst | x.src_stride | x.dst_stride | x.nbytes | x.run | x.src_run | x.dst_run) & 15) vec = 0;
-        if (x.nbytes > maxb) maxb = x.nbytes;
-      }
-      std::memcpy(sl.host + rbytes, pairs.data(), pairs.size() * 4);
-      unsigned chunk = chunk_;
-      unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
-      if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
-      if ((r = cuda_.cuMemcpyHtoDAsync(sl.dev, sl.host, need, d.stream))) return cu_err(r);
-      CUdeviceptr regs = sl.dev, prs = sl.dev + rbytes;
-      void* args[] = {&regs, &prs, &vec, &chunk};
-      if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)) ||
-          (r = cuda_.cuEventRecord(sl.ev, d.stream)))
-        return cu_err(r);
+      std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
+      if (!err.empty()) return err;
+      if ((r = cuda_.cuEventRecord(sl.ev, d.stream))) return cu_err(r);
       sl.busy = true;
     } catch (const std::exception& e) {
       return e.what();
@@ -1132,6 +1112,31 @@ class Lane {
       fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
     }
     fin_cv_.notify_all();
+    return "";
+  }
+
+  // cuda_mu_ held, ``d``'s context current: the segments and pairs up through ``host`` (pinned)
+  // to ``dev`` (both large enough), then the kernel, on ``d``'s stream.
+  std::string launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::vector<Seg>& segs,
+                     const std::vector<int32_t>& pairs, size_t moved) {
+    const size_t nr = segs.size(), rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
+    uint64_t maxb = 0;
+    int vec = 1;
+    std::memcpy(host, segs.data(), rbytes);
+    for (auto& x : segs) {
+      if ((x.src | x.dst | x.src_stride | x.dst_stride | x.nbytes | x.run | x.src_run | x.dst_run) & 15) vec = 0;
+      if (x.nbytes > maxb) maxb = x.nbytes;
+    }
+    std::memcpy(host + rbytes, pairs.data(), pairs.size() * 4);
+    unsigned chunk = chunk_;
+    unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
+    if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
+    CUresult r;
+    if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
+    CUdeviceptr regs = dev, prs = dev + rbytes;
+    void* args[] = {&regs, &prs, &vec, &chunk};
+    if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)))
+      return cu_err(r);
     return "";
   }
 
@@ -1385,24 +1390,9 @@ class Lane {
       DeviceLane& d = device(on);
       CUresult r;
       if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
-      const size_t rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
-      grow(d, need);
-      uint64_t maxb = 0;
-      int vec = 1;
-      std::memcpy(d.host, segs.data(), rbytes);
-      for (auto& x : segs) {
-        if ((x.src | x.dst | x.src_stride | x.dst_stride | x.nbytes | x.run | x.src_run | x.dst_run) & 15) vec = 0;
-        if (x.nbytes > maxb) maxb = x.nbytes;
-      }
-      std::memcpy(d.host + rbytes, pairs.data(), pairs.size() * 4);
-      if ((r = cuda_.cuMemcpyHtoDAsync(d.dev, d.host, need, d.stream))) return cu_err(r);
-      CUdeviceptr regs = d.dev, prs = d.dev + rbytes;
-      unsigned chunk = chunk_;
-      unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
-      if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
-      void* args[] = {&regs, &prs, &vec, &chunk};
-      if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)))
-        return cu_err(r);
+      grow(d, nr * sizeof(Seg) + pairs.size() * 4);
+      std::string err = launch(d, d.host, d.dev, segs, pairs, moved);
+      if (!err.empty()) return err;
       const double t_sync = now_s();
       if ((r = cuda_.cuStreamSynchronize(d.stream))) return cu_err(r);
       stat(S_CUSYNC, t_sync);

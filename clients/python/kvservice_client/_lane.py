@@ -167,21 +167,12 @@ class Lane:
         if self._spin_s and timeout > 0:
             t0 = time.perf_counter()
             end = t0 + min(self._spin_s, timeout)
-            while True:
-                try:
-                    data = self.sock.recv(lane_wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    if time.perf_counter() < end:
-                        continue
+            while (got := self._take()) is False:
+                if time.perf_counter() >= end:
                     timeout = max(0.0, timeout - (time.perf_counter() - t0))
                     break
-                except OSError:
-                    data = b""
-                if not data:
-                    self._drop()
-                    return None
-                self._dispatch(data)
-                return True
+            else:
+                return got
         try:
             ready = {fd for fd, _ in (self._poll_both if wakeable else self._poll_sock).poll(timeout * 1000)}
         except (OSError, ValueError):  # closed meanwhile
@@ -194,6 +185,11 @@ class Lane:
                 pass
         if self._sock_fd not in ready:
             return False
+        return self._take()
+
+    def _take(self) -> bool | None:
+        """With the read lock held: dispatch one waiting message without blocking. True: done;
+        False: none waiting; None: the lane is gone."""
         try:
             data = self.sock.recv(lane_wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
         except BlockingIOError:
