@@ -113,3 +113,48 @@ def test_lane_mixed_tp_head_slices_on_the_gpu(service: str, p: int, d: int, acro
     finally:
         for e in senders + receivers:
             e.close()
+
+
+def test_service_stopped_with_lane_copies_in_flight_exits_and_every_rank_ends(tmp_path: Path) -> None:
+    """SIGTERM while four sender ranks' large copies are queued on the lane's stream (TP 4 -> 2,
+    512 MiB each): the service exits promptly (its finisher thread drains what was launched),
+    every receiver rank's wait returns an end state, and no page outside the named ones changed."""
+    import signal
+
+    procs, socks = kvservice_procs(tmp_path, ("a",))
+    end = time.monotonic() + 180
+    while not os.path.exists(socks[0][5:] + ".lane"):
+        assert time.monotonic() < end, "the lane did not start"
+        time.sleep(0.1)
+    big = {**MIXED, "num_layers": 32, "num_pages": 1100}
+    senders = [Engine() for _ in range(4)]
+    receivers = [Engine() for _ in range(2)]
+    try:
+        for r, e in enumerate(senders):
+            e(op="register", address=socks[0], layout={**big, "tp_size": 4, "tp_rank": r}, fill=True, seed=r)
+        for r, e in enumerate(receivers):
+            e(op="register", address=socks[0], layout={**big, "tp_size": 2, "tp_rank": r})
+        rng = np.random.default_rng(0)
+        src, dst = rng.permutation(1100)[:1024].tolist(), rng.permutation(1024).tolist()
+        for e in receivers:
+            assert e(op="expect", tid="stop-lane", prefix=0, dst=dst, deadline_ms=20_000)["ok"]
+        for e in senders:
+            e(op="send", tid="stop-lane", src=src, peer=socks[0])
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        procs[0].wait(30)
+        assert time.monotonic() - t0 < 30
+        for e in receivers:
+            got = e(op="wait", tid="stop-lane", timeout=30)
+            assert got["state"] in ("DONE", "FAILED", "ABORTED"), got
+            untouched = sorted(set(range(1100)) - set(dst))
+            assert all(s == 0 for region in e(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        for e in senders + receivers:
+            try:
+                e.close()
+            except Exception:
+                pass
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
