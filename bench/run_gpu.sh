@@ -92,11 +92,11 @@ elif [ "$1" = x2mixed ]; then
   timeout 240 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_across.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
-  # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs), verbose,
-  # into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
+  # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),
+  # verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
   timeout "${T:-480}" python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py \
     tests/gpu/test_gpu_cross_lane.py tests/gpu/test_gpu_abort.py tests/gpu/test_gpu_across.py \
-    tests/gpu/test_gpu_transfer.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+    tests/gpu/test_gpu_transfer.py tests/gpu/test_gpu_mixed_tp.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
