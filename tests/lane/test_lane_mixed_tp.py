@@ -54,9 +54,13 @@ def heads_of(region: np.ndarray, lay: Layout) -> np.ndarray:
 class Ranks:
     """Sender ranks (TP p) and receiver ranks (TP d) of one service, each its own engine."""
 
-    def __init__(self, server: Any, heads: int, p: int, d: int, **kw: Any) -> None:
-        self.server, self.heads = server, heads
-        self.lane = lane_of(server)
+    def __init__(self, server: Any, heads: int, p: int, d: int, address: str = "", **kw: Any) -> None:
+        """``server``: an in-process service (its lane is checked), or None with ``address``: a
+        service process (both its address and the SendDelta target)."""
+        self.heads = heads
+        self.address = address or server.address
+        self.peer = address or server.app.peer_address
+        self.lane = lane_of(server) if server is not None else None
         one = layout(heads, 1, 0, **kw)
         rng = np.random.default_rng(11)
         hb = one.head_dim_k * one.itemsize
@@ -75,7 +79,7 @@ class Ranks:
     def _rank(self, tp: int, rank: int, kw: dict[str, Any]) -> tuple[Client, ShmKVPool, str]:
         lay = layout(self.heads, tp, rank, **kw)
         pool = ShmKVPool.create(lay)
-        kv = Client(self.server.address, client_name=f"tp{tp}-{rank}")
+        kv = Client(self.address, client_name=f"tp{tp}-{rank}")
         bs = kv.register_buffers(lay, pool.k_regions, pool.v_regions).buffer_set_id
         return kv, pool, bs
 
@@ -93,9 +97,8 @@ class Ranks:
             kv.expect_delta(tid, bs, prefix_pages=PREFIX, dst_page_indices=DST, **kw)
 
     def send(self, tid: str, ranks: list[int] | None = None) -> list[Any]:
-        peer = self.server.app.peer_address
         return [
-            self.tx[s][0].send_delta(tid, self.tx[s][2], src_page_indices=SRC, peer_address=peer)
+            self.tx[s][0].send_delta(tid, self.tx[s][2], src_page_indices=SRC, peer_address=self.peer)
             for s in (range(len(self.tx)) if ranks is None else ranks)
         ]
 
@@ -151,6 +154,7 @@ def test_mixed_tp_goes_over_the_lane_byte_exact(
             (st,) = kv.wait("mtp", timeout=10)
             assert st.state == "DONE" and st.route_note == "lane", st
         assert sum(kv.lane_sent for kv, _, _ in t.tx) == p
+        assert t.lane is not None
         book = t.lane.book
         eventually(lambda: book.sent == p, 10, "every SEND booked")
         assert book.n.armed_count() == 0
@@ -189,7 +193,8 @@ def test_abort_between_senders_leaves_later_senders_out(server: Any) -> None:
         t.send("ab", [0, 1, 2])
         (st,) = t.rx[0][0].wait("ab", timeout=10)
         assert st.state == "DONE"
-        eventually(lambda: t.lane.book.sent == 3, 10, "the three copies booked")
+        book = t.lane.book  # type: ignore[union-attr]
+        eventually(lambda: book.sent == 3, 10, "the three copies booked")
         t.rx[1][0].abort("ab", reason="test")
         snap = [r.copy() for r in regions(t.rx[1][1])]
         try:
@@ -201,7 +206,7 @@ def test_abort_between_senders_leaves_later_senders_out(server: Any) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(regions(t.rx[1][1]), snap, strict=True))
         (rst,) = t.rx[1][0].wait("ab", timeout=10)
         assert rst.state == "ABORTED", rst
-        eventually(lambda: t.lane.book.n.armed_count() == 0, 10, "nothing armed")
+        eventually(lambda: book.n.armed_count() == 0, 10, "nothing armed")
     finally:
         t.close()
 
@@ -237,3 +242,34 @@ def test_mixed_tp_with_replicated_heads_stays_on_grpc(server: Any) -> None:
         assert sum(kv.lane_sent for kv, _, _ in t.tx) == 0
     finally:
         t.close()
+
+
+def test_ends_the_lane_delivered_survive_the_service_stopping() -> None:
+    """TP 4 -> 2 over the lane of a service process, then SIGTERM: every rank heard its END on
+    the lane before the service went, and its wait returns DONE (a Transfers stream break keeps
+    the ends already in the client's book; it used to drop them and raise SessionLost)."""
+    import os
+    import signal
+
+    from tests.transfer.e2e_helpers import ServiceProc
+
+    svc = ServiceProc("lane-stop")
+    try:
+        svc.wait_ready()
+        eventually(lambda: os.path.exists(svc.sock + ".lane"), 120, "the lane is up")
+
+        t = Ranks(None, 4, 4, 2, address=svc.address)
+        try:
+            t.expect("stop", deadline_ms=20_000)
+            t.send("stop")
+            assert sum(kv.lane_sent for kv, _, _ in t.tx) == 4
+            time.sleep(0.2)  # the ENDs reach the engines' lane readers
+            svc.signal(signal.SIGTERM)
+            svc.proc.wait(30)
+            for kv, _, _ in t.rx:
+                (st,) = kv.wait("stop", timeout=10)
+                assert st.state == "DONE" and st.route_note == "lane", st
+        finally:
+            t.close()
+    finally:
+        svc.stop()

@@ -53,8 +53,9 @@ class Ended:
     """The sides of transfers this client made on the stream, and those that ended (thread-safe).
 
     ``wait_all(tid, sides)`` returns the statuses of every side in ``sides`` once all ended. A
-    stream break loses events: ``forget_all`` marks the book unreliable until the next stream,
-    so waiters fall back to a watch.
+    stream break loses events: ``forget_all`` marks what was made before it unreliable, so a
+    waiter for it falls back to a watch, unless every end it needs is already in the book (an
+    END the lane delivered before its service stopped is still the transfer's end).
     """
 
     def __init__(self) -> None:
@@ -65,14 +66,21 @@ class Ended:
         self._pumping = 0  # waiters in pump(): an END from the stream must wake them
         self._ended: dict[tuple[str, str, str], TransferStatus] = {}
         self.sides: dict[str, set[tuple[str, str]]] = {}  # transfer id -> (role, buffer set)
+        self._made_in: dict[str, int] = {}  # transfer id -> the epoch its sides were made in
         self._unsure: set[str] = set()  # transfer ids with a side made outside the stream
         self.epoch = 0  # bumped at each break: a wait that began before it cannot trust the book
 
     def made(self, transfer_id: str, role: str, buffer_set_id: str) -> None:
         with self._cond:
             self.sides.setdefault(transfer_id, set()).add((role, buffer_set_id))
+            self._ended.pop((transfer_id, role, buffer_set_id), None)  # an id used again: its new end
+            if self._made_in.get(transfer_id, self.epoch) != self.epoch:
+                self._unsure.add(transfer_id)  # an older side of it may have lost its end
+            self._made_in[transfer_id] = self.epoch
             if len(self.sides) > _KEEP_ENDED:  # never waited for: forget the oldest
-                del self.sides[next(iter(self.sides))]
+                old = next(iter(self.sides))
+                del self.sides[old]
+                self._made_in.pop(old, None)
 
     def unmade(self, transfer_id: str, role: str, buffer_set_id: str) -> None:
         """Take back a side :meth:`made` said (the call that would make it did not happen)."""
@@ -82,6 +90,7 @@ class Ended:
                 sides.discard((role, buffer_set_id))
                 if not sides:
                     del self.sides[transfer_id]
+                    self._made_in.pop(transfer_id, None)
 
     def unsure(self, transfer_id: str) -> None:
         """A side of ``transfer_id`` was made by a unary call: waits for it use a watch."""
@@ -103,10 +112,8 @@ class Ended:
             self.wake()
 
     def forget_all(self) -> None:
+        """A stream break: ends of sides made so far may be lost (those already here are not)."""
         with self._cond:
-            self.sides.clear()
-            self._ended.clear()
-            self._unsure.clear()
             self.epoch += 1
             self._notify()
 
@@ -114,10 +121,9 @@ class Ended:
         """The ended statuses of every side made for ``transfer_id``; None when the book cannot
         answer (no side made here, or a break lost events); raises TimeoutError at ``deadline``."""
         with self._cond:
-            epoch = self.epoch
             while True:
                 sides = self.sides.get(transfer_id)
-                if not sides or self.epoch != epoch or transfer_id in self._unsure:
+                if not sides or transfer_id in self._unsure:  # a side made by a unary call
                     self._unsure.discard(transfer_id)
                     return None
                 got = [self._ended.get((transfer_id, r, b)) for r, b in sides]
@@ -125,7 +131,13 @@ class Ended:
                     for r, b in sides:
                         del self._ended[(transfer_id, r, b)]
                     del self.sides[transfer_id]
+                    self._made_in.pop(transfer_id, None)
                     return [g for g in got if g is not None]
+                if self._made_in.get(transfer_id) != self.epoch:
+                    # a break since its sides were made: an end may be lost, the caller watches
+                    self.sides.pop(transfer_id, None)
+                    self._made_in.pop(transfer_id, None)
+                    return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError

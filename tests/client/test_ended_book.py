@@ -1,0 +1,83 @@
+"""The client's book of ended transfer sides (``_transfer_stream.Ended``): what a Transfers
+stream break does to it. An end already in the book stays the transfer's end; a side whose end
+may have been lost in the break sends its waiter to a watch (None)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvservice_client._transfer_stream import Ended
+from kvservice_client._types import TransferStatus
+
+
+def status(tid: str, role: str, bs: str, state: str = "DONE") -> TransferStatus:
+    return TransferStatus(
+        transfer_id=tid,
+        role=role,  # type: ignore[arg-type]
+        buffer_set_id=bs,
+        state=state,  # type: ignore[arg-type]
+        bytes_sent=0,
+        pages_sent=0,
+        pages_skipped=0,
+        descriptors=0,
+        chunks_done=1,
+        senders_done=1,
+        path="FUSED",
+        timings_us={},
+        error_code="",
+        error="",
+        updated_unix_ms=0,
+    )
+
+
+def soon() -> float:
+    return time.monotonic() + 0.2
+
+
+def test_an_end_in_the_book_survives_a_break() -> None:
+    """The lane's END arrived, then the stream broke (its service stopped): the wait still has it."""
+    book = Ended()
+    book.made("t", "RECEIVER", "b")
+    book.ended(status("t", "RECEIVER", "b"))
+    book.forget_all()
+    got = book.wait_all("t", soon())
+    assert got is not None and [g.state for g in got] == ["DONE"]
+
+
+def test_a_side_without_its_end_at_a_break_is_watched() -> None:
+    """Its end may have been lost in the break: the waiter watches (None), it does not block."""
+    book = Ended()
+    book.made("t", "RECEIVER", "b")
+    book.forget_all()
+    assert book.wait_all("t", soon()) is None
+
+
+def test_a_side_made_after_the_break_waits_for_its_end() -> None:
+    book = Ended()
+    book.forget_all()
+    book.made("t", "SENDER", "a")
+    with pytest.raises(TimeoutError):
+        book.wait_all("t", time.monotonic() + 0.05)
+    book.ended(status("t", "SENDER", "a", "FAILED"))
+    got = book.wait_all("t", soon())
+    assert got is not None and got[0].state == "FAILED"
+
+
+def test_a_transfer_id_made_again_does_not_take_its_old_end() -> None:
+    """An end never waited for is not the end of a new side of the same id and buffer set."""
+    book = Ended()
+    book.made("t", "RECEIVER", "b")
+    book.ended(status("t", "RECEIVER", "b", "ABORTED"))
+    book.unmade("t", "RECEIVER", "b")
+    book.made("t", "RECEIVER", "b")
+    with pytest.raises(TimeoutError):
+        book.wait_all("t", time.monotonic() + 0.05)
+
+
+def test_a_side_made_by_a_unary_call_is_watched() -> None:
+    book = Ended()
+    book.made("t", "RECEIVER", "b")
+    book.ended(status("t", "RECEIVER", "b"))
+    book.unsure("t")
+    assert book.wait_all("t", soon()) is None
