@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import dataclasses
-import hashlib
 import logging
 import time
 from typing import Any
@@ -32,6 +30,7 @@ import numpy as np
 
 from ..errors import FailedPrecondition, KVServiceError
 from ..identity import LOCAL_PEER
+from .geometry import head_geometry, layout_signature
 
 __all__ = ["LaneBook", "NoLane"]
 
@@ -49,28 +48,6 @@ def _booking(transfer_id: str, rank: int) -> bool:
     """This task books (or was started by the booking of) receiver rank ``rank`` of ``transfer_id``."""
     b = _BOOKING.get()
     return b is not None and b[0] == transfer_id and rank in b[1]
-
-
-def layout_signature(layout: Any) -> int:
-    """What two pools must share for a page-for-page copy (all but the pool size and the rank)."""
-    return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0))
-
-
-def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
-    """What the lane needs for head slices between TP sizes: (mode, signature of the layout but
-    for its TP, first global head, local heads, page size). Mode 1: token-major pages ("nhd"),
-    2: head-major ("hnd"), 0: none (K and V in one region, MLA, replicated heads: gRPC)."""
-    mode = {"nhd": 1, "hnd": 2}.get(layout.page_layout, 0)
-    if layout.kind != "mha" or layout.tp_size > layout.total_kv_heads:
-        mode = 0
-    but_tp = dataclasses.replace(layout, num_pages=0, tp_rank=0, tp_size=1, local_kv_heads=0, dp_rank=0)
-    sig = _signature(but_tp)
-    local = layout.local_kv_heads
-    return mode, sig, layout.tp_rank * local, local, layout.page_size
-
-
-def _signature(layout: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little")
 
 
 class NoLane:

@@ -70,7 +70,7 @@ def geometry_signature(bs: Any) -> int:
     the layout (all but pool size and rank) and each region's page bytes."""
     import hashlib
 
-    from .book import layout_signature
+    from .geometry import layout_signature
 
     lay = bs.layout
     per_page = [r.size // lay.num_pages for r in bs.regions]

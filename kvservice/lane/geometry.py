@@ -1,0 +1,32 @@
+"""What the lane compares between two pools: a layout's signature (equal layouts: whole pages)
+and its heads (head slices between TP sizes: design-notes §16, "Mixed TP on the lane")."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+__all__ = ["head_geometry", "layout_signature"]
+
+
+def layout_signature(layout: Any) -> int:
+    """What two pools must share for a page-for-page copy (all but the pool size and the rank)."""
+    return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0))
+
+
+def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
+    """What the lane needs for head slices between TP sizes: (mode, signature of the layout but
+    for its TP, first global head, local heads, page size). Mode 1: token-major pages ("nhd"),
+    2: head-major ("hnd"), 0: none (K and V in one region, MLA, replicated heads: gRPC)."""
+    mode = {"nhd": 1, "hnd": 2}.get(layout.page_layout, 0)
+    if layout.kind != "mha" or layout.tp_size > layout.total_kv_heads:
+        mode = 0
+    but_tp = dataclasses.replace(layout, num_pages=0, tp_rank=0, tp_size=1, local_kv_heads=0, dp_rank=0)
+    sig = _signature(but_tp)
+    local = layout.local_kv_heads
+    return mode, sig, layout.tp_rank * local, local, layout.page_size
+
+
+def _signature(layout: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little")
