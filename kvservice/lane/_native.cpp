@@ -264,6 +264,8 @@ struct Armed {  // one receiver rank's declaration
   int senders = 1;           // sender ranks it expects (mixed TP: several; 0: the first says)
   int pending = 0;           // copies taken and not yet booked by Python (forget)
   int done = 0;              // copies made
+  int failed = 0;            // copies that failed
+  std::string error;         // the first failure's
   uint64_t ranks = 0;        // sender ranks taken (bit per rank)
   uint64_t nbytes = 0;       // bytes copied into it
   bool told = false;         // its END went out
@@ -986,8 +988,9 @@ class Lane {
       } else if (sp.hmode && sp.hmode == dp.hmode && sp.msig == dp.msig) {
         const int lo = std::max(sp.hlo, dp.hlo), hi = std::min(sp.hlo + sp.hn, dp.hlo + dp.hn);
         if (lo >= hi) continue;
+        if (sp.hn % dp.hn && dp.hn % sp.hn) return "the two TP sizes' heads per rank do not nest";
         t.hs = lo - sp.hlo, t.hd = lo - dp.hlo, t.nh = hi - lo;
-        t.senders = std::max(1, dp.hn / sp.hn);
+        t.senders = std::max(1, dp.hn / sp.hn);  // nested: every sender rank's heads in one receiver
         covered += t.nh;
       } else {
         other = true;
@@ -1101,8 +1104,11 @@ class Lane {
       grow(sl.host, sl.dev, sl.cap, nr * sizeof(Seg) + pairs.size() * 4);
       if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
       std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
-      if (!err.empty()) return err;
-      if ((r = cuda_.cuEventRecord(sl.ev, d.stream))) return cu_err(r);
+      if (err.empty() && (r = cuda_.cuEventRecord(sl.ev, d.stream))) err = cu_err(r);
+      if (!err.empty()) {  // what was queued may still read the slot or write pages: wait it out
+        cuda_.cuStreamSynchronize(d.stream);
+        return err;
+      }
       sl.busy = true;
     } catch (const std::exception& e) {
       return e.what();
@@ -1174,7 +1180,10 @@ class Lane {
         std::lock_guard<std::mutex> g(fin_mu_);  // a launch waiting for a slot
       }
       fin_cv_.notify_all();
-      end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
+      try {
+        end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
+      } catch (const std::exception&) {  // (out of memory) the transfer's deadline ends it
+      }
     }
   }
 
@@ -1199,11 +1208,19 @@ class Lane {
         if (ai != armed_.end()) {
           Armed& a = ai->second;
           a.done += ok;
+          a.failed += !ok;
           a.nbytes += each;
-          if (!a.told && (!ok || a.done >= a.senders)) {  // its last sender, or a failure: END
+          if (!ok && a.error.empty()) a.error = err;
+          if (a.failed && a.state == ARMED) a.state = RUNNING;  // a failure: it takes no more senders
+          // its END: with its last sender's copy; after a failure, once every copy taken has ended
+          // (a sender's kernel may still be writing its pages)
+          const bool all = a.done >= a.senders, ended = a.done + a.failed >= __builtin_popcountll(a.ranks);
+          if (!a.told && (a.failed ? ended : all)) {
             a.told = true;
             a.state = a.state == GATED ? GATED : COMPLETED;
-            std::string to_recv = end_msg(0, ok, tid, a.recv_bs, err, a.nbytes, moved, (uint64_t)prefix, us);
+            const bool rok = a.failed == 0;
+            std::string to_recv =
+                end_msg(0, rok, tid, a.recv_bs, rok ? "" : a.error, a.nbytes, moved, (uint64_t)prefix, us);
             for (auto& kv : conns_) {
               if (kv.second.session == a.recv_session) told |= sendmsg_(kv.first, to_recv);
             }
@@ -1392,7 +1409,10 @@ class Lane {
       if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
       grow(d, nr * sizeof(Seg) + pairs.size() * 4);
       std::string err = launch(d, d.host, d.dev, segs, pairs, moved);
-      if (!err.empty()) return err;
+      if (!err.empty()) {  // what was queued may still read the buffers: wait it out
+        cuda_.cuStreamSynchronize(d.stream);
+        return err;
+      }
       const double t_sync = now_s();
       if ((r = cuda_.cuStreamSynchronize(d.stream))) return cu_err(r);
       stat(S_CUSYNC, t_sync);

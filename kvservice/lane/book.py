@@ -349,12 +349,32 @@ class LaneBook(NoLane):
             e.table.add(rec)
             e.table.finish(rec, "FAILED", "INTERNAL", f"lane copy failed: {why}")
             for inc in incs:
+                # another sender's copy into this rank may still run: its booking first, so the
+                # rank ends FAILED only once nothing writes its pages (the lane's END waits too)
+                await self._booked(tid, inc.bs.layout.tp_rank, ranks)
                 await e.fail_incoming(inc, KVServiceError(f"lane copy failed: {why}"))
         except Exception:
             log.exception("lane finalize failed", extra={"transfer_id": tid})
         finally:
             for r in ranks:
-                if self.n.forget(tid, r) == 0:  # its last pending copy is booked
-                    fut = self._waiters.pop((tid, r), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
+                self._forget(tid, r)
+
+    def _forget(self, tid: str, rank: int) -> int:
+        """This completion's copy into (tid, rank) is booked: the copies still pending there; the
+        last one wakes the waiters (settle, a failed sibling's finalize)."""
+        left = int(self.n.forget(tid, rank))
+        if left == 0:
+            fut = self._waiters.pop((tid, rank), None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        return left
+
+    async def _booked(self, tid: str, rank: int, ranks: list[int]) -> None:
+        """Book this completion's copy into (tid, rank) now (``ranks`` loses it) and wait until
+        every other pending copy there is booked."""
+        ranks.remove(rank)
+        if self._forget(tid, rank):
+            fut = self._waiters.get((tid, rank))
+            if fut is None:
+                fut = self._waiters[(tid, rank)] = asyncio.get_running_loop().create_future()
+            await asyncio.shield(fut)

@@ -64,15 +64,14 @@ def test_a_side_made_after_the_break_waits_for_its_end() -> None:
     assert got is not None and got[0].state == "FAILED"
 
 
-def test_a_transfer_id_made_again_does_not_take_its_old_end() -> None:
-    """An end never waited for is not the end of a new side of the same id and buffer set."""
+def test_an_end_that_came_before_its_side_was_made_counts() -> None:
+    """A fast END (a lane copy of microseconds) can reach the book before the call that made its
+    side returned and said so: it is that side's end."""
     book = Ended()
+    book.ended(status("t", "RECEIVER", "b"))
     book.made("t", "RECEIVER", "b")
-    book.ended(status("t", "RECEIVER", "b", "ABORTED"))
-    book.unmade("t", "RECEIVER", "b")
-    book.made("t", "RECEIVER", "b")
-    with pytest.raises(TimeoutError):
-        book.wait_all("t", time.monotonic() + 0.05)
+    got = book.wait_all("t", soon())
+    assert got is not None and got[0].state == "DONE"
 
 
 def test_a_side_made_by_a_unary_call_is_watched() -> None:

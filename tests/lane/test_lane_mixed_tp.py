@@ -273,3 +273,20 @@ def test_ends_the_lane_delivered_survive_the_service_stopping() -> None:
             t.close()
     finally:
         svc.stop()
+
+
+def test_tp_sizes_whose_heads_do_not_nest_stay_on_grpc(server: Any) -> None:
+    """H = 12, TP 3 -> 2 (4 heads a sender rank, 6 a receiver rank: receiver 0 takes heads 4-5 of
+    sender 1's four): the lane refuses it, so no receiver rank hears DONE before all its heads
+    came; the gRPC route moves it."""
+    t = Ranks(server, 12, 3, 2)
+    try:
+        t.expect("nest")
+        t.send("nest")
+        for r in (0, 1):
+            (st,) = t.rx[r][0].wait("nest", timeout=10)
+            assert st.state == "DONE" and st.route_note != "lane", st
+            t.check_rank(r)
+        assert sum(kv.lane_sent for kv, _, _ in t.tx) == 0
+    finally:
+        t.close()

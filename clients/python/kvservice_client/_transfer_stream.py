@@ -73,7 +73,7 @@ class Ended:
     def made(self, transfer_id: str, role: str, buffer_set_id: str) -> None:
         with self._cond:
             self.sides.setdefault(transfer_id, set()).add((role, buffer_set_id))
-            self._ended.pop((transfer_id, role, buffer_set_id), None)  # an id used again: its new end
+            # NOTE: an END already here stays: it may have come before this call returned
             if self._made_in.get(transfer_id, self.epoch) != self.epoch:
                 self._unsure.add(transfer_id)  # an older side of it may have lost its end
             self._made_in[transfer_id] = self.epoch
