@@ -229,14 +229,23 @@ def test_a_sender_whose_heads_are_not_all_armed_goes_over_grpc(server: Any) -> N
         t.close()
 
 
-def test_mixed_tp_with_replicated_heads_stays_on_grpc(server: Any) -> None:
-    """H = 2, TP 4 -> 2 (two replicas of each head): no head geometry on the lane, gRPC moves it."""
-    t = Ranks(server, 2, 4, 2)
+@pytest.mark.parametrize(
+    "heads,p,d",
+    [
+        pytest.param(2, 4, 2, id="H2-tp4to2-replicated"),  # two replicas of each head: no head geometry
+        # 4 heads a sender rank, 6 a receiver rank: receiver 0 takes heads 4-5 of sender 1's four
+        pytest.param(12, 3, 2, id="H12-tp3to2-not-nested"),
+    ],
+)
+def test_mixed_tp_the_lane_cannot_split_stays_on_grpc(server: Any, heads: int, p: int, d: int) -> None:
+    """Replicated heads, or TP sizes whose heads per rank do not nest: the lane refuses every SEND
+    (no receiver rank hears DONE before all its heads came); the gRPC route moves them."""
+    t = Ranks(server, heads, p, d)
     try:
-        t.expect("rep")
-        t.send("rep")
-        for r in (0, 1):
-            (st,) = t.rx[r][0].wait("rep", timeout=10)
+        t.expect("grpc")
+        t.send("grpc")
+        for r in range(d):
+            (st,) = t.rx[r][0].wait("grpc", timeout=10)
             assert st.state == "DONE" and st.route_note != "lane", st
             t.check_rank(r)
         assert sum(kv.lane_sent for kv, _, _ in t.tx) == 0
@@ -273,20 +282,3 @@ def test_ends_the_lane_delivered_survive_the_service_stopping() -> None:
             t.close()
     finally:
         svc.stop()
-
-
-def test_tp_sizes_whose_heads_do_not_nest_stay_on_grpc(server: Any) -> None:
-    """H = 12, TP 3 -> 2 (4 heads a sender rank, 6 a receiver rank: receiver 0 takes heads 4-5 of
-    sender 1's four): the lane refuses it, so no receiver rank hears DONE before all its heads
-    came; the gRPC route moves it."""
-    t = Ranks(server, 12, 3, 2)
-    try:
-        t.expect("nest")
-        t.send("nest")
-        for r in (0, 1):
-            (st,) = t.rx[r][0].wait("nest", timeout=10)
-            assert st.state == "DONE" and st.route_note != "lane", st
-            t.check_rank(r)
-        assert sum(kv.lane_sent for kv, _, _ in t.tx) == 0
-    finally:
-        t.close()
