@@ -30,7 +30,8 @@ import numpy as np
 
 from ..errors import FailedPrecondition, KVServiceError
 from ..identity import LOCAL_PEER
-from .geometry import head_geometry, layout_signature
+from ..kernels.heads import plan_heads
+from .geometry import head_geometry, heads_overlap, layout_signature
 
 __all__ = ["LaneBook", "NoLane"]
 
@@ -42,6 +43,18 @@ _RETIRED = 256  # unregistered buffer sets kept for a finalize in flight
 _BOOKING: contextvars.ContextVar[tuple[str, tuple[int, ...]] | None] = contextvars.ContextVar(
     "lane_booking", default=None
 )
+
+
+def _senders_into(src: Any, dst: Any) -> int:
+    """Sender ranks of layout ``src``'s TP size that write a receiver rank of layout ``dst`` (1
+    when unknown)."""
+    if src is None:
+        return 1
+    try:
+        routes = plan_heads(src.total_kv_heads, src.tp_size, dst.tp_size)
+    except KVServiceError:
+        return 1
+    return sum(1 for r in routes if r.dst_rank == dst.tp_rank)
 
 
 def _booking(transfer_id: str, rank: int) -> bool:
@@ -67,7 +80,7 @@ class NoLane:
     async def settle(self, inc: Any) -> None:
         pass
 
-    def gate(self, transfer_id: str) -> None:
+    async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
         pass
 
     def drop_session(self, session_id: str) -> None:
@@ -215,14 +228,23 @@ class LaneBook(NoLane):
                 fut = self._waiters[key] = asyncio.get_running_loop().create_future()
             await asyncio.shield(fut)
 
-    def gate(self, transfer_id: str) -> None:
-        """A sender other than the lane wants ``transfer_id``'s plan: disarm its ranks here, or
-        refuse when the lane is moving (or has moved) it."""
+    async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
+        """A sender other than the lane wants ``transfer_id``'s plan: disarm the ranks it writes
+        to here (``src_layout``: its layout, when known; every rank otherwise). With mixed TP the
+        other ranks stay armed: their senders may still take the lane. A rank the lane is moving
+        (or has moved) into: refused when this sender is its only one (the lane has the
+        transfer); when the rank has several senders, this one waits until the lane's copies
+        there are booked, then takes the rank over gRPC (the rank's END then comes that way)."""
         for inc in self.e.receiver.of(transfer_id):
-            if self.n.disarm(transfer_id, inc.bs.layout.tp_rank) == 2:
-                raise FailedPrecondition(
-                    f"transfer_id: {transfer_id!r} is being sent by another engine on this node's lane"
-                )
+            if src_layout is not None and not heads_overlap(src_layout, inc.bs.layout):
+                continue
+            key = (transfer_id, inc.bs.layout.tp_rank)
+            while self.n.disarm(*key) == 2:
+                if _booking(*key) or _senders_into(src_layout, inc.bs.layout) <= 1:
+                    raise FailedPrecondition(
+                        f"transfer_id: {transfer_id!r} is being sent by another engine on this node's lane"
+                    )
+                await self._booked_all(key)
 
     def drop_session(self, session_id: str) -> None:
         self.n.drop_session(session_id)
@@ -369,12 +391,16 @@ class LaneBook(NoLane):
                 fut.set_result(None)
         return left
 
+    async def _booked_all(self, key: tuple[str, int]) -> None:
+        """Until every pending lane copy into receiver rank ``key`` is booked."""
+        fut = self._waiters.get(key)
+        if fut is None:
+            fut = self._waiters[key] = asyncio.get_running_loop().create_future()
+        await asyncio.shield(fut)
+
     async def _booked(self, tid: str, rank: int, ranks: list[int]) -> None:
         """Book this completion's copy into (tid, rank) now (``ranks`` loses it) and wait until
         every other pending copy there is booked."""
         ranks.remove(rank)
         if self._forget(tid, rank):
-            fut = self._waiters.get((tid, rank))
-            if fut is None:
-                fut = self._waiters[(tid, rank)] = asyncio.get_running_loop().create_future()
-            await asyncio.shield(fut)
+            await self._booked_all((tid, rank))

@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 from typing import Any
 
-__all__ = ["head_geometry", "layout_signature"]
+__all__ = ["head_geometry", "heads_overlap", "layout_signature"]
 
 
 def layout_signature(layout: Any) -> int:
@@ -26,6 +26,15 @@ def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
     sig = _signature(but_tp)
     local = layout.local_kv_heads
     return mode, sig, layout.tp_rank * local, local, layout.page_size
+
+
+def heads_overlap(src: Any, dst: Any) -> bool:
+    """Whether a sender of layout ``src`` may write a receiver rank of layout ``dst`` (True when
+    the two cannot be told apart by heads: another page layout, replicated heads, MLA)."""
+    a, b = head_geometry(src), head_geometry(dst)
+    if a[0] == 0 or a[0] != b[0] or a[1] != b[1]:
+        return True
+    return max(a[2], b[2]) < min(a[2] + a[3], b[2] + b[3])
 
 
 def _signature(layout: Any) -> int:

@@ -35,7 +35,8 @@ class LocalReceiver:
         self._address: str = engine.address
         self._receiver = engine.receiver
         self._inbound = engine.inbound
-        self._lane = lambda tid: engine.lane.gate(tid)  # NOTE: kvservice.lane.start replaces engine.lane
+        # NOTE: kvservice.lane.start replaces engine.lane
+        self._lane = lambda tid, lay: engine.lane.gate(tid, lay)
         self._regions_of = engine.regions_of
         self._no_direct: set[str] = engine.no_direct
         self._abort_from_peer = engine.abort_from_peer
@@ -49,7 +50,7 @@ class LocalReceiver:
     async def targets(self, out: Outgoing) -> list[Target]:
         lay, tid = out.bs.layout, out.rec.transfer_id
         if not out.via_lane:  # the native lane may hold it (kvservice.lane): disarm, or refuse
-            self._lane(tid)
+            await self._lane(tid, lay)
         left = out.rec.deadline - time.monotonic()
         if out.via_lane:  # booking the lane's copy: its declaration is here, late or not; no wait
             left = 0.0
@@ -60,7 +61,7 @@ class LocalReceiver:
         except NotFound as exc:
             raise DeadlineExceeded(f"transfer deadline passed: {exc.message}") from None
         if not out.via_lane:  # a declaration armed while we waited
-            self._lane(tid)
+            await self._lane(tid, lay)
         key = self._key(out)
         return [
             Target.of(

@@ -39,11 +39,11 @@ async def receive_plans(
     pages go — with the receiver's pool handles for a same-host sender on a local connection."""
     src = Layout.from_proto(request.src_layout)
     wait = min(request.wait_ms / 1000, engine.config.max_deadline_ms / 1000)
-    engine.lane.gate(request.transfer_id)  # a peer sends it: the native lane may not
+    await engine.lane.gate(request.transfer_id, src)  # a peer sends it: the native lane may not
     found = await engine.receiver.plans(
         request.transfer_id, src, request.sender_service_id, request.sender_address, wait, identity
     )
-    engine.lane.gate(request.transfer_id)
+    await engine.lane.gate(request.transfer_id, src)
     out = peer_pb2.ReceivePlanSet(metadata_epoch=engine.metadata_epoch, service_id=engine.service_id)
     same_host = bool(request.sender_boot_id) and request.sender_boot_id == host.boot_id()
     refusal = (
@@ -70,7 +70,7 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
     ``same_host_route=auto`` its plan carries the pools' handles, as an asked plan would, so the
     same-host fused route needs no ask either."""
     try:
-        engine.lane.gate(inc.rec.transfer_id)  # a peer sends it: the native lane may not
+        await engine.lane.gate(inc.rec.transfer_id)  # a peer sends it: the native lane may not
     except FailedPrecondition:
         return False
     offer = engine.receiver.senders.offer(inc, chan.peer, chan.address, chan.identity)

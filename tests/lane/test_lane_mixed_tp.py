@@ -229,6 +229,33 @@ def test_a_sender_whose_heads_are_not_all_armed_goes_over_grpc(server: Any) -> N
         t.close()
 
 
+def test_a_sender_over_grpc_leaves_the_other_ranks_on_the_lane(server: Any) -> None:
+    """TP 4 -> 2: senders 0 and 1 take the lane (receiver 0), sender 2 goes over gRPC ("packed"):
+    that gates only receiver 1, receiver 0 stays the lane's. It used to disarm every rank, or
+    refuse sender 2 while a lane copy into a rank was pending."""
+    t = Ranks(server, 4, 4, 2)
+    try:
+        t.expect("mix")
+        t.send("mix", [0, 1])
+        kv, _, bs = t.tx[2]
+        kv.send_delta("mix", bs, src_page_indices=SRC, peer_address=t.peer, path="packed")
+        t.send("mix", [3])
+        (r0,) = t.rx[0][0].wait("mix", timeout=10)
+        (r1,) = t.rx[1][0].wait("mix", timeout=10)
+        assert r0.state == r1.state == "DONE", (r0, r1)
+        assert r0.route_note == "lane" and r1.route_note != "lane", (r0, r1)
+        for r in (0, 1):
+            t.check_rank(r)
+        # sender 3 took the lane when it came before sender 2's gate (then sender 2 waited for
+        # its booking and went over gRPC), else gRPC: either way receiver 1 ends DONE
+        assert [kv.lane_sent for kv, _, _ in t.tx][:3] == [1, 1, 0]
+        for kv, _, _ in t.tx:
+            (st,) = kv.wait("mix", timeout=10)
+            assert st.state == "DONE", st
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize(
     "heads,p,d",
     [
