@@ -9,7 +9,9 @@ bookkeeping of what it did.
                        (records, commit, DONE, index, metrics) ─▶ forget       native: —
     Abort / deadline / failure of the receiver ─▶ settle: disarm, or wait for the finalize
     Abort / deadline / session end of the sender ─▶ the finalize's booking is not stopped: waited for
-    any other sender of an armed transfer     ─▶ gate: disarm, or refuse (the lane has it)
+    any other sender of an armed transfer     ─▶ gate: disarm the ranks it writes, or refuse (the
+                                                  lane has its only sender), or wait for the lane's
+                                                  copies there (a rank with several senders)
     UnregisterBuffers ─▶ drop_pool (returns once no copy uses the pool)
 
 The rules of DESIGN.md hold: a copy never starts for a transfer that is not ARMED (a disarm is
