@@ -6,6 +6,7 @@
 #   bash bench/run_gpu.sh stream # the cross-node lane's streamed 2 GiB, parts 4/8/2, one and two GPUs
 #   bash bench/run_gpu.sh mixed  # mixed TP on the same-node lane, the lane's spin (one GPU)
 #   bash bench/run_gpu.sh x2mixed # two GPUs: mixed TP across them on the lane, the one-GPU goal rows
+#   bash bench/run_gpu.sh x2confirm # two GPUs: issue 32's rows once more at the defaults (< 10 min)
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -91,6 +92,16 @@ elif [ "$1" = x2mixed ]; then
   echo "== GPU tests: the lane, two GPUs" | tee -a "$LOG"
   timeout 240 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_across.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = x2confirm ]; then
+  # issue 32's rows once more at the defaults, one call (< 10 min): two services GPU0 -> GPU1 three
+  # times (>= 90%, last measured at the edge), mixed TP across on the lane (>= 80%), the one-service
+  # lane and the forced cross-node route (2 GiB)
+  for i in 1 2 3; do
+    T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --tag svc2_confirm$i
+  done
+  T=120 run bench/bench_mixed_tp.py --device cuda --same-node --src-gpu 0 --dst-gpu 1 --pages 1024 --pool-pages 1088 --configs 2:4,4:2 --skip-per-token --iters 10 --tag 2g_lane
+  T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto --iters 20 --skip-nixl --tag lane_confirm
+  T=120 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --tag lane_stream_confirm
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),
   # verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
@@ -117,7 +128,8 @@ elif [ "$1" = x1 ]; then
   KVSERVICE_LANE_CROSS_MB=1024 T=150 run bench/bench_transfer.py --device cuda --cross-node --paths auto --expect-lead-ms 3 --tag lane_stream_1g
   T=170 run bench/sweep_fused.py   # the fused kernel's launch shapes against a device copy
   T=150 run bench/bench_mixed_tp.py --device cuda
-  T=150 run bench/bench_mixed_tp.py --device cuda --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --tag 2g  # goal: >= 80% of a copy
+  T=150 run bench/bench_mixed_tp.py --device cuda --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --tag 2g  # two services (gRPC route)
+  T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane  # goal: >= 80% of a copy
   T=110 run bench/bench_multiturn.py --device cuda
   T=60 run bench/bench_control.py
   T=60 run bench/bench_launch.py --layers 1 --tag _64k   # the Python launch floor (native decision)
@@ -141,6 +153,7 @@ else
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --tag svc2_staged
   T=150 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto,packed
   T=150 run bench/bench_mixed_tp.py --device cuda --src-gpu 0 --dst-gpu 1
+  T=120 run bench/bench_mixed_tp.py --device cuda --same-node --src-gpu 0 --dst-gpu 1 --pages 1024 --pool-pages 1088 --configs 2:4,4:2 --skip-per-token --iters 10 --tag 2g_lane  # goal: >= 80%
   T=130 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
   # diagnosis: fewer, larger staging batches (4 GiB pool -> 1 GiB batches instead of 256 MiB)
   T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --iters 3 --skip-baseline --vram-staging-mb 4096 --tag staging4g
