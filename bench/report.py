@@ -730,7 +730,7 @@ def _headline(runs: dict[str, dict]) -> list[str]:
     # issue 32: GPU0 -> GPU1 on one host (two-GPU machine)
     share_row("same node GPU0 -> GPU1, one service, 2 GiB >= 90% of the peer copy",
               latest("transfer_same_node_gpu0to1", "transfer_same_node_gpu0to1_lane", "transfer_same_node_gpu0to1_lane_push_16",
-                     "transfer_same_node_gpu0to1_lane_spin"),
+                     "transfer_same_node_gpu0to1_lane_spin", "transfer_same_node_gpu0to1_lane_confirm"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     pairs = {
         "transfer_same_node_gpu0to1_delta_64k_lane": "transfer_same_node_gpu_delta_64k_x2host_b",
@@ -757,7 +757,7 @@ def _headline(runs: dict[str, dict]) -> list[str]:
     share_row("GPU0 -> GPU1, two services on the host, 2 GiB >= 90% of the peer copy",
               latest("transfer_gpu0to1", "transfer_gpu0to1_svc2_staged", "transfer_gpu0to1_svc2_offer",
                      "transfer_gpu0to1_svc2_open", "transfer_gpu0to1_svc2_p4", "transfer_gpu0to1_svc2_1g",
-                     "transfer_gpu0to1_svc2_final"),
+                     "transfer_gpu0to1_svc2_final", "transfer_gpu0to1_svc2_confirm3"),
               "contiguous_copy", "peer copy", 0.90)  # fmt: skip
     two = [runs.get(f"transfer_gpu0to1_svc2_{m}") for m in ("push", "pull")]
     if all(two) and _p50(two[0]) and _p50(two[1]):
@@ -765,7 +765,8 @@ def _headline(runs: dict[str, dict]) -> list[str]:
             f"{_p50(two[0]):.2f} / {_p50(two[1]):.2f} ms", "peer copy: see the one-service row (same session)",
             None)  # fmt: skip
     share_row("cross-node route GPU0 -> GPU1, 2 GiB >= 85% of NIXL 1 desc",
-              latest("transfer_gpu0to1_xnode", "transfer_gpu0to1_xnode_lane_stream", "transfer_gpu0to1_xnode_lane_stream_p4"),
+              latest("transfer_gpu0to1_xnode", "transfer_gpu0to1_xnode_lane_stream", "transfer_gpu0to1_xnode_lane_stream_p4",
+                     "transfer_gpu0to1_xnode_lane_stream_confirm"),
               "raw_nixl_one_descriptor", "NIXL 1 desc", 0.85)  # fmt: skip
     for run in ("launch_gpu_64k", "launch_gpu_2m"):
         j = runs.get(run)
@@ -806,7 +807,7 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         value = " / ".join(f"{k} {c[k]['kvservice']['p50_ms']:.2f} ms" for k in ("4->2", "2->1") if k in c)
         rows.append(f"| mixed TP 4->2 and 2->1 on one GPU, 2 GiB >= 80% of a device copy | mixed_tp_gpu (H200) "
                     f"| {runs['mixed_tp_gpu']['bytes'] >> 20} MiB only: {value} | (no copy baseline in that run) | **not measured** |")  # fmt: skip
-    mixed_row(latest("mixed_tp_gpu0to1_2g", "mixed_tp_gpu0to1_2g_lane_spin"), ("2->4", "4->2"),
+    mixed_row(latest("mixed_tp_gpu0to1_2g", "mixed_tp_gpu0to1_2g_lane_spin", "mixed_tp_gpu0to1_2g_lane"), ("2->4", "4->2"),
               "mixed TP 2->4 and 4->2 across GPU0 -> GPU1, 2 GiB >= 80% of the peer copy", "peer copy")  # fmt: skip
     # the same rows' earlier routes and settings, each beside its own same-run copy
     mixed_row("mixed_tp_gpu_2g", ("4->2", "2->1"), "mixed TP one GPU, 2 GiB: two services (gRPC fused route over CUDA IPC)", "copy", None)  # fmt: skip
