@@ -1250,8 +1250,7 @@ class Lane {
 
   // One target's geometry against the sender's (nh 0: equal layouts, whole pages).
   std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src, int nh) const {
-    if (nh == 0 && (sp.sig != dp.sig || sp.regions.size() != dp.regions.size())) return "layouts differ";
-    if (sp.regions.size() != dp.regions.size()) return "layouts differ";
+    if (sp.regions.size() != dp.regions.size()) return "layouts differ";  // (nh 0: targets() saw equal signatures)
     // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
     // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
     if (sp.device != dp.device) {

@@ -225,10 +225,7 @@ class LaneBook(NoLane):
             return  # the booking itself ends the receiver (a malformed commit): nothing to wait for
         crossing = self.cross is not None and self.cross.rx.settle_in(*key)
         if self.n.disarm(*key) == 2 or crossing:
-            fut = self._waiters.get(key)
-            if fut is None:
-                fut = self._waiters[key] = asyncio.get_running_loop().create_future()
-            await asyncio.shield(fut)
+            await self._booked_all(key)
 
     async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
         """A sender other than the lane wants ``transfer_id``'s plan: disarm the ranks it writes
@@ -310,9 +307,7 @@ class LaneBook(NoLane):
             log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
         finally:
             if kind != 1:
-                fut = self._waiters.pop((tid, rank), None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
+                self._wake((tid, rank))
 
     async def _finalize(
         self,
@@ -326,10 +321,10 @@ class LaneBook(NoLane):
         nbytes: int,
         copy_us: int,
         flags: int,
-        told_recv: bool = False,
-        told_send: bool = False,
-        ranks: list[int] | None = None,
-        told: list[int] | None = None,
+        told_recv: bool,
+        told_send: bool,
+        ranks: list[int],
+        told: list[int],
     ) -> None:
         """Book one SEND the lane copied into receiver ranks ``ranks`` (``told``: which of them
         heard their END with it: their last sender)."""
@@ -337,8 +332,8 @@ class LaneBook(NoLane):
         from ..transfer.sender import Chunk, Outgoing
 
         e = self.e
-        ranks = list(ranks) if ranks else [rank]
-        told_by = dict(zip(ranks, told or [told_recv], strict=False))
+        ranks = list(ranks)  # (``rank``, ``told_recv``: its first, the cross-node completions' fields)
+        told_by = dict(zip(ranks, told, strict=True))
         # NOTE: in this task's own context (create_task copied it), inherited by the tasks it
         # starts: the booking's sender worker, and whatever that worker ends (see settle).
         _BOOKING.set((tid, tuple(ranks)))
@@ -388,10 +383,14 @@ class LaneBook(NoLane):
         last one wakes the waiters (settle, a failed sibling's finalize)."""
         left = int(self.n.forget(tid, rank))
         if left == 0:
-            fut = self._waiters.pop((tid, rank), None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self._wake((tid, rank))
         return left
+
+    def _wake(self, key: tuple[str, int]) -> None:
+        """Nothing of the lane is pending in receiver rank ``key`` now: its waiters go on."""
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def _booked_all(self, key: tuple[str, int]) -> None:
         """Until every pending lane copy into receiver rank ``key`` is booked."""

@@ -4,6 +4,7 @@ and its heads (head slices between TP sizes: design-notes §16, "Mixed TP on the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any
 
@@ -15,6 +16,7 @@ def layout_signature(layout: Any) -> int:
     return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0))
 
 
+@functools.lru_cache(maxsize=1024)  # NOTE: a pure function of a frozen Layout, asked per declaration
 def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
     """What the lane needs for head slices between TP sizes: (mode, signature of the layout but
     for its TP, first global head, local heads, page size). Mode 1: token-major pages ("nhd"),

@@ -4,6 +4,7 @@ may have been lost in the break sends its waiter to a watch (None)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,23 +13,7 @@ from kvservice_client._types import TransferStatus
 
 
 def status(tid: str, role: str, bs: str, state: str = "DONE") -> TransferStatus:
-    return TransferStatus(
-        transfer_id=tid,
-        role=role,  # type: ignore[arg-type]
-        buffer_set_id=bs,
-        state=state,  # type: ignore[arg-type]
-        bytes_sent=0,
-        pages_sent=0,
-        pages_skipped=0,
-        descriptors=0,
-        chunks_done=1,
-        senders_done=1,
-        path="FUSED",
-        timings_us={},
-        error_code="",
-        error="",
-        updated_unix_ms=0,
-    )
+    return dataclasses.replace(TransferStatus.queued(tid, role, bs, "FUSED"), state=state)
 
 
 def soon() -> float:
