@@ -326,6 +326,8 @@ struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or 
   std::vector<Target> tg;
   int64_t prefix = 0;
   std::vector<int32_t> src;
+  // CLOCK_MONOTONIC s: the SEND read, its copy launched, the copy seen done (the END's trailer)
+  double at_recv = 0, at_launch = 0, at_done = 0;
 };
 
 struct XSend {  // an accepted SEND_TO, to pack and write (the lane thread, or the bulk thread)
@@ -865,6 +867,7 @@ class Lane {
           continue;
         }
         ssize_t got = recv(fd, buf.data(), buf.size(), MSG_DONTWAIT);
+        at_msg_ = now_s();
         if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
         if (got <= 0 || (evs[i].events & (EPOLLHUP | EPOLLERR))) {
           closed(fd);
@@ -904,11 +907,18 @@ class Lane {
 
   static std::string end_msg(uint32_t role, bool ok, const std::string& tid, const std::string& bs,
                              const std::string& err, uint64_t nbytes, uint64_t npages, uint64_t skipped,
-                             uint64_t us, uint32_t flags = 0) {
+                             uint64_t us, uint32_t flags = 0, const LocalCopy* at = nullptr) {
     EndHdr h{MSG_END, role, ok ? 0u : 1u, (uint32_t)tid.size(), (uint32_t)bs.size(), (uint32_t)err.size(),
              nbytes, npages, skipped, us};
-    // trailing u32 flags (END_CROSS: the cross-node lane moved it); older readers stop at msg
-    return std::string((const char*)&h, sizeof h) + tid + bs + err + std::string((const char*)&flags, 4);
+    // trailing u32 flags (END_CROSS: the cross-node lane moved it); older readers stop at msg.
+    // A same-node copy's END then carries its timeline (f64 CLOCK_MONOTONIC s: SEND read, copy
+    // launched, copy seen done, END sent), for bench/probe_lane.py; readers ignore it.
+    std::string m = std::string((const char*)&h, sizeof h) + tid + bs + err + std::string((const char*)&flags, 4);
+    if (at) {
+      const double t[4] = {at->at_recv, at->at_launch, at->at_done, now_s()};
+      m.append((const char*)t, sizeof t);
+    }
+    return m;
   }
 
   void handle(int fd, const char* p, size_t n) {
@@ -923,6 +933,7 @@ class Lane {
 
     std::string session, why;
     LocalCopy job;
+    job.at_recv = at_msg_;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto c = conns_.find(fd);
@@ -1052,8 +1063,11 @@ class Lane {
       err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it
       if (err.empty()) return;
     } else if (err.empty()) {
+      job.at_launch = t0;
       err = copy_segs(sp.device, job.tg[0].dp.device, segs, pairs, moved);
     }
+    if (!job.at_launch) job.at_launch = t0;
+    job.at_done = now_s();
     end_local(job, err, (uint64_t)((now_s() - t0) * 1e6), nbytes, moved);
   }
 
@@ -1105,6 +1119,7 @@ class Lane {
       if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
       std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
       if (err.empty() && (r = cuda_.cuEventRecord(sl.ev, d.stream))) err = cu_err(r);
+      job.at_launch = now_s();
       if (!err.empty()) {  // what was queued may still read the slot or write pages: wait it out
         cuda_.cuStreamSynchronize(d.stream);
         return err;
@@ -1172,6 +1187,7 @@ class Lane {
         if (r) err = cu_err(r);
       }
       stat(S_CUSYNC, t_sync);
+      f.job.at_done = now_s();
       {
         std::lock_guard<std::mutex> c(cuda_mu_);
         device(f.device).ring[(size_t)f.slot].busy = false;
@@ -1220,7 +1236,7 @@ class Lane {
             a.state = a.state == GATED ? GATED : COMPLETED;
             const bool rok = a.failed == 0;
             std::string to_recv =
-                end_msg(0, rok, tid, a.recv_bs, rok ? "" : a.error, a.nbytes, moved, (uint64_t)prefix, us);
+                end_msg(0, rok, tid, a.recv_bs, rok ? "" : a.error, a.nbytes, moved, (uint64_t)prefix, us, 0, &job);
             for (auto& kv : conns_) {
               if (kv.second.session == a.recv_session) told |= sendmsg_(kv.first, to_recv);
             }
@@ -1229,7 +1245,7 @@ class Lane {
         done.ranks.push_back(t.rank);
         done.told.push_back(told);
       }
-      std::string to_send = end_msg(1, ok, tid, bs, err, nbytes, moved, (uint64_t)prefix, us);
+      std::string to_send = end_msg(1, ok, tid, bs, err, nbytes, moved, (uint64_t)prefix, us, 0, &job);
       done.told_send = tell(fd, session, to_send);
       done.told_recv = !done.told.empty() && done.told[0];
       done.tid = tid;
@@ -2059,6 +2075,7 @@ class Lane {
 
   std::atomic<unsigned> chunk_{16384};
   std::atomic<unsigned> spin_us_{0};
+  double at_msg_ = 0;  // when the lane thread read the message it handles (LocalCopy::at_recv)
   std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight
   std::atomic<bool> pull_{false};
   int epfd_, wake_, done_;

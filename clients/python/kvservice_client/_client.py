@@ -113,6 +113,7 @@ class Client(LandingCalls):
         self._lane = LaneOpener(target, self._tx_book, lane, lane_spin_us)
         if self._lane.enabled:  # wait() reads the lane on the waiting thread (see _lane)
             self._tx_book.pump, self._tx_book.wake = self._lane.pump, self._lane.wake
+            self._tx_book.waiting = self._lane.waiting
         self._credential_path = find_credential_path(target, credential_path)
         self._session = SessionKeeper(
             self._stub, client_name, target, self.owned, on_session_lost, self._credential_path

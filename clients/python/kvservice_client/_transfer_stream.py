@@ -63,6 +63,7 @@ class Ended:
         # the lane's pump/wake (``_lane.LaneOpener``): a waiter reads the lane on its own thread
         self.pump: Callable[[float], bool] | None = None
         self.wake: Callable[[], None] | None = None
+        self.waiting: Callable[[int], None] | None = None  # a waiter here, not reading the lane
         self._pumping = 0  # waiters in pump(): an END from the stream must wake them
         self._ended: dict[tuple[str, str, str], TransferStatus] = {}
         self.sides: dict[str, set[tuple[str, str]]] = {}  # transfer id -> (role, buffer set)
@@ -99,16 +100,17 @@ class Ended:
             if len(self._unsure) > _KEEP_ENDED:
                 self._unsure.pop()
 
-    def ended(self, st: TransferStatus) -> None:
+    def ended(self, st: TransferStatus, from_lane: bool = False) -> None:
+        """``from_lane``: the thread reading the lane booked it (no pump to interrupt: it is one)."""
         with self._cond:
             self._ended[(st.transfer_id, st.role, st.buffer_set_id)] = st
             if len(self._ended) > _KEEP_ENDED:
                 del self._ended[next(iter(self._ended))]
-            self._notify()
+            self._notify(not from_lane)
 
-    def _notify(self) -> None:  # with the condition held
+    def _notify(self, wake: bool = True) -> None:  # with the condition held
         self._cond.notify_all()
-        if self._pumping and self.wake is not None:
+        if wake and self._pumping and self.wake is not None:
             self.wake()
 
     def forget_all(self) -> None:
@@ -143,7 +145,19 @@ class Ended:
                     raise TimeoutError
                 if self.pump is not None and self._pump(left):
                     continue
-                self._cond.wait(left)
+                self._wait(left)
+
+    def _wait(self, left: float) -> None:
+        """With the condition held: wait for an end (another thread reads the lane meanwhile:
+        ``waiting`` keeps the lane's reader reading while this thread does not)."""
+        if self.waiting is None:
+            self._cond.wait(left)
+            return
+        self.waiting(1)
+        try:
+            self._cond.wait(left)
+        finally:
+            self.waiting(-1)
 
     def _pump(self, left: float) -> bool:
         """With the condition held: read the lane on this thread for up to ``left`` (the condition

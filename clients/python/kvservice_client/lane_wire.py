@@ -11,7 +11,9 @@ and reads REPLY and END messages. Every message is one packet, little endian::
     REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback) │ u32 msg_len │ msg
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
            msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg │
-           u32 flags (END_CROSS: the cross-node lane moved it; absent from older services)
+           u32 flags (END_CROSS: the cross-node lane moved it; absent from older services) │
+           f64 times[4] (a same-node copy's: the SEND read, the copy launched, seen done, the END
+           sent, CLOCK_MONOTONIC seconds; absent otherwise: see :func:`end_times`)
 
 A SEND is the whole transfer in one chunk (``chunk_offset`` 0, ``last_chunk``): the receiver's
 prefix and delta pages, in order. The service accepts it only for a transfer its receiver
@@ -38,6 +40,7 @@ __all__ = [
     "decode",
     "encode_send",
     "encode_send_to",
+    "end_times",
     "hello",
     "lane_path",
     "parse_hello",
@@ -54,6 +57,7 @@ _SEND = struct.Struct("<6I")
 _SEND_TO = struct.Struct("<7I")
 _REPLY = struct.Struct("<IIiI")
 _END = struct.Struct("<6I4Q")
+_TIMES = struct.Struct("<4d")
 
 
 def lane_path(uds_path: str) -> str:
@@ -99,6 +103,17 @@ def decode(msg: bytes) -> Reply | End:
         flags = struct.unpack_from("<I", msg, tail)[0] if len(msg) >= tail + 4 else 0
         return End((role, state == 0, tid, bs, err, nbytes, pages, skipped, us, flags))
     raise ValueError(f"lane: unknown message type {kind}")
+
+
+def end_times(msg: bytes) -> tuple[float, float, float, float] | None:
+    """An END's timeline trailer (the service's clock, which is this host's ``time.perf_counter``
+    on Linux: both read CLOCK_MONOTONIC), or None when it has none. For benchmarks."""
+    _, _, _, tl, bl, ml = struct.unpack_from("<6I", msg)
+    tail = _END.size + tl + bl + ml + 4
+    if len(msg) < tail + _TIMES.size:
+        return None
+    t = _TIMES.unpack_from(msg, tail)
+    return (t[0], t[1], t[2], t[3])
 
 
 # -- handshake (one JSON packet each way, then the socket carries the messages above) ----------
