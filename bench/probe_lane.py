@@ -8,10 +8,10 @@ for one page (64 KiB) and 2 GiB, at Python's default thread switch interval and 
     python3 bench/probe_lane.py            # GPU 0 (PROBE_DEV=cpu: shm pools); JSON to $OUT
     PROBE_SPINS=0:0,200:0,200:100 python3 bench/probe_lane.py   # lane_spin_us service:SDK
     PROBE_NO_READER=1 python3 bench/probe_lane.py    # the clients' lane reader threads off (A/B)
-    PROBE_READER_NO_PARK=1 python3 bench/probe_lane.py   # the reader never parks (A/B)
 
 The END's timeline (``lane_wire.end_times``) splits ``lane_send_to_end_rx`` into the hops through
-the service: ``lane_send_to_svc_recv`` (the SEND's way in), ``svc_recv_to_svc_launch``,
+the service: ``lane_send_to_svc_recv`` (the SEND's way in), ``svc_recv_to_svc_checked`` (its
+checks and the receiver ranks), ``svc_checked_to_svc_launch`` (the copy's table and launch),
 ``svc_launch_to_svc_done`` (the copy, as the finisher sees it), ``svc_done_to_svc_end`` and
 ``svc_end_to_end_rx`` (the END's way out, decoded).
 """
@@ -40,7 +40,7 @@ def _timed_decode(data: bytes) -> Any:
         T["copy_us_" + kind] = msg[8]
         at = lane_wire.end_times(data)
         if at is not None and kind == "end0":  # the service's timeline, same clock
-            T["svc_recv"], T["svc_launch"], T["svc_done"], T["svc_end"] = at
+            T["svc_recv"], T["svc_checked"], T["svc_launch"], T["svc_done"], T["svc_end"] = at
     return msg
 
 
@@ -59,7 +59,7 @@ def _service_steps(end_rx: float) -> dict[str, float]:
     """The hops inside lane_send_to_end_rx, from the END's timeline (absent: none)."""
     if "svc_recv" not in T:
         return {}
-    pts = ("lane_send", "svc_recv", "svc_launch", "svc_done", "svc_end")
+    pts = ("lane_send", "svc_recv", "svc_checked", "svc_launch", "svc_done", "svc_end")
     steps = {f"{a}_to_{b}": (T[b] - T[a]) * 1e6 for a, b in zip(pts[:-1], pts[1:], strict=True)}
     steps["svc_end_to_end_rx"] = (end_rx - T["svc_end"]) * 1e6
     return steps
@@ -67,8 +67,6 @@ def _service_steps(end_rx: float) -> dict[str, float]:
 
 if os.environ.get("PROBE_NO_READER") == "1":  # A/B: the clients' lane reader threads never run
     _lane.Lane._read = lambda self: None  # type: ignore[method-assign]
-if os.environ.get("PROBE_READER_NO_PARK") == "1":  # A/B: the reader polls always (before 2026-11-28f)
-    _lane.Lane._parked = lambda self: 0.0  # type: ignore[method-assign]
 
 
 def one(layers: int, pages: int, iters: int, svc_spin: int = 0, sdk_spin: int = 0) -> dict[str, Any]:

@@ -7,7 +7,7 @@
 #   bash bench/run_gpu.sh mixed  # mixed TP on the same-node lane, the lane's spin (one GPU)
 #   bash bench/run_gpu.sh x2mixed # two GPUs: mixed TP across them on the lane, the one-GPU goal rows
 #   bash bench/run_gpu.sh x2confirm # two GPUs: issue 32's rows once more at the defaults (< 10 min)
-#   bash bench/run_gpu.sh reader # the SDK lane reader's parking A/B, same node 2 GiB, cross-node under MPS
+#   bash bench/run_gpu.sh fast   # the lean send path (same node 2 GiB), cross-node 2 GiB on one GPU under MPS
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -104,25 +104,26 @@ elif [ "$1" = x2confirm ]; then
   T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto --iters 20 --skip-nixl --tag lane_confirm
   T=120 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --tag lane_stream_confirm
 elif [ "$1" = reader ]; then
-  # same node: the SDK lane reader parked while callers read, against it always polling and
-  # against no reader (probe_lane, the END's timeline); the 2 GiB goal row; then the cross-node
-  # 2 GiB on one GPU under MPS when the host has it (both services' kernels in one GPU context)
-  for v in park:0:0 poll:1:0 none:0:1; do
-    IFS=: read -r tag nopark noreader <<< "$v"
-    PROBE_TAG=_$tag PROBE_READER_NO_PARK=$nopark PROBE_NO_READER=$noreader PROBE_SPINS=5000:5000 OUT=$OUT T=200 run bench/probe_lane.py
-  done
+  # (2026-11-28f, first call) the SDK lane reader parked / polling / absent (probe_lane; parking
+  # was reverted: no difference), the same-node 2 GiB row, the cross-node 2 GiB on one GPU under MPS
+  PROBE_TAG=_none PROBE_NO_READER=1 PROBE_SPINS=5000:5000 OUT=$OUT T=200 run bench/probe_lane.py
   KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag park
-  if command -v nvidia-cuda-mps-control >/dev/null; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-    mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
-    T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_stream
-    KVSERVICE_LANE_CROSS_GPU_MB=8192 T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --skip-baseline --tag mps_one_write_8g
-    echo quit | nvidia-cuda-mps-control; cat /tmp/mpslog/control.log 2>/dev/null | tail -3 | tee -a "$LOG"
-  else
-    echo "== no nvidia-cuda-mps-control on this host" | tee -a "$LOG"
-  fi
-  timeout 200 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_abort.py \
-    tests/gpu/test_gpu_mixed_tp.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+elif [ "$1" = fast ]; then
+  # same node: the SDK's send path without numpy checks (i64 pages), the REPLY after the launch
+  # (probe_lane's timeline, the 2 GiB goal row); cross-node 2 GiB on one GPU under MPS (CUDA's
+  # multi-process service: both services' kernels run side by side) at the defaults, 2 / 8 parts,
+  # 2 GiB of staging; then the abort GPU tests
+  PROBE_TAG=_fast PROBE_SPINS=5000:5000 OUT=$OUT T=200 run bench/probe_lane.py
+  KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag fast
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_stream2
+  for v in p2:2:1024 p8:8:1024 g2:4:2048; do
+    IFS=: read -r tag parts mb <<< "$v"
+    KVSERVICE_LANE_CROSS_PARTS=$parts KVSERVICE_LANE_CROSS_GPU_MB=$mb T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --skip-baseline --skip-nixl --tag mps_$tag
+  done
+  echo quit | nvidia-cuda-mps-control
+  timeout 150 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_abort.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),

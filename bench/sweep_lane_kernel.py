@@ -179,6 +179,18 @@ def main() -> None:
                 k((args.pages, nreg, z), (256,), (table, pairs, np.int32(1), np.uint32(c)))
 
             variants[f"lane_grid3_chunk{chunk // 1024}k"] = run
+        # diagnosis (not checked byte for byte): the same kernel on contiguous pages (pairs i -> i)
+        # and on the row's pages sorted by source page: what the scatter itself costs
+        order = np.argsort(sp)
+        idx = np.arange(args.pages)
+        for tag, a_, b_ in (("contig", idx, idx), ("sorted", sp[order], dp[order])):
+            dpairs = cp.asarray(np.stack([a_, b_], axis=1).astype(np.int32).reshape(-1))
+
+            def drun(k=lane, pr=dpairs) -> None:  # type: ignore[no-untyped-def]
+                grid = (args.pages, nreg, (page + 16383) // 16384)
+                k(grid, (256,), (table, pr, np.int32(1), np.uint32(16384)))
+
+            variants[f"diag_lane_{tag}_chunk16k"] = drun
         try:  # sm_90 only
             tma = cp.RawKernel(_TMA, "lane_copy_tma", options=opts)
             for chunk in (8192, 16384, 32768):
@@ -242,7 +254,8 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            if vname not in ok and not vname.startswith(("lane_slice", "copy_slice")):  # byte for byte, once
+            unchecked = vname.startswith(("lane_slice", "copy_slice", "diag_"))
+            if vname not in ok and not unchecked:  # byte for byte, once
                 for d in dst:
                     d.fill(0)
                 fn()

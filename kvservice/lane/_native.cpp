@@ -55,6 +55,7 @@ namespace {
 // ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
 enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4 };
 enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1 };
+constexpr uint32_t FLAG_SRC_I64 = 2;  // SEND / SEND_TO flags: the source pages are i64 (lane_wire)
 struct SendHdr {
   uint32_t type, seq, n_src, tid_len, bs_len, flags;
 };
@@ -326,8 +327,10 @@ struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or 
   std::vector<Target> tg;
   int64_t prefix = 0;
   std::vector<int32_t> src;
-  // CLOCK_MONOTONIC s: the SEND read, its copy launched, the copy seen done (the END's trailer)
-  double at_recv = 0, at_launch = 0, at_done = 0;
+  uint32_t seq = 0;      // the SEND's: a GPU copy's REPLY goes once it is launched
+  bool replied = false;  // its REPLY went (a host copy's goes before the copy)
+  // CLOCK_MONOTONIC s: the SEND read, checked (targets), its copy launched, seen done (the END's trailer)
+  double at_recv = 0, at_checked = 0, at_launch = 0, at_done = 0;
 };
 
 struct XSend {  // an accepted SEND_TO, to pack and write (the lane thread, or the bulk thread)
@@ -911,14 +914,32 @@ class Lane {
     EndHdr h{MSG_END, role, ok ? 0u : 1u, (uint32_t)tid.size(), (uint32_t)bs.size(), (uint32_t)err.size(),
              nbytes, npages, skipped, us};
     // trailing u32 flags (END_CROSS: the cross-node lane moved it); older readers stop at msg.
-    // A same-node copy's END then carries its timeline (f64 CLOCK_MONOTONIC s: SEND read, copy
-    // launched, copy seen done, END sent), for bench/probe_lane.py; readers ignore it.
+    // A same-node copy's END then carries its timeline (f64 CLOCK_MONOTONIC s: SEND read, SEND
+    // checked, copy launched, copy seen done, END sent), for bench/probe_lane.py; readers ignore it.
     std::string m = std::string((const char*)&h, sizeof h) + tid + bs + err + std::string((const char*)&flags, 4);
     if (at) {
-      const double t[4] = {at->at_recv, at->at_launch, at->at_done, now_s()};
+      const double t[5] = {at->at_recv, at->at_checked, at->at_launch, at->at_done, now_s()};
       m.append((const char*)t, sizeof t);
     }
     return m;
+  }
+
+  // A SEND's source pages, i32 or (FLAG_SRC_I64) i64 on the wire; false: one is outside i32 (the
+  // SDK sends i64 unchecked: its numpy range check cost ~20 µs a call, the service checks anyway)
+  static bool read_src(const char* q, uint32_t n, uint64_t w, std::vector<int32_t>& out) {
+    out.resize(n);
+    if (w == 4) {
+      if (n) std::memcpy(out.data(), q, 4ull * n);
+      return true;
+    }
+    bool ok = true;
+    for (uint32_t i = 0; i < n; ++i) {
+      int64_t v;
+      std::memcpy(&v, q + 8ull * i, 8);
+      ok &= v >= INT32_MIN && v <= INT32_MAX;
+      out[i] = (int32_t)v;
+    }
+    return ok;
   }
 
   void handle(int fd, const char* p, size_t n) {
@@ -926,10 +947,12 @@ class Lane {
     SendHdr h;
     std::memcpy(&h, p, sizeof h);
     if (h.type == MSG_SEND_TO) return handle_x(fd, p, n);
-    if (h.type != MSG_SEND || (uint64_t)sizeof h + h.tid_len + h.bs_len + 4ull * h.n_src != n) return closed(fd);
+    const uint64_t w = h.flags & FLAG_SRC_I64 ? 8 : 4;
+    if (h.type != MSG_SEND || (uint64_t)sizeof h + h.tid_len + h.bs_len + w * h.n_src != n) return closed(fd);
     std::string tid(p + sizeof h, h.tid_len), bs(p + sizeof h + h.tid_len, h.bs_len);
-    std::vector<int32_t> src(h.n_src);
-    if (h.n_src) std::memcpy(src.data(), p + sizeof h + h.tid_len + h.bs_len, 4ull * h.n_src);
+    std::vector<int32_t> src;
+    if (!read_src(p + sizeof h + h.tid_len + h.bs_len, h.n_src, w, src))
+      return reply(fd, h.seq, REPLY_FALLBACK, "source page out of range");
 
     std::string session, why;
     LocalCopy job;
@@ -958,7 +981,12 @@ class Lane {
       }
     }
     if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
-    reply(fd, h.seq, REPLY_ACCEPTED, "");
+    job.at_checked = now_s();
+    job.seq = h.seq;
+    if (job.sp.device < 0) {  // a host copy may take ms: its sender hears first
+      reply(fd, h.seq, REPLY_ACCEPTED, "");
+      job.replied = true;
+    }
     job.fd = fd;
     job.flags = h.flags;
     job.tid = tid;
@@ -1060,7 +1088,7 @@ class Lane {
     for (auto& g : segs) nbytes += g.nbytes * moved;
     double t0 = now_s();
     if (err.empty() && sp.device >= 0) {
-      err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it
+      err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it (and replies)
       if (err.empty()) return;
     } else if (err.empty()) {
       job.at_launch = t0;
@@ -1128,6 +1156,9 @@ class Lane {
     } catch (const std::exception& e) {
       return e.what();
     }
+    // the sender hears once its copy is queued on the GPU (its REPLY is off the copy's path)
+    reply(job.fd, job.seq, REPLY_ACCEPTED, "");
+    job.replied = true;
     {
       std::lock_guard<std::mutex> g(fin_mu_);
       fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
@@ -1207,6 +1238,10 @@ class Lane {
   // then the completion for Python.
   void end_local(LocalCopy& job, const std::string& err, uint64_t us, uint64_t nbytes, size_t moved) {
     const int fd = job.fd;
+    if (!job.replied) {  // a GPU copy that never launched: accepted all the same, its END says how it ended
+      reply(fd, job.seq, REPLY_ACCEPTED, "");
+      job.replied = true;
+    }
     const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
     const Pool& sp = job.sp;
     const int64_t prefix = job.prefix;
@@ -1469,11 +1504,13 @@ class Lane {
     if (n < sizeof(SendToHdr)) return closed(fd);
     SendToHdr h;
     std::memcpy(&h, p, sizeof h);
-    if ((uint64_t)sizeof h + h.tid_len + h.bs_len + h.addr_len + 4ull * h.n_src != n) return closed(fd);
+    const uint64_t w = h.flags & FLAG_SRC_I64 ? 8 : 4;
+    if ((uint64_t)sizeof h + h.tid_len + h.bs_len + h.addr_len + w * h.n_src != n) return closed(fd);
     const char* q = p + sizeof h;
     std::string tid(q, h.tid_len), bs(q + h.tid_len, h.bs_len), addr(q + h.tid_len + h.bs_len, h.addr_len);
-    std::vector<int32_t> src(h.n_src);
-    if (h.n_src) std::memcpy(src.data(), q + h.tid_len + h.bs_len + h.addr_len, 4ull * h.n_src);
+    std::vector<int32_t> src;
+    if (!read_src(q + h.tid_len + h.bs_len + h.addr_len, h.n_src, w, src))
+      return reply(fd, h.seq, REPLY_FALLBACK, "source page out of range");
 
     std::string session, why;
     Pool sp;

@@ -174,6 +174,42 @@ def test_bad_source_page_gets_the_grpc_error_and_changes_nothing(eng: Engines) -
     assert r.state == "DONE" and eng.pages(eng.pb, [4]) == eng.pages(eng.pa, [8])
 
 
+def test_a_page_beyond_i32_is_not_wrapped_onto_a_real_page(eng: Engines) -> None:
+    """The SDK sends i64 pages unchecked (FLAG_SRC_I64): 2**32 + 8 must not land as page 8."""
+    before = eng.snapshot()
+    eng.kb.expect_delta("wide", eng.b, prefix_pages=0, dst_page_indices=[4])
+    with pytest.raises(InvalidArgument, match="src_page_indices"):
+        eng.ka.send_delta("wide", eng.a, src_page_indices=np.array([2**32 + 8]), peer_address=eng.peer)
+    assert eng.changed_pages(before) == set()
+    assert eng.ka.lane_sent == 0
+
+
+def test_a_raw_i64_send_is_checked_and_its_end_carries_the_timeline(eng: Engines) -> None:
+    s = _raw_lane(eng.server)
+    try:
+        s.send(lane_wire.hello(eng.ka.session_id))
+        assert lane_wire.parse_welcome(s.recv(4096))["src_i64"] is True
+        eng.kb.expect_delta("raw64", eng.b, prefix_pages=0, dst_page_indices=[12])
+        flags = lane_wire.FLAG_SRC_I64
+        s.send(lane_wire.encode_send(1, "raw64", eng.a, np.array([-(2**40)]), flags))
+        msg = lane_wire.decode(s.recv(4096))
+        assert isinstance(msg, lane_wire.Reply) and msg[1] == lane_wire.FALLBACK
+        assert msg[2] == "source page out of range"
+        s.send(lane_wire.encode_send(2, "raw64", eng.a, np.array([6]), flags))
+        got = [s.recv(4096) for _ in range(2)]  # its REPLY and the sender's END (any order)
+        kinds = {type(lane_wire.decode(m)).__name__: m for m in got}
+        assert lane_wire.decode(kinds["Reply"])[1] == lane_wire.ACCEPTED
+        end = lane_wire.decode(kinds["End"])
+        assert end[1] is True and end[2] == "raw64"
+        at = lane_wire.end_times(kinds["End"])
+        assert at is not None and len(at) == 5  # read, checked, launched, done, sent: in order
+        assert list(at) == sorted(at)
+    finally:
+        s.close()
+    (r,) = eng.kb.wait("raw64", timeout=10)
+    assert r.state == "DONE" and eng.pages(eng.pb, [12]) == eng.pages(eng.pa, [6])
+
+
 def test_page_count_mismatch_is_not_taken(eng: Engines) -> None:
     """More pages than prefix + delta: the lane does not take it; gRPC fails it with its reason."""
     before = eng.snapshot()

@@ -10,13 +10,6 @@ arrives, dispatching every message it reads (REPLYs to their callers' slots, END
 The reader thread reads only while no caller does, for ENDs nobody waits for yet. One thread
 hand-off fewer each way, ~50-70 µs each on the GPU host (bench/results/NOTES.md).
 
-The reader also stays out of the way of callers that read: it parks (off the socket) while a
-caller reads and for ``_PARK_S`` after the last one did, since a busy engine's next ``send`` or
-``wait`` reads whatever came meanwhile. A reader woken by each packet a caller reads anyway
-takes the GIL just as that caller decodes its END (bench/probe_lane.py, ``PROBE_NO_READER``).
-It reads while a caller waits for somebody else to read (``_waiters``: the one reading may
-leave before that caller's message came) and after ``_PARK_S`` of quiet.
-
 Opened lazily by the client over a Unix socket target, at most once a second while the service
 has none (it builds its native module in the background at start); any failure leaves the
 client on gRPC. A lane whose socket breaks is dropped; the Transfers stream still reports every
@@ -41,7 +34,6 @@ from ._types import TransferStatus
 __all__ = ["Lane", "LaneOpener"]
 
 _RETRY_S = 1.0
-_PARK_S = 0.1  # the reader stays off the socket this long after a caller read it
 
 
 def _status(end: lane_wire.End) -> TransferStatus:
@@ -86,16 +78,13 @@ class Lane:
         self.sock.settimeout(None)
         self.self_addresses = frozenset(w.get("self_addresses") or ())
         self.cross = bool(w.get("cross"))  # the service's cross-node lane runs: SEND_TO elsewhere
+        self.src_i64 = bool(w.get("src_i64"))  # it checks i64 source pages itself (lane_wire)
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._replies: dict[int, list[Any]] = {}  # seq -> [event, reply]
         self.closed = False
         self.sent = 0
         self._rlock = threading.Lock()  # held by the one thread that may receive (reader or caller)
-        self._idle = threading.Condition()  # the reader parks on it (see the module doc)
-        self._callers = 0  # callers holding the read lock
-        self._last_read = 0.0  # monotonic s: when the last caller let go of the read lock
-        self._waiters = 0  # callers waiting for another thread to read their message
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # the book wakes a pump
         self._fds: tuple[int, ...] = (self._wake_r, self._wake_w)  # open until close()
         self._sock_fd = self.sock.fileno()
@@ -121,30 +110,29 @@ class Lane:
             msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags)
         if len(msg) > lane_wire.MAX_MESSAGE:
             return False
-        slot: list[Any] = [threading.Event(), None]
+        # the packet first: what follows overlaps the service's work (its REPLY waits for the
+        # lock to be dispatched, so the slot is in place before it can be)
         with self._lock:
-            self._replies[seq] = slot
-        deadline = time.monotonic() + timeout
-        try:
-            self.sock.send(msg)
-        except OSError:
+            try:
+                self.sock.send(msg)
+            except OSError:
+                slot = None
+            else:
+                slot = [threading.Event(), None]
+                self._replies[seq] = slot
+        if slot is None:
             self._drop()
             return False
-        if self._read_lock():  # nobody reads: take the REPLY on this thread
+        deadline = time.monotonic() + timeout
+        if self._rlock.acquire(blocking=False):  # nobody reads: take the REPLY on this thread
             try:
                 while not slot[0].is_set() and not self.closed:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._receive(left, False) is None:
                         break
             finally:
-                self._read_unlock()
-        if not (got := slot[0].is_set()):  # another thread reads: it (or the reader) sets it
-            self.waiting(1)
-            try:
-                got = slot[0].wait(max(0.0, deadline - time.monotonic()))
-            finally:
-                self.waiting(-1)
-        if not got:
+                self._rlock.release()
+        if not slot[0].wait(max(0.0, deadline - time.monotonic())):
             with self._lock:
                 self._replies.pop(seq, None)
             return False  # NOTE: the service may still run it; its gRPC twin is then refused
@@ -158,46 +146,14 @@ class Lane:
         """Receive and dispatch on the calling thread until one message came, :meth:`wake` was
         called or ``timeout`` passed; False at once when another thread reads (or the lane is
         closed): the caller then waits on the book, which that reader feeds."""
-        if self.closed or not self._read_lock():
+        if self.closed or not self._rlock.acquire(blocking=False):
             return False
         try:
             if not self.closed:  # close() closes the fds with the read lock held
                 self._receive(timeout, True)
         finally:
-            self._read_unlock()
-        return True
-
-    def waiting(self, n: int) -> None:
-        """A caller starts (+1) or stops (-1) waiting for another thread to read its message:
-        while one waits, the reader reads (the thread reading now may leave first)."""
-        with self._idle:
-            self._waiters += n
-            if n > 0:
-                self._idle.notify()
-
-    def _read_lock(self) -> bool:
-        """A caller takes the read lock without waiting; False: somebody else reads."""
-        if not self._rlock.acquire(blocking=False):
-            return False
-        with self._idle:
-            self._callers += 1
-        return True
-
-    def _read_unlock(self) -> None:
-        with self._idle:
-            self._callers -= 1
-            self._last_read = time.monotonic()
             self._rlock.release()
-            if self._waiters:  # a caller waits for somebody to read: the reader does
-                self._idle.notify()
-
-    def _parked(self) -> float:
-        """With ``_idle`` held: how long the reader stays off the socket (0: it reads now)."""
-        if self.closed or self._waiters:
-            return 0.0
-        if self._callers:
-            return _PARK_S
-        return max(0.0, self._last_read + _PARK_S - time.monotonic())
+        return True
 
     def wake(self) -> None:
         """Make a :meth:`pump` in progress return (an END came another way: the Transfers stream)."""
@@ -253,22 +209,14 @@ class Lane:
         return True
 
     def _read(self) -> None:
-        """The reader thread: parks while callers read (see the module doc), else waits for the
-        socket without the read lock and reads with it."""
+        """The reader thread: waits for the socket without the read lock, reads with it."""
         poll = select.poll()  # its own: a poll object serves one thread at a time
         poll.register(self._sock_fd, select.POLLIN)
         while not self.closed:
-            with self._idle:
-                while (park := self._parked()) > 0:
-                    self._idle.wait(park)
             try:
-                if not poll.poll(_PARK_S * 1000):  # bounded: a caller that comes meanwhile parks it
-                    continue
+                poll.poll()
             except (OSError, ValueError):
                 break
-            with self._idle:
-                if self._parked() > 0:  # a caller came while it polled: that caller reads
-                    continue
             with self._rlock:
                 if self._receive(0.0, False) is None:
                     return
@@ -301,8 +249,6 @@ class Lane:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        with self._idle:
-            self._idle.notify()  # a parked reader sees ``closed``
         self.wake()
         if self._reader is not threading.current_thread():
             self._reader.join(2.0)  # it sees the shutdown; then nobody polls the fds we close
@@ -360,12 +306,6 @@ class LaneOpener:
         lane = self.lane
         if lane is not None:
             lane.wake()
-
-    def waiting(self, n: int) -> None:
-        """The book's waiter hook (``Ended.waiting``): the open lane's."""
-        lane = self.lane
-        if lane is not None:
-            lane.waiting(n)
 
     def close(self) -> None:
         with self._lock:

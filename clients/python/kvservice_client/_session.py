@@ -197,6 +197,11 @@ class SessionKeeper:
             assert self._error is not None
             raise self._error
 
+    def ready_id(self) -> str:
+        """The session id while the session is open, else '': no lock (the send path's fast
+        check; a session lost meanwhile fails the lane's SEND, which then goes over gRPC)."""
+        return self.session_id if self._state == "ready" else ""
+
     def peek(self) -> str:
         """The session id if the session is open now, else '' (never opens one)."""
         with self._cond:

@@ -63,7 +63,6 @@ class Ended:
         # the lane's pump/wake (``_lane.LaneOpener``): a waiter reads the lane on its own thread
         self.pump: Callable[[float], bool] | None = None
         self.wake: Callable[[], None] | None = None
-        self.waiting: Callable[[int], None] | None = None  # a waiter here, not reading the lane
         self._pumping = 0  # waiters in pump(): an END from the stream must wake them
         self._ended: dict[tuple[str, str, str], TransferStatus] = {}
         self.sides: dict[str, set[tuple[str, str]]] = {}  # transfer id -> (role, buffer set)
@@ -82,16 +81,6 @@ class Ended:
                 old = next(iter(self.sides))
                 del self.sides[old]
                 self._made_in.pop(old, None)
-
-    def unmade(self, transfer_id: str, role: str, buffer_set_id: str) -> None:
-        """Take back a side :meth:`made` said (the call that would make it did not happen)."""
-        with self._cond:
-            sides = self.sides.get(transfer_id)
-            if sides is not None:
-                sides.discard((role, buffer_set_id))
-                if not sides:
-                    del self.sides[transfer_id]
-                    self._made_in.pop(transfer_id, None)
 
     def unsure(self, transfer_id: str) -> None:
         """A side of ``transfer_id`` was made by a unary call: waits for it use a watch."""
@@ -145,19 +134,7 @@ class Ended:
                     raise TimeoutError
                 if self.pump is not None and self._pump(left):
                     continue
-                self._wait(left)
-
-    def _wait(self, left: float) -> None:
-        """With the condition held: wait for an end (another thread reads the lane meanwhile:
-        ``waiting`` keeps the lane's reader reading while this thread does not)."""
-        if self.waiting is None:
-            self._cond.wait(left)
-            return
-        self.waiting(1)
-        try:
-            self._cond.wait(left)
-        finally:
-            self.waiting(-1)
+                self._cond.wait(left)
 
     def _pump(self, left: float) -> bool:
         """With the condition held: read the lane on this thread for up to ``left`` (the condition

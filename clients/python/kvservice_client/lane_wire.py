@@ -6,14 +6,16 @@ engine opens it after its session, says which session it is (the service checks 
 and reads REPLY and END messages. Every message is one packet, little endian::
 
     SEND   u32 type=1, seq, n_src, tid_len, bs_len, flags │ tid │ buffer set id │ i32 src[n_src]
+           (i64 with flag FLAG_SRC_I64, to a service whose welcome says ``src_i64``: the SDK
+           sends the engine's int64 pages unchecked, the service refuses one outside i32)
     SEND_TO u32 type=4, seq, n_src, tid_len, bs_len, flags, addr_len │ tid │ buffer set id │
-           the receiving service's address │ i32 src[n_src]   (the cross-node lane)
+           the receiving service's address │ i32 (i64) src[n_src]   (the cross-node lane)
     REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback) │ u32 msg_len │ msg
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
            msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg │
            u32 flags (END_CROSS: the cross-node lane moved it; absent from older services) │
-           f64 times[4] (a same-node copy's: the SEND read, the copy launched, seen done, the END
-           sent, CLOCK_MONOTONIC seconds; absent otherwise: see :func:`end_times`)
+           f64 times[5] (a same-node copy's: the SEND read, checked, its copy launched, seen done,
+           the END sent, CLOCK_MONOTONIC seconds; absent otherwise: see :func:`end_times`)
 
 A SEND is the whole transfer in one chunk (``chunk_offset`` 0, ``last_chunk``): the receiver's
 prefix and delta pages, in order. The service accepts it only for a transfer its receiver
@@ -34,6 +36,7 @@ __all__ = [
     "ACCEPTED",
     "FALLBACK",
     "FLAG_NO_DUPLICATE_MARK",
+    "FLAG_SRC_I64",
     "MAX_MESSAGE",
     "End",
     "Reply",
@@ -52,21 +55,26 @@ MSG_SEND, MSG_REPLY, MSG_END, MSG_SEND_TO = 1, 2, 3, 4
 END_CROSS = 1
 ACCEPTED, FALLBACK = 0, 1
 FLAG_NO_DUPLICATE_MARK = 1
+FLAG_SRC_I64 = 2
 MAX_MESSAGE = 256 * 1024  # the service's receive buffer: a larger SEND goes over gRPC
 _SEND = struct.Struct("<6I")
 _SEND_TO = struct.Struct("<7I")
 _REPLY = struct.Struct("<IIiI")
 _END = struct.Struct("<6I4Q")
-_TIMES = struct.Struct("<4d")
+_TIMES = struct.Struct("<5d")
 
 
 def lane_path(uds_path: str) -> str:
     return uds_path + ".lane"
 
 
+def _pages(src: np.ndarray, flags: int) -> np.ndarray:
+    return np.ascontiguousarray(src, dtype="<i8" if flags & FLAG_SRC_I64 else "<i4")
+
+
 def encode_send(seq: int, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int = 0) -> bytes:
     t, b = transfer_id.encode(), buffer_set_id.encode()
-    pages = np.ascontiguousarray(src, dtype="<i4")
+    pages = _pages(src, flags)
     return _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags) + t + b + pages.tobytes()
 
 
@@ -76,7 +84,7 @@ def encode_send_to(
     """A SEND to another service's engine (the cross-node lane): + that service's address, as
     the engine names it in SendDelta; the service accepts it only for an offer from there."""
     t, b, a = transfer_id.encode(), buffer_set_id.encode(), address.encode()
-    pages = np.ascontiguousarray(src, dtype="<i4")
+    pages = _pages(src, flags)
     head = _SEND_TO.pack(MSG_SEND_TO, seq, pages.size, len(t), len(b), flags, len(a))
     return head + t + b + a + pages.tobytes()
 
@@ -105,15 +113,14 @@ def decode(msg: bytes) -> Reply | End:
     raise ValueError(f"lane: unknown message type {kind}")
 
 
-def end_times(msg: bytes) -> tuple[float, float, float, float] | None:
+def end_times(msg: bytes) -> tuple[float, ...] | None:
     """An END's timeline trailer (the service's clock, which is this host's ``time.perf_counter``
     on Linux: both read CLOCK_MONOTONIC), or None when it has none. For benchmarks."""
     _, _, _, tl, bl, ml = struct.unpack_from("<6I", msg)
     tail = _END.size + tl + bl + ml + 4
     if len(msg) < tail + _TIMES.size:
         return None
-    t = _TIMES.unpack_from(msg, tail)
-    return (t[0], t[1], t[2], t[3])
+    return tuple(_TIMES.unpack_from(msg, tail))
 
 
 # -- handshake (one JSON packet each way, then the socket carries the messages above) ----------
@@ -129,8 +136,9 @@ def parse_hello(data: bytes) -> str:
 
 
 def welcome(ok: bool, error: str = "", self_addresses: list[str] | None = None, cross: bool = False) -> bytes:
-    """``cross``: the service's cross-node lane runs (SEND_TO is worth trying)."""
-    msg = {"ok": ok, "error": error, "self_addresses": self_addresses or [], "cross": cross}
+    """``cross``: the service's cross-node lane runs (SEND_TO is worth trying). ``src_i64``: it
+    reads i64 source pages (FLAG_SRC_I64)."""
+    msg = {"ok": ok, "error": error, "self_addresses": self_addresses or [], "cross": cross, "src_i64": True}
     return json.dumps(msg).encode()
 
 
