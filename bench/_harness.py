@@ -100,6 +100,8 @@ def write_json(out: str | Path, name: str, report: dict[str, Any]) -> Path:
         "unix_time": time.time(),
         "ucx_tls": os.environ.get("UCX_TLS", "(unset)"),
         "service_env": {k: v for k, v in os.environ.items() if k.startswith("KVSERVICE_")},
+        # CUDA's multi-process service: the processes of a run share one GPU context (see operations.md)
+        "cuda_mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""),
         "bench_switch_interval_us": round(sys.getswitchinterval() * 1e6),
         "bench_settle_s": float(os.environ.get("BENCH_SETTLE_S", "0")),
     }

@@ -7,6 +7,7 @@
 #   bash bench/run_gpu.sh mixed  # mixed TP on the same-node lane, the lane's spin (one GPU)
 #   bash bench/run_gpu.sh x2mixed # two GPUs: mixed TP across them on the lane, the one-GPU goal rows
 #   bash bench/run_gpu.sh x2confirm # two GPUs: issue 32's rows once more at the defaults (< 10 min)
+#   bash bench/run_gpu.sh final28 # issue 28's missed rows repeated after the lean send path (one GPU)
 #   bash bench/run_gpu.sh fast   # the lean send path (same node 2 GiB), cross-node 2 GiB on one GPU under MPS
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
@@ -124,6 +125,26 @@ elif [ "$1" = fast ]; then
   done
   echo quit | nvidia-cuda-mps-control
   timeout 150 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_abort.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = final28 ]; then
+  # issue 28's missed rows after the lean send path, repeated: same node 2 GiB three times (the
+  # row takes their median) and once at the defaults, the one-page delta, mixed TP on the lane;
+  # cross-node 2 GiB on one GPU under MPS twice; the GPU tests of the lanes
+  for i in 1 2 3; do
+    KVSERVICE_LANE_SPIN_US=5000 T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag final$i
+  done
+  T=90 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag final_nospin
+  T=60 run bench/bench_transfer.py --device cuda --same-node --layers 1 --pages 1 --iters 20 --skip-nixl --paths auto --tag delta_64k
+  KVSERVICE_LANE_SPIN_US=5000 T=120 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_fast
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  for i in 1 2; do
+    T=120 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_final$i
+  done
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  timeout 240 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_mixed_tp.py \
+    tests/gpu/test_gpu_cross_lane.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),

@@ -65,3 +65,18 @@ def test_a_side_made_by_a_unary_call_is_watched() -> None:
     book.ended(status("t", "RECEIVER", "b"))
     book.unsure("t")
     assert book.wait_all("t", soon()) is None
+
+
+def test_a_lane_end_builds_the_same_status_as_the_dataclass() -> None:
+    """``_status`` builds through ``TransferStatus.of_fields`` (no per-field setattr): every
+    field, equal to the dataclass's own constructor, still frozen."""
+    from kvservice_client import _lane, lane_wire
+
+    st = _lane._status(lane_wire.End((0, True, "t", "b", "", 64, 1, 2, 7, 0)))
+    ref = TransferStatus(
+        "t", "RECEIVER", "b", "DONE", 64, 1, 2, 0, 1, 1, "FUSED", {"wire": 7, "total": 7}, "", "",
+        st.updated_unix_ms, "lane",
+    )  # fmt: skip
+    assert st == ref and set(vars(st)) == {f.name for f in dataclasses.fields(TransferStatus)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.state = "FAILED"  # type: ignore[misc]

@@ -39,23 +39,25 @@ _RETRY_S = 1.0
 def _status(end: lane_wire.End) -> TransferStatus:
     role, ok, tid, bs, err, nbytes, pages, skipped, us, flags = end
     cross = bool(flags & lane_wire.END_CROSS)
-    return TransferStatus(
-        transfer_id=tid,
-        role="RECEIVER" if role == 0 else "SENDER",
-        buffer_set_id=bs,
-        state="DONE" if ok else "FAILED",
-        bytes_sent=nbytes,
-        pages_sent=pages,
-        pages_skipped=skipped,
-        descriptors=0,
-        chunks_done=1,
-        senders_done=1 if ok and role == 0 else 0,
-        path="PACKED" if cross else "FUSED",
-        timings_us={"wire": us, "total": us},
-        error_code="" if ok else "INTERNAL",
-        error=err,
-        updated_unix_ms=int(time.time() * 1000),
-        route_note="cross-node lane" if cross else "lane",
+    return TransferStatus.of_fields(
+        {
+            "transfer_id": tid,
+            "role": "RECEIVER" if role == 0 else "SENDER",
+            "buffer_set_id": bs,
+            "state": "DONE" if ok else "FAILED",
+            "bytes_sent": nbytes,
+            "pages_sent": pages,
+            "pages_skipped": skipped,
+            "descriptors": 0,
+            "chunks_done": 1,
+            "senders_done": 1 if ok and role == 0 else 0,
+            "path": "PACKED" if cross else "FUSED",
+            "timings_us": {"wire": us, "total": us},
+            "error_code": "" if ok else "INTERNAL",
+            "error": err,
+            "updated_unix_ms": int(time.time() * 1000),
+            "route_note": "cross-node lane" if cross else "lane",
+        }
     )
 
 
@@ -112,6 +114,7 @@ class Lane:
             return False
         # the packet first: what follows overlaps the service's work (its REPLY waits for the
         # lock to be dispatched, so the slot is in place before it can be)
+        slot: list[Any] | None
         with self._lock:
             try:
                 self.sock.send(msg)

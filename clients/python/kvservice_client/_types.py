@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from ._proto import common_pb2, kvservice_pb2
 
@@ -144,12 +144,20 @@ class TransferStatus:
         return self.state in TERMINAL
 
     @classmethod
+    def of_fields(cls, fields: dict[str, Any]) -> TransferStatus:
+        """From every field by name, without the frozen dataclass's per-field ``__setattr__``
+        (~4 µs less a status: the lane's END, on the waiting engine's path)."""
+        st = object.__new__(cls)
+        object.__setattr__(st, "__dict__", fields)
+        return st
+
+    @classmethod
     def queued(cls, transfer_id: str, role: str, buffer_set_id: str, path: str) -> TransferStatus:
         """A side just handed to the service (the lane's answer has no more to say)."""
         return cls(
-            transfer_id, role, buffer_set_id, "TRANSFERRING", 0, 0, 0, 0, 0, 0, path, {}, "", "",
+            transfer_id, role, buffer_set_id, "TRANSFERRING", 0, 0, 0, 0, 0, 0, path, {}, "", "",  # type: ignore[arg-type]
             int(time.time() * 1000),
-        )  # type: ignore[arg-type]  # fmt: skip
+        )  # fmt: skip
 
     @classmethod
     def from_proto(cls, pb: kvservice_pb2.TransferStatus) -> TransferStatus:
