@@ -7,6 +7,7 @@
 #   bash bench/run_gpu.sh mixed  # mixed TP on the same-node lane, the lane's spin (one GPU)
 #   bash bench/run_gpu.sh x2mixed # two GPUs: mixed TP across them on the lane, the one-GPU goal rows
 #   bash bench/run_gpu.sh x2confirm # two GPUs: issue 32's rows once more at the defaults (< 10 min)
+#   bash bench/run_gpu.sh x2final # two GPUs: issue 32's rows on this session's code, the cross-node lane's GPU tests
 #   bash bench/run_gpu.sh final28 # issue 28's missed rows repeated after the lean send path (one GPU)
 #   bash bench/run_gpu.sh fast   # the lean send path (same node 2 GiB), cross-node 2 GiB on one GPU under MPS
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
@@ -145,6 +146,19 @@ elif [ "$1" = final28 ]; then
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   timeout 240 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_mixed_tp.py \
     tests/gpu/test_gpu_cross_lane.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = x2final ]; then
+  # issue 32's rows at the defaults on this session's code (two services GPU0 -> GPU1 twice, mixed
+  # TP across on the lane, the one-service lane, the forced cross-node route), then the GPU tests
+  # of the cross-node lane (streamed included) and across the two GPUs
+  for i in 1 2; do
+    T=80 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --paths auto --iters 10 --skip-nixl --expect-lead-ms 3 --tag svc2_final$i
+  done
+  T=100 run bench/bench_mixed_tp.py --device cuda --same-node --src-gpu 0 --dst-gpu 1 --pages 1024 --pool-pages 1088 --configs 2:4,4:2 --skip-per-token --iters 10 --tag 2g_lane_final
+  T=80 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --same-node --paths auto --iters 20 --skip-nixl --tag lane_final
+  T=100 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --cross-node --paths auto --iters 5 --expect-lead-ms 3 --tag lane_stream_final
+  timeout 200 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py tests/gpu/test_gpu_across.py \
+    2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),
