@@ -17,6 +17,9 @@ and reads REPLY and END messages. Every message is one packet, little endian::
            f64 times[5] (a same-node copy's: the SEND read, checked, its copy launched, seen done,
            the END sent, CLOCK_MONOTONIC seconds; absent otherwise: see :func:`end_times`)
 
+A GPU copy's REPLY goes once the copy is launched (a host copy's before the copy): an END can
+come before its REPLY.
+
 A SEND is the whole transfer in one chunk (``chunk_offset`` 0, ``last_chunk``): the receiver's
 prefix and delta pages, in order. The service accepts it only for a transfer its receiver
 declared and the service armed; anything else is answered *fallback* and the engine makes the
