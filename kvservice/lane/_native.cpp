@@ -327,8 +327,7 @@ struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or 
   std::vector<Target> tg;
   int64_t prefix = 0;
   std::vector<int32_t> src;
-  uint32_t seq = 0;      // the SEND's: a GPU copy's REPLY goes once it is launched
-  bool replied = false;  // its REPLY went (a host copy's goes before the copy)
+  uint32_t seq = 0;  // the SEND's: a GPU copy's REPLY goes once it is launched (copy_local)
   // CLOCK_MONOTONIC s: the SEND read, checked (targets), its copy launched, seen done (the END's trailer)
   double at_recv = 0, at_checked = 0, at_launch = 0, at_done = 0;
 };
@@ -983,10 +982,7 @@ class Lane {
     if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
     job.at_checked = now_s();
     job.seq = h.seq;
-    if (job.sp.device < 0) {  // a host copy may take ms: its sender hears first
-      reply(fd, h.seq, REPLY_ACCEPTED, "");
-      job.replied = true;
-    }
+    if (job.sp.device < 0) reply(fd, h.seq, REPLY_ACCEPTED, "");  // a host copy may take ms: heard first
     job.fd = fd;
     job.flags = h.flags;
     job.tid = tid;
@@ -1087,11 +1083,13 @@ class Lane {
     uint64_t nbytes = 0;
     for (auto& g : segs) nbytes += g.nbytes * moved;
     double t0 = now_s();
-    if (err.empty() && sp.device >= 0) {
-      err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it (and replies)
+    if (sp.device >= 0) {  // a GPU copy's sender hears once it is queued (or how it failed, from its END)
+      const int fd = job.fd;
+      const uint32_t seq = job.seq;
+      if (err.empty()) err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it
+      reply(fd, seq, REPLY_ACCEPTED, "");
       if (err.empty()) return;
     } else if (err.empty()) {
-      job.at_launch = t0;
       err = copy_segs(sp.device, job.tg[0].dp.device, segs, pairs, moved);
     }
     if (!job.at_launch) job.at_launch = t0;
@@ -1156,9 +1154,6 @@ class Lane {
     } catch (const std::exception& e) {
       return e.what();
     }
-    // the sender hears once its copy is queued on the GPU (its REPLY is off the copy's path)
-    reply(job.fd, job.seq, REPLY_ACCEPTED, "");
-    job.replied = true;
     {
       std::lock_guard<std::mutex> g(fin_mu_);
       fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
@@ -1238,10 +1233,6 @@ class Lane {
   // then the completion for Python.
   void end_local(LocalCopy& job, const std::string& err, uint64_t us, uint64_t nbytes, size_t moved) {
     const int fd = job.fd;
-    if (!job.replied) {  // a GPU copy that never launched: accepted all the same, its END says how it ended
-      reply(fd, job.seq, REPLY_ACCEPTED, "");
-      job.replied = true;
-    }
     const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
     const Pool& sp = job.sp;
     const int64_t prefix = job.prefix;

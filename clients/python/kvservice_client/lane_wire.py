@@ -119,8 +119,8 @@ def decode(msg: bytes) -> Reply | End:
 def end_times(msg: bytes) -> tuple[float, ...] | None:
     """An END's timeline trailer (the service's clock, which is this host's ``time.perf_counter``
     on Linux: both read CLOCK_MONOTONIC), or None when it has none. For benchmarks."""
-    _, _, _, tl, bl, ml = struct.unpack_from("<6I", msg)
-    tail = _END.size + tl + bl + ml + 4
+    tl, bl, ml = _END.unpack_from(msg)[3:6]
+    tail = _END.size + tl + bl + ml + 4  # + the u32 flags
     if len(msg) < tail + _TIMES.size:
         return None
     return tuple(_TIMES.unpack_from(msg, tail))
