@@ -637,7 +637,11 @@ def _headline(runs: dict[str, dict]) -> list[str]:
         med = statistics.median(fr.values())
         run = min(fr, key=lambda n: abs(fr[n] - med))
         env = runs[run].get("meta", {}).get("service_env") or {}
-        mps = "; CUDA MPS" if runs[run].get("meta", {}).get("cuda_mps_pipe") or runs[run].get("meta", {}).get("cuda_mps") else ""
+        mps = (
+            "; CUDA MPS"
+            if runs[run].get("meta", {}).get("cuda_mps_pipe") or runs[run].get("meta", {}).get("cuda_mps")
+            else ""
+        )
         knobs = "".join(f"; {k}={v}" for k, v in sorted(env.items())) + mps
         each = " / ".join(f"{v:.1%}" for v in sorted(fr.values()))
         row(goal, run, f"{_p50(runs[run]):.2f} ms (median of {len(fr)} runs {med:.1%}: {each}{knobs})",

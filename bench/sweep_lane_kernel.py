@@ -1,6 +1,6 @@
 """The native lane's copy kernel and variants of it against a device copy of the same bytes (GPU).
 
-The lane (kvservice/lane/_native.cpp) compiles its kernel with NVRTC; here the same source, and
+The lane (kvservice/lane/csrc/kernel.h) compiles its kernel with NVRTC; here the same source, and
 variants, compile through CuPy and copy the same-node 2 GiB row's pages (32 layers x K/V, 1,024
 scattered 32 KiB pages of pools of 2,048) with the lane's argument layout: a table of regions
 (src, dst, strides, bytes) and (src page, dst page) pairs. Each variant is checked byte for byte
@@ -100,9 +100,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) lane_copy_p(
 
 
 def _lane_source() -> str:
-    text = (ROOT / "kvservice/lane/_native.cpp").read_text()
+    text = (ROOT / "kvservice/lane/csrc/kernel.h").read_text()
     m = re.search(r'const char\* KERNEL_SRC = R"\((.*?)\)";', text, re.S)
-    assert m, "KERNEL_SRC not found in _native.cpp"
+    assert m, "KERNEL_SRC not found in kernel.h"
     return m.group(1)
 
 

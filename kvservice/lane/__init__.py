@@ -8,9 +8,10 @@ hops and the service's Python off the per-transfer path::
     engine SDK ◀──────────── END ────── native thread ──END──▶ receiving engine's SDK
                                         └─ completion fd ─▶ Python: records, DONE, index, metrics
 
-``native.py`` builds the C++ (``_native.cpp``), ``listener.py`` admits engines, ``book.py`` is
-Python's half (pools, arming, settling, the bookkeeping after a copy). gRPC stays the API: what
-the lane does not take is answered *fallback* and goes over gRPC as before.
+``native.py`` builds the C++ (``csrc/``, a file per route: ``csrc/lane.h`` lists them),
+``listener.py`` admits engines, ``book.py`` is Python's half (pools, arming, settling, the
+bookkeeping after a copy). gRPC stays the API: what the lane does not take is answered
+*fallback* and goes over gRPC as before.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from .cross_slots import Arena, Slots, geometry_signature, slot_bytes
 __all__ = ["CANCELLED", "CrossBook", "Slots", "geometry_signature", "slot_bytes"]
 
 log = logging.getLogger(__name__)
-# The lanes' note format (_native.cpp XMAGIC): peers whose metadata carries another never pair
+# The lanes' note format (csrc/wire.h XMAGIC): peers whose metadata carries another never pair
 # (a rolling upgrade: their transfers take gRPC instead of timing out on unread notes).
 WIRE = b"KVX2"
 

@@ -21,7 +21,7 @@ __all__ = ["CANCELLED", "CrossIn"]
 
 log = logging.getLogger(__name__)
 _QUARANTINE_S = 5.0  # past a transfer's deadline before its unused slot is reused
-CANCELLED = "cancelled by the receiving service"  # _native.cpp: ended here while a chunk unpacked
+CANCELLED = "cancelled by the receiving service"  # csrc/wire.h: ended here while a chunk unpacked
 
 
 @dataclasses.dataclass

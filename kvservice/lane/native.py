@@ -1,7 +1,8 @@
-"""Build and load the lane's native module (``_native.cpp``) with torch's extension builder.
+"""Build and load the lane's native module (``csrc/``) with torch's extension builder.
 
-The module is C++17 without nvcc: the CUDA driver and NVRTC are opened at run time, so any host
-with a C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
+``csrc/lane.h`` declares the one object and says which file holds which route; ``module.cpp``
+is the Python binding. The module is C++17 without nvcc: the CUDA driver and NVRTC are opened at
+run time, so any host with a C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
 
 1. ``$KVSERVICE_NATIVE_DIR/<tag>/`` (the ``native_dir`` option) holding a built module: the image
    builds it there at image build time; read-only at run time is fine: a built module is
@@ -31,8 +32,7 @@ from types import ModuleType
 __all__ = ["LaneUnavailable", "cuda_libraries", "load", "nixl_capi_path"]
 
 log = logging.getLogger(__name__)
-_SRC = Path(__file__).with_name("_native.cpp")
-_HEADERS = (Path(__file__).with_name("_nixl_capi.h"),)
+_CSRC = Path(__file__).with_name("csrc")
 _NAME = "kvservice_lane"
 _lock = threading.Lock()
 _mod: ModuleType | None = None
@@ -45,11 +45,16 @@ class LaneUnavailable(RuntimeError):
 def _tag() -> str:
     import torch
 
-    h = hashlib.sha256(_SRC.read_bytes())
-    for header in _HEADERS:
-        h.update(header.read_bytes())
+    h = hashlib.sha256()
+    for path in _files():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(f"{sys.implementation.cache_tag}/{torch.__version__}".encode())
     return h.hexdigest()[:16]
+
+
+def _files() -> list[Path]:
+    """Every source and header of the module, in a stable order."""
+    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 
 
 def _built(directory: Path) -> Path | None:
@@ -112,10 +117,10 @@ def load() -> ModuleType:
 
             _mod = cpp_extension.load(
                 name=_NAME,
-                sources=[str(_SRC)],
+                sources=[str(p) for p in _files() if p.suffix == ".cpp"],
                 build_directory=str(out),
                 extra_cflags=["-O2", "-std=c++17"],
-                extra_include_paths=[str(_SRC.parent)],
+                extra_include_paths=[str(_CSRC)],
                 extra_ldflags=["-ldl"],
                 verbose=False,
             )
@@ -139,7 +144,7 @@ def cuda_libraries() -> tuple[str, str]:
 
 def nixl_capi_path() -> str | None:
     """NIXL's C API library beside the Python bindings in use (the wheels ship it without a
-    header: see ``_nixl_capi.h``), or None when NIXL is not installed."""
+    header: see ``csrc/nixl_capi.h``), or None when NIXL is not installed."""
     try:
         from nixl import _bindings  # type: ignore[import-untyped]
     except ImportError:

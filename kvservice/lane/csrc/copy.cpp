@@ -1,0 +1,250 @@
+// The copy: the CUDA driver and NVRTC opened at run time, the kernel (kernel.h) compiled per
+// device, descriptor buffers, launches; host pools copied with memcpy (non-temporal on x86).
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
+#include "kernel.h"
+#include "lane.h"
+
+namespace kvlane {
+
+// CUDA: load the driver and NVRTC (paths chosen by Python); false + why() when unavailable.
+bool Lane::init_cuda(const std::string& libcuda, const std::string& libnvrtc) {
+  std::lock_guard<std::mutex> g(cuda_mu_);
+  if (cuda_.ok) return true;
+  void* h = dlopen(libcuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (!h) return fail(std::string("dlopen ") + libcuda + ": " + dlerror());
+#define SYM(name, sym)                                                       \
+  *(void**)(&cuda_.name) = dlsym(h, sym);                                    \
+  if (!cuda_.name) return fail(std::string("libcuda lacks ") + sym);
+  SYM(cuInit, "cuInit") SYM(cuDeviceGet, "cuDeviceGet") SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
+  SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
+  SYM(cuModuleLoadData, "cuModuleLoadData") SYM(cuModuleGetFunction, "cuModuleGetFunction")
+  SYM(cuStreamCreate, "cuStreamCreate") SYM(cuMemAlloc, "cuMemAlloc_v2") SYM(cuMemFree, "cuMemFree_v2")
+  SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
+  SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
+  SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
+  SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
+  SYM(cuEventSynchronize, "cuEventSynchronize")
+#undef SYM
+  void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
+#define NSYM(name, sym)                                   \
+  *(void**)(&nvrtc_.name) = dlsym(n, sym);                \
+  if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym);
+  NSYM(create, "nvrtcCreateProgram") NSYM(compile, "nvrtcCompileProgram") NSYM(ptx_size, "nvrtcGetPTXSize")
+  NSYM(ptx, "nvrtcGetPTX") NSYM(log_size, "nvrtcGetProgramLogSize") NSYM(log, "nvrtcGetProgramLog")
+  NSYM(destroy, "nvrtcDestroyProgram")
+#undef NSYM
+  if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
+  cuda_.ok = true;
+  return true;
+}
+
+// Prepare device ``dev`` (context, stream, kernel); called by Python before the first arm there.
+void Lane::prepare_device(int dev) {
+  std::lock_guard<std::mutex> g(cuda_mu_);
+  device(dev);
+}
+
+bool Lane::fail(const std::string& why) {
+  cuda_.why = why;
+  return false;
+}
+
+std::string Lane::cu_err(CUresult r) {
+  const char* s = nullptr;
+  if (cuda_.cuGetErrorString) cuda_.cuGetErrorString(r, &s);
+  return std::string("CUDA error ") + std::to_string(r) + (s ? std::string(": ") + s : "");
+}
+
+DeviceLane& Lane::device(int dev) {  // cuda_mu_ held
+                         auto it = devs_.find(dev);
+                         if (it != devs_.end()) return it->second;
+                         if (!cuda_.ok) throw std::runtime_error("lane: CUDA not initialised: " + cuda_.why);
+                         DeviceLane d;
+                         CUdevice cd;
+                         CUresult r;
+                         if ((r = cuda_.cuDeviceGet(&cd, dev)) || (r = cuda_.cuDevicePrimaryCtxRetain(&d.ctx, cd)) ||
+                         (r = cuda_.cuCtxSetCurrent(d.ctx)))
+                         throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
+                         int major = 0, minor = 0;
+                         cuda_.cuDeviceGetAttribute(&major, 75, cd);  // COMPUTE_CAPABILITY_MAJOR
+                         cuda_.cuDeviceGetAttribute(&minor, 76, cd);
+                         std::string arch = "--gpu-architecture=compute_" + std::to_string(major * 10 + minor);
+                         const char* opts[] = {arch.c_str(), "-default-device"};
+                         void* prog = nullptr;
+                         if (nvrtc_.create(&prog, KERNEL_SRC, "lane_copy.cu", 0, nullptr, nullptr) != 0)
+                         throw std::runtime_error("lane: nvrtcCreateProgram failed");
+                         if (nvrtc_.compile(prog, 2, opts) != 0) {
+    size_t n = 0;
+    nvrtc_.log_size(prog, &n);
+    std::string log(n, '\0');
+    nvrtc_.log(prog, &log[0]);
+    nvrtc_.destroy(&prog);
+    throw std::runtime_error("lane: NVRTC: " + log);
+  }
+  size_t n = 0;
+  nvrtc_.ptx_size(prog, &n);
+  std::string ptx(n, '\0');
+  nvrtc_.ptx(prog, &ptx[0]);
+  nvrtc_.destroy(&prog);
+  CUmodule mod;
+  if ((r = cuda_.cuModuleLoadData(&mod, ptx.c_str())) || (r = cuda_.cuModuleGetFunction(&d.fn, mod, "lane_copy")) ||
+      (r = cuda_.cuStreamCreate(&d.stream, 1 /* CU_STREAM_NON_BLOCKING */)))
+    throw std::runtime_error("lane: kernel load: " + cu_err(r));
+  grow(d, 1 << 16);
+  return devs_.emplace(dev, d).first->second;
+}
+
+void Lane::device_ctx(int dev) {  // cuda_mu_ held: the device's context current on this thread
+                      DeviceLane& d = device(dev);
+                      CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
+                      if (r) throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
+                      }
+                      
+                      // Descriptor buffers (pinned host, device) of at least ``need`` bytes.
+                      void Lane::grow(char*& host, CUdeviceptr& dev, size_t& cap_, size_t need) {
+  if (need <= cap_) return;
+  size_t cap = cap_ ? cap_ : 1 << 16;
+  while (cap < need) cap <<= 1;
+  if (host) cuda_.cuMemFreeHost(host);
+  if (dev) cuda_.cuMemFree(dev);
+  host = nullptr, dev = 0, cap_ = 0;
+  CUresult r;
+  if ((r = cuda_.cuMemAllocHost((void**)&host, cap)) || (r = cuda_.cuMemAlloc(&dev, cap)))
+    throw std::runtime_error("lane: descriptor buffers: " + cu_err(r));
+  cap_ = cap;
+}
+
+// cuda_mu_ held, ``d``'s context current: the segments and pairs up through ``host`` (pinned)
+// to ``dev`` (both large enough), then the kernel, on ``d``'s stream.
+std::string Lane::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::vector<Seg>& segs,
+                         const std::vector<int32_t>& pairs, size_t moved) {
+  const size_t nr = segs.size(), rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
+  uint64_t maxb = 0;
+  int vec = 1;
+  std::memcpy(host, segs.data(), rbytes);
+  for (auto& x : segs) {
+    if ((x.src | x.dst | x.src_stride | x.dst_stride | x.nbytes | x.run | x.src_run | x.dst_run) & 15) vec = 0;
+    if (x.nbytes > maxb) maxb = x.nbytes;
+  }
+  std::memcpy(host + rbytes, pairs.data(), pairs.size() * 4);
+  unsigned chunk = chunk_;
+  unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
+  if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
+  CUresult r;
+  if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
+  CUdeviceptr regs = dev, prs = dev + rbytes;
+  void* args[] = {&regs, &prs, &vec, &chunk};
+  if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)))
+    return cu_err(r);
+  return "";
+}
+
+// Pool to pool, whole pages (the cross-node lane's pack and unpack).
+std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
+  Target t;
+  t.dp = dp;
+  return copy_segs(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
+}
+
+// Every segment's ``moved`` pages (``pairs``: source, destination page per segment's block)
+// in one kernel launch on the launching GPU, or memcpy for host pools; returns once copied.
+std::string Lane::copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
+                            size_t moved) {
+  const size_t nr = segs.size();
+  if (moved == 0 || nr == 0) return "";
+  if (sdev < 0) {
+    host_copy(segs, pairs.data(), moved);
+    return "";
+  }
+  try {
+    const double t_lock = now_s();
+    std::lock_guard<std::mutex> g(cuda_mu_);
+    stat(S_CULOCK, t_lock);
+    st_[S_COPIES]++;
+    const int on = pull_ ? ddev : sdev;
+    DeviceLane& d = device(on);
+    CUresult r;
+    if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
+    grow(d, nr * sizeof(Seg) + pairs.size() * 4);
+    std::string err = launch(d, d.host, d.dev, segs, pairs, moved);
+    if (!err.empty()) {  // what was queued may still read the buffers: wait it out
+      cuda_.cuStreamSynchronize(d.stream);
+      return err;
+    }
+    const double t_sync = now_s();
+    if ((r = cuda_.cuStreamSynchronize(d.stream))) return cu_err(r);
+    stat(S_CUSYNC, t_sync);
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+void Lane::host_run(char* d, const char* s, uint64_t n) {
+#if defined(__x86_64__)
+  if ((((uintptr_t)d | (uintptr_t)s | n) & 15) == 0) {
+    __m128i* dv = (__m128i*)d;
+    const __m128i* sv = (const __m128i*)s;
+    for (uint64_t i = 0, m = n / 16; i < m; ++i) _mm_stream_si128(dv + i, _mm_load_si128(sv + i));
+    return;
+  }
+#endif
+  std::memcpy(d, s, n);
+}
+
+void Lane::host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t lo, size_t hi) {
+  for (size_t job = lo; job < hi; ++job) {
+    const Seg& g = segs[job / moved];
+    const size_t i = job % moved;
+    const int32_t* pr = pairs + 2 * (g.pairs + i);
+    char* d = (char*)(g.dst + (uint64_t)pr[1] * g.dst_stride);
+    const char* s = (const char*)(g.src + (uint64_t)pr[0] * g.src_stride);
+    if (g.run >= g.nbytes) {
+      host_run(d, s, g.nbytes);
+    } else {
+      for (uint64_t k = 0, n = g.nbytes / g.run; k < n; ++k) host_run(d + k * g.dst_run, s + k * g.src_run, g.run);
+    }
+  }
+#if defined(__x86_64__)
+  _mm_sfence();  // the streamed stores are visible before the END that follows
+#endif
+}
+
+void Lane::host_copy(const std::vector<Seg>& segs, const int32_t* pairs, size_t moved) {
+  const size_t jobs = segs.size() * moved;
+  uint64_t bytes = 0;
+  for (auto& g : segs) bytes += g.nbytes * (uint64_t)moved;
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const size_t n = bytes < HOST_PARALLEL_BYTES
+                       ? 1
+                       : std::min<size_t>({(size_t)hw, (size_t)HOST_MAX_THREADS, jobs,
+                                           (size_t)(bytes / (HOST_PARALLEL_BYTES / 2))});
+  std::vector<std::thread> helpers;
+  size_t inline_from = jobs;  // a helper that could not start leaves its jobs (and later ones) here
+  for (size_t t = 1; t < n; ++t) {
+    try {
+      helpers.emplace_back(host_jobs, segs.data(), pairs, moved, jobs * t / n, jobs * (t + 1) / n);
+    } catch (const std::system_error&) {
+      inline_from = jobs * t / n;
+      break;
+    }
+  }
+  host_jobs(segs.data(), pairs, moved, 0, jobs / n);
+  if (inline_from < jobs) host_jobs(segs.data(), pairs, moved, inline_from, jobs);
+  for (auto& h : helpers) h.join();
+}
+
+}  // namespace kvlane

@@ -1,0 +1,205 @@
+// The cross-node route, receiving: the notification thread (xrun) reads NIXL's notes; a chunk
+// written into a slot here is unpacked into the declared pages (on_written), then acked or
+// credited; a sender's failure fails the declaration (on_failed).
+
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "lane.h"
+
+namespace kvlane {
+
+void Lane::send_note(const std::string& agent, const std::string& msg) {
+  std::lock_guard<std::mutex> g(nx_mu_);
+  nx_.gen_notif(agent_, agent.c_str(), msg.data(), msg.size(), nullptr);
+}
+
+// The notification thread: busy (10 µs naps) while a cross-node transfer is armed or waits
+// for its ack, else a 50 ms nap (arming one wakes it; an idle service costs ~nothing, and a
+// stray note, e.g. a late WRITE's, is still answered); what arrives is handled here.
+void Lane::xrun() {
+  prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);  // its 10 µs naps: not the default 50 µs of slack
+  void* map = nullptr;
+  nx_.create_notif_map(&map);
+  std::vector<std::pair<std::string, std::string>> got;
+  while (running_) {
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      if (xin_.empty() && xpend_.empty()) xcv_.wait_for(g, std::chrono::milliseconds(50));
+    }
+    if (!running_) break;
+    got.clear();
+    {
+      std::lock_guard<std::mutex> g(nx_mu_);
+      if (nx_.get_notifs(agent_, map, nullptr) == xnixl::OK) {
+        size_t na = 0;
+        nx_.notif_map_size(map, &na);
+        for (size_t i = 0; i < na; ++i) {
+          const char* an = nullptr;
+          size_t nn = 0;
+          if (nx_.notif_map_get_agent_at(map, i, &an) != xnixl::OK || !an) continue;
+          nx_.notif_map_get_notifs_size(map, an, &nn);
+          for (size_t j = 0; j < nn; ++j) {
+            const void* d = nullptr;
+            size_t len = 0;
+            if (nx_.notif_map_get_notif(map, an, j, &d, &len) == xnixl::OK && d)
+              got.emplace_back(an, std::string((const char*)d, len));
+          }
+        }
+        nx_.notif_map_clear(map);
+      }
+    }
+    for (auto& g : got) on_note(g.first, g.second);
+    expire_sent();
+    if (got.empty()) {
+      timespec ts{0, 10000};
+      nanosleep(&ts, nullptr);
+    }
+  }
+  nx_.destroy_notif_map(map);
+}
+
+void Lane::on_note(const std::string& agent, const std::string& m) {
+  XNote h;
+  if (m.size() < sizeof h) return;
+  std::memcpy(&h, m.data(), sizeof h);
+  if (std::memcmp(h.magic, XMAGIC, 4) != 0 || sizeof h + (uint64_t)h.tid_len + h.msg_len != m.size()) return;
+  std::string tid = m.substr(sizeof h, h.tid_len), msg = m.substr(sizeof h + h.tid_len, h.msg_len);
+  stat(h.kind == XNOTE_WRITTEN ? S_NOTE : S_ACK, h.at);
+  if (h.kind == XNOTE_WRITTEN && !h.ok) return on_failed(agent, tid, (int)h.rank, msg);
+  if (h.kind == XNOTE_WRITTEN) return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off);
+  if (h.kind == XNOTE_ACK || h.kind == XNOTE_CREDIT) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = xpend_.find(key(tid, (int)h.rank));
+      if (it == xpend_.end() || it->second.remote_agent != agent) return;
+      if (h.kind == XNOTE_CREDIT) {
+        it->second.credits++;
+      } else {
+        it->second.acked = true;
+        it->second.ack_ok = h.ok != 0;
+        it->second.ack_msg = msg;
+        if (it->second.written) finish_sent(it, h.ok != 0, msg);
+      }
+    }
+    credit_cv_.notify_all();  // a streaming sender waits for either
+  }
+}
+
+// The sender could not write: the declaration fails now (its slot is never read).
+void Lane::on_failed(const std::string& agent, const std::string& tid, int rank, const std::string& why) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = xin_.find(key(tid, rank));
+  if (it == xin_.end() || it->second.state != ARMED || it->second.sender_agent != agent) return;
+  it->second.state = COMPLETED;
+  finish_received(it->second, tid, rank, why, 0, 0, 0, 0, true);
+}
+
+// mu_ held: END to the receiving engine and the completion for Python's books.
+// ``tell`` false (CANCELLED): Python books the end and the engine hears it from the service.
+void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, const std::string& err, uint64_t nbytes,
+                           uint64_t npages, uint64_t prefix, uint64_t us, bool tell) {
+  const bool ok = err.empty();
+  std::string to_recv = end_msg(0, ok, tid, xi.recv_bs, err, nbytes, npages, prefix, us, END_CROSS);
+  bool told = false;
+  if (tell)
+    for (auto& kv : conns_)
+      if (kv.second.session == xi.recv_session) told |= sendmsg_(kv.first, to_recv);
+  Completion done;
+  done.kind = DONE_RECEIVED;
+  done.tid = tid;
+  done.rank = rank;
+  done.bs = xi.recv_bs;
+  done.ok = ok;
+  done.error = err;
+  done.nbytes = nbytes;
+  done.copy_us = us;
+  done.told_recv = told;
+  completions_.push_back(std::move(done));
+  uint64_t one = 1;
+  (void)!write(done_, &one, 8);
+}
+
+// A chunk of the sender's pages is in our slot: unpack it into the declared pages; after the
+// last, END to the receiving engine, then ack to the sender (it reports DONE only after that);
+// after another, a credit (its half of the slot is free).
+void Lane::on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
+                      uint64_t first, uint64_t off) {
+  const std::string k = key(tid, rank);
+  std::string why;
+  XIn xi;  // the declaration's fields but its pages
+  Pool dp;
+  std::vector<int32_t> pairs;
+  uint64_t page = 0, total = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = xin_.find(k);
+    auto pd = it == xin_.end() ? pools_.end() : pools_.find(it->second.recv_bs);
+    if (pd != pools_.end())
+      for (auto& r : pd->second.regions) page += r.nbytes;
+    if (it == xin_.end() || it->second.state != ARMED) {
+      why = "transfer not armed on the receiving service's lane";
+    } else if (it->second.sender_agent != agent) {
+      why = "written by another service than the one offered";
+    } else if (now_s() > it->second.deadline) {
+      why = "transfer deadline passed";
+    } else if (pd == pools_.end()) {
+      why = "receiver buffer set gone";
+    } else if (first != it->second.got) {
+      why = "chunk out of order";
+    } else if (npages == 0 || first + npages > it->second.dst.size() || nbytes != npages * page ||
+               off + nbytes > it->second.bytes) {
+      why = "chunk outside the offer";
+    } else {
+      dp = pd->second;
+      it->second.state = RUNNING;
+      XIn& x = it->second;
+      xi.recv_session = x.recv_session;
+      xi.recv_bs = x.recv_bs;
+      xi.prefix = x.prefix;
+      xi.slot = x.slot;
+      xi.device = x.device;
+      total = x.dst.size();
+      pairs.resize(2 * npages);
+      for (uint64_t i = 0; i < npages; ++i) {
+        pairs[2 * i] = (int32_t)i;
+        pairs[2 * i + 1] = x.dst[first + i];
+      }
+    }
+  }
+  if (!why.empty()) return send_note(agent, note(XNOTE_ACK, rank, false, 0, 0, 0, 0, tid, why));
+  if (const unsigned slow = slow_unpack_us_) std::this_thread::sleep_for(std::chrono::microseconds(slow));
+  const double t0 = now_s();
+  std::string err = dp.device == xi.device ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
+                                           : "the lane's staging is on another device than the receiver's pool";
+  const uint64_t us = (uint64_t)((now_s() - t0) * 1e6);
+  st_[S_UNPACK] += us;
+  bool last = false, cancelled = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = xin_.find(k);
+    if (it == xin_.end()) return;  // forgotten meanwhile (the service is closing)
+    XIn& x = it->second;
+    x.got += npages;
+    x.us += us;
+    last = x.got == total;
+    cancelled = x.cancel && !last && err.empty();
+    if (!last && err.empty() && !cancelled) {
+      x.state = ARMED;  // the next chunk's
+    } else {
+      x.state = COMPLETED;
+      st_[S_RECEIVED]++;
+      if (cancelled) err = CANCELLED;
+      finish_received(xi, tid, rank, err, total * page, total, (uint64_t)xi.prefix, x.us, !cancelled);
+    }
+  }
+  if (!last && err.empty()) return send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
+  send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
+}
+
+}  // namespace kvlane

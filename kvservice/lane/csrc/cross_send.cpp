@@ -1,0 +1,385 @@
+// The cross-node route, sending: a SEND_TO checked against the receiver's offer (handle_x),
+// packed into staging and written through NIXL in chunks (send_out, stream_out), ended by the
+// receiver's ack (finish_sent).
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "lane.h"
+
+namespace kvlane {
+
+// Pages packed page-major: page i's regions back to back (the layout both lanes derive).
+Pool Lane::packed(uint64_t base, const Pool& like, int device) {
+  Pool p{like.owner, device, INT32_MAX, like.sig, like.rank, {}};
+  uint64_t page = 0, off = 0;
+  for (auto& r : like.regions) page += r.nbytes;
+  for (auto& r : like.regions) {
+    p.regions.push_back({base + off, page, r.nbytes});
+    off += r.nbytes;
+  }
+  return p;
+}
+
+void Lane::handle_x(int fd, const char* p, size_t n) {
+  if (n < sizeof(SendToHdr)) return closed(fd);
+  SendToHdr h;
+  std::memcpy(&h, p, sizeof h);
+  const uint64_t w = h.flags & FLAG_SRC_I64 ? 8 : 4;
+  if ((uint64_t)sizeof h + h.tid_len + h.bs_len + h.addr_len + w * h.n_src != n) return closed(fd);
+  const char* q = p + sizeof h;
+  std::string tid(q, h.tid_len), bs(q + h.tid_len, h.bs_len), addr(q + h.tid_len + h.bs_len, h.addr_len);
+  std::vector<int32_t> src;
+  if (!read_src(q + h.tid_len + h.bs_len + h.addr_len, h.n_src, w, src))
+    return reply(fd, h.seq, REPLY_FALLBACK, "source page out of range");
+
+  std::string session, why;
+  Pool sp;
+  XOut xo;
+  Arena ar;
+  std::string xk;  // key(tid, the sender pool's rank): the receiver rank it pairs with
+  uint64_t nbytes = 0, page = 0, chunk = 0, parts = 2;  // the delta's bytes, a page's, pages a chunk
+  uint64_t scratch = 0;  // where it packs
+  bool bulk = false;     // on the bulk thread (see XSMALL)
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto c = conns_.find(fd);
+    if (c == conns_.end()) return;
+    session = c->second.session;
+    auto ps = pools_.find(bs);
+    xk = key(tid, ps != pools_.end() ? ps->second.rank : -1);
+    auto xi = xout_.find(xk);
+    if (xi == xout_.end() && ps != pools_.end() && lane_peers_.count(addr) && !parked_.count(xk) &&
+        !unparking_) {
+      // the receiver's offer may still be on its way (ExpectDelta and the prefill raced):
+      // wait for it (20 ms at most; arm_out or refuse_out ends the wait), then fall back
+      parked_[xk] = Parked{fd, std::string(p, n), now_s() + PARK_S};
+      parked_count_ = parked_.size();
+      return;
+    }
+    if (ps == pools_.end() || ps->second.owner != session) {
+      why = "buffer set not on the lane";
+    } else if (xi == xout_.end() || xi->second.state != ARMED) {
+      why = "transfer not offered to this node's lane";
+    } else if (now_s() > xi->second.deadline) {
+      why = "transfer deadline passed";
+    } else if (xi->second.address != addr) {
+      why = "offered by another receiving service than the one named";
+    } else if (!ps->second.xsig || ps->second.xsig != xi->second.xsig) {
+      why = "layouts differ";
+    } else if ((int64_t)src.size() != xi->second.prefix + xi->second.ndst) {
+      why = "page count is not prefix + delta";
+    } else if (arenas_.find(ps->second.device) == arenas_.end()) {
+      why = "no lane staging on the sender's device";
+    } else {
+      sp = ps->second;
+      xo = xi->second;
+      ar = arenas_[sp.device];
+      for (auto& r : sp.regions) page += r.nbytes;
+      nbytes = page * (uint64_t)xo.ndst;
+      why = pages_ok(sp, src);
+      // A delta that fits the scratch's first part (XSMALL) whole is packed and written on
+      // this thread (microseconds to a millisecond on a GPU); one that streams goes to the bulk
+      // thread through the rest, so that it does not hold up the sends behind it (head of line)
+      // while it takes milliseconds to seconds.
+      const uint64_t scr = ar.size - ar.scratch, small = scr / XSMALL / 4096 * 4096;
+      bulk = !(nbytes == xo.rbytes && nbytes <= small);
+      scratch = ar.base + ar.scratch + (bulk ? small : 0);
+      // one WRITE when slot and scratch area hold the delta, else chunks through parts of both
+      const uint64_t cap = std::min(xo.rbytes, bulk ? scr - small : small);
+      // (parts_ parts, fewer when the staging holds fewer pages; two at least)
+      const uint64_t fit = cap / std::max<uint64_t>(page, 1);
+      parts = std::max<uint64_t>(2, std::min<uint64_t>(parts_, fit));
+      chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : fit / parts;
+      if (why.empty() && xo.rbytes > nbytes) why = "the offered slot does not match the delta";
+      if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
+      if (why.empty()) xi->second.state = RUNNING;
+    }
+  }
+  if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
+  reply(fd, h.seq, REPLY_ACCEPTED, "");
+
+  const size_t moved = (size_t)xo.ndst;
+  XPend pend;
+  pend.tid = tid;
+  pend.fd = fd;
+  pend.rank = xo.rank;
+  pend.session = session;
+  pend.bs = bs;
+  pend.remote_agent = xo.remote_agent;
+  pend.nbytes = nbytes;
+  pend.npages = moved;
+  pend.prefix = (uint64_t)xo.prefix;
+  pend.flags = h.flags;
+  pend.deadline = xo.deadline;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    xpend_[xk] = std::move(pend);  // before the WRITE: its ack may come before we see it done
+  }
+  xcv_.notify_one();
+  XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk, parts};
+  if (!bulk) return send_out(job);
+  to_bulk([this, job]() mutable { send_out(job); });
+}
+
+// Pack and write an accepted SEND_TO (its XPend is registered), then book what came of it.
+void Lane::send_out(XSend& job) {
+  const XOut& xo = job.xo;
+  const std::string &xk = job.xk, &tid = job.tid;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!xpend_.count(xk)) return;  // expired while it queued (told already)
+  }
+  const double t0 = now_s();
+  std::string err = running_ ? stream_out(job.sp, xo, xk, tid, job.src, job.scratch, job.page, job.chunk, job.parts)
+                             : std::string("the lane is stopping");
+  st_[S_SENT]++;
+  std::string told;  // the receiver's agent, when the WRITE failed: it fails its side at once
+  const std::string failed = "cross-node write failed: " + err;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = xpend_.find(xk);
+    if (it == xpend_.end()) return;  // expired meanwhile (told already)
+    it->second.copy_us = (uint64_t)((now_s() - t0) * 1e6);
+    it->second.src.swap(job.src);
+    if (!err.empty()) {
+      told = it->second.remote_agent;
+      finish_sent(it, false, failed);
+    } else {
+      it->second.written = true;
+      if (it->second.acked) finish_sent(it, it->second.ack_ok, it->second.ack_msg);
+    }
+  }
+  if (!told.empty()) send_note(told, note(XNOTE_WRITTEN, xo.rank, false, 0, 0, 0, 0, tid, failed));
+}
+
+// The delta's pages, ``chunk`` at a time through P = ``parts`` parts of scratch and slot: pack
+// chunk k into part k % P of the scratch, WRITE it to the same part of the receiver's slot, and
+// notify once the WRITE is done; chunk k + 1 is packed while chunk k is on the wire, and chunk
+// k + P waits until the receiver has unpacked chunk k (its credit), so P - 1 notification
+// round trips overlap the WRITEs. One chunk (the delta fits): one WRITE into the whole slot.
+std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
+                             const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
+                             uint64_t parts) {
+  const uint64_t n = (uint64_t)xo.ndst, chunks = (n + chunk - 1) / chunk;
+  std::vector<Posted> out(parts);  // per part: its WRITE in flight, and the note that follows it
+  std::string err;
+  std::vector<int32_t> pairs;
+  for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
+    const uint64_t h = k % parts;
+    const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
+    if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline);  // chunk k - P left part h
+    if (!err.empty()) break;
+    pairs.resize(2 * cnt);
+    for (uint64_t i = 0; i < cnt; ++i) {
+      pairs[2 * i] = src[(size_t)(xo.prefix + first + i)];
+      pairs[2 * i + 1] = (int32_t)i;
+    }
+    const double t0 = now_s();
+    err = copy(sp, packed(scratch + off, sp, sp.device), pairs, cnt);
+    stat(S_PACK, t0);
+    if (!err.empty()) break;
+    out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
+    err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
+    if (err.empty() && k >= 1) err = nx_finish(xo, out[(k - 1) % parts]);  // chunk k - 1: done, noted
+  }
+  for (auto& o : out) {  // the last chunk's WRITE (after a failure: any, released unnoted)
+    if (!o.req) continue;
+    if (err.empty()) {
+      err = nx_finish(xo, o);
+    } else {
+      release_req(o.req);
+      o.req = nullptr;
+    }
+  }
+  return err;
+}
+
+// mu_ not held: until the receiver has unpacked ``need`` chunks of ``xk``.
+std::string Lane::await_credits(const std::string& xk, uint64_t need, double deadline) {
+  std::unique_lock<std::mutex> g(mu_);
+  for (;;) {
+    auto it = xpend_.find(xk);
+    if (it == xpend_.end()) return "the transfer ended meanwhile";
+    if (it->second.acked) return it->second.ack_ok ? "the receiver acknowledged before the last chunk" : it->second.ack_msg;
+    if (it->second.credits >= need) return "";
+    if (!running_) return "the lane is stopping";
+    if (now_s() > deadline) return "the receiver unpacked no chunk before the transfer's deadline";
+    credit_cv_.wait_for(g, std::chrono::milliseconds(1));
+  }
+}
+
+void Lane::kick() {  // mu_ held: wake the lane thread to look at the parked SEND_TOs
+                kicked_ = true;
+                uint64_t one = 1;
+                (void)!write(wake_, &one, 8);
+                }
+                
+                // Lane thread: each parked SEND_TO whose offer came is handled now, one past its wait (or
+                // refused) is answered FALLBACK.
+                void Lane::unpark() {
+  std::vector<std::pair<std::string, Parked>> go;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    const double now = now_s();
+    for (auto it = parked_.begin(); it != parked_.end();) {
+      if (xout_.count(it->first) || now >= it->second.until) {
+        go.emplace_back(it->first, std::move(it->second));
+        it = parked_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    parked_count_ = parked_.size();
+    kicked_ = false;
+  }
+  for (auto& kv : go) {
+    unparking_ = true;  // handled once more, never parked again
+    handle(kv.second.fd, kv.second.msg.data(), kv.second.msg.size());
+    unparking_ = false;
+  }
+}
+
+std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
+                       uint64_t off, const std::string& tid, const std::string& msg) {
+  XNote h{};
+  std::memcpy(h.magic, XMAGIC, 4);
+  h.kind = kind;
+  h.rank = (uint32_t)rank;
+  h.ok = ok ? 1u : 0u;
+  h.nbytes = nbytes;
+  h.npages = npages;
+  h.first = first;
+  h.off = off;
+  h.at = now_s();
+  h.tid_len = (uint32_t)tid.size();
+  h.msg_len = (uint32_t)msg.size();
+  return std::string((const char*)&h, sizeof h) + tid + msg;
+}
+
+// Post one WRITE of [local, local + n) to ``off`` in the offered slot; ``o.msg`` tells the
+// receiver: sent once the WRITE is DONE (nx_finish: the bytes are there), or as the WRITE's own
+// notification (note_after off: NIXL's UCX backend flushes the endpoint inside the post then,
+// ~0.2 ms on cuda_ipc). A finished WRITE is kept and re-posted for the same bytes and slot.
+std::string Lane::nx_post(uint64_t local, uint64_t n, int device, const XOut& xo, uint64_t off, Posted& o) {
+  void *ld = nullptr, *rd = nullptr, *oa = nullptr, *req = nullptr;
+  int r;
+  const double t_post = now_s();
+  const bool after = note_after_;
+  o.after = after;
+  o.rkey = xo.remote_agent + '/' + std::to_string(local) + '/' + std::to_string(xo.raddr + off) + '/' +
+           std::to_string(n) + (after ? "/a" : "/n");
+  {
+    std::lock_guard<std::mutex> g(nx_mu_);
+    if (!after) {
+      nx_.create_opt_args(&oa);
+      nx_.opt_args_set_notif_msg(oa, o.msg.data(), o.msg.size());
+      nx_.opt_args_set_has_notif(oa, true);
+    }
+    auto hit = req_cache_ ? reqs_.find(o.rkey) : reqs_.end();
+    if (hit != reqs_.end()) {  // the same WRITE as before (a slot reused): post it again
+      req = hit->second;
+      reqs_.erase(hit);
+      r = nx_.post_xfer_req(agent_, req, oa);
+      st_[S_REPOST]++;
+    } else {
+      nx_.create_xfer_dlist(device >= 0 ? xnixl::VRAM : xnixl::DRAM, &ld, false);
+      nx_.xfer_dlist_add_desc(ld, (uintptr_t)local, n, device >= 0 ? (uint64_t)device : 0);
+      nx_.create_xfer_dlist(xo.rmem, &rd, false);
+      nx_.xfer_dlist_add_desc(rd, (uintptr_t)(xo.raddr + off), n, (uint64_t)xo.rdev);
+      r = nx_.create_xfer_req(agent_, xnixl::WRITE, ld, rd, xo.remote_agent.c_str(), &req, oa);
+      if (r == xnixl::OK) r = nx_.post_xfer_req(agent_, req, oa);
+      nx_.destroy_xfer_dlist(ld);
+      nx_.destroy_xfer_dlist(rd);
+    }
+    if (oa) nx_.destroy_opt_args(oa);
+  }
+  if (r < 0) {
+    if (req) release_req(req);
+    return "NIXL refused the WRITE (" + std::to_string(r) + ")";
+  }
+  stat(S_POST, t_post);
+  o.req = req;
+  o.state = r;
+  return "";
+}
+
+// Until ``o``'s WRITE is done (or the deadline passed: then released, which aborts it), then
+// the receiver's note.
+std::string Lane::nx_finish(const XOut& xo, Posted& o) {
+  void* req = o.req;
+  o.req = nullptr;
+  int r = o.state;
+  const double t_wait = now_s();
+  while (r == xnixl::IN_PROG) {
+    if (now_s() > xo.deadline || !running_) {
+      release_req(req);  // a request released in flight is aborted by NIXL
+      return running_ ? "the WRITE outlived the transfer's deadline" : "the lane is stopping";
+    }
+    {
+      std::lock_guard<std::mutex> g(nx_mu_);
+      r = nx_.get_xfer_status(agent_, req);
+    }
+    if (r == xnixl::IN_PROG) std::this_thread::yield();
+  }
+  stat(S_WAIT, t_wait);
+  if (r != xnixl::OK || !req_cache_) {
+    release_req(req);
+  } else {
+    std::lock_guard<std::mutex> g(nx_mu_);
+    reqs_[o.rkey] = req;  // re-posted by the next WRITE of the same bytes to the same place
+  }
+  if (r != xnixl::OK) return "the WRITE failed (" + std::to_string(r) + ")";
+  if (o.after) {
+    std::lock_guard<std::mutex> g(nx_mu_);
+    r = nx_.gen_notif(agent_, xo.remote_agent.c_str(), o.msg.data(), o.msg.size(), nullptr);
+    if (r != xnixl::OK) return "notifying the receiver failed (" + std::to_string(r) + ")";
+  }
+  return "";
+}
+
+void Lane::release_req(void* req) {
+  std::lock_guard<std::mutex> g(nx_mu_);
+  if (nx_.release_xfer_req(agent_, req) == xnixl::OK) nx_.destroy_xfer_req(req);
+}
+
+// mu_ held: END to the sending engine and the completion for Python's books.
+void Lane::finish_sent(std::unordered_map<std::string, XPend>::iterator it, bool ok, const std::string& err) {
+  XPend& p = it->second;
+  const std::string tid = p.tid;
+  Completion done;
+  done.kind = DONE_SENT;
+  done.told_send = tell(p.fd, p.session, end_msg(1, ok, tid, p.bs, err, p.nbytes, p.npages, p.prefix, p.copy_us, END_CROSS));
+  done.tid = tid;
+  done.rank = p.rank;
+  done.bs = p.bs;
+  done.sender_session = p.session;
+  done.ok = ok;
+  done.error = err;
+  done.nbytes = p.nbytes;
+  done.copy_us = p.copy_us;
+  done.flags = p.flags;
+  done.src.swap(p.src);
+  completions_.push_back(std::move(done));
+  auto xo = xout_.find(it->first);  // the same key(tid, rank)
+  if (xo != xout_.end()) xo->second.state = COMPLETED;
+  xpend_.erase(it);
+  uint64_t one = 1;
+  (void)!write(done_, &one, 8);
+}
+
+void Lane::expire_sent() {  // no ack a second past the deadline: the receiver is gone or wedged
+                       std::lock_guard<std::mutex> g(mu_);
+                       const double now = now_s();
+                       for (auto it = xpend_.begin(); it != xpend_.end();) {
+    auto next = std::next(it);
+    if (now > it->second.deadline + 1.0 && it->second.written)
+      finish_sent(it, false, "the receiving service did not acknowledge before the deadline");
+    it = next;
+  }
+}
+
+}  // namespace kvlane

@@ -1,0 +1,114 @@
+// The Python module (kvservice/lane/native.py builds it): the Lane's methods, numpy arrays in and
+// out. The only file that includes pybind11; calls that may block on a lock the lane's threads hold
+// release the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <stdexcept>
+
+#include "lane.h"
+
+namespace py = pybind11;
+using kvlane::Lane;
+
+namespace {
+
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using Release = py::call_guard<py::gil_scoped_release>;
+
+std::vector<int32_t> pages(const I32Array& a) { return std::vector<int32_t>(a.data(), a.data() + a.size()); }
+
+void add_pool(Lane& lane, const std::string& bs, const std::string& owner, int device, int64_t num_pages,
+              uint64_t sig, int rank, const U64Array& regions, uint64_t xsig) {
+  if (regions.ndim() != 2 || regions.shape(1) != 3) throw std::invalid_argument("regions: want [n, 3]");
+  std::vector<kvlane::RegionDesc> rs;
+  auto r = regions.unchecked<2>();
+  for (py::ssize_t i = 0; i < r.shape(0); ++i) rs.push_back({r(i, 0), r(i, 1), r(i, 2)});
+  lane.add_pool(bs, owner, device, num_pages, sig, rank, std::move(rs), xsig);
+}
+
+void set_alias(Lane& lane, const std::string& bs, int device, const U64Array& bases) {
+  lane.set_alias(bs, device, std::vector<uint64_t>(bases.data(), bases.data() + bases.size()));
+}
+
+void arm(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
+         int64_t prefix, const I32Array& dst, double deadline, int senders) {
+  lane.arm(tid, rank, recv_session, recv_bs, prefix, pages(dst), deadline, senders);
+}
+
+void arm_in(Lane& lane, const std::string& tid, int rank, const std::string& recv_session,
+            const std::string& recv_bs, const std::string& sender_agent, int64_t prefix, const I32Array& dst,
+            uint64_t slot, uint64_t bytes, int device, double deadline) {
+  lane.arm_in(tid, rank, recv_session, recv_bs, sender_agent, prefix, pages(dst), slot, bytes, device, deadline);
+}
+
+py::bytes local_md(Lane& lane) {
+  std::string md;
+  {
+    py::gil_scoped_release nogil;
+    md = lane.local_md();
+  }
+  return py::bytes(md);
+}
+
+// Each completion as the tuple kvservice/lane/book.py reads.
+py::list drain(Lane& lane) {
+  py::list out;
+  for (auto& c : lane.drain()) {
+    py::array_t<int32_t> src(c.src.size());
+    if (!c.src.empty()) std::memcpy(src.mutable_data(), c.src.data(), c.src.size() * 4);
+    out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us,
+                              c.flags, c.told_recv, c.told_send, py::cast(c.ranks), py::cast(c.told), c.kind));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvservice native lane: per-transfer path without the GIL (kvservice/lane)";
+  py::class_<Lane>(m, "Lane")
+      .def(py::init<>())
+      .def("stop", &Lane::stop, Release())
+      .def("completion_fd", &Lane::completion_fd)
+      .def("set_chunk", &Lane::set_chunk)
+      .def("set_spin_us", &Lane::set_spin_us)
+      .def("set_pull", &Lane::set_pull)
+      .def("init_cuda", &Lane::init_cuda, Release())
+      .def("cuda_why", &Lane::cuda_why)
+      .def("prepare_device", &Lane::prepare_device, Release())
+      .def("add_conn", &Lane::add_conn)
+      .def("drop_session", &Lane::drop_session)
+      .def("conns", &Lane::conns)
+      .def("add_pool", &add_pool)
+      .def("set_alias", &set_alias)
+      .def("drop_pool", &Lane::drop_pool)
+      .def("set_heads", &Lane::set_heads)
+      .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"),
+           py::arg("prefix"), py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1)
+      .def("disarm", &Lane::disarm)
+      .def("forget", &Lane::forget)
+      .def("armed_count", &Lane::armed_count)
+      .def("drain", &drain)
+      .def("init_nixl", &Lane::init_nixl, Release())
+      .def("nixl_why", &Lane::nixl_why)
+      .def("add_arena", &Lane::add_arena, Release())
+      .def("local_md", &local_md)
+      .def("load_md", &Lane::load_md, Release())
+      .def("arm_out", &Lane::arm_out)
+      .def("refuse_out", &Lane::refuse_out)
+      .def("disarm_out", &Lane::disarm_out)
+      .def("forget_out", &Lane::forget_out)
+      .def("arm_in", &arm_in)
+      .def("disarm_in", &Lane::disarm_in, py::arg("tid"), py::arg("rank"), py::arg("cancel") = false)
+      .def("forget_in", &Lane::forget_in)
+      .def("cross_count", &Lane::cross_count)
+      .def("stats", &Lane::stats)
+      .def("set_req_cache", &Lane::set_req_cache)
+      .def("set_note_after", &Lane::set_note_after)
+      .def("set_parts", &Lane::set_parts)
+      .def("set_slow_unpack", &Lane::set_slow_unpack);
+}

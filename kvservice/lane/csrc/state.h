@@ -1,0 +1,158 @@
+// What the lane holds: pools, armed transfers (same node), offers and declarations (cross node),
+// and the jobs and completions that pass between its threads. Plain data; the Lane (lane.h)
+// guards it with its locks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace kvlane {
+
+struct RegionDesc {
+  uint64_t base, stride, nbytes;
+};
+
+struct Pool {
+  std::string owner;  // session id
+  int device;         // -1: host memory
+  int64_t num_pages;
+  uint64_t sig;
+  int rank;
+  std::vector<RegionDesc> regions;
+  uint64_t xsig = 0;  // layout and region geometry (the cross-node lane compares it with the receiver's)
+  // heads (set_heads): mixed TP on the lane. hmode 0: no head slices (another page layout,
+  // replicated heads); 1: token-major pages (NHD), 2: head-major (HND). msig: the layout but for
+  // its TP; global heads [hlo, hlo + hn) of ``ps`` tokens a page.
+  int hmode = 0, hlo = 0, hn = 0, ps = 0;
+  uint64_t msig = 0;
+  // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
+  // only in the context that opened it: a kernel on another GPU needs its own opening)
+  std::unordered_map<int, std::vector<uint64_t>> alias;
+};
+
+// ARMED: takes senders; RUNNING: every sender taken; COMPLETED: all copied (or one failed);
+// GATED: disarmed while a copy was pending (takes no sender, goes once booked).
+enum : int { ARMED = 1, RUNNING = 2, COMPLETED = 3, GATED = 4 };
+
+struct Armed {  // one receiver rank's declaration
+  int state = ARMED;
+  std::string recv_session, recv_bs;
+  int64_t prefix = 0;
+  std::vector<int32_t> dst;
+  double deadline = 0;
+  int senders = 1;           // sender ranks it expects (mixed TP: several; 0: the first says)
+  int pending = 0;           // copies taken and not yet booked by Python (forget)
+  int done = 0;              // copies made
+  int failed = 0;            // copies that failed
+  std::string error;         // the first failure's
+  uint64_t ranks = 0;        // sender ranks taken (bit per rank)
+  uint64_t nbytes = 0;       // bytes copied into it
+  bool told = false;         // its END went out
+};
+
+// A segment of a copy: one region of one receiver rank (the kernel's Region, 9 x u64).
+struct Seg {
+  uint64_t src, dst, src_stride, dst_stride, nbytes, run, src_run, dst_run, pairs;
+};
+
+struct Target {  // a receiver rank a same-node SEND copies into: all of it, or a head slice
+  std::string akey;
+  int rank = 0;
+  Pool dp;
+  std::vector<int32_t> dst;
+  int hs = 0, hd = 0, nh = 0;  // nh 0: the whole page (equal layouts)
+  int senders = 1;             // sender ranks this receiver rank has, by the layouts
+};
+
+struct Conn {
+  int fd;
+  std::string session;
+};
+
+// ---- cross-node lane (docs/design-notes.md §20) ---------------------------------------------
+struct Arena {  // staging registered with this lane's NIXL agent: receive slots, then the scratch
+  uint64_t base = 0, size = 0, scratch = 0;  // scratch: offset of the sender's packing area
+  int device = -1;
+};
+
+struct XOut {  // a transfer the receiving service offered: its slot there
+  int state = ARMED;
+  int rank = 0;  // the receiver's rank
+  std::string address, remote_agent;
+  uint64_t raddr = 0, rbytes = 0, xsig = 0;
+  int rdev = 0, rmem = 0;
+  int64_t prefix = 0, ndst = 0;
+  double deadline = 0;
+};
+
+struct XIn {  // a transfer this service declared and offered with a slot
+  int state = ARMED;
+  std::string recv_session, recv_bs, sender_agent;
+  int64_t prefix = 0;
+  std::vector<int32_t> dst;
+  uint64_t slot = 0, bytes = 0;  // the slot: its address and size (a larger delta streams through it)
+  uint64_t got = 0, us = 0;       // pages unpacked so far, and the µs it took
+  bool cancel = false;            // ended by the receiver while a chunk was being unpacked
+  int device = -1;
+  double deadline = 0;
+};
+
+struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or the bulk thread)
+  int fd = -1;
+  uint32_t flags = 0;
+  std::string tid, bs, session;
+  Pool sp;
+  std::vector<Target> tg;
+  int64_t prefix = 0;
+  std::vector<int32_t> src;
+  uint32_t seq = 0;  // the SEND's: a GPU copy's REPLY goes once it is launched (copy_local)
+  // CLOCK_MONOTONIC s: the SEND read, checked (targets), its copy launched, seen done (the END's trailer)
+  double at_recv = 0, at_checked = 0, at_launch = 0, at_done = 0;
+};
+
+struct XSend {  // an accepted SEND_TO, to pack and write (the lane thread, or the bulk thread)
+  Pool sp;
+  XOut xo;
+  std::string xk, tid;
+  std::vector<int32_t> src;
+  uint64_t scratch = 0, page = 0, chunk = 0;  // where it packs, a page's bytes, pages a chunk
+  uint64_t parts = 2;                         // chunks in flight (stream_out)
+};
+
+struct XPend {  // written (or being written), waiting for the receiver's ack
+  int fd = -1, rank = 0;
+  std::string tid, session, bs, remote_agent;
+  std::vector<int32_t> src;
+  uint64_t nbytes = 0, npages = 0, prefix = 0, copy_us = 0;
+  uint64_t credits = 0;  // chunks the receiver unpacked (a streamed transfer)
+  uint32_t flags = 0;
+  double deadline = 0;
+  bool written = false, acked = false, ack_ok = false;
+  std::string ack_msg;
+};
+
+struct Posted {  // a chunk's WRITE in flight (stream_out)
+  void* req = nullptr;
+  int state = 0;
+  bool after = true;
+  std::string rkey, msg;
+};
+
+enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2 };
+
+struct Completion {
+  std::string tid, bs, sender_session, error;
+  int kind = DONE_SAME_NODE;
+  int rank = 0;
+  bool ok = true;
+  uint32_t flags = 0;
+  uint64_t nbytes = 0, copy_us = 0;
+  bool told_recv = false, told_send = false;  // END reached that engine's lane
+  std::vector<int32_t> src;
+  std::vector<int> ranks;   // same node: the receiver ranks copied into
+  std::vector<int> told;    // ... and whether each one's END went out now (1) or not (0)
+};
+
+}  // namespace kvlane

@@ -1,0 +1,63 @@
+// The lane's wire format: engine <-> service (SEND, SEND_TO, REPLY, END) and the cross-node lane's
+// NIXL notifications between two services. Python's side: kvservice_client's lane_wire.py and
+// kvservice/lane/cross.py (the note format).
+#pragma once
+
+#include <time.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvlane {
+
+// ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
+enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4 };
+enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1 };
+constexpr uint32_t FLAG_SRC_I64 = 2;  // SEND / SEND_TO flags: the source pages are i64 (lane_wire)
+struct SendHdr {
+  uint32_t type, seq, n_src, tid_len, bs_len, flags;
+};
+struct SendToHdr {  // SEND to another node's service: + the receiving service's address
+  uint32_t type, seq, n_src, tid_len, bs_len, flags, addr_len;
+};
+// The cross-node lane's NIXL notifications (W: the sender wrote a chunk of a transfer's pages
+// into the receiver's slot; C: the receiver unpacked a chunk that was not the last, its part of
+// the slot is free again; A: the receiver unpacked the last chunk, or refused), binary, then tid
+// and message. A delta larger than its slot streams through it in chunks (lane_cross_parts parts in turn).
+struct XNote {
+  char magic[4];
+  uint32_t kind, rank, ok;
+  uint64_t nbytes, npages;
+  uint64_t first, off;  // W: the chunk's first page (of the delta) and its offset in the slot
+  double at;  // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
+  uint32_t tid_len, msg_len;
+};
+inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '2'};
+// The scratch's first 1/XSMALL is where the lane thread packs the cross-node sends that fit it
+// whole; the rest is the bulk thread's (streamed sends). A slot is at most half the receive
+// staging, which is as large as the scratch: with 2, every one-WRITE send stays on the lane
+// thread (as measured: no hand-off on the 64 MiB row) and only streamed ones move.
+constexpr uint64_t XSMALL = 2;
+enum : uint32_t { XNOTE_WRITTEN = 1, XNOTE_ACK = 2, XNOTE_CREDIT = 3 };
+// A receiver that ended a transfer while the lane unpacked one of its chunks (Abort, deadline):
+// the completion's error, which Python books as its own end (no END from the lane).
+inline constexpr const char* CANCELLED = "cancelled by the receiving service";
+struct ReplyHdr {
+  uint32_t type, seq;
+  int32_t code;
+  uint32_t msg_len;
+};
+struct EndHdr {
+  uint32_t type, role, state, tid_len, bs_len, msg_len;
+  uint64_t nbytes, npages, skipped, copy_us;
+};
+constexpr size_t MAX_MSG = 256 * 1024;
+constexpr uint32_t END_CROSS = 1;
+
+inline double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+}  // namespace kvlane
