@@ -286,33 +286,35 @@ def test_lane_refuses_an_unknown_session(eng: Engines) -> None:
 OTHER_UID = 65534
 
 
-def _hello_as(uid: int, path: str, session_id: str) -> dict[str, Any]:
-    """A real process of ``uid`` (forked, setuid) says hello on the lane naming ``session_id``."""
-    import json
-    import os
+# The other uid's process: a fresh interpreter (started as root, no threads) that drops to ``uid``
+# and says hello. Not a fork of this process: a fork of a process with gRPC's threads running
+# crashed once in the child (SIGSEGV), and /root's interpreter is not readable by ``uid``.
+_HELLO_AS = """
+import os, socket, sys
+uid, path, hello = int(sys.argv[1]), sys.argv[2], bytes.fromhex(sys.argv[3])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.settimeout(5)
+s.connect(path)
+s.send(hello)
+sys.stdout.buffer.write(s.recv(4096))
+"""
 
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.setgid(uid)
-            os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            s.settimeout(5)
-            s.connect(path)
-            s.send(lane_wire.hello(session_id))
-            os.write(w, s.recv(4096))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    got = os.read(r, 4096)
-    os.close(r)
-    assert status == 0, got
-    return json.loads(got)
+
+def _hello_as(uid: int, path: str, session_id: str) -> dict[str, Any]:
+    """A real process of ``uid`` says hello on the lane naming ``session_id``."""
+    import json
+    import subprocess
+    import sys
+
+    hello = lane_wire.hello(session_id).hex()
+    p = subprocess.run(
+        [sys.executable, "-c", _HELLO_AS, str(uid), path, hello], capture_output=True, timeout=30, check=False
+    )
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    return json.loads(p.stdout)
 
 
 @pytest.mark.skipif(not hasattr(socket, "SO_PEERCRED") or __import__("os").getuid() != 0, reason="needs root")
