@@ -21,11 +21,8 @@ meets a running copy waits for it, as the Python route's ``busy`` does.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextvars
 import logging
-import time
 from typing import Any
 
 import numpy as np
@@ -33,18 +30,13 @@ import numpy as np
 from ..errors import FailedPrecondition, KVServiceError
 from ..identity import LOCAL_PEER
 from ..kernels.heads import plan_heads
+from .finalize import Finalizer, booking
 from .geometry import head_geometry, heads_overlap, layout_signature
 
 __all__ = ["LaneBook", "NoLane"]
 
 log = logging.getLogger(__name__)
 _RETIRED = 256  # unregistered buffer sets kept for a finalize in flight
-# The (transfer id, rank) a finalize books, seen by it and by every task it starts (the booking's
-# sender worker, the receiver's end that worker may tell): their settle of it must not wait for
-# the finalize, which waits for them.
-_BOOKING: contextvars.ContextVar[tuple[str, tuple[int, ...]] | None] = contextvars.ContextVar(
-    "lane_booking", default=None
-)
 
 
 def _senders_into(src: Any, dst: Any) -> int:
@@ -57,12 +49,6 @@ def _senders_into(src: Any, dst: Any) -> int:
     except KVServiceError:
         return 1
     return sum(1 for r in routes if r.dst_rank == dst.tp_rank)
-
-
-def _booking(transfer_id: str, rank: int) -> bool:
-    """This task books (or was started by the booking of) receiver rank ``rank`` of ``transfer_id``."""
-    b = _BOOKING.get()
-    return b is not None and b[0] == transfer_id and rank in b[1]
 
 
 class NoLane:
@@ -120,11 +106,26 @@ class LaneBook(NoLane):
         self.cuda = cuda
         self.pools: dict[str, Any] = {}  # buffer set id -> BufferSet on the lane
         self._retired: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._waiters: dict[tuple[str, int], asyncio.Future[None]] = {}
-        self.sent = 0  # transfers the lane moved (finalized)
-        self.failed = 0
-        self._tasks: set[asyncio.Task[None]] = set()
         self.cross: Any = None  # cross.CrossBook when the cross-node lane runs
+        self.fin = Finalizer(self)  # the completions' bookkeeping
+
+    @property
+    def sent(self) -> int:
+        """Transfers the lane moved (finalized)."""
+        return self.fin.sent
+
+    @property
+    def failed(self) -> int:
+        return self.fin.failed
+
+    def on_completions(self) -> None:
+        """The native thread's completion fd is readable (the loop's reader)."""
+        self.fin.on_completions()
+
+    def pool(self, buffer_set_id: str) -> Any:
+        """Buffer set ``buffer_set_id`` on the lane, or recently unregistered (a finalize in
+        flight books it), or None."""
+        return self.pools.get(buffer_set_id) or self._retired.get(buffer_set_id)
 
     # -- pools ---------------------------------------------------------------------------------
     def add_pool(self, bs: Any) -> None:
@@ -221,11 +222,11 @@ class LaneBook(NoLane):
     async def settle(self, inc: Any) -> None:
         """Before the receiver ends otherwise: disarm, or wait until the lane's copy is booked."""
         key = (inc.rec.transfer_id, inc.bs.layout.tp_rank)
-        if _booking(*key):
+        if booking(*key):
             return  # the booking itself ends the receiver (a malformed commit): nothing to wait for
         crossing = self.cross is not None and self.cross.rx.settle_in(*key)
         if self.n.disarm(*key) == 2 or crossing:
-            await self._booked_all(key)
+            await self.fin.booked_all(key)
 
     async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
         """A sender other than the lane wants ``transfer_id``'s plan: disarm the ranks it writes
@@ -239,11 +240,11 @@ class LaneBook(NoLane):
                 continue
             key = (transfer_id, inc.bs.layout.tp_rank)
             while self.n.disarm(*key) == 2:
-                if _booking(*key) or _senders_into(src_layout, inc.bs.layout) <= 1:
+                if booking(*key) or _senders_into(src_layout, inc.bs.layout) <= 1:
                     raise FailedPrecondition(
                         f"transfer_id: {transfer_id!r} is being sent by another engine on this node's lane"
                     )
-                await self._booked_all(key)
+                await self.fin.booked_all(key)
 
     def drop_session(self, session_id: str) -> None:
         self.n.drop_session(session_id)
@@ -282,126 +283,3 @@ class LaneBook(NoLane):
         writing ends with the receiver's refusal)."""
         if self.cross is not None:
             self.cross.tx.drop_out(transfer_id)
-
-    # -- completions ---------------------------------------------------------------------------
-    def on_completions(self) -> None:
-        """The native thread's completion fd is readable: book each completion in a task."""
-        for c in self.n.drain():
-            kind = c[-1]
-            work = self._finalize(*c[:-1]) if kind == 0 else self._cross_done(kind, c)
-            task = asyncio.get_running_loop().create_task(work, name=f"lane-{c[0]}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _cross_done(self, kind: int, c: tuple[Any, ...]) -> None:
-        """A cross-node completion (cross.py): 1 = sent (this side's engine had its END), 2 =
-        received into a declaration here."""
-        tid, rank = c[0], c[1]
-        try:
-            if kind == 1:
-                await self.cross.tx.sent(c)
-            else:
-                _BOOKING.set((tid, (rank,)))  # this task's own context (create_task copied it)
-                await self.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10])
-        except Exception:
-            log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
-        finally:
-            if kind != 1:
-                self._wake((tid, rank))
-
-    async def _finalize(
-        self,
-        tid: str,
-        rank: int,
-        bs_id: str,
-        session_id: str,
-        src: np.ndarray,
-        ok: bool,
-        error: str,
-        nbytes: int,
-        copy_us: int,
-        flags: int,
-        told_recv: bool,
-        told_send: bool,
-        ranks: list[int],
-        told: list[int],
-    ) -> None:
-        """Book one SEND the lane copied into receiver ranks ``ranks`` (``told``: which of them
-        heard their END with it: their last sender)."""
-        from ..transfer.records import Record
-        from ..transfer.sender import Chunk, Outgoing
-
-        e = self.e
-        ranks = list(ranks)  # (``rank``, ``told_recv``: its first, the cross-node completions' fields)
-        told_by = dict(zip(ranks, told, strict=True))
-        # NOTE: in this task's own context (create_task copied it), inherited by the tasks it
-        # starts: the booking's sender worker, and whatever that worker ends (see settle).
-        _BOOKING.set((tid, tuple(ranks)))
-        incs = [i for i in e.receiver.of(tid) if i.bs.layout.tp_rank in told_by]
-        bs = self.pools.get(bs_id) or self._retired.get(bs_id)
-        try:
-            deadline = incs[0].rec.deadline if incs else time.monotonic() + 60
-            rec = Record(tid, "SENDER", bs_id, session_id, deadline)
-            # an engine the lane told has its END: its Transfers stream need not say it again
-            rec.lane_told = told_send
-            for inc in incs:
-                inc.rec.lane_told = inc.rec.lane_told or bool(told_by.get(inc.bs.layout.tp_rank))
-            if ok and bs is not None and len(incs) == len(ranks):
-                # the booking: the ordinary same-node send of a copy already made, on this
-                # service's own declarations; nothing stops it and nothing in it waits (an end
-                # that meets it waits for it: Sender.stop)
-                out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
-                out.seq, out.next_offset, out.got_last = 1, int(src.size), True
-                each = (nbytes // len(ranks), copy_us)  # per receiver rank (even head splits)
-                chunk = Chunk(0, 0, src.astype(np.int64), True, {}, time.monotonic(), copied=each)
-                await e.send(out, chunk)
-                await e.sender.stopped(out)
-                if rec.state == "DONE":
-                    self.sent += 1
-                else:
-                    self.failed += 1
-                return
-            self.failed += 1
-            why = error or (
-                "the sender's buffer set is gone" if bs is None else "the receiver's declaration is gone"
-            )
-            e.table.add(rec)
-            e.table.finish(rec, "FAILED", "INTERNAL", f"lane copy failed: {why}")
-            for inc in incs:
-                # another sender's copy into this rank may still run: its booking first, so the
-                # rank ends FAILED only once nothing writes its pages (the lane's END waits too)
-                await self._booked(tid, inc.bs.layout.tp_rank, ranks)
-                await e.fail_incoming(inc, KVServiceError(f"lane copy failed: {why}"))
-        except Exception:
-            log.exception("lane finalize failed", extra={"transfer_id": tid})
-        finally:
-            for r in ranks:
-                self._forget(tid, r)
-
-    def _forget(self, tid: str, rank: int) -> int:
-        """This completion's copy into (tid, rank) is booked: the copies still pending there; the
-        last one wakes the waiters (settle, a failed sibling's finalize)."""
-        left = int(self.n.forget(tid, rank))
-        if left == 0:
-            self._wake((tid, rank))
-        return left
-
-    def _wake(self, key: tuple[str, int]) -> None:
-        """Nothing of the lane is pending in receiver rank ``key`` now: its waiters go on."""
-        fut = self._waiters.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    async def _booked_all(self, key: tuple[str, int]) -> None:
-        """Until every pending lane copy into receiver rank ``key`` is booked."""
-        fut = self._waiters.get(key)
-        if fut is None:
-            fut = self._waiters[key] = asyncio.get_running_loop().create_future()
-        await asyncio.shield(fut)
-
-    async def _booked(self, tid: str, rank: int, ranks: list[int]) -> None:
-        """Book this completion's copy into (tid, rank) now (``ranks`` loses it) and wait until
-        every other pending copy there is booked."""
-        ranks.remove(rank)
-        if self._forget(tid, rank):
-            await self._booked_all((tid, rank))
