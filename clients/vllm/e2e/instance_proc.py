@@ -29,9 +29,10 @@ class VllmInstance:
         )
 
     @staticmethod
-    def build_model(path: str) -> None:
+    def build_model(path: str, kind: str = "build") -> None:
+        """``kind``: "build" (a tiny Llama) or "build-mla" (a tiny DeepSeek-V3)."""
         subprocess.run(
-            [str(VLLM_PY), str(HERE / "vllm_instance.py"), "build", path], check=True, capture_output=True
+            [str(VLLM_PY), str(HERE / "vllm_instance.py"), kind, path], check=True, capture_output=True
         )
 
     def _answer(self) -> str:

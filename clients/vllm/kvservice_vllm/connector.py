@@ -59,14 +59,12 @@ class KVServiceConnector(KVConnectorBase_V1):
             )
             self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
-            pc, mc = vllm_config.parallel_config, vllm_config.model_config
+            pc = vllm_config.parallel_config
             if pc.pipeline_parallel_size != 1:
                 raise NotImplementedError(
                     "kvservice_vllm: pipeline parallel size > 1 is not supported yet "
                     f"(pp={pc.pipeline_parallel_size}): a stage holds a subset of the layers"
                 )
-            if pc.tensor_parallel_size != 1 and mc.use_mla:
-                raise NotImplementedError("kvservice_vllm: MLA models with tensor parallel size > 1")
             from .worker import WorkerSide
 
             timeout = float(extra.get_from_extra_config("rpc_timeout_s", 10.0))
@@ -84,25 +82,31 @@ class KVServiceConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         device = self._vllm_config.device_config.device
         cpu = getattr(device, "type", str(device)) == "cpu"  # vLLM's CPU attention backend reads it
-        self._w().register(kv_caches, self.block_size, self._heads(), cpu_attention=cpu)
+        self._w().register(kv_caches, self.block_size, self._heads(), cpu_attention=cpu, mla_tp=self._tp())
+
+    def _tp(self) -> tuple[int, int]:
+        """(TP size, this worker's TP rank)."""
+        size = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        if size == 1:
+            return 1, 0
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return size, int(get_tensor_model_parallel_rank())
 
     def _heads(self) -> KVHeads | None:
-        """This rank's KV heads (None for MLA: the latent cache moves as opaque blocks)."""
+        """This rank's KV heads (None for MLA: the latent cache moves as opaque blocks, a replica
+        on every TP rank)."""
         from .worker import KVHeads
 
         mc, pc = self._vllm_config.model_config, self._vllm_config.parallel_config
         if mc.use_mla:
             return None
-        rank = 0
-        if pc.tensor_parallel_size > 1:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            rank = get_tensor_model_parallel_rank()
+        size, rank = self._tp()
         return KVHeads(
             total=mc.get_total_num_kv_heads(),
             local=mc.get_num_kv_heads(pc),
             head_dim=mc.get_head_size(),
-            tp_size=pc.tensor_parallel_size,
+            tp_size=size,
             tp_rank=rank,
         )
 

@@ -12,6 +12,8 @@ all it needs, so it runs, and is tested, without the engine package).
         (each plane dense; token-major or head-major)
     [blocks, 2, bs, heads, d] (FlashInfer < 0.32), NHD or HND     kv_nhd/kv_hnd one region
     MLA: [blocks, bs, latent] or [blocks, 1, bs, latent]          MLA           one region
+        (replicated on every TP rank: the service moves each receiver rank's pages from one
+        sender rank, the others report done without moving bytes; design-notes §4)
     anything else with dense blocks, TP 1                         opaque pages (MLA-shaped rows)
 
 Every layer must have the first layer's shape, dtype and strides. Layouts whose blocks are not
@@ -59,11 +61,13 @@ def kv_layout(
     heads: KVHeads | None = None,
     *,
     cpu_attention: bool | None = None,
+    mla_tp: tuple[int, int] = (1, 0),
 ) -> tuple[Layout, list[torch.Tensor], list[torch.Tensor]]:
     """The kvservice Layout of vLLM's per-layer caches and each layer's K (and V) memory as flat
     tensors, in the cache's own byte order (the service converts page size and order for peers of
-    other layouts). ``heads`` None: an MLA model (one latent row a token). ``cpu_attention``: whether
-    vLLM's CPU attention backend reads the cache (default: the cache is on the CPU)."""
+    other layouts). ``heads`` None: an MLA model (one latent row a token), on TP rank
+    ``mla_tp`` = (size, rank) (its cache a replica). ``cpu_attention``: whether vLLM's CPU
+    attention backend reads the cache (default: the cache is on the CPU)."""
     if not kv_caches:
         raise ValueError("kv_caches: vLLM registered no KV cache")
     tensors = list(kv_caches.values())
@@ -102,7 +106,9 @@ def kv_layout(
                 f"kv_caches: layout shape {tuple(first.shape)} stride {first.stride()} is not one "
                 f"kvservice can slice by head, which TP {heads.tp_size} needs"
             )
-    return _opaque(kv_caches, block_size, dtype) + ([],)
+    if heads is None and not 0 <= mla_tp[1] < mla_tp[0]:
+        raise ValueError(f"mla_tp: rank {mla_tp[1]} of TP size {mla_tp[0]} is not a rank of it")
+    return _opaque(kv_caches, block_size, dtype, mla_tp if heads is None else (1, 0)) + ([],)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +152,7 @@ def _dense_blocks(t: torch.Tensor) -> bool:
 
 
 def _opaque(
-    kv_caches: dict[str, torch.Tensor], block_size: int, dtype: str
+    kv_caches: dict[str, torch.Tensor], block_size: int, dtype: str, tp: tuple[int, int]
 ) -> tuple[Layout, list[torch.Tensor]]:
     first = next(iter(kv_caches.values()))
     num_blocks = int(first.shape[0])
@@ -167,5 +173,7 @@ def _opaque(
         num_pages=num_blocks,
         latent_dim=block_elems // block_size,
         dtype=dtype,
+        tp_size=tp[0],
+        tp_rank=tp[1],
     )
     return layout, [_flat(t) for t in kv_caches.values()]

@@ -105,9 +105,10 @@ class WorkerSide:
         block_size: int,
         heads: KVHeads | None = None,
         cpu_attention: bool | None = None,
+        mla_tp: tuple[int, int] = (1, 0),
     ) -> None:
         """RegisterBuffers of vLLM's caches (``layout.kv_layout``); on CUDA through IPC handles."""
-        layout, k, v = kv_layout(kv_caches, block_size, heads, cpu_attention=cpu_attention)
+        layout, k, v = kv_layout(kv_caches, block_size, heads, cpu_attention=cpu_attention, mla_tp=mla_tp)
         regions = [self._region(f) for f in k]
         v_regions = [self._region(f) for f in v]
         bs = self.bg.call(
@@ -118,7 +119,7 @@ class WorkerSide:
             "kvservice: registered %d layers x %d blocks (%s) as %s",
             layout.num_layers,
             layout.num_pages,
-            layout.page_layout if layout.kind == "mha" else "MLA / opaque blocks",
+            layout.page_layout if layout.kind == "mha" else f"MLA / opaque blocks, TP rank {layout.tp_rank}",
             bs.buffer_set_id,
         )
 

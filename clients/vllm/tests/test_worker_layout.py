@@ -147,3 +147,11 @@ def test_fp8_caches_register_under_kvservice_dtype_names() -> None:
     assert layout.dtype == "float8_e4m3" and layout.to_proto().dtype != 0
     with pytest.raises(ValueError, match=r"kv_caches: dtype torch.float64"):
         kv_layout({"l0": torch.zeros(8, 2, 32, 128, dtype=torch.float64)}, 32, KVHeads(2, 2, 64))
+
+
+def test_an_mla_cache_on_a_tp_rank_is_a_replica_of_that_rank() -> None:
+    t = torch.zeros(8, 32, 96, dtype=torch.bfloat16)
+    layout, k, v = kv_layout({"l0": t, "l1": t.clone()}, 32, None, mla_tp=(4, 3))
+    assert layout.kind == "mla" and (layout.tp_size, layout.tp_rank) == (4, 3) and len(k) == 2 and v == []
+    with pytest.raises(ValueError, match="mla_tp"):
+        kv_layout({"l0": t}, 32, None, mla_tp=(2, 2))

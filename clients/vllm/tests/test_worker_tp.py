@@ -83,3 +83,63 @@ def test_tp2_prefill_ranks_fill_a_tp1_decode_rank() -> None:
     finally:
         for w in (*senders, receiver):
             w.close()
+
+
+LATENT = 96  # an MLA cache's latent row (kv_lora_rank + rope dims, small)
+
+
+def _mla_cache(ws: WorkerSide) -> dict[str, torch.Tensor]:
+    """An MLA model's caches as vLLM allocates them: [blocks, block_size, latent] per layer."""
+    per_layer = BLOCKS * BLOCK * LATENT
+    with ws.allocation_context():
+        buf = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8)
+    f = buf.view(torch.bfloat16)
+    layers = [f[i * per_layer : (i + 1) * per_layer].view(BLOCKS, BLOCK, LATENT) for i in range(LAYERS)]
+    return {f"layer.{i}": t for i, t in enumerate(layers)}
+
+
+def _mla_transfer(tid: str, p_tp: int, d_tp: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Prefill ranks (MLA, TP ``p_tp``) send a request's 4 blocks to decode ranks (TP ``d_tp``).
+    Each prefill rank's replica is filled with its own values, so a decode rank shows which one
+    it was served by. Returns (each prefill rank's values, each decode rank's cache)."""
+    src_blocks, dst_blocks = [5, 2, 9, 0], [3, 11, 7, 1]
+    senders = [WorkerSide(ADDRESS, f"vllm-mla-p{r}", "p") for r in range(p_tp)]
+    receivers = [WorkerSide(ADDRESS, f"vllm-mla-d{r}", "d") for r in range(d_tp)]
+    values, dcaches = [], []
+    try:
+        for r, ws in enumerate(senders):
+            cache = _mla_cache(ws)
+            v = torch.randn(LAYERS, 4, BLOCK, LATENT).to(torch.bfloat16)
+            for li, t in enumerate(cache.values()):
+                t[src_blocks] = v[li]
+            values.append(v)
+            ws.register(cache, BLOCK, None, mla_tp=(p_tp, r))
+            assert ws.layout is not None and ws.layout.kind == "mla" and ws.layout.tp_rank == r
+        for r, ws in enumerate(receivers):
+            dcaches.append(_mla_cache(ws))
+            ws.register(dcaches[-1], BLOCK, None, mla_tp=(d_tp, r))
+            ws.submit(KVServiceMeta(recvs=[RecvJob("d-1", tid, 0, tuple(dst_blocks), 10_000)]))
+        for ws in senders:
+            ws.submit(KVServiceMeta(sends=[SendJob("p-1", tid, tuple(src_blocks), ADDRESS, 10_000)]))
+        done = _outcomes([*senders, *receivers], p_tp + d_tp)
+        assert len(done) == p_tp + d_tp and all(o.ok for o in done), done
+        got = [torch.stack([t[dst_blocks] for t in c.values()]) for c in dcaches]
+        return values, got
+    finally:
+        for w in (*senders, *receivers):
+            w.close()
+
+
+def test_mla_tp2_prefill_fills_a_tp1_decode_rank_from_one_replica() -> None:
+    """MLA caches are replicas: the decode rank's pages come whole from one prefill rank (rank 0,
+    design-notes §4), never a mix of the two; both prefill ranks end DONE."""
+    values, (got,) = _mla_transfer("mla-21", 2, 1)
+    assert torch.equal(got, values[0])
+    assert not torch.equal(got, values[1])
+
+
+def test_mla_tp2_to_tp2_spreads_over_the_replicas_and_tp1_to_tp2_fills_both() -> None:
+    values, got = _mla_transfer("mla-22", 2, 2)
+    assert torch.equal(got[0], values[0]) and torch.equal(got[1], values[1])  # receiver r <- sender r
+    values, got = _mla_transfer("mla-12", 1, 2)
+    assert torch.equal(got[0], values[0]) and torch.equal(got[1], values[0])
