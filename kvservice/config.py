@@ -18,8 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvservice_client._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
-from kvservice_client._security import PEER_TOKEN_METADATA_KEY, ChannelSecurity
+from kvservice_client.contract import (
+    DEFAULT_KEEPALIVE,
+    PEER_TOKEN_METADATA_KEY,
+    ChannelSecurity,
+    KeepalivePolicy,
+)
 
 __all__ = ["Config", "ConfigError", "load_config"]
 
@@ -450,7 +454,7 @@ class Config:
         for name in ("token_file", "peer_token_file", "admin_token_file"):
             path = getattr(self, name)
             if path:
-                from kvservice_client._tokens import TokenFile, TokenFileError
+                from kvservice_client.contract import TokenFile, TokenFileError
 
                 try:
                     TokenFile(path).tokens()
@@ -554,7 +558,7 @@ class Config:
 
     @property
     def keepalive(self) -> KeepalivePolicy:
-        """The keepalive policy of every listener and peer client (see kvservice_client._keepalive)."""
+        """The keepalive policy of every listener and peer client (kvservice_client.contract)."""
         return dataclasses.replace(
             DEFAULT_KEEPALIVE,
             server_time_ms=self.keepalive_time_ms,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import get_args
 
 from kvservice_client import Layout
-from kvservice_client._layout import DTYPE_ITEMSIZE, PageLayout
+from kvservice_client.contract import DTYPE_ITEMSIZE, PageLayout
 
 from ..errors import InvalidArgument
 

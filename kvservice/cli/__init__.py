@@ -45,7 +45,7 @@ def _health(address: str, timeout: float) -> int:
 
 
 def _credential(address: str) -> int:
-    from kvservice_client._session import fetch_credential, find_credential_path
+    from kvservice_client.contract import fetch_credential, find_credential_path
 
     token = fetch_credential(find_credential_path(address, None))
     if not token:

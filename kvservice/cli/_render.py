@@ -6,7 +6,7 @@ the last ``window_ms``), so one snapshot is enough: ``status`` needs no second s
 
 from __future__ import annotations
 
-from kvservice_client._proto import kvservice_pb2 as pb
+from kvservice_client.proto import kvservice_pb2 as pb
 from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvservice_client._tokens import TokenFile
+from kvservice_client.contract import TokenFile
 
 from ..config import Config
 from ..identity import CredentialBook

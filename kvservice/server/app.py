@@ -24,9 +24,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvservice_client._client import message_size_options
-from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
-from kvservice_client._tokens import TokenFile
+from kvservice_client.contract import TokenFile, message_size_options
+from kvservice_client.proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 from ..config import Config
 from ..errors import InvalidArgument
@@ -249,7 +248,7 @@ def build_server(config: Config) -> App:
 
 
 def _grpc_server(config: Config, metrics: Metrics, guard: Guard) -> grpc.aio.Server:
-    # NOTE: one keepalive policy for every listener (UDS, TCP, peers); see kvservice_client._keepalive.
+    # NOTE: one keepalive policy for every listener (UDS, TCP, peers): kvservice_client.contract.
     return grpc.aio.server(
         interceptors=[metrics.interceptor, guard],
         options=message_size_options(config.max_message_mb) + config.keepalive.server_options(),

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from kvservice_client import Layout
-from kvservice_client._proto import common_pb2, kvservice_pb2
+from kvservice_client.proto import common_pb2, kvservice_pb2
 
 from ..buffers import BufferSet
 from ..errors import InvalidArgument

@@ -20,11 +20,11 @@ import os
 import socket
 import struct
 
+from kvservice_client.contract import CREDENTIAL_METADATA_KEY
+
 from ..identity import CredentialBook, Identity
 
 __all__ = ["CREDENTIAL_METADATA_KEY", "bind_credentials", "peer_identity", "serve_credentials"]
-
-CREDENTIAL_METADATA_KEY = "kvservice-credential"
 
 
 def peer_identity(sock: socket.socket) -> Identity:

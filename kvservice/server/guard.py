@@ -24,8 +24,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import Message
-from kvservice_client._security import BEARER_METADATA_KEY, PEER_TOKEN_METADATA_KEY
-from kvservice_client._tokens import TokenFile
+from kvservice_client.contract import BEARER_METADATA_KEY, PEER_TOKEN_METADATA_KEY, TokenFile
 
 from ..rpc_handlers import rewrap
 from .errors import STATUS_ORIGIN_METADATA_KEY

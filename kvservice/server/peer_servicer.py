@@ -6,7 +6,7 @@ from typing import TypeAlias
 
 import grpc
 import numpy as np
-from kvservice_client._proto import peer_pb2, peer_pb2_grpc
+from kvservice_client.proto import peer_pb2, peer_pb2_grpc
 
 from .. import host
 from ..identity import peer_identity

@@ -8,9 +8,9 @@ from typing import TypeAlias
 
 import grpc
 import numpy as np
-from kvservice_client._proto import kvservice_pb2 as pb
-from kvservice_client._proto import kvservice_pb2_grpc
-from kvservice_client._security import BEARER_METADATA_KEY
+from kvservice_client.contract import BEARER_METADATA_KEY
+from kvservice_client.proto import kvservice_pb2 as pb
+from kvservice_client.proto import kvservice_pb2_grpc
 
 from ..identity import certificate_identity
 from ..landing import claim

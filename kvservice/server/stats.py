@@ -13,7 +13,7 @@ What a viewer sees (kvservice.ops.access decides who is an admin)::
 
 from __future__ import annotations
 
-from kvservice_client._proto import kvservice_pb2 as pb
+from kvservice_client.proto import kvservice_pb2 as pb
 
 from ..node import VERSION, Node
 from ..ops import PeerRtts, RecentTransfers, Viewer, in_flight, peer_states, session_rows

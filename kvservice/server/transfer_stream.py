@@ -24,7 +24,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from kvservice_client._proto import kvservice_pb2 as pb
+from kvservice_client.proto import kvservice_pb2 as pb
 
 from ..errors import InvalidArgument, KVServiceError, ResourceExhausted
 from ..transfer import trace

@@ -27,7 +27,6 @@ import logging
 from typing import Any
 
 import numpy as np
-from kvservice_client._proto import peer_pb2
 
 from ..errors import KVServiceError
 from .records import Record
@@ -206,13 +205,8 @@ class DuplicateBook:
         hashes = np.concatenate([m.hashes for m in marks])
         peer = self._e.peers.get(address)
         try:
-            resp = await peer.call(
-                "HeldPages",
-                peer_pb2.HeldPagesRequest(buffer_set_id=target, hashes=hashes.tolist()),
-                CHECK_TIMEOUT_S,
-            )
-            mask = np.asarray(resp.held, dtype=bool)
-            restarted = any(m.service_id and resp.service_id != m.service_id for m in marks)
+            mask, service_id = await peer.held_pages(target, hashes, CHECK_TIMEOUT_S)
+            restarted = any(m.service_id and service_id != m.service_id for m in marks)
             if mask.size != hashes.size or restarted:
                 mask = np.zeros(hashes.size, dtype=bool)
         except (KVServiceError, asyncio.TimeoutError) as exc:

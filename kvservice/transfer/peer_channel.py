@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from kvservice_client._proto import common_pb2, peer_pb2
+from kvservice_client.proto import common_pb2, peer_pb2
 
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import peer_identity

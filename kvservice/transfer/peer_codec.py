@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from kvservice_client import Layout
-from kvservice_client._proto import common_pb2, peer_pb2
+from kvservice_client.proto import common_pb2, peer_pb2
 
 from ..kernels.heads import HeadRoute
 from .values import Commit, Plan, Region

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from kvservice_client._proto import peer_pb2
+from kvservice_client.proto import peer_pb2
 
 from .. import host
 from ..errors import DeadlineExceeded, FailedPrecondition, NotFound

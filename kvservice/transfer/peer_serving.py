@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from kvservice_client import Layout
-from kvservice_client._proto import peer_pb2
+from kvservice_client.proto import peer_pb2
 
 from .. import host
 from ..errors import FailedPrecondition

@@ -17,11 +17,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from kvservice_client._client import channel_options
-from kvservice_client._keepalive import KeepalivePolicy
-from kvservice_client._local_identity import credential_path_of
-from kvservice_client._proto import peer_pb2, peer_pb2_grpc
-from kvservice_client._security import PLAIN, ChannelSecurity
+import numpy as np
+from kvservice_client.contract import (
+    PLAIN,
+    ChannelSecurity,
+    KeepalivePolicy,
+    channel_options,
+    credential_path_of,
+)
+from kvservice_client.proto import peer_pb2, peer_pb2_grpc
 
 from .. import errors, host
 from .transport import Transport
@@ -165,6 +169,13 @@ class PeerClient:
             if isinstance(err, errors.Unavailable):
                 self.invalidate()  # lost peer: the next use handshakes again (it may have restarted)
             raise err from None
+
+    async def held_pages(self, bs_id: str, hashes: np.ndarray, timeout: float) -> tuple[np.ndarray, str]:
+        """Which of ``hashes`` the peer's buffer set ``bs_id`` holds (a bool per hash), and the
+        answering service's id (duplicates.py)."""
+        req = peer_pb2.HeldPagesRequest(buffer_set_id=bs_id, hashes=hashes.tolist())
+        resp = await self.call("HeldPages", req, timeout)
+        return np.asarray(resp.held, dtype=bool), str(resp.service_id)
 
     async def refresh(self, min_epoch: int = 0, timeout: float = 10.0, service_id: str = "") -> None:
         """Handshake if never done, if the peer's metadata is older than ``min_epoch``, or if

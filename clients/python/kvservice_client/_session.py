@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from ._errors import KVClientError, NotFound, SessionLost, Unavailable, map_rpc_error
+from ._local_identity import CREDENTIAL_METADATA_KEY
 from ._proto import kvservice_pb2 as pb
 
 __all__ = [
@@ -41,9 +42,6 @@ __all__ = [
 log = logging.getLogger("kvservice_client")
 GRACE_MARGIN_S = 0.5  # the service may notice the break a little after us
 BACKOFF_S = (0.05, 1.0)  # first and largest pause between resume attempts
-
-
-CREDENTIAL_METADATA_KEY = "kvservice-credential"
 
 
 def find_credential_path(target: str, explicit: str | None) -> str | None:
