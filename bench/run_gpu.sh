@@ -167,6 +167,8 @@ elif [ "$1" = verify ]; then
     tests/gpu/test_gpu_cross_lane.py tests/gpu/test_gpu_abort.py tests/gpu/test_gpu_across.py \
     tests/gpu/test_gpu_transfer.py tests/gpu/test_gpu_mixed_tp.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+  # the lane's kernel text (csrc/kernel.h) through CuPy, against a device copy
+  T=150 run bench/sweep_lane_kernel.py --rounds 1
 elif [ "$1" = x1 ]; then
   # issue 30 item 1: every conversion case (CASES: each page layout as sender and receiver, each
   # page-size relation) at 2 GiB against the same-layout fused rate -> convert_gpu_matrix.json
