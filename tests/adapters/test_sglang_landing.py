@@ -301,3 +301,21 @@ def test_the_bootstrap_server_keeps_page_counts_apart_from_rooms(conn) -> None:
         assert conn._http("PUT", url + "/other", {"pages": 1})[0] == 400
     finally:
         server.close()
+
+
+def test_a_room_is_read_by_every_attention_tp_rank_then_goes(conn) -> None:
+    """Each attention TP rank of the prefill runs a sender of the room: the decode's post stays
+    until all of them read it (a rank reading twice counts once); a plain GET is one reader."""
+    server = conn.KVServiceBootstrapServer("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}/room/6"
+    post = {"peer": "p", "decode_prefix_len": 2}
+    try:
+        assert conn._http("PUT", url, post)[0] == 200
+        assert conn._http("GET", url + "?rank=0&ranks=2") == (200, post)
+        assert conn._http("GET", url + "?rank=0&ranks=2")[0] == 200  # the same rank again
+        assert conn._http("GET", url + "?rank=1&ranks=2")[0] == 200  # the last of the two
+        assert conn._http("GET", url + "?rank=1&ranks=2")[0] == 404
+        assert conn._http("PUT", url, post)[0] == 200
+        assert conn._http("GET", url)[0] == 200 and conn._http("GET", url)[0] == 404
+    finally:
+        server.close()

@@ -28,6 +28,12 @@ with its ``SGLANG_KVSERVICE_PEER_ADDRESS``, else with what its kvservice tells i
 sender is named, as before), which the decode reads once a minute per bootstrap server, when a
 receiver is made.
 
+Every attention TP rank of the prefill runs a sender of the room and reads the decode's post
+(``GET /room/<room>?rank=<r>&ranks=<n>``: the entry goes once all ``n`` read it, or at its TTL);
+each registered as its attention TP rank, so the service splits heads between ranks, or (MLA, a
+replica on every rank) serves each decode rank from one prefill rank and ends the others with
+nothing moved.
+
 Only the delta moves: SGLang's prefill sends from the decode's prefix on (seed 000's
 ``decode_prefix_len``, which the prefill learns from the room), so the transfer is exactly the
 pages past it. Positions are absolute (the receiver declares ``decode_prefix_len`` as its prefix,
@@ -41,12 +47,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import json
 import logging
 import os
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -89,6 +97,31 @@ class KVServiceTransferError(RuntimeError):
 
 def transfer_id(room: int) -> str:
     return f"sgl-{int(room)}"
+
+
+def _attention_tp(args: KVArgs, server_args: Any) -> tuple[int, int]:
+    """(attention TP size, this rank's attention TP rank). SGLang's own figure where its parallel
+    state is published (the scheduler process: ``get_parallel().attn_tp_size`` in 0.5.x,
+    ``get_attention_tp_size()`` before); else the server args' (``tp_size`` over ``dp_size`` under
+    DP attention, over ``attn_cp_size``). The prefill's ``engine_rank`` is its TP rank, the
+    decode's already its attention TP rank: modulo the size, both are the attention TP rank."""
+    size = 0
+    for module, read in (
+        ("sglang.srt.runtime_context", lambda m: m.get_parallel().attn_tp_size),
+        ("sglang.srt.layers.dp_attention", lambda m: m.get_attention_tp_size()),
+    ):
+        try:
+            size = int(read(importlib.import_module(module)))
+            break
+        except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError, TypeError):
+            continue  # not this SGLang, or not published in this process
+    if size <= 0:
+        size = int(getattr(server_args, "tp_size", 1) or 1)
+        if getattr(server_args, "enable_dp_attention", False):
+            size //= int(getattr(server_args, "dp_size", 1) or 1)
+        size //= int(getattr(server_args, "attn_cp_size", 1) or 1)
+    size = max(1, size)
+    return size, int(args.engine_rank) % size
 
 
 def _service_address() -> str:
@@ -145,12 +178,15 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
         prefill = _PrefillService(peer_address, service_address or _service_address())
         rooms: dict[int, tuple[float, dict[str, Any]]] = {}
         sizes: dict[int, tuple[float, dict[str, Any]]] = {}  # landing rooms: the prefill's page count
+        # an entry is read by every attention TP rank of the other instance (each runs a sender or
+        # a receiver of the room): the ranks that read it so far, per (book, room)
+        readers: dict[tuple[int, int], set[int]] = {}
         lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
             def _target(self) -> tuple[int | None, dict[int, tuple[float, dict[str, Any]]]]:
                 """``/room/<room>`` (the decode's post) or ``/room/<room>/pages`` (the prefill's)."""
-                parts = self.path.strip("/").split("/")
+                parts = urllib.parse.urlsplit(self.path).path.strip("/").split("/")
                 if len(parts) in (2, 3) and parts[0] == "room" and parts[1].isdigit():
                     if len(parts) == 2:
                         return int(parts[1]), rooms
@@ -180,6 +216,7 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                     for d in (rooms, sizes):
                         for r in [r for r, (t, _) in d.items() if now - t > _ROOM_TTL_S]:
                             del d[r]
+                            readers.pop((id(d), r), None)
                     book[room] = (now, entry)
                 self._reply(200, {})
 
@@ -188,8 +225,15 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                     service = prefill.get()
                     return self._reply(200, {"peer": service}) if service else self._reply(404, {})
                 room, book = self._target()
+                rank, ranks = _reader(self.path)
                 with lock:
-                    found = book.pop(room, None) if room is not None else None
+                    found = book.get(room) if room is not None else None
+                    if found is not None and room is not None:  # gone once every rank read it
+                        seen = readers.setdefault((id(book), room), set())
+                        seen.add(rank)
+                        if len(seen) >= ranks:
+                            del book[room]
+                            readers.pop((id(book), room), None)
                 self._reply(200, found[1]) if found else self._reply(404, {})
 
             def log_message(self, *a: Any) -> None:
@@ -205,6 +249,17 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _reader(path: str) -> tuple[int, int]:
+    """A GET's ``?rank=<r>&ranks=<n>``: which of the reading instance's ``n`` attention TP ranks
+    reads (each reads the entry once; none given: the only one)."""
+    q = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+    try:
+        ranks = max(1, int(q.get("ranks", ["1"])[0]))
+        return min(max(0, int(q.get("rank", ["0"])[0])), ranks - 1), ranks
+    except ValueError:
+        return 0, 1
 
 
 def _room_entry(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -232,6 +287,13 @@ class KVServiceManager(BaseKVManager):
     def __init__(
         self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
     ) -> None:
+        pp = int(getattr(server_args, "pp_size", 1) or 1)
+        if pp > 1:  # a stage holds a subset of the layers; the service pairs whole layouts
+            raise NotImplementedError(
+                f"kvservice_sglang: pipeline parallel size > 1 is not supported (pp_size={pp}): "
+                "a stage holds a subset of the layers"
+            )
+        attn_tp = _attention_tp(args, server_args)
         self.kv_args, self.mode = args, str(getattr(disaggregation_mode, "value", disaggregation_mode))
         self.address = _service_address()
         self.peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS", self.address)
@@ -239,10 +301,17 @@ class KVServiceManager(BaseKVManager):
         self.bootstrap_timeout_s = float(os.environ.get("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "300"))
         self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
         self._senders: dict[str, tuple[float, str]] = {}  # decode: bootstrap addr -> (until, its service)
-        reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend))
+        reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend), attn_tp)
+        self.attn_tp = attn_tp
         self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.landing_ttl_ms = self._landing_ttl_ms(server_args)  # 0: no landing (the default path only)
         log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
+
+    def reader_url(self, url: str) -> str:
+        """``url`` (a room entry at the other instance's bootstrap server) as this rank reads it:
+        the entry stays until each of this instance's attention TP ranks has read it."""
+        size, rank = self.attn_tp
+        return f"{url}?rank={rank}&ranks={size}" if size > 1 else url
 
     def _landing_ttl_ms(self, server_args: Any) -> int:
         """The landing option (decode only): how long landed pages wait for the allocation."""
@@ -386,7 +455,7 @@ class KVServiceSender(_Side, BaseKVSender):
         """Wait for the decode instance to post this room (its peer and prefix)."""
         end = time.monotonic() + self.mgr.bootstrap_timeout_s
         while not self.failed:
-            code, body = await asyncio.to_thread(_http, "GET", self.url)
+            code, body = await asyncio.to_thread(_http, "GET", self.mgr.reader_url(self.url))
             if code == 200:
                 return body
             if time.monotonic() > end:
@@ -518,7 +587,7 @@ class KVServiceReceiver(_Side, BaseKVReceiver):
         end = time.monotonic() + self.mgr.bootstrap_timeout_s
         while not (self._allocated or self.failed) and time.monotonic() < end:
             try:
-                code, body = await asyncio.to_thread(_http, "GET", f"{self.url}/pages")
+                code, body = await asyncio.to_thread(_http, "GET", self.mgr.reader_url(f"{self.url}/pages"))
             except OSError:
                 code, body = 0, {}
             if code == 200:

@@ -108,10 +108,15 @@ def _state_aux(args: Any, gpu: int) -> tuple[list[AuxSpec], list[list[str]]]:
     return specs, names
 
 
-def kv_args_registration(args: Any, is_mla: bool) -> Registration:
+def kv_args_registration(args: Any, is_mla: bool, attn_tp: tuple[int, int] | None = None) -> Registration:
     """Layout and regions of SGLang's pools: per layer ``[pages * page_size, heads, head_dim]``
     buffers, K then V (MHA) or one latent buffer (MLA); aux buffers and the components of state
-    buffers (Mamba, SWA, DSA, ...: ``STATE_TYPES``) as rows."""
+    buffers (Mamba, SWA, DSA, ...: ``STATE_TYPES``) as rows.
+
+    ``attn_tp``: (attention TP size, this rank's attention TP rank). An MLA pool is a replica on
+    every attention TP rank, registered as that rank (the service serves each receiver rank from
+    one replica, design-notes §4); MHA heads are split by it (replicated when it exceeds the KV
+    heads). None: TP 1 for MLA, and for MHA the size the head counts imply (total / local)."""
     ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
     if not ptrs or len(set(items)) != 1 or len(set(lens)) != 1:
         raise ValueError(
@@ -122,13 +127,18 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
     num_pages = int(lens[0]) // item
     gpu = int(getattr(args, "gpu_id", 0) or 0)
     regions = [_region(int(p), int(n), gpu) for p, n in zip(ptrs, lens, strict=True)]
+    if attn_tp is not None and not (attn_tp[0] >= 1 and 0 <= attn_tp[1] < attn_tp[0]):
+        raise ValueError(f"attn_tp: rank {attn_tp[1]} of attention TP size {attn_tp[0]} is not a rank of it")
     if is_mla:
+        tp_size, tp_rank = attn_tp or (1, 0)
         layout = Layout.mla(
             num_layers=len(ptrs),
             page_size=page,
             num_pages=num_pages,
             latent_dim=item // (page * _ITEMSIZE[dtype]),
             dtype=dtype,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
         )
         k, v = regions, []
     else:
@@ -136,7 +146,16 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
             raise ValueError(f"kv_data_ptrs: {len(ptrs)} buffers is not K and V for each layer")
         local, total = int(args.kv_head_num), int(args.total_kv_head_num)
         head_dim = item // (page * local * _ITEMSIZE[dtype])
-        tp_size = max(1, total // local)
+        if attn_tp is None:
+            tp_size = max(1, total // local)
+            tp_rank = int(args.engine_rank) % tp_size
+        else:
+            tp_size, tp_rank = attn_tp
+            if max(1, total // tp_size) != local:
+                raise ValueError(
+                    f"kv_head_num: {local} KV heads a rank, but {total} over attention TP {tp_size} "
+                    f"is {max(1, total // tp_size)}"
+                )
         layout = Layout.mha(
             num_layers=len(ptrs) // 2,
             page_size=page,
@@ -145,7 +164,7 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
             head_dim=head_dim,
             dtype=dtype,
             tp_size=tp_size,
-            tp_rank=int(args.engine_rank) % tp_size,
+            tp_rank=tp_rank,
         )
         k, v = regions[: len(ptrs) // 2], regions[len(ptrs) // 2 :]
     aux, names = [], []
@@ -166,11 +185,15 @@ def kv_args_registration(args: Any, is_mla: bool) -> Registration:
 
 
 def register_kv_args(
-    bg: BackgroundClient, args: Any, is_mla: bool, timeout_s: float = 60.0
+    bg: BackgroundClient,
+    args: Any,
+    is_mla: bool,
+    attn_tp: tuple[int, int] | None = None,
+    timeout_s: float = 60.0,
 ) -> tuple[Registration, str]:
     """RegisterBuffers of SGLang's pools (``kv_args_registration``) on ``bg``'s session: the
     registration and its ``buffer_set_id``. CUDA pools go through IPC handles, host pools by their
     shared-memory object."""
-    reg = kv_args_registration(args, is_mla)
+    reg = kv_args_registration(args, is_mla, attn_tp)
     bs = bg.call(bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux), timeout_s)
     return reg, bs.buffer_set_id

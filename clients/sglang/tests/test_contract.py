@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -93,6 +94,40 @@ def _manager(monkeypatch, address: str, mode: str, pools: Pools, **env: str) -> 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return KVServiceManager(pools.kv_args(), mode, None, False)
+
+
+class MlaPools:
+    """An MLA model's pools in shm: one latent buffer a layer ``[pages, page * 576]`` (bf16)."""
+
+    ITEM = PAGE * 576 * 2
+
+    def __init__(self, seed: int | None) -> None:
+        size = LAYERS * PAGES * self.ITEM + AUX_ROWS * AUX_ROW
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        raw = np.frombuffer(self.shm.buf, dtype=np.uint8)
+        if seed is not None:
+            raw[:] = np.random.default_rng(seed).integers(0, 255, raw.size, dtype=np.uint8)
+        n = PAGES * self.ITEM
+        self.bufs = [raw[i * n : (i + 1) * n].reshape(PAGES, self.ITEM) for i in range(LAYERS)]
+        self.aux = raw[LAYERS * n :].reshape(AUX_ROWS, AUX_ROW)
+
+    def kv_args(self, engine_rank: int) -> KVArgs:
+        a = KVArgs()
+        a.engine_rank, a.gpu_id, a.page_size = engine_rank, 0, PAGE
+        a.kv_data_ptrs = [b.ctypes.data for b in self.bufs]
+        a.kv_data_lens = [PAGES * self.ITEM] * LAYERS
+        a.kv_item_lens = [self.ITEM] * LAYERS
+        a.kv_cache_dtype_str = "torch.bfloat16"
+        a.kv_head_num = a.total_kv_head_num = 1
+        a.aux_data_ptrs, a.aux_data_lens = [self.aux.ctypes.data], [AUX_ROWS * AUX_ROW]
+        a.aux_item_lens = [AUX_ROW]
+        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+        return a
+
+    def close(self) -> None:
+        del self.bufs, self.aux
+        self.shm.close()
+        self.shm.unlink()
 
 
 @pytest.fixture
@@ -388,3 +423,48 @@ def test_state_slots_for_an_unregistered_state_fail_the_request(node) -> None:
     assert recv.poll() == KVPoll.Failed
     with pytest.raises(KVServiceTransferError, match=r"state_indices\[0\]"):
         recv.failure_exception()
+
+
+def _assert_pages(got: MlaPools, dst: np.ndarray, want: MlaPools, src: np.ndarray) -> None:
+    for g, w in zip(got.bufs, want.bufs, strict=True):  # (views end here: the pools can close)
+        np.testing.assert_array_equal(g[dst], w[src])
+
+
+def test_mla_attention_tp2_prefill_to_tp1_decode_each_rank_sends(monkeypatch) -> None:
+    """DeepSeek-style MLA at attention TP 2 on the prefill: both ranks hold a replica and both run
+    SGLang's sender for the room; each registered as its attention TP rank, both reach Success
+    and the decode's pages are replica 0's, whole (before, the two looked alike to the service
+    and the room failed: "already has the plan")."""
+    monkeypatch.setenv("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "5")
+    reps, dpool = [MlaPools(11), MlaPools(12)], MlaPools(None)
+    server = KVServiceBootstrapServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.port}"
+    tp2 = types.SimpleNamespace(tp_size=2, dp_size=1, enable_dp_attention=False, pp_size=1)
+    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", PREFILL)
+    mps = [KVServiceManager(r.kv_args(rank), "prefill", tp2, True) for rank, r in enumerate(reps)]
+    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", DECODE)
+    md = KVServiceManager(dpool.kv_args(0), "decode", types.SimpleNamespace(tp_size=1), True)
+    try:
+        assert [m.buffer_set_id != "" for m in mps] == [True, True]
+        src, dst = np.array([4, 9, 2]), np.array([30, 31, 7])
+        recv = KVServiceReceiver(md, addr, 21)
+        sends = [KVServiceSender(m, addr, 21) for m in mps]
+        recv.init(0)
+        _until(lambda: recv.poll() == KVPoll.WaitingForInput)
+        recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
+        for s in sends:
+            _until(lambda s=s: s.poll() != KVPoll.Bootstrapping)
+            assert s.poll() == KVPoll.WaitingForInput, s.failed
+            s.init(len(src), aux_index=1)
+            s.send(src)
+        _until(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in sends))
+        _until(lambda: recv.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert [s.poll() for s in sends] == [KVPoll.Success] * 2, [s.failed for s in sends]
+        assert recv.poll() == KVPoll.Success, recv.failed
+        _assert_pages(dpool, dst, reps[0], src)  # replica 0's, whole
+    finally:
+        for m in (*mps, md):
+            m.close()
+        server.close()
+        for p in (*reps, dpool):
+            p.close()

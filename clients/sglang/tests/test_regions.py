@@ -52,3 +52,25 @@ def test_cache_dtypes_take_kvservice_names(pool, given: str, want: str) -> None:
 def test_unknown_dtype_names_the_field(pool) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="kv_cache_dtype_str"):
         kv_args_registration(_args(pool, "torch.float64", 2 * 64 * 8), is_mla=False)
+
+
+def test_an_mla_pool_registers_as_its_attention_tp_rank(pool) -> None:  # type: ignore[no-untyped-def]
+    """Every attention TP rank holds a replica of the latent pool: registered as that rank, so
+    the service serves each receiver rank from one replica (two rank-0 senders fail the room)."""
+    args = _args(pool, "torch.bfloat16", 576 * 2)
+    assert kv_args_registration(args, is_mla=True).layout.tp_size == 1  # no attention TP given
+    args.engine_rank = 5  # the prefill's engine_rank is its TP rank: modulo the size upstream
+    reg = kv_args_registration(args, is_mla=True, attn_tp=(4, 1))
+    assert reg.layout.kind == "mla" and (reg.layout.tp_size, reg.layout.tp_rank) == (4, 1)
+    with pytest.raises(ValueError, match="attn_tp"):
+        kv_args_registration(args, is_mla=True, attn_tp=(2, 2))
+
+
+def test_mha_heads_follow_the_attention_tp_replicated_past_the_head_count(pool) -> None:  # type: ignore[no-untyped-def]
+    args = _args(pool, "torch.bfloat16", 2 * 64 * 2)
+    args.kv_head_num, args.total_kv_head_num = 1, 2  # TP 4 over 2 KV heads: each held twice
+    reg = kv_args_registration(args, is_mla=False, attn_tp=(4, 3))
+    assert (reg.layout.tp_size, reg.layout.tp_rank, reg.layout.local_kv_heads) == (4, 3, 1)
+    assert kv_args_registration(args, is_mla=False).layout.tp_size == 2  # the heads alone: 2, wrong
+    with pytest.raises(ValueError, match="kv_head_num"):
+        kv_args_registration(args, is_mla=False, attn_tp=(1, 0))  # 1 head a rank is not 2 over TP 1

@@ -142,8 +142,8 @@ class WorkerSide:
                 _abort(self.bg, abort, self._lands.pop(abort.transfer_id, None))
             )
         for claim in meta.claims:
-            fut = self.bg.submit(self._claim(claim, self._lands.pop(claim.transfer_id, None)))
-            fut.add_done_callback(lambda f, j=claim: self._finish(j, f))
+            done = self.bg.submit(self._claim(claim, self._lands.pop(claim.transfer_id, None)))
+            done.add_done_callback(lambda f, j=claim: self._finish(j, f))
         jobs: list[SendJob | RecvJob] = [*meta.sends, *meta.recvs]
         for job in jobs:
             fut: Any
