@@ -468,3 +468,83 @@ def test_mla_attention_tp2_prefill_to_tp1_decode_each_rank_sends(monkeypatch) ->
         server.close()
         for p in (*reps, dpool):
             p.close()
+
+
+class HeadPools:
+    """MHA pools of ``heads`` KV heads of ``HEADS`` (one attention TP rank's), float16 in shm:
+    K_0..K_{L-1}, V_0..V_{L-1} as ``[pages, page, heads, dim]``, one aux buffer."""
+
+    def __init__(self, heads: int, seed: int | None) -> None:
+        self.heads, self.item = heads, PAGE * heads * DIM * 2
+        n = PAGES * self.item
+        self.shm = shared_memory.SharedMemory(create=True, size=2 * LAYERS * n + AUX_ROWS * AUX_ROW)
+        raw = np.frombuffer(self.shm.buf, dtype=np.uint8)
+        if seed is not None:
+            raw[:] = np.random.default_rng(seed).integers(0, 255, raw.size, dtype=np.uint8)
+        self.raw = [raw[i * n : (i + 1) * n] for i in range(2 * LAYERS)]
+        self.aux = raw[2 * LAYERS * n :].reshape(AUX_ROWS, AUX_ROW)
+
+    def pages(self, i: int) -> np.ndarray:
+        return self.raw[i].view(np.float16).reshape(PAGES, PAGE, self.heads, DIM)
+
+    def kv_args(self, engine_rank: int) -> KVArgs:
+        a = KVArgs()
+        a.engine_rank, a.gpu_id, a.page_size = engine_rank, 0, PAGE
+        a.kv_data_ptrs = [b.ctypes.data for b in self.raw]
+        a.kv_data_lens = [PAGES * self.item] * len(self.raw)
+        a.kv_item_lens = [self.item] * len(self.raw)
+        a.kv_cache_dtype_str = "torch.float16"
+        a.kv_head_num, a.total_kv_head_num = self.heads, HEADS
+        a.aux_data_ptrs, a.aux_data_lens = [self.aux.ctypes.data], [AUX_ROWS * AUX_ROW]
+        a.aux_item_lens = [AUX_ROW]
+        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+        return a
+
+    def close(self) -> None:
+        del self.raw, self.aux
+        self.shm.close()
+        self.shm.unlink()
+
+
+def _assert_heads(dec: HeadPools, dst: np.ndarray, ranks: list[HeadPools], src: np.ndarray) -> None:
+    for i in range(2 * LAYERS):  # decode head r of each page is prefill rank r's one head
+        got = dec.pages(i)[dst]
+        for r, rank in enumerate(ranks):
+            np.testing.assert_array_equal(got[:, :, r], rank.pages(i)[src][:, :, 0])
+
+
+def test_mha_attention_tp2_prefill_to_tp1_decode_heads_from_each_rank(monkeypatch) -> None:
+    """MHA at attention TP 2 on the prefill, one KV head a rank: both ranks read the room and send;
+    the decode's pages hold head 0 from rank 0 and head 1 from rank 1, token for token."""
+    monkeypatch.setenv("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "5")
+    ranks, dpool = [HeadPools(1, 21), HeadPools(1, 22)], HeadPools(HEADS, None)
+    server = KVServiceBootstrapServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.port}"
+    tp2 = types.SimpleNamespace(tp_size=2, dp_size=1, enable_dp_attention=False, pp_size=1)
+    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", PREFILL)
+    mps = [KVServiceManager(p.kv_args(r), "prefill", tp2, False) for r, p in enumerate(ranks)]
+    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", DECODE)
+    md = KVServiceManager(dpool.kv_args(0), "decode", types.SimpleNamespace(tp_size=1), False)
+    try:
+        src, dst = np.array([8, 1, 5, 3]), np.array([2, 40, 41, 9])
+        recv = KVServiceReceiver(md, addr, 22)
+        sends = [KVServiceSender(m, addr, 22) for m in mps]
+        recv.init(0)
+        _until(lambda: recv.poll() == KVPoll.WaitingForInput)
+        recv.send_metadata(dst, aux_index=4, decode_prefix_len=0)
+        for s in sends:
+            _until(lambda s=s: s.poll() != KVPoll.Bootstrapping)
+            assert s.poll() == KVPoll.WaitingForInput, s.failed
+            s.init(len(src), aux_index=2)
+            s.send(src)
+        _until(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in sends))
+        _until(lambda: recv.poll() in (KVPoll.Success, KVPoll.Failed))
+        assert [s.poll() for s in sends] == [KVPoll.Success] * 2, [s.failed for s in sends]
+        assert recv.poll() == KVPoll.Success, recv.failed
+        _assert_heads(dpool, dst, ranks, src)
+    finally:
+        for m in (*mps, md):
+            m.close()
+        server.close()
+        for p in (*ranks, dpool):
+            p.close()
