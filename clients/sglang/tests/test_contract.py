@@ -430,25 +430,21 @@ def _assert_pages(got: MlaPools, dst: np.ndarray, want: MlaPools, src: np.ndarra
         np.testing.assert_array_equal(g[dst], w[src])
 
 
-def test_mla_attention_tp2_prefill_to_tp1_decode_each_rank_sends(monkeypatch) -> None:
-    """DeepSeek-style MLA at attention TP 2 on the prefill: both ranks hold a replica and both run
-    SGLang's sender for the room; each registered as its attention TP rank, both reach Success
-    and the decode's pages are replica 0's, whole (before, the two looked alike to the service
-    and the room failed: "already has the plan")."""
+def _tp2_room(monkeypatch, room: int, ranks: list, dpool, is_mla: bool, src, dst) -> None:
+    """A prefill at attention TP 2 (``ranks``' pools, one manager each) into a TP-1 decode
+    (``dpool``), in SGLang's order: both ranks read the room and send ``src``; both senders and
+    the receiver reach Success."""
     monkeypatch.setenv("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "5")
-    reps, dpool = [MlaPools(11), MlaPools(12)], MlaPools(None)
     server = KVServiceBootstrapServer("127.0.0.1", 0)
     addr = f"127.0.0.1:{server.port}"
     tp2 = types.SimpleNamespace(tp_size=2, dp_size=1, enable_dp_attention=False, pp_size=1)
     monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", PREFILL)
-    mps = [KVServiceManager(r.kv_args(rank), "prefill", tp2, True) for rank, r in enumerate(reps)]
+    mps = [KVServiceManager(p.kv_args(rank), "prefill", tp2, is_mla) for rank, p in enumerate(ranks)]
     monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", DECODE)
-    md = KVServiceManager(dpool.kv_args(0), "decode", types.SimpleNamespace(tp_size=1), True)
+    md = KVServiceManager(dpool.kv_args(0), "decode", types.SimpleNamespace(tp_size=1), is_mla)
     try:
-        assert [m.buffer_set_id != "" for m in mps] == [True, True]
-        src, dst = np.array([4, 9, 2]), np.array([30, 31, 7])
-        recv = KVServiceReceiver(md, addr, 21)
-        sends = [KVServiceSender(m, addr, 21) for m in mps]
+        recv = KVServiceReceiver(md, addr, room)
+        sends = [KVServiceSender(m, addr, room) for m in mps]
         recv.init(0)
         _until(lambda: recv.poll() == KVPoll.WaitingForInput)
         recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
@@ -461,11 +457,23 @@ def test_mla_attention_tp2_prefill_to_tp1_decode_each_rank_sends(monkeypatch) ->
         _until(lambda: recv.poll() in (KVPoll.Success, KVPoll.Failed))
         assert [s.poll() for s in sends] == [KVPoll.Success] * 2, [s.failed for s in sends]
         assert recv.poll() == KVPoll.Success, recv.failed
-        _assert_pages(dpool, dst, reps[0], src)  # replica 0's, whole
     finally:
         for m in (*mps, md):
             m.close()
         server.close()
+
+
+def test_mla_attention_tp2_prefill_to_tp1_decode_each_rank_sends(monkeypatch) -> None:
+    """DeepSeek-style MLA at attention TP 2 on the prefill: both ranks hold a replica and both run
+    SGLang's sender for the room; each registered as its attention TP rank, both reach Success
+    and the decode's pages are replica 0's, whole (before, the two looked alike to the service
+    and the room failed: "already has the plan")."""
+    reps, dpool = [MlaPools(11), MlaPools(12)], MlaPools(None)
+    try:
+        src, dst = np.array([4, 9, 2]), np.array([30, 31, 7])
+        _tp2_room(monkeypatch, 21, reps, dpool, True, src, dst)
+        _assert_pages(dpool, dst, reps[0], src)  # replica 0's, whole
+    finally:
         for p in (*reps, dpool):
             p.close()
 
@@ -516,35 +524,11 @@ def _assert_heads(dec: HeadPools, dst: np.ndarray, ranks: list[HeadPools], src: 
 def test_mha_attention_tp2_prefill_to_tp1_decode_heads_from_each_rank(monkeypatch) -> None:
     """MHA at attention TP 2 on the prefill, one KV head a rank: both ranks read the room and send;
     the decode's pages hold head 0 from rank 0 and head 1 from rank 1, token for token."""
-    monkeypatch.setenv("SGLANG_KVSERVICE_BOOTSTRAP_TIMEOUT_S", "5")
     ranks, dpool = [HeadPools(1, 21), HeadPools(1, 22)], HeadPools(HEADS, None)
-    server = KVServiceBootstrapServer("127.0.0.1", 0)
-    addr = f"127.0.0.1:{server.port}"
-    tp2 = types.SimpleNamespace(tp_size=2, dp_size=1, enable_dp_attention=False, pp_size=1)
-    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", PREFILL)
-    mps = [KVServiceManager(p.kv_args(r), "prefill", tp2, False) for r, p in enumerate(ranks)]
-    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", DECODE)
-    md = KVServiceManager(dpool.kv_args(0), "decode", types.SimpleNamespace(tp_size=1), False)
     try:
         src, dst = np.array([8, 1, 5, 3]), np.array([2, 40, 41, 9])
-        recv = KVServiceReceiver(md, addr, 22)
-        sends = [KVServiceSender(m, addr, 22) for m in mps]
-        recv.init(0)
-        _until(lambda: recv.poll() == KVPoll.WaitingForInput)
-        recv.send_metadata(dst, aux_index=4, decode_prefix_len=0)
-        for s in sends:
-            _until(lambda s=s: s.poll() != KVPoll.Bootstrapping)
-            assert s.poll() == KVPoll.WaitingForInput, s.failed
-            s.init(len(src), aux_index=2)
-            s.send(src)
-        _until(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in sends))
-        _until(lambda: recv.poll() in (KVPoll.Success, KVPoll.Failed))
-        assert [s.poll() for s in sends] == [KVPoll.Success] * 2, [s.failed for s in sends]
-        assert recv.poll() == KVPoll.Success, recv.failed
+        _tp2_room(monkeypatch, 22, ranks, dpool, False, src, dst)
         _assert_heads(dpool, dst, ranks, src)
     finally:
-        for m in (*mps, md):
-            m.close()
-        server.close()
         for p in (*ranks, dpool):
             p.close()
