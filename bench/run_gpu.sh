@@ -10,6 +10,8 @@
 #   bash bench/run_gpu.sh x2final # two GPUs: issue 32's rows on this session's code, the cross-node lane's GPU tests
 #   bash bench/run_gpu.sh final28 # issue 28's missed rows repeated after the lean send path (one GPU)
 #   bash bench/run_gpu.sh fast   # the lean send path (same node 2 GiB), cross-node 2 GiB on one GPU under MPS
+#   bash bench/run_gpu.sh kern   # the lane kernel's shapes, pipelined TMA; the same-node lane's GPU tests
+#   bash bench/run_gpu.sh shape  # the kernel's new shape: sweep, issue 28's missed rows (one GPU)
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -160,6 +162,30 @@ elif [ "$1" = x2final ]; then
   timeout 200 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py tests/gpu/test_gpu_across.py \
     2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = kern ]; then
+  # the lane kernel's launch shapes and the pipelined bulk-copy (TMA) kernel against a device copy,
+  # then the GPU tests of the same-node lane and abort (the native code split into csrc/)
+  T=240 run bench/sweep_lane_kernel.py --rounds 3
+  timeout 330 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py \
+    tests/gpu/test_gpu_abort.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = shape ]; then
+  # the lane kernel at 512 threads, 32 KiB a block, its page pair read beside its region: the
+  # kernel sweep, issue 28's missed rows (same node 2 GiB three times with spin and once at the
+  # defaults, the one-page delta, mixed TP), cross-node 2 GiB on one GPU under MPS three times
+  T=120 run bench/sweep_lane_kernel.py --rounds 2
+  for i in 1 2 3; do
+    KVSERVICE_LANE_SPIN_US=5000 T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag shape$i
+  done
+  T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag shape_nospin
+  T=60 run bench/bench_transfer.py --device cuda --same-node --layers 1 --pages 1 --iters 20 --skip-nixl --paths auto --tag delta_64k_shape
+  KVSERVICE_LANE_SPIN_US=5000 T=100 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_shape
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  for i in 1 2 3; do
+    T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_shape$i
+  done
+  echo quit | nvidia-cuda-mps-control
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),
   # verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

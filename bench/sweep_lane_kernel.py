@@ -66,6 +66,77 @@ extern "C" __global__ void __launch_bounds__(32) lane_copy_tma(
 }
 """
 
+# The bulk copy engine pipelined: one thread a block, persistent (blocks = SMs x per_sm), a ring of
+# STAGES shared buffers of ``chunk`` bytes: the loads of the next STAGES - 1 items are in flight
+# while an item's store drains its buffer (cp.async.bulk.wait_group.read before a buffer's reuse).
+_TMA_PIPE = r"""
+struct Region {
+  unsigned long long src, dst, src_stride, dst_stride, nbytes, run, src_run, dst_run, pairs;
+};
+__device__ __forceinline__ void item_ptrs(const Region* regions, const int* pairs, unsigned long long it,
+    unsigned nregions, unsigned nchunks, unsigned chunk, const char** s, char** d, unsigned* n) {
+  const unsigned c = (unsigned)(it % nchunks);
+  const unsigned r = (unsigned)((it / nchunks) % nregions);
+  const unsigned p = (unsigned)(it / ((unsigned long long)nchunks * nregions));
+  const Region R = regions[r];
+  const unsigned long long start = (unsigned long long)c * chunk;
+  unsigned long long m = start < R.nbytes ? R.nbytes - start : 0;
+  if (m > chunk) m = chunk;
+  const int* pr = pairs + 2 * (R.pairs + p);
+  *s = (const char*)(R.src + (unsigned long long)pr[0] * R.src_stride + start);
+  *d = (char*)(R.dst + (unsigned long long)pr[1] * R.dst_stride + start);
+  *n = (unsigned)m;
+}
+extern "C" __global__ void __launch_bounds__(32) lane_copy_tma_pipe(
+    const Region* __restrict__ regions, const int* __restrict__ pairs, unsigned chunk,
+    unsigned npairs, unsigned nregions, unsigned nchunks) {
+  extern __shared__ __align__(128) char buf[];
+  __shared__ __align__(8) unsigned long long full[STAGES];
+  if (threadIdx.x != 0) return;
+  const unsigned long long items = (unsigned long long)npairs * nregions * nchunks;
+  const unsigned long long first = blockIdx.x, step = gridDim.x;
+  const unsigned long long count = first < items ? (items - first + step - 1) / step : 0;
+  for (int i = 0; i < STAGES; ++i) {
+    const unsigned mb = (unsigned)__cvta_generic_to_shared(&full[i]);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(mb) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  const char* ls[STAGES];
+  char* ld[STAGES];
+  unsigned ln[STAGES];
+  auto load = [&](unsigned long long k) {
+    const int b = (int)(k % STAGES);
+    item_ptrs(regions, pairs, first + k * step, nregions, nchunks, chunk, &ls[b], &ld[b], &ln[b]);
+    const unsigned mb = (unsigned)__cvta_generic_to_shared(&full[b]);
+    const unsigned sb = (unsigned)__cvta_generic_to_shared(buf + (size_t)b * chunk);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(mb), "r"(ln[b]) : "memory");
+    if (ln[b])
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(sb), "l"(ls[b]), "r"(ln[b]), "r"(mb) : "memory");
+  };
+  for (unsigned long long k = 0; k + 1 < STAGES && k < count; ++k) load(k);
+  for (unsigned long long k = 0; k < count; ++k) {
+    const int b = (int)(k % STAGES);
+    const unsigned mb = (unsigned)__cvta_generic_to_shared(&full[b]);
+    const unsigned par = (unsigned)((k / STAGES) & 1);
+    unsigned ok = 0;
+    while (!ok)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+                   "selp.u32 %0, 1, 0, p; }" : "=r"(ok) : "r"(mb), "r"(par) : "memory");
+    const unsigned sb = (unsigned)__cvta_generic_to_shared(buf + (size_t)b * chunk);
+    if (ln[b])
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   :: "l"(ld[b]), "r"(sb), "r"(ln[b]) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (k + STAGES - 1 < count) {  // its buffer was item k - 1's: that store has read it
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(k + STAGES - 1);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"""
+
 _PERSISTENT = r"""
 struct Region { unsigned long long src, dst, src_stride, dst_stride, nbytes; };
 extern "C" __global__ void __launch_bounds__(THREADS) lane_copy_p(
@@ -104,6 +175,15 @@ def _lane_source() -> str:
     m = re.search(r'const char\* KERNEL_SRC = R"\((.*?)\)";', text, re.S)
     assert m, "KERNEL_SRC not found in kernel.h"
     return m.group(1)
+
+
+def _lane_default() -> tuple[int, int]:
+    text = (ROOT / "kvservice/lane/csrc/kernel.h").read_text()
+    m = re.search(r"kLaneThreads = (\d+);", text)
+    assert m, "kLaneThreads not found in kernel.h"
+    from kvservice.config import Config
+
+    return int(m.group(1)), Config().lane_cuda_chunk_kb * 1024
 
 
 def _persistent(threads: int, unroll: int, load: str, store: str) -> str:
@@ -171,14 +251,26 @@ def main() -> None:
     variants = {}
     with cp.cuda.Device(launch_dev):
         opts = ("-default-device",)
-        lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)
-        for chunk in (16384, 32768):
+        lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)  # kernel.h's default shape
+        lt, lc = _lane_default()  # its threads, and the service's default chunk
+        grouped = (np.uint32(nreg), np.uint32(args.pages))  # one target: regions per target, pages
+        # the lane kernel's launch shapes: threads a block, words in flight a thread, chunk bytes
+        for threads, unroll, chunk in (
+            (256, 4, 16384),
+            (256, 4, 32768),
+            (256, 8, 32768),
+            (512, 4, 32768),
+            (1024, 2, 32768),
+            (512, 2, 16384),
+        ):
+            shape = (f"-DLANE_THREADS={threads}", f"-DLANE_UNROLL={unroll}")
+            k_ = cp.RawKernel(_lane_source(), "lane_copy", options=opts + shape)
             zc = (page + chunk - 1) // chunk
 
-            def run(k=lane, c=chunk, z=zc) -> None:  # type: ignore[no-untyped-def]
-                k((args.pages, nreg, z), (256,), (table, pairs, np.int32(1), np.uint32(c)))
+            def run(k=k_, t=threads, c=chunk, z=zc) -> None:  # type: ignore[no-untyped-def]
+                k((args.pages, nreg, z), (t,), (table, pairs, np.int32(1), np.uint32(c), *grouped))
 
-            variants[f"lane_grid3_chunk{chunk // 1024}k"] = run
+            variants[f"lane_grid3_t{threads}_u{unroll}_chunk{chunk // 1024}k"] = run
         # diagnosis (not checked byte for byte): the same kernel on contiguous pages (pairs i -> i)
         # and on the row's pages sorted by source page: what the scatter itself costs
         order = np.argsort(sp)
@@ -187,10 +279,10 @@ def main() -> None:
             dpairs = cp.asarray(np.stack([a_, b_], axis=1).astype(np.int32).reshape(-1))
 
             def drun(k=lane, pr=dpairs) -> None:  # type: ignore[no-untyped-def]
-                grid = (args.pages, nreg, (page + 16383) // 16384)
-                k(grid, (256,), (table, pr, np.int32(1), np.uint32(16384)))
+                grid = (args.pages, nreg, (page + lc - 1) // lc)
+                k(grid, (lt,), (table, pr, np.int32(1), np.uint32(lc), *grouped))
 
-            variants[f"diag_lane_{tag}_chunk16k"] = drun
+            variants[f"diag_lane_{tag}"] = drun
         try:  # sm_90 only
             tma = cp.RawKernel(_TMA, "lane_copy_tma", options=opts)
             for chunk in (8192, 16384, 32768):
@@ -203,6 +295,28 @@ def main() -> None:
                 variants[f"tma_bulk_chunk{chunk // 1024}k"] = trun
         except Exception as exc:  # noqa: BLE001  (a compile or launch error: reported, not fatal)
             print(f"TMA variant skipped: {exc}", file=sys.stderr)
+        for stages, chunk, per_sm in (
+            (3, 32768, 2),
+            (4, 16384, 3),
+            (6, 16384, 2),
+            (2, 32768, 3),
+            (8, 8192, 3),
+        ):
+            try:
+                src_ = f"#define STAGES {stages}\n" + _TMA_PIPE
+                kp = cp.RawKernel(src_, "lane_copy_tma_pipe", options=(*opts, "-std=c++17"))
+                nch = (page + chunk - 1) // chunk
+                smem = stages * chunk
+                kp.max_dynamic_shared_size_bytes = smem
+
+                def prun(k=kp, b=sms * per_sm, c=chunk, z=nch, m=smem) -> None:  # type: ignore[no-untyped-def]
+                    dims = (np.uint32(args.pages), np.uint32(nreg), np.uint32(z))
+                    k((b,), (32,), (table, pairs, np.uint32(c), *dims), shared_mem=m)
+
+                prun()
+                variants[f"tma_pipe_s{stages}_c{chunk // 1024}k_x{per_sm}"] = prun
+            except Exception as exc:  # noqa: BLE001
+                print(f"TMA pipe variant s{stages} skipped: {exc}", file=sys.stderr)
         for threads, unroll, load, store, per_sm, chunk in (
             (256, 4, "plain", "plain", 8, 16384),
             (256, 8, "plain", "plain", 8, 32768),
@@ -232,8 +346,8 @@ def main() -> None:
             stab = cp.asarray(np.array(sgeo, np.uint64))
             snb = args.pages * sl * nreg
 
-            def srun(st=stab, z=(sl + 16383) // 16384) -> None:  # type: ignore[no-untyped-def]
-                lane((args.pages, nreg, z), (256,), (st, pairs, np.int32(1), np.uint32(16384)))
+            def srun(st=stab, z=(sl + lc - 1) // lc) -> None:  # type: ignore[no-untyped-def]
+                lane((args.pages, nreg, z), (lt,), (st, pairs, np.int32(1), np.uint32(lc), *grouped))
 
             def scopy(n=snb) -> None:  # type: ignore[no-untyped-def]
                 flat_d.data.copy_from_device_async(flat_s.data, n)

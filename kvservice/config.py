@@ -126,7 +126,7 @@ class Config:
         "holds a prebuilt module (the image's does).",
     )
     lane_cuda_chunk_kb: int = _opt(
-        16,
+        32,
         "KiB of one page region each CUDA block of the lane's copy kernel moves (a page region is "
         "split into such chunks; bench/results/NOTES.md has the sweep).",
     )

@@ -82,11 +82,13 @@ DeviceLane& Lane::device(int dev) {  // cuda_mu_ held
                          cuda_.cuDeviceGetAttribute(&major, 75, cd);  // COMPUTE_CAPABILITY_MAJOR
                          cuda_.cuDeviceGetAttribute(&minor, 76, cd);
                          std::string arch = "--gpu-architecture=compute_" + std::to_string(major * 10 + minor);
-                         const char* opts[] = {arch.c_str(), "-default-device"};
+                         const std::string threads = "-DLANE_THREADS=" + std::to_string(kLaneThreads);
+                         const std::string unroll = "-DLANE_UNROLL=" + std::to_string(kLaneUnroll);
+                         const char* opts[] = {arch.c_str(), "-default-device", threads.c_str(), unroll.c_str()};
                          void* prog = nullptr;
                          if (nvrtc_.create(&prog, KERNEL_SRC, "lane_copy.cu", 0, nullptr, nullptr) != 0)
                          throw std::runtime_error("lane: nvrtcCreateProgram failed");
-                         if (nvrtc_.compile(prog, 2, opts) != 0) {
+                         if (nvrtc_.compile(prog, 4, opts) != 0) {
     size_t n = 0;
     nvrtc_.log_size(prog, &n);
     std::string log(n, '\0');
@@ -143,11 +145,15 @@ std::string Lane::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::
   unsigned chunk = chunk_;
   unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
   if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
+  unsigned per = 0, mv = (unsigned)moved;  // regions a target (the kernel finds a block's pairs from it)
+  while (per < nr && segs[per].pairs == segs[0].pairs) ++per;
+  for (size_t i = 0; i < nr; ++i)
+    if (segs[i].pairs != (uint64_t)(i / per) * moved) return "lane: segments not grouped by target";
   CUresult r;
   if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
   CUdeviceptr regs = dev, prs = dev + rbytes;
-  void* args[] = {&regs, &prs, &vec, &chunk};
-  if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, 256, 1, 1, 0, d.stream, args, nullptr)))
+  void* args[] = {&regs, &prs, &vec, &chunk, &per, &mv};
+  if ((r = cuda_.cuLaunchKernel(d.fn, (unsigned)moved, (unsigned)nr, zc, kLaneThreads, 1, 1, 0, d.stream, args, nullptr)))
     return cu_err(r);
   return "";
 }

@@ -227,7 +227,7 @@ class Lane {
                   uint64_t first, uint64_t off);
 
   // ---- state ---------------------------------------------------------------------------------
-  std::atomic<unsigned> chunk_{16384};
+  std::atomic<unsigned> chunk_{32768};
   std::atomic<unsigned> spin_us_{0};
   double at_msg_ = 0;  // when the lane thread read the message it handles (LocalCopy::at_recv)
   std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight
