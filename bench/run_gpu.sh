@@ -12,6 +12,8 @@
 #   bash bench/run_gpu.sh fast   # the lean send path (same node 2 GiB), cross-node 2 GiB on one GPU under MPS
 #   bash bench/run_gpu.sh kern   # the lane kernel's shapes, pipelined TMA; the same-node lane's GPU tests
 #   bash bench/run_gpu.sh shape  # the kernel's new shape: sweep, issue 28's missed rows (one GPU)
+#   bash bench/run_gpu.sh shape2 # two block sizes: sweep, mixed TP on the lane, GPU tests of lane + mixed TP
+#   bash bench/run_gpu.sh shape3 # GPU tests of the cross-node lane + transfers; same node and MPS once more
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -186,6 +188,27 @@ elif [ "$1" = shape ]; then
     T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_shape$i
   done
   echo quit | nvidia-cuda-mps-control
+elif [ "$1" = shape2 ]; then
+  # two block sizes (wide for whole pages of >= 32 KiB a block, 256 threads for head slices): the
+  # kernel sweep, mixed TP on the lane (its 8 KiB slices lost 16 points at 512 threads), the GPU
+  # tests of the lane and mixed TP
+  T=120 run bench/sweep_lane_kernel.py --rounds 2
+  KVSERVICE_LANE_SPIN_US=5000 T=100 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_shape2
+  timeout 330 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py \
+    tests/gpu/test_gpu_mixed_tp.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = shape3 ]; then
+  # the GPU tests of the cross-node lane and the transfer paths; same node 2 GiB and cross-node
+  # 2 GiB on one GPU under MPS once more
+  KVSERVICE_LANE_SPIN_US=5000 T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag shape4
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_shape4
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py \
+    tests/gpu/test_gpu_transfer.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),
   # verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

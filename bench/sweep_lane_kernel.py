@@ -177,13 +177,14 @@ def _lane_source() -> str:
     return m.group(1)
 
 
-def _lane_default() -> tuple[int, int]:
+def _lane_default() -> tuple[int, int, int]:
+    """kernel.h's block sizes (lane_copy_wide, lane_copy) and the service's default chunk."""
     text = (ROOT / "kvservice/lane/csrc/kernel.h").read_text()
-    m = re.search(r"kLaneThreads = (\d+);", text)
-    assert m, "kLaneThreads not found in kernel.h"
+    got = [re.search(rf"{k} = (\d+);", text) for k in ("kWideThreads", "kLaneThreads")]
+    assert all(got), "kWideThreads / kLaneThreads not found in kernel.h"
     from kvservice.config import Config
 
-    return int(m.group(1)), Config().lane_cuda_chunk_kb * 1024
+    return int(got[0].group(1)), int(got[1].group(1)), Config().lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
 
 
 def _persistent(threads: int, unroll: int, load: str, store: str) -> str:
@@ -251,9 +252,21 @@ def main() -> None:
     variants = {}
     with cp.cuda.Device(launch_dev):
         opts = ("-default-device",)
-        lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)  # kernel.h's default shape
-        lt, lc = _lane_default()  # its threads, and the service's default chunk
+        # kernel.h's two kernels as Lane::launch picks them: this row's whole 32 KiB pages take
+        # lane_copy_wide, head slices lane_copy
+        wide = cp.RawKernel(_lane_source(), "lane_copy_wide", options=opts)
+        lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)
+        wt, lt, lc = _lane_default()
         grouped = (np.uint32(nreg), np.uint32(args.pages))  # one target: regions per target, pages
+
+        def lane_default() -> None:
+            wide(
+                (args.pages, nreg, (page + lc - 1) // lc),
+                (wt,),
+                (table, pairs, np.int32(1), np.uint32(lc), *grouped),
+            )
+
+        variants["lane_default"] = lane_default
         # the lane kernel's launch shapes: threads a block, words in flight a thread, chunk bytes
         for threads, unroll, chunk in (
             (256, 4, 16384),
@@ -264,7 +277,7 @@ def main() -> None:
             (512, 2, 16384),
         ):
             shape = (f"-DLANE_THREADS={threads}", f"-DLANE_UNROLL={unroll}")
-            k_ = cp.RawKernel(_lane_source(), "lane_copy", options=opts + shape)
+            k_ = cp.RawKernel(_lane_source(), "lane_copy_t", options=opts + shape)
             zc = (page + chunk - 1) // chunk
 
             def run(k=k_, t=threads, c=chunk, z=zc) -> None:  # type: ignore[no-untyped-def]
@@ -278,9 +291,9 @@ def main() -> None:
         for tag, a_, b_ in (("contig", idx, idx), ("sorted", sp[order], dp[order])):
             dpairs = cp.asarray(np.stack([a_, b_], axis=1).astype(np.int32).reshape(-1))
 
-            def drun(k=lane, pr=dpairs) -> None:  # type: ignore[no-untyped-def]
+            def drun(k=wide, pr=dpairs) -> None:  # type: ignore[no-untyped-def]
                 grid = (args.pages, nreg, (page + lc - 1) // lc)
-                k(grid, (lt,), (table, pr, np.int32(1), np.uint32(lc), *grouped))
+                k(grid, (wt,), (table, pr, np.int32(1), np.uint32(lc), *grouped))
 
             variants[f"diag_lane_{tag}"] = drun
         try:  # sm_90 only

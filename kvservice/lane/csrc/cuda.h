@@ -64,7 +64,8 @@ struct Slot {  // descriptor buffers of one launch in flight (pinned host, devic
 struct DeviceLane {  // per CUDA device: context, stream, kernel, descriptor buffers
   CUcontext ctx = nullptr;
   CUstream stream = nullptr;
-  CUfunction fn = nullptr;
+  CUfunction fn = nullptr;       // lane_copy (kernel.h)
+  CUfunction fn_wide = nullptr;  // lane_copy_wide
   char* host = nullptr;  // pinned
   CUdeviceptr dev = 0;
   size_t cap = 0;
