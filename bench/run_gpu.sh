@@ -14,6 +14,7 @@
 #   bash bench/run_gpu.sh shape  # the kernel's new shape: sweep, issue 28's missed rows (one GPU)
 #   bash bench/run_gpu.sh shape2 # two block sizes: sweep, mixed TP on the lane, GPU tests of lane + mixed TP
 #   bash bench/run_gpu.sh shape3 # GPU tests of the cross-node lane + transfers; same node and MPS once more
+#   bash bench/run_gpu.sh shape4 # same node 2 GiB x3, cross-node 2 GiB on one GPU under MPS x4 (two-kernel code)
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -209,6 +210,20 @@ elif [ "$1" = shape3 ]; then
   timeout 400 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py \
     tests/gpu/test_gpu_transfer.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = shape4 ]; then
+  # issue 28's two rows once more on the two-kernel code (their JSONs come back in results.tar.gz):
+  # same node 2 GiB twice with spin and once at the defaults, cross-node 2 GiB on one GPU under MPS
+  # four times
+  for i in 5 6; do
+    KVSERVICE_LANE_SPIN_US=5000 T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag shape$i
+  done
+  T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag shape_nospin2
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  for i in 5 6 7 8; do
+    T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_shape$i
+  done
+  echo quit | nvidia-cuda-mps-control
 elif [ "$1" = verify ]; then
   # the GPU tests of the paths a session changed (lane, cross-node lane, abort, two GPUs, mixed TP),
   # verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
@@ -266,5 +281,11 @@ else
   T=130 run bench/bench_multiturn.py --device cuda --src-gpu 0 --dst-gpu 1
   # diagnosis: fewer, larger staging batches (4 GiB pool -> 1 GiB batches instead of 256 MiB)
   T=90 run bench/bench_transfer.py --device cuda --src-gpu 0 --dst-gpu 1 --iters 3 --skip-baseline --vram-staging-mb 4096 --tag staging4g
+fi
+# the device tool brings back at most 8 files: past that, the results go back as one archive
+# (tar xzf results.tar.gz -C bench/results)
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && find . -maxdepth 1 -type f \( -name "*.json" -o -name "*.png" \) -printf "%f\n" \
+    | tar czf results.tar.gz --remove-files -T -)
 fi
 ls -la "$OUT"
