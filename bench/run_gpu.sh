@@ -15,6 +15,7 @@
 #   bash bench/run_gpu.sh shape2 # two block sizes: sweep, mixed TP on the lane, GPU tests of lane + mixed TP
 #   bash bench/run_gpu.sh shape3 # GPU tests of the cross-node lane + transfers; same node and MPS once more
 #   bash bench/run_gpu.sh shape4 # same node 2 GiB x3, cross-node 2 GiB on one GPU under MPS x4 (two-kernel code)
+#   bash bench/run_gpu.sh ahead  # cross-node packs launched ahead: its GPU tests, 2 GiB on one GPU under MPS x4
 #   bash bench/run_gpu.sh verify # the GPU tests of the lanes, abort and two GPUs (verbose log)
 #   bash bench/run_gpu.sh open # one GPU, one device call (< 10 min): only the runs behind the goals
 #                              # SUMMARY.md lists as missed or not measured, and the GPU tests they need
@@ -222,6 +223,18 @@ elif [ "$1" = shape4 ]; then
   mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
   for i in 5 6 7 8; do
     T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_shape$i
+  done
+  echo quit | nvidia-cuda-mps-control
+elif [ "$1" = ahead ]; then
+  # the streamed cross-node send packs chunk k + 1 while it waits for WRITE k - 1: the GPU tests of
+  # the cross-node lane and abort, then cross-node 2 GiB on one GPU under MPS four times
+  timeout 200 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py \
+    tests/gpu/test_gpu_abort.py 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  for i in 1 2 3 4; do
+    T=80 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_ahead$i
   done
   echo quit | nvidia-cuda-mps-control
 elif [ "$1" = verify ]; then
