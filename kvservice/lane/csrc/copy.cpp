@@ -205,63 +205,6 @@ std::string Lane::copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, co
   }
 }
 
-// Pool to pool, whole pages, like copy(), but only launched: into the launching device's
-// ``xpack`` slot (its own descriptor buffers and event: one pack ahead at a time, the bulk
-// thread's streamed send), on the device's stream; ``on`` says which device, and pack_wait(on)
-// waits for it. Host pools copy at once (``on`` -1: nothing in flight).
-std::string Lane::pack_ahead(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved,
-                             int& on) {
-  on = -1;
-  Target t;
-  t.dp = dp;
-  const std::vector<Seg> segs = segments(sp, {t}, moved);
-  if (moved == 0 || segs.empty()) return "";
-  if (sp.device < 0) {
-    host_copy(segs, pairs.data(), moved);
-    return "";
-  }
-  try {
-    std::lock_guard<std::mutex> g(cuda_mu_);
-    st_[S_COPIES]++;
-    const int dev = pull_ ? dp.device : sp.device;
-    DeviceLane& d = device(dev);
-    Slot& sl = d.xpack;
-    CUresult r;
-    if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
-    grow(sl.host, sl.dev, sl.cap, segs.size() * sizeof(Seg) + pairs.size() * 4);
-    if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
-    std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
-    if (err.empty() && (r = cuda_.cuEventRecord(sl.ev, d.stream))) err = cu_err(r);
-    if (!err.empty()) {  // what was queued may still read the slot or write pages: wait it out
-      cuda_.cuStreamSynchronize(d.stream);
-      return err;
-    }
-    on = dev;
-    return "";
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-}
-
-// Until the pack pack_ahead launched on device ``on`` has run (-1: nothing to wait for).
-std::string Lane::pack_wait(int on) {
-  if (on < 0) return "";
-  CUevent ev = nullptr;
-  try {
-    std::lock_guard<std::mutex> g(cuda_mu_);
-    DeviceLane& d = device(on);
-    CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
-    if (r) return cu_err(r);
-    ev = d.xpack.ev;
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  const double t_sync = now_s();
-  const CUresult r = cuda_.cuEventSynchronize(ev);  // outside cuda_mu_: other copies go on
-  stat(S_CUSYNC, t_sync);
-  return r ? cu_err(r) : "";
-}
-
 void Lane::host_run(char* d, const char* s, uint64_t n) {
 #if defined(__x86_64__)
   if ((((uintptr_t)d | (uintptr_t)s | n) & 15) == 0) {

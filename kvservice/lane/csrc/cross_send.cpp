@@ -161,14 +161,6 @@ void Lane::send_out(XSend& job) {
 // notify once the WRITE is done; chunk k + 1 is packed while chunk k is on the wire, and chunk
 // k + P waits until the receiver has unpacked chunk k (its credit), so P - 1 notification
 // round trips overlap the WRITEs. One chunk (the delta fits): one WRITE into the whole slot.
-//
-// With P >= 3 the pack of chunk k + 1 is launched (pack_ahead) as soon as WRITE k is posted,
-// before this thread waits for WRITE k - 1 to finish: the GPU packs while the thread waits on
-// NIXL. Its credit (chunk k + 1 - P unpacked) and its part of the scratch (WRITE k + 1 - P
-// finished) only need chunks up to k - 2, noted one iteration earlier. (With P = 2 it would wait
-// for the note of chunk k - 1, which follows: the pack then waits for it, as before.)
-//
-//   k:   [wait pack k] post WRITE k | launch pack k+1 | finish WRITE k-1 (note) | ...
 std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
                              const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
                              uint64_t parts) {
@@ -176,51 +168,24 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
   std::vector<Posted> out(parts);  // per part: its WRITE in flight, and the note that follows it
   std::string err;
   std::vector<int32_t> pairs;
-  // (the device's one xpack slot: only the bulk thread's sends, one at a time, launch ahead)
-  const bool ahead = parts >= 3 && chunks > 1 && std::this_thread::get_id() == bthread_.get_id();
-  int ahead_on = -1;         // the device of a pack launched ahead and not waited for
-  uint64_t ahead_k = ~0ull;  // which chunk it packs
-  double ahead_t = 0;
-  // chunk k into its part of the scratch: launched ahead, or copied and waited for
-  auto pack = [&](uint64_t k, bool launch_only) -> std::string {
-    if (k >= parts) {  // chunk k - P left part k % P
-      std::string e = await_credits(xk, k - parts + 1, xo.deadline);
-      if (!e.empty()) return e;
-    }
-    const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = (k % parts) * chunk * page;
+  for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
+    const uint64_t h = k % parts;
+    const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
+    if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline);  // chunk k - P left part h
+    if (!err.empty()) break;
     pairs.resize(2 * cnt);
     for (uint64_t i = 0; i < cnt; ++i) {
       pairs[2 * i] = src[(size_t)(xo.prefix + first + i)];
       pairs[2 * i + 1] = (int32_t)i;
     }
-    const Pool to = packed(scratch + off, sp, sp.device);
-    if (launch_only) {
-      ahead_t = now_s();
-      ahead_k = k;
-      return pack_ahead(sp, to, pairs, cnt, ahead_on);
-    }
     const double t0 = now_s();
-    std::string e = copy(sp, to, pairs, cnt);
+    err = copy(sp, packed(scratch + off, sp, sp.device), pairs, cnt);
     stat(S_PACK, t0);
-    return e;
-  };
-  for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
-    const uint64_t h = k % parts;
-    const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
-    if (ahead_k == k) {  // launched in the previous iteration
-      err = pack_wait(ahead_on);
-      ahead_on = -1;
-      stat(S_PACK, ahead_t);
-    } else {
-      err = pack(k, false);
-    }
     if (!err.empty()) break;
     out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
     err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
-    if (err.empty() && ahead && k + 1 < chunks) err = pack(k + 1, true);
     if (err.empty() && k >= 1) err = nx_finish(xo, out[(k - 1) % parts]);  // chunk k - 1: done, noted
   }
-  if (ahead_on >= 0) pack_wait(ahead_on);  // a failure with a pack in flight: it ends before the scratch is reused
   for (auto& o : out) {  // the last chunk's WRITE (after a failure: any, released unnoted)
     if (!o.req) continue;
     if (err.empty()) {

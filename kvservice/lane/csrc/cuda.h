@@ -70,7 +70,6 @@ struct DeviceLane {  // per CUDA device: context, stream, kernel, descriptor buf
   CUdeviceptr dev = 0;
   size_t cap = 0;
   std::vector<Slot> ring;  // same-node copies launched and not yet seen done (launch_local)
-  Slot xpack;  // the streamed cross-node send's next pack, launched ahead (pack_ahead; bulk thread only)
 };
 
 }  // namespace kvlane

@@ -173,8 +173,6 @@ class Lane {
   std::string copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved);
   std::string copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
                         size_t moved);
-  std::string pack_ahead(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved, int& on);
-  std::string pack_wait(int on);
   static void host_run(char* d, const char* s, uint64_t n);
   static void host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t lo, size_t hi);
   static void host_copy(const std::vector<Seg>& segs, const int32_t* pairs, size_t moved);
