@@ -30,16 +30,26 @@ def service(tmp_path: Path):
         p.wait(20)
 
 
-def _engines(address: str) -> tuple[Engine, Engine]:
+def _engines(address: str, layout: dict | None = None) -> tuple[Engine, Engine]:
     src, dst = Engine(), Engine()
-    src(op="register", address=address, layout=LAYOUT, fill=True, seed=5)
-    dst(op="register", address=address, layout=LAYOUT)
+    src(op="register", address=address, layout=layout or LAYOUT, fill=True, seed=5)
+    dst(op="register", address=address, layout=layout or LAYOUT)
     return src, dst
 
 
+# The lane's two kernels (csrc/kernel.h): whole pages of >= 32 KiB a block take lane_copy_wide
+# (LAYOUT's 32 KiB regions one block each, 64 KiB regions two), smaller pages lane_copy.
+PAGES = {
+    "wide-32k": LAYOUT,
+    "wide-64k": dict(LAYOUT, page_size=32),
+    "narrow-8k": dict(LAYOUT, total_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("pages", sorted(PAGES))
 @pytest.mark.parametrize("n", [1, 40])
-def test_lane_copies_on_the_gpu_byte_for_byte(service: str, n: int) -> None:
-    src_eng, dst_eng = _engines(service)
+def test_lane_copies_on_the_gpu_byte_for_byte(service: str, n: int, pages: str) -> None:
+    src_eng, dst_eng = _engines(service, PAGES[pages])
     try:
         rng = np.random.default_rng(n)
         src = rng.permutation(64)[: n + 3].tolist()
