@@ -23,20 +23,27 @@ export PYTHONUNBUFFERED=1
 LOG="$OUT/log_$1.txt"
 run() { echo "== $*" | tee -a "$LOG"; timeout "${T:-240}" python3 "$@" --out "$OUT" 2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$LOG"
+# CUDA's multi-process service: both services' kernels on one GPU run side by side, not time-sliced
+mps_on() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+}
+mps_off() {
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 if [ "$1" = open ]; then
   # the row SUMMARY.md lists as missed (2026-11-29): cross-node 2 GiB on one GPU >= 30% of NIXL's
   # one-descriptor WRITE, both services under CUDA MPS, at the default staging four times and with
   # 2 GiB of GPU staging twice (each with its own NIXL baseline); the cross-node lane's GPU tests
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  mps_on
   for i in 1 2 3 4; do
     T=80 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_open$i
   done
   for i in 1 2; do
     KVSERVICE_LANE_CROSS_GPU_MB=2048 T=80 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_open_g2$i
   done
-  echo quit | nvidia-cuda-mps-control
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  mps_off
   timeout 150 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py 2>&1 \
     | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
@@ -72,12 +79,11 @@ elif [ "$1" = goals28 ]; then
   done
   T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag goals_nospin
   KVSERVICE_LANE_SPIN_US=5000 T=100 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_goals
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-  mkdir -p /tmp/mps /tmp/mpslog && nvidia-cuda-mps-control -d && echo "== MPS on" | tee -a "$LOG"
+  mps_on
   for i in 1 2 3 4; do
     T=80 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_goals$i
   done
-  echo quit | nvidia-cuda-mps-control
+  mps_off
 elif [ "$1" = verify ]; then
   # the GPU tests of the lanes and the transfer paths (same node, cross-node, abort, mixed TP, two
   # GPUs where there are two), verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

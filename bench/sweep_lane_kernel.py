@@ -257,16 +257,15 @@ def main() -> None:
         wide = cp.RawKernel(_lane_source(), "lane_copy_wide", options=opts)
         lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)
         wt, lt, lc = _lane_default()
-        grouped = (np.uint32(nreg), np.uint32(args.pages))  # one target: regions per target, pages
 
-        def lane_default() -> None:
-            wide(
-                (args.pages, nreg, (page + lc - 1) // lc),
-                (wt,),
-                (table, pairs, np.int32(1), np.uint32(lc), *grouped),
-            )
+        def lane_run(k, threads: int, chunk: int, nbytes: int = page, tab=table, prs=pairs):  # type: ignore[no-untyped-def]
+            """A launch of a lane kernel as Lane::launch makes it: grid (pairs, regions, chunks of
+            ``nbytes``), one target (its regions, then the pages, as the kernel's last arguments)."""
+            grid = (args.pages, nreg, (nbytes + chunk - 1) // chunk)
+            tail = (np.int32(1), np.uint32(chunk), np.uint32(nreg), np.uint32(args.pages))
+            return lambda: k(grid, (threads,), (tab, prs, *tail))
 
-        variants["lane_default"] = lane_default
+        variants["lane_default"] = lane_run(wide, wt, lc)
         # the lane kernel's launch shapes: threads a block, words in flight a thread, chunk bytes
         for threads, unroll, chunk in (
             (256, 4, 16384),
@@ -278,24 +277,14 @@ def main() -> None:
         ):
             shape = (f"-DLANE_THREADS={threads}", f"-DLANE_UNROLL={unroll}")
             k_ = cp.RawKernel(_lane_source(), "lane_copy_t", options=opts + shape)
-            zc = (page + chunk - 1) // chunk
-
-            def run(k=k_, t=threads, c=chunk, z=zc) -> None:  # type: ignore[no-untyped-def]
-                k((args.pages, nreg, z), (t,), (table, pairs, np.int32(1), np.uint32(c), *grouped))
-
-            variants[f"lane_grid3_t{threads}_u{unroll}_chunk{chunk // 1024}k"] = run
+            variants[f"lane_grid3_t{threads}_u{unroll}_chunk{chunk // 1024}k"] = lane_run(k_, threads, chunk)
         # diagnosis (not checked byte for byte): the same kernel on contiguous pages (pairs i -> i)
         # and on the row's pages sorted by source page: what the scatter itself costs
         order = np.argsort(sp)
         idx = np.arange(args.pages)
         for tag, a_, b_ in (("contig", idx, idx), ("sorted", sp[order], dp[order])):
             dpairs = cp.asarray(np.stack([a_, b_], axis=1).astype(np.int32).reshape(-1))
-
-            def drun(k=wide, pr=dpairs) -> None:  # type: ignore[no-untyped-def]
-                grid = (args.pages, nreg, (page + lc - 1) // lc)
-                k(grid, (wt,), (table, pr, np.int32(1), np.uint32(lc), *grouped))
-
-            variants[f"diag_lane_{tag}"] = drun
+            variants[f"diag_lane_{tag}"] = lane_run(wide, wt, lc, prs=dpairs)
         try:  # sm_90 only
             tma = cp.RawKernel(_TMA, "lane_copy_tma", options=opts)
             for chunk in (8192, 16384, 32768):
@@ -359,14 +348,11 @@ def main() -> None:
             stab = cp.asarray(np.array(sgeo, np.uint64))
             snb = args.pages * sl * nreg
 
-            def srun(st=stab, z=(sl + lc - 1) // lc) -> None:  # type: ignore[no-untyped-def]
-                lane((args.pages, nreg, z), (lt,), (st, pairs, np.int32(1), np.uint32(lc), *grouped))
-
             def scopy(n=snb) -> None:  # type: ignore[no-untyped-def]
                 flat_d.data.copy_from_device_async(flat_s.data, n)
 
             variants[f"copy_slice_{p_}to{p_ // 2}"] = scopy
-            variants[f"lane_slice_{p_}to{p_ // 2}"] = srun
+            variants[f"lane_slice_{p_}to{p_ // 2}"] = lane_run(lane, lt, lc, nbytes=sl, tab=stab)
 
     def check() -> bool:
         for s, d in zip(src[:2], dst[:2], strict=True):

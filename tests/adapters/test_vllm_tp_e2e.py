@@ -15,10 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_pair import HEADS, layouts, prompt, tp2, vllm_pair  # noqa: E402
-
-BLOCK = 32
-PAGE_BYTES = 2 * 2 * BLOCK * 64 * 2 * 4  # layers x heads x tokens x dim x (K, V) x fp32
+from vllm_pair import BLOCK, HEADS, PAGE_BYTES, layouts, prompt, tp2, vllm_pair  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

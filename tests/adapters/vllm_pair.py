@@ -17,9 +17,12 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
 from e2e_helpers import MeteredService, admin_stats  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
-__all__ = ["HEADS", "MeteredService", "layouts", "prompt", "tp2", "vllm_pair"]
+__all__ = ["BLOCK", "HEADS", "PAGE_BYTES", "MeteredService", "layouts", "prompt", "tp2", "vllm_pair"]
 
 HEADS = ("page_layout", "local_kv_heads", "tp_rank", "tp_size")  # an MHA rank's layout, for layouts()
+# the tiny MHA model vllm_instance.py builds ("build"): its block, and a page's bytes (both heads)
+BLOCK = 32
+PAGE_BYTES = 2 * 2 * BLOCK * 64 * 2 * 4  # layers x heads x tokens x dim x (K, V) x fp32
 
 
 def tp2(**env: str) -> dict[str, str]:

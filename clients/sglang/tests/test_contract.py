@@ -37,6 +37,23 @@ STATES = [("mamba", [(8, 96), (8, 40)]), ("swa", [(PAGES, ITEM)])]
 StateSpec = list[tuple[str, list[tuple[int, int]]]]
 
 
+def _kv_args(
+    engine_rank: int, bufs: list[np.ndarray], item: int, dtype: str, heads: int, total: int, aux: np.ndarray
+) -> KVArgs:
+    """One rank's KVArgs: ``bufs`` of PAGES pages of ``item`` bytes, ``heads`` of ``total`` KV
+    heads, one aux buffer, no state buffers."""
+    a = KVArgs()
+    a.engine_rank, a.gpu_id, a.page_size = engine_rank, 0, PAGE
+    a.kv_data_ptrs = [b.ctypes.data for b in bufs]
+    a.kv_data_lens = [PAGES * item] * len(bufs)
+    a.kv_item_lens = [item] * len(bufs)
+    a.kv_cache_dtype_str = dtype
+    a.kv_head_num, a.total_kv_head_num = heads, total
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [AUX_ROWS * AUX_ROW], [AUX_ROW]
+    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+    return a
+
+
 class Pools:
     """SGLang-shaped pools in shm: K_0..K_{L-1}, V_0..V_{L-1}, one aux buffer, then (``states``)
     the component tensors of ``STATES``."""
@@ -62,18 +79,7 @@ class Pools:
                 off += n * b
 
     def kv_args(self) -> KVArgs:
-        a = KVArgs()
-        a.engine_rank, a.gpu_id, a.page_size = 0, 0, PAGE
-        a.kv_data_ptrs = [b.ctypes.data for b in self.bufs]
-        a.kv_data_lens = [PAGES * ITEM] * len(self.bufs)
-        a.kv_item_lens = [ITEM] * len(self.bufs)
-        a.kv_cache_dtype_str = "torch.float16"
-        a.kv_head_num = a.total_kv_head_num = HEADS
-        a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = (
-            [self.aux.ctypes.data],
-            [AUX_ROWS * AUX_ROW],
-            [AUX_ROW],
-        )
+        a = _kv_args(0, self.bufs, ITEM, "torch.float16", HEADS, HEADS, self.aux)
         a.state_types = list(self.state_types)
         a.state_data_ptrs = [[t.ctypes.data for t in comps] for comps in self.states]
         a.state_data_lens = [[t.nbytes for t in comps] for comps in self.states]
@@ -112,17 +118,7 @@ class MlaPools:
         self.aux = raw[LAYERS * n :].reshape(AUX_ROWS, AUX_ROW)
 
     def kv_args(self, engine_rank: int) -> KVArgs:
-        a = KVArgs()
-        a.engine_rank, a.gpu_id, a.page_size = engine_rank, 0, PAGE
-        a.kv_data_ptrs = [b.ctypes.data for b in self.bufs]
-        a.kv_data_lens = [PAGES * self.ITEM] * LAYERS
-        a.kv_item_lens = [self.ITEM] * LAYERS
-        a.kv_cache_dtype_str = "torch.bfloat16"
-        a.kv_head_num = a.total_kv_head_num = 1
-        a.aux_data_ptrs, a.aux_data_lens = [self.aux.ctypes.data], [AUX_ROWS * AUX_ROW]
-        a.aux_item_lens = [AUX_ROW]
-        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
-        return a
+        return _kv_args(engine_rank, self.bufs, self.ITEM, "torch.bfloat16", 1, 1, self.aux)
 
     def close(self) -> None:
         del self.bufs, self.aux
@@ -496,17 +492,7 @@ class HeadPools:
         return self.raw[i].view(np.float16).reshape(PAGES, PAGE, self.heads, DIM)
 
     def kv_args(self, engine_rank: int) -> KVArgs:
-        a = KVArgs()
-        a.engine_rank, a.gpu_id, a.page_size = engine_rank, 0, PAGE
-        a.kv_data_ptrs = [b.ctypes.data for b in self.raw]
-        a.kv_data_lens = [PAGES * self.item] * len(self.raw)
-        a.kv_item_lens = [self.item] * len(self.raw)
-        a.kv_cache_dtype_str = "torch.float16"
-        a.kv_head_num, a.total_kv_head_num = self.heads, HEADS
-        a.aux_data_ptrs, a.aux_data_lens = [self.aux.ctypes.data], [AUX_ROWS * AUX_ROW]
-        a.aux_item_lens = [AUX_ROW]
-        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
-        return a
+        return _kv_args(engine_rank, self.raw, self.item, "torch.float16", self.heads, HEADS, self.aux)
 
     def close(self) -> None:
         del self.raw, self.aux

@@ -147,10 +147,11 @@ std::string Lane::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::
   unsigned chunk = chunk_;
   unsigned zc = (unsigned)((maxb + chunk - 1) / chunk);
   if (zc > 65535 || nr > 65535) return "lane: pages or regions too large for one launch";
-  unsigned per = 0, mv = (unsigned)moved;  // regions a target (the kernel finds a block's pairs from it)
-  while (per < nr && segs[per].pairs == segs[0].pairs) ++per;
-  for (size_t i = 0; i < nr; ++i)
-    if (segs[i].pairs != (uint64_t)(i / per) * moved) return "lane: segments not grouped by target";
+  // segments() groups the segments by target, ``moved`` pairs each: the kernel finds a block's
+  // pairs from the regions a target and ``moved`` (moved > 0 here: the callers return before)
+  const size_t targets = segs.back().pairs / moved + 1;
+  unsigned per = (unsigned)(nr / targets), mv = (unsigned)moved;
+  if (per * targets != nr) return "lane: segments not grouped by target";
   CUresult r;
   if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
   CUdeviceptr regs = dev, prs = dev + rbytes;
