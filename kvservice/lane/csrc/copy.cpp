@@ -1,5 +1,6 @@
-// The copy: the CUDA driver and NVRTC opened at run time, the kernel (kernel.h) compiled per
-// device, descriptor buffers, launches; host pools copied with memcpy (non-temporal on x86).
+// The Copier (copier.h): the CUDA driver and NVRTC opened at run time, the kernels (kernel.h)
+// compiled per device, descriptor buffers, launches and the ring of launch slots; host pools
+// copied with memcpy (non-temporal on x86).
 
 #include <dlfcn.h>
 
@@ -14,80 +15,80 @@
 #include <emmintrin.h>
 #endif
 
+#include "copier.h"
 #include "kernel.h"
-#include "lane.h"
 
 namespace kvlane {
 
 // CUDA: load the driver and NVRTC (paths chosen by Python); false + why() when unavailable.
-bool Lane::init_cuda(const std::string& libcuda, const std::string& libnvrtc) {
-  std::lock_guard<std::mutex> g(cuda_mu_);
+bool Copier::init(const std::string& libcuda, const std::string& libnvrtc) {
+  std::lock_guard<std::mutex> g(mu_);
   if (cuda_.ok) return true;
   void* h = dlopen(libcuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (!h) return fail(std::string("dlopen ") + libcuda + ": " + dlerror());
-#define SYM(name, sym)                                                       \
-  *(void**)(&cuda_.name) = dlsym(h, sym);                                    \
+#define SYM(name, sym)                    \
+  *(void**)(&cuda_.name) = dlsym(h, sym); \
   if (!cuda_.name) return fail(std::string("libcuda lacks ") + sym);
-  SYM(cuInit, "cuInit") SYM(cuDeviceGet, "cuDeviceGet") SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
-  SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
-  SYM(cuModuleLoadData, "cuModuleLoadData") SYM(cuModuleGetFunction, "cuModuleGetFunction")
-  SYM(cuStreamCreate, "cuStreamCreate") SYM(cuMemAlloc, "cuMemAlloc_v2") SYM(cuMemFree, "cuMemFree_v2")
-  SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
-  SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
-  SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
-  SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
-  SYM(cuEventSynchronize, "cuEventSynchronize")
+  SYM(cuInit, "cuInit")
+  SYM(cuDeviceGet, "cuDeviceGet") SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
+      SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
+          SYM(cuModuleLoadData, "cuModuleLoadData") SYM(cuModuleGetFunction, "cuModuleGetFunction")
+              SYM(cuStreamCreate, "cuStreamCreate") SYM(cuMemAlloc, "cuMemAlloc_v2") SYM(cuMemFree, "cuMemFree_v2")
+                  SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
+                      SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
+                          SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
+                              SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
+                                  SYM(cuEventSynchronize, "cuEventSynchronize")
 #undef SYM
-  void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
+                                      void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
-#define NSYM(name, sym)                                   \
-  *(void**)(&nvrtc_.name) = dlsym(n, sym);                \
+#define NSYM(name, sym)                    \
+  *(void**)(&nvrtc_.name) = dlsym(n, sym); \
   if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym);
-  NSYM(create, "nvrtcCreateProgram") NSYM(compile, "nvrtcCompileProgram") NSYM(ptx_size, "nvrtcGetPTXSize")
-  NSYM(ptx, "nvrtcGetPTX") NSYM(log_size, "nvrtcGetProgramLogSize") NSYM(log, "nvrtcGetProgramLog")
-  NSYM(destroy, "nvrtcDestroyProgram")
+  NSYM(create, "nvrtcCreateProgram")
+  NSYM(compile, "nvrtcCompileProgram") NSYM(ptx_size, "nvrtcGetPTXSize") NSYM(ptx, "nvrtcGetPTX")
+      NSYM(log_size, "nvrtcGetProgramLogSize") NSYM(log, "nvrtcGetProgramLog") NSYM(destroy, "nvrtcDestroyProgram")
 #undef NSYM
-  if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
+          if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
   cuda_.ok = true;
   return true;
 }
 
-// Prepare device ``dev`` (context, stream, kernel); called by Python before the first arm there.
-void Lane::prepare_device(int dev) {
-  std::lock_guard<std::mutex> g(cuda_mu_);
+void Copier::prepare(int dev) {
+  std::lock_guard<std::mutex> g(mu_);
   device(dev);
 }
 
-bool Lane::fail(const std::string& why) {
+bool Copier::fail(const std::string& why) {
   cuda_.why = why;
   return false;
 }
 
-std::string Lane::cu_err(CUresult r) {
+std::string Copier::cu_err(CUresult r) {
   const char* s = nullptr;
   if (cuda_.cuGetErrorString) cuda_.cuGetErrorString(r, &s);
   return std::string("CUDA error ") + std::to_string(r) + (s ? std::string(": ") + s : "");
 }
 
-DeviceLane& Lane::device(int dev) {  // cuda_mu_ held
-                         auto it = devs_.find(dev);
-                         if (it != devs_.end()) return it->second;
-                         if (!cuda_.ok) throw std::runtime_error("lane: CUDA not initialised: " + cuda_.why);
-                         DeviceLane d;
-                         CUdevice cd;
-                         CUresult r;
-                         if ((r = cuda_.cuDeviceGet(&cd, dev)) || (r = cuda_.cuDevicePrimaryCtxRetain(&d.ctx, cd)) ||
-                         (r = cuda_.cuCtxSetCurrent(d.ctx)))
-                         throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
-                         int major = 0, minor = 0;
-                         cuda_.cuDeviceGetAttribute(&major, 75, cd);  // COMPUTE_CAPABILITY_MAJOR
-                         cuda_.cuDeviceGetAttribute(&minor, 76, cd);
-                         std::string arch = "--gpu-architecture=compute_" + std::to_string(major * 10 + minor);
-                         const char* opts[] = {arch.c_str(), "-default-device"};
-                         void* prog = nullptr;
-                         if (nvrtc_.create(&prog, KERNEL_SRC, "lane_copy.cu", 0, nullptr, nullptr) != 0)
-                         throw std::runtime_error("lane: nvrtcCreateProgram failed");
-                         if (nvrtc_.compile(prog, 2, opts) != 0) {
+DeviceLane& Copier::device(int dev) {  // mu_ held
+  auto it = devs_.find(dev);
+  if (it != devs_.end()) return it->second;
+  if (!cuda_.ok) throw std::runtime_error("lane: CUDA not initialised: " + cuda_.why);
+  DeviceLane d;
+  CUdevice cd;
+  CUresult r;
+  if ((r = cuda_.cuDeviceGet(&cd, dev)) || (r = cuda_.cuDevicePrimaryCtxRetain(&d.ctx, cd)) ||
+      (r = cuda_.cuCtxSetCurrent(d.ctx)))
+    throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
+  int major = 0, minor = 0;
+  cuda_.cuDeviceGetAttribute(&major, 75, cd);  // COMPUTE_CAPABILITY_MAJOR
+  cuda_.cuDeviceGetAttribute(&minor, 76, cd);
+  std::string arch = "--gpu-architecture=compute_" + std::to_string(major * 10 + minor);
+  const char* opts[] = {arch.c_str(), "-default-device"};
+  void* prog = nullptr;
+  if (nvrtc_.create(&prog, KERNEL_SRC, "lane_copy.cu", 0, nullptr, nullptr) != 0)
+    throw std::runtime_error("lane: nvrtcCreateProgram failed");
+  if (nvrtc_.compile(prog, 2, opts) != 0) {
     size_t n = 0;
     nvrtc_.log_size(prog, &n);
     std::string log(n, '\0');
@@ -105,18 +106,12 @@ DeviceLane& Lane::device(int dev) {  // cuda_mu_ held
       (r = cuda_.cuModuleGetFunction(&d.fn_wide, mod, "lane_copy_wide")) ||
       (r = cuda_.cuStreamCreate(&d.stream, 1 /* CU_STREAM_NON_BLOCKING */)))
     throw std::runtime_error("lane: kernel load: " + cu_err(r));
-  grow(d, 1 << 16);
+  grow(d.host, d.dev, d.cap, 1 << 16);
   return devs_.emplace(dev, d).first->second;
 }
 
-void Lane::device_ctx(int dev) {  // cuda_mu_ held: the device's context current on this thread
-                      DeviceLane& d = device(dev);
-                      CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
-                      if (r) throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
-                      }
-                      
-                      // Descriptor buffers (pinned host, device) of at least ``need`` bytes.
-                      void Lane::grow(char*& host, CUdeviceptr& dev, size_t& cap_, size_t need) {
+// Descriptor buffers (pinned host, device) of at least ``need`` bytes.
+void Copier::grow(char*& host, CUdeviceptr& dev, size_t& cap_, size_t need) {
   if (need <= cap_) return;
   size_t cap = cap_ ? cap_ : 1 << 16;
   while (cap < need) cap <<= 1;
@@ -129,10 +124,10 @@ void Lane::device_ctx(int dev) {  // cuda_mu_ held: the device's context current
   cap_ = cap;
 }
 
-// cuda_mu_ held, ``d``'s context current: the segments and pairs up through ``host`` (pinned)
+// mu_ held, ``d``'s context current: the segments and pairs up through ``host`` (pinned)
 // to ``dev`` (both large enough), then the kernel, on ``d``'s stream.
-std::string Lane::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::vector<Seg>& segs,
-                         const std::vector<int32_t>& pairs, size_t moved) {
+std::string Copier::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::vector<Seg>& segs,
+                           const std::vector<int32_t>& pairs, size_t moved) {
   const size_t nr = segs.size(), rbytes = nr * sizeof(Seg), need = rbytes + pairs.size() * 4;
   uint64_t maxb = 0;
   int vec = 1;
@@ -165,17 +160,8 @@ std::string Lane::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::
   return "";
 }
 
-// Pool to pool, whole pages (the cross-node lane's pack and unpack).
-std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
-  Target t;
-  t.dp = dp;
-  return copy_segs(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
-}
-
-// Every segment's ``moved`` pages (``pairs``: source, destination page per segment's block)
-// in one kernel launch on the launching GPU, or memcpy for host pools; returns once copied.
-std::string Lane::copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
-                            size_t moved) {
+std::string Copier::copy(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
+                         size_t moved) {
   const size_t nr = segs.size();
   if (moved == 0 || nr == 0) return "";
   if (sdev < 0) {
@@ -184,14 +170,13 @@ std::string Lane::copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, co
   }
   try {
     const double t_lock = now_s();
-    std::lock_guard<std::mutex> g(cuda_mu_);
-    stat(S_CULOCK, t_lock);
-    st_[S_COPIES]++;
-    const int on = pull_ ? ddev : sdev;
-    DeviceLane& d = device(on);
+    std::lock_guard<std::mutex> g(mu_);
+    count(lock_us_, t_lock);
+    copies_++;
+    DeviceLane& d = device(launch_device(sdev, ddev));
     CUresult r;
     if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
-    grow(d, nr * sizeof(Seg) + pairs.size() * 4);
+    grow(d.host, d.dev, d.cap, nr * sizeof(Seg) + pairs.size() * 4);
     std::string err = launch(d, d.host, d.dev, segs, pairs, moved);
     if (!err.empty()) {  // what was queued may still read the buffers: wait it out
       cuda_.cuStreamSynchronize(d.stream);
@@ -199,14 +184,103 @@ std::string Lane::copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, co
     }
     const double t_sync = now_s();
     if ((r = cuda_.cuStreamSynchronize(d.stream))) return cu_err(r);
-    stat(S_CUSYNC, t_sync);
+    count(sync_us_, t_sync);
     return "";
   } catch (const std::exception& e) {
     return e.what();
   }
 }
 
-void Lane::host_run(char* d, const char* s, uint64_t n) {
+std::string Copier::launch_async(int on, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs, size_t moved,
+                                 const std::atomic<bool>& running, int& slot) {
+  slot = -1;
+  int si = -1;
+  try {
+    std::unique_lock<std::mutex> g(slot_mu_);  // a free slot (finish() frees them)
+    slot_cv_.wait(g, [&] {
+      if (!running) return true;
+      std::lock_guard<std::mutex> c(mu_);
+      DeviceLane& d = device(on);
+      if (d.ring.size() < RING) d.ring.resize(RING);
+      for (size_t i = 0; i < d.ring.size(); ++i)
+        if (!d.ring[i].busy) return (si = (int)i) >= 0;
+      return false;
+    });
+    if (si < 0) return "lane: stopping";
+    std::lock_guard<std::mutex> c(mu_);
+    copies_++;
+    DeviceLane& d = device(on);
+    Slot& sl = d.ring[(size_t)si];
+    CUresult r;
+    if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
+    grow(sl.host, sl.dev, sl.cap, segs.size() * sizeof(Seg) + pairs.size() * 4);
+    if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
+    std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
+    if (err.empty() && (r = cuda_.cuEventRecord(sl.ev, d.stream))) err = cu_err(r);
+    if (!err.empty()) {  // what was queued may still read the slot or write pages: wait it out
+      cuda_.cuStreamSynchronize(d.stream);
+      return err;
+    }
+    sl.busy = true;  // (slot_mu_ held: a waiter sees it taken)
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  slot = si;
+  return "";
+}
+
+std::string Copier::finish(int on, int slot) {
+  std::string err;
+  CUevent ev = nullptr;
+  try {
+    std::lock_guard<std::mutex> c(mu_);
+    DeviceLane& d = device(on);
+    ev = d.ring[(size_t)slot].ev;
+    CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
+    if (r) err = cu_err(r);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  const double t_sync = now_s();
+  if (err.empty()) {
+    CUresult r = cuda_.cuEventSynchronize(ev);  // outside mu_: launches go on meanwhile
+    if (r) err = cu_err(r);
+  }
+  count(sync_us_, t_sync);
+  {
+    std::lock_guard<std::mutex> g(slot_mu_);
+    std::lock_guard<std::mutex> c(mu_);
+    devs_.at(on).ring[(size_t)slot].busy = false;
+  }
+  slot_cv_.notify_all();
+  return err;
+}
+
+void Copier::wake() {
+  {
+    std::lock_guard<std::mutex> g(slot_mu_);  // no lost wake-up between a waiter's check and its wait
+  }
+  slot_cv_.notify_all();
+}
+
+std::string Copier::alloc(int dev, uint64_t bytes, CUdeviceptr& out) {
+  try {
+    std::lock_guard<std::mutex> g(mu_);
+    DeviceLane& d = device(dev);
+    CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
+    if (!r) r = cuda_.cuMemAlloc(&out, bytes);
+    return r ? cu_err(r) : "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+void Copier::free(CUdeviceptr p) {
+  std::lock_guard<std::mutex> g(mu_);
+  cuda_.cuMemFree(p);
+}
+
+void Copier::host_run(char* d, const char* s, uint64_t n) {
 #if defined(__x86_64__)
   if ((((uintptr_t)d | (uintptr_t)s | n) & 15) == 0) {
     __m128i* dv = (__m128i*)d;
@@ -218,7 +292,7 @@ void Lane::host_run(char* d, const char* s, uint64_t n) {
   std::memcpy(d, s, n);
 }
 
-void Lane::host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t lo, size_t hi) {
+void Copier::host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t lo, size_t hi) {
   for (size_t job = lo; job < hi; ++job) {
     const Seg& g = segs[job / moved];
     const size_t i = job % moved;
@@ -236,15 +310,15 @@ void Lane::host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t
 #endif
 }
 
-void Lane::host_copy(const std::vector<Seg>& segs, const int32_t* pairs, size_t moved) {
+void Copier::host_copy(const std::vector<Seg>& segs, const int32_t* pairs, size_t moved) {
   const size_t jobs = segs.size() * moved;
   uint64_t bytes = 0;
   for (auto& g : segs) bytes += g.nbytes * (uint64_t)moved;
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  const size_t n = bytes < HOST_PARALLEL_BYTES
-                       ? 1
-                       : std::min<size_t>({(size_t)hw, (size_t)HOST_MAX_THREADS, jobs,
-                                           (size_t)(bytes / (HOST_PARALLEL_BYTES / 2))});
+  const size_t n =
+      bytes < HOST_PARALLEL_BYTES
+          ? 1
+          : std::min<size_t>({(size_t)hw, (size_t)HOST_MAX_THREADS, jobs, (size_t)(bytes / (HOST_PARALLEL_BYTES / 2))});
   std::vector<std::thread> helpers;
   size_t inline_from = jobs;  // a helper that could not start leaves its jobs (and later ones) here
   for (size_t t = 1; t < n; ++t) {

@@ -198,7 +198,8 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
       finish_received(xi, tid, rank, err, total * page, total, (uint64_t)xi.prefix, x.us, !cancelled);
     }
   }
-  if (!last && err.empty()) return send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
+  if (!last && err.empty())
+    return send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
   send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
 }
 

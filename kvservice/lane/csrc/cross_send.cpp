@@ -24,6 +24,13 @@ Pool Lane::packed(uint64_t base, const Pool& like, int device) {
   return p;
 }
 
+// Pool to pool, whole pages (a pack here, an unpack in cross_recv.cpp), waited for.
+std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
+  Target t;
+  t.dp = dp;
+  return cu_.copy(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
+}
+
 void Lane::handle_x(int fd, const char* p, size_t n) {
   if (n < sizeof(SendToHdr)) return closed(fd);
   SendToHdr h;
@@ -42,8 +49,8 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   Arena ar;
   std::string xk;  // key(tid, the sender pool's rank): the receiver rank it pairs with
   uint64_t nbytes = 0, page = 0, chunk = 0, parts = 2;  // the delta's bytes, a page's, pages a chunk
-  uint64_t scratch = 0;  // where it packs
-  bool bulk = false;     // on the bulk thread (see XSMALL)
+  uint64_t scratch = 0;                                 // where it packs
+  bool bulk = false;                                    // on the bulk thread (see XSMALL)
   {
     std::lock_guard<std::mutex> g(mu_);
     auto c = conns_.find(fd);
@@ -52,8 +59,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
     auto ps = pools_.find(bs);
     xk = key(tid, ps != pools_.end() ? ps->second.rank : -1);
     auto xi = xout_.find(xk);
-    if (xi == xout_.end() && ps != pools_.end() && lane_peers_.count(addr) && !parked_.count(xk) &&
-        !unparking_) {
+    if (xi == xout_.end() && ps != pools_.end() && lane_peers_.count(addr) && !parked_.count(xk) && !unparking_) {
       // the receiver's offer may still be on its way (ExpectDelta and the prefill raced):
       // wait for it (20 ms at most; arm_out or refuse_out ends the wait), then fall back
       parked_[xk] = Parked{fd, std::string(p, n), now_s() + PARK_S};
@@ -204,7 +210,8 @@ std::string Lane::await_credits(const std::string& xk, uint64_t need, double dea
   for (;;) {
     auto it = xpend_.find(xk);
     if (it == xpend_.end()) return "the transfer ended meanwhile";
-    if (it->second.acked) return it->second.ack_ok ? "the receiver acknowledged before the last chunk" : it->second.ack_msg;
+    if (it->second.acked)
+      return it->second.ack_ok ? "the receiver acknowledged before the last chunk" : it->second.ack_msg;
     if (it->second.credits >= need) return "";
     if (!running_) return "the lane is stopping";
     if (now_s() > deadline) return "the receiver unpacked no chunk before the transfer's deadline";
@@ -213,14 +220,14 @@ std::string Lane::await_credits(const std::string& xk, uint64_t need, double dea
 }
 
 void Lane::kick() {  // mu_ held: wake the lane thread to look at the parked SEND_TOs
-                kicked_ = true;
-                uint64_t one = 1;
-                (void)!write(wake_, &one, 8);
-                }
-                
-                // Lane thread: each parked SEND_TO whose offer came is handled now, one past its wait (or
-                // refused) is answered FALLBACK.
-                void Lane::unpark() {
+  kicked_ = true;
+  uint64_t one = 1;
+  (void)!write(wake_, &one, 8);
+}
+
+// Lane thread: each parked SEND_TO whose offer came is handled now, one past its wait (or
+// refused) is answered FALLBACK.
+void Lane::unpark() {
   std::vector<std::pair<std::string, Parked>> go;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -243,8 +250,8 @@ void Lane::kick() {  // mu_ held: wake the lane thread to look at the parked SEN
   }
 }
 
-std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
-                       uint64_t off, const std::string& tid, const std::string& msg) {
+std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first, uint64_t off,
+                       const std::string& tid, const std::string& msg) {
   XNote h{};
   std::memcpy(h.magic, XMAGIC, 4);
   h.kind = kind;
@@ -352,7 +359,8 @@ void Lane::finish_sent(std::unordered_map<std::string, XPend>::iterator it, bool
   const std::string tid = p.tid;
   Completion done;
   done.kind = DONE_SENT;
-  done.told_send = tell(p.fd, p.session, end_msg(1, ok, tid, p.bs, err, p.nbytes, p.npages, p.prefix, p.copy_us, END_CROSS));
+  done.told_send =
+      tell(p.fd, p.session, end_msg(1, ok, tid, p.bs, err, p.nbytes, p.npages, p.prefix, p.copy_us, END_CROSS));
   done.tid = tid;
   done.rank = p.rank;
   done.bs = p.bs;
@@ -372,9 +380,9 @@ void Lane::finish_sent(std::unordered_map<std::string, XPend>::iterator it, bool
 }
 
 void Lane::expire_sent() {  // no ack a second past the deadline: the receiver is gone or wedged
-                       std::lock_guard<std::mutex> g(mu_);
-                       const double now = now_s();
-                       for (auto it = xpend_.begin(); it != xpend_.end();) {
+  std::lock_guard<std::mutex> g(mu_);
+  const double now = now_s();
+  for (auto it = xpend_.begin(); it != xpend_.end();) {
     auto next = std::next(it);
     if (now > it->second.deadline + 1.0 && it->second.written)
       finish_sent(it, false, "the receiving service did not acknowledge before the deadline");

@@ -41,11 +41,9 @@ uint64_t Lane::add_arena(int device, uint64_t in_bytes, uint64_t scratch_bytes) 
   a.size = in_bytes + scratch_bytes;
   a.scratch = in_bytes;
   if (device >= 0) {
-    std::lock_guard<std::mutex> g(cuda_mu_);
-    device_ctx(device);
     CUdeviceptr p = 0;
-    CUresult r = cuda_.cuMemAlloc(&p, a.size);
-    if (r) throw std::runtime_error("lane: staging: " + cu_err(r));
+    const std::string err = cu_.alloc(device, a.size, p);
+    if (!err.empty()) throw std::runtime_error("lane: staging: " + err);
     a.base = p;
   } else {
     void* p = nullptr;
@@ -70,7 +68,8 @@ std::string Lane::local_md() {
   size_t len = 0;
   {
     std::lock_guard<std::mutex> g(nx_mu_);
-    if (!agent_ || nx_.get_local_md(agent_, &data, &len) != xnixl::OK) throw std::runtime_error("lane: no NIXL metadata");
+    if (!agent_ || nx_.get_local_md(agent_, &data, &len) != xnixl::OK)
+      throw std::runtime_error("lane: no NIXL metadata");
   }
   std::string out((const char*)data, len);
   free(data);
@@ -82,7 +81,8 @@ std::string Lane::load_md(const std::string& md) {
   std::lock_guard<std::mutex> g(nx_mu_);
   char* name = nullptr;
   int r = agent_ ? nx_.load_remote_md(agent_, md.data(), md.size(), &name) : -1;
-  if (r != xnixl::OK || !name) throw std::runtime_error("lane: loading a peer's NIXL metadata failed (" + std::to_string(r) + ")");
+  if (r != xnixl::OK || !name)
+    throw std::runtime_error("lane: loading a peer's NIXL metadata failed (" + std::to_string(r) + ")");
   std::string out(name);
   free(name);
   return out;
@@ -175,19 +175,18 @@ std::string Lane::nx_register(const Arena& a, bool on) {
 
 void Lane::free_arena(const Arena& a) {
   if (a.device >= 0) {
-    std::lock_guard<std::mutex> g(cuda_mu_);
-    cuda_.cuMemFree(a.base);
+    cu_.free(a.base);
   } else {
     munmap((void*)a.base, a.size);
   }
 }
 
 void Lane::close_nixl() {  // threads joined
-                      if (!agent_) return;
-                      for (auto& kv : reqs_)
-                      if (nx_.release_xfer_req(agent_, kv.second) == xnixl::OK) nx_.destroy_xfer_req(kv.second);
-                      reqs_.clear();
-                      for (auto& kv : arenas_) {
+  if (!agent_) return;
+  for (auto& kv : reqs_)
+    if (nx_.release_xfer_req(agent_, kv.second) == xnixl::OK) nx_.destroy_xfer_req(kv.second);
+  reqs_.clear();
+  for (auto& kv : arenas_) {
     nx_register(kv.second, false);
     free_arena(kv.second);
   }

@@ -34,8 +34,8 @@ struct Cuda {
   CUresult (*cuMemAllocHost)(void**, size_t) = nullptr;
   CUresult (*cuMemFreeHost)(void*) = nullptr;
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
-  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                             CUstream, void**, void**) = nullptr;
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                             void**, void**) = nullptr;
   CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
   CUresult (*cuGetErrorString)(CUresult, const char**) = nullptr;
   CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
@@ -66,7 +66,7 @@ struct DeviceLane {  // per CUDA device: context, stream, kernel, descriptor buf
   CUstream stream = nullptr;
   CUfunction fn = nullptr;       // lane_copy (kernel.h)
   CUfunction fn_wide = nullptr;  // lane_copy_wide
-  char* host = nullptr;  // pinned
+  char* host = nullptr;          // pinned
   CUdeviceptr dev = 0;
   size_t cap = 0;
   std::vector<Slot> ring;  // same-node copies launched and not yet seen done (launch_local)

@@ -2,6 +2,8 @@
 // (same_node.cpp, cross_send.cpp); REPLY and END go back on the same socket; completions queue for
 // Python's bookkeeping (drain).
 
+#include "lane.h"
+
 #include <errno.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -10,8 +12,6 @@
 
 #include <cstring>
 #include <stdexcept>
-
-#include "lane.h"
 
 namespace kvlane {
 
@@ -33,6 +33,7 @@ void Lane::stop() {
   if (!running_.exchange(false)) return;
   uint64_t one = 1;
   (void)!write(wake_, &one, 8);
+  cu_.wake();  // a launch waiting for a ring slot gives up
   if (thread_.joinable()) thread_.join();
   xcv_.notify_all();
   if (xthread_.joinable()) xthread_.join();
@@ -112,11 +113,11 @@ void Lane::reply(int fd, uint32_t seq, int32_t code, const std::string& msg) {
   sendmsg_(fd, m + msg);
 }
 
-std::string Lane::end_msg(uint32_t role, bool ok, const std::string& tid, const std::string& bs,
-                          const std::string& err, uint64_t nbytes, uint64_t npages, uint64_t skipped,
-                          uint64_t us, uint32_t flags, const LocalCopy* at) {
-  EndHdr h{MSG_END, role, ok ? 0u : 1u, (uint32_t)tid.size(), (uint32_t)bs.size(), (uint32_t)err.size(),
-           nbytes, npages, skipped, us};
+std::string Lane::end_msg(uint32_t role, bool ok, const std::string& tid, const std::string& bs, const std::string& err,
+                          uint64_t nbytes, uint64_t npages, uint64_t skipped, uint64_t us, uint32_t flags,
+                          const LocalCopy* at) {
+  EndHdr h{MSG_END, role, ok ? 0u : 1u, (uint32_t)tid.size(), (uint32_t)bs.size(), (uint32_t)err.size(), nbytes, npages,
+           skipped, us};
   // trailing u32 flags (END_CROSS: the cross-node lane moved it); older readers stop at msg.
   // A same-node copy's END then carries its timeline (f64 CLOCK_MONOTONIC s: SEND read, SEND
   // checked, copy launched, copy seen done, END sent), for bench/probe_lane.py; readers ignore it.
@@ -185,6 +186,9 @@ std::deque<Completion> Lane::drain() {
 std::vector<uint64_t> Lane::stats() {
   std::vector<uint64_t> out;
   for (auto& s : st_) out.push_back(s.load());
+  out[S_COPIES] = cu_.copies();
+  out[S_CULOCK] = cu_.lock_us();
+  out[S_CUSYNC] = cu_.sync_us();
   return out;
 }
 

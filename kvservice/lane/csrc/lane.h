@@ -13,13 +13,14 @@
 // validation and its errors. No GIL is taken on this path: nothing here includes pybind11
 // (module.cpp, the bindings, is the only file that does).
 //
-// One object, its methods by route (one lock order: nx_mu_ is never taken inside mu_; cuda_mu_
-// and fin_mu_ nest inside neither):
+// One object, its methods by route, and the Copier it copies with (one lock order: nx_mu_ is
+// never taken inside mu_; the Copier's locks and fin_mu_ nest inside neither):
 //
 //   lane.cpp         threads, the reader loop, messages to engines, completions
 //   arming.cpp       what Python arms: engines' connections, pools, same-node transfers
 //   same_node.cpp    a SEND: checked against what is armed, copied, ended (handle -> end_local)
-//   copy.cpp         the copy itself: CUDA driver + NVRTC kernel launches, host memcpy
+//   copy.cpp         the copy itself (copier.h, class Copier): CUDA driver + NVRTC kernel
+//                    launches, the ring of launches in flight, host memcpy
 //   cross_setup.cpp  the cross-node lane's NIXL agent, staging, offers and declarations
 //   cross_send.cpp   a SEND_TO: packed, written through NIXL in chunks, acknowledged
 //   cross_recv.cpp   notifications: a chunk written here is unpacked, acked or credited
@@ -38,6 +39,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "copier.h"
 #include "cuda.h"
 #include "nixl_capi.h"
 #include "state.h"
@@ -60,11 +62,11 @@ class Lane {
 
   // ---- tuning (config lane_*) ----------------------------------------------------------------
   // Bytes of one page region a CUDA block copies (config lane_cuda_chunk_kb; a multiple of 16).
-  void set_chunk(unsigned bytes) { chunk_ = std::max(16u, bytes & ~15u); }
+  void set_chunk(unsigned bytes) { cu_.set_chunk(bytes); }
   // µs the lane thread polls without sleeping after a message (config lane_spin_us; 0: never).
   void set_spin_us(unsigned us) { spin_us_ = us; }
   // Between two GPUs the kernel runs on the receiver's GPU (pull) or the sender's (push, default).
-  void set_pull(bool pull) { pull_ = pull; }
+  void set_pull(bool pull) { cu_.set_pull(pull); }
   void set_req_cache(bool on) { req_cache_ = on; }
   void set_note_after(bool on) { note_after_ = on; }
   // Chunks of a streamed cross-node send in flight (config lane_cross_parts): the slot and the
@@ -73,17 +75,17 @@ class Lane {
   // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
   void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
 
-  // ---- CUDA (copy.cpp) -----------------------------------------------------------------------
-  bool init_cuda(const std::string& libcuda, const std::string& libnvrtc);
-  std::string cuda_why() const { return cuda_.why; }
-  void prepare_device(int dev);
+  // ---- CUDA (the Copier, copy.cpp) -----------------------------------------------------------
+  bool init_cuda(const std::string& libcuda, const std::string& libnvrtc) { return cu_.init(libcuda, libnvrtc); }
+  std::string cuda_why() const { return cu_.why(); }
+  void prepare_device(int dev) { cu_.prepare(dev); }
 
   // ---- same node: what Python arms (arming.cpp) ----------------------------------------------
   void add_conn(int fd, const std::string& session);
   void drop_session(const std::string& session);
   int conns();
-  void add_pool(const std::string& bs, const std::string& owner, int device, int64_t num_pages, uint64_t sig,
-                int rank, std::vector<RegionDesc> regions, uint64_t xsig);
+  void add_pool(const std::string& bs, const std::string& owner, int device, int64_t num_pages, uint64_t sig, int rank,
+                std::vector<RegionDesc> regions, uint64_t xsig);
   void set_alias(const std::string& bs, int device, std::vector<uint64_t> bases);
   void drop_pool(const std::string& bs);
   void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps);
@@ -106,8 +108,8 @@ class Lane {
   int disarm_out(const std::string& tid, int rank) { return disarm_of(xout_, key(tid, rank)); }
   void forget_out(const std::string& tid, int rank);
   void arm_in(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
-              const std::string& sender_agent, int64_t prefix, std::vector<int32_t> dst, uint64_t slot,
-              uint64_t bytes, int device, double deadline);
+              const std::string& sender_agent, int64_t prefix, std::vector<int32_t> dst, uint64_t slot, uint64_t bytes,
+              int device, double deadline);
   int disarm_in(const std::string& tid, int rank, bool cancel);
   void forget_in(const std::string& tid, int rank);
   size_t cross_count();
@@ -122,8 +124,8 @@ class Lane {
   static bool sendmsg_(int fd, const std::string& m);
   static void reply(int fd, uint32_t seq, int32_t code, const std::string& msg);
   static std::string end_msg(uint32_t role, bool ok, const std::string& tid, const std::string& bs,
-                             const std::string& err, uint64_t nbytes, uint64_t npages, uint64_t skipped,
-                             uint64_t us, uint32_t flags = 0, const LocalCopy* at = nullptr);
+                             const std::string& err, uint64_t nbytes, uint64_t npages, uint64_t skipped, uint64_t us,
+                             uint32_t flags = 0, const LocalCopy* at = nullptr);
   static bool read_src(const char* q, uint32_t n, uint64_t w, std::vector<int32_t>& out);
   void to_bulk(std::function<void()> job);
   void bulk_run();
@@ -133,8 +135,8 @@ class Lane {
 
   // ---- same_node.cpp -------------------------------------------------------------------------
   void handle(int fd, const char* p, size_t n);
-  std::string targets(const std::string& tid, const Pool& sp, const std::vector<int32_t>& src,
-                      std::vector<Target>& tg, int64_t& prefix);
+  std::string targets(const std::string& tid, const Pool& sp, const std::vector<int32_t>& src, std::vector<Target>& tg,
+                      int64_t& prefix);
   void copy_local(LocalCopy& job);
   std::string launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
                            size_t moved, uint64_t nbytes, double t0);
@@ -143,15 +145,14 @@ class Lane {
   std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src, int nh) const;
   std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const;
   static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src);
-  int launch_device(const Pool& sp, const Pool& dp) const { return pull_ ? dp.device : sp.device; }
+  int launch_device(const Pool& sp, const Pool& dp) const { return cu_.launch_device(sp.device, dp.device); }
   // A larger same-node copy of host pools goes to the bulk thread: the lane thread keeps
   // answering (a 256 MiB host copy takes ~25 ms). GPU copies stay here (2 GiB is ~1.4 ms on one
   // GPU, and the hand-off would land on the same-node 2 GiB row, a goal still missed).
   static constexpr uint64_t LOCAL_BULK_BYTES = 16ull << 20;
   // A GPU copy launched, not waited for: the lane thread takes the next SEND while it runs (a
   // TP 4 -> 2 transfer's four SENDs queue four kernels back to back); the finisher thread waits
-  // for its event and ends it (end_local). Each launch in flight holds a slot of descriptor
-  // buffers, so a later launch never overwrites the table an earlier one still reads.
+  // for it (Copier::finish) and ends it (end_local).
   struct InFlight {
     LocalCopy job;
     int device = 0, slot = 0;
@@ -159,26 +160,9 @@ class Lane {
     size_t moved = 0;
     double t0 = 0;
   };
-  static constexpr size_t RING = 8;
 
-  // ---- copy.cpp ------------------------------------------------------------------------------
-  bool fail(const std::string& why);
-  std::string cu_err(CUresult r);
-  DeviceLane& device(int dev);  // cuda_mu_ held
-  void device_ctx(int dev);     // cuda_mu_ held: the device's context current on this thread
-  void grow(DeviceLane& d, size_t need) { grow(d.host, d.dev, d.cap, need); }
-  void grow(char*& host, CUdeviceptr& dev, size_t& cap_, size_t need);
-  std::string launch(DeviceLane& d, char* host, CUdeviceptr dev, const std::vector<Seg>& segs,
-                     const std::vector<int32_t>& pairs, size_t moved);
+  // ---- cross_send.cpp: pool to pool, whole pages (a pack or an unpack), waited for ---------
   std::string copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved);
-  std::string copy_segs(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
-                        size_t moved);
-  static void host_run(char* d, const char* s, uint64_t n);
-  static void host_jobs(const Seg* segs, const int32_t* pairs, size_t moved, size_t lo, size_t hi);
-  static void host_copy(const std::vector<Seg>& segs, const int32_t* pairs, size_t moved);
-  // Host pools: from HOST_PARALLEL_BYTES on, the jobs split over a few threads (host_copy).
-  static constexpr uint64_t HOST_PARALLEL_BYTES = 4ull << 20;
-  static constexpr unsigned HOST_MAX_THREADS = 8;
 
   // ---- cross_setup.cpp -----------------------------------------------------------------------
   // 0 none, 1 was armed (now gone), 2 moving/moved (``moving`` sees it, under the lock)
@@ -227,32 +211,28 @@ class Lane {
                   uint64_t first, uint64_t off);
 
   // ---- state ---------------------------------------------------------------------------------
-  std::atomic<unsigned> chunk_{32768};
   std::atomic<unsigned> spin_us_{0};
-  double at_msg_ = 0;  // when the lane thread read the message it handles (LocalCopy::at_recv)
+  double at_msg_ = 0;               // when the lane thread read the message it handles (LocalCopy::at_recv)
   std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight
-  std::atomic<bool> pull_{false};
   int epfd_, wake_, done_;
   std::atomic<bool> running_{true};
   std::thread thread_;
-  std::mutex mu_, cuda_mu_;
+  std::mutex mu_;
+  Copier cu_;
   std::unordered_map<int, Conn> conns_;
   std::unordered_map<std::string, Pool> pools_;
   std::unordered_map<std::string, Armed> armed_;
   std::unordered_map<std::string, std::vector<int>> by_tid_;  // transfer id -> its armed ranks
   std::deque<Completion> completions_;
-  Cuda cuda_;
-  NvRtc nvrtc_;
-  std::unordered_map<int, DeviceLane> devs_;
   // cross-node lane
   xnixl::Api nx_;
   xnixl::Agent agent_ = nullptr;
   void* backend_ = nullptr;
-  std::mutex nx_mu_;  // one NIXL call at a time (never taken inside mu_)
-  std::unordered_map<int, Arena> arenas_;        // device (-1: host) -> staging
-  std::unordered_map<std::string, XOut> xout_;   // key(tid, rank) -> an offer an engine here may SEND_TO
-  std::unordered_map<std::string, XIn> xin_;     // key(tid, rank) -> a declaration with a slot
-  std::unordered_map<std::string, XPend> xpend_; // key(tid, rank) -> written, waiting for the ack
+  std::mutex nx_mu_;                              // one NIXL call at a time (never taken inside mu_)
+  std::unordered_map<int, Arena> arenas_;         // device (-1: host) -> staging
+  std::unordered_map<std::string, XOut> xout_;    // key(tid, rank) -> an offer an engine here may SEND_TO
+  std::unordered_map<std::string, XIn> xin_;      // key(tid, rank) -> a declaration with a slot
+  std::unordered_map<std::string, XPend> xpend_;  // key(tid, rank) -> written, waiting for the ack
   struct Parked {
     int fd;
     std::string msg;
@@ -261,7 +241,21 @@ class Lane {
   std::condition_variable credit_cv_;  // a streamed transfer's credit (or ack) came
   static constexpr double PARK_S = 0.02;
   // cumulative µs (and counts) of the cross-node path's steps, for benchmarks (stats())
-  enum { S_SENT, S_PACK, S_POST, S_WAIT, S_NOTE, S_ACK, S_RECEIVED, S_UNPACK, S_REPOST, S_COPIES, S_CULOCK, S_CUSYNC, S_N };
+  enum {
+    S_SENT,
+    S_PACK,
+    S_POST,
+    S_WAIT,
+    S_NOTE,
+    S_ACK,
+    S_RECEIVED,
+    S_UNPACK,
+    S_REPOST,
+    S_COPIES,
+    S_CULOCK,
+    S_CUSYNC,
+    S_N
+  };
   std::atomic<uint64_t> st_[S_N] = {};
   void stat(int i, double since) { st_[i] += (uint64_t)std::max(0.0, (now_s() - since) * 1e6); }
   std::unordered_map<std::string, void*> reqs_;  // finished WRITEs kept for re-posting (nx_mu_)
@@ -271,7 +265,7 @@ class Lane {
   std::unordered_map<std::string, Parked> parked_;  // key(tid, rank) -> a SEND_TO waiting for its offer
   std::atomic<size_t> parked_count_{0};
   bool kicked_ = false;
-  bool unparking_ = false;  // lane thread only
+  bool unparking_ = false;            // lane thread only
   std::set<std::string> lane_peers_;  // addresses whose lanes have offered slots
   std::condition_variable xcv_;
   std::thread xthread_;

@@ -21,8 +21,8 @@ using Release = py::call_guard<py::gil_scoped_release>;
 
 std::vector<int32_t> pages(const I32Array& a) { return std::vector<int32_t>(a.data(), a.data() + a.size()); }
 
-void add_pool(Lane& lane, const std::string& bs, const std::string& owner, int device, int64_t num_pages,
-              uint64_t sig, int rank, const U64Array& regions, uint64_t xsig) {
+void add_pool(Lane& lane, const std::string& bs, const std::string& owner, int device, int64_t num_pages, uint64_t sig,
+              int rank, const U64Array& regions, uint64_t xsig) {
   if (regions.ndim() != 2 || regions.shape(1) != 3) throw std::invalid_argument("regions: want [n, 3]");
   std::vector<kvlane::RegionDesc> rs;
   auto r = regions.unchecked<2>();
@@ -39,9 +39,9 @@ void arm(Lane& lane, const std::string& tid, int rank, const std::string& recv_s
   lane.arm(tid, rank, recv_session, recv_bs, prefix, pages(dst), deadline, senders);
 }
 
-void arm_in(Lane& lane, const std::string& tid, int rank, const std::string& recv_session,
-            const std::string& recv_bs, const std::string& sender_agent, int64_t prefix, const I32Array& dst,
-            uint64_t slot, uint64_t bytes, int device, double deadline) {
+void arm_in(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
+            const std::string& sender_agent, int64_t prefix, const I32Array& dst, uint64_t slot, uint64_t bytes,
+            int device, double deadline) {
   lane.arm_in(tid, rank, recv_session, recv_bs, sender_agent, prefix, pages(dst), slot, bytes, device, deadline);
 }
 
@@ -60,8 +60,8 @@ py::list drain(Lane& lane) {
   for (auto& c : lane.drain()) {
     py::array_t<int32_t> src(c.src.size());
     if (!c.src.empty()) std::memcpy(src.mutable_data(), c.src.data(), c.src.size() * 4);
-    out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us,
-                              c.flags, c.told_recv, c.told_send, py::cast(c.ranks), py::cast(c.told), c.kind));
+    out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us, c.flags,
+                              c.told_recv, c.told_send, py::cast(c.ranks), py::cast(c.told), c.kind));
   }
   return out;
 }
@@ -87,8 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_alias", &set_alias)
       .def("drop_pool", &Lane::drop_pool)
       .def("set_heads", &Lane::set_heads)
-      .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"),
-           py::arg("prefix"), py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1)
+      .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"), py::arg("prefix"),
+           py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1)
       .def("disarm", &Lane::disarm)
       .def("forget", &Lane::forget)
       .def("armed_count", &Lane::armed_count)

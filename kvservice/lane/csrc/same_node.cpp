@@ -156,7 +156,7 @@ void Lane::copy_local(LocalCopy& job) {
     reply(fd, seq, REPLY_ACCEPTED, "");
     if (err.empty()) return;
   } else if (err.empty()) {
-    err = copy_segs(sp.device, job.tg[0].dp.device, segs, pairs, moved);
+    err = cu_.copy(sp.device, job.tg[0].dp.device, segs, pairs, moved);
   }
   if (!job.at_launch) job.at_launch = t0;
   job.at_done = now_s();
@@ -172,41 +172,9 @@ std::string Lane::launch_local(LocalCopy& job, const std::vector<Seg>& segs, con
   }
   const int on = launch_device(job.sp, job.tg[0].dp);
   int si = -1;
-  try {
-    std::unique_lock<std::mutex> g(fin_mu_);  // a free slot (the finisher frees them)
-    fin_cv_.wait(g, [&] {
-      if (!running_) return true;
-      std::lock_guard<std::mutex> c(cuda_mu_);
-      DeviceLane& d = device(on);
-      if (d.ring.size() < RING) d.ring.resize(RING);
-      for (size_t i = 0; i < d.ring.size(); ++i)
-        if (!d.ring[i].busy) return (si = (int)i) >= 0;
-      return false;
-    });
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  if (si < 0) return "lane: stopping";
-  try {
-    std::lock_guard<std::mutex> g(cuda_mu_);
-    st_[S_COPIES]++;
-    DeviceLane& d = device(on);
-    Slot& sl = d.ring[(size_t)si];
-    CUresult r;
-    if ((r = cuda_.cuCtxSetCurrent(d.ctx))) return cu_err(r);
-    grow(sl.host, sl.dev, sl.cap, nr * sizeof(Seg) + pairs.size() * 4);
-    if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
-    std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
-    if (err.empty() && (r = cuda_.cuEventRecord(sl.ev, d.stream))) err = cu_err(r);
-    job.at_launch = now_s();
-    if (!err.empty()) {  // what was queued may still read the slot or write pages: wait it out
-      cuda_.cuStreamSynchronize(d.stream);
-      return err;
-    }
-    sl.busy = true;
-  } catch (const std::exception& e) {
-    return e.what();
-  }
+  std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si);
+  job.at_launch = now_s();
+  if (!err.empty()) return err;
   {
     std::lock_guard<std::mutex> g(fin_mu_);
     fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
@@ -226,30 +194,8 @@ void Lane::finish_run() {
       f = std::move(fin_q_.front());
       fin_q_.pop_front();
     }
-    std::string err;
-    CUevent ev = nullptr;
-    {
-      std::lock_guard<std::mutex> c(cuda_mu_);
-      DeviceLane& d = device(f.device);
-      ev = d.ring[(size_t)f.slot].ev;
-      CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
-      if (r) err = cu_err(r);
-    }
-    const double t_sync = now_s();
-    if (err.empty()) {
-      CUresult r = cuda_.cuEventSynchronize(ev);  // outside cuda_mu_: launches go on meanwhile
-      if (r) err = cu_err(r);
-    }
-    stat(S_CUSYNC, t_sync);
+    const std::string err = cu_.finish(f.device, f.slot);
     f.job.at_done = now_s();
-    {
-      std::lock_guard<std::mutex> c(cuda_mu_);
-      device(f.device).ring[(size_t)f.slot].busy = false;
-    }
-    {
-      std::lock_guard<std::mutex> g(fin_mu_);  // a launch waiting for a slot
-    }
-    fin_cv_.notify_all();
     try {
       end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
     } catch (const std::exception&) {  // (out of memory) the transfer's deadline ends it
@@ -325,7 +271,7 @@ std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const st
   // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
   if (sp.device != dp.device) {
     if (sp.device < 0 || dp.device < 0) return "pools on different devices";
-    const Pool& far = pull_ ? sp : dp;
+    const Pool& far = launch_device(sp, dp) == dp.device ? sp : dp;  // the pool the launching GPU maps
     if (far.alias.find(launch_device(sp, dp)) == far.alias.end())
       return "pools on two GPUs, not mapped in the launching GPU's context";
   }
@@ -364,7 +310,7 @@ std::vector<Seg> Lane::segments(const Pool& sp, const std::vector<Target>& tg, s
           g.run = x.nh * hb, g.src_run = sp.hn * hb, g.dst_run = dp.hn * hb;
           g.nbytes = g.run * ps;
           if (g.run == g.src_run && g.run == g.dst_run) g.run = g.nbytes;  // all heads: one run
-        } else {  // head-major
+        } else {                                                           // head-major
           g.src += x.hs * ps * hb, g.dst += x.hd * ps * hb;
           g.nbytes = g.run = x.nh * ps * hb;
         }

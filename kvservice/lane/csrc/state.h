@@ -42,14 +42,14 @@ struct Armed {  // one receiver rank's declaration
   int64_t prefix = 0;
   std::vector<int32_t> dst;
   double deadline = 0;
-  int senders = 1;           // sender ranks it expects (mixed TP: several; 0: the first says)
-  int pending = 0;           // copies taken and not yet booked by Python (forget)
-  int done = 0;              // copies made
-  int failed = 0;            // copies that failed
-  std::string error;         // the first failure's
-  uint64_t ranks = 0;        // sender ranks taken (bit per rank)
-  uint64_t nbytes = 0;       // bytes copied into it
-  bool told = false;         // its END went out
+  int senders = 1;      // sender ranks it expects (mixed TP: several; 0: the first says)
+  int pending = 0;      // copies taken and not yet booked by Python (forget)
+  int done = 0;         // copies made
+  int failed = 0;       // copies that failed
+  std::string error;    // the first failure's
+  uint64_t ranks = 0;   // sender ranks taken (bit per rank)
+  uint64_t nbytes = 0;  // bytes copied into it
+  bool told = false;    // its END went out
 };
 
 // A segment of a copy: one region of one receiver rank (the kernel's Region, 9 x u64).
@@ -93,8 +93,8 @@ struct XIn {  // a transfer this service declared and offered with a slot
   int64_t prefix = 0;
   std::vector<int32_t> dst;
   uint64_t slot = 0, bytes = 0;  // the slot: its address and size (a larger delta streams through it)
-  uint64_t got = 0, us = 0;       // pages unpacked so far, and the µs it took
-  bool cancel = false;            // ended by the receiver while a chunk was being unpacked
+  uint64_t got = 0, us = 0;      // pages unpacked so far, and the µs it took
+  bool cancel = false;           // ended by the receiver while a chunk was being unpacked
   int device = -1;
   double deadline = 0;
 };
@@ -151,8 +151,8 @@ struct Completion {
   uint64_t nbytes = 0, copy_us = 0;
   bool told_recv = false, told_send = false;  // END reached that engine's lane
   std::vector<int32_t> src;
-  std::vector<int> ranks;   // same node: the receiver ranks copied into
-  std::vector<int> told;    // ... and whether each one's END went out now (1) or not (0)
+  std::vector<int> ranks;  // same node: the receiver ranks copied into
+  std::vector<int> told;   // ... and whether each one's END went out now (1) or not (0)
 };
 
 }  // namespace kvlane

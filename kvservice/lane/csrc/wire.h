@@ -29,7 +29,7 @@ struct XNote {
   uint32_t kind, rank, ok;
   uint64_t nbytes, npages;
   uint64_t first, off;  // W: the chunk's first page (of the delta) and its offset in the slot
-  double at;  // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
+  double at;            // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
   uint32_t tid_len, msg_len;
 };
 inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '2'};
