@@ -44,14 +44,16 @@ class Copier {
   // one kernel launch on the launching GPU, or memcpy for host pools; returns once copied.
   std::string copy(int sdev, int ddev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs, size_t moved);
   // The same on GPU ``dev``, launched and not waited for: into a free slot of the device's ring
-  // (waiting for one while ``running``; an error once it is not), its event recorded.
+  // (waiting for one while ``running``; an error once it is not), its event recorded, and when
+  // (``at_launch``; left as it was when it never launched).
   std::string launch_async(int dev, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs, size_t moved,
-                           const std::atomic<bool>& running, int& slot);
+                           const std::atomic<bool>& running, int& slot, double& at_launch);
   // Until ``slot``'s copy on ``dev`` has run; the slot is free again either way.
   std::string finish(int dev, int slot);
   void wake();  // waiters for a slot look again (the lane stops)
 
-  // Device memory (the cross-node lane's staging).
+  // Device memory (the cross-node lane's staging): the allocation's error, or throws when the
+  // device cannot be used at all.
   std::string alloc(int dev, uint64_t bytes, CUdeviceptr& out);
   void free(CUdeviceptr p);
 

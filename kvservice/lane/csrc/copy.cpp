@@ -30,24 +30,27 @@ bool Copier::init(const std::string& libcuda, const std::string& libnvrtc) {
   *(void**)(&cuda_.name) = dlsym(h, sym); \
   if (!cuda_.name) return fail(std::string("libcuda lacks ") + sym);
   SYM(cuInit, "cuInit")
-  SYM(cuDeviceGet, "cuDeviceGet") SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
-      SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
-          SYM(cuModuleLoadData, "cuModuleLoadData") SYM(cuModuleGetFunction, "cuModuleGetFunction")
-              SYM(cuStreamCreate, "cuStreamCreate") SYM(cuMemAlloc, "cuMemAlloc_v2") SYM(cuMemFree, "cuMemFree_v2")
-                  SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
-                      SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
-                          SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
-                              SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
-                                  SYM(cuEventSynchronize, "cuEventSynchronize")
+  SYM(cuDeviceGet, "cuDeviceGet")
+  SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
+  SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
+      SYM(cuModuleLoadData, "cuModuleLoadData") SYM(cuModuleGetFunction, "cuModuleGetFunction")
+          SYM(cuStreamCreate, "cuStreamCreate") SYM(cuMemAlloc, "cuMemAlloc_v2") SYM(cuMemFree, "cuMemFree_v2")
+              SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
+                  SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
+                      SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
+                          SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
+                              SYM(cuEventSynchronize, "cuEventSynchronize")
 #undef SYM
-                                      void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
+                                  void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
 #define NSYM(name, sym)                    \
   *(void**)(&nvrtc_.name) = dlsym(n, sym); \
   if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym);
   NSYM(create, "nvrtcCreateProgram")
-  NSYM(compile, "nvrtcCompileProgram") NSYM(ptx_size, "nvrtcGetPTXSize") NSYM(ptx, "nvrtcGetPTX")
-      NSYM(log_size, "nvrtcGetProgramLogSize") NSYM(log, "nvrtcGetProgramLog") NSYM(destroy, "nvrtcDestroyProgram")
+  NSYM(compile, "nvrtcCompileProgram")
+  NSYM(ptx_size, "nvrtcGetPTXSize")
+  NSYM(ptx, "nvrtcGetPTX") NSYM(log_size, "nvrtcGetProgramLogSize") NSYM(log, "nvrtcGetProgramLog")
+      NSYM(destroy, "nvrtcDestroyProgram")
 #undef NSYM
           if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
   cuda_.ok = true;
@@ -192,7 +195,7 @@ std::string Copier::copy(int sdev, int ddev, const std::vector<Seg>& segs, const
 }
 
 std::string Copier::launch_async(int on, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs, size_t moved,
-                                 const std::atomic<bool>& running, int& slot) {
+                                 const std::atomic<bool>& running, int& slot, double& at_launch) {
   slot = -1;
   int si = -1;
   try {
@@ -217,6 +220,7 @@ std::string Copier::launch_async(int on, const std::vector<Seg>& segs, const std
     if (!sl.ev && (r = cuda_.cuEventCreate(&sl.ev, 2 /* CU_EVENT_DISABLE_TIMING */))) return cu_err(r);
     std::string err = launch(d, sl.host, sl.dev, segs, pairs, moved);
     if (err.empty() && (r = cuda_.cuEventRecord(sl.ev, d.stream))) err = cu_err(r);
+    at_launch = now_s();
     if (!err.empty()) {  // what was queued may still read the slot or write pages: wait it out
       cuda_.cuStreamSynchronize(d.stream);
       return err;
@@ -264,15 +268,12 @@ void Copier::wake() {
 }
 
 std::string Copier::alloc(int dev, uint64_t bytes, CUdeviceptr& out) {
-  try {
-    std::lock_guard<std::mutex> g(mu_);
-    DeviceLane& d = device(dev);
-    CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
-    if (!r) r = cuda_.cuMemAlloc(&out, bytes);
-    return r ? cu_err(r) : "";
-  } catch (const std::exception& e) {
-    return e.what();
-  }
+  std::lock_guard<std::mutex> g(mu_);
+  DeviceLane& d = device(dev);  // (throws: "lane: CUDA not initialised", "lane: device N: ...")
+  CUresult r = cuda_.cuCtxSetCurrent(d.ctx);
+  if (r) throw std::runtime_error("lane: device " + std::to_string(dev) + ": " + cu_err(r));
+  r = cuda_.cuMemAlloc(&out, bytes);
+  return r ? cu_err(r) : "";
 }
 
 void Copier::free(CUdeviceptr p) {

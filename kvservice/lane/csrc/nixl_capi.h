@@ -80,17 +80,18 @@ struct Api {
   *(void**)(&name) = dlsym(h, "nixl_capi_" #name); \
   if (!name) return fail("libnixl_capi lacks nixl_capi_" #name);
     XSYM(create_agent)
-    XSYM(create_configured_agent) XSYM(destroy_agent) XSYM(get_plugin_params) XSYM(destroy_mem_list)
-        XSYM(destroy_params) XSYM(create_backend) XSYM(get_local_md) XSYM(load_remote_md) XSYM(create_reg_dlist)
-            XSYM(destroy_reg_dlist) XSYM(reg_dlist_add_desc) XSYM(register_mem) XSYM(deregister_mem)
-                XSYM(create_xfer_dlist) XSYM(destroy_xfer_dlist) XSYM(xfer_dlist_add_desc) XSYM(create_opt_args)
-                    XSYM(destroy_opt_args) XSYM(opt_args_set_notif_msg) XSYM(opt_args_set_has_notif)
-                        XSYM(create_xfer_req) XSYM(post_xfer_req) XSYM(get_xfer_status) XSYM(release_xfer_req)
-                            XSYM(destroy_xfer_req) XSYM(create_notif_map) XSYM(destroy_notif_map) XSYM(get_notifs)
-                                XSYM(notif_map_size) XSYM(notif_map_get_agent_at) XSYM(notif_map_get_notifs_size)
-                                    XSYM(notif_map_get_notif) XSYM(notif_map_clear) XSYM(gen_notif)
+    XSYM(create_configured_agent)
+    XSYM(destroy_agent)
+    XSYM(get_plugin_params) XSYM(destroy_mem_list) XSYM(destroy_params) XSYM(create_backend) XSYM(get_local_md)
+        XSYM(load_remote_md) XSYM(create_reg_dlist) XSYM(destroy_reg_dlist) XSYM(reg_dlist_add_desc) XSYM(register_mem)
+            XSYM(deregister_mem) XSYM(create_xfer_dlist) XSYM(destroy_xfer_dlist) XSYM(xfer_dlist_add_desc)
+                XSYM(create_opt_args) XSYM(destroy_opt_args) XSYM(opt_args_set_notif_msg) XSYM(opt_args_set_has_notif)
+                    XSYM(create_xfer_req) XSYM(post_xfer_req) XSYM(get_xfer_status) XSYM(release_xfer_req)
+                        XSYM(destroy_xfer_req) XSYM(create_notif_map) XSYM(destroy_notif_map) XSYM(get_notifs)
+                            XSYM(notif_map_size) XSYM(notif_map_get_agent_at) XSYM(notif_map_get_notifs_size)
+                                XSYM(notif_map_get_notif) XSYM(notif_map_clear) XSYM(gen_notif)
 #undef XSYM
-                                        ok = true;
+                                    ok = true;
     return true;
   }
 

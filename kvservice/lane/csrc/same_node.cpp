@@ -172,8 +172,7 @@ std::string Lane::launch_local(LocalCopy& job, const std::vector<Seg>& segs, con
   }
   const int on = launch_device(job.sp, job.tg[0].dp);
   int si = -1;
-  std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si);
-  job.at_launch = now_s();
+  std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si, job.at_launch);
   if (!err.empty()) return err;
   {
     std::lock_guard<std::mutex> g(fin_mu_);
