@@ -130,6 +130,8 @@ def kvservice_runs(
         for path in paths:
             if "p50_ms" in out.get(path, {}):
                 out[path]["timeline"] = timeline(logs, f"xfer-{path}-{args.iters}")
+                if chunks := lane_timeline(logs, f"xfer-{path}-{args.iters}"):
+                    out[path]["lane_timeline"] = chunks
                 ms = lambda t, z=t0_mono[path]: round((t - z) * 1e3, 3)  # noqa: E731
                 out[path]["points_ms"] = points(logs, f"xfer-{path}-{args.iters}", t0_mono[path]) + [
                     {"svc": "bench", "point": "send_delta_returned", "ms": ms(t_sent_mono[path])},
@@ -189,6 +191,63 @@ def timeline(logs: Path, transfer_id: str) -> list[dict]:
              "unpack_end": ms(u[1]) if u else None}
         )  # fmt: skip
     return rows
+
+
+def lane_timeline(logs: Path, transfer_id: str) -> dict:
+    """The cross-node lane's chunks of ``transfer_id`` ("lane chunk" DEBUG lines, csrc/state.h
+    ChunkTrace), in ms since its first pack started, and per stage the median chunk's time and
+    rate. ``write_seen`` runs from the post to when the sender saw the WRITE done, an upper bound
+    of the WRITE (the sender looks after its next pack); ``idle_ms``: time in the span when no
+    pack, WRITE (as seen) or unpack ran."""
+    send, recv = {}, {}
+    for f in sorted(logs.glob("svc*.log")):
+        for line in f.read_text().splitlines():
+            if '"lane chunk"' in line and '"transfer_id": "' + transfer_id + '"' in line:
+                rec = json.loads(line)
+                (send if rec["side"] == "send" else recv)[rec["first"]] = rec
+    if not send:
+        return {}
+    zero = min(r["t"][0] for r in send.values())
+    ms = lambda t: round((t - zero) * 1e3, 3)  # noqa: E731
+    rows, spans = [], []
+    for first in sorted(send):
+        s, r = send[first]["t"], recv.get(first, {}).get("t")
+        row = {"first": first, "bytes": send[first]["bytes"], "pack_start": ms(s[0]), "packed": ms(s[1]),
+               "posted": ms(s[2]), "write_seen": ms(s[3]), "noted": ms(s[4])}  # fmt: skip
+        spans += [(s[0], s[1]), (s[1], s[3])]
+        if r:
+            row |= {
+                "note_got": ms(r[0]),
+                "unpack_start": ms(r[1]),
+                "unpacked": ms(r[2]),
+                "answered": ms(r[3]),
+            }
+            spans.append((r[1], r[2]))
+        rows.append(row)
+    stages = {}
+    for name, a, b in (("pack", "pack_start", "packed"), ("post", "packed", "posted"),
+                       ("write_seen", "packed", "write_seen"), ("note", "write_seen", "note_got"),
+                       ("unpack", "unpack_start", "unpacked")):  # fmt: skip
+        d = [
+            (row[b] - row[a], row["bytes"])
+            for row in rows
+            if row.get(a) is not None and row.get(b) is not None
+        ]
+        if d:
+            stages[name] = {"median_ms": round(float(np.median([x for x, _ in d])), 4)}
+            if name in ("pack", "write_seen", "unpack") and all(x > 0 for x, _ in d):  # GB/s
+                stages[name]["median_gbps"] = round(float(np.median([n / (x * 1e6) for x, n in d])), 1)
+    spans.sort()
+    idle, reach = 0.0, spans[0][0]
+    for a, b in spans:
+        idle += max(0.0, a - reach)
+        reach = max(reach, b)
+    return {
+        "chunks": rows,
+        "stages": stages,
+        "span_ms": round((reach - zero) * 1e3, 3),
+        "idle_ms": round(idle * 1e3, 3),
+    }
 
 
 def main() -> None:

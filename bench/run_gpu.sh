@@ -84,6 +84,21 @@ elif [ "$1" = goals28 ]; then
     T=80 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_goals$i
   done
   mps_off
+elif [ "$1" = spin ]; then
+  # 2026-11-29 (second): the Copier split's GPU tests (same-node lane, mixed TP), the same-node
+  # 2 GiB row at the defaults (waiters spin as the service advises: 2 ms on a GPU lane), the
+  # cross-node 2 GiB on one GPU under MPS with the lane's chunk timeline
+  timeout 200 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_lane.py tests/gpu/test_gpu_mixed_tp.py \
+    2>&1 | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+  for i in 1 2; do
+    T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag advised$i
+  done
+  mps_on
+  for i in 1 2; do
+    T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_chunks$i
+  done
+  mps_off
 elif [ "$1" = verify ]; then
   # the GPU tests of the lanes and the transfer paths (same node, cross-node, abort, mixed TP, two
   # GPUs where there are two), verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

@@ -140,6 +140,15 @@ class Config:
         "which a small transfer pays twice; spinning costs up to one core while engines send "
         "(bench/results/NOTES.md has the measurement).",
     )
+    lane_wait_spin_us: int = _opt(
+        -1,
+        "µs an engine's thread waiting for the lane's answer (a REPLY, a transfer's END) polls "
+        "before it sleeps, told to engines when their lane opens (an engine's own "
+        "KVSERVICE_LANE_SPIN_US or Client(lane_spin_us=) wins). -1: 2000 when the lane copies on "
+        "a GPU, 0 otherwise. A waiter asleep in poll wakes ~50-80 µs after its END on the GPU "
+        "host, 7% of a 2 GiB copy; spinning holds a core of the engine's host while it lasts "
+        "(each try releases the GIL).",
+    )
     lane_cross_mb: int = _opt(
         256,
         "MiB of staging per device (host memory, and each GPU) for the cross-node lane: a delta "
@@ -347,6 +356,8 @@ class Config:
             raise ConfigError("lane_cross_stream: must be 'gpu', 'all' or 'off'")
         if not 0 <= self.lane_spin_us <= 1_000_000:
             raise ConfigError("lane_spin_us: must be 0..1000000 (µs)")
+        if not -1 <= self.lane_wait_spin_us <= 1_000_000:
+            raise ConfigError("lane_wait_spin_us: must be -1 (auto) or 0..1000000 (µs)")
         if not 1 <= self.lane_cuda_chunk_kb <= 65536:
             raise ConfigError("lane_cuda_chunk_kb: must be 1..65536 (KiB)")
         if not 0 < self.default_deadline_ms <= self.max_deadline_ms:
@@ -609,6 +620,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "lane",
         "lane_cuda_chunk_kb",
         "lane_spin_us",
+        "lane_wait_spin_us",
         "lane_cross_mb",
         "lane_cross_gpu_mb",
         "lane_cross_parts",

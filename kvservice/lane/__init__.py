@@ -41,9 +41,10 @@ class RunningLane:
         self.listener.close()
         engine.lane = NoLane()
         engine.peers.me.lane = None
-        if self.book.cross is not None:
-            self.book.cross.log_stats()
         self.native.stop()
+        if self.book.cross is not None:
+            self.book.cross.log_trace()  # what the stopped threads timed last
+            self.book.cross.log_stats()
 
 
 async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningLane | None:
@@ -108,11 +109,24 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         lane,
         allowed,
         book.cross is not None,
+        wait_spin_us(cfg.lane_wait_spin_us, cuda),
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
     log.info("native lane serving", extra={"path": listener.path, "cuda": cuda})
     return RunningLane(lane, listener, book)
+
+
+# NOTE: a waiter asleep in poll woke ~50-80 µs after its END on the H200 host; the SDK's spin
+# over a 2 GiB copy's length took it from 1,344 to 1,259 µs (bench/results/NOTES.md)
+_GPU_WAIT_SPIN_US = 2000
+
+
+def wait_spin_us(configured: int, cuda: bool) -> int:
+    """What engines' waiters spin (config ``lane_wait_spin_us``; -1: by whether the lane has a GPU)."""
+    if configured >= 0:
+        return configured
+    return _GPU_WAIT_SPIN_US if cuda else 0
 
 
 def _cuda_devices() -> int:

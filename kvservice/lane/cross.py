@@ -95,7 +95,10 @@ class CrossBook:
                 log.warning("cross-node lane: no staging on device %s: %s", device, exc)
                 continue
             arenas.append(Arena(device, int(base), Slots(half)))
-        return cls(engine, native, name, arenas, stream) if arenas else None
+        if not arenas:
+            return None
+        native.set_trace(log.isEnabledFor(logging.DEBUG))  # the chunks' timeline (log_trace)
+        return cls(engine, native, name, arenas, stream)
 
     # -- peers ---------------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -120,6 +123,24 @@ class CrossBook:
             return ""
         self._agents[service_id] = name
         return name
+
+    def log_trace(self) -> None:
+        """DEBUG: each chunk the lane timed since the last call, one "lane chunk" line each (the
+        batch timeline of ``bench_transfer --timeline``; csrc/state.h ChunkTrace has the points)."""
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        for tid, side, first, npages, nbytes, t in self.n.take_trace():
+            log.debug(
+                "lane chunk",
+                extra={
+                    "transfer_id": tid,
+                    "side": "send" if side == 0 else "recv",
+                    "first": int(first),
+                    "pages": int(npages),
+                    "bytes": int(nbytes),
+                    "t": list(t[:5] if side == 0 else t[:4]),
+                },
+            )
 
     def log_stats(self) -> None:
         """One INFO line: where this lane's cross-node transfers spent their time (µs each)."""

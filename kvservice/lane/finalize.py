@@ -72,6 +72,7 @@ class Finalizer:
         finally:
             if kind != 1:
                 self.wake((tid, rank))
+            self.book.cross.log_trace()
 
     async def _finalize(
         self,

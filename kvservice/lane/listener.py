@@ -36,8 +36,10 @@ class LaneListener:
         native: Any,
         self_addresses: list[str],
         cross: bool = False,
+        wait_spin_us: int = 0,
     ) -> None:
         self.path = path
+        self.wait_spin_us = wait_spin_us
         self.sessions = sessions
         self.allowed_uids = allowed_uids
         self.native = native
@@ -97,7 +99,11 @@ class LaneListener:
                 conn.send(lane_wire.welcome(False, why))
                 log.warning("lane refused", extra={"reason": why})
                 return
-            conn.send(lane_wire.welcome(True, self_addresses=self.self_addresses, cross=self.cross))
+            conn.send(
+                lane_wire.welcome(
+                    True, self_addresses=self.self_addresses, cross=self.cross, wait_spin_us=self.wait_spin_us
+                )
+            )
             self.native.add_conn(conn.detach(), session_id)
             handed = True
             self.admitted += 1

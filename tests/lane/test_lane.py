@@ -417,3 +417,48 @@ def test_callers_read_the_lane_with_many_fds_open_and_many_threads(make_server: 
         for r, w in held:
             os.close(r)
             os.close(w)
+
+
+def _waiter_spin(k: Client, eng: Engines, tid: str) -> int:
+    """Open ``k``'s lane with one transfer, then what its waiters spin (µs)."""
+    eng.kb.expect_delta(tid, eng.b, prefix_pages=0, dst_page_indices=[3])
+    eng.ka.send_delta(tid, eng.a, src_page_indices=[5], peer_address=eng.peer)
+    (r,) = eng.kb.wait(tid, timeout=10)
+    assert r.state == "DONE" and r.route_note == "lane", r
+    lane = k._lane.lane
+    assert lane is not None
+    return int(lane.spin_us)
+
+
+def test_waiters_spin_as_the_service_advises_unless_the_engine_says(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lane_wait_spin_us travels in the welcome (auto: 0 on a lane without a GPU); an engine's
+    own setting (Client(lane_spin_us=), KVSERVICE_LANE_SPIN_US) wins over it."""
+    monkeypatch.delenv("KVSERVICE_LANE_SPIN_US", raising=False)
+    eng = Engines(make_server(transport="loopback"))
+    try:
+        assert _waiter_spin(eng.ka, eng, "auto") == 0 and eng.kb._lane.lane.spin_us == 0
+    finally:
+        eng.close()
+    eng = Engines(make_server(transport="loopback", lane_wait_spin_us=300))
+    try:
+        assert _waiter_spin(eng.ka, eng, "told") == 300 and eng.kb._lane.lane.spin_us == 300
+        with Client(eng.server.address, client_name="own", lane_spin_us=0) as own:
+            own.register_buffers(eng.layout, eng.pa.k_regions, eng.pa.v_regions)
+            lane = own._lane.get(own.session_id)
+            assert lane is not None and lane.spin_us == 0
+        monkeypatch.setenv("KVSERVICE_LANE_SPIN_US", "40")
+        with Client(eng.server.address, client_name="env") as env:
+            lane = env._lane.get(env.session_id)
+            assert lane is not None and lane.spin_us == 40
+    finally:
+        eng.close()
+
+
+def test_a_bad_wait_spin_is_refused_at_start() -> None:
+    from kvservice.config import ConfigError
+    from tests.service_thread import make_config
+
+    with pytest.raises(ConfigError, match="lane_wait_spin_us"):
+        make_config(lane_wait_spin_us=-2)

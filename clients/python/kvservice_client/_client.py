@@ -54,11 +54,6 @@ def message_size_options(max_message_mb: int = 64) -> list[tuple[str, Any]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
-# NOTE: µs a thread waiting on the lane polls before it sleeps (``lane_spin_us``;
-# bench/results/NOTES.md has the measurement behind the default)
-_LANE_SPIN_US = 0
-
-
 def channel_options(
     max_message_mb: int = 64, keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE
 ) -> list[tuple[str, Any]]:
@@ -80,7 +75,8 @@ class Client(LandingCalls):
     (one held stream; ended transfers arrive on it, so :meth:`wait` opens no watch). False, or
     a service without that RPC: unary calls and a watch per wait.
     ``lane_spin_us``: how long a thread waiting for the lane's answer polls before it sleeps
-    (None: ``KVSERVICE_LANE_SPIN_US``, else the default); each try releases the GIL.
+    (None: ``KVSERVICE_LANE_SPIN_US``, else what the service advises: its ``lane_wait_spin_us``,
+    2 ms on a GPU lane by default); each try releases the GIL.
     """
 
     def __init__(
@@ -107,8 +103,8 @@ class Client(LandingCalls):
         self._tx: TransferStream | None = None
         self._tx_lock = threading.Lock()
         self._tx_enabled = transfer_stream
-        if lane_spin_us is None:
-            lane_spin_us = int(os.environ.get("KVSERVICE_LANE_SPIN_US", "") or _LANE_SPIN_US)
+        if lane_spin_us is None and os.environ.get("KVSERVICE_LANE_SPIN_US", ""):
+            lane_spin_us = int(os.environ["KVSERVICE_LANE_SPIN_US"])
         # same-node transfers without gRPC
         self._lane = LaneOpener(target, self._tx_book, lane, lane_spin_us)
         if self._lane.enabled:  # wait() reads the lane on the waiting thread (see _lane)

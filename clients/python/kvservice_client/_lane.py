@@ -61,10 +61,19 @@ def _status(end: lane_wire.End) -> TransferStatus:
     )
 
 
+_MAX_ADVISED_SPIN_US = 100_000
+
+
+def _advised_spin(value: Any) -> int:
+    """A welcome's ``wait_spin_us`` (absent from older services: 0), at most 0.1 s."""
+    return min(value, _MAX_ADVISED_SPIN_US) if isinstance(value, int) and value > 0 else 0
+
+
 class Lane:
-    def __init__(self, path: str, session_id: str, book: Any, timeout: float = 2.0, spin_us: int = 0) -> None:
+    def __init__(
+        self, path: str, session_id: str, book: Any, timeout: float = 2.0, spin_us: int | None = None
+    ) -> None:
         self.book = book
-        self._spin_s = max(0, spin_us) * 1e-6
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.sock.settimeout(timeout)
@@ -81,6 +90,10 @@ class Lane:
         self.self_addresses = frozenset(w.get("self_addresses") or ())
         self.cross = bool(w.get("cross"))  # the service's cross-node lane runs: SEND_TO elsewhere
         self.src_i64 = bool(w.get("src_i64"))  # it checks i64 source pages itself (lane_wire)
+        if spin_us is None:  # the engine set none: what the service advises (lane_wait_spin_us)
+            spin_us = _advised_spin(w.get("wait_spin_us"))
+        self.spin_us = max(0, spin_us)
+        self._spin_s = self.spin_us * 1e-6
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._replies: dict[int, list[Any]] = {}  # seq -> [event, reply]
@@ -265,7 +278,7 @@ class Lane:
 class LaneOpener:
     """The client's lane, opened on first use and retried at most once a second."""
 
-    def __init__(self, target: str, book: Any, enabled: bool, spin_us: int = 0) -> None:
+    def __init__(self, target: str, book: Any, enabled: bool, spin_us: int | None = None) -> None:
         self.spin_us = spin_us
         self.path = lane_wire.lane_path(target.removeprefix("unix:")) if target.startswith("unix:") else ""
         self.book = book

@@ -138,10 +138,24 @@ def parse_hello(data: bytes) -> str:
     return str(msg["session_id"])
 
 
-def welcome(ok: bool, error: str = "", self_addresses: list[str] | None = None, cross: bool = False) -> bytes:
+def welcome(
+    ok: bool,
+    error: str = "",
+    self_addresses: list[str] | None = None,
+    cross: bool = False,
+    wait_spin_us: int = 0,
+) -> bytes:
     """``cross``: the service's cross-node lane runs (SEND_TO is worth trying). ``src_i64``: it
-    reads i64 source pages (FLAG_SRC_I64)."""
-    msg = {"ok": ok, "error": error, "self_addresses": self_addresses or [], "cross": cross, "src_i64": True}
+    reads i64 source pages (FLAG_SRC_I64). ``wait_spin_us``: how long the service advises a
+    waiting thread to poll before it sleeps (the engine's own setting wins)."""
+    msg = {
+        "ok": ok,
+        "error": error,
+        "self_addresses": self_addresses or [],
+        "cross": cross,
+        "src_i64": True,
+        "wait_spin_us": wait_spin_us,
+    }
     return json.dumps(msg).encode()
 
 

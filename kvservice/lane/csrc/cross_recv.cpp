@@ -131,6 +131,7 @@ void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, cons
 void Lane::on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
                       uint64_t first, uint64_t off) {
   const std::string k = key(tid, rank);
+  ChunkTrace tr{tid, 1, first, npages, nbytes, {now_s(), 0, 0, 0, 0}};
   std::string why;
   XIn xi;  // the declaration's fields but its pages
   Pool dp;
@@ -177,7 +178,9 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
   const double t0 = now_s();
   std::string err = dp.device == xi.device ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
                                            : "the lane's staging is on another device than the receiver's pool";
-  const uint64_t us = (uint64_t)((now_s() - t0) * 1e6);
+  tr.t[1] = t0;
+  tr.t[2] = now_s();
+  const uint64_t us = (uint64_t)((tr.t[2] - t0) * 1e6);
   st_[S_UNPACK] += us;
   bool last = false, cancelled = false;
   {
@@ -199,8 +202,13 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
     }
   }
   if (!last && err.empty())
-    return send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
-  send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
+    send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
+  else
+    send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
+  if (trace_on_) {
+    tr.t[3] = now_s();
+    trace(std::move(tr));
+  }
 }
 
 }  // namespace kvlane

@@ -189,7 +189,9 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
     stat(S_PACK, t0);
     if (!err.empty()) break;
     out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
+    if (trace_on_) out[h].tr = ChunkTrace{tid, 0, first, cnt, cnt * page, {t0, now_s(), 0, 0, 0}};
     err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
+    out[h].tr.t[2] = now_s();
     if (err.empty() && k >= 1) err = nx_finish(xo, out[(k - 1) % parts]);  // chunk k - 1: done, noted
   }
   for (auto& o : out) {  // the last chunk's WRITE (after a failure: any, released unnoted)
@@ -333,6 +335,7 @@ std::string Lane::nx_finish(const XOut& xo, Posted& o) {
     if (r == xnixl::IN_PROG) std::this_thread::yield();
   }
   stat(S_WAIT, t_wait);
+  o.tr.t[3] = now_s();
   if (r != xnixl::OK || !req_cache_) {
     release_req(req);
   } else {
@@ -344,6 +347,11 @@ std::string Lane::nx_finish(const XOut& xo, Posted& o) {
     std::lock_guard<std::mutex> g(nx_mu_);
     r = nx_.gen_notif(agent_, xo.remote_agent.c_str(), o.msg.data(), o.msg.size(), nullptr);
     if (r != xnixl::OK) return "notifying the receiver failed (" + std::to_string(r) + ")";
+  }
+  if (!o.tr.tid.empty()) {
+    o.tr.t[4] = now_s();
+    trace(std::move(o.tr));
+    o.tr = ChunkTrace{};
   }
   return "";
 }

@@ -183,6 +183,13 @@ std::deque<Completion> Lane::drain() {
   return got;
 }
 
+std::vector<ChunkTrace> Lane::take_trace() {
+  std::lock_guard<std::mutex> g(trace_mu_);
+  std::vector<ChunkTrace> out;
+  out.swap(trace_);
+  return out;
+}
+
 std::vector<uint64_t> Lane::stats() {
   std::vector<uint64_t> out;
   for (auto& s : st_) out.push_back(s.load());

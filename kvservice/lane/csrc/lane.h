@@ -72,6 +72,9 @@ class Lane {
   // Chunks of a streamed cross-node send in flight (config lane_cross_parts): the slot and the
   // scratch split in this many parts.
   void set_parts(unsigned parts) { parts_ = std::min(16u, std::max(2u, parts)); }
+  // The cross-node chunks' timeline (kept only while on; at most kTraceMax rows until taken).
+  void set_trace(bool on) { trace_on_ = on; }
+  std::vector<ChunkTrace> take_trace();
   // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
   void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
 
@@ -262,6 +265,15 @@ class Lane {
   std::atomic<bool> req_cache_{true};
   std::atomic<bool> note_after_{true};
   std::atomic<unsigned> slow_unpack_us_{0};
+  static constexpr size_t kTraceMax = 1 << 16;
+  std::atomic<bool> trace_on_{false};
+  std::mutex trace_mu_;  // innermost: taken inside mu_ or nx_mu_, takes nothing
+  std::vector<ChunkTrace> trace_;
+  void trace(ChunkTrace&& row) {
+    if (!trace_on_) return;
+    std::lock_guard<std::mutex> g(trace_mu_);
+    if (trace_.size() < kTraceMax) trace_.push_back(std::move(row));
+  }
   std::unordered_map<std::string, Parked> parked_;  // key(tid, rank) -> a SEND_TO waiting for its offer
   std::atomic<size_t> parked_count_{0};
   bool kicked_ = false;

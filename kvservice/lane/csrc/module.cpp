@@ -66,6 +66,15 @@ py::list drain(Lane& lane) {
   return out;
 }
 
+// The cross-node chunks timed since the last call: (tid, side, first, npages, nbytes, (t0..t4)).
+py::list take_trace(Lane& lane) {
+  py::list out;
+  for (auto& r : lane.take_trace())
+    out.append(py::make_tuple(r.tid, r.side, r.first, r.npages, r.nbytes,
+                              py::make_tuple(r.t[0], r.t[1], r.t[2], r.t[3], r.t[4])));
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -110,5 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_req_cache", &Lane::set_req_cache)
       .def("set_note_after", &Lane::set_note_after)
       .def("set_parts", &Lane::set_parts)
-      .def("set_slow_unpack", &Lane::set_slow_unpack);
+      .def("set_slow_unpack", &Lane::set_slow_unpack)
+      .def("set_trace", &Lane::set_trace)
+      .def("take_trace", &take_trace);
 }

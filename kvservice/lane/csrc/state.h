@@ -133,11 +133,23 @@ struct XPend {  // written (or being written), waiting for the receiver's ack
   std::string ack_msg;
 };
 
+// One chunk of a streamed cross-node transfer, timed (CLOCK_MONOTONIC s) when tracing is on:
+// the batch timeline of bench_transfer --timeline. Sender: packing started, packed, WRITE
+// posted, WRITE done, its note sent. Receiver: note read, unpack started, unpacked, credit or
+// ack sent (t[4] unused).
+struct ChunkTrace {
+  std::string tid;
+  uint32_t side = 0;  // 0 sender, 1 receiver
+  uint64_t first = 0, npages = 0, nbytes = 0;
+  double t[5] = {0, 0, 0, 0, 0};
+};
+
 struct Posted {  // a chunk's WRITE in flight (stream_out)
   void* req = nullptr;
   int state = 0;
   bool after = true;
   std::string rkey, msg;
+  ChunkTrace tr;  // its timeline so far (tracing on)
 };
 
 enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2 };
