@@ -197,8 +197,9 @@ def lane_timeline(logs: Path, transfer_id: str) -> dict:
     """The cross-node lane's chunks of ``transfer_id`` ("lane chunk" DEBUG lines, csrc/state.h
     ChunkTrace), in ms since its first pack started, and per stage the median chunk's time and
     rate. ``write_seen`` runs from the post to when the sender saw the WRITE done, an upper bound
-    of the WRITE (the sender looks after its next pack); ``idle_ms``: time in the span when no
-    pack, WRITE (as seen) or unpack ran."""
+    of the WRITE (the sender looks after its next pack); ``span_ms``: from the first pack's start
+    to the last unpack's end; ``idle_ms``: time in the span when no pack, WRITE (as seen) or
+    unpack ran."""
     send, recv = {}, {}
     for f in sorted(logs.glob("svc*.log")):
         for line in f.read_text().splitlines():
@@ -245,7 +246,9 @@ def lane_timeline(logs: Path, transfer_id: str) -> dict:
     return {
         "chunks": rows,
         "stages": stages,
-        "span_ms": round((reach - zero) * 1e3, 3),
+        "first_pack_ms": round((spans[0][0] - zero) * 1e3, 3),
+        "span_ms": round((reach - spans[0][0]) * 1e3, 3),
+        "last_unpack_ms": round((reach - zero) * 1e3, 3),
         "idle_ms": round(idle * 1e3, 3),
     }
 

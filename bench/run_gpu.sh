@@ -99,6 +99,24 @@ elif [ "$1" = spin ]; then
     T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_chunks$i
   done
   mps_off
+elif [ "$1" = ramp ]; then
+  # 2026-11-29 (second): issue 28's 2 GiB rows at the defaults (both spins auto: 2 ms on a GPU
+  # lane): same node three times, mixed TP; cross-node on one GPU under MPS with the ramped
+  # chunks and without (KVLANE_NO_RAMP=1), interleaved, each with its NIXL baseline and the
+  # chunks' timeline; then the cross-node lane's GPU tests (streamed sends ramp)
+  for i in 1 2 3; do
+    T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag auto$i
+  done
+  T=100 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_auto
+  mps_on
+  for i in 1 2; do
+    T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_ramp$i
+    KVLANE_NO_RAMP=1 T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_flat$i
+  done
+  mps_off
+  timeout 150 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py 2>&1 \
+    | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
+  tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then
   # the GPU tests of the lanes and the transfer paths (same node, cross-node, abort, mixed TP, two
   # GPUs where there are two), verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)

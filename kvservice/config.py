@@ -134,10 +134,11 @@ class Config:
         "than 16 KiB blocks).",
     )
     lane_spin_us: int = _opt(
-        0,
+        -1,
         "µs the lane's thread keeps polling its sockets without sleeping after a message (0: it "
-        "sleeps at once). A sleeping thread's wake-up on an idle core costs tens of µs per hop, "
-        "which a small transfer pays twice; spinning costs up to one core while engines send "
+        "sleeps at once; -1: 2000 when the lane copies on a GPU, 0 otherwise). A sleeping "
+        "thread's wake-up on an idle core of the GPU host costs ~50 µs per hop, which a "
+        "transfer pays on its way in; spinning holds one core while engines send "
         "(bench/results/NOTES.md has the measurement).",
     )
     lane_wait_spin_us: int = _opt(
@@ -354,8 +355,8 @@ class Config:
             raise ConfigError("lane_cross_parts: must be 2..16")
         if self.lane_cross_stream not in ("gpu", "all", "off"):
             raise ConfigError("lane_cross_stream: must be 'gpu', 'all' or 'off'")
-        if not 0 <= self.lane_spin_us <= 1_000_000:
-            raise ConfigError("lane_spin_us: must be 0..1000000 (µs)")
+        if not -1 <= self.lane_spin_us <= 1_000_000:
+            raise ConfigError("lane_spin_us: must be -1 (auto) or 0..1000000 (µs)")
         if not -1 <= self.lane_wait_spin_us <= 1_000_000:
             raise ConfigError("lane_wait_spin_us: must be -1 (auto) or 0..1000000 (µs)")
         if not 1 <= self.lane_cuda_chunk_kb <= 65536:

@@ -64,12 +64,15 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     cfg = node.config
     lane = mod.Lane()
     lane.set_chunk(cfg.lane_cuda_chunk_kb * 1024)
-    lane.set_spin_us(cfg.lane_spin_us)
     lane.set_pull(cfg.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
     # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the
     # WRITE (1) instead of following it once DONE (unset: the measured faster way)
     lane.set_note_after(os.environ.get("KVLANE_NOTE_WITH_WRITE", "") != "1")
+    # NOTE: a bench knob: a streamed cross-node send's chunks all of one size (1) instead of
+    # ramped at both ends (unset: the measured faster way, bench/results/NOTES.md)
+    lane.set_ramp(os.environ.get("KVLANE_NO_RAMP", "") != "1")
     cuda = await asyncio.to_thread(_init_cuda, lane)
+    lane.set_spin_us(auto_spin_us(cfg.lane_spin_us, cuda))
     book = LaneBook(engine, lane, cuda)
     if cfg.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
         from .cross import CrossBook
@@ -109,7 +112,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         lane,
         allowed,
         book.cross is not None,
-        wait_spin_us(cfg.lane_wait_spin_us, cuda),
+        auto_spin_us(cfg.lane_wait_spin_us, cuda),
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
@@ -117,16 +120,18 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     return RunningLane(lane, listener, book)
 
 
-# NOTE: a waiter asleep in poll woke ~50-80 µs after its END on the H200 host; the SDK's spin
-# over a 2 GiB copy's length took it from 1,344 to 1,259 µs (bench/results/NOTES.md)
-_GPU_WAIT_SPIN_US = 2000
+# NOTE: on the GPU host a thread asleep in poll/epoll woke ~50-80 µs after its packet: the
+# lane's thread for a SEND, an engine's waiter for its END, 7% of a 2 GiB copy each
+# (bench/results/NOTES.md, 2026-11-28 fifth and 2026-11-29 second sessions)
+_GPU_SPIN_US = 2000
 
 
-def wait_spin_us(configured: int, cuda: bool) -> int:
-    """What engines' waiters spin (config ``lane_wait_spin_us``; -1: by whether the lane has a GPU)."""
+def auto_spin_us(configured: int, cuda: bool) -> int:
+    """A spin setting (``lane_spin_us``, ``lane_wait_spin_us``): as configured, or for -1 by
+    whether the lane copies on a GPU (µs matter there; a host copy takes longer than a wake)."""
     if configured >= 0:
         return configured
-    return _GPU_WAIT_SPIN_US if cuda else 0
+    return _GPU_SPIN_US if cuda else 0
 
 
 def _cuda_devices() -> int:

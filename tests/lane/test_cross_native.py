@@ -3,6 +3,7 @@ UCX): what each engine reads on its lane when the path works, and when it fails 
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import time
@@ -18,7 +19,7 @@ R, P, PB = 4, 16, 1024  # regions, pages, bytes of a page region
 
 
 class Pair:
-    def __init__(self) -> None:
+    def __init__(self, pages: int = P) -> None:
         from kvservice.lane import native
 
         m = native.load()
@@ -33,12 +34,12 @@ class Pair:
         self.rx_agent = self.tx.load_md(self.rx.local_md())
         self.tx_agent = self.rx.load_md(self.tx.local_md())
         rng = np.random.default_rng(1)
-        self.a = rng.integers(0, 255, size=(R, P, PB), dtype=np.uint8)
-        self.b = rng.integers(0, 255, size=(R, P, PB), dtype=np.uint8)
+        self.a = rng.integers(0, 255, size=(R, pages, PB), dtype=np.uint8)
+        self.b = rng.integers(0, 255, size=(R, pages, PB), dtype=np.uint8)
         self.b0 = self.b.copy()
         for lane, arr, bs, s in ((self.tx, self.a, "bsA", "sA"), (self.rx, self.b, "bsB", "sB")):
             table = np.array([[arr[r].ctypes.data, PB, PB] for r in range(R)], dtype=np.uint64)
-            lane.add_pool(bs, s, -1, P, 7, 0, table, 99)
+            lane.add_pool(bs, s, -1, pages, 7, 0, table, 99)
         self.ea, sa = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.eb, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for e in (self.ea, self.eb):
@@ -111,6 +112,7 @@ def test_written_unpacked_and_both_engines_told(pair: Pair) -> None:
     assert (pair.b[:, others] == pair.b0[:, others]).all()  # nothing outside the declared pages
     kinds = sorted(c[-1] for c in pair.tx.drain() + pair.rx.drain())
     assert kinds == [1, 2]
+    assert pair.tx.take_trace() == [] and pair.rx.take_trace() == []  # tracing is off by default
 
 
 def test_a_write_nixl_refuses_fails_both_sides_at_once(pair: Pair) -> None:
@@ -166,6 +168,60 @@ def test_a_streamed_delta_keeps_parts_chunks_in_flight_and_never_overwrites_one_
     pair.sent_and_told("parts", src, nbytes)
     assert (pair.b[:, dst] == pair.a[:, src]).all()
     assert (pair.b[:, 0] == pair.b0[:, 0]).all()
+
+
+def test_chunk_sizes_ramp_up_and_down_around_full_chunks() -> None:
+    from kvservice.lane import native
+
+    starts = native.load().Lane.chunk_starts
+    assert starts(40, 8, True) == [0, 1, 3, 7, 15, 23, 31, 33, 37, 39, 40]
+    assert starts(40, 8, False) == [0, 8, 16, 24, 32, 40]
+    assert starts(31, 8, True) == [0, 8, 16, 24, 31]  # under four chunks: no ramp
+    assert starts(40, 4, True) == [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40]  # chunk / 8 = 0
+    assert starts(1024, 32, True)[:4] == [0, 4, 12, 28] and starts(1024, 32, True)[-4:] == [
+        996,
+        1012,
+        1020,
+        1024,
+    ]
+
+
+@pytest.mark.parametrize("ramp", [True, False])
+def test_a_ramped_stream_lands_exactly_and_its_chunks_are_timed(ramp: bool) -> None:
+    """60 pages through a 16-page slot in two parts (chunks of 8: ramped 1, 2, 4, 8, ..., 4, 2,
+    1); each unpack held 1 ms, so a chunk written over an unread one would land wrong bytes. With
+    tracing on, each side times every chunk, in order, its points never going back."""
+    pair = Pair(pages=64)
+    try:
+        pair.tx.set_parts(2)
+        pair.tx.set_ramp(ramp)
+        pair.rx.set_slow_unpack(1_000)
+        for lane in (pair.tx, pair.rx):
+            lane.set_trace(True)
+        dst = list(range(2, 62))
+        src = [int(x) for x in np.random.default_rng(7).permutation(64)[:60]]
+        nbytes = pair.arm("ramp", dst, prefix=0, slot_pages=16)
+        pair.sent_and_told("ramp", src, nbytes)
+        assert (pair.b[:, dst] == pair.a[:, src]).all()
+        assert (pair.b[:, [0, 1, 62, 63]] == pair.b0[:, [0, 1, 62, 63]]).all()
+        starts = pair.tx.chunk_starts(60, 8, ramp)
+        deadline = time.monotonic() + 5
+        rows: dict[int, list[Any]] = {0: [], 1: []}
+        while len(rows[1]) < len(starts) - 1 and time.monotonic() < deadline:
+            for lane in (pair.tx, pair.rx):
+                for r in lane.take_trace():
+                    rows[r[1]].append(r)
+            time.sleep(0.01)
+        for side in (0, 1):
+            assert [r[2] for r in rows[side]] == starts[:-1], (side, rows[side])
+            assert [r[3] for r in rows[side]] == list(np.diff(starts))
+            assert all(r[0] == "ramp" and r[4] == r[3] * R * PB for r in rows[side])
+            points = 5 if side == 0 else 4
+            assert all(list(r[5][:points]) == sorted(r[5][:points]) and r[5][0] > 0 for r in rows[side])
+        if ramp:
+            assert [r[3] for r in rows[0]][:3] == [1, 2, 4]
+    finally:
+        pair.close()
 
 
 def test_a_slot_smaller_than_two_pages_falls_back(pair: Pair) -> None:
@@ -261,3 +317,30 @@ def test_a_small_send_is_not_held_up_behind_a_streaming_one(pair: Pair) -> None:
     assert (pair.b[:, big] == pair.a[:, big]).all(), [
         p for p in big if not (pair.b[:, p] == pair.a[:, p]).all()
     ]
+
+
+def test_the_chunks_timeline_is_logged_at_debug_only(caplog: pytest.LogCaptureFixture) -> None:
+    """CrossBook.log_trace: one "lane chunk" DEBUG line per timed chunk (what bench_transfer
+    --timeline reads); nothing is taken from the lane when DEBUG is off."""
+    from kvservice.lane.cross import CrossBook
+
+    class Native:
+        def __init__(self) -> None:
+            self.rows = [
+                ("t", 0, 0, 2, 2048, (1.0, 2.0, 3.0, 4.0, 5.0)),
+                ("t", 1, 0, 2, 2048, (4.5, 5, 6, 7, 0)),
+            ]
+
+        def take_trace(self) -> list[Any]:
+            rows, self.rows = self.rows, []
+            return rows
+
+    book = CrossBook.__new__(CrossBook)
+    book.n = Native()
+    with caplog.at_level(logging.INFO, logger="kvservice.lane.cross"):
+        book.log_trace()
+    assert not caplog.records and len(book.n.rows) == 2
+    with caplog.at_level(logging.DEBUG, logger="kvservice.lane.cross"):
+        book.log_trace()
+    got = [(r.side, r.first, r.bytes, r.t) for r in caplog.records if r.getMessage() == "lane chunk"]
+    assert got == [("send", 0, 2048, [1.0, 2.0, 3.0, 4.0, 5.0]), ("recv", 0, 2048, [4.5, 5, 6, 7])]
