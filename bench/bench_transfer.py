@@ -130,7 +130,7 @@ def kvservice_runs(
         for path in paths:
             if "p50_ms" in out.get(path, {}):
                 out[path]["timeline"] = timeline(logs, f"xfer-{path}-{args.iters}")
-                if chunks := lane_timeline(logs, f"xfer-{path}-{args.iters}"):
+                if chunks := lane_timeline(logs, f"xfer-{path}-{args.iters}", t0_mono[path]):
                     out[path]["lane_timeline"] = chunks
                 ms = lambda t, z=t0_mono[path]: round((t - z) * 1e3, 3)  # noqa: E731
                 out[path]["points_ms"] = points(logs, f"xfer-{path}-{args.iters}", t0_mono[path]) + [
@@ -193,9 +193,9 @@ def timeline(logs: Path, transfer_id: str) -> list[dict]:
     return rows
 
 
-def lane_timeline(logs: Path, transfer_id: str) -> dict:
+def lane_timeline(logs: Path, transfer_id: str, t0: float) -> dict:
     """The cross-node lane's chunks of ``transfer_id`` ("lane chunk" DEBUG lines, csrc/state.h
-    ChunkTrace), in ms since its first pack started, and per stage the median chunk's time and
+    ChunkTrace), in ms since SendDelta was called (``t0``), and per stage the median chunk's time and
     rate. ``write_seen`` runs from the post to when the sender saw the WRITE done, an upper bound
     of the WRITE (the sender looks after its next pack); ``span_ms``: from the first pack's start
     to the last unpack's end; ``idle_ms``: time in the span when no pack, WRITE (as seen) or
@@ -208,7 +208,7 @@ def lane_timeline(logs: Path, transfer_id: str) -> dict:
                 (send if rec["side"] == "send" else recv)[rec["first"]] = rec
     if not send:
         return {}
-    zero = min(r["t"][0] for r in send.values())
+    zero = t0
     ms = lambda t: round((t - zero) * 1e3, 3)  # noqa: E731
     rows, spans = [], []
     for first in sorted(send):

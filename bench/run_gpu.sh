@@ -99,22 +99,22 @@ elif [ "$1" = spin ]; then
     T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 5 --expect-lead-ms 3 --timeline --tag mps_chunks$i
   done
   mps_off
-elif [ "$1" = ramp ]; then
-  # 2026-11-29 (second): issue 28's 2 GiB rows at the defaults (both spins auto: 2 ms on a GPU
-  # lane): same node three times, mixed TP; cross-node on one GPU under MPS with the ramped
-  # chunks and without (KVLANE_NO_RAMP=1), interleaved, each with its NIXL baseline and the
-  # chunks' timeline; then the cross-node lane's GPU tests (streamed sends ramp)
-  for i in 1 2 3; do
-    T=80 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag auto$i
+elif [ "$1" = auto ]; then
+  # 2026-11-29 (second), third call: same node 2 GiB at the defaults (the lane's thread spins 5 ms,
+  # waiters 2 ms) twice, and with waiters told 5 ms twice; cross-node 2 GiB on one GPU under MPS
+  # at the defaults, 20 iterations, twice without the DEBUG timeline and once with it; the GPU
+  # tests of abort and mixed TP (not yet run on the Copier split)
+  for i in 1 2; do
+    T=70 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag auto5k$i
+    KVSERVICE_LANE_WAIT_SPIN_US=5000 T=70 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag auto5k_wait5k$i
   done
-  T=100 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_auto
   mps_on
   for i in 1 2; do
-    T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_ramp$i
-    KVLANE_NO_RAMP=1 T=90 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_flat$i
+    T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 20 --expect-lead-ms 3 --tag mps_auto$i
   done
+  T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_auto_tl
   mps_off
-  timeout 150 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py 2>&1 \
+  timeout 170 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_abort.py tests/gpu/test_gpu_mixed_tp.py 2>&1 \
     | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 elif [ "$1" = verify ]; then

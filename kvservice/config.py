@@ -136,7 +136,7 @@ class Config:
     lane_spin_us: int = _opt(
         -1,
         "µs the lane's thread keeps polling its sockets without sleeping after a message (0: it "
-        "sleeps at once; -1: 2000 when the lane copies on a GPU, 0 otherwise). A sleeping "
+        "sleeps at once; -1: 5000 when the lane copies on a GPU, 0 otherwise). A sleeping "
         "thread's wake-up on an idle core of the GPU host costs ~50 µs per hop, which a "
         "transfer pays on its way in; spinning holds one core while engines send "
         "(bench/results/NOTES.md has the measurement).",

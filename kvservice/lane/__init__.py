@@ -68,9 +68,6 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
     # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the
     # WRITE (1) instead of following it once DONE (unset: the measured faster way)
     lane.set_note_after(os.environ.get("KVLANE_NOTE_WITH_WRITE", "") != "1")
-    # NOTE: a bench knob: a streamed cross-node send's chunks all of one size (1) instead of
-    # ramped at both ends (unset: the measured faster way, bench/results/NOTES.md)
-    lane.set_ramp(os.environ.get("KVLANE_NO_RAMP", "") != "1")
     cuda = await asyncio.to_thread(_init_cuda, lane)
     lane.set_spin_us(auto_spin_us(cfg.lane_spin_us, cuda))
     book = LaneBook(engine, lane, cuda)
@@ -112,7 +109,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         lane,
         allowed,
         book.cross is not None,
-        auto_spin_us(cfg.lane_wait_spin_us, cuda),
+        auto_spin_us(cfg.lane_wait_spin_us, cuda, _GPU_WAIT_SPIN_US),
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
@@ -121,17 +118,20 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
 
 
 # NOTE: on the GPU host a thread asleep in poll/epoll woke ~50-80 µs after its packet: the
-# lane's thread for a SEND, an engine's waiter for its END, 7% of a 2 GiB copy each
-# (bench/results/NOTES.md, 2026-11-28 fifth and 2026-11-29 second sessions)
-_GPU_SPIN_US = 2000
+# lane's thread for a SEND, an engine's waiter for its END, 4-7% of a 2 GiB copy each
+# (bench/results/NOTES.md, 2026-11-28 fifth and 2026-11-29 second sessions). The lane's thread
+# keeps polling 5 ms after a message (a quiet service costs nothing; a busy one a core); an
+# engine's waiter 2 ms (the length of a 2 GiB same-node copy and then some).
+_GPU_SPIN_US = 5000
+_GPU_WAIT_SPIN_US = 2000
 
 
-def auto_spin_us(configured: int, cuda: bool) -> int:
+def auto_spin_us(configured: int, cuda: bool, gpu_default: int = _GPU_SPIN_US) -> int:
     """A spin setting (``lane_spin_us``, ``lane_wait_spin_us``): as configured, or for -1 by
     whether the lane copies on a GPU (µs matter there; a host copy takes longer than a wake)."""
     if configured >= 0:
         return configured
-    return _GPU_SPIN_US if cuda else 0
+    return gpu_default if cuda else 0
 
 
 def _cuda_devices() -> int:

@@ -170,15 +170,13 @@ void Lane::send_out(XSend& job) {
 std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
                              const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
                              uint64_t parts) {
-  const uint64_t n = (uint64_t)xo.ndst;
-  const std::vector<uint64_t> firsts = chunk_starts(n, chunk, ramp_);
-  const uint64_t chunks = firsts.size() - 1;
+  const uint64_t n = (uint64_t)xo.ndst, chunks = (n + chunk - 1) / chunk;
   std::vector<Posted> out(parts);  // per part: its WRITE in flight, and the note that follows it
   std::string err;
   std::vector<int32_t> pairs;
   for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
     const uint64_t h = k % parts;
-    const uint64_t first = firsts[k], cnt = firsts[k + 1] - first, off = h * chunk * page;
+    const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
     if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline);  // chunk k - P left part h
     if (!err.empty()) break;
     pairs.resize(2 * cnt);
@@ -206,25 +204,6 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
     }
   }
   return err;
-}
-
-// Where each chunk of ``n`` pages starts (and ``n`` last), chunks of at most ``chunk`` pages.
-// With ``ramp``, a delta of four chunks or more starts and ends with chunks of 1/8, 1/4 and 1/2
-// of a chunk: on one GPU the pipeline's fill (a first pack, WRITE and unpack each alone) and its
-// drain (the last unpack alone) took ~0.3 ms of a 2 GiB transfer's 3.5 at 64 MiB chunks.
-std::vector<uint64_t> Lane::chunk_starts(uint64_t n, uint64_t chunk, bool ramp) {
-  std::vector<uint64_t> sizes;
-  const uint64_t steps[] = {chunk / 8, chunk / 4, chunk / 2};
-  const bool ramped = ramp && n >= 4 * chunk && steps[0] > 0;
-  uint64_t left = n;
-  if (ramped)
-    for (uint64_t s : steps) sizes.push_back(s), left -= 2 * s;  // the same sizes again at the end
-  for (; left > 0; left -= std::min(chunk, left)) sizes.push_back(std::min(chunk, left));
-  if (ramped)
-    for (int i = 2; i >= 0; --i) sizes.push_back(steps[i]);
-  std::vector<uint64_t> starts{0};
-  for (uint64_t s : sizes) starts.push_back(starts.back() + s);
-  return starts;
 }
 
 // mu_ not held: until the receiver has unpacked ``need`` chunks of ``xk``.

@@ -69,10 +69,6 @@ class Lane {
   void set_pull(bool pull) { cu_.set_pull(pull); }
   void set_req_cache(bool on) { req_cache_ = on; }
   void set_note_after(bool on) { note_after_ = on; }
-  // A streamed cross-node send ramps its chunk sizes up at its start and down at its end.
-  void set_ramp(bool on) { ramp_ = on; }
-  // Where each chunk of a streamed send of ``n`` pages starts, and ``n`` (cross_send.cpp).
-  static std::vector<uint64_t> chunk_starts(uint64_t n, uint64_t chunk, bool ramp);
   // Chunks of a streamed cross-node send in flight (config lane_cross_parts): the slot and the
   // scratch split in this many parts.
   void set_parts(unsigned parts) { parts_ = std::min(16u, std::max(2u, parts)); }
@@ -268,7 +264,6 @@ class Lane {
   std::unordered_map<std::string, void*> reqs_;  // finished WRITEs kept for re-posting (nx_mu_)
   std::atomic<bool> req_cache_{true};
   std::atomic<bool> note_after_{true};
-  std::atomic<bool> ramp_{true};
   std::atomic<unsigned> slow_unpack_us_{0};
   static constexpr size_t kTraceMax = 1 << 16;
   std::atomic<bool> trace_on_{false};

@@ -119,8 +119,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_req_cache", &Lane::set_req_cache)
       .def("set_note_after", &Lane::set_note_after)
       .def("set_parts", &Lane::set_parts)
-      .def("set_ramp", &Lane::set_ramp)
-      .def_static("chunk_starts", &Lane::chunk_starts)
       .def("set_slow_unpack", &Lane::set_slow_unpack)
       .def("set_trace", &Lane::set_trace)
       .def("take_trace", &take_trace);
