@@ -135,17 +135,18 @@ class Config:
     )
     lane_spin_us: int = _opt(
         -1,
-        "µs the lane's thread keeps polling its sockets without sleeping after a message (0: it "
-        "sleeps at once; -1: 5000 when the lane copies on a GPU, 0 otherwise). A sleeping "
-        "thread's wake-up on an idle core of the GPU host costs ~50 µs per hop, which a "
-        "transfer pays on its way in; spinning holds one core while engines send "
+        "µs the lane's threads keep polling without sleeping after a message or a job, the bulk "
+        "thread also after an offer (0: they sleep at once; -1: 5000 when the lane copies on a "
+        "GPU, 0 otherwise). A sleeping thread's wake-up on an idle core of the GPU host costs "
+        "~50 µs per hop, which a transfer pays on its way in; spinning holds a core while engines "
+        "send "
         "(bench/results/NOTES.md has the measurement).",
     )
     lane_wait_spin_us: int = _opt(
         -1,
         "µs an engine's thread waiting for the lane's answer (a REPLY, a transfer's END) polls "
         "before it sleeps, told to engines when their lane opens (an engine's own "
-        "KVSERVICE_LANE_SPIN_US or Client(lane_spin_us=) wins). -1: 2000 when the lane copies on "
+        "KVSERVICE_LANE_SPIN_US or Client(lane_spin_us=) wins). -1: 5000 when the lane copies on "
         "a GPU, 0 otherwise. A waiter asleep in poll wakes ~50-80 µs after its END on the GPU "
         "host, 7% of a 2 GiB copy; spinning holds a core of the engine's host while it lasts "
         "(each try releases the GIL).",

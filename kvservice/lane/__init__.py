@@ -120,10 +120,11 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
 # NOTE: on the GPU host a thread asleep in poll/epoll woke ~50-80 µs after its packet: the
 # lane's thread for a SEND, an engine's waiter for its END, 4-7% of a 2 GiB copy each
 # (bench/results/NOTES.md, 2026-11-28 fifth and 2026-11-29 second sessions). The lane's thread
-# keeps polling 5 ms after a message (a quiet service costs nothing; a busy one a core); an
-# engine's waiter 2 ms (the length of a 2 GiB same-node copy and then some).
+# keeps polling 5 ms after a message (a quiet service costs nothing; a busy one a core), and so
+# do its bulk thread after an offer and an engine's waiter (a 2 GiB cross-node transfer on one
+# GPU takes ~4 ms).
 _GPU_SPIN_US = 5000
-_GPU_WAIT_SPIN_US = 2000
+_GPU_WAIT_SPIN_US = 5000
 
 
 def auto_spin_us(configured: int, cuda: bool, gpu_default: int = _GPU_SPIN_US) -> int:

@@ -113,11 +113,14 @@ void Lane::arm_out(const std::string& tid, int rank, const std::string& address,
   x.prefix = prefix;
   x.ndst = ndst;
   x.deadline = deadline;
-  std::lock_guard<std::mutex> g(mu_);
-  lane_peers_.insert(address);
-  const std::string k = key(tid, rank);  // the sender's rank is the receiver's (one layout)
-  xout_[k] = std::move(x);
-  if (parked_.count(k)) kick();  // its SEND_TO came first: the lane thread takes it now
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    lane_peers_.insert(address);
+    const std::string k = key(tid, rank);  // the sender's rank is the receiver's (one layout)
+    xout_[k] = std::move(x);
+    if (parked_.count(k)) kick();  // its SEND_TO came first: the lane thread takes it now
+  }
+  heat_bulk();  // an offer: its SEND_TO follows, maybe a streamed one for the bulk thread
 }
 
 void Lane::forget_out(const std::string& tid, int rank) {

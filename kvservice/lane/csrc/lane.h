@@ -285,6 +285,9 @@ class Lane {
   std::mutex bulk_mu_;
   std::condition_variable bulk_cv_;
   std::deque<std::function<void()>> bulk_q_;
+  std::atomic<double> bulk_at_{0};  // the bulk thread's last job, or the last offer (heat_bulk)
+  bool bulk_hot() const { return spin_us_ && (now_s() - bulk_at_.load()) * 1e6 < spin_us_; }
+  void heat_bulk();
   std::thread fthread_;  // same-node GPU copies in flight (finish_run)
   std::mutex fin_mu_;
   std::condition_variable fin_cv_;
