@@ -122,17 +122,29 @@ elif [ "$1" = final ]; then
   # 2 GiB at the defaults three times, cross-node 2 GiB on one GPU under MPS three times (20
   # iterations) and once with the chunks' timeline, then the cross-node lane's GPU tests
   for i in 1 2 3; do
-    T=70 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag final$i
+    T=70 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag fin29b$i
   done
   mps_on
   for i in 1 2 3; do
-    T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 20 --expect-lead-ms 3 --tag mps_final$i
+    T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 20 --expect-lead-ms 3 --tag mps_fin29b$i
   done
-  T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_final_tl
+  T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 10 --expect-lead-ms 3 --timeline --tag mps_fin29b_tl
   mps_off
   timeout 120 python3 -m pytest -v -p no:cacheprovider -o addopts="" -m gpu tests/gpu/test_gpu_cross_lane.py 2>&1 \
     | grep -v -e "NIXL INFO" -e "eventfd error" > "$OUT/gpu_tests.log"
   tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+elif [ "$1" = last29b ]; then
+  # 2026-11-29 (second), the code of "final" again: mixed TP 4->2 / 2->1 at the defaults, same node
+  # 2 GiB twice more, cross-node 2 GiB on one GPU under MPS twice more
+  T=100 run bench/bench_mixed_tp.py --device cuda --same-node --pages 1024 --pool-pages 1088 --configs 4:2,2:1 --skip-per-token --iters 20 --tag 2g_lane_fin29b
+  for i in 4 5; do
+    T=70 run bench/bench_transfer.py --device cuda --same-node --paths auto --iters 30 --skip-nixl --tag fin29b$i
+  done
+  mps_on
+  for i in 4 5; do
+    T=100 run bench/bench_transfer.py --device cuda --cross-node --paths auto --iters 20 --expect-lead-ms 3 --tag mps_fin29b$i
+  done
+  mps_off
 elif [ "$1" = verify ]; then
   # the GPU tests of the lanes and the transfer paths (same node, cross-node, abort, mixed TP, two
   # GPUs where there are two), verbose, into $OUT/gpu_tests.log (copied to docs/gpu-verification/)
