@@ -148,7 +148,7 @@ class Config:
         "before it sleeps, told to engines when their lane opens (an engine's own "
         "KVSERVICE_LANE_SPIN_US or Client(lane_spin_us=) wins). -1: 5000 when the lane copies on "
         "a GPU, 0 otherwise. A waiter asleep in poll wakes ~50-80 µs after its END on the GPU "
-        "host, 7% of a 2 GiB copy; spinning holds a core of the engine's host while it lasts "
+        "host (a twentieth of a 2 GiB copy); spinning holds a core of the engine's host while it lasts "
         "(each try releases the GIL).",
     )
     lane_cross_mb: int = _opt(
