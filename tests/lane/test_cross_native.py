@@ -328,3 +328,23 @@ def test_the_chunks_timeline_is_logged_at_debug_only(caplog: pytest.LogCaptureFi
         book.log_trace()
     got = [(r.side, r.first, r.bytes, r.t) for r in caplog.records if r.getMessage() == "lane chunk"]
     assert got == [("send", 0, 2048, [1.0, 2.0, 3.0, 4.0, 5.0]), ("recv", 0, 2048, [4.5, 5, 6, 7])]
+
+
+def test_a_spinning_bulk_thread_takes_streams_and_stops_at_once() -> None:
+    """lane_spin_us on (the GPU default): the bulk thread polls after an offer and after each
+    job; streamed sends still land exactly, and stop() returns while it is polling."""
+    pair = Pair(pages=64)
+    try:
+        pair.tx.set_spin_us(3_000_000)  # polls 3 s after each offer / job
+        pair.tx.set_parts(2)
+        for n, tid in enumerate(("s1", "s2")):
+            dst = list(range(2 + n, 50 + n))
+            src = [int(x) for x in np.random.default_rng(n).permutation(64)[:48]]
+            nbytes = pair.arm(tid, dst, prefix=0, slot_pages=16)
+            pair.sent_and_told(tid, src, nbytes)
+            assert (pair.b[:, dst] == pair.a[:, src]).all()
+        t0 = time.monotonic()
+        pair.tx.stop()  # within the spin window
+        assert time.monotonic() - t0 < 1.0  # not the spin's 3 s
+    finally:
+        pair.close()
