@@ -208,8 +208,7 @@ def lane_timeline(logs: Path, transfer_id: str, t0: float) -> dict:
                 (send if rec["side"] == "send" else recv)[rec["first"]] = rec
     if not send:
         return {}
-    zero = t0
-    ms = lambda t: round((t - zero) * 1e3, 3)  # noqa: E731
+    ms = lambda t: round((t - t0) * 1e3, 3)  # noqa: E731
     rows, spans = [], []
     for first in sorted(send):
         s, r = send[first]["t"], recv.get(first, {}).get("t")
@@ -246,9 +245,9 @@ def lane_timeline(logs: Path, transfer_id: str, t0: float) -> dict:
     return {
         "chunks": rows,
         "stages": stages,
-        "first_pack_ms": round((spans[0][0] - zero) * 1e3, 3),
+        "first_pack_ms": ms(spans[0][0]),
         "span_ms": round((reach - spans[0][0]) * 1e3, 3),
-        "last_unpack_ms": round((reach - zero) * 1e3, 3),
+        "last_unpack_ms": ms(reach),
         "idle_ms": round(idle * 1e3, 3),
     }
 

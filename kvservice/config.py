@@ -139,8 +139,7 @@ class Config:
         "thread also after an offer (0: they sleep at once; -1: 5000 when the lane copies on a "
         "GPU, 0 otherwise). A sleeping thread's wake-up on an idle core of the GPU host costs "
         "~50 µs per hop, which a transfer pays on its way in; spinning holds a core while engines "
-        "send "
-        "(bench/results/NOTES.md has the measurement).",
+        "send (bench/results/NOTES.md has the measurement).",
     )
     lane_wait_spin_us: int = _opt(
         -1,

@@ -109,7 +109,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         lane,
         allowed,
         book.cross is not None,
-        auto_spin_us(cfg.lane_wait_spin_us, cuda, _GPU_WAIT_SPIN_US),
+        auto_spin_us(cfg.lane_wait_spin_us, cuda),
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)
@@ -124,15 +124,14 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
 # do its bulk thread after an offer and an engine's waiter (a 2 GiB cross-node transfer on one
 # GPU takes ~4 ms).
 _GPU_SPIN_US = 5000
-_GPU_WAIT_SPIN_US = 5000
 
 
-def auto_spin_us(configured: int, cuda: bool, gpu_default: int = _GPU_SPIN_US) -> int:
+def auto_spin_us(configured: int, cuda: bool) -> int:
     """A spin setting (``lane_spin_us``, ``lane_wait_spin_us``): as configured, or for -1 by
     whether the lane copies on a GPU (µs matter there; a host copy takes longer than a wake)."""
     if configured >= 0:
         return configured
-    return gpu_default if cuda else 0
+    return _GPU_SPIN_US if cuda else 0
 
 
 def _cuda_devices() -> int:

@@ -76,7 +76,7 @@ class Client(LandingCalls):
     a service without that RPC: unary calls and a watch per wait.
     ``lane_spin_us``: how long a thread waiting for the lane's answer polls before it sleeps
     (None: ``KVSERVICE_LANE_SPIN_US``, else what the service advises: its ``lane_wait_spin_us``,
-    2 ms on a GPU lane by default); each try releases the GIL.
+    5 ms on a GPU lane by default); each try releases the GIL.
     """
 
     def __init__(

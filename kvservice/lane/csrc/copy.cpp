@@ -26,33 +26,47 @@ bool Copier::init(const std::string& libcuda, const std::string& libnvrtc) {
   if (cuda_.ok) return true;
   void* h = dlopen(libcuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (!h) return fail(std::string("dlopen ") + libcuda + ": " + dlerror());
-#define SYM(name, sym)                    \
-  *(void**)(&cuda_.name) = dlsym(h, sym); \
-  if (!cuda_.name) return fail(std::string("libcuda lacks ") + sym);
-  SYM(cuInit, "cuInit")
-  SYM(cuDeviceGet, "cuDeviceGet")
-  SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute")
-  SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") SYM(cuCtxSetCurrent, "cuCtxSetCurrent")
-      SYM(cuModuleLoadData, "cuModuleLoadData") SYM(cuModuleGetFunction, "cuModuleGetFunction")
-          SYM(cuStreamCreate, "cuStreamCreate") SYM(cuMemAlloc, "cuMemAlloc_v2") SYM(cuMemFree, "cuMemFree_v2")
-              SYM(cuMemAllocHost, "cuMemAllocHost_v2") SYM(cuMemFreeHost, "cuMemFreeHost")
-                  SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2") SYM(cuLaunchKernel, "cuLaunchKernel")
-                      SYM(cuStreamSynchronize, "cuStreamSynchronize") SYM(cuGetErrorString, "cuGetErrorString")
-                          SYM(cuEventCreate, "cuEventCreate") SYM(cuEventRecord, "cuEventRecord")
-                              SYM(cuEventSynchronize, "cuEventSynchronize")
+#define SYM(name, sym)                                                 \
+  do {                                                                 \
+    *(void**)(&cuda_.name) = dlsym(h, sym);                            \
+    if (!cuda_.name) return fail(std::string("libcuda lacks ") + sym); \
+  } while (0)
+  SYM(cuInit, "cuInit");
+  SYM(cuDeviceGet, "cuDeviceGet");
+  SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute");
+  SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+  SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+  SYM(cuModuleLoadData, "cuModuleLoadData");
+  SYM(cuModuleGetFunction, "cuModuleGetFunction");
+  SYM(cuStreamCreate, "cuStreamCreate");
+  SYM(cuMemAlloc, "cuMemAlloc_v2");
+  SYM(cuMemFree, "cuMemFree_v2");
+  SYM(cuMemAllocHost, "cuMemAllocHost_v2");
+  SYM(cuMemFreeHost, "cuMemFreeHost");
+  SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+  SYM(cuLaunchKernel, "cuLaunchKernel");
+  SYM(cuStreamSynchronize, "cuStreamSynchronize");
+  SYM(cuGetErrorString, "cuGetErrorString");
+  SYM(cuEventCreate, "cuEventCreate");
+  SYM(cuEventRecord, "cuEventRecord");
+  SYM(cuEventSynchronize, "cuEventSynchronize");
 #undef SYM
-                                  void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
-#define NSYM(name, sym)                    \
-  *(void**)(&nvrtc_.name) = dlsym(n, sym); \
-  if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym);
-  NSYM(create, "nvrtcCreateProgram")
-  NSYM(compile, "nvrtcCompileProgram")
-  NSYM(ptx_size, "nvrtcGetPTXSize")
-  NSYM(ptx, "nvrtcGetPTX") NSYM(log_size, "nvrtcGetProgramLogSize") NSYM(log, "nvrtcGetProgramLog")
-      NSYM(destroy, "nvrtcDestroyProgram")
+#define NSYM(name, sym)                                                  \
+  do {                                                                   \
+    *(void**)(&nvrtc_.name) = dlsym(n, sym);                             \
+    if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym); \
+  } while (0)
+  NSYM(create, "nvrtcCreateProgram");
+  NSYM(compile, "nvrtcCompileProgram");
+  NSYM(ptx_size, "nvrtcGetPTXSize");
+  NSYM(ptx, "nvrtcGetPTX");
+  NSYM(log_size, "nvrtcGetProgramLogSize");
+  NSYM(log, "nvrtcGetProgramLog");
+  NSYM(destroy, "nvrtcDestroyProgram");
 #undef NSYM
-          if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
+  if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
   cuda_.ok = true;
   return true;
 }

@@ -131,7 +131,7 @@ void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, cons
 void Lane::on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
                       uint64_t first, uint64_t off) {
   const std::string k = key(tid, rank);
-  ChunkTrace tr{tid, 1, first, npages, nbytes, {now_s(), 0, 0, 0, 0}};
+  const double t_note = now_s();
   std::string why;
   XIn xi;  // the declaration's fields but its pages
   Pool dp;
@@ -178,9 +178,8 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
   const double t0 = now_s();
   std::string err = dp.device == xi.device ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
                                            : "the lane's staging is on another device than the receiver's pool";
-  tr.t[1] = t0;
-  tr.t[2] = now_s();
-  const uint64_t us = (uint64_t)((tr.t[2] - t0) * 1e6);
+  const double t_unpacked = now_s();
+  const uint64_t us = (uint64_t)((t_unpacked - t0) * 1e6);
   st_[S_UNPACK] += us;
   bool last = false, cancelled = false;
   {
@@ -205,10 +204,7 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
     send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
   else
     send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
-  if (trace_on_) {
-    tr.t[3] = now_s();
-    trace(std::move(tr));
-  }
+  if (trace_on_) trace(ChunkTrace{tid, 1, first, npages, nbytes, {t_note, t0, t_unpacked, now_s(), 0}});
 }
 
 }  // namespace kvlane

@@ -191,7 +191,7 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
     out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
     if (trace_on_) out[h].tr = ChunkTrace{tid, 0, first, cnt, cnt * page, {t0, now_s(), 0, 0, 0}};
     err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
-    out[h].tr.t[2] = now_s();
+    if (!out[h].tr.tid.empty()) out[h].tr.t[2] = now_s();
     if (err.empty() && k >= 1) err = nx_finish(xo, out[(k - 1) % parts]);  // chunk k - 1: done, noted
   }
   for (auto& o : out) {  // the last chunk's WRITE (after a failure: any, released unnoted)
@@ -335,7 +335,7 @@ std::string Lane::nx_finish(const XOut& xo, Posted& o) {
     if (r == xnixl::IN_PROG) std::this_thread::yield();
   }
   stat(S_WAIT, t_wait);
-  o.tr.t[3] = now_s();
+  if (!o.tr.tid.empty()) o.tr.t[3] = now_s();
   if (r != xnixl::OK || !req_cache_) {
     release_req(req);
   } else {
