@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import guard
 from ..errors import InvalidArgument, KVServiceError, PermissionDenied, Unimplemented, translate_os_error
 
 __all__ = ["MappedRegion", "MemoryImporter", "alias_addresses"]
@@ -38,6 +39,7 @@ class MappedRegion:
     tensor: torch.Tensor
     source: str  # key of the mapping it lives in
     origin: Any = None  # the common_pb2.Region it was imported from (handed to same-host peers)
+    guard_slot: int = -1  # its mapping's slot in the fault guard (shm), or -1 (guard.py)
 
     def pages(self, page_bytes: int) -> torch.Tensor:
         """The region as ``[num_pages, page_bytes]`` uint8."""
@@ -75,6 +77,21 @@ def alias_addresses(addresses: Sequence[int], device: int) -> list[int] | None:
         if not imp.translate(out, device):
             return None
     return out
+
+
+def _guard_mapping(arr: np.ndarray, length: int) -> int:
+    """Guard a new shm mapping against its owner shrinking it (guard.py): its slot, or -1.
+
+    NOTE: the slot is released when ``arr`` is collected, i.e. when the last view of the mapping
+    is gone and the mmap is about to be unmapped, not when the buffer set is unregistered: a copy
+    still holding a view stays guarded."""
+    g = guard.get()
+    if g is None:
+        return -1
+    slot = g.add(arr.ctypes.data, length)
+    if slot >= 0:
+        weakref.finalize(arr, g.remove, slot)
+    return slot
 
 
 class MemoryImporter:
@@ -152,9 +169,10 @@ class MemoryImporter:
                 finally:
                     os.close(fd)
                 arr = np.frombuffer(mm, dtype=np.uint8)
-                entry = [0, (mm, arr), arr.ctypes.data, length, st.st_uid]
+                slot = _guard_mapping(arr, length)
+                entry = [0, (mm, arr), arr.ctypes.data, length, st.st_uid, slot]
                 self._maps[key] = entry
-            _, (_, arr), base, length, owner = entry
+            _, (_, arr), base, length, owner, slot = entry
             if owner_uid is not None and owner != owner_uid:
                 if entry[0] == 0:
                     self._close_locked(key)
@@ -170,7 +188,7 @@ class MemoryImporter:
                 )
             entry[0] += 1
         view = torch.from_numpy(arr[offset : offset + size])
-        return MappedRegion(base + offset, size, "DRAM", 0, view, key)
+        return MappedRegion(base + offset, size, "DRAM", 0, view, key, guard_slot=slot)
 
     def _import_cuda(self, field: str, ipc: Any, size: int) -> MappedRegion:
         if not torch.cuda.is_available():

@@ -17,6 +17,7 @@ from typing import Any
 from kvservice_client import Layout
 
 from ..errors import InvalidArgument, NotFound, PermissionDenied
+from . import guard
 from .layout import validate_layout, validate_region_sizes
 from .memory import MappedRegion, MemoryImporter
 
@@ -62,6 +63,11 @@ class BufferSet:
     @property
     def total_bytes(self) -> int:
         return sum(r.size for r in self.regions) + sum(a.region.size for a in self.aux)
+
+    def lost(self) -> str:
+        """Why this buffer set's memory can no longer be trusted (its owner shrank a segment
+        under the service: guard.py), or '' while it is whole. One load while nothing faulted."""
+        return guard.lost(self.buffer_set_id, tuple(r.guard_slot for r in self.regions + tuple(a.region for a in self.aux)))
 
     def aux_by_name(self, name: str) -> AuxBuffer | None:
         return next((a for a in self.aux if a.name == name), None)

@@ -86,6 +86,11 @@ async def claim(
         raise Aborted(f"transfer {transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
     us = int((time.monotonic() - t0) * 1e6)
     e.table.update(inc.rec, add_unpack=us)
+    lost = bs.lost()  # the engine shrank its memory during the copy
+    if lost:
+        book.release(entry)
+        e.table.finish(inc.rec, "FAILED", "FAILED_PRECONDITION", lost)
+        raise FailedPrecondition(lost)
     e.table.finish(inc.rec, "DONE")
     book.release(entry)  # the bytes are free when the claim returns
     book.count(entry.mem.arena.kind, "claims")

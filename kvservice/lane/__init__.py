@@ -63,6 +63,10 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         return None
     cfg = node.config
     lane = mod.Lane()
+    from ..buffers import guard
+
+    if (g := guard.get()) is not None:  # the lane's copies fail a pool whose memory shrank
+        lane.set_guard(*g.addresses())
     lane.set_chunk(cfg.lane_cuda_chunk_kb * 1024)
     lane.set_pull(cfg.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
     # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the

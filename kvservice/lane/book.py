@@ -12,7 +12,8 @@ bookkeeping of what it did.
     any other sender of an armed transfer     ─▶ gate: disarm the ranks it writes, or refuse (the
                                                   lane has its only sender), or wait for the lane's
                                                   copies there (a rank with several senders)
-    UnregisterBuffers ─▶ drop_pool (returns once no copy uses the pool)
+    UnregisterBuffers ─▶ drop_pool (returns once no native copy holds the pool: its memory may
+                       then be unmapped; a finalize in flight still books it from ``_retired``)
 
 The rules of DESIGN.md hold: a copy never starts for a transfer that is not ARMED (a disarm is
 atomic with the native thread's accept), so no byte lands after Abort returns; an Abort that
@@ -36,7 +37,7 @@ from .geometry import head_geometry, heads_overlap, layout_signature
 __all__ = ["LaneBook", "NoLane"]
 
 log = logging.getLogger(__name__)
-_RETIRED = 256  # unregistered buffer sets kept for a finalize in flight
+_RETIRED = 256  # unregistered buffer sets a finalize in flight may still name (its bookkeeping)
 
 
 def _senders_into(src: Any, dst: Any) -> int:
@@ -106,6 +107,7 @@ class LaneBook(NoLane):
         self.cuda = cuda
         self.pools: dict[str, Any] = {}  # buffer set id -> BufferSet on the lane
         self._retired: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._held: list[Any] = []  # buffer sets a native copy still held at drop_pool
         self.cross: Any = None  # cross.CrossBook when the cross-node lane runs
         self.fin = Finalizer(self)  # the completions' bookkeeping
 
@@ -184,7 +186,13 @@ class LaneBook(NoLane):
         bs = self.pools.pop(buffer_set_id, None)
         if bs is None:
             return
-        self.n.drop_pool(buffer_set_id)  # waits (GIL released) until no copy uses it
+        # NOTE: the native side waits (GIL released) until no copy holds the pool, so its memory
+        # may be unmapped once this returns; a wedged device may keep one: its mapping is then
+        # kept for the service's life (``_held``) rather than unmapped under it
+        if not self.n.drop_pool(buffer_set_id):
+            log.error("lane: a copy still holds an unregistered buffer set; its memory stays mapped",
+                      extra={"buffer_set_id": buffer_set_id})
+            self._held.append(bs)
         self._retired[buffer_set_id] = bs
         while len(self._retired) > _RETIRED:
             self._retired.popitem(last=False)

@@ -117,6 +117,9 @@ class App:
 
         if self.servicer is not None:  # told to every session (SessionEvent.peer_address)
             self.servicer.peer_address = self.announced_address
+        from ..buffers import guard
+
+        await asyncio.to_thread(guard.get)  # before any engine registers memory (built once, cached)
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()

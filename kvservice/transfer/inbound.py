@@ -216,6 +216,9 @@ class Inbound:
             self.receiver.record_chunk(
                 inc, sender, c.positions, c.last, c.nbytes, c.skipped, c.aux, c.primary
             )
+            lost = inc.bs.lost()  # the engine shrank its memory while this commit's bytes landed
+            if lost:
+                raise FailedPrecondition(lost)
         except (Aborted, NotFound):
             raise
         except KVServiceError as exc:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..buffers import BufferSet
 from ..errors import FailedPrecondition, InvalidArgument
 from ..kernels import distinct
 from .load import expected_bytes
@@ -56,6 +57,13 @@ def check_aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return aux
 
 
+def check_whole(bs: BufferSet) -> None:
+    """FailedPrecondition once ``bs``'s owner shrank its memory under the service (guard.py)."""
+    why = bs.lost()
+    if why:
+        raise FailedPrecondition(f"buffer_set_id: {why}")
+
+
 def build_incoming(
     engine: Any,
     session_id: str,
@@ -84,6 +92,7 @@ def build_incoming(
         if not name or len(name) > 255:
             raise InvalidArgument(f"allowed_senders[{i}]", "must be a peer identity of 1..255 characters")
     bs = engine.node.buffers.get(buffer_set_id, session_id)
+    check_whole(bs)
     if publish_tokens is not None:
         from kvservice_client.hashing import page_hashes
 
@@ -145,6 +154,7 @@ def build_chunk(
 ) -> tuple[Outgoing, Chunk]:
     tid = _transfer_id(transfer_id)
     bs = engine.node.buffers.get(buffer_set_id, session_id)
+    check_whole(bs)
     src = src_pages_array(src_page_indices, bs.layout.num_pages)
     aux = check_aux(bs, aux)
     if not peer_address:

@@ -131,8 +131,18 @@ def hello(session_id: str) -> bytes:
     return json.dumps({"v": 1, "session_id": session_id}).encode()
 
 
+MAX_HELLO = 1024  # bytes: a hello is one flat JSON object naming a session
+
+
 def parse_hello(data: bytes) -> str:
-    msg = json.loads(data.decode())
+    """The session a hello names; ValueError for anything else (too long, not UTF-8, not JSON,
+    nested past the parser's depth, not a v1 hello): another process wrote it."""
+    if len(data) > MAX_HELLO:
+        raise ValueError(f"not a lane hello: {len(data)} bytes (at most {MAX_HELLO})")
+    try:
+        msg = json.loads(data.decode())
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError("not a lane hello: not a JSON object") from None
     if not isinstance(msg, dict) or msg.get("v") != 1 or not isinstance(msg.get("session_id"), str):
         raise ValueError("not a lane hello")
     return str(msg["session_id"])

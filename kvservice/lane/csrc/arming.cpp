@@ -2,7 +2,11 @@
 // pools (buffer sets) and transfers (a receiver rank's declaration), and their disarming.
 
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <thread>
 
 #include <algorithm>
 #include <stdexcept>
@@ -23,15 +27,15 @@ void Lane::add_conn(int fd, const std::string& session) {
   }
 }
 
+// NOTE: only the lane thread closes a connection's fd (closed()): it may hold an epoll event for
+// it right now, and a number closed here could be reused by the next connection before it reads.
+// Here the connection is shut down (its event says hang-up) and no longer any session's.
 void Lane::drop_session(const std::string& session) {
   std::lock_guard<std::mutex> g(mu_);
-  for (auto it = conns_.begin(); it != conns_.end();) {
-    if (it->second.session == session) {
-      epoll_ctl(epfd_, EPOLL_CTL_DEL, it->first, nullptr);
-      close(it->first);
-      it = conns_.erase(it);
-    } else {
-      ++it;
+  for (auto& kv : conns_) {
+    if (kv.second.session == session) {
+      kv.second.session.clear();
+      shutdown(kv.first, SHUT_RDWR);
     }
   }
 }
@@ -41,9 +45,16 @@ int Lane::conns() {
   return (int)conns_.size();
 }
 
+int Lane::conns_of(const std::string& session) {
+  std::lock_guard<std::mutex> g(mu_);
+  int n = 0;
+  for (auto& kv : conns_) n += kv.second.session == session;
+  return n;
+}
+
 void Lane::add_pool(const std::string& bs, const std::string& owner, int device, int64_t num_pages, uint64_t sig,
                     int rank, std::vector<RegionDesc> regions, uint64_t xsig) {
-  Pool p{owner, device, num_pages, sig, rank, std::move(regions)};
+  Pool p{owner, bs, device, num_pages, sig, rank, std::move(regions)};
   p.xsig = xsig;
   std::lock_guard<std::mutex> g(mu_);
   pools_[bs] = std::move(p);
@@ -58,9 +69,26 @@ void Lane::set_alias(const std::string& bs, int device, std::vector<uint64_t> ba
   p->second.alias[device] = std::move(bases);
 }
 
-void Lane::drop_pool(const std::string& bs) {
-  std::lock_guard<std::mutex> g(mu_);
-  pools_.erase(bs);
+// No new copy takes pool ``bs`` from now on; returns once no copy holds it (true), or false if
+// one still does after ``wait_s`` (a wedged device). A job waiting on a peer sees it dropped and
+// gives up, so this waits for at most the copies being made. Called without the GIL.
+bool Lane::drop_pool(const std::string& bs, double wait_s) {
+  std::weak_ptr<PoolLife> life;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pools_.find(bs);
+    if (it == pools_.end()) return true;
+    it->second.life->dropped = true;
+    life = it->second.life;
+    pools_.erase(it);
+  }
+  credit_cv_.notify_all();
+  const double until = now_s() + wait_s;
+  while (!life.expired()) {
+    if (now_s() > until) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
 }
 
 // Pool ``bs``'s heads, for head slices between TP sizes (see Pool::hmode).
@@ -128,6 +156,31 @@ void Lane::unarm(std::unordered_map<std::string, Armed>::iterator it, const std:
   auto& v = t->second;
   v.erase(std::remove(v.begin(), v.end(), rank), v.end());
   if (v.empty()) by_tid_.erase(t);
+}
+
+}  // namespace kvlane
+
+namespace kvlane {
+
+// The fault guard's functions (kvservice/buffers/guard.py): kvg_faults, kvg_range_faulted.
+void Lane::set_guard(uint64_t faults_fn, uint64_t range_fn) {
+  guard_faults_ = reinterpret_cast<uint64_t (*)()>(faults_fn);
+  guard_range_ = reinterpret_cast<int (*)(uint64_t, uint64_t)>(range_fn);
+}
+
+// Why pool ``p`` can no longer be trusted (its owner shrank its shared memory: the guard repaired
+// a fault in it), or "". A host pool only; one call while nothing ever faulted.
+std::string Lane::lost(const Pool& p) const {
+  auto faults = guard_faults_.load();
+  auto range = guard_range_.load();
+  if (!faults || !range || p.device >= 0 || p.name.empty() || !faults()) return "";  // (staging: never guarded)
+  for (const RegionDesc& r : p.regions) {
+    if (range(r.base, r.stride * (uint64_t)p.num_pages))
+      return "buffer set '" + p.name +
+             "': its shared memory shrank under the service (the engine truncated or dropped it); its transfers "
+             "fail: unregister it and register new memory";
+  }
+  return "";
 }
 
 }  // namespace kvlane

@@ -14,7 +14,7 @@ namespace kvlane {
 
 // Pages packed page-major: page i's regions back to back (the layout both lanes derive).
 Pool Lane::packed(uint64_t base, const Pool& like, int device) {
-  Pool p{like.owner, device, INT32_MAX, like.sig, like.rank, {}};
+  Pool p{like.owner, "", device, INT32_MAX, like.sig, like.rank, {}};  // staging: its own life, never guarded
   uint64_t page = 0, off = 0;
   for (auto& r : like.regions) page += r.nbytes;
   for (auto& r : like.regions) {
@@ -28,7 +28,10 @@ Pool Lane::packed(uint64_t base, const Pool& like, int device) {
 std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
   Target t;
   t.dp = dp;
-  return cu_.copy(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
+  std::string err = cu_.copy(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
+  if (err.empty()) err = lost(sp);  // an engine's pool shrank under the copy (the other is staging)
+  if (err.empty()) err = lost(dp);
+  return err;
 }
 
 void Lane::handle_x(int fd, const char* p, size_t n) {
@@ -177,7 +180,7 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
   for (uint64_t k = 0; k < chunks && err.empty(); ++k) {
     const uint64_t h = k % parts;
     const uint64_t first = k * chunk, cnt = std::min(chunk, n - first), off = h * chunk * page;
-    if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline);  // chunk k - P left part h
+    if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline, sp);  // chunk k - P left part h
     if (!err.empty()) break;
     pairs.resize(2 * cnt);
     for (uint64_t i = 0; i < cnt; ++i) {
@@ -207,7 +210,7 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
 }
 
 // mu_ not held: until the receiver has unpacked ``need`` chunks of ``xk``.
-std::string Lane::await_credits(const std::string& xk, uint64_t need, double deadline) {
+std::string Lane::await_credits(const std::string& xk, uint64_t need, double deadline, const Pool& sp) {
   std::unique_lock<std::mutex> g(mu_);
   for (;;) {
     auto it = xpend_.find(xk);
@@ -216,6 +219,7 @@ std::string Lane::await_credits(const std::string& xk, uint64_t need, double dea
       return it->second.ack_ok ? "the receiver acknowledged before the last chunk" : it->second.ack_msg;
     if (it->second.credits >= need) return "";
     if (!running_) return "the lane is stopping";
+    if (sp.life->dropped) return "buffer set '" + sp.name + "' was unregistered";
     if (now_s() > deadline) return "the receiver unpacked no chunk before the transfer's deadline";
     credit_cv_.wait_for(g, std::chrono::milliseconds(1));
   }

@@ -78,6 +78,10 @@ class Lane {
   // Fault injection for tests: each cross-node unpack starts ``us`` late (a slow receiver).
   void set_slow_unpack(unsigned us) { slow_unpack_us_ = us; }
 
+  // ---- the fault guard (arming.cpp; kvservice/buffers/guard.py) ----------------------------
+  void set_guard(uint64_t faults_fn, uint64_t range_fn);
+  std::string lost(const Pool& p) const;
+
   // ---- CUDA (the Copier, copy.cpp) -----------------------------------------------------------
   bool init_cuda(const std::string& libcuda, const std::string& libnvrtc) { return cu_.init(libcuda, libnvrtc); }
   std::string cuda_why() const { return cu_.why(); }
@@ -87,10 +91,11 @@ class Lane {
   void add_conn(int fd, const std::string& session);
   void drop_session(const std::string& session);
   int conns();
+  int conns_of(const std::string& session);  // open connections of one session
   void add_pool(const std::string& bs, const std::string& owner, int device, int64_t num_pages, uint64_t sig, int rank,
                 std::vector<RegionDesc> regions, uint64_t xsig);
   void set_alias(const std::string& bs, int device, std::vector<uint64_t> bases);
-  void drop_pool(const std::string& bs);
+  bool drop_pool(const std::string& bs, double wait_s);
   void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps);
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
            int64_t prefix, std::vector<int32_t> dst, double deadline, int senders);
@@ -144,7 +149,7 @@ class Lane {
   std::string launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
                            size_t moved, uint64_t nbytes, double t0);
   void finish_run();
-  void end_local(LocalCopy& job, const std::string& err, uint64_t us, uint64_t nbytes, size_t moved);
+  void end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbytes, size_t moved);
   std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src, int nh) const;
   std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const;
   static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src);
@@ -192,7 +197,7 @@ class Lane {
   std::string stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
                          const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
                          uint64_t parts);
-  std::string await_credits(const std::string& xk, uint64_t need, double deadline);
+  std::string await_credits(const std::string& xk, uint64_t need, double deadline, const Pool& sp);
   void kick();  // mu_ held: wake the lane thread to look at the parked SEND_TOs
   void unpark();
   static std::string note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
@@ -214,6 +219,8 @@ class Lane {
                   uint64_t first, uint64_t off);
 
   // ---- state ---------------------------------------------------------------------------------
+  std::atomic<uint64_t (*)()> guard_faults_{nullptr};
+  std::atomic<int (*)(uint64_t, uint64_t)> guard_range_{nullptr};
   std::atomic<unsigned> spin_us_{0};
   double at_msg_ = 0;               // when the lane thread read the message it handles (LocalCopy::at_recv)
   std::atomic<unsigned> parts_{4};  // a streamed cross-node send's chunks in flight

@@ -92,9 +92,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_conn", &Lane::add_conn)
       .def("drop_session", &Lane::drop_session)
       .def("conns", &Lane::conns)
+      .def("conns_of", &Lane::conns_of)
       .def("add_pool", &add_pool)
       .def("set_alias", &set_alias)
-      .def("drop_pool", &Lane::drop_pool)
+      .def("drop_pool", &Lane::drop_pool, py::arg("bs"), py::arg("wait_s") = 10.0, Release())
+      .def("set_guard", &Lane::set_guard)
       .def("set_heads", &Lane::set_heads)
       .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"), py::arg("prefix"),
            py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1)

@@ -204,7 +204,11 @@ void Lane::finish_run() {
 
 // END to the sender and to each receiver rank that has all its senders now (or a failure),
 // then the completion for Python.
-void Lane::end_local(LocalCopy& job, const std::string& err, uint64_t us, uint64_t nbytes, size_t moved) {
+void Lane::end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbytes, size_t moved) {
+  // a pool whose memory its owner shrank during (or before) the copy: the guard repaired the
+  // fault, the bytes are not the engine's: the transfer fails
+  if (err.empty()) err = lost(job.sp);
+  for (size_t i = 0; i < job.tg.size() && err.empty(); ++i) err = lost(job.tg[i].dp);
   const int fd = job.fd;
   const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
   const Pool& sp = job.sp;

@@ -3,7 +3,9 @@
 // guards it with its locks.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -14,8 +16,16 @@ struct RegionDesc {
   uint64_t base, stride, nbytes;
 };
 
+// Shared by every copy of a Pool: each job holds one, so drop_pool knows when no copy can touch
+// the pool's memory any more (the weak pointer expires), and a job waiting on a peer sees the
+// pool dropped and stops waiting.
+struct PoolLife {
+  std::atomic<bool> dropped{false};
+};
+
 struct Pool {
   std::string owner;  // session id
+  std::string name;   // its buffer set id (errors name it)
   int device;         // -1: host memory
   int64_t num_pages;
   uint64_t sig;
@@ -30,6 +40,7 @@ struct Pool {
   // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
   // only in the context that opened it: a kernel on another GPU needs its own opening)
   std::unordered_map<int, std::vector<uint64_t>> alias;
+  std::shared_ptr<PoolLife> life = std::make_shared<PoolLife>();
 };
 
 // ARMED: takes senders; RUNNING: every sender taken; COMPLETED: all copied (or one failed);
@@ -68,7 +79,7 @@ struct Target {  // a receiver rank a same-node SEND copies into: all of it, or 
 
 struct Conn {
   int fd;
-  std::string session;
+  std::string session;  // "" once its session ended: the lane thread closes it (drop_session)
 };
 
 // ---- cross-node lane (docs/design-notes.md §20) ---------------------------------------------

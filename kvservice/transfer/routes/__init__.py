@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...buffers import BufferSet
+from ...errors import FailedPrecondition
 from ...kernels import KVRegions
 from ..port import ReceiverPort
 from ..records import TransferTable
@@ -48,7 +49,11 @@ async def commit(
     c: Commit,
     slot: Reserved | None = None,
 ) -> None:
-    """Commit to the receiver, then count it on the sender's record."""
+    """Commit to the receiver, then count it on the sender's record. Never for bytes read from
+    a pool whose memory its owner shrank meanwhile (guard.py): the transfer fails instead."""
+    why = out.bs.lost()
+    if why:
+        raise FailedPrecondition(why)
     await port.commit(out, target, seq, c, slot)
     ctx.table.update(
         out.rec,

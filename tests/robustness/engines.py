@@ -1,0 +1,78 @@
+"""Engines beside one or two services for the robustness tests: shm pools filled with random
+bytes, a client and a buffer set each, and what changed in a pool."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from kvservice_client import Client, Layout, ShmKVPool
+
+LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
+
+
+def eventually(pred: Any, timeout: float = 30.0, what: str = "") -> Any:
+    end = time.monotonic() + timeout
+    while not (v := pred()):
+        if time.monotonic() > end:
+            raise AssertionError(f"not true within {timeout}s: {what}")
+        time.sleep(0.005)
+    return v
+
+
+def lane_of(server: Any) -> Any:
+    """The server's running lane (waits for its background start; the build is cached)."""
+    task = eventually(lambda: server.app.lane, 5, "lane task")
+    eventually(task.done, 120, "lane started")
+    running = task.result()
+    assert running is not None, "the native lane did not start (see the service log)"
+    return running
+
+
+def regions(pool: ShmKVPool, layout: Layout = LAYOUT) -> list[np.ndarray]:
+    """Every KV region of ``pool`` as ``[num_pages, page_bytes]`` uint8 (K layers, then V)."""
+    return [pool.k(i) for i in range(layout.num_layers)] + [pool.v(i) for i in range(layout.num_v_regions)]
+
+
+class Engine:
+    """One engine rank: a pool of random bytes registered with the service at ``address``."""
+
+    def __init__(self, address: str, name: str, seed: int, layout: Layout = LAYOUT, **pool_kw: Any) -> None:
+        self.layout = layout
+        self.pool = ShmKVPool.create(layout, **pool_kw)
+        rng = np.random.default_rng(seed)
+        for r in regions(self.pool, layout):
+            r[:] = rng.integers(0, 256, r.shape, dtype=np.uint8)
+        self.kv = Client(address, client_name=name)
+        self.bs = self.kv.register_buffers(
+            layout, self.pool.k_regions, self.pool.v_regions, aux=self.pool.aux_specs
+        ).buffer_set_id
+        self.truncated = False
+
+    def pages(self, pages: list[int]) -> list[bytes]:
+        return [r[p].tobytes() for r in regions(self.pool, self.layout) for p in pages]
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [r.copy() for r in regions(self.pool, self.layout)]
+
+    def changed(self, before: list[np.ndarray]) -> set[int]:
+        got: set[int] = set()
+        for old, now in zip(before, regions(self.pool, self.layout), strict=True):
+            got |= set(np.flatnonzero((old != now).any(axis=1)).tolist())
+        return got
+
+    def truncate(self, size: int = 0) -> None:
+        """Shrink this engine's segment under the service, as its owner may. NOTE: this process
+        must not touch the pool's memory afterwards (it would fault here, unguarded)."""
+        fd = os.open("/dev/shm/" + self.pool.name.lstrip("/"), os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self.truncated = True
+
+    def close(self) -> None:
+        self.kv.close()
+        self.pool.close()  # unmaps and unlinks without touching the memory

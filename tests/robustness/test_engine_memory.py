@@ -1,0 +1,140 @@
+"""An engine shrinking its shared memory under the service (``ftruncate``, as its owner may)
+fails the transfers that touch it, naming its buffer set, on every route; the service keeps
+serving every other engine (it used to die of SIGBUS in the copy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engines import Engine, lane_of
+from kvservice_client._errors import FailedPrecondition
+
+
+class Node:
+    """One service and three engines: a sender, a receiver and a bystander pair's receiver."""
+
+    def __init__(self, server: Any, lane: bool) -> None:
+        self.server = server
+        if lane:
+            lane_of(server)
+        self.a = Engine(server.address, "prefill", 1)
+        self.b = Engine(server.address, "decode", 2)
+        self.c = Engine(server.address, "bystander", 3)
+        self.peer = server.app.peer_address
+
+    def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:
+        into = into or self.b
+        into.kv.expect_delta(tid, into.bs, prefix_pages=0, dst_page_indices=dst)
+        self.a.kv.send_delta(tid, self.a.bs, src_page_indices=src, peer_address=self.peer)
+        (r,) = into.kv.wait(tid, timeout=20)
+        (s,) = self.a.kv.wait(tid, timeout=20)
+        return r, s
+
+    def close(self) -> None:
+        for e in (self.a, self.b, self.c):
+            e.close()
+
+
+@pytest.fixture(params=[True, False], ids=["lane", "grpc"])
+def node(request: Any, make_server: Any) -> Iterator[Node]:
+    n = Node(make_server(transport="loopback", lane=request.param), request.param)
+    yield n
+    n.close()
+
+
+@pytest.mark.parametrize("who", ["sender", "receiver"])
+def test_a_truncated_pool_fails_its_transfer_and_nothing_else(node: Node, who: str) -> None:
+    """The transfer over a truncated pool ends FAILED naming that buffer set; the service lives."""
+    n = node
+    r, s = n.move("warm", [1], [3])
+    assert (r.state, s.state) == ("DONE", "DONE")
+    victim = n.a if who == "sender" else n.b
+    victim.truncate()
+    r, s = n.move("t1", [1, 2], [5, 6])
+    assert r.state == "FAILED", r
+    assert victim.bs in r.error and "shrank" in r.error, r.error
+    assert s.state in ("FAILED", "ABORTED"), s
+    # every other engine's transfers go on, byte exact
+    if who == "receiver":
+        before = n.c.snapshot()
+        r2, _ = n.move("t2", [7, 8], [9, 10], into=n.c)
+        assert r2.state == "DONE", r2
+        assert n.c.pages([9, 10]) == n.a.pages([7, 8])
+        assert n.c.changed(before) <= {9, 10}
+
+
+def test_a_truncated_pool_takes_no_new_transfer(node: Node) -> None:
+    """Once the service saw a pool shrink, SendDelta / ExpectDelta on it fail at once, naming it."""
+    n = node
+    n.b.truncate()
+    r, _ = n.move("t1", [1], [2])
+    assert r.state == "FAILED"
+    with pytest.raises(FailedPrecondition, match=n.b.bs):
+        n.b.kv.expect_delta("t2", n.b.bs, prefix_pages=0, dst_page_indices=[4])
+    # its owner unregisters it; the service serves the others
+    n.b.kv.unregister_buffers(n.b.bs)
+    r2, s2 = n.move("t3", [4], [4], into=n.c)
+    assert (r2.state, s2.state) == ("DONE", "DONE")
+
+
+class Nodes:
+    """A prefill service (A) and a decode service (B) on NIXL that do not map each other's
+    pools, peers by mutual TLS (offers and the cross-node lane need a proven identity)."""
+
+    def __init__(self, make_server: Any, tmp: str, cross_lane: bool) -> None:
+        from pki import CA, mtls_peer
+
+        kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
+        if not cross_lane:
+            kw["lane_cross_mb"] = 0
+        ca = CA(tmp, "cluster")
+        self.sa, self.sb = (make_server(**kw, **mtls_peer(ca, name)) for name in ("prefill-a", "decode-b"))
+        lane_of(self.sa), lane_of(self.sb)
+        self.a = Engine(self.sa.address, "prefill", 1)
+        self.b = Engine(self.sb.address, "decode", 2)
+        self.c = Engine(self.sb.address, "bystander", 3)
+        self.peer = self.sb.app.peer_address
+
+    def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:
+        into = into or self.b
+        into.kv.expect_delta(
+            tid, into.bs, prefix_pages=0, dst_page_indices=dst, sender_address=self.sa.app.peer_address
+        )
+        self.a.kv.send_delta(tid, self.a.bs, src_page_indices=src, peer_address=self.peer)
+        (r,) = into.kv.wait(tid, timeout=30)
+        (s,) = self.a.kv.wait(tid, timeout=30)
+        return r, s
+
+    def close(self) -> None:
+        for e in (self.a, self.b, self.c):
+            e.close()
+
+
+@pytest.mark.parametrize("cross_lane", [True, False], ids=["cross-lane", "grpc"])
+@pytest.mark.parametrize("who", ["sender", "receiver"])
+def test_across_services_a_truncated_pool_fails_only_its_transfer(
+    make_server: Any, tmp_path: Any, cross_lane: bool, who: str
+) -> None:
+    """Across services (the cross-node lane, or gRPC over NIXL) the same: FAILED naming the
+    buffer set on the receiver, not DONE on the sender, both services serving."""
+    pytest.importorskip("nixl")
+    n = Nodes(make_server, str(tmp_path), cross_lane)
+    try:
+        for i in range(2):  # the first opens A's channel to B: offers (and lane slots) travel on it
+            r, s = n.move(f"warm{i}", [1], [3 + i])
+            assert (r.state, s.state) == ("DONE", "DONE"), (r, s)
+        victim = n.a if who == "sender" else n.b
+        victim.truncate()
+        r, s = n.move("t1", [1, 2], [5, 6])
+        assert r.state == "FAILED" and victim.bs in r.error and "shrank" in r.error, r
+        assert s.state in ("FAILED", "ABORTED"), s
+        before = n.c.snapshot()
+        if who == "receiver":
+            r2, s2 = n.move("t2", [7, 8], [9, 10], into=n.c)
+            assert (r2.state, s2.state) == ("DONE", "DONE"), (r2, s2)
+            assert n.c.pages([9, 10]) == n.a.pages([7, 8])
+            assert n.c.changed(before) <= {9, 10}
+    finally:
+        n.close()
