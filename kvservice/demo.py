@@ -133,6 +133,7 @@ def _start_service(name: str, sock: str, same_host: bool) -> subprocess.Popen[by
         "KVSERVICE_SERVICE_NAME": name,
         # NOTE: both "nodes" run on this host; unless asked, they talk as two hosts would (NIXL)
         "KVSERVICE_SAME_HOST_ROUTE": "auto" if same_host else "off",
+        "KVSERVICE_PEER_ALLOWLIST": "unix",  # KV goes only to peers on this host's sockets
     }
     return subprocess.Popen(
         [sys.executable, "-m", "kvservice", "serve", "--uds-path", sock], env=env, stdout=subprocess.DEVNULL
@@ -200,7 +201,10 @@ def run_demo(turns: int = 4, same_host: bool = False) -> int:
         for svc in services:
             svc.terminate()
         for svc in services:
-            svc.wait(15)
+            try:  # a first start's native build may still run; its stop waits for it
+                svc.wait(60)
+            except subprocess.TimeoutExpired:
+                svc.kill()
 
 
 def _page_bytes() -> int:

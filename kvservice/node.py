@@ -224,7 +224,8 @@ class Node:
         return int((time.monotonic() - self.started) * 1000)
 
     async def drain(self, grace_s: float) -> None:
-        """Refuse new transfers and wait up to ``grace_s`` for in-flight ones to end."""
+        """Refuse new transfers, wait up to ``grace_s`` for in-flight ones to end, then end the
+        peer channels of sending services (nothing is left for them to carry)."""
         self.draining = True
         if self.transfers is None:
             return
@@ -237,6 +238,9 @@ class Node:
             await self._settled(
                 self.transfers.abort_all("service shutting down"), "aborting in-flight transfers"
             )
+        from .transfer.peer_channel import end_inbound_channels
+
+        await end_inbound_channels(self.transfers)
 
     async def _settled(self, step: Awaitable[Any], what: str) -> None:
         """A shutdown step that aborts transfers, within what is left of the shutdown's bound

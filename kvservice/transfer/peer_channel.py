@@ -46,6 +46,7 @@ __all__ = [
     "OfferChannels",
     "OutboundChannel",
     "WINDOW",
+    "end_inbound_channels",
     "serve_channel",
 ]
 
@@ -351,6 +352,20 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
             wtask.cancel()
 
 
+async def end_inbound_channels(engine: Any, timeout: float = 2.0) -> None:
+    """End the channels of every sending service now and wait (bounded) for their handlers.
+
+    Called when the service stops, once its transfers are over and before its servers stop: grpc
+    cancels a stream still open at its server's stop and logs that as an unhandled exception, with
+    a traceback. Each sender sees its stream end and reopens it on its next use (another instance).
+    """
+    tasks = list(engine.inbound_channels)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
 # -- sender side -----------------------------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class Offered:
@@ -397,6 +412,16 @@ class OfferBook:
             del self._by_tid[transfer_id]
             return None
         return hit
+
+    def consume(self, transfer_id: str, rank: int | None) -> None:
+        """Sender rank ``rank`` (None: unknown, every rank) took ``transfer_id``'s offer another
+        way (the cross-node lane): no later SendDelta may write with its plans, since the
+        receiver may have ended; it asks for a plan instead, and learns."""
+        hit = self._by_tid.get(transfer_id)
+        if hit is not None and rank is not None:
+            hit.used_by.add(rank)
+        elif hit is not None:
+            del self._by_tid[transfer_id]
 
     def drop(self, transfer_id: str, ticket: str) -> bool:
         """Forget ``transfer_id``'s offers if one carries ``ticket`` (the receiver ended it)."""
@@ -504,13 +529,18 @@ class OutboundChannel:
         self._granted.clear()
         self._slot_bytes.clear()
         err = Unavailable(f"peer channel to {self.address} broke: {why}")
+        failed = 0
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(err)
+                failed += 1
         self._pending.clear()
         loop = asyncio.get_event_loop()
         loop.create_task(self._notify())
-        log.warning("peer channel broke", extra={"peer": self.address, "reason": why})
+        # NOTE: an idle channel ending is ordinary (the receiver stopped; the next use reopens it):
+        # a warning only when it failed requests in flight
+        level = logging.WARNING if failed or self._waiters else logging.INFO
+        log.log(level, "peer channel broke", extra={"peer": self.address, "reason": why, "failed": failed})
 
     async def _notify(self) -> None:
         async with self._changed:
