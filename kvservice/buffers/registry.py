@@ -67,7 +67,9 @@ class BufferSet:
     def lost(self) -> str:
         """Why this buffer set's memory can no longer be trusted (its owner shrank a segment
         under the service: guard.py), or '' while it is whole. One load while nothing faulted."""
-        return guard.lost(self.buffer_set_id, tuple(r.guard_slot for r in self.regions + tuple(a.region for a in self.aux)))
+        return guard.lost(
+            self.buffer_set_id, tuple(r.guard_slot for r in self.regions + tuple(a.region for a in self.aux))
+        )
 
     def aux_by_name(self, name: str) -> AuxBuffer | None:
         return next((a for a in self.aux if a.name == name), None)
@@ -215,6 +217,17 @@ def _validate_aux(aux_regions: Sequence[Any]) -> None:
         names.add(a.name)
         if a.row_bytes == 0 or a.num_rows == 0:
             raise InvalidArgument(f"aux_regions[{i}].row_bytes", "row_bytes and num_rows must be > 0")
+        if a.region.WhichOneof("memory") == "cuda_ipc":
+            # NOTE: aux rows move as NIXL descriptors of the region itself, and UCX refuses memory
+            # this process imported through CUDA IPC ("VRAM memory is detected as host"): the
+            # registration would fail deep in the backend naming nothing. KV pools in VRAM move
+            # through staging instead; aux rows do not yet.
+            raise InvalidArgument(
+                f"aux_regions[{i}].region",
+                "aux rows must be in host memory (shm): rows in GPU memory cannot be registered with "
+                "the transport, which moves them without staging; keep the metadata rows in a host "
+                "buffer (the KV pools may stay on the GPU)",
+            )
         if a.region.size_bytes != a.row_bytes * a.num_rows:
             raise InvalidArgument(
                 f"aux_regions[{i}].region.size_bytes",

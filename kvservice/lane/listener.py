@@ -102,14 +102,18 @@ class LaneListener:
                 # the socket stays readable: stop listening for a while rather than spin on it
                 self.backoffs += 1
                 self._backoff = min(max(self._backoff * 2, _BACKOFF_S[0]), _BACKOFF_S[1])
-                self._log_limited("fds", "lane accept: %s; retrying in %.0f ms", exc.strerror, self._backoff * 1e3)
+                self._log_limited(
+                    "fds", "lane accept: %s; retrying in %.0f ms", exc.strerror, self._backoff * 1e3
+                )
                 loop.remove_reader(self.sock.fileno())
                 self._retry = loop.call_later(self._backoff, self._resume)
                 return
             self._backoff = 0.0
             if len(self._tasks) >= MAX_PENDING:
                 self.shed += 1
-                self._log_limited("pending", "lane: %d connections wait for their hello; closing new ones", MAX_PENDING)
+                self._log_limited(
+                    "pending", "lane: %d connections wait for their hello; closing new ones", MAX_PENDING
+                )
                 conn.close()
                 continue
             task = loop.create_task(self._greet(conn))

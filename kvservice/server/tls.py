@@ -10,6 +10,7 @@ import grpc
 __all__ = ["server_credentials"]
 
 log = logging.getLogger(__name__)
+_MAX_PEM = 1 << 20  # bytes read of a PEM file, at most
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
@@ -23,7 +24,10 @@ def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
 def _config(cert: str, key: str, ca: str) -> grpc.ServerCertificateConfiguration:
     def read(p: str) -> bytes:
         with open(p, "rb") as f:
-            return f.read()
+            data = f.read(_MAX_PEM + 1)
+        if len(data) > _MAX_PEM:  # a certificate chain or key is kilobytes: this is not one
+            raise OSError(f"{p} is larger than {_MAX_PEM} bytes")
+        return data
 
     return grpc.ssl_server_certificate_configuration(
         [(read(key), read(cert))], root_certificates=read(ca) if ca else None

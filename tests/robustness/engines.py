@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 from kvservice_client import Client, Layout, ShmKVPool
 
+from tests.support.pki import CA, mtls_peer
+
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
 
 
@@ -76,3 +78,59 @@ class Engine:
     def close(self) -> None:
         self.kv.close()
         self.pool.close()  # unmaps and unlinks without touching the memory
+
+
+class Node:
+    """One service and three engines: a sender, a receiver and a bystander pair's receiver."""
+
+    def __init__(self, server: Any, lane: bool) -> None:
+        self.server = server
+        if lane:
+            lane_of(server)
+        self.a = Engine(server.address, "prefill", 1)
+        self.b = Engine(server.address, "decode", 2)
+        self.c = Engine(server.address, "bystander", 3)
+        self.peer = server.app.peer_address
+
+    def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:
+        into = into or self.b
+        into.kv.expect_delta(tid, into.bs, prefix_pages=0, dst_page_indices=dst)
+        self.a.kv.send_delta(tid, self.a.bs, src_page_indices=src, peer_address=self.peer)
+        (r,) = into.kv.wait(tid, timeout=20)
+        (s,) = self.a.kv.wait(tid, timeout=20)
+        return r, s
+
+    def close(self) -> None:
+        for e in (self.a, self.b, self.c):
+            e.close()
+
+
+class Nodes:
+    """A prefill service (A) and a decode service (B) on NIXL that do not map each other's
+    pools, peers by mutual TLS (offers and the cross-node lane need a proven identity)."""
+
+    def __init__(self, make_server: Any, tmp: str, cross_lane: bool) -> None:
+        kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
+        if not cross_lane:
+            kw["lane_cross_mb"] = 0
+        ca = CA(tmp, "cluster")
+        self.sa, self.sb = (make_server(**kw, **mtls_peer(ca, name)) for name in ("prefill-a", "decode-b"))
+        lane_of(self.sa), lane_of(self.sb)
+        self.a = Engine(self.sa.address, "prefill", 1)
+        self.b = Engine(self.sb.address, "decode", 2)
+        self.c = Engine(self.sb.address, "bystander", 3)
+        self.peer = self.sb.app.peer_address
+
+    def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:
+        into = into or self.b
+        into.kv.expect_delta(
+            tid, into.bs, prefix_pages=0, dst_page_indices=dst, sender_address=self.sa.app.peer_address
+        )
+        self.a.kv.send_delta(tid, self.a.bs, src_page_indices=src, peer_address=self.peer)
+        (r,) = into.kv.wait(tid, timeout=30)
+        (s,) = self.a.kv.wait(tid, timeout=30)
+        return r, s
+
+    def close(self) -> None:
+        for e in (self.a, self.b, self.c):
+            e.close()

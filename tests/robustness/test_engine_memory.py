@@ -8,33 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engines import Engine, lane_of
+from engines import Node, Nodes
 from kvservice_client._errors import FailedPrecondition
-
-
-class Node:
-    """One service and three engines: a sender, a receiver and a bystander pair's receiver."""
-
-    def __init__(self, server: Any, lane: bool) -> None:
-        self.server = server
-        if lane:
-            lane_of(server)
-        self.a = Engine(server.address, "prefill", 1)
-        self.b = Engine(server.address, "decode", 2)
-        self.c = Engine(server.address, "bystander", 3)
-        self.peer = server.app.peer_address
-
-    def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:
-        into = into or self.b
-        into.kv.expect_delta(tid, into.bs, prefix_pages=0, dst_page_indices=dst)
-        self.a.kv.send_delta(tid, self.a.bs, src_page_indices=src, peer_address=self.peer)
-        (r,) = into.kv.wait(tid, timeout=20)
-        (s,) = self.a.kv.wait(tid, timeout=20)
-        return r, s
-
-    def close(self) -> None:
-        for e in (self.a, self.b, self.c):
-            e.close()
 
 
 @pytest.fixture(params=[True, False], ids=["lane", "grpc"])
@@ -77,39 +52,6 @@ def test_a_truncated_pool_takes_no_new_transfer(node: Node) -> None:
     n.b.kv.unregister_buffers(n.b.bs)
     r2, s2 = n.move("t3", [4], [4], into=n.c)
     assert (r2.state, s2.state) == ("DONE", "DONE")
-
-
-class Nodes:
-    """A prefill service (A) and a decode service (B) on NIXL that do not map each other's
-    pools, peers by mutual TLS (offers and the cross-node lane need a proven identity)."""
-
-    def __init__(self, make_server: Any, tmp: str, cross_lane: bool) -> None:
-        from pki import CA, mtls_peer
-
-        kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
-        if not cross_lane:
-            kw["lane_cross_mb"] = 0
-        ca = CA(tmp, "cluster")
-        self.sa, self.sb = (make_server(**kw, **mtls_peer(ca, name)) for name in ("prefill-a", "decode-b"))
-        lane_of(self.sa), lane_of(self.sb)
-        self.a = Engine(self.sa.address, "prefill", 1)
-        self.b = Engine(self.sb.address, "decode", 2)
-        self.c = Engine(self.sb.address, "bystander", 3)
-        self.peer = self.sb.app.peer_address
-
-    def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:
-        into = into or self.b
-        into.kv.expect_delta(
-            tid, into.bs, prefix_pages=0, dst_page_indices=dst, sender_address=self.sa.app.peer_address
-        )
-        self.a.kv.send_delta(tid, self.a.bs, src_page_indices=src, peer_address=self.peer)
-        (r,) = into.kv.wait(tid, timeout=30)
-        (s,) = self.a.kv.wait(tid, timeout=30)
-        return r, s
-
-    def close(self) -> None:
-        for e in (self.a, self.b, self.c):
-            e.close()
 
 
 @pytest.mark.parametrize("cross_lane", [True, False], ids=["cross-lane", "grpc"])

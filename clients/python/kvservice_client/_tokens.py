@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 RESTAT_S = 1.0
 
 
+MAX_TOKEN_FILE = 1 << 20  # bytes read of a token file, at most
+
+
 class TokenFileError(ValueError):
     """The token file cannot be read or holds no token."""
 
@@ -46,7 +49,11 @@ class TokenFile:
                 stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
                 if stamp != self._stamp:
                     with open(self.path, "rb") as f:
-                        lines = [ln.strip() for ln in f.read().splitlines()]
+                        data = f.read(MAX_TOKEN_FILE + 1)
+                    if len(data) > MAX_TOKEN_FILE:  # a token file is a few lines: this is not one
+                        self._tokens, self._stamp = (), None
+                        raise TokenFileError(f"{self.path} is larger than {MAX_TOKEN_FILE} bytes")
+                    lines = [ln.strip() for ln in data.splitlines()]
                     self._tokens = tuple(ln for ln in lines if ln and not ln.startswith(b"#"))
                     self._stamp = stamp
             except OSError as exc:

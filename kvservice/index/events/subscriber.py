@@ -29,6 +29,7 @@ from ._apply import EventApplier, StreamConfig
 from ._decode import EventFormatError, decode_batch
 
 log = logging.getLogger(__name__)
+MAX_EVENT_BYTES = 64 << 20  # one engine message (a batch of events), at most: another process writes it
 END_SEQ = -1
 
 
@@ -64,6 +65,7 @@ class EventSubscriber:
 
     def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)  # a larger frame drops that publisher's connection
         sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
         sub.connect(self.config.endpoint)
         try:
@@ -122,6 +124,7 @@ class EventSubscriber:
         if not self.config.replay_endpoint:
             return
         dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
         dealer.connect(self.config.replay_endpoint)
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])

@@ -1,0 +1,75 @@
+"""A finished transfer never takes another byte, on every route: a SendDelta repeated after
+DONE (as a retry would) writes nothing into the receiver's pages, which its engine may own again.
+And the sender's counters are right on every route."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from engines import Node, Nodes, regions
+from kvservice_client import KVClientError
+
+
+@pytest.fixture(params=["lane", "grpc", "cross-lane", "cross-grpc"])
+def pair(request: Any, make_server: Any, tmp_path: Any) -> Iterator[Any]:
+    route = request.param
+    if route.startswith("cross"):
+        pytest.importorskip("nixl")
+        n: Any = Nodes(make_server, str(tmp_path), cross_lane=route == "cross-lane")
+        for i in range(2):  # the first opens A's channel to B: offers (and lane slots) travel on it
+            assert n.move(f"warm{i}", [1], [3 + i])[0].state == "DONE"
+    else:
+        n = Node(make_server(transport="loopback", lane=route == "lane"), route == "lane")
+    n.route = route
+    yield n
+    n.close()
+
+
+def _send_again(n: Any, tid: str, src: list[int], path: str) -> str:
+    """The sender's state for a SendDelta of ``tid`` repeated (or its refusal's code)."""
+    try:
+        n.a.kv.send_delta(tid, n.a.bs, src_page_indices=src, peer_address=n.peer, path=path)
+    except KVClientError as exc:
+        return f"refused {exc.code.name}"
+    (s,) = n.a.kv.wait(tid, timeout=20)
+    return str(s.state)
+
+
+@pytest.mark.parametrize("path", ["AUTO", "DIRECT", "PACKED"])
+def test_a_send_repeated_after_done_writes_nothing(pair: Any, path: str) -> None:
+    """Re-sending a DONE transfer is refused or fails; the receiver's pages keep what DONE left."""
+    n = pair
+    r, s = n.move("t1", [1, 2], [5, 6])
+    assert (r.state, s.state) == ("DONE", "DONE"), (r, s)
+    done = n.b.snapshot()
+    rng = np.random.default_rng(9)
+    for reg in regions(n.a.pool):  # the sender's pages change, as a prefill reusing them would
+        reg[[1, 2]] = rng.integers(0, 256, reg[[1, 2]].shape, dtype=np.uint8)
+    got = _send_again(n, "t1", [1, 2], path)
+    assert got != "DONE", f"{n.route}: a re-send of a DONE transfer ended {got}"
+    assert n.b.changed(done) == set(), f"{n.route}: the re-send wrote pages of a finished transfer"
+    (r2,) = n.b.kv.poll(["t1"])
+    assert r2.state == "DONE"
+
+
+def test_sender_counts_pages_sent_and_skipped(pair: Any) -> None:
+    """The sender's status says how many pages it sent and how many the receiver held already."""
+    n = pair
+    n.b.kv.expect_delta(
+        "c1",
+        n.b.bs,
+        prefix_pages=2,
+        dst_page_indices=[7, 8, 9],
+        **({"sender_address": n.sa.app.peer_address} if n.route.startswith("cross") else {}),
+    )
+    n.a.kv.send_delta("c1", n.a.bs, src_page_indices=[10, 11, 12, 13, 14], peer_address=n.peer)
+    (r,) = n.b.kv.wait("c1", timeout=20)
+    (s,) = n.a.kv.wait("c1", timeout=20)
+    assert (r.state, s.state) == ("DONE", "DONE"), (r, s)
+    assert (r.pages_sent, r.pages_skipped) == (3, 2), r
+    assert (s.pages_sent, s.pages_skipped) == (3, 2), f"{n.route}: {s}"
+    if n.route in ("lane", "cross-lane"):
+        assert "lane" in s.route_note, s
