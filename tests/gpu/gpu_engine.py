@@ -12,7 +12,7 @@ import json
 import sys
 
 import torch
-from kvservice_client import Client, Layout, cuda_region
+from kvservice_client import AuxSpec, Client, Layout, cuda_region
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     v: list[torch.Tensor] = []
     layout = None
     bs = ""
+    block = None
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -139,6 +140,21 @@ def main() -> None:
                 {"location": p.location, "used": p.used_bytes, "landings": p.landings, "claims": p.claims}
                 for p in kv.get_stats().landing  # type: ignore[union-attr]
             ]
+        elif op == "register_aux_vram":  # aux rows in VRAM beside the pools: the service's answer
+            meta = torch.zeros(256 * 64, dtype=torch.uint8, device="cuda")
+            try:
+                kv.register_buffers(  # type: ignore[union-attr]
+                    layout,  # type: ignore[arg-type]
+                    [cuda_region(t) for t in k],
+                    [cuda_region(t) for t in v],
+                    aux=[AuxSpec("meta", cuda_region(meta), 256, 64)],
+                )
+            except Exception as exc:
+                out.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        elif op == "free":  # the engine frees its pool while it is registered (and in use)
+            k, v, block = [], [], None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         elif op == "unregister":  # the service closes its mappings of the pool (every opening)
             try:
                 kv.unregister_buffers(bs)  # type: ignore[union-attr]

@@ -13,8 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from service_thread import ServerThread, make_config
-from test_lane import Engines, eventually
+
+from tests.support.lane import Engines
+from tests.support.poll import eventually
+from tests.support.services import ServerThread, make_config
 
 
 @pytest.fixture
@@ -108,7 +110,7 @@ def test_a_booking_read_after_the_deadline_still_ends(eng: Engines) -> None:
     (r,) = eng.kb.wait("late", timeout=10)
     assert r.state == "DONE" and r.route_note == "lane", r
     assert _booked(eng, "late") == {"SENDER": "DONE", "RECEIVER": "DONE"}
-    assert book.n.armed_count() == 0
+    eventually(lambda: book.n.armed_count() == 0, 5, "the armed entry forgotten after its booking")
     eventually(lambda: not eng.server.node.transfers.table.live(), 5, "nothing live")
 
 
