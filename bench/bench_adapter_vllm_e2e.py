@@ -45,10 +45,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "transfer"))
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService, free_port  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
+
+from tests.support.services import MeteredService, free_port  # noqa: E402
 
 MAX_TOKENS = 8
 SCHED_ENV = "KVSERVICE_VLLM_SCHED_TIMES"

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from service_thread import ServerThread, make_config
+
+from tests.support.services import ServerThread, make_config
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

@@ -5,7 +5,9 @@
 * protobuf appears only where the service meets the wire: ``server/``, the CLI (a client of the
   service), the peer boundary of ``transfer/`` (the peer channel, codec, receiver port, serving
   side and the peer connections) and the operator view's health probe of peers; domain code
-  (plans, routes, receivers, records, the lane, the index) works on the domain's values.
+  (plans, routes, receivers, records, the lane, the index) works on the domain's values;
+* tests import no other test module: what they share is in ``tests/support`` (and fixtures in a
+  conftest), so a test file can move or go without breaking another.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICE = ROOT / "kvservice"
+TESTS = ROOT / "tests"
 PROTO_DIRS = ("server/", "cli/")
 PROTO_ALLOWED = {
     "ops/snapshot.py",
@@ -30,20 +33,55 @@ PROTO_ALLOWED = {
 
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in ``path``, function-level ones too; ``from X import Y``
-    counts as X.Y as well, so ``from kvservice_client import _proto`` is caught."""
+    counts as X.Y as well, so ``from kvservice_client import _proto`` is caught; a relative
+    import keeps its dots (``.test_cuda_ipc``)."""
     out: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
             out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            out += (
+                [(node.lineno, base)] if node.module else [(node.lineno, base + a.name) for a in node.names]
+            )
     return out
 
 
 def _private(module: str) -> bool:
     """``module`` is (in) one of the SDK's private modules."""
     return module.startswith("kvservice_client.") and any(s.startswith("_") for s in module.split(".")[1:])
+
+
+def _test_module_names(tests: Path) -> set[str]:
+    """Names a file of the tests tree could be imported by through a ``sys.path`` entry of the
+    tree (pytest puts each test directory on it): its modules' and packages' names."""
+    names = {p.stem for p in tests.rglob("*.py")} | {d.name for d in tests.rglob("*") if d.is_dir()}
+    return names - {"conftest", "__init__", "tests"}
+
+
+def _imports_another_test_module(module: str, local: set[str]) -> bool:
+    """``module`` is a module of the tests tree other than tests.support and a conftest."""
+    parts = module.lstrip(".").split(".")
+    if parts[-1] == "conftest" or parts[0] == "conftest":
+        return False
+    if module.startswith("."):  # relative: inside a test package (tests/gpu, tests/buffers)
+        return True
+    if parts[0] == "tests":
+        return len(parts) > 1 and parts[1] != "support"
+    return parts[0] in local
+
+
+def _foreign_test_imports(tests: Path) -> list[str]:
+    local = _test_module_names(tests)
+    return [
+        f"{p.relative_to(tests.parent)}:{line} {mod}"
+        for p in sorted(tests.rglob("*.py"))
+        for line, mod in _imports(p)
+        if _imports_another_test_module(mod, local)
+    ]
 
 
 def _service_files() -> list[Path]:
@@ -90,3 +128,34 @@ def test_the_check_sees_an_import(tmp_path: Path, source: str, caught: bool) -> 
     p = tmp_path / "m.py"
     p.write_text(source)
     assert any(_private(m) for _, m in _imports(p)) is caught
+
+
+def test_tests_import_no_other_test_module() -> None:
+    bad = _foreign_test_imports(TESTS)
+    assert not bad, "test modules importing other test modules (share through tests/support):\n" + "\n".join(
+        bad
+    )
+
+
+@pytest.mark.parametrize(
+    "source, caught",
+    [
+        ("from e2e_helpers import one\n", True),  # a helper beside the tests, through sys.path
+        ("from test_other import LAYOUT\n", True),
+        ("def f():\n    from tests.transfer.test_other import link\n", True),
+        ("from .test_other import Engine\n", True),
+        ("from . import test_other\n", True),
+        ("from tests.support.poll import eventually\n", False),
+        ("from tests.support import sglang_stub\n", False),
+        ("from .conftest import factory\n", False),
+        ("import numpy as np\nfrom kvservice_client import Layout\n", False),
+    ],
+)
+def test_the_tests_check_sees_an_import(tmp_path: Path, source: str, caught: bool) -> None:
+    tests = tmp_path / "tests"
+    (tests / "transfer").mkdir(parents=True)
+    (tests / "support").mkdir()
+    for name in ("transfer/e2e_helpers.py", "transfer/test_other.py", "support/poll.py", "conftest.py"):
+        (tests / name).write_text("")
+    (tests / "transfer" / "test_m.py").write_text(source)
+    assert any("test_m.py" in line for line in _foreign_test_imports(tests)) is caught

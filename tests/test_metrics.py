@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -15,10 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from kvservice.metrics import Metrics, TransferMetrics, metrics_host
-
-sys.path.insert(0, str(Path(__file__).parent / "deploy"))
-
-from service_thread import ServerThread, make_config  # noqa: E402
+from tests.support.services import ServerThread, make_config
 
 
 @dataclasses.dataclass

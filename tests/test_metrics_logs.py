@@ -5,14 +5,11 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "deploy"))
-from metrics_workload import run_workload  # noqa: E402
-from service_thread import ServerThread, make_config  # noqa: E402
-
 from kvservice.log import JsonFormatter  # noqa: E402
+from tests.support.metrics_workload import run_workload
+from tests.support.services import ServerThread, make_config
 
 TRANSFER_PKG = Path(__file__).parents[1] / "kvservice" / "transfer"
 LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "log"}

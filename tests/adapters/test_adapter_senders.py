@@ -25,13 +25,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "clients" / "vllm"))
 sys.path.insert(0, str(ROOT / "clients" / "sglang"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sglang_stub  # noqa: E402
-from engine_pools import DEADLINE_MS, EnginePool, Spec, _step  # noqa: E402
 from kvservice_client import AsyncClient  # noqa: E402
 from kvservice_vllm.jobs import ClaimJob, LandJob  # noqa: E402
-from pki import CA, mtls_peer  # noqa: E402
-from test_sglang_landing import Pools, manager  # noqa: E402
+
+from tests.support import sglang_stub  # noqa: E402
+from tests.support.engine_pools import DEADLINE_MS, EnginePool, Spec, step  # noqa: E402
+from tests.support.pki import CA, mtls_peer  # noqa: E402
+from tests.support.poll import eventually  # noqa: E402
+from tests.support.sglang_pools import Pools, manager  # noqa: E402
 
 SPEC = Spec("vllm", "nhc", 16, 12)
 SRC, DST = [3, 7, 1, 10, 5], [9, 0, 4, 11, 2]
@@ -110,13 +111,6 @@ def calls(monkeypatch: Any) -> list[tuple[str, dict[str, Any]]]:
     return seen
 
 
-def until(pred: Any, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "not within time"
-        time.sleep(0.005)
-
-
 def declared(server: Any, tid: str) -> list[Any]:
     """The decode service's declarations of ``tid`` (every buffer set, landings included)."""
     return server.app.node.transfers.receiver.of(tid)
@@ -151,7 +145,7 @@ def test_vllm_decode_names_the_prefill_and_a_third_party_cannot_fetch_the_plan(m
             pool.fill(seed=21 + i)
         before = dst.digests(DST, 0, TOKENS)
         dst.expect("t-v", 0, DST, sender=a.app.peer_address)
-        until(lambda: declared(b, "t-v"))
+        eventually(lambda: declared(b, "t-v"))
         assert (
             calls == [("expect_delta", calls[0][1])] and calls[0][1]["sender_address"] == a.app.peer_address
         )
@@ -179,11 +173,11 @@ def test_vllm_landing_and_its_fallback_name_the_prefill(mtls, calls, refused: bo
         for i, pool in enumerate((src, rogue, dst)):
             pool.fill(seed=31 + i)
         assert dst.worker is not None
-        dst.worker.submit(_step(lands=[LandJob("r-l", "t-l", 0, len(DST), DEADLINE_MS, 20_000, sender)]))
+        dst.worker.submit(step(lands=[LandJob("r-l", "t-l", 0, len(DST), DEADLINE_MS, 20_000, sender)]))
         claim = ClaimJob("r-l", "t-l", 0, tuple(DST), DEADLINE_MS, "", sender)
         if refused:  # the landing is refused at once; the claim then receives directly
-            dst.worker.submit(_step(claims=[claim]))
-        until(lambda: declared(b, "t-l"))
+            dst.worker.submit(step(claims=[claim]))
+        eventually(lambda: declared(b, "t-l"))
         want = ["expect_landing", "expect_delta"] if refused else ["expect_landing"]
         assert [n for n, _ in calls] == want and all(kw["sender_address"] == sender for _, kw in calls)
         assert declared(b, "t-l")[0].allowed_senders == {"prefill-a", "local"}
@@ -191,7 +185,7 @@ def test_vllm_landing_and_its_fallback_name_the_prefill(mtls, calls, refused: bo
         src.send("t-l", SRC, b.app.peer_address)
         assert src.wait()["ok"]
         if not refused:  # landed: the allocation claims it
-            dst.worker.submit(_step(claims=[claim]))
+            dst.worker.submit(step(claims=[claim]))
         out = _outcome(dst)
         assert out.ok, out
         assert dst.digests(DST, 0, TOKENS) == src.digests(SRC, 0, TOKENS)
@@ -243,7 +237,7 @@ def test_a_vllm_prefill_without_configuration_names_what_its_service_says(mtls, 
         assert [j.sender for j in meta.recvs] == [a.app.peer_address]
         assert dst.worker is not None and src.worker is not None
         dst.worker.submit(meta)
-        until(lambda: declared(b, "t-auto"))
+        eventually(lambda: declared(b, "t-auto"))
         assert calls[0][1]["sender_address"] == a.app.peer_address
         assert declared(b, "t-auto")[0].allowed_senders == {"prefill-a", "local"}
         _rogue_is_refused(rogue, "t-auto", b.app.peer_address)
@@ -299,9 +293,9 @@ def test_sglang_decode_names_the_prefill_its_bootstrap_server_announces(
         recv.init(0)
         if not landing:
             recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
-        until(lambda: send.poll() == poll.WaitingForInput)
+        eventually(lambda: send.poll() == poll.WaitingForInput)
         send.init(src.size, aux_index=5)  # landing: posts its page count, the decode declares
-        until(lambda: declared(b, tid))
+        eventually(lambda: declared(b, tid))
         assert [n for n, _ in calls] == ["expect_landing" if landing else "expect_delta"]
         assert calls[0][1]["sender_address"] == a.app.peer_address
         assert declared(b, tid)[0].allowed_senders == {"prefill-a", "local"}
@@ -321,11 +315,11 @@ def test_sglang_decode_names_the_prefill_its_bootstrap_server_announces(
         assert (st.state, st.error_code) == ("FAILED", "PERMISSION_DENIED"), st
         assert all(np.array_equal(x, y) for x, y in zip(d.snapshot(), before, strict=True))
         send.send(src)
-        until(lambda: send.poll() in (poll.Success, poll.Failed))
+        eventually(lambda: send.poll() in (poll.Success, poll.Failed))
         assert send.poll() == poll.Success, send.failed
         if landing:
             recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
-        until(lambda: recv.poll() in (poll.Success, poll.Failed))
+        eventually(lambda: recv.poll() in (poll.Success, poll.Failed))
         assert recv.poll() == poll.Success, recv.failed
         _check_bytes(p, d, src, dst, (5, 2))
     finally:

@@ -12,8 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "sglang"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_pools import EXCHANGES, EnginePool, run_exchange  # noqa: E402
+from tests.support.engine_pools import EXCHANGES, EnginePool, run_exchange
 
 
 @pytest.fixture(params=["two-services", "same-service"])

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +20,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "clients" / "sglang"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sglang_stub  # noqa: E402
+from tests.support import sglang_stub
+from tests.support.poll import eventually
+from tests.support.sglang_pools import AUX, ITEM, LAYERS, PAGES, Pools, manager
 
-LAYERS, PAGE, HEADS, DIM, PAGES = 2, 4, 2, 16, 64
-ITEM = PAGE * HEADS * DIM * 2  # float16 bytes per page per buffer
-AUX = [(8, 16), (64, 16)]  # metadata buffers: (row bytes, rows), e.g. output ids, hidden states
 TTL_MS = "20000"
 
 
@@ -54,56 +50,6 @@ def conn() -> Any:
             sys.modules.pop(name, None)
 
 
-class Pools:
-    """SGLang-shaped pools in shm: K_0..K_{L-1}, V_0..V_{L-1}, then the metadata buffers."""
-
-    def __init__(self, seed: int) -> None:
-        kv = 2 * LAYERS * PAGES * ITEM
-        self.shm = shared_memory.SharedMemory(create=True, size=kv + sum(r * n for r, n in AUX))
-        raw = np.frombuffer(self.shm.buf, dtype=np.uint8)
-        raw[:] = np.random.default_rng(seed).integers(0, 255, raw.size, dtype=np.uint8)
-        self.bufs = [
-            raw[i * PAGES * ITEM : (i + 1) * PAGES * ITEM].reshape(PAGES, ITEM) for i in range(2 * LAYERS)
-        ]
-        self.aux, off = [], kv
-        for row, n in AUX:
-            self.aux.append(raw[off : off + row * n].reshape(n, row))
-            off += row * n
-
-    def kv_args(self, conn: Any) -> Any:
-        a = conn.KVArgs()
-        a.engine_rank, a.gpu_id, a.page_size = 0, 0, PAGE
-        a.kv_data_ptrs = [b.ctypes.data for b in self.bufs]
-        a.kv_data_lens = [PAGES * ITEM] * len(self.bufs)
-        a.kv_item_lens = [ITEM] * len(self.bufs)
-        a.kv_cache_dtype_str = "torch.float16"
-        a.kv_head_num = a.total_kv_head_num = HEADS
-        a.aux_data_ptrs = [x.ctypes.data for x in self.aux]
-        a.aux_data_lens = [x.nbytes for x in self.aux]
-        a.aux_item_lens = [x.shape[1] for x in self.aux]
-        a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
-        return a
-
-    def snapshot(self) -> list[np.ndarray]:
-        return [b.copy() for b in self.bufs] + [x.copy() for x in self.aux]
-
-    def close(self) -> None:
-        del self.bufs, self.aux
-        self.shm.close()
-        self.shm.unlink()
-
-
-def manager(
-    conn: Any, monkeypatch: Any, server: Any, mode: str, pools: Pools, server_args: Any = None, **env: str
-):
-    monkeypatch.setenv("SGLANG_KVSERVICE_ADDRESS", server.address)
-    monkeypatch.setenv("SGLANG_KVSERVICE_PEER_ADDRESS", server.app.peer_address)
-    monkeypatch.delenv("SGLANG_KVSERVICE_LANDING_TTL_MS", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return conn.KVServiceManager(pools.kv_args(conn), mode, server_args, False)
-
-
 @pytest.fixture
 def node(conn, monkeypatch, make_server):  # type: ignore[no-untyped-def]
     """A prefill and a decode instance on two services, the decode with the landing option."""
@@ -119,13 +65,6 @@ def node(conn, monkeypatch, make_server):  # type: ignore[no-untyped-def]
     server.close()
     p.close()
     d.close()
-
-
-def until(pred: Any, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "not within time"
-        time.sleep(0.005)
 
 
 def receiver_record(node: Any, room: int) -> Any:
@@ -147,7 +86,7 @@ def pair(node: Any, room: int) -> tuple[Any, Any]:
 def prefill_sends(node: Any, send: Any, src: np.ndarray, aux_index: int) -> None:
     """The prefill, as SGLang runs it once the room is there: init, then two chunks."""
     poll = node["conn"].KVPoll
-    until(lambda: send.poll() == poll.WaitingForInput)
+    eventually(lambda: send.poll() == poll.WaitingForInput)
     assert send.pop_decode_prefix_len() == 0
     send.init(src.size, aux_index=aux_index)
     send.send(src[:3])
@@ -180,7 +119,7 @@ def test_the_prefill_lands_before_the_decode_allocates_and_the_allocation_claims
     assert send.poll() == poll.Bootstrapping
     recv.init(0)
     prefill_sends(node, send, src, aux_index=5)
-    until(lambda: send.poll() in (poll.Success, poll.Failed))
+    eventually(lambda: send.poll() in (poll.Success, poll.Failed))
     assert send.poll() == poll.Success, send.failed  # the prefill's pages are free: it landed
     rec = receiver_record(node, room)
     assert rec.landing and rec.state == "LANDED", rec
@@ -189,7 +128,7 @@ def test_the_prefill_lands_before_the_decode_allocates_and_the_allocation_claims
     for i, snap in enumerate(node["d"].snapshot()):
         np.testing.assert_array_equal(snap, before[i])  # nothing in the decode's pools yet
     recv.send_metadata(dst, aux_index=2, decode_prefix_len=0)
-    until(lambda: recv.poll() in (poll.Success, poll.Failed))
+    eventually(lambda: recv.poll() in (poll.Success, poll.Failed))
     assert recv.poll() == poll.Success, recv.failed
     assert receiver_record(node, room).state == "DONE" and landing_used(node) == 0
     check_bytes(node, before, src, dst, (5, 2))
@@ -207,7 +146,9 @@ def test_an_allocation_at_once_takes_the_default_path(node) -> None:
     recv.init(0)
     recv.send_metadata(dst, aux_index=7, decode_prefix_len=0)
     prefill_sends(node, send, src, aux_index=1)
-    until(lambda: recv.poll() in (poll.Success, poll.Failed) and send.poll() in (poll.Success, poll.Failed))
+    eventually(
+        lambda: recv.poll() in (poll.Success, poll.Failed) and send.poll() in (poll.Success, poll.Failed)
+    )
     assert (recv.poll(), send.poll()) == (poll.Success, poll.Success), (recv.failed, send.failed)
     assert not receiver_record(node, room).landing
     assert node["sd"].app.node.transfers.landing.pool.arenas == {}  # no landing was ever declared
@@ -223,13 +164,15 @@ def test_a_refused_landing_is_received_directly(node) -> None:
     before = node["d"].snapshot()
     recv.init(0)
     prefill_sends(node, send, src, aux_index=3)
-    until(lambda: recv._landing.done())
+    eventually(lambda: recv._landing.done())
     assert recv._landing.result() is None
     (ls,) = node["sd"].app.node.transfers.landing.stats()
     assert ls.refused == 1 and ls.used_bytes == 0, ls
     assert send.poll() == poll.Transferring  # its pages wait for the decode's allocation
     recv.send_metadata(dst, aux_index=4, decode_prefix_len=0)
-    until(lambda: recv.poll() in (poll.Success, poll.Failed) and send.poll() in (poll.Success, poll.Failed))
+    eventually(
+        lambda: recv.poll() in (poll.Success, poll.Failed) and send.poll() in (poll.Success, poll.Failed)
+    )
     assert (recv.poll(), send.poll()) == (poll.Success, poll.Success), (recv.failed, send.failed)
     assert not receiver_record(node, room).landing
     check_bytes(node, before, src, dst, (3, 4))
@@ -243,11 +186,11 @@ def test_a_request_dropped_before_its_allocation_frees_its_landing(node) -> None
     before = node["d"].snapshot()
     recv.init(0)
     prefill_sends(node, send, np.arange(40, 46), aux_index=0)
-    until(lambda: send.poll() == poll.Success)
+    eventually(lambda: send.poll() == poll.Success)
     assert receiver_record(node, room).state == "LANDED"
     recv.clear()
-    until(lambda: receiver_record(node, room).state == "ABORTED")
-    until(lambda: landing_used(node) == 0)
+    eventually(lambda: receiver_record(node, room).state == "ABORTED")
+    eventually(lambda: landing_used(node) == 0)
     assert recv.poll() == poll.Failed
     for i, snap in enumerate(node["d"].snapshot()):
         np.testing.assert_array_equal(snap, before[i])
@@ -277,7 +220,7 @@ def test_the_option_is_off_by_default_and_where_it_cannot_work(conn, monkeypatch
         assert [m.landing_ttl_ms for m in made] == [0, 0, 0]
         assert on.landing_ttl_ms == int(TTL_MS)
         on.state_names = [["state0.0"]]
-        assert on._landing_ttl_ms(None) == 0
+        assert on._landing_ttl_ms(int(TTL_MS), None) == 0
         recv = conn.KVServiceReceiver(made[0], "127.0.0.1:1", 15)
         recv.init(0)
         assert recv._landing is None  # the default path posts nothing before send_metadata

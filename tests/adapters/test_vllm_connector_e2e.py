@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from kvservice_client import Layout
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
 sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService, admin_stats  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
+
+from tests.support.services import MeteredService, admin_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
-from e2e_helpers import ServiceProc  # noqa: E402
+from tests.support.services import ServiceProc
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"

@@ -17,13 +17,9 @@ nearly tie, and TP 2's all-reduce order flips them against TP 1's (measured: pre
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vllm_pair import layouts, prompt, tp2, vllm_pair  # noqa: E402
+from tests.support.vllm_pair import layouts, prompt, tp2, vllm_pair
 
 BLOCK = 16  # the CPU MLA backend's block
 PAGE_BYTES = 2 * BLOCK * (512 + 64) * 4  # layers x tokens x latent row (kv_lora_rank + rope) x fp32

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
 sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService, free_port  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
+
+from tests.support.services import MeteredService, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32

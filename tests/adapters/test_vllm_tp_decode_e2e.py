@@ -10,13 +10,9 @@ moves only the pages past the decode's prefix-cache hit.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from vllm_pair import BLOCK, HEADS, PAGE_BYTES, layouts, prompt, tp2, vllm_pair  # noqa: E402
+from tests.support.vllm_pair import BLOCK, HEADS, PAGE_BYTES, layouts, prompt, tp2, vllm_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -16,10 +16,11 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from kvservice_client import Client, Layout, ShmKVPool  # noqa: E402
-from service_thread import ServerThread, make_config  # noqa: E402
+
+from tests.support.services import ServerThread, make_config
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=8, dtype="float16")
 

@@ -13,9 +13,9 @@ import pytest
 from kvservice_client import AsyncClient, Client, Layout, NotFound, ShmKVPool
 from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc
-from tcp_proxy import TcpProxy
 
 from kvservice.server.replay import ReplayCache
+from tests.support.tcp_proxy import TcpProxy
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=8, total_kv_heads=2, head_dim=8, dtype="float16")
 FAST_SERVER = dict(keepalive_time_ms=200, keepalive_timeout_ms=2_000, keepalive_min_ping_interval_ms=100)

@@ -13,7 +13,9 @@ import time
 import numpy as np
 import pytest
 from kvservice_client import AsyncClient, Client, KeepalivePolicy, Layout, SessionLost, ShmKVPool
-from tcp_proxy import TcpProxy
+
+from tests.support.poll import eventually
+from tests.support.tcp_proxy import TcpProxy
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=8, total_kv_heads=2, head_dim=8, dtype="float16")
 # Client pings every 200 ms; the server (configured to match) accepts pings every 100 ms.
@@ -36,13 +38,6 @@ def _buffer_sets(server) -> set[str]:
     return {b.buffer_set_id for b in server.node.buffers.all()}
 
 
-def _eventually(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_idle_client_keeps_its_session_through_many_keepalive_intervals(make_server, pool) -> None:
     """15+ keepalive pings on an idle connection: no GOAWAY, no resume, the registration stays."""
     server = make_server(**FAST_SERVER)
@@ -62,7 +57,7 @@ def test_pings_faster_than_the_server_allows_are_cut_but_the_session_resumes(mak
     with Client(f"127.0.0.1:{server.app.tcp_port}", keepalive=greedy, credential_path=_cred(server)) as kv:
         bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
         sid = kv.session_id
-        _eventually(lambda: kv.session_resumes >= 1, 15)
+        eventually(lambda: kv.session_resumes >= 1, 15)
         assert kv.session_id == sid
         assert kv.publish_pages(bs.buffer_set_id, [1], tokens=np.arange(4)) == 1
         assert bs.buffer_set_id in _buffer_sets(server)
@@ -78,12 +73,12 @@ def test_cut_connection_resumes_the_same_session_within_the_grace_period(make_se
             bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
             sid = kv.session_id
             proxy.cut()
-            _eventually(lambda: kv.session_resumes == 1)
+            eventually(lambda: kv.session_resumes == 1)
             assert kv.session_id == sid
             assert kv.publish_pages(bs.buffer_set_id, [2], tokens=np.arange(4)) == 1
             assert _buffer_sets(server) == {bs.buffer_set_id}
             assert server.node.sessions.resumes == 1 and not server.node.sessions.lost
-        _eventually(lambda: not _buffer_sets(server), 2)  # close() releases at once
+        eventually(lambda: not _buffer_sets(server), 2)  # close() releases at once
     finally:
         proxy.close()
 
@@ -124,9 +119,9 @@ def test_past_the_grace_period_the_session_is_lost_and_named(make_server, pool) 
         kv.expect_delta("t-lost", bs.buffer_set_id, prefix_pages=0, dst_page_indices=[5], deadline_ms=60_000)
         sid = kv.session_id
         proxy.cut(refuse=True)
-        _eventually(lambda: not _buffer_sets(server), 5)  # released by the service at grace expiry
+        eventually(lambda: not _buffer_sets(server), 5)  # released by the service at grace expiry
         assert server.node.sessions.lost["grace_expired"] == 1
-        _eventually(lambda: bool(lost), 5)
+        eventually(lambda: bool(lost), 5)
         proxy.allow()
         with pytest.raises(SessionLost) as info:
             kv.publish_pages(bs.buffer_set_id, [2], tokens=np.arange(12))
@@ -139,7 +134,7 @@ def test_past_the_grace_period_the_session_is_lost_and_named(make_server, pool) 
         assert set(again) == {bs.buffer_set_id} and kv.session_id != sid
         assert _buffer_sets(server) == {again[bs.buffer_set_id].buffer_set_id}
         kv.close()
-        _eventually(lambda: not _buffer_sets(server), 2)
+        eventually(lambda: not _buffer_sets(server), 2)
     finally:
         proxy.close()
 
@@ -227,7 +222,7 @@ def test_a_silent_dead_client_is_found_by_server_keepalive(make_server, pool) ->
         kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions)
         proxy.freeze()
         t0 = time.monotonic()
-        _eventually(lambda: not _buffer_sets(server), 10)
+        eventually(lambda: not _buffer_sets(server), 10)
         assert time.monotonic() - t0 < 5.0  # keepalive (0.2 + 2 s) + grace (0.5 s), not TCP's minutes
         assert server.node.sessions.lost["grace_expired"] == 1
     finally:
@@ -260,7 +255,7 @@ def test_killed_engine_is_released_within_the_grace_period(make_server, pool) ->
         assert len(_buffer_sets(server)) == 1
         proc.kill()
         t0 = time.monotonic()
-        _eventually(lambda: not _buffer_sets(server), 5)
+        eventually(lambda: not _buffer_sets(server), 5)
         assert 0.8 < time.monotonic() - t0 < 3.0
         assert server.node.sessions.lost["grace_expired"] == 1
     finally:

@@ -13,7 +13,6 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -23,9 +22,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from metrics_workload import run_workload  # noqa: E402
-from service_thread import ServerThread, make_config  # noqa: E402
+from tests.support.metrics_workload import run_workload
+from tests.support.services import ServerThread, make_config
 
 ROOT = Path(__file__).parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvservice.json"

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import kvservice_procs
-from .test_cuda_ipc import Engine
+from tests.support.gpu import Engine, kvservice_procs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

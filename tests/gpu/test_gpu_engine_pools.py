@@ -2,7 +2,7 @@
 its adapter's own code (CUDA IPC), exchange KV byte-exact between two kvservice processes: across
 engines, page sizes and page layouts (vLLM 0.32's LBNHC / LBHNC caches, FlashInfer's [blocks, 2,
 ...] NHD / HND, FlashAttention's K/V planes, SGLang's token pools), mixed TP 2->1 and 1->2, MLA.
-The exchanges and the checks are tests/adapters/engine_pools.py's, which the CPU twin
+The exchanges and the checks are tests/support/engine_pools.py's, which the CPU twin
 (tests/adapters/test_engine_pools.py) runs on shared-memory pools.
 
     python -m pytest tests/gpu/test_gpu_engine_pools.py -v -p no:cacheprovider -o addopts=""
@@ -20,15 +20,14 @@ from typing import Any
 
 import pytest
 
-from .conftest import kvservice_procs
+from tests.support.gpu import kvservice_procs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = ROOT / "tests" / "adapters" / "engine_pools.py"
-sys.path.insert(0, str(ENGINE.parent))
+ENGINE = ROOT / "tests" / "support" / "engine_pools.py"
 sys.path.insert(0, str(ROOT / "clients" / "vllm"))
 sys.path.insert(0, str(ROOT / "clients" / "sglang"))
-from engine_pools import EXCHANGES, Spec, run_exchange  # noqa: E402
+from tests.support.engine_pools import EXCHANGES, Spec, run_exchange  # noqa: E402
 
 _PATH = os.pathsep.join(
     [

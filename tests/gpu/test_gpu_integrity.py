@@ -1,22 +1,19 @@
 """GPU: end-to-end integrity (issue 33) between two kvservice processes over NIXL, VRAM pools from
 engine processes (CUDA IPC), VRAM staging and the device checksum (wsum64) gating the receiver's
-unpack. A packed staging batch corrupted after the sender's checksum (tests/faulty_service.py)
+unpack. A packed staging batch corrupted after the sender's checksum (tests/support/faulty_service.py)
 FAILS the transfer naming the checksum and changes no destination page; with the fault gone, the
 retry is DONE and byte-exact. tests/transfer/test_integrity_procs.py runs the same on CPU."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from .conftest import kvservice_procs
-from .test_cuda_ipc import LAYOUT, Engine
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
-from integrity_procs import FAULTY, corrupted_then_clean  # noqa: E402
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs
+from tests.support.integrity_procs import corrupted_then_clean
+from tests.support.services import FAULTY_SERVICE as FAULTY
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from .test_cuda_ipc import LAYOUT, Engine
-from .test_gpu_transfer import services  # noqa: F401  (the fixture: two service processes)
+from tests.support.gpu import LAYOUT, Engine
 
 pytestmark = pytest.mark.gpu
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import kvservice_procs
-from .test_cuda_ipc import LAYOUT, Engine
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs
 
 pytestmark = pytest.mark.gpu
 

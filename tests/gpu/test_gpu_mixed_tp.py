@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .test_cuda_ipc import Engine
-from .test_gpu_transfer import services  # noqa: F401  (fixture)
+from tests.support.gpu import Engine
 
 pytestmark = pytest.mark.gpu
 BASE = dict(num_layers=2, page_size=16, num_pages=32, total_kv_heads=8, head_dim=128, dtype="bfloat16")

@@ -10,21 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .conftest import kvservice_procs
-from .test_cuda_ipc import LAYOUT, Engine
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def services(tmp_path: Path):
-    procs, socks = kvservice_procs(tmp_path, ("a", "b"))
-    yield socks
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        p.wait(20)
 
 
 @pytest.mark.parametrize("path", ["auto", "packed", "direct"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from index_helpers import Clock
 
 from kvservice.index import PrefixIndex
+from tests.support.index import Clock
 
 
 @pytest.fixture

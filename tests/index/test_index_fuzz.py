@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from index_helpers import Clock
 from kvservice_client.hashing import page_hashes
 
 from kvservice.errors import KVServiceError
 from kvservice.index import PrefixIndex
+from tests.support.index import Clock
 
 NUM_PAGES = 12
 # Prompts over a 3-token alphabet share prefixes often; page size 1 keeps trees deep.

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from index_helpers import Clock, hashes_of
 
 from kvservice.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from kvservice.index import PrefixIndex
+from tests.support.index import Clock, hashes_of
 
 
 def leased(index: PrefixIndex, owner: str = "s1", ttl: int = 1000) -> str:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from index_helpers import hashes_of
 
 from kvservice.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvservice.index import PrefixIndex
+from tests.support.index import hashes_of
 
 
 def snapshot(ix: PrefixIndex) -> tuple:

@@ -30,7 +30,7 @@ def random_bytes(
 
 
 @pytest.fixture
-def make_pool() -> PoolFactory:
+def make_regions() -> PoolFactory:
     """Factory: a KV pool of random bytes (MHA: K and V per layer; MLA: ``head_dim_v=0``)."""
     gen = torch.Generator().manual_seed(1234)
 

@@ -45,14 +45,14 @@ def _expected(
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_matches_reference_and_leaves_neighbours(
-    make_pool: Callable[..., KVRegions],
+    make_regions: Callable[..., KVRegions],
     snapshot: Callable[..., list[torch.Tensor]],
     layout: str,
     backend: str,
 ) -> None:
     kw = LAYOUTS[layout]
-    src = make_pool(num_pages=11, device=DEVICE, **kw)
-    dst = make_pool(num_pages=13, device=DEVICE, **kw)
+    src = make_regions(num_pages=11, device=DEVICE, **kw)
+    dst = make_regions(num_pages=13, device=DEVICE, **kw)
     sp = np.array([7, 0, 3, 10, 5], dtype=np.int64)
     dp = np.array([12, 1, 2, 6, 9], dtype=np.int64)
     want = _expected(src, dst, snapshot, sp, dp, 0, 0, src.num_heads)
@@ -67,7 +67,7 @@ def test_copy_matches_reference_and_leaves_neighbours(
 @pytest.mark.parametrize("h,p,d", [(8, 2, 4), (8, 4, 2), (4, 1, 4), (2, 4, 2), (8, 8, 2)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_tp_routes_equal_pack_unpack(
-    make_pool: Callable[..., KVRegions],
+    make_regions: Callable[..., KVRegions],
     snapshot: Callable[..., list[torch.Tensor]],
     h: int,
     p: int,
@@ -76,8 +76,8 @@ def test_mixed_tp_routes_equal_pack_unpack(
 ) -> None:
     """Every sender rank's route, fused, gives the receiver ranks what pack -> unpack gives."""
     lh_s, lh_d = max(1, h // p), max(1, h // d)
-    senders = [make_pool(num_pages=6, heads=lh_s, device=DEVICE) for _ in range(p)]
-    fused = [make_pool(num_pages=8, heads=lh_d, device=DEVICE) for _ in range(d)]
+    senders = [make_regions(num_pages=6, heads=lh_s, device=DEVICE) for _ in range(p)]
+    fused = [make_regions(num_pages=8, heads=lh_d, device=DEVICE) for _ in range(d)]
     packed = [
         KVRegions.create(
             [t.clone() for t in r.k],
@@ -112,7 +112,7 @@ def test_mixed_tp_routes_equal_pack_unpack(
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_many_pages_threads_and_head_slice(
-    make_pool: Callable[..., KVRegions],
+    make_regions: Callable[..., KVRegions],
     snapshot: Callable[..., list[torch.Tensor]],
     monkeypatch: pytest.MonkeyPatch,
     parallel: bool,
@@ -121,8 +121,8 @@ def test_many_pages_threads_and_head_slice(
     from kvservice.kernels import _fused_cpu
 
     monkeypatch.setattr(_fused_cpu, "PARALLEL_BYTES", 0 if parallel else 1 << 40)
-    src = make_pool(num_pages=600, heads=4, head_dim=16, layers=3, device=DEVICE)
-    dst = make_pool(num_pages=700, heads=4, head_dim=16, layers=3, device=DEVICE)
+    src = make_regions(num_pages=600, heads=4, head_dim=16, layers=3, device=DEVICE)
+    dst = make_regions(num_pages=700, heads=4, head_dim=16, layers=3, device=DEVICE)
     rng = np.random.default_rng(5)
     sp = rng.permutation(600)[:500]
     dp = rng.permutation(700)[:500]
@@ -145,10 +145,13 @@ def test_many_pages_threads_and_head_slice(
     ],
 )
 def test_bad_calls_raise_and_write_nothing(
-    make_pool: Callable[..., KVRegions], snapshot: Callable[..., list[torch.Tensor]], kwargs: dict, field: str
+    make_regions: Callable[..., KVRegions],
+    snapshot: Callable[..., list[torch.Tensor]],
+    kwargs: dict,
+    field: str,
 ) -> None:
-    src = make_pool(num_pages=11, device=DEVICE)
-    dst = make_pool(num_pages=11, device=DEVICE)
+    src = make_regions(num_pages=11, device=DEVICE)
+    dst = make_regions(num_pages=11, device=DEVICE)
     before = snapshot(dst)
     args = {"src_pages": [1, 2], "dst_pages": [3, 4], **kwargs}
     with pytest.raises(InvalidArgument) as err:
@@ -157,9 +160,9 @@ def test_bad_calls_raise_and_write_nothing(
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dst), strict=True))
 
 
-def test_layout_mismatch_is_refused(make_pool: Callable[..., KVRegions]) -> None:
-    src = make_pool(page_size=4, device=DEVICE)
+def test_layout_mismatch_is_refused(make_regions: Callable[..., KVRegions]) -> None:
+    src = make_regions(page_size=4, device=DEVICE)
     with pytest.raises(InvalidArgument, match="page_size"):
-        copy_pages(src, make_pool(page_size=8, device=DEVICE), [0], [0])
+        copy_pages(src, make_regions(page_size=8, device=DEVICE), [0], [0])
     with pytest.raises(InvalidArgument, match="num_layers"):
-        copy_pages(src, make_pool(layers=3, device=DEVICE), [0], [0])
+        copy_pages(src, make_regions(layers=3, device=DEVICE), [0], [0])

@@ -55,10 +55,10 @@ def _pages(num_pages: int, n: int, seed: int) -> np.ndarray:
 @needs_triton
 @pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
 def test_pack_matches_reference(
-    make_pool, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+    make_regions, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
 ):  # type: ignore[no-untyped-def]
     """Triton pack writes exactly the bytes the reference writes, for an odd scattered selection."""
-    src = make_pool(**_pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype))
+    src = make_regions(**_pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype))
     pages = _pages(num_pages, num_pages // 2 + 1, 0)
     want = reference.pack(src, pages, head_start=hs, num_heads=nh, num_slices=ns)
     got = _triton.pack(src, pages, head_start=hs, num_heads=nh, num_slices=ns)
@@ -69,18 +69,18 @@ def test_pack_matches_reference(
 @needs_triton
 @pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
 def test_unpack_matches_reference_and_spares_canaries(
-    make_pool, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+    make_regions, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
 ):  # type: ignore[no-untyped-def]
     """Triton unpack equals reference unpack; pages and heads outside the call are untouched."""
     kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype)
-    src, dst = make_pool(**kw), make_pool(**kw)
+    src, dst = make_regions(**kw), make_regions(**kw)
     pages_src, pages_dst = _pages(num_pages, num_pages // 2 + 1, 1), _pages(num_pages, num_pages // 2 + 1, 2)
     staging = reference.pack(src, pages_src, head_start=hs, num_heads=nh, num_slices=ns)
     before = snapshot(dst)
     _triton.unpack(dst, staging, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
     got = snapshot(dst)
     # Reference on a fresh copy of the original destination.
-    ref_dst = make_pool(**kw)
+    ref_dst = make_regions(**kw)
     for t, b in zip(ref_dst.regions, before, strict=True):
         t.reshape(-1).view(torch.uint8).copy_(b.reshape(-1).to(t.device))
     reference.unpack(ref_dst, staging, pages_dst, head_start=hs, num_heads=nh, num_slices=ns)
@@ -100,14 +100,26 @@ GATED = [p for p in SHAPES if p.id in ("mha-ps16-hd128-bf16", "slices-8to2x4", "
 @pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", GATED)
 def test_a_gated_unpack_writes_only_through_an_open_gate(
-    make_pool, snapshot, backend, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+    make_regions,
+    snapshot,
+    backend,
+    layers,
+    num_pages,
+    page_size,
+    heads,
+    head_dim,
+    head_dim_v,
+    dtype,
+    hs,
+    nh,
+    ns,
 ):  # type: ignore[no-untyped-def]
     """unpack(gate=...) (a checksum's verdict): a closed gate (0) changes no byte of any page; an
     open one (1) unpacks exactly what the ungated call does. Triton reads it inside the kernel."""
     if backend == "cpu" and DEVICE != "cpu":
         pytest.skip("the compiled CPU loop copies host pools")
     kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype)
-    src, dst, ref_dst = make_pool(**kw), make_pool(**kw), make_pool(**kw)
+    src, dst, ref_dst = make_regions(**kw), make_regions(**kw), make_regions(**kw)
     for t, r in zip(dst.regions, ref_dst.regions, strict=True):
         r.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
     pages_src, pages_dst = _pages(num_pages, num_pages // 2 + 1, 5), _pages(num_pages, num_pages // 2 + 1, 6)
@@ -123,9 +135,9 @@ def test_a_gated_unpack_writes_only_through_an_open_gate(
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_empty_selection_is_a_no_op(make_pool, snapshot, backend):  # type: ignore[no-untyped-def]
+def test_empty_selection_is_a_no_op(make_regions, snapshot, backend):  # type: ignore[no-untyped-def]
     """Zero pages pack to zero bytes and unpack changes nothing."""
-    pool = make_pool(device=DEVICE)
+    pool = make_regions(device=DEVICE)
     before = snapshot(pool)
     out = kernels.pack(pool, np.array([], dtype=np.int64), backend=backend)
     assert out.numel() == 0
@@ -146,9 +158,9 @@ def test_empty_selection_is_a_no_op(make_pool, snapshot, backend):  # type: igno
         (dict(pages=[1, 2], staging_bytes=10), "staging"),
     ],
 )
-def test_bad_calls_raise_and_change_nothing(make_pool, snapshot, kwargs, field):  # type: ignore[no-untyped-def]
+def test_bad_calls_raise_and_change_nothing(make_regions, snapshot, kwargs, field):  # type: ignore[no-untyped-def]
     """Out-of-range/duplicate pages, bad head ranges and short staging raise InvalidArgument."""
-    pool = make_pool(num_pages=9, device=DEVICE)
+    pool = make_regions(num_pages=9, device=DEVICE)
     before = snapshot(pool)
     staging = torch.zeros(kwargs.pop("staging_bytes", 1 << 16), dtype=torch.uint8, device=DEVICE)
     with pytest.raises(InvalidArgument) as exc:
@@ -176,9 +188,9 @@ def test_regions_reject_wrong_sizes() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pack_into_pinned_host_staging(make_pool) -> None:  # type: ignore[no-untyped-def]
+def test_pack_into_pinned_host_staging(make_regions) -> None:  # type: ignore[no-untyped-def]
     """On a GPU the kernel writes straight into pinned host staging and reads back from it."""
-    src = make_pool(
+    src = make_regions(
         layers=3, num_pages=64, page_size=16, heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda"
     )
     pages = _pages(64, 33, 3)
@@ -191,12 +203,12 @@ def test_pack_into_pinned_host_staging(make_pool) -> None:  # type: ignore[no-un
 
 @pytest.mark.parametrize("layers,num_pages,page_size,heads,head_dim,head_dim_v,dtype,hs,nh,ns", SHAPES)
 def test_compiled_cpu_pack_and_unpack_match_reference(
-    make_pool, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
+    make_regions, snapshot, layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype, hs, nh, ns
 ):  # type: ignore[no-untyped-def]
     """The compiled CPU loop (the host path of "auto") packs the reference's bytes, and unpacks
     into exactly the reference's result: other pages and other heads untouched."""
     kw = _pool_kwargs(layers, num_pages, page_size, heads, head_dim, head_dim_v, dtype) | {"device": "cpu"}
-    src, dst, ref_dst = make_pool(**kw), make_pool(**kw), make_pool(**kw)
+    src, dst, ref_dst = make_regions(**kw), make_regions(**kw), make_regions(**kw)
     for t, r in zip(dst.regions, ref_dst.regions, strict=True):
         r.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
     pages_src, pages_dst = _pages(num_pages, num_pages // 2 + 1, 3), _pages(num_pages, num_pages // 2 + 1, 4)
@@ -215,11 +227,11 @@ def test_compiled_cpu_pack_and_unpack_match_reference(
         assert torch.equal(g[pages_dst][:, :, he:], b[pages_dst][:, :, he:])
 
 
-def test_auto_takes_the_compiled_cpu_path_for_host_pools(make_pool, monkeypatch):  # type: ignore[no-untyped-def]
+def test_auto_takes_the_compiled_cpu_path_for_host_pools(make_regions, monkeypatch):  # type: ignore[no-untyped-def]
     """ "auto" on host tensors runs the compiled loop, not the reference (which would pass too)."""
     from kvservice.kernels import _pack_cpu
 
-    pool = make_pool(layers=1, num_pages=8, page_size=4, heads=2, head_dim=8, device="cpu")
+    pool = make_regions(layers=1, num_pages=8, page_size=4, heads=2, head_dim=8, device="cpu")
     calls: list[str] = []
     monkeypatch.setattr(reference, "pack", lambda *a, **k: calls.append("reference"))
     real = _pack_cpu.pack
@@ -228,9 +240,9 @@ def test_auto_takes_the_compiled_cpu_path_for_host_pools(make_pool, monkeypatch)
     assert calls == ["cpu"]
 
 
-def test_compiled_cpu_backend_refuses_device_tensors(make_pool):  # type: ignore[no-untyped-def]
+def test_compiled_cpu_backend_refuses_device_tensors(make_regions):  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA pool to refuse")
-    pool = make_pool(layers=1, num_pages=8, page_size=4, heads=2, head_dim=8, device="cuda")
+    pool = make_regions(layers=1, num_pages=8, page_size=4, heads=2, head_dim=8, device="cuda")
     with pytest.raises(InvalidArgument, match="backend"):
         kernels.pack(pool, [1, 2], backend="cpu")

@@ -12,9 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, one, snapshot
 from kvservice_client import FailedPrecondition, InvalidArgument, ResourceExhausted
-from test_e2e_delta import LAYOUT, link
+
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.transfers import LAYOUT, link, one
 
 AUX = {"meta": (64, 32), "hid": (48, 8)}  # name -> (row bytes, rows)
 PAGE_BYTES = LAYOUT.page_bytes_all_layers

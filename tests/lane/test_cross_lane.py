@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 from kvservice_client import Client, Layout, ShmKVPool
-from pki import CA, mtls_peer
-from test_lane import eventually, lane_of
+
+from tests.support.lane import lane_of
+from tests.support.pki import CA, mtls_peer
+from tests.support.poll import eventually
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
 pytest.importorskip("nixl")

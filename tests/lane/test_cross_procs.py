@@ -5,20 +5,20 @@ ends the transfer FAILED (a second past its deadline at most), frees it, and kee
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kvservice_client import Layout
 
-from tests.transfer.e2e_helpers import EngineProc, ServiceProc, admin_stats, eventually
+from tests.support.engines import EngineProc
+from tests.support.poll import eventually
+from tests.support.services import FAULTY_LAUNCHER as FAULTY
+from tests.support.services import ServiceProc, admin_stats
 
 pytest.importorskip("nixl")
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")
-FAULTY = (sys.executable, str(Path(__file__).resolve().parents[1] / "faulty_service.py"))
 
 
 def _poll(eng: EngineProc, tid: str) -> Any:

@@ -366,7 +366,7 @@ def test_another_sessions_buffer_set_is_not_sent_over_the_lane(eng: Engines) -> 
 
 
 def test_service_stops_with_a_lane_open_and_a_transfer_armed() -> None:
-    from service_thread import ServerThread, make_config
+    from tests.support.services import ServerThread, make_config
 
     server = ServerThread(make_config(transport="loopback"))
     e = Engines(server)
@@ -458,7 +458,7 @@ def test_waiters_spin_as_the_service_advises_unless_the_engine_says(
 
 def test_a_bad_wait_spin_is_refused_at_start() -> None:
     from kvservice.config import ConfigError
-    from tests.service_thread import make_config
+    from tests.support.services import make_config
 
     with pytest.raises(ConfigError, match="lane_wait_spin_us"):
         make_config(lane_wait_spin_us=-2)

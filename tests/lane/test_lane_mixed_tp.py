@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from kvservice_client import Client, Layout, ShmKVPool
 from kvservice_client._errors import KVClientError
-from test_lane import eventually, lane_of
+
+from tests.support.lane import lane_of
+from tests.support.poll import eventually
 
 PAGES = 24
 SRC = [5, 9, 2, 11, 20, 3, 14, 7]
@@ -287,7 +289,7 @@ def test_ends_the_lane_delivered_survive_the_service_stopping() -> None:
     import os
     import signal
 
-    from tests.transfer.e2e_helpers import ServiceProc
+    from tests.support.services import ServiceProc
 
     svc = ServiceProc("lane-stop")
     try:

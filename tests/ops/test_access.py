@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from service_thread import make_config
-
 from kvservice.identity import CredentialBook, Identity
 from kvservice.ops import AdminPolicy
 from kvservice.sessions import Session
+from tests.support.services import make_config
 
 
 def _policy(**overrides) -> tuple[AdminPolicy, CredentialBook]:

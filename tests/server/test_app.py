@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -17,6 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvservice_client import Client, Unimplemented
+
+from tests.support.grpcurl import grpcurl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,16 +55,9 @@ def test_reflection_lists_services(server) -> None:
         assert {"kvservice.v1.KVService", "grpc.health.v1.Health"} <= names
 
 
-def _grpcurl() -> str:
-    path = shutil.which("grpcurl") or os.path.expanduser("~/go/bin/grpcurl")
-    if not os.path.exists(path):
-        pytest.skip("grpcurl not installed (.ci/run installs it)")
-    return path
-
-
 def test_grpcurl_lists_and_calls(server) -> None:
     """grpcurl, a client nobody here wrote, lists the service through reflection and calls GetStats."""
-    g = _grpcurl()
+    g = grpcurl()
     target = f"127.0.0.1:{server.app.tcp_port}"
     out = subprocess.run([g, "-plaintext", target, "list"], capture_output=True, text=True, timeout=30)
     assert "kvservice.v1.KVService" in out.stdout, out.stderr

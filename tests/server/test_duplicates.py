@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from kvservice_client import Client, InvalidArgument, Layout, NotFound, ShmKVPool
 
-from tests.service_thread import ServerThread, make_config
-from tests.transfer.e2e_helpers import eventually
+from tests.support.poll import eventually
+from tests.support.services import ServerThread, make_config
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
 TOKENS = np.arange(500, 500 + 6 * 4)  # 6 pages

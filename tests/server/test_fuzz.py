@@ -106,7 +106,7 @@ class Rig:
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[Rig]:
-    from service_thread import ServerThread, make_config
+    from tests.support.services import ServerThread, make_config
 
     server = ServerThread(
         make_config(

@@ -14,6 +14,8 @@ from kvservice_client import (
     page_hashes,
 )
 
+from tests.support.poll import eventually
+
 LAYOUT = Layout.mha(num_layers=1, page_size=4, num_pages=32, total_kv_heads=1, head_dim=8, dtype="float16")
 TOKENS = np.arange(1000, 1000 + 10 * 4 + 3)  # 10 full pages and a partial one
 
@@ -75,17 +77,7 @@ def test_lease_of_another_session_cannot_be_released(engine, server) -> None:
         m = other.match_prefix(tokens=TOKENS, page_size=4, lease_ttl_ms=10_000)
         with pytest.raises(PermissionDenied):
             kv.release_lease(m.lease_id)
-    assert kv.get_stats().index.leases == 0 or _eventually_zero(kv)
-
-
-def _eventually_zero(kv: Client) -> bool:
-    import time
-
-    end = time.monotonic() + 5
-    while kv.get_stats().index.leases:
-        assert time.monotonic() < end
-        time.sleep(0.02)
-    return True
+    eventually(lambda: kv.get_stats().index.leases == 0, 5, "the other session's lease is gone with it")
 
 
 @pytest.mark.parametrize(

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "index" / "events"))
-from engine_schemas import stored, vllm_structs  # noqa: E402
 from kvservice_client import Client  # noqa: E402
-from test_event_subscriber import Publisher  # noqa: E402
+
+from tests.support.engine_schemas import stored, vllm_structs
+from tests.support.kv_events import Publisher
 
 
 def test_router_sees_prefix_published_by_vllm_events(make_server) -> None:

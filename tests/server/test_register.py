@@ -18,6 +18,8 @@ from kvservice_client import (
 )
 from kvservice_client._proto import kvservice_pb2, kvservice_pb2_grpc
 
+from tests.support.poll import eventually
+
 LAYOUT = Layout.mha(num_layers=3, page_size=4, num_pages=10, total_kv_heads=4, head_dim=8, dtype="float16")
 
 
@@ -162,7 +164,7 @@ def test_closing_the_client_releases_its_buffer_sets(server, pool) -> None:
     kv.register_buffers(pool.layout, pool.k_regions, pool.v_regions)
     assert _counts(server) == (2, 1)
     kv.close()
-    _wait(lambda: _counts(server) == (0, 0))
+    eventually(lambda: _counts(server) == (0, 0))
 
 
 def test_owner_process_death_releases_its_buffer_sets(server, pool) -> None:
@@ -188,7 +190,7 @@ def test_owner_process_death_releases_its_buffer_sets(server, pool) -> None:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "registered"
         assert len(server.node.buffers) == 1
         proc.kill()
-        _wait(lambda: _counts(server) == (0, 0))
+        eventually(lambda: _counts(server) == (0, 0))
     finally:
         proc.kill()
 
@@ -206,12 +208,3 @@ def test_shm_region_helper_round_trips() -> None:
     """shm_region builds the proto form the service reads."""
     pb = shm_region("/x", 128, 64).to_proto()
     assert (pb.shm.name, pb.shm.offset, pb.size_bytes) == ("/x", 64, 128)
-
-
-def _wait(cond, timeout: float = 10.0) -> None:
-    import time
-
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.02)

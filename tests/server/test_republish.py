@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import textwrap
 import time
@@ -15,19 +14,12 @@ import numpy as np
 import pytest
 from kvservice_client import Client, Layout, ShmKVPool
 
+from tests.support.poll import eventually
+from tests.support.services import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
 LAYOUT = Layout.mha(num_layers=1, page_size=16, num_pages=32, total_kv_heads=1, head_dim=8, dtype="float16")
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _best(kv: Client, tokens: np.ndarray) -> int:
@@ -35,16 +27,9 @@ def _best(kv: Client, tokens: np.ndarray) -> int:
     return max((x.matched_pages for x in m.matches), default=0)
 
 
-def _until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def node_a(make_server):
-    pub, replay = _ports(2)
+    pub, replay = free_ports(2)
     endpoints = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
     server = make_server(republish_events=json.dumps([endpoints]))
     return server, endpoints
@@ -63,16 +48,16 @@ def test_a_second_service_follows_the_first_through_its_republished_events(node_
         stream = {"engine_id": "node-a", "page_size": 16, "topic": "kv", **ep}
         b = make_server(kv_events=json.dumps([stream]))
         with Client(b.address) as kb:
-            _until(lambda: _best(kb, t1) == 8)
+            eventually(lambda: _best(kb, t1) == 8)
             # A received transfer publishes its pages on DONE: they are re-published too.
             kv.expect_delta("t", bs2, prefix_pages=0, dst_page_indices=np.arange(6), publish_tokens=t2)
             kv.send_delta("t", bs1, src_page_indices=np.arange(6), peer_address=a.app.peer_address)
             assert {s.state for s in kv.wait("t")} == {"DONE"}
-            _until(lambda: _best(kb, t2) == 6)
+            eventually(lambda: _best(kb, t2) == 6)
             kv.evict_pages(bs1, [5])  # pages 5.. of t1 go from A's index
-            _until(lambda: _best(kb, t1) == _best(kv, t1) == 5)
+            eventually(lambda: _best(kb, t1) == _best(kv, t1) == 5)
             kv.unregister_buffers(bs2)  # a buffer set going drops its pages
-            _until(lambda: _best(kb, t2) == _best(kv, t2) == 0)
+            eventually(lambda: _best(kb, t2) == _best(kv, t2) == 0)
             assert b.node.prefix.event_subscribers[0].counters["event_errors"] == 0
 
 

@@ -17,10 +17,10 @@ from kvservice_client import ChannelSecurity, Client, Layout, ShmKVPool
 from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc
 from kvservice_client._session import fetch_credential
-from pki import CA
-from test_app import _grpcurl
 
 from kvservice.identity import Identity
+from tests.support.grpcurl import grpcurl
+from tests.support.pki import CA
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
 
@@ -82,7 +82,7 @@ def test_a_non_admin_session_sees_its_own_and_the_note_says_so(server, pool) -> 
 
 def test_grpcurl_over_the_socket_as_an_admin_shows_the_node(server, pool) -> None:
     """grpcurl with `kvservice credential` in a header lists the buffer sets."""
-    g = _grpcurl()
+    g = grpcurl()
     with Client(server.address) as kv:
         bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions).buffer_set_id
         cred = subprocess.run(

@@ -14,10 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvservice_client import ChannelSecurity, Client, Unauthenticated, Unavailable
 from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
-from pki import CA
 
 from kvservice.cli import main as cli_main
 from kvservice.config import ConfigError, load_config
+from tests.support.pki import CA
 
 RESTAT_WAIT_S = 1.2  # the token file is re-stat'ed at most once a second
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from e2e_helpers import ServiceProc
 from kvservice_client import Client, Layout, ShmKVPool
+
+from tests.support.services import ServiceProc
 
 LAYOUT = Layout.mha(num_layers=2, page_size=16, num_pages=64, total_kv_heads=2, head_dim=64, dtype="bfloat16")
 NOISE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")

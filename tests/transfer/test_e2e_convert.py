@@ -19,8 +19,10 @@ import math
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_unchanged, fill_random, fused_pair, rank_heads, snapshot, wait_all
 from kvservice_client import Layout, ShmKVPool
+
+from tests.support.pools import assert_unchanged, fill_random, rank_heads, snapshot
+from tests.support.transfers import fused_pair, wait_all
 
 L, H, D = 2, 4, 16  # layers, KV heads, head dim (float16: 32-byte head rows)
 T = 100  # tokens in the sequence

@@ -6,39 +6,17 @@ in the destination pages, counters on both sides, and canary pages left untouche
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, fill_random, fused_pair, one, snapshot
-from kvservice_client import Client, Layout, ShmKVPool
+from kvservice_client import Layout
 
-LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=48, total_kv_heads=2, head_dim=8, dtype="float16")
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.transfers import LAYOUT, fused_pair, link, one
+
 AUX = {"meta": (64, 32)}
 PATHS = ["direct", "packed", "auto"]
-
-
-@dataclasses.dataclass
-class Link:
-    ka: Client  # sender engine's client (prefill node)
-    kb: Client  # receiver engine's client (decode node)
-    pa: ShmKVPool
-    pb: ShmKVPool
-    a: str  # sender buffer set
-    b: str  # receiver buffer set
-    peer: str  # receiver service's peer address
-
-
-def link(pair: Any, make_pool: Any, make_client: Any, layout: Layout = LAYOUT, aux: Any = None) -> Link:
-    sa, sb = pair
-    pa, pb = make_pool(layout, aux), make_pool(layout, aux)
-    fill_random(pa, 1)
-    fill_random(pb, 2)  # random, not zero: a stray write is visible
-    ka, kb = make_client(sa), make_client(sb)
-    a = ka.register_buffers(layout, pa.k_regions, pa.v_regions, pa.aux_specs).buffer_set_id
-    b = kb.register_buffers(layout, pb.k_regions, pb.v_regions, pb.aux_specs).buffer_set_id
-    return Link(ka, kb, pa, pb, a, b, sb.app.peer_address)
 
 
 def check_counters(st: Any, sent: int, skipped: int, layout: Layout = LAYOUT) -> None:

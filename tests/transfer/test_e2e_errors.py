@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, fill_random, one, snapshot
 from kvservice_client import (
     AlreadyExists,
     FailedPrecondition,
@@ -18,14 +17,12 @@ from kvservice_client import (
     NotFound,
     PermissionDenied,
 )
-from test_e2e_delta import LAYOUT, link
+
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal, assert_unchanged, fill_random, snapshot
+from tests.support.transfers import LAYOUT, link, one, staging_idle
 
 SLACK_S = 1.0  # reaper tick, thread hops and a loaded 2-core box (a full-suite CI run took 0.93 s for 0.4 s)
-
-
-def staging_idle(server) -> bool:
-    stats = server.app.node.transfers.memory.staging_stats()
-    return all(st.slots_in_use == 0 for st in stats)
 
 
 # -- SendDelta -------------------------------------------------------------------------------

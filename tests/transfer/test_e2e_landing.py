@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, one, snapshot
 from kvservice_client import (
     FailedPrecondition,
     InvalidArgument,
@@ -19,7 +18,10 @@ from kvservice_client import (
     PermissionDenied,
     ResourceExhausted,
 )
-from test_e2e_delta import LAYOUT, link
+
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.transfers import LAYOUT, link, one
 
 PAGE_BYTES = LAYOUT.page_bytes_all_layers
 

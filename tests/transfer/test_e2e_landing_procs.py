@@ -16,8 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_helpers import EngineProc, ServiceProc, admin_stats, assert_pages_equal, eventually
 from kvservice_client import Layout
+
+from tests.support.engines import EngineProc
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal
+from tests.support.services import ServiceProc, admin_stats
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")
 AUX = {"meta": (64, 8)}  # name -> (row bytes, rows)

@@ -11,10 +11,11 @@ import threading
 import time
 
 import pytest
-from e2e_helpers import assert_unchanged, eventually, one, snapshot, wait_all
 from kvservice_client import FailedPrecondition, Layout, NotFound
-from test_e2e_delta import link
-from test_e2e_errors import staging_idle
+
+from tests.support.poll import eventually
+from tests.support.pools import assert_unchanged, snapshot
+from tests.support.transfers import link, one, staging_idle, wait_all
 
 BIG = Layout.mha(num_layers=4, page_size=8, num_pages=512, total_kv_heads=2, head_dim=64, dtype="float16")
 

@@ -19,18 +19,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from e2e_helpers import (
-    EngineProc,
-    ServiceProc,
-    admin_stats,
-    assert_pages_equal,
-    assert_unchanged,
-    eventually,
-    snapshot,
-)
 from kvservice_client import Layout
 
 from kvservice.transfer.peer_channel import IDLE_RETURN_S
+from tests.support.engines import EngineProc
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.services import ServiceProc, admin_stats
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")
 AUX = {"meta": (64, 32)}

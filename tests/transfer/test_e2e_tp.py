@@ -1,6 +1,6 @@
 """End to end (loopback): mixed TP and MLA, one buffer set (and one client) per TP rank.
 
-Every rank's pool is cut from one global KV (``e2e_helpers.fill_tp``); after the transfer
+Every rank's pool is cut from one global KV (``tests.support.pools.fill_tp``); after the transfer
 each receiver rank must hold exactly its heads of the sent pages at the right head offsets::
 
     H=4, p=1 -> d=2: sender heads 0..3 ─┬─ [0,2) ─▶ rank 0 heads 0..1
@@ -14,17 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from e2e_helpers import (
-    assert_tp_pages,
-    assert_unchanged,
-    fill_random,
-    fill_tp,
-    fused_pair,
-    global_kv,
-    snapshot,
-    wait_all,
-)
 from kvservice_client import Layout
+
+from tests.support.pools import assert_tp_pages, assert_unchanged, fill_random, fill_tp, global_kv, snapshot
+from tests.support.transfers import fused_pair, wait_all
 
 PAGES = 24
 SRC = [5, 9, 2, 11, 20, 3, 14, 7]  # 8 sequence pages; receiver holds the first 3

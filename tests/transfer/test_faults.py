@@ -25,18 +25,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from e2e_helpers import (
-    EngineError,
-    EngineProc,
-    ServiceProc,
-    admin_stats,
-    assert_unchanged,
-    eventually,
-    snapshot,
-)
 from kvservice_client import Client, Layout, SessionLost, ShmKVPool
 
 from kvservice.transfer.peer_channel import IDLE_RETURN_S
+from tests.support.engines import EngineError, EngineProc
+from tests.support.poll import eventually
+from tests.support.pools import assert_unchanged, snapshot
+from tests.support.services import ServiceProc, admin_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from _netns import UCX_TCP_ENV, veth_pair  # noqa: E402

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_routes import LAYOUT, _pages, _regions
 
 from kvservice import kernels
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, NotFound
@@ -20,6 +19,7 @@ from kvservice.transfer.plan import Units
 from kvservice.transfer.receiver import Incoming, Receiver
 from kvservice.transfer.records import Record, TransferTable
 from kvservice.transfer.values import Commit
+from tests.support.regions import LAYOUT, pages_of, random_regions
 
 SENDER = "prefill/0"
 HEADS = LAYOUT.local_kv_heads
@@ -32,7 +32,7 @@ class Side:
         self.table = TransferTable(60.0)
         self.pool = StagingPool(1 << 20, "host")
         self.receiver = Receiver(self.table, lambda _bs: self.pool)
-        self.regions = _regions(LAYOUT, 7)
+        self.regions = random_regions(LAYOUT, 7)
         self.failed: list[KVServiceError] = []
         self.published: list[Any] = []
         bs = types.SimpleNamespace(buffer_set_id="d-bs", layout=LAYOUT)
@@ -90,11 +90,11 @@ def test_positions_outside_the_declared_delta_fail_the_transfer() -> None:
 def test_a_packed_commit_into_a_slot_it_never_reserved_is_not_found() -> None:
     """No reserved slot: NOT_FOUND, nothing unpacked, nothing counted."""
     side = Side([4, 9])
-    before = _pages(side.regions, LAYOUT, np.arange(32))
+    before = pages_of(side.regions, LAYOUT, np.arange(32))
     with pytest.raises(NotFound, match="staging_slot"):
         side.accept(_commit([0], path="PACKED", slot_id=99, nbytes=1))
     assert all(
-        torch.equal(a, b) for a, b in zip(_pages(side.regions, LAYOUT, np.arange(32)), before, strict=True)
+        torch.equal(a, b) for a, b in zip(pages_of(side.regions, LAYOUT, np.arange(32)), before, strict=True)
     )
     assert side.inc.rec.bytes_sent == 0
 
@@ -102,12 +102,15 @@ def test_a_packed_commit_into_a_slot_it_never_reserved_is_not_found() -> None:
 def test_a_packed_commit_unpacks_its_slot_into_the_named_pages_and_frees_it() -> None:
     """The batch in the reserved slot lands in the delta pages its positions name; the slot is free."""
     side = Side([4, 9, 6])
-    src = _regions(LAYOUT, 3)
+    src = random_regions(LAYOUT, 3)
     staged = kernels.pack(src, np.array([1, 2, 3]), num_heads=HEADS)
     pool, slot = asyncio.run(side.receiver.reserve("t", "d-bs", staged.numel(), "peer-a", "ticket-a"))
     pool.view(slot)[: staged.numel()].copy_(staged)
     assert side.accept(_commit([0, 1, 2], path="PACKED", slot_id=slot.serial, last=True)) == "DONE"
-    got, want = _pages(side.regions, LAYOUT, np.array([4, 9, 6])), _pages(src, LAYOUT, np.array([1, 2, 3]))
+    got, want = (
+        pages_of(side.regions, LAYOUT, np.array([4, 9, 6])),
+        pages_of(src, LAYOUT, np.array([1, 2, 3])),
+    )
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert side.pool.stats().slots_in_use == 0
 

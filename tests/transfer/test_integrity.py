@@ -19,15 +19,15 @@ if not torch.cuda.is_available():
     # NOTE: before the first import of the Triton kernels (as in tests/kernels/conftest.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from e2e_helpers import assert_pages_equal, assert_unchanged, one, snapshot  # noqa: E402
-from test_peer_security import DST, SRC, _node  # noqa: E402
-
 from kvservice import kernels  # noqa: E402
 from kvservice.errors import FailedPrecondition  # noqa: E402
 from kvservice.kernels import KVRegions, checksum, reference  # noqa: E402
 from kvservice.transfer import inbound as inbound_mod  # noqa: E402
 from kvservice.transfer.integrity import landed_check, pack_hashed, unpack_verified  # noqa: E402
 from kvservice.transfer.routes import packed as packed_mod  # noqa: E402
+from tests.support.peers import DST, SRC, secure_node
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.transfers import one
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [
@@ -146,8 +146,8 @@ def test_a_corrupted_batch_fails_the_transfer_on_the_device_path(
     sides naming the batch, no page changed; the next transfer is DONE and byte-exact."""
     token = tmp_path / "peer-token"
     token.write_text("cluster-secret\n")
-    a = _node(make_server, make_pool, 1, peer_token_file=str(token))
-    b = _node(make_server, make_pool, 2, peer_token_file=str(token))
+    a = secure_node(make_server, make_pool, 1, peer_token_file=str(token))
+    b = secure_node(make_server, make_pool, 2, peer_token_file=str(token))
     try:
         peer = b.server.app.peer_address
         before = snapshot(b.pool)

@@ -1,6 +1,6 @@
 """End-to-end integrity across service processes on CPU (issue 33): two ``kvservice`` processes
 over NIXL (UCX on DRAM, the cross-node route), shm pools in engine processes; a packed batch
-corrupted after the sender's xxh3 (tests/faulty_service.py) fails the transfer and changes no
+corrupted after the sender's xxh3 (tests/support/faulty_service.py) fails the transfer and changes no
 page, the retry lands byte-exact. tests/gpu/test_gpu_integrity.py runs the same on VRAM pools."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_helpers import ServiceProc
-from integrity_procs import FAULTY_LAUNCHER, ShmSide, corrupted_then_clean
 from kvservice_client import Layout
 
 from kvservice.transfer.nixl_transport import nixl_available
+from tests.support.integrity_procs import ShmSide, corrupted_then_clean
+from tests.support.services import FAULTY_LAUNCHER, ServiceProc
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed")
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=64, total_kv_heads=2, head_dim=16, dtype="bfloat16")

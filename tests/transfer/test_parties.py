@@ -8,17 +8,19 @@ from typing import Any
 
 import grpc
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, one, snapshot
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
-from pki import CA
-from test_peer_security import DST, LAYOUT, SRC, Node, _mtls, _node
 
 from kvservice.transfer.routes import packed as packed_mod
+from tests.support.peers import DST, LAYOUT, SRC, PeerNode, mtls_config, secure_node
+from tests.support.pki import CA
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.transfers import one
 
 
 @pytest.fixture
 def nodes() -> Any:
-    made: list[Node] = []
+    made: list[PeerNode] = []
     yield made
     for n in made:
         n.client.close()
@@ -47,8 +49,8 @@ def test_a_token_peer_that_is_not_the_sender_cannot_act_on_the_transfer(
     byte-exact."""
     token = tmp_path / "peer-token"
     token.write_text("cluster-secret\n")
-    a = _node(make_server, make_pool, 1, peer_token_file=str(token))
-    b = _node(make_server, make_pool, 2, peer_token_file=str(token))
+    a = secure_node(make_server, make_pool, 1, peer_token_file=str(token))
+    b = secure_node(make_server, make_pool, 2, peer_token_file=str(token))
     nodes += [a, b]
     peer = b.server.app.peer_address
     victim = a.server.node.service_id
@@ -97,8 +99,8 @@ def test_a_forged_commit_of_unwritten_pages_fails_instead_of_done(
     sender's address, is DONE and byte-exact."""
     token = tmp_path / "peer-token"
     token.write_text("cluster-secret\n")
-    a = _node(make_server, make_pool, 1, peer_token_file=str(token))
-    b = _node(make_server, make_pool, 2, peer_token_file=str(token))
+    a = secure_node(make_server, make_pool, 1, peer_token_file=str(token))
+    b = secure_node(make_server, make_pool, 2, peer_token_file=str(token))
     nodes += [a, b]
     peer = b.server.app.peer_address
     before = snapshot(b.pool)
@@ -148,9 +150,9 @@ def test_sender_address_fills_allowed_senders_over_mutual_tls(
     """ExpectDelta naming the sender's address (no allowed_senders): another cluster member with a
     valid certificate cannot fetch the plan first; the named sender delivers byte-exact."""
     ca = CA(str(tmp_path), "cluster")
-    a = _node(make_server, make_pool, 1, **_mtls(ca, "prefill-a"))
-    c = _node(make_server, make_pool, 3, **_mtls(ca, "prefill-c"))
-    b = _node(make_server, make_pool, 2, **_mtls(ca, "decode-b"))
+    a = secure_node(make_server, make_pool, 1, **mtls_config(ca, "prefill-a"))
+    c = secure_node(make_server, make_pool, 3, **mtls_config(ca, "prefill-c"))
+    b = secure_node(make_server, make_pool, 2, **mtls_config(ca, "decode-b"))
     nodes += [a, b, c]
     peer = b.server.app.peer_address
     before = snapshot(b.pool)
@@ -171,8 +173,8 @@ def test_a_corrupted_staging_batch_fails_with_integrity_on(
 ) -> None:
     """A packed batch corrupted after the sender hashed it (in transit): the receiver's check fails
     the transfer before unpacking, no page changes; the next transfer is DONE and byte-exact."""
-    a = _node(make_server, make_pool, 1, peer_token_file=_token(tmp_path))
-    b = _node(make_server, make_pool, 2, peer_token_file=_token(tmp_path))
+    a = secure_node(make_server, make_pool, 1, peer_token_file=_token(tmp_path))
+    b = secure_node(make_server, make_pool, 2, peer_token_file=_token(tmp_path))
     nodes += [a, b]
     peer = b.server.app.peer_address
     before = snapshot(b.pool)

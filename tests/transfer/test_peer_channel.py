@@ -9,8 +9,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, eventually, fill_random, one, snapshot
 from kvservice_client import Layout
+
+from tests.support.poll import eventually
+from tests.support.pools import assert_pages_equal, assert_unchanged, fill_random, snapshot
+from tests.support.transfers import one, staging_idle
 
 LAYOUT = Layout.mha(num_layers=2, page_size=16, num_pages=256, total_kv_heads=4, head_dim=64, dtype="float16")
 N = 200  # pages: 32 KiB each over all regions; credit slots of 128 KiB hold 4 -> 50 batches
@@ -40,10 +43,6 @@ def _slow_unpacks(server, monkeypatch, delay: float, jitter: float = 0.0) -> Non
         return await real(*a, **k)
 
     monkeypatch.setattr(inbound, "_unpack", slow)
-
-
-def _staging_idle(server) -> bool:  # type: ignore[no-untyped-def]
-    return all(p.slots_in_use == 0 for p in server.app.node.transfers.memory.staging_stats())
 
 
 def _send(ka, kb, a, b, peer, tid, src, dst, deadline_ms=20_000):  # type: ignore[no-untyped-def]
@@ -132,7 +131,7 @@ def test_many_senders_share_one_receiver(make_server, make_pool, make_client, mo
         assert one(kb, tid, timeout=30).state == "DONE"
         assert_pages_equal(pb, dst, pa, src)
     # the channels went idle: their credits go back and the receiver's pool empties
-    eventually(lambda: _staging_idle(sb), 5, "idle channels returned their credits")
+    eventually(lambda: staging_idle(sb), 5, "idle channels returned their credits")
 
 
 def test_broken_channel_fails_transfers_and_frees_every_slot(
@@ -154,9 +153,9 @@ def test_broken_channel_fails_transfers_and_frees_every_slot(
     assert s.state == "FAILED" and s.error_code == "UNAVAILABLE" and "channel" in s.error, s
     r = one(kb, "brk", timeout=5)
     assert r.state in ("FAILED", "ABORTED") and r.error, r
-    eventually(lambda: _staging_idle(sa), 5, "sender's staging released")
+    eventually(lambda: staging_idle(sa), 5, "sender's staging released")
     eventually(
-        lambda: _staging_idle(sb),
+        lambda: staging_idle(sb),
         5,
         f"receiver's slots released {sb.app.node.transfers.memory.staging_stats()}",
     )
@@ -189,4 +188,4 @@ def test_abort_racing_credit_writes_lands_nothing_after_the_ack(
 
     time.sleep(0.3)
     assert_unchanged(pb, at_ack)
-    eventually(lambda: _staging_idle(sa), 5, "sender staging released")
+    eventually(lambda: staging_idle(sa), 5, "sender staging released")

@@ -5,51 +5,21 @@ the peer that fetched the plan. Every refused attempt leaves the receiver's page
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import grpc
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, fill_random, one, snapshot
-from kvservice_client import Client, Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
-from pki import CA
 
-LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
-SRC, DST = [3, 1, 4, 5], [9, 2, 6, 7]
-
-
-@dataclasses.dataclass
-class Node:
-    server: Any
-    client: Client
-    pool: Any
-    bs: str
-
-
-def _node(make_server: Any, make_pool: Any, seed: int, **cfg: Any) -> Node:
-    s = make_server(
-        transport="loopback",
-        same_host_route="off",
-        tcp_address="",
-        peer_tcp_address="127.0.0.1:0",
-        insecure=False,
-        **cfg,
-    )
-    pool = make_pool(LAYOUT)
-    fill_random(pool, seed)
-    kv = Client(s.address, client_name=f"engine-{seed}", timeout=10)
-    return Node(s, kv, pool, kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions).buffer_set_id)
-
-
-def _mtls(ca: CA, name: str) -> dict[str, str]:
-    leaf = ca.leaf(name)
-    return {"peer_tls_cert": leaf.cert, "peer_tls_key": leaf.key, "peer_tls_ca": ca.cert}
+from tests.support.peers import DST, SRC, PeerNode, mtls_config, secure_node
+from tests.support.pki import CA
+from tests.support.pools import assert_pages_equal, assert_unchanged, snapshot
+from tests.support.transfers import one
 
 
 @pytest.fixture
 def nodes() -> Any:
-    made: list[Node] = []
+    made: list[PeerNode] = []
     yield made
     for n in made:
         n.client.close()
@@ -57,10 +27,12 @@ def nodes() -> Any:
 
 def test_mutual_tls_between_services_and_allowed_senders(make_server, make_pool, tmp_path, nodes) -> None:
     ca, rogue_ca = CA(str(tmp_path), "cluster"), CA(str(tmp_path), "rogue")
-    a = _node(make_server, make_pool, 1, **_mtls(ca, "prefill-a"))
-    c = _node(make_server, make_pool, 3, **_mtls(ca, "prefill-c"))  # a member, but not the one named
-    x = _node(make_server, make_pool, 4, **_mtls(rogue_ca, "intruder"))  # not of the cluster
-    b = _node(make_server, make_pool, 2, **_mtls(ca, "decode-b"))
+    a = secure_node(make_server, make_pool, 1, **mtls_config(ca, "prefill-a"))
+    c = secure_node(
+        make_server, make_pool, 3, **mtls_config(ca, "prefill-c")
+    )  # a member, but not the one named
+    x = secure_node(make_server, make_pool, 4, **mtls_config(rogue_ca, "intruder"))  # not of the cluster
+    b = secure_node(make_server, make_pool, 2, **mtls_config(ca, "decode-b"))
     nodes += [a, b, c, x]
     peer = b.server.app.peer_address
     before = snapshot(b.pool)
@@ -89,7 +61,7 @@ def test_mutual_tls_between_services_and_allowed_senders(make_server, make_pool,
 
 def test_a_commit_without_the_plan_is_refused(make_server, make_pool, tmp_path, nodes) -> None:
     ca = CA(str(tmp_path), "cluster")
-    b = _node(make_server, make_pool, 2, **_mtls(ca, "decode-b"))
+    b = secure_node(make_server, make_pool, 2, **mtls_config(ca, "decode-b"))
     nodes.append(b)
     before = snapshot(b.pool)
     b.client.expect_delta("t-forge", b.bs, prefix_pages=0, dst_page_indices=DST, deadline_ms=2000)
@@ -121,9 +93,9 @@ def test_peer_token_between_services(make_server, make_pool, tmp_path, nodes) ->
     good, bad = tmp_path / "peer-token", tmp_path / "wrong-token"
     good.write_text("cluster-secret\n")
     bad.write_text("guess\n")
-    a = _node(make_server, make_pool, 1, peer_token_file=str(good))
-    x = _node(make_server, make_pool, 3, peer_token_file=str(bad))
-    b = _node(make_server, make_pool, 2, peer_token_file=str(good))
+    a = secure_node(make_server, make_pool, 1, peer_token_file=str(good))
+    x = secure_node(make_server, make_pool, 3, peer_token_file=str(bad))
+    b = secure_node(make_server, make_pool, 2, peer_token_file=str(good))
     nodes += [a, b, x]
     peer = b.server.app.peer_address
     before = snapshot(b.pool)

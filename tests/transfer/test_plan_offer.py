@@ -13,24 +13,24 @@ import types
 
 import numpy as np
 import pytest
-from e2e_helpers import (
-    assert_pages_equal,
-    assert_tp_pages,
-    assert_unchanged,
-    eventually,
-    fill_random,
-    fill_tp,
-    global_kv,
-    one,
-    snapshot,
-)
 from kvservice_client import Layout
-from pki import CA, mtls_peer
 
 from kvservice.errors import FailedPrecondition, PermissionDenied
 from kvservice.staging import StagingPool
 from kvservice.transfer.receiver import Incoming, Receiver
 from kvservice.transfer.records import Record, TransferTable
+from tests.support.pki import CA, mtls_peer
+from tests.support.poll import eventually
+from tests.support.pools import (
+    assert_pages_equal,
+    assert_tp_pages,
+    assert_unchanged,
+    fill_random,
+    fill_tp,
+    global_kv,
+    snapshot,
+)
+from tests.support.transfers import one
 
 PAGES = 32
 

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvservice_client import Layout
 
 from kvservice import kernels
 from kvservice.errors import Aborted, FailedPrecondition, TransportError
@@ -27,41 +26,7 @@ from kvservice.transfer.routes.packed import PackedRoute
 from kvservice.transfer.routes.same_node import SameNodeRoute
 from kvservice.transfer.sender import Chunk, Outgoing
 from kvservice.transfer.values import Commit, Plan, Reserved, Target
-
-
-def _layout(page_size: int = 4) -> Layout:
-    return Layout.mha(
-        num_layers=2,
-        page_size=page_size,
-        num_pages=32,
-        total_kv_heads=2,
-        head_dim=8,
-        dtype="float16",
-        tp_size=1,
-        tp_rank=0,
-    )
-
-
-LAYOUT = _layout()
-
-
-def _regions(lay: Layout, seed: int) -> KVRegions:
-    g = torch.Generator().manual_seed(seed)
-
-    def region(n: int) -> torch.Tensor:
-        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-    k = [region(lay.region_bytes_k) for _ in range(lay.num_layers)]
-    v = [region(lay.region_bytes_v) for _ in range(lay.num_v_regions)]
-    return KVRegions.of_layout(lay, k, v)
-
-
-def _pages(r: KVRegions, lay: Layout, pages: np.ndarray) -> list[torch.Tensor]:
-    """Every region's bytes of ``pages`` (in order), for comparisons."""
-    out = []
-    for t, pb in [(t, lay.page_bytes_k) for t in r.k] + [(t, lay.page_bytes_v) for t in (r.v or [])]:
-        out.append(t.view(-1, pb)[torch.as_tensor(pages)])
-    return out
+from tests.support.regions import LAYOUT, pages_of, random_regions, small_layout
 
 
 class FakePort:
@@ -115,7 +80,7 @@ class FakePort:
 
 
 def _setup(dst_pages: list[int], prefix: int = 0, mapped: bool = True, seed: int = 1) -> Any:
-    src_r, dst_r = _regions(LAYOUT, seed), _regions(LAYOUT, seed + 100)
+    src_r, dst_r = random_regions(LAYOUT, seed), random_regions(LAYOUT, seed + 100)
     plan = Plan(
         "t",
         "dst-bs",
@@ -144,18 +109,20 @@ def _chunk(src: list[int], last: bool = True, offset: int = 0, copied: Any = Non
 def test_fused_copies_every_page_and_commits_once_with_the_end() -> None:
     """FUSED: the named pages land byte-exact, others stay; one commit carries last and skipped."""
     s = _setup([5, 9, 2], prefix=1)
-    before = _pages(s.dst, LAYOUT, np.arange(32))
+    before = pages_of(s.dst, LAYOUT, np.arange(32))
     chunk = _chunk([3, 7, 11, 13])  # position 0 is the receiver's prefix: skipped
     cmap = map_chunk(0, chunk.src, 1, s.target.dst_pages, s.target.units, True)
     port = FakePort(s.dst)
     asyncio.run(SameNodeRoute(s.ctx).move(port, s.out, s.target, chunk, cmap))
     for a, b in zip(
-        _pages(s.dst, LAYOUT, np.array([5, 9, 2])), _pages(s.src, LAYOUT, np.array([7, 11, 13])), strict=True
+        pages_of(s.dst, LAYOUT, np.array([5, 9, 2])),
+        pages_of(s.src, LAYOUT, np.array([7, 11, 13])),
+        strict=True,
     ):
         assert torch.equal(a, b)
     untouched = np.setdiff1d(np.arange(32), [5, 9, 2])
     for a, b in zip(
-        _pages(s.dst, LAYOUT, untouched), [t[torch.as_tensor(untouched)] for t in before], strict=True
+        pages_of(s.dst, LAYOUT, untouched), [t[torch.as_tensor(untouched)] for t in before], strict=True
     ):
         assert torch.equal(a, b)
     (c,) = port.commits
@@ -166,7 +133,7 @@ def test_fused_copies_every_page_and_commits_once_with_the_end() -> None:
 def test_fused_copies_nothing_once_the_receiver_ended() -> None:
     """The port refuses the write block: no byte lands, no commit is sent."""
     s = _setup([5, 9])
-    before = _pages(s.dst, LAYOUT, np.arange(32))
+    before = pages_of(s.dst, LAYOUT, np.arange(32))
     chunk = _chunk([3, 7])
     cmap = map_chunk(0, chunk.src, 0, s.target.dst_pages, s.target.units, True)
     port = FakePort(s.dst)
@@ -174,18 +141,18 @@ def test_fused_copies_nothing_once_the_receiver_ended() -> None:
     with pytest.raises(Aborted):
         asyncio.run(SameNodeRoute(s.ctx).move(port, s.out, s.target, chunk, cmap))
     assert not port.commits
-    assert all(torch.equal(a, b) for a, b in zip(_pages(s.dst, LAYOUT, np.arange(32)), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(s.dst, LAYOUT, np.arange(32)), before, strict=True))
 
 
 def test_a_chunk_the_lane_copied_only_commits() -> None:
     """``chunk.copied``: no copy, no write block; the commit counts the lane's bytes."""
     s = _setup([5])
-    before = _pages(s.dst, LAYOUT, np.arange(32))
+    before = pages_of(s.dst, LAYOUT, np.arange(32))
     chunk = _chunk([3], copied=(1234, 7))
     cmap = map_chunk(0, chunk.src, 0, s.target.dst_pages, s.target.units, True)
     port = FakePort(s.dst)
     asyncio.run(SameNodeRoute(s.ctx).move(port, s.out, s.target, chunk, cmap))
-    assert all(torch.equal(a, b) for a, b in zip(_pages(s.dst, LAYOUT, np.arange(32)), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(s.dst, LAYOUT, np.arange(32)), before, strict=True))
     (c,) = port.commits
     assert (c.nbytes, c.wire_us, port.writing_blocks) == (1234, 7, 0)
 
@@ -199,7 +166,7 @@ def test_packed_batches_land_byte_exact_and_only_a_single_batch_ends_the_chunk(s
     cmap = map_chunk(0, chunk.src, 0, s.target.dst_pages, s.target.units, True)
     port = FakePort(s.dst, slot_pages=slot_pages)
     ended = asyncio.run(PackedRoute(s.ctx).move(port, s.out, s.target, chunk, cmap))
-    for a, b in zip(_pages(s.dst, LAYOUT, np.array(dst)), _pages(s.src, LAYOUT, chunk.src), strict=True):
+    for a, b in zip(pages_of(s.dst, LAYOUT, np.array(dst)), pages_of(s.src, LAYOUT, chunk.src), strict=True):
         assert torch.equal(a, b)
     batches = -(-len(dst) // slot_pages)
     assert len(port.commits) == batches and ended == (batches == 1)
@@ -221,9 +188,9 @@ def test_a_packed_batch_that_cannot_be_written_gives_its_room_back() -> None:
 
 
 def _target(mapped: bool, heads: int = 2, direct_ok: bool = True, page_size: int = 4) -> Target:
-    dst_lay = _layout(page_size)
+    dst_lay = small_layout(page_size)
     plan = Plan("t", "d", dst_lay, 0, np.arange(4), HeadRoute(0, 0, 0, 0, heads), direct_ok=direct_ok)
-    return Target.of(plan, LAYOUT, _regions(dst_lay, 0) if mapped else None)
+    return Target.of(plan, LAYOUT, random_regions(dst_lay, 0) if mapped else None)
 
 
 @pytest.mark.parametrize(

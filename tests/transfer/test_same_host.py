@@ -11,11 +11,12 @@ import socket
 
 import grpc
 import pytest
-from e2e_helpers import assert_pages_equal, assert_unchanged, fill_random, one, snapshot
 from kvservice_client import Client, Layout
 from kvservice_client._proto import peer_pb2, peer_pb2_grpc
 
 from kvservice import host
+from tests.support.pools import assert_pages_equal, assert_unchanged, fill_random, snapshot
+from tests.support.transfers import one
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
 

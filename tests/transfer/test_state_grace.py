@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 import pytest
-from e2e_helpers import one
 from kvservice_client import Layout
 
 from kvservice.transfer import ends
+from tests.support.transfers import one
 
 LAYOUT = Layout.mha(num_layers=1, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
 

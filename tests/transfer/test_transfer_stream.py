@@ -5,11 +5,12 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from e2e_helpers import assert_pages_equal, fill_random
 from kvservice_client import Client, Layout
 from kvservice_client._errors import InvalidArgument, NotFound
 from kvservice_client._proto import kvservice_pb2 as pb
 from kvservice_client._proto import kvservice_pb2_grpc
+
+from tests.support.pools import assert_pages_equal, fill_random
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_vllm_events import BLOCK, Engine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from tests.support.vllm_engine import BLOCK, Engine  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[2] / "vectors" / "vllm-0.32-kv-events.json"
 

@@ -7,9 +7,9 @@ import dataclasses
 import msgpack
 import msgspec
 import pytest
-from engine_schemas import removed, sglang_structs, stored, vllm_structs
 
 from kvservice.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventFormatError, decode_batch
+from tests.support.engine_schemas import removed, sglang_structs, stored, vllm_structs
 
 SCHEMAS = {
     "vllm-map-events": vllm_structs(array_events=False),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from kvservice_client.hashing import page_hashes
 
 from kvservice.index.events import EventSubscriber, StreamConfig
 from kvservice.index.prefix_index import PrefixIndex
+from tests.support.poll import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 PY = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm") / "bin" / "python"
@@ -84,13 +84,6 @@ def _matched(ix: PrefixIndex, tokens: np.ndarray) -> int:
     return max((m.matched_pages for m in ix.match(page_hashes(tokens, PAGE), page_size=PAGE)), default=0)
 
 
-def _until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_sglang_published_events_are_ingested(sglang) -> None:
     """Stores (int64 hashes, negative too), salted/LoRA skips, removal, clear; a late joiner replays."""
     pub, replay, send = sglang
@@ -104,17 +97,17 @@ def test_sglang_published_events_are_ingested(sglang) -> None:
     sub = EventSubscriber(ix, StreamConfig(pub, "sg", PAGE, replay, topic="kv"))
     sub.start()  # catches up through SGLang's replay ROUTER
     try:
-        _until(lambda: _matched(ix, tokens) == 2)
+        eventually(lambda: _matched(ix, tokens) == 2)
         send(*_store(tokens[2 * PAGE :], hashes[2:], hashes[1]))
         send(*_store(salted, [11, 12], None, cache_salt="tenant-a"))
         send(*_store(salted, [13, 14], None, lora_name="adapter-x"))
-        _until(lambda: _matched(ix, tokens) == 4)
+        eventually(lambda: _matched(ix, tokens) == 4)
         assert _matched(ix, salted) == 0
         assert sub.counters["skipped_extra_keys"] == 2 and sub.counters["skipped_lora"] == 2
         send({"type": "BlockRemoved", "block_hashes": [hashes[3]]})
-        _until(lambda: _matched(ix, tokens) == 3)
+        eventually(lambda: _matched(ix, tokens) == 3)
         send({"type": "AllBlocksCleared"})
-        _until(lambda: ix.indexed_pages("sg") == 0)
+        eventually(lambda: ix.indexed_pages("sg") == 0)
         assert sub.counters["event_errors"] == 0 and sub.counters["replayed_batches"] >= 1
     finally:
         sub.stop()

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from kvservice_client import Layout
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "transfer"))
 sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
-from e2e_helpers import MeteredService, admin_stats  # noqa: E402
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
+
+from tests.support.services import MeteredService, admin_stats
 
 __all__ = ["BLOCK", "HEADS", "PAGE_BYTES", "MeteredService", "layouts", "prompt", "tp2", "vllm_pair"]
 

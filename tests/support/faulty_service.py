@@ -1,4 +1,4 @@
-"""``python tests/faulty_service.py ARGS``: ``python -m kvservice ARGS`` with a fault injected, for
+"""``python tests/support/faulty_service.py ARGS``: ``python -m kvservice ARGS`` with a fault injected, for
 tests of services that run as processes (in-process services are monkeypatched instead, as in
 tests/transfer/test_integrity.py). Without its variable it is the plain service.
 

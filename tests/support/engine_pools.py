@@ -107,7 +107,7 @@ def _vllm_kv(kind: str, t: torch.Tensor) -> list[torch.Tensor]:
     return [t.transpose(1, 2)]  # mla4
 
 
-def _step(**jobs: list[Any]) -> Any:
+def step(**jobs: list[Any]) -> Any:
     """A worker step's metadata (what vLLM's scheduler side hands over): every job list, empty
     unless given."""
     return types.SimpleNamespace(
@@ -212,7 +212,7 @@ class EnginePool:
         """ExpectDelta as the adapter declares it; ``sender``: the prefill's kvservice, if known."""
         if self.worker is not None:
             job = RecvJob(f"r-{tid}", tid, prefix_pages, tuple(pages), DEADLINE_MS, sender)
-            self.worker.submit(_step(recvs=[job]))  # type: ignore[arg-type]
+            self.worker.submit(step(recvs=[job]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
         bs = self.buffer_set_id
@@ -232,7 +232,7 @@ class EnginePool:
     def send(self, tid: str, pages: list[int], peer: str) -> None:
         if self.worker is not None:
             job = SendJob(f"s-{tid}", tid, tuple(pages), peer, DEADLINE_MS)
-            self.worker.submit(_step(sends=[job]))  # type: ignore[arg-type]
+            self.worker.submit(step(sends=[job]))  # type: ignore[arg-type]
             return
         assert self.bg is not None
         bs = self.buffer_set_id

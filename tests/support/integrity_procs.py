@@ -1,5 +1,5 @@
 """End-to-end integrity (issue 33) between two kvservice processes over NIXL, for any engine pool:
-a byte flipped in a packed staging batch after the sender's checksum (tests/faulty_service.py)
+a byte flipped in a packed staging batch after the sender's checksum (tests/support/faulty_service.py)
 FAILS the transfer naming the checksum and changes no destination page; with the fault gone, the
 retry is DONE and byte-exact. Run on shm pools by test_integrity_procs.py and on VRAM pools by
 tests/gpu/test_gpu_integrity.py; a side is anything with the methods of :class:`ShmSide`."""
@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from e2e_helpers import EngineProc, regions_of
 from kvservice_client import Layout
 
-__all__ = ["FAULTY", "FAULTY_LAUNCHER", "ShmSide", "Side", "corrupted_then_clean"]
+from tests.support.engines import EngineProc
+from tests.support.pools import regions_of
 
-FAULTY = Path(__file__).resolve().parents[1] / "faulty_service.py"
-FAULTY_LAUNCHER = (sys.executable, str(FAULTY))  # in place of python -m kvservice
+__all__ = ["ShmSide", "Side", "corrupted_then_clean"]
 
 
 class Side(Protocol):
@@ -31,7 +29,7 @@ class Side(Protocol):
 
 
 class ShmSide:
-    """An engine process with a shm pool (e2e_helpers.EngineProc), filled with random bytes."""
+    """An engine process with a shm pool (tests.support.engines.EngineProc), filled with random bytes."""
 
     def __init__(self, address: str, layout: Layout, seed: int) -> None:
         self.eng = EngineProc(address, layout, seed=seed).ready()
