@@ -6,7 +6,8 @@ process) lets this package add one without changing SGLang: :func:`register` app
 choice, adds the enum member and wraps ``get_kv_class`` through SGLang's ``HookRegistry`` (which
 also rebinds modules that imported the function by name). Installing kvservice-sglang registers
 the entry point; ``python -m kvservice_sglang.launch_server`` is the same thing for environments
-that restrict plugins (``SGLANG_PLUGINS``).
+that restrict plugins (``SGLANG_PLUGINS``). It also hooks the constructors of SGLang's KV pools and
+metadata buffers, so that a CPU engine's pools lie in shared memory (``pools``).
 """
 
 from __future__ import annotations
@@ -61,3 +62,8 @@ def register() -> None:
     target = "sglang.srt.disaggregation.utils.get_kv_class"
     if not any(h is _get_kv_class for _, h, _ in HookRegistry._hooks.get(target, [])):
         HookRegistry.register(target, _get_kv_class, HookType.AROUND)
+    from .pools import TARGETS, around_allocation
+
+    for target in TARGETS:  # a CPU engine's pools in shared memory, which kvservice maps
+        if not any(h is around_allocation for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, around_allocation, HookType.AROUND)

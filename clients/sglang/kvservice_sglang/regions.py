@@ -71,6 +71,44 @@ def _dtype(name: str) -> str:
     return {"float8_e4m3fn": "float8_e4m3", "int8": "uint8"}.get(d, d)
 
 
+def _storage_dtype(args: Any) -> str:
+    """The dtype of the KV bytes: SGLang's ``kv_cache_dtype_str`` is its ``--kv-cache-dtype``
+    setting, ``auto`` (the model's dtype) unless set; then the pool's own, as the plugin's hook
+    recorded it (``pools.buffer_dtype``)."""
+    name = str(args.kv_cache_dtype_str)
+    if name != "auto":
+        return name
+    return _pool_info(args, "kv_cache_dtype_str: 'auto' names no dtype").dtype
+
+
+def _pool_info(args: Any, why: str) -> Any:
+    """``pools.buffer_info`` of the first KV buffer (SGLang's pools, as the plugin's hook saw them)."""
+    from .pools import buffer_info
+
+    found = buffer_info(int(args.kv_data_ptrs[0])) if args.kv_data_ptrs else None
+    if found is None:
+        raise ValueError(
+            f"{why}, and no KV pool this process made is at kv_data_ptrs[0] "
+            "(is the kvservice_sglang plugin loaded?)"
+        )
+    return found
+
+
+def _kv_heads(args: Any, attn_tp: tuple[int, int] | None) -> tuple[int, int]:
+    """(KV heads on this rank, KV heads in all). SGLang's decode side leaves both unset: the
+    pool's own head count, and (``total_kv_head_num`` unset) that times the attention TP size
+    (``attn_tp``; the manager fills it from the model config where heads are replicated)."""
+    local = getattr(args, "kv_head_num", None)
+    if local is None:
+        local = _pool_info(args, "kv_head_num: unset").head_num
+        if local is None:
+            raise ValueError("kv_head_num: unset, and the pool at kv_data_ptrs[0] has no head count")
+    total = getattr(args, "total_kv_head_num", None)
+    if total is None:
+        total = int(local) * (attn_tp[0] if attn_tp is not None else 1)
+    return int(local), int(total)
+
+
 def _region(ptr: int, nbytes: int, gpu: int, field: str = "kv_data_ptrs") -> Region:
     try:
         return pointer_region(ptr, nbytes, gpu)
@@ -122,7 +160,7 @@ def kv_args_registration(args: Any, is_mla: bool, attn_tp: tuple[int, int] | Non
         raise ValueError(
             "kv_data_ptrs: kvservice needs one buffer a layer (K, V) of equal size and item length"
         )
-    dtype = _dtype(args.kv_cache_dtype_str)
+    dtype = _dtype(_storage_dtype(args))
     page, item = int(args.page_size), int(items[0])
     num_pages = int(lens[0]) // item
     gpu = int(getattr(args, "gpu_id", 0) or 0)
@@ -144,7 +182,7 @@ def kv_args_registration(args: Any, is_mla: bool, attn_tp: tuple[int, int] | Non
     else:
         if len(ptrs) % 2:
             raise ValueError(f"kv_data_ptrs: {len(ptrs)} buffers is not K and V for each layer")
-        local, total = int(args.kv_head_num), int(args.total_kv_head_num)
+        local, total = _kv_heads(args, attn_tp)
         head_dim = item // (page * local * _ITEMSIZE[dtype])
         if attn_tp is None:
             tp_size = max(1, total // local)

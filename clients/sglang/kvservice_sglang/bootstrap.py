@@ -1,0 +1,190 @@
+"""The prefill's rendezvous (SGLang's ``--disaggregation-bootstrap-port``): a small HTTP server where
+decode instances post where a room's pages go, and the prefill's senders read it::
+
+    PUT /room/<room> {peer, decode_prefix_len[, landing]}   decode -> prefill (its kvservice, prefix)
+    GET /room/<room>[?rank=r&ranks=n]                       each prefill rank reads it once
+    PUT /room/<room>/pages {pages}                          prefill -> decode (landing option)
+    GET /service                                            the prefill's kvservice: the decode's sender
+
+An entry is read by every attention TP rank of the other instance (each runs a sender or a
+receiver of the room) and goes once all ``n`` read it, or at its TTL. ``GET /service`` names the
+prefill's kvservice (``SGLANG_KVSERVICE_PEER_ADDRESS``, else what its kvservice tells its sessions);
+nobody can set it over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvservice_client import KVClientError, ask_service_peer_address
+from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
+
+from .settings import service_address as local_service
+
+__all__ = ["KVServiceBootstrapServer", "http_json"]
+
+log = logging.getLogger(__name__)
+_ROOM_TTL_S = 600.0
+_PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing]} or /room/<int>/pages {pages}"
+_SERVICE_LOOKUP_TIMEOUT_S = 3.0  # the bootstrap server asking its kvservice (within a GET's 5 s)
+
+
+class _PrefillService:
+    """The prefill's kvservice as other services reach it: ``configured`` (None: not configured),
+    else what the local service tells its sessions (asked on first use, kept once it answers)."""
+
+    def __init__(self, configured: str | None, local: str) -> None:
+        self._value = configured  # None: not known yet
+        self._local = local
+        self._lock = threading.Lock()
+
+    def get(self) -> str:
+        """The address ("" while the local service cannot be reached, or is too old to say)."""
+        with self._lock:
+            if self._value is None:
+                path = self._local[len("unix:") :] if self._local.startswith("unix:") else ""
+                if path and not os.path.exists(path):  # no service there (yet): do not wait for it
+                    log.info("kvservice: no peer address yet, %s does not exist", path)
+                    return ""
+                try:
+                    self._value = ask_service_peer_address(
+                        self._local, "sglang-bootstrap", _SERVICE_LOOKUP_TIMEOUT_S
+                    )
+                except (KVClientError, OSError, ValueError) as exc:
+                    log.info("kvservice: no peer address from %s yet (%s)", self._local, exc)
+                    return ""
+                log.info("kvservice: this prefill names its kvservice as %r", self._value)
+            return self._value
+
+
+class KVServiceBootstrapServer(BaseKVBootstrapServer):
+    """On the prefill node: decode instances post where a room's pages go; its senders read it.
+    ``GET /service`` names the prefill's kvservice: ``peer_address`` ("": none), default the
+    ``SGLANG_KVSERVICE_PEER_ADDRESS`` of this process when set (the prefill's schedulers inherit
+    it), else what the local kvservice (``service_address``, default ``SGLANG_KVSERVICE_ADDRESS``)
+    tells its sessions; 404 while none is known. Nobody can set it over HTTP."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        peer_address: str | None = None,
+        service_address: str | None = None,
+        **_: Any,
+    ) -> None:
+        if peer_address is None:
+            peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS") or None
+        prefill = _PrefillService(peer_address, service_address or local_service())
+        rooms: dict[int, tuple[float, dict[str, Any]]] = {}
+        sizes: dict[int, tuple[float, dict[str, Any]]] = {}  # landing rooms: the prefill's page count
+        # an entry is read by every attention TP rank of the other instance (each runs a sender or
+        # a receiver of the room): the ranks that read it so far, per (book, room)
+        readers: dict[tuple[int, int], set[int]] = {}
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def _target(self) -> tuple[int | None, dict[int, tuple[float, dict[str, Any]]]]:
+                """``/room/<room>`` (the decode's post) or ``/room/<room>/pages`` (the prefill's)."""
+                parts = urllib.parse.urlsplit(self.path).path.strip("/").split("/")
+                if len(parts) in (2, 3) and parts[0] == "room" and parts[1].isdigit():
+                    if len(parts) == 2:
+                        return int(parts[1]), rooms
+                    if parts[2] == "pages":
+                        return int(parts[1]), sizes
+                return None, rooms
+
+            def _reply(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+                room, book = self._target()
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    entry = _room_entry(body) if book is rooms else {"pages": int(body["pages"])}
+                except (ValueError, TypeError, KeyError, AttributeError):
+                    entry = None
+                if room is None or entry is None:
+                    return self._reply(400, {"error": _PUT_USAGE})
+                now = time.monotonic()
+                with lock:
+                    for d in (rooms, sizes):
+                        for r in [r for r, (t, _) in d.items() if now - t > _ROOM_TTL_S]:
+                            del d[r]
+                            readers.pop((id(d), r), None)
+                    book[room] = (now, entry)
+                self._reply(200, {})
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path.strip("/") == "service":  # the prefill's kvservice: the decode's sender
+                    service = prefill.get()
+                    return self._reply(200, {"peer": service}) if service else self._reply(404, {})
+                room, book = self._target()
+                rank, ranks = _reader(self.path)
+                with lock:
+                    found = book.get(room) if room is not None else None
+                    if found is not None and room is not None:  # gone once every rank read it
+                        seen = readers.setdefault((id(book), room), set())
+                        seen.add(rank)
+                        if len(seen) >= ranks:
+                            del book[room]
+                            readers.pop((id(book), room), None)
+                self._reply(200, found[1]) if found else self._reply(404, {})
+
+            def log_message(self, *a: Any) -> None:
+                return
+
+        self.server = ThreadingHTTPServer((host, int(port)), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="kvservice-bootstrap", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _reader(path: str) -> tuple[int, int]:
+    """A GET's ``?rank=<r>&ranks=<n>``: which of the reading instance's ``n`` attention TP ranks
+    reads (each reads the entry once; none given: the only one)."""
+    q = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+    try:
+        ranks = max(1, int(q.get("ranks", ["1"])[0]))
+        return min(max(0, int(q.get("rank", ["0"])[0])), ranks - 1), ranks
+    except ValueError:
+        return 0, 1
+
+
+def _room_entry(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A decode instance's post for a room (its service, prefix, and whether it lands the pages)."""
+    if not isinstance(body.get("peer"), str) or not body["peer"]:
+        return None
+    entry = {"peer": body["peer"], "decode_prefix_len": int(body.get("decode_prefix_len", 0))}
+    if body.get("landing"):
+        entry["landing"] = True
+    return entry
+
+
+def http_json(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}

@@ -1,0 +1,214 @@
+"""SGLang's ``BaseKVManager`` on kvservice: one a scheduler rank, owning its session.
+
+At start it registers the rank's pools (``regions.register_kv_args``: KV, aux rows, state slots)
+as its attention TP rank. Every RPC of the rank's senders and receivers runs on its
+:class:`BackgroundClient` thread. When the service forgets the session (it restarted), the first
+call that meets ``SessionLost`` opens a new one and registers the same pools again
+(:meth:`recover`); a transfer's first call is then made again (:meth:`on_session`), so only the
+transfers in flight on the lost session fail.
+
+What SGLang 0.5.23's decode scheduler asks of every manager beyond the base class: the prefill's
+parallel info (``prefill_info_table``, ``try_ensure_parallel_info``): a room is found by its
+number at the prefill's bootstrap server, whatever DP rank serves it, so every prefill looks like
+one DP rank here; and ``clear_deferred_abort_state`` (this backend defers no release: an
+acknowledged Abort lets no further byte land, so SGLang may free the pages at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+from kvservice_client import BackgroundClient, SessionLost
+from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
+
+from .bootstrap import http_json
+from .regions import register_kv_args
+from .settings import Settings
+
+__all__ = ["KVServiceManager"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_SENDER_TTL_S = 60.0  # how long a decode trusts a bootstrap server's answer to GET /service
+
+
+def _attention_tp(args: KVArgs, server_args: Any) -> tuple[int, int]:
+    """(attention TP size, this rank's attention TP rank). SGLang's own figure where its parallel
+    state is published (the scheduler process: ``get_parallel().attn_tp_size`` in 0.5.x,
+    ``get_attention_tp_size()`` before); else the server args' (``tp_size`` over ``dp_size`` under
+    DP attention, over ``attn_cp_size``). The prefill's ``engine_rank`` is its TP rank, the
+    decode's already its attention TP rank: modulo the size, both are the attention TP rank."""
+    size = 0
+    for module, read in (
+        ("sglang.srt.runtime_context", lambda m: m.get_parallel().attn_tp_size),
+        ("sglang.srt.layers.dp_attention", lambda m: m.get_attention_tp_size()),
+    ):
+        try:
+            size = int(read(importlib.import_module(module)))
+            break
+        except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError, TypeError):
+            continue  # not this SGLang, or not published in this process
+    if size <= 0:
+        size = int(getattr(server_args, "tp_size", 1) or 1)
+        if getattr(server_args, "enable_dp_attention", False):
+            size //= int(getattr(server_args, "dp_size", 1) or 1)
+        size //= int(getattr(server_args, "attn_cp_size", 1) or 1)
+    size = max(1, size)
+    return size, int(args.engine_rank) % size
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInfo:
+    """What SGLang's decode reads of a prefill instance before it starts a receiver."""
+
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+class _EveryPrefill(Mapping[str, PrefillInfo]):
+    """``prefill_info_table``: the same answer for every bootstrap address (one DP rank)."""
+
+    _INFO = PrefillInfo()
+
+    def __getitem__(self, key: str) -> PrefillInfo:
+        return self._INFO
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+class KVServiceManager(BaseKVManager):
+    def __init__(
+        self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
+    ) -> None:
+        pp = int(getattr(server_args, "pp_size", 1) or 1)
+        if pp > 1:  # a stage holds a subset of the layers; the service pairs whole layouts
+            raise NotImplementedError(
+                f"kvservice_sglang: pipeline parallel size > 1 is not supported (pp_size={pp}): "
+                "a stage holds a subset of the layers"
+            )
+        settings = Settings.from_env()
+        self.attn_tp = _attention_tp(args, server_args)
+        self.kv_args, self.mode = args, str(getattr(disaggregation_mode, "value", disaggregation_mode))
+        self.address, self.peer_address = settings.address, settings.peer_address
+        self.deadline_ms, self.bootstrap_timeout_s = settings.deadline_ms, settings.bootstrap_timeout_s
+        self.prefill_info_table = _EveryPrefill()
+        self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
+        self._senders: dict[str, tuple[float, str]] = {}  # decode: bootstrap addr -> (until, its service)
+        reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend), self.attn_tp)
+        self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
+        self.landing_ttl_ms = self._landing_ttl_ms(settings.landing_ttl_ms, server_args)  # 0: off
+        self._recovering: asyncio.Future[None] | None = None
+        log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
+
+    def reader_url(self, url: str) -> str:
+        """``url`` (a room entry at the other instance's bootstrap server) as this rank reads it:
+        the entry stays until each of this instance's attention TP ranks has read it."""
+        size, rank = self.attn_tp
+        return f"{url}?rank={rank}&ranks={size}" if size > 1 else url
+
+    def _landing_ttl_ms(self, ttl: int, server_args: Any) -> int:
+        """The landing option (decode only): how long landed pages wait for the allocation."""
+        if not ttl or self.mode != "decode":
+            return 0
+        why = ""
+        if any(self.state_names):  # NOTE: a landing counts its aux rows before any allocation
+            why = "state buffers are registered (a hybrid model): their slots are known only at allocation"
+        elif getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+            why = "the decode radix cache is on: a landing holds every page, an allocation only its delta"
+        if why:
+            log.warning("kvservice: SGLANG_KVSERVICE_LANDING_TTL_MS ignored, %s", why)
+            return 0
+        return ttl
+
+    async def prefill_service(self, bootstrap_addr: str) -> str:
+        """The kvservice of the prefill behind ``bootstrap_addr``, as its bootstrap server names it
+        (``GET /service``, kept a minute): ExpectDelta's ``sender_address``. "" when it names none
+        (the transfer then names no sender) or cannot be reached (not kept)."""
+        now = time.monotonic()
+        hit = self._senders.get(bootstrap_addr)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        try:
+            code, body = await asyncio.to_thread(http_json, "GET", f"http://{bootstrap_addr}/service")
+        except (OSError, ValueError) as exc:
+            log.info("kvservice: no prefill service from %s (%s); no sender named", bootstrap_addr, exc)
+            return ""
+        peer = body.get("peer") if code == 200 and isinstance(body, dict) else ""
+        peer = peer if isinstance(peer, str) else ""
+        self._senders[bootstrap_addr] = (now + _SENDER_TTL_S, peer)
+        return peer
+
+    async def on_session(self, call: Callable[[str], Awaitable[T]], first: bool = True) -> T:
+        """``call(buffer_set_id)``. If the service lost this session first (it restarted), and this
+        is a transfer's ``first`` call (nothing of it is on the lost session): open the session
+        again, register the pools again, and make the call once more."""
+        try:
+            return await call(self.buffer_set_id)
+        except SessionLost as exc:
+            if not first:
+                raise
+            await self.recover(exc)
+            return await call(self.buffer_set_id)
+
+    async def recover(self, exc: BaseException) -> None:
+        """After ``exc``: if it is ``SessionLost`` (the service restarted, or dropped the session),
+        open a new session and register the pools again (once, however many requests saw it)."""
+        if not isinstance(exc, SessionLost):
+            return
+        if self._recovering is None or self._recovering.done():
+            self._recovering = asyncio.ensure_future(self._reregister())
+        await asyncio.shield(self._recovering)
+
+    async def _reregister(self) -> None:
+        try:
+            again = await self.bg.kv.reopen_session(reregister=True)
+        except Exception as exc:  # noqa: BLE001 (any failure: the next SessionLost tries again)
+            log.warning("kvservice: the session is lost and could not be opened again: %s", exc)
+            return
+        if self.buffer_set_id in again:
+            self.buffer_set_id = again[self.buffer_set_id].buffer_set_id
+        log.warning(
+            "kvservice: %s session opened again; pools registered as %s", self.mode, self.buffer_set_id
+        )
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        return True  # nothing to fetch: the prefill's bootstrap server answers by room
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        return  # no deferred release: after an acknowledged Abort no byte lands
+
+    def register_to_bootstrap(self) -> None:
+        return  # nothing to announce: decode instances post each room to the prefill's server
+
+    def aux_rows(self, aux_index: int | None) -> dict[str, list[int]]:
+        return {} if aux_index is None else {n: [int(aux_index)] for n in self.aux_names}
+
+    def state_rows(self, state_indices: Any) -> dict[str, list[int]]:
+        """SGLang's per-state-type slot indices as the rows of every component of that type
+        (both sides name theirs; the service copies row i to row i, checking counts and sizes)."""
+        out: dict[str, list[int]] = {}
+        for i, idx in enumerate(state_indices or ()):
+            rows = [] if idx is None else [int(x) for x in np.asarray(idx).reshape(-1)]
+            if not rows:
+                continue
+            if i >= len(self.state_names) or not self.state_names[i]:
+                raise ValueError(f"state_indices[{i}]: this engine registered no state buffer {i}")
+            out.update((name, rows) for name in self.state_names[i])
+        return out
+
+    def close(self) -> None:
+        self.bg.close()

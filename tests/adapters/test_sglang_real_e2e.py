@@ -1,0 +1,189 @@
+"""Real SGLang 0.5.23 servers on CPU (.venv-sglang) on our backend: a prefill and a decode server
+with ``--disaggregation-transfer-backend kvservice``, each beside its own kvservice process, and
+one server without disaggregation, the reference. Requests go to both halves of the pair at
+once, as sglang-router sends them.
+
+Asserts: greedy tokens through the pair equal the single server's, token for token (several
+requests at once); the first token's logprobs, which reach the decode only in SGLang's metadata
+buffers (our aux rows), equal the single server's, and the service received exactly one row of
+each buffer; a second turn of a conversation moves only the pages past the decode's radix-cache
+hit (the services' counters: pages sent vs skipped); a request aborted at the decode fails, its
+prefill half fails, and both servers go on serving; a killed prefill kvservice fails the request
+in flight, and once it is back the servers serve again through it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.adapters.sglang_servers import SglangServer, build_model, pd_generate, require_sglang
+from tests.support.services import MeteredService, admin_stats
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+RADIX = "--disaggregation-decode-enable-radix-cache"
+DEADLINE_MS = "6000"  # a transfer whose peer died fails within this
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 13 + salt * 97) % 1000 + 3 for i in range(n)]
+
+
+def _greedy(ids: list[int], n: int, **extra: Any) -> dict[str, Any]:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, **extra}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    require_sglang()
+    d = tmp_path_factory.mktemp("sglang-e2e")
+    build_model(d / "model")
+    svc_p, svc_d = MeteredService("sgl-prefill"), MeteredService("sgl-decode")
+    svc_p.wait_ready()
+    svc_d.wait_ready()
+    env = {"SGLANG_KVSERVICE_DEADLINE_MS": DEADLINE_MS}
+    started = time.monotonic()
+    made = [
+        SglangServer(d / "model", d / "single.log"),
+        SglangServer(d / "model", d / "prefill.log", "prefill", svc_p.address, env=env),
+        SglangServer(d / "model", d / "decode.log", "decode", svc_d.address, RADIX, env=env),
+    ]  # fmt: skip
+    try:
+        for s in made:
+            s.ready()
+        print(f"three SGLang servers up in {time.monotonic() - started:.0f} s")
+        yield {"single": made[0], "p": made[1], "d": made[2], "svc_p": svc_p, "svc_d": svc_d}
+    finally:
+        for s in made:
+            s.stop()
+        svc_p.stop()
+        svc_d.stop()
+
+
+def test_greedy_tokens_through_the_pair_equal_one_server(servers) -> None:
+    """Four requests at once through the pair: each one's tokens are the single server's."""
+    p, d, single = servers["p"], servers["d"], servers["single"]
+    prompts = [_prompt(n, salt) for n, salt in ((40, 1), (97, 2), (130, 3), (64, 4))]
+    alone = [single.generate(_greedy(ids, 12))["output_ids"] for ids in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda ids: pd_generate(p, d, _greedy(ids, 12)), prompts))
+    for out, want in zip(outs, alone, strict=True):
+        assert out.get("output_ids") == want, out
+        assert out["meta_info"]["finish_reason"]["type"] == "length", out
+
+
+def test_the_first_tokens_logprobs_arrive_in_the_aux_rows(servers) -> None:
+    """The decode's first token and its logprobs come from the prefill's metadata rows: equal to
+    the single server's, and the service received one row of each metadata buffer."""
+    p, d, single, svc_d = servers["p"], servers["d"], servers["single"], servers["svc_d"]
+    ids = _prompt(75, 5)
+    body = _greedy(ids, 4, return_logprob=True, top_logprobs_num=3)
+    want = single.generate(body)["meta_info"]
+    before = svc_d.moved()
+    got = pd_generate(p, d, body)
+    moved = _delta(svc_d.moved(), before)
+    first, ref = got["meta_info"]["output_token_logprobs"][0], want["output_token_logprobs"][0]
+    assert first[1] == ref[1] == got["prefill"]["output_ids"][0], (first, ref)
+    assert first[0] == pytest.approx(ref[0], abs=1e-4), (first, ref)
+    top, ref_top = got["meta_info"]["output_top_logprobs"][0], want["output_top_logprobs"][0]
+    assert [t[1] for t in top] == [t[1] for t in ref_top], (top, ref_top)
+    assert [t[0] for t in top] == pytest.approx([t[0] for t in ref_top], abs=1e-4)
+    (bs,) = admin_stats(svc_d.address).buffer_sets
+    page_bytes, row_bytes = _page_and_aux_row_bytes(bs)
+    assert moved["pages_sent"] == len(ids), moved  # page size 1: a page a token
+    assert moved["bytes"] == len(ids) * page_bytes + row_bytes, (moved, page_bytes, row_bytes)
+
+
+def _page_and_aux_row_bytes(bs: Any) -> tuple[int, int]:
+    """A page's bytes over every layer (K and V) and one row of every aux buffer, from a buffer
+    set's registration (GetStats)."""
+    from kvservice_client import Layout
+
+    lay = Layout.from_proto(bs.layout)
+    page = lay.page_bytes * lay.num_layers * (1 if lay.kind == "mla" else 2)
+    rows = sum(int(a.row_bytes) for a in bs.aux)
+    return page, rows
+
+
+def test_a_second_turn_moves_only_the_pages_past_the_decode_radix_hit(servers) -> None:
+    """Turn 2 of a conversation: the decode's radix cache holds turn 1, the prefill sends only
+    the rest (pages sent = new tokens past the hit; the hit counted as skipped); tokens equal."""
+    p, d, single, svc_d = servers["p"], servers["d"], servers["single"], servers["svc_d"]
+    turn1 = _prompt(90, 6)
+    out1 = pd_generate(p, d, _greedy(turn1, 8))
+    turn2 = turn1 + out1["output_ids"] + _prompt(30, 7)
+    before = svc_d.moved()
+    out2 = pd_generate(p, d, _greedy(turn2, 8))
+    moved = _delta(svc_d.moved(), before)
+    assert out2["output_ids"] == single.generate(_greedy(turn2, 8))["output_ids"]
+    hit = int(out2["meta_info"]["cached_tokens"])
+    assert len(turn1) <= hit < len(turn2), out2["meta_info"]
+    assert moved["pages_sent"] == len(turn2) - hit, (moved, hit)
+    assert moved["pages_skipped"] == hit, (moved, hit)
+
+
+def test_an_aborted_request_fails_alone_and_both_servers_serve_on(servers) -> None:
+    """The decode half waits for its prefill; aborted there, it ends aborted, its late prefill
+    half fails instead of hanging, and the next request is served right."""
+    p, d, single = servers["p"], servers["d"], servers["single"]
+    ids = _prompt(60, 8)
+    room = 7_000_001
+    body = {
+        **_greedy(ids, 8),
+        "rid": "kvs-abort-me",
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": p.bootstrap_port,
+        "bootstrap_room": room,
+    }
+    with ThreadPoolExecutor(2) as pool:
+        dec = pool.submit(d.generate, body, 60)
+        time.sleep(2)  # the decode declared the transfer and posted the room
+        d.abort("kvs-abort-me")
+        out = dec.result()
+        assert out.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", out
+        started = time.monotonic()
+        pre = p.generate(body, 60)  # the prefill half of the aborted room
+        assert time.monotonic() - started < 20, pre
+        assert pre.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort" or "error" in pre, pre
+    assert p.alive() and d.alive()
+    again = _prompt(50, 9)
+    assert (
+        pd_generate(p, d, _greedy(again, 6))["output_ids"] == single.generate(_greedy(again, 6))["output_ids"]
+    )
+
+
+def test_a_killed_prefill_service_fails_that_request_and_the_pair_serves_once_it_is_back(servers) -> None:
+    """The prefill's kvservice dies while a request waits on it: that request fails within the
+    deadline; both servers stay up; once the service is back the pair serves right again."""
+    p, d, single, svc_p = servers["p"], servers["d"], servers["single"], servers["svc_p"]
+    ids = _prompt(70, 10)
+    room = 7_000_002
+    body = {**_greedy(ids, 6), "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port}
+    body["bootstrap_room"] = room
+    with ThreadPoolExecutor(2) as pool:
+        dec = pool.submit(d.generate, body, 90)
+        time.sleep(2)  # the decode declared the transfer: the prefill's half meets a dead service
+        svc_p.kill()
+        started = time.monotonic()
+        pre = pool.submit(p.generate, body, 90)
+        out, pre_out = dec.result(), pre.result()
+    assert time.monotonic() - started < int(DEADLINE_MS) / 1000 + 20
+    assert out.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort" or "error" in out, out
+    assert pre_out.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort" or "error" in pre_out
+    assert p.alive() and d.alive()
+    svc_p.proc = svc_p._start()  # the same service back on its socket (a restarted sidecar)
+    svc_p.wait_ready()
+    again = _prompt(55, 11)
+    want = single.generate(_greedy(again, 6))["output_ids"]
+    assert pd_generate(p, d, _greedy(again, 6))["output_ids"] == want
+    assert os.path.exists(svc_p.sock)
