@@ -20,7 +20,7 @@ BIG = dict(LAYOUT, num_pages=1024)  # 3 layers x 1024 pages x 32 KiB x 2: 192 Mi
 
 @pytest.fixture
 def service(tmp_path: Path):
-    procs, socks = kvservice_procs(tmp_path, ("a",), KVSERVICE_TRANSFER_INTEGRITY="0", KVSERVICE_TRANSPORT="loopback")
+    procs, socks = kvservice_procs(tmp_path, ("a",), KVSERVICE_TRANSFER_INTEGRITY="0")
     end = time.monotonic() + 180  # the first start builds the native modules
     while not os.path.exists(socks[0][5:] + ".lane"):
         assert time.monotonic() < end, "the lane did not start"

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 from kvservice_client import Client, Layout, ShmKVPool
 
-from tests.support.pki import CA, mtls_peer
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
 
@@ -110,6 +109,8 @@ class Nodes:
     pools, peers by mutual TLS (offers and the cross-node lane need a proven identity)."""
 
     def __init__(self, make_server: Any, tmp: str, cross_lane: bool) -> None:
+        from tests.support.pki import CA, mtls_peer  # (cryptography: not on every GPU host)
+
         kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
         if not cross_lane:
             kw["lane_cross_mb"] = 0
