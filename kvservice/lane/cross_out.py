@@ -89,7 +89,7 @@ class CrossOut:
         bs = e.lane.pool(bs_id)
         chan = e.dispatch.channels.get(address)
         if chan is not None:
-            pass  # chan.offers.consume(tid, bs.layout.tp_rank if bs is not None else None)
+            chan.offers.consume(tid, bs.layout.tp_rank if bs is not None else None)
         rec = Record(tid, "SENDER", bs_id, session_id, time.monotonic() + 60)
         rec.lane_told = told_send
         rec.route_note = "cross-node lane"
