@@ -38,7 +38,7 @@ def _send_again(n: Any, tid: str, src: list[int], path: str) -> str:
     return str(s.state)
 
 
-@pytest.mark.parametrize("path", ["AUTO", "DIRECT", "PACKED"])
+@pytest.mark.parametrize("path", ["auto", "direct", "packed"])
 def test_a_send_repeated_after_done_writes_nothing(pair: Any, path: str) -> None:
     """Re-sending a DONE transfer is refused or fails; the receiver's pages keep what DONE left."""
     n = pair
@@ -49,6 +49,7 @@ def test_a_send_repeated_after_done_writes_nothing(pair: Any, path: str) -> None
     for reg in regions(n.a.pool):  # the sender's pages change, as a prefill reusing them would
         reg[[1, 2]] = rng.integers(0, 256, reg[[1, 2]].shape, dtype=np.uint8)
     got = _send_again(n, "t1", [1, 2], path)
+    assert "INVALID_ARGUMENT" not in got, got  # the re-send itself is well formed
     assert got != "DONE", f"{n.route}: a re-send of a DONE transfer ended {got}"
     assert n.b.changed(done) == set(), f"{n.route}: the re-send wrote pages of a finished transfer"
     (r2,) = n.b.kv.poll(["t1"])
