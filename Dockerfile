@@ -59,7 +59,8 @@ RUN apt-get update \
 RUN python3 -m venv --system-site-packages /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python . \
  && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
- && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' -delete \
+ && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -c 'import kvservice.buffers.guard as g; g.main()' \
+ && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' ! -name 'kvservice_guard*.so' -delete \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 sympy pip \
  && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu13 \
  && /opt/kvservice/bin/kvservice --help >/dev/null
@@ -109,7 +110,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev
 RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python ".[gpu]" \
  && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
- && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' -delete \
+ && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -c 'import kvservice.buffers.guard as g; g.main()' \
+ && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' ! -name 'kvservice_guard*.so' -delete \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \
  && rm -rf /opt/kvservice/lib/python3*/site-packages/nixl_ep_cu1? \
  && /opt/kvservice/bin/kvservice --help >/dev/null

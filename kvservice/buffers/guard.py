@@ -167,7 +167,9 @@ def lost(buffer_set_id: str, slots: tuple[int, ...]) -> str:
     )
 
 
-if __name__ == "__main__":  # python -m kvservice.buffers.guard: build ahead of the first start
+def main() -> None:
+    """Build ahead of the first service start (setup, the image): ``python -c 'import
+    kvservice.buffers.guard as g; g.main()'`` (``-m`` would import this module twice)."""
     logging.basicConfig(level=logging.INFO)
     try:
         print(f"fault guard: {_build()}")

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engines import LAYOUT
 from kvservice_client import AuxSpec, Client, Region, ShmKVPool
 from kvservice_client._errors import InvalidArgument
+
+from tests.support.nodes import LAYOUT
 
 
 def test_aux_rows_in_vram_are_refused_naming_the_field(server: Any) -> None:

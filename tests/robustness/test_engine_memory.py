@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engines import Node, Nodes
 from kvservice_client._errors import FailedPrecondition
+
+from tests.support.nodes import Node, Nodes
 
 
 @pytest.fixture(params=[True, False], ids=["lane", "grpc"])

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engines import Node, Nodes, regions
 from kvservice_client import KVClientError
+
+from tests.support.nodes import Node, Nodes, regions
 
 
 @pytest.fixture(params=["lane", "grpc", "cross-lane", "cross-grpc"])

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engines import Node, eventually
 from kvservice_client import lane_wire
+
+from tests.support.nodes import Node, eventually
 
 ROUNDS_S = 20.0  # wall time of the whole fuzz (CI-bounded)
 SEED = 20261202

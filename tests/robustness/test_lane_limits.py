@@ -12,10 +12,10 @@ import socket
 import time
 from typing import Any
 
-from engines import Node, eventually
 from kvservice_client import lane_wire
 
 from kvservice.lane.listener import MAX_CONNS_PER_SESSION, MAX_PENDING
+from tests.support.nodes import Node, eventually
 
 
 def _connect(path: str) -> socket.socket:
@@ -104,5 +104,32 @@ def test_out_of_fds_backs_off_logs_once_and_recovers(make_server: Any, caplog: A
         s2.send(lane_wire.hello(n.c.kv.session_id))
         assert eventually(lambda: lane_wire.parse_welcome(s2.recv(4096)), 5)["ok"] is True
         s2.close()
+    finally:
+        n.close()
+
+
+def test_a_closed_sessions_lane_is_shut_down_and_closed_by_the_lane_thread(make_server: Any) -> None:
+    """Closing a session ends its lane connections (the engine reads EOF) and frees their fds:
+    the lane thread closes them, and new connections (reusing the numbers) carry only their own."""
+    n = Node(make_server(transport="loopback", lane=True), True)
+    path = lane_wire.lane_path(n.server.app.uds_path)
+    native = n.server.app.lane.result().native
+    try:
+        mine = []
+        for _ in range(3):
+            s = _connect(path)
+            s.send(lane_wire.hello(n.b.kv.session_id))
+            assert lane_wire.parse_welcome(s.recv(4096))["ok"] is True
+            mine.append(s)
+        sid = n.b.kv.session_id
+        eventually(lambda: native.conns_of(sid) >= 3, 5, "admitted")
+        n.b.kv.close()  # the session ends: the service drops its lane connections
+        for s in mine:
+            assert s.recv(4096) == b"", "a dropped session's connection was not shut down"
+            s.close()
+        eventually(lambda: native.conns_of(sid) == 0, 5, "the lane thread closed them")
+        for _ in range(20):  # fd numbers are reused: each new connection gets only its own answers
+            r, s_ = n.move(f"after{_}", [1], [2], into=n.c)
+            assert (r.state, s_.state) == ("DONE", "DONE")
     finally:
         n.close()

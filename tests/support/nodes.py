@@ -1,35 +1,18 @@
-"""Engines beside one or two services for the robustness tests: shm pools filled with random
+"""Engines beside one or two services (the robustness tests): shm pools filled with random
 bytes, a client and a buffer set each, and what changed in a pool."""
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
 from kvservice_client import Client, Layout, ShmKVPool
 
+from tests.support.lane import lane_of
+from tests.support.poll import eventually
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=32, total_kv_heads=2, head_dim=8, dtype="float16")
-
-
-def eventually(pred: Any, timeout: float = 30.0, what: str = "") -> Any:
-    end = time.monotonic() + timeout
-    while not (v := pred()):
-        if time.monotonic() > end:
-            raise AssertionError(f"not true within {timeout}s: {what}")
-        time.sleep(0.005)
-    return v
-
-
-def lane_of(server: Any) -> Any:
-    """The server's running lane (waits for its background start; the build is cached)."""
-    task = eventually(lambda: server.app.lane, 5, "lane task")
-    eventually(task.done, 120, "lane started")
-    running = task.result()
-    assert running is not None, "the native lane did not start (see the service log)"
-    return running
 
 
 def regions(pool: ShmKVPool, layout: Layout = LAYOUT) -> list[np.ndarray]:
@@ -135,3 +118,6 @@ class Nodes:
     def close(self) -> None:
         for e in (self.a, self.b, self.c):
             e.close()
+
+
+__all__ = ["LAYOUT", "Engine", "Node", "Nodes", "eventually", "lane_of", "regions"]
