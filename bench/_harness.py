@@ -2,8 +2,8 @@
 percentiles, JSON output and optional progress bars.
 
 Every benchmark runs kvservice and its baseline in one run, on the same layout and the same page
-indices, and writes one JSON file under ``bench/results/`` (``report.py`` turns them into plots
-and ``SUMMARY.md``). matplotlib and tqdm are optional: the GPU machine has neither.
+indices, and writes one JSON file under ``--out`` (bench/run.py gathers a suite's into
+``bench/results/<kind>/<suite>.json``). matplotlib and tqdm are optional: the GPU machine has neither.
 """
 
 from __future__ import annotations
@@ -349,7 +349,7 @@ def base_args(ap: Any, netns: bool = False) -> None:
     ap.add_argument("--src-gpu", type=int, default=0, help="GPU of the sender engines")
     ap.add_argument("--dst-gpu", type=int, default=0, help="GPU of the receiver engines")
     ap.add_argument("--small", action="store_true", help="tiny sizes for CI (CPU, seconds)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
     ap.add_argument(
         "--cross-node",

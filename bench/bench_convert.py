@@ -10,7 +10,7 @@ pack + unpack through staging (the cross-node path; the sender packs in the rece
 GB/s counts the payload once. Baselines: the same route between two NHD pools of page 16 (no
 conversion), and one contiguous ``copy_`` of the payload (the memory bandwidth bound).
 
-    python bench/bench_convert.py                     # CPU: bench/results/convert_cpu.json
+    python bench/bench_convert.py                     # CPU: /tmp/kvservice-bench/convert_cpu.json
     python bench/bench_convert.py --device cuda       # GPU (Triton): convert_gpu.json
 """
 

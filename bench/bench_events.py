@@ -11,7 +11,7 @@ one event in eight removes blocks, as prefix-cache churn does. Measured in the s
 * ``zmq``:      the same through a real ZMQ PUB -> our SUB thread (end to end)
 * ``baseline``: msgpack decode alone of the same payloads (the floor any subscriber pays)
 
-Writes ``bench/results/events_cpu[_bpe<N>].json`` (the harness format). Goal: ingest >= 100,000
+Writes ``events_cpu[_bpe<N>].json`` under ``--out`` (the harness format). Goal: ingest >= 100,000
 blocks/s on one core.
 """
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_index.py [--pages 1000000] [--iters 300]
 
-Writes ``bench/results/index-<host>-<date>.json``. ``grpc_match_prefix`` adds the through-gRPC
+Writes ``/tmp/kvservice-bench/index-<host>-<date>.json``. ``grpc_match_prefix`` adds the through-gRPC
 number when ``kvservice.server.app.build_server`` is importable (a running server in-process).
 """
 
@@ -25,7 +25,7 @@ from kvservice.index import PrefixIndex
 
 PAGE_SIZE = 16
 PROMPT_TOKENS = 131_072
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path("/tmp/kvservice-bench")
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:

@@ -5,7 +5,7 @@ GB/s counts the payload once (bytes packed or unpacked). Baselines: a device-to-
 and pinned host memory (host staging). Goals: >= 85% of D2D copy into VRAM staging, >= 90%
 of the PCIe copy into pinned host staging.
 
-    python bench/bench_kernels.py                  # GPU: writes bench/results/kernels_<gpu>.json
+    python bench/bench_kernels.py                  # GPU: writes /tmp/kvservice-bench/kernels_<gpu>.json
     python bench/bench_kernels.py --cpu --small    # CI smoke: torch reference on CPU
 """
 
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="also sweep Triton block/warps (GPU)")
     ap.add_argument(
-        "--out", type=Path, default=None, help="JSON path (default bench/results/kernels_<device>.json)"
+        "--out", type=Path, default=None, help="JSON path (default /tmp/kvservice-bench/kernels_<gpu>.json)"
     )
     args = ap.parse_args()
     cuda = not args.cpu and torch.cuda.is_available()
@@ -216,7 +216,7 @@ def main() -> None:
     if cuda and args.sweep:
         report["sweep"] = sweep(_cases(False)[0], timer)
     slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
-    path = args.out or Path(__file__).parent / "results" / f"kernels_{slug}.json"
+    path = args.out or Path("/tmp/kvservice-bench") / f"kernels_{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{device_name} ({backend}); payload GB/s, median of {args.iters}")

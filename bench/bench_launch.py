@@ -1,7 +1,7 @@
 """Where a one-page same-node transfer's microseconds go on the GPU, piece by piece, in one process
 (no service, no RPC): the floor the per-transfer path stands on, for the native decision (issue 28).
 
-    python bench/bench_launch.py --out bench/results        # on the GPU machine
+    python bench/bench_launch.py --out /tmp/kvservice-bench        # on the GPU machine
 
 Rows (p50/p99 µs over --iters, one page of 32 layers x K/V = 2 MiB, or --layers 1 = 64 KiB):
   launch_fused     copy_pages(...) returns (checks, pinned page table H2D, Triton launch), no wait
@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--iters", type=int, default=500)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     lay = Layout.mha(

@@ -62,7 +62,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from _harness import ROOT, Services, progress, summarize, write_json
+from _harness import Services, progress, summarize, write_json
 from kvservice_client import Client, KVClientError, Layout, ResourceExhausted, ShmKVPool
 from kvservice_client.hashing import page_hashes
 from routing_trace import Trace, Turn, generate, profile
@@ -808,7 +808,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=64, help="sessions replayed at once (threads)")
     ap.add_argument("--device", default="cpu", help="cpu only for now (shm pools)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     ap.add_argument("--tag", default="")
     ap.add_argument("--latency-only", action="store_true", help="only the router call latencies")
     ap.add_argument("--skip-replay", action="store_true", help="no timed replay (eviction, latency)")

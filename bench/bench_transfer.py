@@ -284,7 +284,7 @@ def parse() -> argparse.Namespace:
         "--timeline",
         action="store_true",
         help="record each packed batch's pack / write / unpack times of the last round per path "
-        "(services log at DEBUG) into the JSON; report.py draws them",
+        "(services log at DEBUG) into the JSON",
     )
     args = ap.parse_args()
     if args.small:

@@ -6,7 +6,7 @@ Moves ``pages * page_kib`` KiB from this process into a spawned receiver with NI
 (a) one descriptor, (b) ``pages`` prepped descriptors scattered on the receiver (no merging
 possible), (c) ``pages`` prepped descriptors contiguous on both sides (NIXL merges them), and
 times (d) one local gather copy of the same bytes with torch (the pack cost of the packed path).
-Prints a table and writes JSON under bench/results/.
+Prints a table and writes JSON under ``--out`` (default /tmp/kvservice-bench).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=8192)
     ap.add_argument("--page-kib", type=int, default=32)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     args = ap.parse_args()
     pb, n = args.page_kib * 1024, args.pages
     nbytes = pb * n

@@ -11,7 +11,7 @@ When both sides report a terminal state, the destination pages are compared byte
 the bytes written (every layer, K and V). Lost = not DONE on both sides, corrupted = DONE but
 different bytes. Every ``--sample-s`` the services' RSS and open file descriptors are read
 from /proc; after the warm-up (the first ``--warmup`` fraction of transfers) they must stay
-flat. The JSON result goes to ``--out`` (default bench/results/soak_cpu.json).
+flat. The JSON result goes to ``--out`` (default /tmp/kvservice-bench/soak_cpu.json).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import ROOT, Services, summarize, write_json  # noqa: E402
+from _harness import Services, summarize, write_json  # noqa: E402
 from kvservice_client import AsyncClient, Layout, ShmKVPool  # noqa: E402
 
 LAYOUT = Layout.mha(
@@ -208,7 +208,7 @@ def main() -> int:
     )
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--deadline-ms", type=int, default=120_000)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     ap.add_argument("--name", default="soak_cpu")
     ns = ap.parse_args()
     report = asyncio.run(soak(ns.total, ns.inflight, ns.max_pages, ns.warmup, ns.sample_s, ns.deadline_ms))

@@ -5,7 +5,7 @@ pools of 2,048 pages) with the kernel alone: no service. Every configuration and
 are timed with CUDA events in this run; the fastest configuration is printed and recorded, so
 the service's defaults (``kvservice/kernels/_fused_triton.py``) follow a measurement::
 
-    python3 bench/sweep_fused.py --out bench/results          # writes sweep_fused_<gpu>.json
+    python3 bench/sweep_fused.py --out /tmp/kvservice-bench   # writes sweep_fused_<gpu>.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=1024)
     ap.add_argument("--pool-pages", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     ap.add_argument("--quick", action="store_true", help="a few configurations (smoke)")
     ap.add_argument(
         "--configs",

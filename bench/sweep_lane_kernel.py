@@ -6,7 +6,7 @@ scattered 32 KiB pages of pools of 2,048) with the lane's argument layout: a tab
 (src, dst, strides, bytes) and (src page, dst page) pairs. Each variant is checked byte for byte
 and timed with CUDA events against ``copy_`` of 2 GiB, interleaved over rounds::
 
-    python3 bench/sweep_lane_kernel.py --out bench/results      # sweep_lane_kernel_<gpu>.json
+    python3 bench/sweep_lane_kernel.py --out /tmp/kvservice-bench  # sweep_lane_kernel_<gpu>.json
     python3 bench/sweep_lane_kernel.py --src-gpu 0 --dst-gpu 1  # across two GPUs (peer access)
 
 Rows ``lane_slice_*``: the lane kernel's head-slice path (mixed TP 4 -> 2 and 2 -> 1, H = 8:
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--dst-gpu", type=int, default=0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    ap.add_argument("--out", default="/tmp/kvservice-bench")
     args = ap.parse_args()
     page = 16 * 8 * 128 * 2  # bytes of one page of one region (16 tokens, 8 heads, 128 dims, bf16)
     nreg = 2 * args.layers

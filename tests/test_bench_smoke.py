@@ -131,3 +131,18 @@ def test_bench_transfer_small_across_network_namespaces(tmp_path: Path) -> None:
     for b in run["timeline"]:
         steps = [b[k] for k in ("start", "slot", "packed", "written", "unpack_start", "unpack_end")]
         assert steps == sorted(steps), b
+
+
+@pytest.mark.timeout(300)
+def test_the_cpu_suite_runs_small_and_writes_its_result_plot_and_summary(tmp_path: Path) -> None:
+    """bench/run.py cpu --small: every step runs, the goals it measures at that size get their rows,
+    and the suite's plot and a SUMMARY.md naming them are written."""
+    proc = _bench([str(ROOT / "bench" / "run.py"), "cpu", "--small", "--results", str(tmp_path)], 280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("cpu-*core/cpu.json")
+    report = json.loads(path.read_text())
+    goals = [r["goal"] for r in report["goals"]]  # --small sustains no 8 senders: that row is left out
+    assert goals == ["one-page e2e <= 2x a plain unary RPC", "same node (shm) 256 MiB >= 90% of memcpy"]
+    assert set(report["runs"]) == {"control", "same_node_256m"}
+    assert path.with_suffix(".png").stat().st_size > 0
+    assert all(g in (tmp_path / "SUMMARY.md").read_text() for g in goals)

@@ -1,6 +1,6 @@
 """The load/soak run at CI size: bench/soak.py with 1,500 transfers, 150 in flight, between two
 service processes; every transfer checked byte for byte. The long run (100,000 transfers, 1,000
-in flight) is bench/results/soak_cpu.json."""
+in flight) is ``python bench/soak.py``."""
 
 from __future__ import annotations
 

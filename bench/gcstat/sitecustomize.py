@@ -1,7 +1,7 @@
 """Cyclic-GC statistics of every Python process started with this folder on PYTHONPATH (a
 sitecustomize): at exit, GCSTAT_DIR/gcstat-<pid>.txt gets per-generation counts and seconds,
 each collection over 5 ms (seconds since start, generation, ms, collected) and the most common
-tracked types. bench/results/profiles/gc/ holds the service lines of bench_control runs:
+tracked types, e.g. for the services of a bench_control run:
 
     PYTHONPATH=$PWD:$PWD/clients/python:$PWD/bench/gcstat GCSTAT_DIR=/tmp/gc \
         python3 bench/bench_control.py --device cuda --same-node --sustain-procs 8
