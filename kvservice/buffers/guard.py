@@ -116,20 +116,9 @@ def _build() -> Path:
     if (lib := _library(out)) is not None:
         return lib
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        from torch.utils import cpp_extension
+        from ..native_build import compile_extension
 
-        bindir = os.path.dirname(sys.executable)  # pip's ninja, in an unactivated venv
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bindir])
-        cpp_extension.load(
-            name=_NAME,
-            sources=[str(_SRC)],
-            build_directory=str(out),
-            extra_cflags=["-O2", "-std=c++17"],
-            is_python_module=False,
-            verbose=False,
-        )
+        compile_extension(_NAME, [_SRC], out, is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, no dir: say which
         raise GuardUnavailable(f"building the fault guard failed: {type(exc).__name__}: {exc}") from exc
     lib = _library(out)

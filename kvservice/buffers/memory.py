@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import guard
 from ..errors import InvalidArgument, KVServiceError, PermissionDenied, Unimplemented, translate_os_error
+from . import guard
 
 __all__ = ["MappedRegion", "MemoryImporter", "alias_addresses"]
 

@@ -108,21 +108,14 @@ def load() -> ModuleType:
             _mod = _import(path)
             return _mod
         try:
-            out.mkdir(parents=True, exist_ok=True)
-            from torch.utils import cpp_extension
+            from ..native_build import compile_extension
 
-            bindir = os.path.dirname(sys.executable)  # pip's ninja, in an unactivated venv
-            if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-                os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bindir])
-
-            _mod = cpp_extension.load(
-                name=_NAME,
-                sources=[str(p) for p in _files() if p.suffix == ".cpp"],
-                build_directory=str(out),
-                extra_cflags=["-O2", "-std=c++17"],
+            _mod = compile_extension(
+                _NAME,
+                [p for p in _files() if p.suffix == ".cpp"],
+                out,
                 extra_include_paths=[str(_CSRC)],
                 extra_ldflags=["-ldl"],
-                verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a compile error, no dir: say which
             raise LaneUnavailable(f"building the native lane failed: {type(exc).__name__}: {exc}") from exc

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from kvservice_client import KVClientError
 
-from tests.support.nodes import Node, Nodes, regions
+from tests.support.nodes import Node, Nodes, eventually, regions
 
 
 @pytest.fixture(params=["lane", "grpc", "cross-lane", "cross-grpc"])
@@ -73,5 +73,8 @@ def test_sender_counts_pages_sent_and_skipped(pair: Any) -> None:
     assert (r.state, s.state) == ("DONE", "DONE"), (r, s)
     assert (r.pages_sent, r.pages_skipped) == (3, 2), r
     assert (s.pages_sent, s.pages_skipped) == (3, 2), f"{n.route}: {s}"
+    # what Poll says once the service booked it (the lane's END told the engine first)
+    polled = eventually(lambda: next((x for x in n.a.kv.poll(["c1"]) if x.role == "SENDER"), None), 10)
+    assert (polled.pages_sent, polled.pages_skipped) == (3, 2), f"{n.route}: Poll says {polled}"
     if n.route in ("lane", "cross-lane"):
         assert "lane" in s.route_note, s
