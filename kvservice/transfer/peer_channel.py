@@ -134,9 +134,11 @@ class OfferChannels:
                 del self._by_address[chan.address]
 
     def get(self, address: str, allowed: frozenset[str]) -> InboundChannel | None:
-        """The newest open channel claiming ``address`` whose proven identity ``allowed`` names."""
+        """The newest open channel claiming ``address`` whose proven identity ``allowed`` names;
+        with nothing in ``allowed`` (peers by token: none proves who it is), the newest
+        token-authenticated one claiming it (``sender_binding.offer`` says why that is safe)."""
         for chan in reversed(self._by_address.get(address, [])):
-            if chan.identity in allowed:
+            if chan.identity in allowed or (not allowed and not chan.identity):
                 return chan
         return None
 

@@ -108,8 +108,14 @@ class SenderBinding:
         if inc.rec.terminal or inc.landing is not None or sender_id in inc.offers:
             return None
         # NOTE: only to a proven identity the declaration names: a channel's service id and
-        # address are its own claims, and a token-only peer proves no identity (docs/security.md)
-        if identity not in inc.allowed_senders:
+        # address are its own claims. A declaration that names none (peers by token: a token
+        # proves membership of the cluster, not who) may be offered to the token peer that
+        # claims its sender's address: it gains nothing a GetReceivePlan would not give any token
+        # holder (the plan's ticket binds whoever commits first, docs/security.md), and the
+        # commit must carry the offer's ticket from the same (token) identity.
+        if inc.allowed_senders and identity not in inc.allowed_senders:
+            return None
+        if not inc.allowed_senders and identity:
             return None
         if sender_id in inc.identities:  # a rank of it already asked: it has its plans
             return None

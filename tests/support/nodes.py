@@ -89,16 +89,27 @@ class Node:
 
 class Nodes:
     """A prefill service (A) and a decode service (B) on NIXL that do not map each other's
-    pools, peers by mutual TLS (offers and the cross-node lane need a proven identity)."""
+    pools. Peers by ``auth``: "mtls" (each proves its certificate's name), "token" (a shared
+    peer token: membership, no identity) or "insecure" (nothing)."""
 
-    def __init__(self, make_server: Any, tmp: str, cross_lane: bool) -> None:
-        from tests.support.pki import CA, mtls_peer  # (cryptography: not on every GPU host)
-
+    def __init__(self, make_server: Any, tmp: str, cross_lane: bool, auth: str = "mtls") -> None:
         kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
         if not cross_lane:
             kw["lane_cross_mb"] = 0
-        ca = CA(tmp, "cluster")
-        self.sa, self.sb = (make_server(**kw, **mtls_peer(ca, name)) for name in ("prefill-a", "decode-b"))
+        peer = {"tcp_address": "", "peer_tcp_address": "127.0.0.1:0"}
+        if auth == "mtls":
+            from tests.support.pki import CA, mtls_peer  # (cryptography: not on every GPU host)
+
+            ca = CA(tmp, "cluster")
+            auths = [mtls_peer(ca, name) for name in ("prefill-a", "decode-b")]
+        elif auth == "token":
+            token = os.path.join(tmp, "peer-token")
+            with open(token, "w") as f:
+                f.write("cluster-secret\n")
+            auths = [{**peer, "insecure": False, "peer_token_file": token}] * 2
+        else:
+            auths = [{**peer, "insecure": True}] * 2
+        self.sa, self.sb = (make_server(**kw, **a) for a in auths)
         lane_of(self.sa), lane_of(self.sb)
         self.a = Engine(self.sa.address, "prefill", 1)
         self.b = Engine(self.sb.address, "decode", 2)

@@ -248,13 +248,16 @@ def test_an_offered_rank_with_a_layout_that_cannot_write_fails_the_declaration()
 
 
 def test_offers_go_only_to_a_proven_identity_the_declaration_names() -> None:
-    """A channel's service id and address are its own claims: without a proven identity that
-    allowed_senders names (a token-only peer proves none), the sender asks as before."""
+    """A channel's service id and address are its own claims: a declaration naming identities
+    offers only to one of them; one naming none (peers by token: none can be proven) offers to
+    the token peer claiming the sender's address, never to a peer of another proven identity."""
     receiver, inc = _declared(frozenset({"prefill-a"}))
     assert receiver.senders.offer(inc, "prefill", "prefill:1", "prefill-c") is None
+    assert receiver.senders.offer(inc, "prefill", "prefill:1", "") is None
     assert receiver.senders.offer(inc, "prefill", "prefill:1", "prefill-a") is not None
     receiver, inc = _declared(frozenset())
-    assert receiver.senders.offer(inc, "prefill", "prefill:1", "") is None
+    assert receiver.senders.offer(inc, "prefill", "prefill:1", "prefill-c") is None
+    assert receiver.senders.offer(inc, "prefill", "prefill:1", "") is not None
 
 
 def test_a_channel_claiming_the_address_under_another_identity_gets_no_offer() -> None:
@@ -268,3 +271,7 @@ def test_a_channel_claiming_the_address_under_another_identity_gets_no_offer() -
     assert chans.get("prefill:1", frozenset({"prefill-a", "local"})) is real
     chans.closed(real)  # type: ignore[arg-type]
     assert chans.get("prefill:1", frozenset({"prefill-a", "local"})) is None
+    token = types.SimpleNamespace(address="prefill:1", identity="")  # a token peer proves no name
+    chans.opened(token)  # type: ignore[arg-type]
+    assert chans.get("prefill:1", frozenset({"prefill-a", "local"})) is None
+    assert chans.get("prefill:1", frozenset()) is token  # a declaration naming no identity
