@@ -8,7 +8,7 @@ c2  ... the same, peer access before the open
 d   that imported pool written by pack on cuda:0 -> cuMemcpyAsync -> unpack on cuda:1 (across.py)
 e   the handle opened in cuda:0's context (lazy peer flag), fused kernel on cuda:0
 
-Results on 2xH200: docs/gpu-verification/h200x2_ipc_peer_probe.log, docs/design-notes.md §19.
+Results on 2xH200: docs/gpu-verification/h200x2_ipc_peer_probe.log, docs/decisions/0017.
 """
 
 import multiprocessing as mp

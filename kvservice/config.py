@@ -121,7 +121,7 @@ class Config:
     lane: bool = _opt(
         True,
         "The native lane (<uds_path>.lane): engines on this node send same-node transfers through a "
-        "C++ thread that copies and answers without the service's Python (docs/design-notes.md §16); "
+        "C++ thread that copies and answers without the service's Python (docs/decisions/0014); "
         "off: gRPC only. Needs a C++ compiler the first time (built once, cached) unless native_dir "
         "holds a prebuilt module (the image's does).",
     )
@@ -154,8 +154,8 @@ class Config:
         256,
         "MiB of staging per device (host memory, and each GPU) for the cross-node lane: a delta "
         "offered at ExpectDelta to another service's engine goes from that service's lane straight "
-        "into this one's (one NIXL WRITE, notified; no Python on its path; docs/design-notes.md "
-        "§20). Half receives, half packs what this lane sends; a delta above a quarter streams "
+        "into this one's (one NIXL WRITE, notified; no Python on its path; docs/decisions/0018). "
+        "Half receives, half packs what this lane sends; a delta above a quarter streams "
         "through a slot in chunks (lane_cross_stream). 0: off. Needs the lane and the NIXL "
         "transport.",
     )
@@ -451,7 +451,7 @@ class Config:
 
     def _validate_security(self) -> None:
         """TLS files in pairs and readable; no TCP listener that authenticates nobody unless
-        ``insecure`` (see docs/security.md)."""
+        ``insecure`` (see docs/design/security.md)."""
         if self.peer_tcp_address:
             _check_host_port("peer_tcp_address", self.peer_tcp_address)
         for cert, key, ca in (

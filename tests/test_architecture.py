@@ -1,4 +1,4 @@
-"""The service's import boundaries (issue 28 item 6, design-notes §17), read from the source:
+"""The service's import boundaries (issue 28 item 6, docs/decisions/0015), read from the source:
 
 * the service imports the SDK's public modules only (``kvservice_client``, ``.contract``,
   ``.proto``, ``.lane_wire``, ...), never a private one (``kvservice_client._*``);

@@ -11,7 +11,7 @@ service as CUDA IPC handles, and memory another process exported is mapped only 
 of the GPU this service opened it on. Peer access (``cuCtxEnablePeerAccess``, with or without
 the lazy flag at open) does not map it into the other GPU's context: a kernel on GPU0 writing
 through GPU1's opening faults with CUDA_ERROR_ILLEGAL_ADDRESS, which poisons the service's CUDA
-context (2×H200: bench/probe_two_gpu_ipc.py, docs/design-notes.md §19). The ``push`` / ``pull``
+context (2×H200: bench/probe_two_gpu_ipc.py, docs/decisions/0017). The ``push`` / ``pull``
 modes open the pool a second time in the launching GPU's context
 (``buffers.memory.alias_addresses``); this staged copy needs no second opening, and for 2 GiB it
 is faster than one Triton kernel across the link: every kernel touches only its own GPU's pools,

@@ -7,7 +7,7 @@
   per peer, staging pools, prefix index size/leases/lookups/hits;
 - RPCs (``RpcMetricsInterceptor``): latency per method, outcomes per status code.
 
-``Metrics`` ties them to one registry and serves it over HTTP; see ``docs/operations.md``.
+``Metrics`` ties them to one registry and serves it over HTTP; see ``docs/design/operations.md``.
 """
 
 from ._buckets import COUNT_BUCKETS, LATENCY_BUCKETS

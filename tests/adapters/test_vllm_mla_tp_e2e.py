@@ -5,7 +5,7 @@ test_vllm_connector_e2e, on vLLM's reference CPU MLA backend.
 
 Asserts: each prefill rank registered an MLA buffer set as its rank (0/2, 1/2) and the decode rank
 one of TP 1; the decode instance's greedy tokens from the moved cache equal its own alone; the
-decode service received each page once (one replica served it: design-notes §4) and the prefill
+decode service received each page once (one replica served it: docs/decisions/0004) and the prefill
 service counts the other replica's pages as skipped, not sent. (vLLM turns prefix caching off for
 MLA on CPU, so a later turn moves its whole prompt again: delta-only turns are test_vllm_tp_e2e's.)
 

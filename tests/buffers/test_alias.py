@@ -1,4 +1,4 @@
-"""A kernel on one GPU reaching another GPU's imported pool (design-notes §19): the importer
+"""A kernel on one GPU reaching another GPU's imported pool (docs/decisions/0017): the importer
 opens the handle a second time in the launching GPU's context, once, and closes every opening
 with the mapping. The driver calls are replaced by a recorder, so this runs without a GPU; the
 real thing runs in tests/gpu/test_gpu_transfer.py::test_cross_gpu_delta (2 GPUs)."""

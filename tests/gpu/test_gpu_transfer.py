@@ -71,7 +71,7 @@ def test_cross_gpu_delta(tmp_path: Path, path: str, one_service: bool, mode: str
     launching GPU's context; or staged = pack, link copy, unpack, kernels/across.py), or by
     staging + NIXL (packed). A kernel on one GPU writing the other's CUDA-IPC-imported pool
     through the first opening faulted here once and poisoned the service's context
-    (design-notes §19)."""
+    (docs/decisions/0017)."""
     procs, (a, b) = kvservice_procs(
         tmp_path, ("a", "b"), KVSERVICE_TWO_GPU_COPY=mode, KVSERVICE_LANE="1" if lane else "0"
     )

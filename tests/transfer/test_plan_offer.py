@@ -1,4 +1,4 @@
-"""Plans offered before the sender asks (data path v3 §3, design-notes §18).
+"""Plans offered before the sender asks (data path v3 §3, docs/decisions/0016).
 
 An ExpectDelta naming a sending service whose peer channel is open pushes the declaration's plan
 on that channel; the sender's SendDelta then starts writing without a plan round trip, and its

@@ -357,7 +357,7 @@ class Client(LandingCalls):
     ) -> TransferStatus:
         """Declare transfer ``transfer_id`` into this client's buffer set. ``sender_address``: the
         sending engine's kvservice, when known; the service then lets only that service's proven
-        identity fetch the plan (``allowed_senders`` filled for you, see docs/security.md)."""
+        identity fetch the plan (``allowed_senders`` filled for you, see docs/design/security.md)."""
         req = rq.expect(
             transfer_id,
             buffer_set_id,

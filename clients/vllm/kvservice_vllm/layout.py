@@ -13,7 +13,7 @@ all it needs, so it runs, and is tested, without the engine package).
     [blocks, 2, bs, heads, d] (FlashInfer < 0.32), NHD or HND     kv_nhd/kv_hnd one region
     MLA: [blocks, bs, latent] or [blocks, 1, bs, latent]          MLA           one region
         (replicated on every TP rank: the service moves each receiver rank's pages from one
-        sender rank, the others report done without moving bytes; design-notes §4)
+        sender rank, the others report done without moving bytes; docs/decisions/0004)
     anything else with dense blocks, TP 1                         opaque pages (MLA-shaped rows)
 
 Every layer must have the first layer's shape, dtype and strides. Layouts whose blocks are not

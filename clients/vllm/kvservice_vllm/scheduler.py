@@ -22,7 +22,7 @@ A request allocated in the step that matched it takes the default path (RecvJob)
 
 The prefill's answer names its own kvservice (``kvservice_sender``), and the decode's loads pass it
 on as ExpectDelta's ``sender_address``, so only that service may fetch the transfer's plan (issue
-33; docs/security.md). It is the ``kvservice_peer_address`` the prefill is configured with, else
+33; docs/design/security.md). It is the ``kvservice_peer_address`` the prefill is configured with, else
 what its kvservice tells its sessions (``Client.service_peer_address``), asked once on a
 background thread at start; until that answer comes (or when nothing answers) the params carry
 none and the loads name no sender, as before.

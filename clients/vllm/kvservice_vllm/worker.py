@@ -12,7 +12,7 @@ and is registered through CUDA IPC handles.
 
 A load (RecvJob, LandJob, a ClaimJob received directly) names the prefill's kvservice as
 ExpectDelta's ``sender_address`` when the scheduler side learned it (``kvservice_sender``), so
-the decode's service lets only that service fetch the plan (docs/security.md).
+the decode's service lets only that service fetch the plan (docs/design/security.md).
 """
 
 from __future__ import annotations

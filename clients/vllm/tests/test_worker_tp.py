@@ -132,7 +132,7 @@ def _mla_transfer(tid: str, p_tp: int, d_tp: int) -> tuple[list[torch.Tensor], l
 
 def test_mla_tp2_prefill_fills_a_tp1_decode_rank_from_one_replica() -> None:
     """MLA caches are replicas: the decode rank's pages come whole from one prefill rank (rank 0,
-    design-notes §4), never a mix of the two; both prefill ranks end DONE."""
+    docs/decisions/0004), never a mix of the two; both prefill ranks end DONE."""
     values, (got,) = _mla_transfer("mla-21", 2, 1)
     assert torch.equal(got, values[0])
     assert not torch.equal(got, values[1])
