@@ -63,7 +63,7 @@ _importers: weakref.WeakSet[MemoryImporter] = weakref.WeakSet()
 
 
 def alias_addresses(addresses: Sequence[int], device: int) -> list[int] | None:
-    """The same memory as device pointers a kernel on GPU ``device`` may use (design-notes §19).
+    """The same memory as device pointers a kernel on GPU ``device`` may use (docs/decisions/0017).
 
     An imported CUDA IPC allocation is mapped only in the context it was opened in; peer access
     does not extend that mapping to another GPU. So a kernel on ``device`` reaches an imported

@@ -1,7 +1,7 @@
 """The native lane: a small same-node transfer in tens of microseconds, not milliseconds.
 
 A same-node transfer over gRPC crosses two Python processes twice (SendDelta, then the DONE
-event), about 0.25 ms per hop on the GPU host (docs/design-notes.md §14). The lane takes those
+event), about 0.25 ms per hop on the GPU host (docs/decisions/0014). The lane takes those
 hops and the service's Python off the per-transfer path::
 
     engine SDK ─SEND (SOCK_SEQPACKET)─▶ native thread: armed? ─▶ copy (CUDA kernel / memcpy)

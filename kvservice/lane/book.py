@@ -161,7 +161,7 @@ class LaneBook(NoLane):
 
     def _map_across(self, bs: Any, device: int) -> None:
         """Two GPUs: the native copy runs on the sender's GPU, which reaches an imported pool of
-        the other GPU only through that pool's mapping in its own context (design-notes §19).
+        the other GPU only through that pool's mapping in its own context (docs/decisions/0017).
         Map this pool into each other GPU that holds lane pools and theirs into this one; a pair
         that cannot be mapped (no peer path) stays unmapped and the lane refuses it (the
         engine's send falls back to the gRPC route)."""

@@ -1,5 +1,5 @@
 """The cross-node lane: a delta between two services' engines without either service's Python on
-its path (docs/design-notes.md §20).
+its path (docs/decisions/0018).
 
     receiving service                                     sending service
     ExpectDelta ─▶ offer_plan ─▶ ``offer_slot``: a slot of the lane's staging, armed (arm_in);

@@ -1,4 +1,4 @@
-"""The cross-node lane's receiving side (docs/design-notes.md §20): a declaration offered to one
+"""The cross-node lane's receiving side (docs/decisions/0018): a declaration offered to one
 sender may carry a slot of this service's lane staging, armed in the native lane; the native
 thread's unpack comes back here to be booked (the commit, DONE, the index) and the slot is
 freed. A slot whose transfer ended without the lane waits out the deadline (a late WRITE may still

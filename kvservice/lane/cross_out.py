@@ -1,4 +1,4 @@
-"""The cross-node lane's sending side (docs/design-notes.md §20): a receiver's offer with a lane
+"""The cross-node lane's sending side (docs/decisions/0018): a receiver's offer with a lane
 slot arms the native lane for that transfer (an engine here may SEND_TO it); the native thread's
 END comes back here to book the sender's record and its duplicate marks."""
 

@@ -1,5 +1,5 @@
 """What the lane compares between two pools: a layout's signature (equal layouts: whole pages)
-and its heads (head slices between TP sizes: design-notes §16, "Mixed TP on the lane")."""
+and its heads (head slices between TP sizes: docs/decisions/0014, "Mixed TP on the lane")."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def ticket_matches(expected: str, given: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Offer:
     """This declaration's plan, offered unasked to the sending service its ExpectDelta named
-    (data path v3 §3, design-notes §18): the ticket binds whichever rank of that service, as
+    (data path v3 §3, docs/decisions/0016): the ticket binds whichever rank of that service, as
     ``identity``, commits first with it."""
 
     ticket: str

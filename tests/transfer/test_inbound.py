@@ -35,7 +35,7 @@ class Side:
         self.regions = random_regions(LAYOUT, 7)
         self.failed: list[KVServiceError] = []
         self.published: list[Any] = []
-        bs = types.SimpleNamespace(buffer_set_id="d-bs", layout=LAYOUT)
+        bs = types.SimpleNamespace(buffer_set_id="d-bs", layout=LAYOUT, lost=lambda: "")  # memory whole
         rec = Record("t", "RECEIVER", "d-bs", "s", time.monotonic() + 30)
         hashes = np.arange(prefix + len(dst), dtype=np.uint64) if publish else None
         self.inc = Incoming(
@@ -149,7 +149,7 @@ def test_a_plan_asked_before_its_declaration_waits_for_that_transfer_only() -> N
     wait (per-id waiters), its own does; an undeclared one is NotFound after the wait."""
 
     def incoming(tid: str) -> Incoming:
-        bs = types.SimpleNamespace(buffer_set_id=f"bs-{tid}", layout=LAYOUT)
+        bs = types.SimpleNamespace(buffer_set_id=f"bs-{tid}", layout=LAYOUT, lost=lambda: "")
         rec = Record(tid, "RECEIVER", bs.buffer_set_id, "s", time.monotonic() + 30)
         empty = np.zeros(0, dtype=np.int64)
         return Incoming(rec, bs, 0, np.array([1], dtype=np.int64), {}, 0, None, empty)  # type: ignore[arg-type]

@@ -90,7 +90,7 @@ def _setup(dst_pages: list[int], prefix: int = 0, mapped: bool = True, seed: int
         HeadRoute(0, 0, 0, 0, LAYOUT.local_kv_heads),
     )
     target = Target.of(plan, LAYOUT, dst_r if mapped else None)
-    bs = types.SimpleNamespace(buffer_set_id="src-bs", layout=LAYOUT)
+    bs = types.SimpleNamespace(buffer_set_id="src-bs", layout=LAYOUT, lost=lambda: "")  # memory whole
     table = TransferTable(60.0)
     rec = Record("t", "SENDER", "src-bs", "s", time.monotonic() + 30)
     table.add(rec)

@@ -1,4 +1,4 @@
-// The cross-node lane's set-up (docs/design-notes.md §20): NIXL's C API and one agent, staging
+// The cross-node lane's set-up (docs/decisions/0018): NIXL's C API and one agent, staging
 // registered with it, peers' metadata, and what Python offers (arm_out) and declares (arm_in).
 
 #include <sys/mman.h>

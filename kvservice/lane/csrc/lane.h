@@ -1,4 +1,4 @@
-// The native lane (issue 28, DESIGN.md "Data path v3" item 5; docs/design-notes.md §16, §20).
+// The native lane (DESIGN.md "Data plane"; docs/decisions/0014, 0018).
 //
 // One thread per service reads engines' lane sockets (SOCK_SEQPACKET, authenticated by Python
 // before the fd is handed here), matches a SEND command to an armed transfer, copies the pages

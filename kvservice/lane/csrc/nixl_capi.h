@@ -1,6 +1,6 @@
 // NIXL's C API (libnixl_capi.so, shipped in the nixl wheels without a header), opened at run
 // time like the CUDA driver: a host without NIXL builds the lane all the same, and the
-// cross-node lane is then off (docs/design-notes.md §20).
+// cross-node lane is then off (docs/decisions/0018).
 //
 // The declarations below are the functions' C ABI as NIXL 1.4-1.5 export them. Where a later
 // release appended a parameter (reg_dlist_add_desc's metadata, the dlists' ``sorted``), we pass

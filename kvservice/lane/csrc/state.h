@@ -82,7 +82,7 @@ struct Conn {
   std::string session;  // "" once its session ended: the lane thread closes it (drop_session)
 };
 
-// ---- cross-node lane (docs/design-notes.md §20) ---------------------------------------------
+// ---- cross-node lane (docs/decisions/0018) ---------------------------------------------
 struct Arena {  // staging registered with this lane's NIXL agent: receive slots, then the scratch
   uint64_t base = 0, size = 0, scratch = 0;  // scratch: offset of the sender's packing area
   int device = -1;

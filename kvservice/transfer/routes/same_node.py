@@ -59,7 +59,7 @@ TWO_GPU_SMALL = "push"
 def _across_link(src: KVRegions, dst: KVRegions, push: bool) -> tuple[KVRegions, KVRegions] | None:
     """The two pools as one kernel reaches them: on the source GPU (``push``, the destination
     aliased there) or the destination GPU (pull); None when the other GPU's pools cannot be
-    mapped into the launching GPU's context (design-notes §19)."""
+    mapped into the launching GPU's context (docs/decisions/0017)."""
     far, here = (dst, src) if push else (src, dst)
     there = far.on_device(here.device, alias_addresses)
     if there is None:
