@@ -77,6 +77,15 @@ class NodeCollector(Collector):
             if reason != "grace_expired":
                 lost.add_metric((reason,), n)
         yield lost
+        from ..buffers import guard
+
+        g = guard.get()
+        yield CounterMetricFamily(
+            "kvservice_engine_memory_faults",
+            "Accesses to engine memory that had shrunk under the service (an engine truncated its "
+            "shared memory), repaired by the fault guard; each fails the transfers of that buffer set.",
+            value=g.faults if g is not None else 0,
+        )
 
     def _transfers(self) -> Iterator[Metric]:
         engine = self._node.transfers

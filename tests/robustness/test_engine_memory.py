@@ -41,6 +41,27 @@ def test_a_truncated_pool_fails_its_transfer_and_nothing_else(node: Node, who: s
         assert n.c.changed(before) <= {9, 10}
 
 
+def test_operators_see_the_repaired_faults(make_server: Any) -> None:
+    """/metrics counts the repaired faults (kvservice_engine_memory_faults_total grows)."""
+    import urllib.request
+
+    n = Node(make_server(transport="loopback", lane=True, metrics_port=-1), True)
+    url = f"http://127.0.0.1:{n.server.app.metrics_port}/metrics"
+
+    def faults() -> float:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("kvservice_engine_memory_faults_total "))
+        return float(line.split()[1])
+
+    try:
+        before = faults()
+        n.b.truncate()
+        assert n.move("t1", [1], [2])[0].state == "FAILED"
+        assert faults() > before
+    finally:
+        n.close()
+
+
 def test_a_truncated_pool_takes_no_new_transfer(node: Node) -> None:
     """Once the service saw a pool shrink, SendDelta / ExpectDelta on it fail at once, naming it."""
     n = node
