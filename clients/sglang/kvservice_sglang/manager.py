@@ -3,9 +3,8 @@
 At start it registers the rank's pools (``regions.register_kv_args``: KV, aux rows, state slots)
 as its attention TP rank. Every RPC of the rank's senders and receivers runs on its
 :class:`BackgroundClient` thread. When the service forgets the session (it restarted), the first
-call that meets ``SessionLost`` opens a new one and registers the same pools again
-(:meth:`recover`); a transfer's first call is then made again (:meth:`on_session`), so only the
-transfers in flight on the lost session fail.
+transfer that meets ``SessionLost`` opens a new one, registers the same pools again and makes
+its call again (:meth:`on_session`), so only the transfers in flight on the lost session fail.
 
 What SGLang 0.5.23's decode scheduler asks of every manager beyond the base class: the prefill's
 parallel info (``prefill_info_table``, ``try_ensure_parallel_info``): a room is found by its
@@ -111,7 +110,7 @@ class KVServiceManager(BaseKVManager):
         reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend), self.attn_tp)
         self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.landing_ttl_ms = self._landing_ttl_ms(settings.landing_ttl_ms, server_args)  # 0: off
-        self._recovering: asyncio.Future[None] | None = None
+        self._registration, self._lost, self._relock = reg, False, asyncio.Lock()
         log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
 
     def reader_url(self, url: str) -> str:
@@ -153,37 +152,35 @@ class KVServiceManager(BaseKVManager):
         return peer
 
     async def on_session(self, call: Callable[[str], Awaitable[T]], first: bool = True) -> T:
-        """``call(buffer_set_id)``. If the service lost this session first (it restarted), and this
-        is a transfer's ``first`` call (nothing of it is on the lost session): open the session
-        again, register the pools again, and make the call once more."""
+        """``call(buffer_set_id)``, on a live registration. The service forgot this session (it
+        restarted, ``SessionLost``): on a transfer's ``first`` call (nothing of it was on the lost
+        session) the pools are registered again on a new session and the call is made once more;
+        while the service is down, that registration's error fails the call."""
+        if first and self._lost:
+            await self._register_again()
         try:
             return await call(self.buffer_set_id)
         except SessionLost as exc:
+            self.note_failure(exc)
             if not first:
                 raise
-            await self.recover(exc)
+            await self._register_again()
             return await call(self.buffer_set_id)
 
-    async def recover(self, exc: BaseException) -> None:
-        """After ``exc``: if it is ``SessionLost`` (the service restarted, or dropped the session),
-        open a new session and register the pools again (once, however many requests saw it)."""
-        if not isinstance(exc, SessionLost):
-            return
-        if self._recovering is None or self._recovering.done():
-            self._recovering = asyncio.ensure_future(self._reregister())
-        await asyncio.shield(self._recovering)
+    def note_failure(self, exc: BaseException) -> None:
+        """A call failed with ``exc``: after ``SessionLost`` the next transfer registers again."""
+        if isinstance(exc, SessionLost):
+            self._lost = True
 
-    async def _reregister(self) -> None:
-        try:
-            again = await self.bg.kv.reopen_session(reregister=True)
-        except Exception as exc:  # noqa: BLE001 (any failure: the next SessionLost tries again)
-            log.warning("kvservice: the session is lost and could not be opened again: %s", exc)
-            return
-        if self.buffer_set_id in again:
-            self.buffer_set_id = again[self.buffer_set_id].buffer_set_id
-        log.warning(
-            "kvservice: %s session opened again; pools registered as %s", self.mode, self.buffer_set_id
-        )
+    async def _register_again(self) -> None:
+        async with self._relock:
+            if not self._lost:
+                return  # another request did it
+            await self.bg.kv.reopen_session(reregister=False)  # a new session at the next call
+            reg = self._registration
+            bs = await self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux)
+            self.buffer_set_id, self._lost = bs.buffer_set_id, False
+            log.warning("kvservice: %s session reopened; pools registered as %s", self.mode, bs.buffer_set_id)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         return True  # nothing to fetch: the prefill's bootstrap server answers by room

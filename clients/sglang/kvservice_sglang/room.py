@@ -47,6 +47,11 @@ class RoomTransfer:
         self.failed = ""
         self.started = time.monotonic()
 
+    @property
+    def kv_mgr(self) -> KVServiceManager:
+        """The manager, under the name SGLang's schedulers read it (``kv_receiver.kv_mgr``)."""
+        return self.mgr
+
     def _transfer_poll(self) -> int:
         if self.failed:
             return KVPoll.Failed
@@ -57,7 +62,7 @@ class RoomTransfer:
         exc = self.fut.exception()
         if exc is not None:
             self.failed = f"{type(exc).__name__}: {exc}"
-            self.mgr.bg.submit(self.mgr.recover(exc))  # a lost session: the next request has one
+            self.mgr.note_failure(exc)  # a lost session: the next transfer registers again
             return KVPoll.Failed
         st = self.fut.result()
         if st.state != "DONE":
