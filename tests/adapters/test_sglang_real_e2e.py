@@ -58,22 +58,23 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     d = tmp_path_factory.mktemp("sglang-e2e")
     build_model(d / "model")
     svc_p, svc_d = MeteredService("sgl-prefill"), MeteredService("sgl-decode")
-    svc_p.wait_ready()
-    svc_d.wait_ready()
     env = {"SGLANG_KVSERVICE_DEADLINE_MS": DEADLINE_MS}
     started = time.monotonic()
-    made = [
-        SglangServer(d / "model", d / "single.log"),
-        SglangServer(d / "model", d / "prefill.log", "prefill", svc_p.address, env=env),
-        SglangServer(d / "model", d / "decode.log", "decode", svc_d.address, RADIX, env=env),
-    ]  # fmt: skip
+    made: list[SglangServer] = []
     try:
+        svc_p.wait_ready()
+        svc_d.wait_ready()
+        made += [
+            SglangServer(d / "model", d / "single.log"),
+            SglangServer(d / "model", d / "prefill.log", "prefill", svc_p.address, env=env),
+            SglangServer(d / "model", d / "decode.log", "decode", svc_d.address, RADIX, env=env),
+        ]
         for s in made:
             s.ready()
         print(f"three SGLang servers up in {time.monotonic() - started:.0f} s")
         yield {"single": made[0], "p": made[1], "d": made[2], "svc_p": svc_p, "svc_d": svc_d}
     finally:
-        with ThreadPoolExecutor(len(made)) as pool:  # each drains for seconds: all at once
+        with ThreadPoolExecutor(max(1, len(made))) as pool:  # each drains for seconds: all at once
             list(pool.map(SglangServer.stop, made))
         svc_p.stop()
         svc_d.stop()
