@@ -10,7 +10,7 @@
 # folder goes on the venv's path through a .pth, which also loads sglang_cpu_patches (two CUDA
 # assumptions of SGLang's own mooncake and nixl backends, patched at import). Our packages
 # (kvservice, kvservice-client, kvservice-sglang) are installed editable. Servers run with
-# SGLANG_USE_CPU_ENGINE=1 (tests/adapters/sglang_servers.py has the flags).
+# SGLANG_USE_CPU_ENGINE=1 (tests/support/sglang_servers.py has the flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SGLANG_VENV:-.venv-sglang}

@@ -336,7 +336,9 @@ def test_the_bootstrap_server_names_the_configured_service_else_what_the_service
     """GET /service: the configured SGLANG_KVSERVICE_PEER_ADDRESS; else what the local kvservice
     says (its advertise_address here); 404 while no service answers; never set over HTTP."""
     svc = make_server(tcp_address="", advertise_address="10.0.0.7:50052")
-    monkeypatch.setattr(sgl, "_SERVICE_LOOKUP_TIMEOUT_S", 0.5)
+    import kvservice_sglang.bootstrap as bootstrap
+
+    monkeypatch.setattr(bootstrap, "_SERVICE_LOOKUP_TIMEOUT_S", 0.5)
     monkeypatch.delenv("SGLANG_KVSERVICE_PEER_ADDRESS", raising=False)
     unset = sgl.KVServiceBootstrapServer("127.0.0.1", 0, service_address=f"unix:{tmp_path}/nobody.sock")
     told = sgl.KVServiceBootstrapServer("127.0.0.1", 0, service_address=svc.address)
