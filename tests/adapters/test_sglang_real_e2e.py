@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from kvservice_client import Layout
 
-from tests.support.sglang_servers import SglangServer, build_model, pd_generate, require_sglang
 from tests.support.services import MeteredService, admin_stats
+from tests.support.sglang_servers import SglangServer, build_model, pd_generate, require_sglang
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
