@@ -1,4 +1,4 @@
-"""End-to-end integrity checksums of packed bytes (issue 33, ``transfer_integrity``).
+"""End-to-end integrity checksums of packed bytes (``transfer_integrity``; docs/design/security.md).
 
 The sender hashes each packed staging batch (or, on the direct and fused routes, the chunk's
 pages packed for the receiver rank); the receiver hashes the same bytes before it unpacks them

@@ -1,4 +1,4 @@
-"""Landing buffers: transfers that do not wait for the decode engine's allocation (issue 31).
+"""Landing buffers: transfers that do not wait for the decode engine's allocation (docs/decisions/0012).
 
 A receiver declares a transfer without destination pages (``ExpectDelta.landing``); its pages land
 in a service-owned landing pool on this node and the transfer reports LANDED, which frees the

@@ -1,4 +1,4 @@
-"""Who may do what over the engine's Unix socket (issue 33).
+"""Who may do what over the engine's Unix socket (docs/design/security.md).
 
 The socket's file mode decides who reaches the socket at all. This gate decides, per call,
 what a caller there may do. The kernel's identity comes from SO_PEERCRED, through a

@@ -153,7 +153,7 @@ class TransferEngine:
     async def expect(self, inc: Incoming, sender_address: str = "") -> Record:
         self._check_transfer_cap(inc.rec.session_id)
         inc.integrity = self.config.transfer_integrity
-        if sender_address and not inc.allowed_senders:  # no first-fetcher race (issue 33)
+        if sender_address and not inc.allowed_senders:  # no first-fetcher race (docs/design/security.md)
             inc.allowed_senders = await self.peer_names.allowed(sender_address)
         # NOTE: no await between admission and the record's add in receiver.expect: one step.
         self.load.admit(inc.bs.buffer_set_id, inc.rec.expected_bytes)

@@ -7,8 +7,8 @@
     Receiver.record_chunk (coverage, counts) ─▶ complete_if_done ─▶ DONE ─▶ index publish
 
 A commit that cannot be true fails the transfer on both sides (DONE means the bytes arrived,
-issue 33): positions outside the declared delta, a slot that is not this transfer's, a DIRECT
-commit into pages the transport cannot write, a checksum that does not match.
+docs/design/security.md): positions outside the declared delta, a slot that is not this
+transfer's, a DIRECT commit into pages the transport cannot write, a checksum that does not match.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Inbound:
                 if inc.rec.terminal:
                     raise Aborted(f"transfer {inc.rec.transfer_id!r} is {inc.rec.state}: {inc.rec.error}")
                 view = pool.view(slot)
-                if nbytes > view.numel():  # NOTE: DONE means bytes arrived: no slot, no data (issue 33)
+                if nbytes > view.numel():  # NOTE: DONE means bytes arrived: no slot, no data
                     raise FailedPrecondition(
                         f"positions: {c.positions.size} positions need {nbytes} bytes; staging slot "
                         f"{slot.serial} holds {view.numel()}"
@@ -178,9 +178,10 @@ class Inbound:
             )
 
     async def _check_landed(self, inc: Incoming, sender: str, c: Commit) -> None:
-        """DONE means the bytes arrived (issue 33): a DIRECT commit into pages the transport could
-        not have written fails the transfer; with integrity, the pages a DIRECT or FUSED commit
-        names must hash to the sender's checksum (packed for this rank, as a staging batch)."""
+        """DONE means the bytes arrived (docs/design/security.md): a DIRECT commit into pages the
+        transport could not have written fails the transfer; with integrity, the pages a DIRECT or
+        FUSED commit names must hash to the sender's checksum (packed for this rank, as a staging
+        batch)."""
         if c.path == "DIRECT" and inc.bs.buffer_set_id in self.no_direct:
             raise FailedPrecondition(
                 f"path: a DIRECT commit of {c.positions.size} positions, but this buffer set takes no "

@@ -1,4 +1,4 @@
-"""End-to-end integrity of a transfer's bytes (issue 33, ``transfer_integrity``).
+"""End-to-end integrity of a transfer's bytes (``transfer_integrity``; docs/design/security.md).
 
 When a receiver declares with integrity on, its plan says so (``ReceivePlan.integrity``) and
 every commit that carries positions must carry a checksum of the chunk's bytes as packed for

@@ -1,4 +1,4 @@
-"""Who is a party to a transfer, and so may stop it from another service (issue 33).
+"""Who is a party to a transfer, and so may stop it from another service (docs/design/security.md).
 
 A receiver rank's declaration gives each sender rank that fetches its plan a random ticket
 (``ReceivePlan.sender_ticket``). The ticket, not the peer's credentials, proves that a call comes

@@ -1,4 +1,4 @@
-"""The peer identity a sending service will prove, learned from its address (issue 33).
+"""The peer identity a sending service will prove, learned from its address (docs/design/security.md).
 
 ExpectDelta may name the sending service's address. Then the receiving service fills an empty
 ``allowed_senders`` with the identity that service proves when it calls, before any plan

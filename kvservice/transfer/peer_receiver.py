@@ -279,7 +279,7 @@ class PeerReceiver:
             raise error_from_code(ack.error_code, f"peer {out.peer_address}: {ack.error}")
 
     async def tell_abort(self, out: Outgoing, code: str, reason: str) -> None:
-        """One abort per receiver rank, each with the ticket its plan gave us (issue 33)."""
+        """One abort per receiver rank, each with the ticket its plan gave us (docs/design/security.md)."""
         for ticket in sorted({t.plan.sender_ticket for t in out.targets or ()}) or [""]:
             try:
                 await self.peer.call(

@@ -238,7 +238,7 @@ class PeerDirectory:
     def get(self, address: str) -> PeerClient:
         peer = self._peers.get(address)
         if peer is None:
-            # NOTE: over a Unix socket a peer proves its uid per call (issue 33, server/local_gate.py)
+            # NOTE: over a Unix socket a peer proves its uid per call (server/local_gate.py)
             sec = dataclasses.replace(self._security, credential_path=credential_path_of(address))
             peer = self._peers[address] = PeerClient(address, self.me, self._options, sec)
         return peer

@@ -64,7 +64,7 @@ class SenderBinding:
             )
         bound = inc.identities.get(sender_id)
         if key in inc.tickets or (bound is not None and bound != identity):
-            # NOTE: a sender rank binds once (issue 33): a second fetch under its name, by
+            # NOTE: a sender rank binds once (docs/design/security.md): a second fetch under its name, by
             # anyone, would hand out its ticket or rebind it to another connection.
             raise PermissionDenied(
                 f"sender_service_id: sender {key!r} already has the plan of transfer {transfer_id!r}"

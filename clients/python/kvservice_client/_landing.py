@@ -1,4 +1,4 @@
-"""Landing transfers in the SDK: ``expect_landing``, ``wait_landed`` and ``claim`` (issue 31).
+"""Landing transfers in the SDK: ``expect_landing``, ``wait_landed`` and ``claim`` (docs/decisions/0012).
 
 A decode engine that cannot allocate pages yet declares the transfer as a *landing*: its service
 lands the pages in a landing pool on that node and reports LANDED (the prefill engine's pages are

@@ -23,9 +23,10 @@ the decode's allocation (seed 002's pre-allocation queue)::
             send_metadata(kv_indices, aux_index) ─▶ Claim(kv_indices, aux row) ─▶ Success
               (no landing, or refused because the pool is full: ExpectDelta, as without the option)
 
-The decode names the prefill's kvservice as the sender (ExpectDelta's ``sender_address``, issue 33)
-so no other peer can fetch the plan first: the prefill's bootstrap server answers ``GET /service``
-with its ``SGLANG_KVSERVICE_PEER_ADDRESS``, else with what its kvservice tells its sessions
+The decode names the prefill's kvservice as the sender (ExpectDelta's ``sender_address``;
+docs/design/security.md) so no other peer can fetch the plan first: the prefill's bootstrap
+server answers ``GET /service`` with its ``SGLANG_KVSERVICE_PEER_ADDRESS``, else with what its
+kvservice tells its sessions
 (``Client.service_peer_address``, asked once; 404 while the service cannot be reached: then no
 sender is named, as before), which the decode reads once a minute per bootstrap server, when a
 receiver is made.

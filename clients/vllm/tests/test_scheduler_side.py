@@ -156,7 +156,7 @@ def test_landing_option_a_shrunken_prefix_hit_fails_the_load_instead_of_leaving_
 
 def test_the_prefill_names_its_kvservice_and_the_decode_loads_name_it_as_sender() -> None:
     """kvservice_peer_address: the prefill's answer carries it as kvservice_sender; the decode's
-    RecvJob, LandJob and ClaimJob carry it on to ExpectDelta's sender_address (issue 33)."""
+    RecvJob, LandJob and ClaimJob carry it on to ExpectDelta's sender_address (docs/design/security.md)."""
     p = SchedulerSide(BLOCK, 30_000, peer_address="10.0.0.1:50052")
     r = _req("p-7", 70, {"do_remote_decode": True, "kvservice_peer": "10.0.0.2:50052", "transfer_id": "t7"})
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
