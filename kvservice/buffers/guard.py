@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = ["Guard", "GuardUnavailable", "get", "lost"]
@@ -144,9 +145,9 @@ def get() -> Guard | None:
         return _guard
 
 
-def lost(buffer_set_id: str, slots: tuple[int, ...]) -> str:
-    """Why buffer set ``buffer_set_id`` (its mappings' guard ``slots``) cannot take part in a
-    transfer any more, or '' while its memory is whole."""
+def lost(buffer_set_id: str, slots: Iterable[int]) -> str:
+    """Why buffer set ``buffer_set_id`` (its mappings' guard ``slots``, iterated only once a
+    fault happened) cannot take part in a transfer any more, or '' while its memory is whole."""
     g = _guard
     if g is None or not g.faults or not any(g.faulted(s) for s in slots if s >= 0):
         return ""

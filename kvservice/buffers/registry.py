@@ -8,6 +8,7 @@ A registration that fails part-way (bad region, a hook raising) is rolled back w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import secrets
 import threading
@@ -67,9 +68,8 @@ class BufferSet:
     def lost(self) -> str:
         """Why this buffer set's memory can no longer be trusted (its owner shrank a segment
         under the service: guard.py), or '' while it is whole. One load while nothing faulted."""
-        return guard.lost(
-            self.buffer_set_id, tuple(r.guard_slot for r in self.regions + tuple(a.region for a in self.aux))
-        )
+        regions = itertools.chain(self.k, self.v, (a.region for a in self.aux))  # read only after a fault
+        return guard.lost(self.buffer_set_id, (r.guard_slot for r in regions))
 
     def aux_by_name(self, name: str) -> AuxBuffer | None:
         return next((a for a in self.aux if a.name == name), None)

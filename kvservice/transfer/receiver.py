@@ -339,10 +339,6 @@ class Receiver:
                 "every sender finished but no sender delivered the declared aux rows",
             )
             return False
-        lost = inc.bs.lost()  # the engine shrank its memory while bytes were written into it
-        if lost:
-            self.table.finish(inc.rec, "FAILED", "FAILED_PRECONDITION", lost)
-            return False
         if inc.landing is not None:  # LANDED; a Claim makes it DONE (nothing to publish now)
             inc.landing.landed(inc)
             return False

@@ -158,10 +158,6 @@ void Lane::unarm(std::unordered_map<std::string, Armed>::iterator it, const std:
   if (v.empty()) by_tid_.erase(t);
 }
 
-}  // namespace kvlane
-
-namespace kvlane {
-
 // The fault guard's functions (kvservice/buffers/guard.py): kvg_faults, kvg_range_faulted.
 void Lane::set_guard(uint64_t faults_fn, uint64_t range_fn) {
   guard_faults_ = reinterpret_cast<uint64_t (*)()>(faults_fn);
