@@ -155,6 +155,11 @@ class LaneBook(NoLane):
             geometry_signature(bs),
         )
         self.n.set_heads(bs.buffer_set_id, *head_geometry(lay))
+        # aux regions live in host memory (RegisterBuffers refuses them in VRAM)
+        self.n.set_aux(
+            bs.buffer_set_id,
+            [(a.name, int(a.region.address), int(a.row_bytes), int(a.num_rows)) for a in bs.aux],
+        )
         self.pools[bs.buffer_set_id] = bs
         if device >= 0:
             self._map_across(bs, device)
@@ -202,13 +207,13 @@ class LaneBook(NoLane):
     # -- transfers -----------------------------------------------------------------------------
     def eligible(self, inc: Any) -> bool:
         """A declaration the lane may complete: whole pages, or head slices from several sender
-        ranks of another TP size (mixed TP) when its pages allow them (``head_geometry``).
-        (Integrity does not exclude it: like the Python same-service route, one copy by this
-        service has no hop between sender and receiver to verify.)"""
+        ranks of another TP size (mixed TP) when its pages allow them (``head_geometry``), sent
+        in any number of chunks, with aux rows. (Integrity does not exclude it: like the Python
+        same-service route, one copy by this service has no hop between sender and receiver to
+        verify.)"""
         return (
             inc.bs.buffer_set_id in self.pools
             and inc.landing is None
-            and not inc.aux
             and (inc.expected_senders <= 1 or head_geometry(inc.bs.layout)[0] != 0)
             and (not inc.allowed_senders or LOCAL_PEER in inc.allowed_senders)
             and inc.dst_pages.size > 0
@@ -226,6 +231,7 @@ class LaneBook(NoLane):
             inc.dst_pages.astype(np.int32),
             inc.rec.deadline,
             inc.expected_senders,  # 0: the layouts say (the lane derives it from the first sender)
+            [(name, np.ascontiguousarray(rows, dtype=np.int64)) for name, rows in inc.aux.items()],
         )
         return True
 
@@ -235,7 +241,8 @@ class LaneBook(NoLane):
         if booking(*key):
             return  # the booking itself ends the receiver (a malformed commit): nothing to wait for
         crossing = self.cross is not None and self.cross.rx.settle_in(*key)
-        if self.n.disarm(*key) == 2 or crossing:
+        # cancel: a stream into it still waiting for chunks fails (its copies in flight end first)
+        if self.n.disarm(*key, cancel=True) == 2 or crossing:
             await self.fin.booked_all(key)
 
     async def gate(self, transfer_id: str, src_layout: Any = None) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KVServiceError
+from .cross_in import CANCELLED
 
 __all__ = ["Finalizer", "booking"]
 
@@ -90,9 +91,12 @@ class Finalizer:
         told_send: bool,
         ranks: list[int],
         told: list[int],
+        first: int,
+        aux_rows: int,
     ) -> None:
-        """Book one SEND the lane copied into receiver ranks ``ranks`` (``told``: which of them
-        heard their END with it: their last sender)."""
+        """Book one sender's stream the lane copied into receiver ranks ``ranks``: its chunks'
+        pages ``src`` from transfer page ``first`` on, and ``aux_rows`` aux rows (``told``: which
+        ranks heard their END with it: their last sender)."""
         from ..transfer.records import Record
         from ..transfer.sender import Chunk, Outgoing
 
@@ -116,9 +120,18 @@ class Finalizer:
                 # service's own declarations; nothing stops it and nothing in it waits (an end
                 # that meets it waits for it: Sender.stop)
                 out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
-                out.seq, out.next_offset, out.got_last = 1, int(src.size), True
+                out.seq, out.next_offset, out.got_last = 1, int(first + src.size), True
                 each = (nbytes // len(ranks), copy_us)  # per receiver rank (even head splits)
-                chunk = Chunk(0, 0, src.astype(np.int64), True, {}, time.monotonic(), copied=each)
+                chunk = Chunk(
+                    0,
+                    int(first),
+                    src.astype(np.int64),
+                    True,
+                    {},
+                    time.monotonic(),
+                    copied=each,
+                    copied_aux=aux_rows // len(ranks),
+                )
                 await e.send(out, chunk)
                 await e.sender.stopped(out)
                 if rec.state == "DONE":
@@ -127,6 +140,10 @@ class Finalizer:
                     self.failed += 1
                 return
             self.failed += 1
+            if error == CANCELLED:  # the receiver ended it mid-stream: its own end is being booked
+                e.table.add(rec)
+                e.table.finish(rec, "FAILED", "ABORTED", "the receiver ended the transfer before its last chunk")
+                return
             why = error or (
                 "the sender's buffer set is gone" if bs is None else "the receiver's declaration is gone"
             )

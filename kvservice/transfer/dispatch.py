@@ -165,16 +165,14 @@ class Dispatch:
             if path == "AUTO":
                 path = self._choose(out.bs, cmap.num_pages)
             self.ctx.table.update(out.rec, path=path)
-            wants_aux = chunk.last and bool(chunk.aux)
             if path in ("DIRECT", "FUSED"):  # one commit carries the chunk's end too
-                aux = await port.write_aux(out, target, chunk) if wants_aux else (0, 0)
+                aux = await self._write_aux(port, out, target, chunk)
                 route = self.direct if path == "DIRECT" else self.fused
                 await route.move(port, out, target, chunk, cmap, aux)
                 return
             if await self.packed.move(port, out, target, chunk, cmap):
                 return  # its one batch's commit carried the chunk's end
-        if chunk.last and chunk.aux:
-            aux = await port.write_aux(out, target, chunk)
+        aux = await self._write_aux(port, out, target, chunk)
         if chunk.last or cmap.skipped:  # a marker: skipped pages, the sender's end, aux delivered
             c = Commit(
                 cmap.positions[:0],
@@ -188,6 +186,14 @@ class Dispatch:
                 last=chunk.last,
             )
             await commit(self.ctx, port, out, target, chunk.seq, c)
+
+    @staticmethod
+    async def _write_aux(port: Any, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
+        """The last chunk's aux rows written to the receiver: (bytes, rows); a chunk the native
+        lane copied has them there already (their bytes are in ``chunk.copied``)."""
+        if chunk.copied is not None:
+            return 0, chunk.copied_aux
+        return await port.write_aux(out, target, chunk) if chunk.last and chunk.aux else (0, 0)
 
     def drop_offer(self, receiver_id: str, transfer_id: str, ticket: str) -> bool:
         """The receiving service ``receiver_id`` ended ``transfer_id`` before any SendDelta of

@@ -41,6 +41,7 @@ class Chunk:
     aux: dict[str, np.ndarray]
     queued: float
     copied: tuple[int, int] | None = None  # (bytes, µs): the native lane already copied it
+    copied_aux: int = 0  # ... and this many aux rows (their bytes are in ``copied``)
 
 
 @dataclasses.dataclass(eq=False)

@@ -25,21 +25,33 @@ def lane_of(server: Any) -> Any:
 
 
 class Engines:
-    """A prefill and a decode engine on one service, each with a random-filled shm pool."""
+    """A prefill and a decode engine on one service, each with a random-filled shm pool (and aux
+    regions ``aux``: name -> (row_bytes, rows), random-filled too)."""
 
-    def __init__(self, server: Any, layout: Layout = LAYOUT, **client_kw: Any) -> None:
+    def __init__(
+        self,
+        server: Any,
+        layout: Layout = LAYOUT,
+        aux: dict[str, tuple[int, int]] | None = None,
+        **client_kw: Any,
+    ) -> None:
         self.server = server
         self.layout = layout
         self.lane = lane_of(server)
-        self.pa, self.pb = ShmKVPool.create(layout), ShmKVPool.create(layout)
+        self.aux_names = list(aux or {})
+        self.pa, self.pb = ShmKVPool.create(layout, aux), ShmKVPool.create(layout, aux)
         rng = np.random.default_rng(3)
         for pool in (self.pa, self.pb):
-            for r in self.regions(pool):
+            for r in self.regions(pool) + [pool.aux(n) for n in self.aux_names]:
                 r[:] = rng.integers(0, 256, r.shape, dtype=np.uint8)
         self.ka = Client(server.address, client_name="prefill", **client_kw)
         self.kb = Client(server.address, client_name="decode", **client_kw)
-        self.a = self.ka.register_buffers(layout, self.pa.k_regions, self.pa.v_regions).buffer_set_id
-        self.b = self.kb.register_buffers(layout, self.pb.k_regions, self.pb.v_regions).buffer_set_id
+        self.a = self.ka.register_buffers(
+            layout, self.pa.k_regions, self.pa.v_regions, aux=self.pa.aux_specs
+        ).buffer_set_id
+        self.b = self.kb.register_buffers(
+            layout, self.pb.k_regions, self.pb.v_regions, aux=self.pb.aux_specs
+        ).buffer_set_id
         self.peer = server.app.peer_address
 
     def regions(self, pool: ShmKVPool) -> list[np.ndarray]:
@@ -51,8 +63,19 @@ class Engines:
     def pages(self, pool: ShmKVPool, pages: list[int]) -> list[bytes]:
         return [r[p].tobytes() for r in self.regions(pool) for p in pages]
 
+    def rows(self, pool: ShmKVPool, name: str, rows: list[int]) -> bytes:
+        return pool.aux(name)[rows].tobytes()
+
     def snapshot(self) -> list[np.ndarray]:
         return [r.copy() for r in self.regions(self.pb)]
+
+    def aux_snapshot(self) -> dict[str, np.ndarray]:
+        return {n: self.pb.aux(n).copy() for n in self.aux_names}
+
+    def changed_rows(self, before: dict[str, np.ndarray]) -> dict[str, set[int]]:
+        return {
+            n: set(np.flatnonzero((old != self.pb.aux(n)).any(axis=1)).tolist()) for n, old in before.items()
+        }
 
     def changed_pages(self, before: list[np.ndarray]) -> set[int]:
         got: set[int] = set()

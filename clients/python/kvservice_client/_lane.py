@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import lane_wire
+from ._errors import FailedPrecondition
 from ._types import TransferStatus
 
 __all__ = ["Lane", "LaneOpener"]
@@ -90,6 +91,7 @@ class Lane:
         self.self_addresses = frozenset(w.get("self_addresses") or ())
         self.cross = bool(w.get("cross"))  # the service's cross-node lane runs: SEND_TO elsewhere
         self.src_i64 = bool(w.get("src_i64"))  # it checks i64 source pages itself (lane_wire)
+        self.chunks = bool(w.get("chunks"))  # it takes chunks with aux rows (FLAG_CHUNK)
         if spin_us is None:  # the engine set none: what the service advises (lane_wait_spin_us)
             spin_us = _advised_spin(w.get("wait_spin_us"))
         self.spin_us = max(0, spin_us)
@@ -112,17 +114,27 @@ class Lane:
         self._reader.start()
 
     def send(
-        self, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int, timeout: float, to: str = ""
+        self,
+        transfer_id: str,
+        buffer_set_id: str,
+        src: np.ndarray,
+        flags: int,
+        timeout: float,
+        to: str = "",
+        chunk: tuple[int, bool, dict[str, np.ndarray]] | None = None,
     ) -> bool:
-        """True: the service took the transfer (its END follows); False: make the gRPC call.
-        ``to``: another service's address (the cross-node lane's SEND_TO)."""
+        """True: the service took the chunk (the transfer's END follows its last); False: make
+        the gRPC call. ``to``: another service's address (the cross-node lane's SEND_TO);
+        ``chunk``: (offset, last, aux) of a chunk that is not the whole transfer. Raises
+        FailedPrecondition when the service refuses a later chunk of a transfer it has (the
+        transfer then ends FAILED with that reason)."""
         if self.closed:
             return False
         seq = next(self._seq)
         if to:
             msg = lane_wire.encode_send_to(seq, transfer_id, buffer_set_id, src, flags, to)
         else:
-            msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags)
+            msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags, chunk)
         if len(msg) > lane_wire.MAX_MESSAGE:
             return False
         # the packet first: what follows overlaps the service's work (its REPLY waits for the
@@ -153,6 +165,8 @@ class Lane:
                 self._replies.pop(seq, None)
             return False  # NOTE: the service may still run it; its gRPC twin is then refused
         reply = slot[1]
+        if reply is not None and reply[1] == lane_wire.REFUSED:
+            raise FailedPrecondition(f"transfer_id {transfer_id!r}: {reply[2]}")
         if reply is None or reply[1] != lane_wire.ACCEPTED:
             return False
         self.sent += 1

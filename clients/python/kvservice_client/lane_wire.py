@@ -8,9 +8,11 @@ and reads REPLY and END messages. Every message is one packet, little endian::
     SEND   u32 type=1, seq, n_src, tid_len, bs_len, flags │ tid │ buffer set id │ i32 src[n_src]
            (i64 with flag FLAG_SRC_I64, to a service whose welcome says ``src_i64``: the SDK
            sends the engine's int64 pages unchecked, the service refuses one outside i32)
+           │ with flag FLAG_CHUNK (a service whose welcome says ``chunks``): u64 chunk_offset,
+           u32 last_chunk, n_aux │ n_aux times: u32 name_len, n_rows │ name │ i64 rows[n_rows]
     SEND_TO u32 type=4, seq, n_src, tid_len, bs_len, flags, addr_len │ tid │ buffer set id │
            the receiving service's address │ i32 (i64) src[n_src]   (the cross-node lane)
-    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback) │ u32 msg_len │ msg
+    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback, 2 refused) │ u32 msg_len │ msg
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
            msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg │
            u32 flags (END_CROSS: the cross-node lane moved it; absent from older services) │
@@ -20,10 +22,13 @@ and reads REPLY and END messages. Every message is one packet, little endian::
 A GPU copy's REPLY goes once the copy is launched (a host copy's before the copy): an END can
 come before its REPLY.
 
-A SEND is the whole transfer in one chunk (``chunk_offset`` 0, ``last_chunk``): the receiver's
-prefix and delta pages, in order. The service accepts it only for a transfer its receiver
+A SEND is one chunk of a transfer (SendDelta's ``chunk_offset``, ``last_chunk`` and ``aux``),
+or without FLAG_CHUNK the whole transfer in one chunk: the receiver's prefix and delta pages,
+in order. The service accepts a transfer's first chunk only for a transfer its receiver
 declared and the service armed; anything else is answered *fallback* and the engine makes the
-same call over gRPC, which has the full validation and its errors. gRPC stays the API: an END
+same call over gRPC, which has the full validation and its errors. Its later chunks then go the
+same way: on the lane (a chunk the lane cannot take is *refused* with the reason, and the
+transfer ends FAILED with it) or over gRPC. gRPC stays the API: an END
 here is also reported on the engine's Transfers stream and by Poll.
 """
 
@@ -38,9 +43,11 @@ import numpy as np
 __all__ = [
     "ACCEPTED",
     "FALLBACK",
+    "FLAG_CHUNK",
     "FLAG_NO_DUPLICATE_MARK",
     "FLAG_SRC_I64",
     "MAX_MESSAGE",
+    "REFUSED",
     "End",
     "Reply",
     "decode",
@@ -56,12 +63,15 @@ __all__ = [
 
 MSG_SEND, MSG_REPLY, MSG_END, MSG_SEND_TO = 1, 2, 3, 4
 END_CROSS = 1
-ACCEPTED, FALLBACK = 0, 1
+ACCEPTED, FALLBACK, REFUSED = 0, 1, 2
 FLAG_NO_DUPLICATE_MARK = 1
 FLAG_SRC_I64 = 2
+FLAG_CHUNK = 4
 MAX_MESSAGE = 256 * 1024  # the service's receive buffer: a larger SEND goes over gRPC
 _SEND = struct.Struct("<6I")
 _SEND_TO = struct.Struct("<7I")
+_CHUNK = struct.Struct("<QII")
+_AUX = struct.Struct("<II")
 _REPLY = struct.Struct("<IIiI")
 _END = struct.Struct("<6I4Q")
 _TIMES = struct.Struct("<5d")
@@ -75,10 +85,32 @@ def _pages(src: np.ndarray, flags: int) -> np.ndarray:
     return np.ascontiguousarray(src, dtype="<i8" if flags & FLAG_SRC_I64 else "<i4")
 
 
-def encode_send(seq: int, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int = 0) -> bytes:
+def encode_send(
+    seq: int,
+    transfer_id: str,
+    buffer_set_id: str,
+    src: np.ndarray,
+    flags: int = 0,
+    chunk: tuple[int, bool, dict[str, np.ndarray]] | None = None,
+) -> bytes:
+    """A SEND; ``chunk``: (chunk_offset, last_chunk, aux rows by name) of a chunk that is not
+    the whole transfer (sets FLAG_CHUNK)."""
     t, b = transfer_id.encode(), buffer_set_id.encode()
     pages = _pages(src, flags)
-    return _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags) + t + b + pages.tobytes()
+    if chunk is None:
+        return _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags) + t + b + pages.tobytes()
+    offset, last, aux = chunk
+    parts = [
+        _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags | FLAG_CHUNK),
+        t,
+        b,
+        pages.tobytes(),
+        _CHUNK.pack(offset, int(last), len(aux)),
+    ]
+    for name, rows in aux.items():
+        n, r = name.encode(), np.ascontiguousarray(rows, dtype="<i8").reshape(-1)
+        parts += [_AUX.pack(len(n), r.size), n, r.tobytes()]
+    return b"".join(parts)
 
 
 def encode_send_to(
@@ -156,7 +188,8 @@ def welcome(
     wait_spin_us: int = 0,
 ) -> bytes:
     """``cross``: the service's cross-node lane runs (SEND_TO is worth trying). ``src_i64``: it
-    reads i64 source pages (FLAG_SRC_I64). ``wait_spin_us``: how long the service advises a
+    reads i64 source pages (FLAG_SRC_I64). ``chunks``: it takes chunks with aux rows
+    (FLAG_CHUNK). ``wait_spin_us``: how long the service advises a
     waiting thread to poll before it sleeps (the engine's own setting wins)."""
     msg = {
         "ok": ok,
@@ -164,6 +197,7 @@ def welcome(
         "self_addresses": self_addresses or [],
         "cross": cross,
         "src_i64": True,
+        "chunks": True,
         "wait_spin_us": wait_spin_us,
     }
     return json.dumps(msg).encode()

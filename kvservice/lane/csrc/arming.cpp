@@ -30,14 +30,20 @@ void Lane::add_conn(int fd, const std::string& session) {
 // NOTE: only the lane thread closes a connection's fd (closed()): it may hold an epoll event for
 // it right now, and a number closed here could be reused by the next connection before it reads.
 // Here the connection is shut down (its event says hang-up) and no longer any session's.
+// Its streams still taking chunks fail (their copies in flight end first).
 void Lane::drop_session(const std::string& session) {
-  std::lock_guard<std::mutex> g(mu_);
-  for (auto& kv : conns_) {
-    if (kv.second.session == session) {
-      kv.second.session.clear();
-      shutdown(kv.first, SHUT_RDWR);
+  bool ended;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& kv : conns_) {
+      if (kv.second.session == session) {
+        kv.second.session.clear();
+        shutdown(kv.first, SHUT_RDWR);
+      }
     }
+    ended = fail_streams_of_session(session);
   }
+  if (ended) signal_done();
 }
 
 int Lane::conns() {
@@ -91,6 +97,13 @@ bool Lane::drop_pool(const std::string& bs, double wait_s) {
   return true;
 }
 
+// Pool ``bs``'s aux regions (host memory), for the aux rows of a chunk.
+void Lane::set_aux(const std::string& bs, std::vector<AuxDesc> aux) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto p = pools_.find(bs);
+  if (p != pools_.end()) p->second.aux = std::move(aux);
+}
+
 // Pool ``bs``'s heads, for head slices between TP sizes (see Pool::hmode).
 void Lane::set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps) {
   std::lock_guard<std::mutex> g(mu_);
@@ -101,8 +114,9 @@ void Lane::set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, i
 }
 
 void Lane::arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
-               int64_t prefix, std::vector<int32_t> dst, double deadline, int senders) {
+               int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux) {
   Armed a;
+  a.aux = std::move(aux);
   a.recv_session = recv_session;
   a.recv_bs = recv_bs;
   a.prefix = prefix;
@@ -118,16 +132,29 @@ void Lane::arm(const std::string& tid, int rank, const std::string& recv_session
 // Disarm: 0 = nothing armed, 1 = was armed and is no more (no copy of it is pending: one
 // booked before stays booked); 2 = the lane is copying or has copied into it and Python's
 // finalize is pending: the caller must wait for that completion (it takes no sender now).
-int Lane::disarm(const std::string& tid, int rank) {
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = armed_.find(key(tid, rank));
-  if (it == armed_.end()) return 0;
-  if (it->second.pending == 0) {
-    unarm(it, tid, rank);
-    return 1;
+// ``cancel`` (the receiver ends): a stream into it still waiting for chunks fails, so that
+// completion comes once its copies in flight end; otherwise (another sender takes the rank)
+// such a stream goes on to its last chunk.
+int Lane::disarm(const std::string& tid, int rank, bool cancel) {
+  bool ended = false;
+  int out = 2;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    const std::string k = key(tid, rank);
+    auto it = armed_.find(k);
+    if (it == armed_.end()) return 0;
+    if (it->second.pending == 0) {
+      unarm(it, tid, rank);
+      return 1;
+    }
+    if (it->second.state == ARMED) it->second.state = GATED;
+    if (cancel) {
+      it->second.cancelled = true;
+      ended = fail_streams_into(k);
+    }
   }
-  if (it->second.state == ARMED) it->second.state = GATED;
-  return 2;
+  if (ended) signal_done();
+  return out;
 }
 
 // Python's finalize of a completion booked a copy into (tid, rank): the copies still pending
@@ -170,12 +197,13 @@ std::string Lane::lost(const Pool& p) const {
   auto faults = guard_faults_.load();
   auto range = guard_range_.load();
   if (!faults || !range || p.device >= 0 || p.name.empty() || !faults()) return "";  // (staging: never guarded)
-  for (const RegionDesc& r : p.regions) {
-    if (range(r.base, r.stride * (uint64_t)p.num_pages))
-      return "buffer set '" + p.name +
-             "': its shared memory shrank under the service (the engine truncated or dropped it); its transfers "
-             "fail: unregister it and register new memory";
-  }
+  bool hit = false;
+  for (const RegionDesc& r : p.regions) hit |= range(r.base, r.stride * (uint64_t)p.num_pages) != 0;
+  for (const AuxDesc& a : p.aux) hit |= range(a.base, a.row_bytes * (uint64_t)a.rows) != 0;
+  if (hit)
+    return "buffer set '" + p.name +
+           "': its shared memory shrank under the service (the engine truncated or dropped it); its transfers "
+           "fail: unregister it and register new memory";
   return "";
 }
 

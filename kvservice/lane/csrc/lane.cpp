@@ -86,14 +86,20 @@ void Lane::run() {
   }
 }
 
+// A connection ended: its SEND_TOs parked for an offer go, its streams still taking chunks fail.
 void Lane::closed(int fd) {
-  std::lock_guard<std::mutex> g(mu_);
-  for (auto it = parked_.begin(); it != parked_.end();) it = it->second.fd == fd ? parked_.erase(it) : std::next(it);
-  parked_count_ = parked_.size();
-  if (conns_.erase(fd)) {
-    epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
-    close(fd);
+  bool ended = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = parked_.begin(); it != parked_.end();) it = it->second.fd == fd ? parked_.erase(it) : std::next(it);
+    parked_count_ = parked_.size();
+    if (conns_.erase(fd)) {
+      epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
+      close(fd);
+      ended = fail_streams_of_fd(fd);
+    }
   }
+  if (ended) signal_done();
 }
 
 // mu_ held: ``m`` to connection ``fd`` if it is still one of ``session``'s (the number of a

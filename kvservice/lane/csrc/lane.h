@@ -18,7 +18,9 @@
 //
 //   lane.cpp         threads, the reader loop, messages to engines, completions
 //   arming.cpp       what Python arms: engines' connections, pools, same-node transfers
-//   same_node.cpp    a SEND: checked against what is armed, copied, ended (handle -> end_local)
+//   same_node.cpp    a SEND (a chunk of a transfer, or all of it): checked against what is armed
+//                    and against its stream's earlier chunks (handle -> copy_local)
+//   same_copy.cpp    its aux rows and pages copied, its stream ended: END, the completion
 //   copy.cpp         the copy itself (copier.h, class Copier): CUDA driver + NVRTC kernel
 //                    launches, the ring of launches in flight, host memcpy
 //   cross_setup.cpp  the cross-node lane's NIXL agent, staging, offers and declarations
@@ -97,9 +99,10 @@ class Lane {
   void set_alias(const std::string& bs, int device, std::vector<uint64_t> bases);
   bool drop_pool(const std::string& bs, double wait_s);
   void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps);
+  void set_aux(const std::string& bs, std::vector<AuxDesc> aux);
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
-           int64_t prefix, std::vector<int32_t> dst, double deadline, int senders);
-  int disarm(const std::string& tid, int rank);
+           int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux);
+  int disarm(const std::string& tid, int rank, bool cancel);
   int forget(const std::string& tid, int rank);
   size_t armed_count();
 
@@ -141,18 +144,34 @@ class Lane {
   // ---- arming.cpp ----------------------------------------------------------------------------
   void unarm(std::unordered_map<std::string, Armed>::iterator it, const std::string& tid, int rank);
 
-  // ---- same_node.cpp -------------------------------------------------------------------------
+  // ---- same_node.cpp: accepting a chunk -----------------------------------------------------
   void handle(int fd, const char* p, size_t n);
-  std::string targets(const std::string& tid, const Pool& sp, const std::vector<int32_t>& src, std::vector<Target>& tg,
-                      int64_t& prefix);
+  std::string first_chunk(const std::string& tid, const std::string& session, int fd, uint32_t flags,
+                          const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job);
+  std::string next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job);
+  std::string targets(const std::string& tid, const Pool& sp, const SendChunk& c, const std::vector<int32_t>& src,
+                      std::vector<Target>& tg, int64_t& prefix);
+  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n, int nh) const;
+  std::string aux_ok(const Pool& sp, const std::vector<Target>& tg, const std::vector<AuxRows>& aux,
+                     LocalCopy& job) const;
+  void mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& aux);
+  static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src);
+  // mu_ held; true: a completion was queued (signal_done once mu_ is released)
+  bool fail_stream(std::unordered_map<std::string, Stream>::iterator it, const std::string& why);
+  template <class P>
+  bool fail_streams(P pred, const std::string& why);
+  bool fail_streams_of_session(const std::string& session);
+  bool fail_streams_of_fd(int fd);
+  bool fail_streams_into(const std::string& akey);
+  // ---- same_copy.cpp: copying it, ending its stream ------------------------------------------
   void copy_local(LocalCopy& job);
   std::string launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
                            size_t moved, uint64_t nbytes, double t0);
   void finish_run();
   void end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbytes, size_t moved);
-  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src, int nh) const;
+  void end_stream(std::unordered_map<std::string, Stream>::iterator it, const LocalCopy* at);  // mu_ held
+  void signal_done();
   std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const;
-  static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src);
   int launch_device(const Pool& sp, const Pool& dp) const { return cu_.launch_device(sp.device, dp.device); }
   // A larger same-node copy of host pools goes to the bulk thread: the lane thread keeps
   // answering (a 256 MiB host copy takes ~25 ms). GPU copies stay here (2 GiB is ~1.4 ms on one
@@ -233,6 +252,10 @@ class Lane {
   std::unordered_map<std::string, Pool> pools_;
   std::unordered_map<std::string, Armed> armed_;
   std::unordered_map<std::string, std::vector<int>> by_tid_;  // transfer id -> its armed ranks
+  std::unordered_map<std::string, Stream> streams_;           // tid '\0' sender bs -> its chunks so far
+  // ... and the streams that ended: the offset a next chunk would have, and what became of it
+  std::unordered_map<std::string, std::pair<int64_t, std::string>> ended_;
+  static constexpr size_t kEndedMax = 4096;
   std::deque<Completion> completions_;
   // cross-node lane
   xnixl::Api nx_;

@@ -34,9 +34,22 @@ void set_alias(Lane& lane, const std::string& bs, int device, const U64Array& ba
   lane.set_alias(bs, device, std::vector<uint64_t>(bases.data(), bases.data() + bases.size()));
 }
 
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// ``aux``: (name, rows) pairs (the receiver's declared aux rows)
 void arm(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
-         int64_t prefix, const I32Array& dst, double deadline, int senders) {
-  lane.arm(tid, rank, recv_session, recv_bs, prefix, pages(dst), deadline, senders);
+         int64_t prefix, const I32Array& dst, double deadline, int senders,
+         const std::vector<std::pair<std::string, I64Array>>& aux) {
+  std::vector<kvlane::AuxRows> rows;
+  for (auto& [name, r] : aux) rows.push_back({name, std::vector<int64_t>(r.data(), r.data() + r.size())});
+  lane.arm(tid, rank, recv_session, recv_bs, prefix, pages(dst), deadline, senders, std::move(rows));
+}
+
+// ``aux``: (name, base address, row bytes, rows) of each aux region (host memory)
+void set_aux(Lane& lane, const std::string& bs, const std::vector<std::tuple<std::string, uint64_t, uint64_t, int64_t>>& aux) {
+  std::vector<kvlane::AuxDesc> out;
+  for (auto& [name, base, row_bytes, n] : aux) out.push_back({name, base, row_bytes, n});
+  lane.set_aux(bs, std::move(out));
 }
 
 void arm_in(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
@@ -61,7 +74,8 @@ py::list drain(Lane& lane) {
     py::array_t<int32_t> src(c.src.size());
     if (!c.src.empty()) std::memcpy(src.mutable_data(), c.src.data(), c.src.size() * 4);
     out.append(py::make_tuple(c.tid, c.rank, c.bs, c.sender_session, src, c.ok, c.error, c.nbytes, c.copy_us, c.flags,
-                              c.told_recv, c.told_send, py::cast(c.ranks), py::cast(c.told), c.kind));
+                              c.told_recv, c.told_send, py::cast(c.ranks), py::cast(c.told), c.first, c.aux_rows,
+                              c.kind));
   }
   return out;
 }
@@ -98,9 +112,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drop_pool", &Lane::drop_pool, py::arg("bs"), py::arg("wait_s") = 10.0, Release())
       .def("set_guard", &Lane::set_guard)
       .def("set_heads", &Lane::set_heads)
+      .def("set_aux", &set_aux)
       .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"), py::arg("prefix"),
-           py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1)
-      .def("disarm", &Lane::disarm)
+           py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1,
+           py::arg("aux") = std::vector<std::pair<std::string, I64Array>>())
+      .def("disarm", &Lane::disarm, py::arg("tid"), py::arg("rank"), py::arg("cancel") = false)
       .def("forget", &Lane::forget)
       .def("armed_count", &Lane::armed_count)
       .def("drain", &drain)

@@ -1,6 +1,12 @@
-// The same-node route: a SEND checked against what is armed (handle, targets, check), its pages
-// copied into every receiver rank it feeds (copy_local: launched on the GPU and ended by the
-// finisher thread, or copied on the host), then END to the engines and the completion (end_local).
+// The same-node route, accepting: a SEND (one chunk of a transfer, or all of it) checked against
+// what is armed and against its stream's earlier chunks (handle, first_chunk, next_chunk), then
+// handed to the copy (same_copy.cpp: copy_local).
+//
+//   first chunk of (tid, sender pool) ─▶ targets + check + aux ─▶ a Stream ─▶ copy_local
+//   a later chunk                      ─▶ in order, still armed ─▶ the Stream ─▶ copy_local
+//   anything the lane cannot take: a first chunk is answered FALLBACK (the engine makes the gRPC
+//   call, which has the full validation); a later one REFUSED, and its stream ends FAILED
+//   with the reason (the lane has the transfer: gRPC could not continue it).
 
 #include <unistd.h>
 
@@ -12,45 +18,94 @@
 
 namespace kvlane {
 
+namespace {
+
+// A chunked SEND's trailer and aux rows (wire.h); false: malformed.
+bool read_chunk(const char* q, size_t n, SendChunk& c) {
+  ChunkTrailer t;
+  if (n < sizeof t) return false;
+  std::memcpy(&t, q, sizeof t);
+  c.offset = (int64_t)t.offset;
+  c.last = t.last != 0;
+  if (t.offset > (uint64_t)INT32_MAX || t.n_aux > 64) return false;
+  size_t at = sizeof t;
+  for (uint32_t i = 0; i < t.n_aux; ++i) {
+    AuxHdr a;
+    if (n - at < sizeof a) return false;
+    std::memcpy(&a, q + at, sizeof a);
+    at += sizeof a;
+    if (a.name_len > 256 || n - at < a.name_len || (n - at - a.name_len) / 8 < a.n_rows) return false;
+    AuxRows r;
+    r.name.assign(q + at, a.name_len);
+    at += a.name_len;
+    r.rows.resize(a.n_rows);
+    if (a.n_rows) std::memcpy(r.rows.data(), q + at, 8ull * a.n_rows);
+    at += 8ull * a.n_rows;
+    c.aux.push_back(std::move(r));
+  }
+  return at == n;
+}
+
+const AuxDesc* aux_of(const Pool& p, const std::string& name) {
+  for (const AuxDesc& a : p.aux)
+    if (a.name == name) return &a;
+  return nullptr;
+}
+
+const AuxRows* rows_of(const std::vector<AuxRows>& v, const std::string& name) {
+  for (const AuxRows& r : v)
+    if (r.name == name) return &r;
+  return nullptr;
+}
+
+}  // namespace
+
 void Lane::handle(int fd, const char* p, size_t n) {
   if (n < sizeof(SendHdr)) return closed(fd);  // not our protocol: drop the connection
   SendHdr h;
   std::memcpy(&h, p, sizeof h);
   if (h.type == MSG_SEND_TO) return handle_x(fd, p, n);
   const uint64_t w = h.flags & FLAG_SRC_I64 ? 8 : 4;
-  if (h.type != MSG_SEND || (uint64_t)sizeof h + h.tid_len + h.bs_len + w * h.n_src != n) return closed(fd);
+  const uint64_t head = (uint64_t)sizeof h + h.tid_len + h.bs_len + w * h.n_src;
+  if (h.type != MSG_SEND || head > n) return closed(fd);
+  SendChunk c;
+  if (!(h.flags & FLAG_CHUNK) ? head != n : !read_chunk(p + head, n - head, c)) return closed(fd);
   std::string tid(p + sizeof h, h.tid_len), bs(p + sizeof h + h.tid_len, h.bs_len);
   std::vector<int32_t> src;
-  if (!read_src(p + sizeof h + h.tid_len + h.bs_len, h.n_src, w, src))
-    return reply(fd, h.seq, REPLY_FALLBACK, "source page out of range");
+  const bool src_ok = read_src(p + sizeof h + h.tid_len + h.bs_len, h.n_src, w, src);
 
   std::string session, why;
+  int32_t code = REPLY_FALLBACK;
   LocalCopy job;
   job.at_recv = at_msg_;
+  bool ended = false;
   {
     std::lock_guard<std::mutex> g(mu_);
-    auto c = conns_.find(fd);
-    if (c == conns_.end()) return;
-    session = c->second.session;
+    auto cn = conns_.find(fd);
+    if (cn == conns_.end()) return;
+    session = cn->second.session;
     auto ps = pools_.find(bs);
     if (ps == pools_.end() || ps->second.owner != session) {
       why = "buffer set not on the lane";
     } else {
       job.sp = ps->second;
-      why = targets(tid, job.sp, src, job.tg, job.prefix);
-    }
-    if (why.empty()) {
-      const uint64_t bit = 1ull << (job.sp.rank & 63);
-      for (auto& t : job.tg) {  // taken: atomic with the checks (a disarm sees it pending)
-        Armed& a = armed_.at(t.akey);
-        a.senders = t.senders;
-        a.pending++;
-        a.ranks |= bit;
-        if (__builtin_popcountll(a.ranks) >= a.senders) a.state = RUNNING;
+      job.skey = tid + '\0' + bs;
+      auto st = streams_.find(job.skey);
+      auto en = ended_.find(job.skey);
+      if (st != streams_.end()) {
+        code = REPLY_REFUSED;
+        why = src_ok ? next_chunk(st->second, c, src, job) : "source page out of range";
+        if (!why.empty()) ended = fail_stream(st, why);
+      } else if (en != ended_.end() && c.offset > 0 && c.offset == en->second.first) {
+        code = REPLY_REFUSED;
+        why = "chunk_offset " + std::to_string(c.offset) + ": " + en->second.second;
+      } else {
+        why = src_ok ? first_chunk(tid, session, fd, h.flags, c, src, job) : "source page out of range";
       }
     }
   }
-  if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
+  if (ended) signal_done();
+  if (!why.empty()) return reply(fd, h.seq, code, why);
   job.at_checked = now_s();
   job.seq = h.seq;
   if (job.sp.device < 0) reply(fd, h.seq, REPLY_ACCEPTED, "");  // a host copy may take ms: heard first
@@ -61,9 +116,121 @@ void Lane::handle(int fd, const char* p, size_t n) {
   job.session = session;
   job.src = std::move(src);
   uint64_t bytes = 0;
-  for (auto& r : job.sp.regions) bytes += r.nbytes * (job.src.size() - (size_t)job.prefix);
+  for (auto& r : job.sp.regions) bytes += r.nbytes * job.src.size();
   if (bytes < LOCAL_BULK_BYTES || job.sp.device >= 0) return copy_local(job);
   to_bulk([this, job]() mutable { copy_local(job); });
+}
+
+// mu_ held: the first chunk of (tid, the sender's pool ``job.sp``): its targets checked, its
+// stream opened, each target's declaration taken (atomic with the checks: a disarm sees it
+// pending), or why not.
+std::string Lane::first_chunk(const std::string& tid, const std::string& session, int fd, uint32_t flags,
+                              const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job) {
+  std::string why = targets(tid, job.sp, c, src, job.tg, job.prefix);
+  if (why.empty()) why = aux_ok(job.sp, job.tg, c.aux, job);
+  if (!why.empty()) return why;
+  ended_.erase(job.skey);
+  mark_aux(job.tg, c.aux);
+  const uint64_t bit = 1ull << (job.sp.rank & 63);
+  for (auto& t : job.tg) {
+    Armed& a = armed_.at(t.akey);
+    a.senders = t.senders;
+    a.pending++;
+    a.ranks |= bit;
+    if (__builtin_popcountll(a.ranks) >= a.senders) a.state = RUNNING;
+  }
+  Stream s;
+  s.fd = fd;
+  s.flags = flags;
+  s.tid = tid;
+  s.bs = job.sp.name;
+  s.session = session;
+  s.sp = job.sp;
+  s.tg = job.tg;
+  s.prefix = job.prefix;
+  s.first = c.offset;
+  s.next = c.offset + (int64_t)src.size();
+  s.src = src;
+  s.last = c.last;
+  s.inflight = 1;
+  job.off = c.offset;
+  streams_.emplace(job.skey, std::move(s));
+  return "";
+}
+
+// mu_ held: a later chunk of stream ``s``: in order, its receivers still armed and in time, its
+// pages inside the delta; taken into the stream, or why not (the caller ends the stream).
+std::string Lane::next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job) {
+  if (!s.error.empty()) return s.error;
+  if (s.last) return "transfer already received its last chunk";
+  if (c.offset != s.next)
+    return "chunk_offset " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
+           std::to_string(s.next);
+  const double now = now_s();
+  for (const Target& t : s.tg) {
+    auto ai = armed_.find(t.akey);
+    if (ai == armed_.end() || ai->second.state == GATED) return "transfer ended by its receiver";
+    if (ai->second.failed) return ai->second.error;
+    if (now > ai->second.deadline) return "transfer deadline passed";
+  }
+  const int64_t end = c.offset + (int64_t)src.size(), want = s.prefix + (int64_t)s.tg[0].dst.size();
+  if (end > want || (c.last && end != want))
+    return "chunk_offset + pages: " + std::to_string(end) + " pages of a transfer of " + std::to_string(want) +
+           " (prefix + delta)";
+  std::string why = pages_ok(s.sp, src);
+  if (why.empty()) why = aux_ok(s.sp, s.tg, c.aux, job);
+  if (!why.empty()) return why;
+  mark_aux(s.tg, c.aux);
+  s.next = end;
+  s.last = c.last;
+  s.inflight++;
+  s.src.insert(s.src.end(), src.begin(), src.end());
+  job.sp = s.sp;
+  job.tg = s.tg;
+  job.prefix = s.prefix;
+  job.off = c.offset;
+  return "";
+}
+
+// mu_ held: stream ``it`` fails with ``why``; it ends now if no copy of it is in flight (true:
+// a completion was queued, signal_done), else with its last copy (end_local).
+bool Lane::fail_stream(std::unordered_map<std::string, Stream>::iterator it, const std::string& why) {
+  if (it->second.error.empty()) it->second.error = why;
+  if (it->second.inflight) return false;
+  end_stream(it, nullptr);
+  return true;
+}
+
+// mu_ held: every stream still taking chunks that matches ``pred`` fails with ``why``.
+template <class P>
+bool Lane::fail_streams(P pred, const std::string& why) {
+  bool ended = false;
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    auto next = std::next(it);
+    if (!it->second.last && pred(it->second)) ended |= fail_stream(it, why);
+    it = next;
+  }
+  return ended;
+}
+
+bool Lane::fail_streams_of_session(const std::string& session) {
+  return fail_streams([&](const Stream& s) { return s.session == session; },
+                      "the sending engine's session ended before its last chunk");
+}
+
+bool Lane::fail_streams_of_fd(int fd) {
+  return fail_streams([&](const Stream& s) { return s.fd == fd; },
+                      "the sending engine's lane closed before its last chunk");
+}
+
+bool Lane::fail_streams_into(const std::string& akey) {
+  return fail_streams(
+      [&](const Stream& s) {
+        for (const Target& t : s.tg)
+          if (t.akey == akey) return true;
+        return false;
+      },
+      CANCELLED);
 }
 
 // mu_ held: the receiver ranks of ``tid`` armed here that sender pool ``sp`` copies into, each
@@ -73,7 +240,7 @@ void Lane::handle(int fd, const char* p, size_t n) {
 //
 //   H = 8, sender TP 4 -> receiver TP 2:   sender 1 holds heads 2-3; receiver 0 holds 0-3
 //     head slice: nh = 2 heads, from the sender's local head hs = 0 to the receiver's hd = 2
-std::string Lane::targets(const std::string& tid, const Pool& sp, const std::vector<int32_t>& src,
+std::string Lane::targets(const std::string& tid, const Pool& sp, const SendChunk& c, const std::vector<int32_t>& src,
                           std::vector<Target>& tg, int64_t& prefix) {
   auto ranks = by_tid_.find(tid);
   if (ranks == by_tid_.end()) return "transfer not armed";
@@ -106,7 +273,7 @@ std::string Lane::targets(const std::string& tid, const Pool& sp, const std::vec
     if (now > a.deadline) return "transfer deadline passed";
     if (a.ranks & (1ull << (sp.rank & 63))) return "this sender rank sent it already";
     if (a.senders && a.senders != t.senders) return "expected_senders differs from the layouts";
-    std::string why = check(sp, dp, a, src, t.nh);
+    std::string why = check(sp, dp, a, c, src.size(), t.nh);
     if (!why.empty()) return why;
     if (!tg.empty() && (a.prefix != prefix || dp.device != tg[0].dp.device))
       return "receiver ranks differ in prefix or device";
@@ -122,153 +289,10 @@ std::string Lane::targets(const std::string& tid, const Pool& sp, const std::vec
   return pages_ok(sp, src);
 }
 
-// An accepted same-node SEND: one copy into every target, then END to the sender and to each
-// receiver rank that has all its senders now, and the completion for Python.
-void Lane::copy_local(LocalCopy& job) {
-  const Pool& sp = job.sp;
-  const int64_t prefix = job.prefix;
-  const std::vector<int32_t>& src = job.src;
-  // The copy: src[prefix + i] -> target's dst[i] for every region of every target.
-  const size_t moved = src.size() - (size_t)prefix, nt = job.tg.size();
-  std::vector<int32_t> pairs(2 * moved * nt);
-  for (size_t t = 0; t < nt; ++t) {
-    const std::vector<int32_t>& dst = job.tg[t].dst;
-    int32_t* pr = pairs.data() + 2 * moved * t;
-    for (size_t i = 0; i < moved; ++i) {
-      pr[2 * i] = src[(size_t)prefix + i];
-      pr[2 * i + 1] = dst[i];
-    }
-  }
-  std::vector<Seg> segs;
-  std::string err;
-  try {
-    segs = segments(sp, job.tg, moved);
-  } catch (const std::exception& e) {
-    err = e.what();
-  }
-  uint64_t nbytes = 0;
-  for (auto& g : segs) nbytes += g.nbytes * moved;
-  double t0 = now_s();
-  if (sp.device >= 0) {  // a GPU copy's sender hears once it is queued (or how it failed, from its END)
-    const int fd = job.fd;
-    const uint32_t seq = job.seq;
-    if (err.empty()) err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it
-    reply(fd, seq, REPLY_ACCEPTED, "");
-    if (err.empty()) return;
-  } else if (err.empty()) {
-    err = cu_.copy(sp.device, job.tg[0].dp.device, segs, pairs, moved);
-  }
-  if (!job.at_launch) job.at_launch = t0;
-  job.at_done = now_s();
-  end_local(job, err, (uint64_t)((now_s() - t0) * 1e6), nbytes, moved);
-}
-
-std::string Lane::launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
-                               size_t moved, uint64_t nbytes, double t0) {
-  const size_t nr = segs.size();
-  if (moved == 0 || nr == 0) {  // nothing to copy: ends at once
-    end_local(job, "", 0, 0, moved);
-    return "";
-  }
-  const int on = launch_device(job.sp, job.tg[0].dp);
-  int si = -1;
-  std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si, job.at_launch);
-  if (!err.empty()) return err;
-  {
-    std::lock_guard<std::mutex> g(fin_mu_);
-    fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
-  }
-  fin_cv_.notify_all();
-  return "";
-}
-
-// The finisher thread: each launched copy in launch order, once its event completed.
-void Lane::finish_run() {
-  for (;;) {
-    InFlight f;
-    {
-      std::unique_lock<std::mutex> g(fin_mu_);
-      fin_cv_.wait(g, [&] { return !fin_q_.empty() || !fin_running_; });
-      if (fin_q_.empty()) return;
-      f = std::move(fin_q_.front());
-      fin_q_.pop_front();
-    }
-    const std::string err = cu_.finish(f.device, f.slot);
-    f.job.at_done = now_s();
-    try {
-      end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
-    } catch (const std::exception&) {  // (out of memory) the transfer's deadline ends it
-    }
-  }
-}
-
-// END to the sender and to each receiver rank that has all its senders now (or a failure),
-// then the completion for Python.
-void Lane::end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbytes, size_t moved) {
-  // a pool whose memory its owner shrank during (or before) the copy: the guard repaired the
-  // fault, the bytes are not the engine's: the transfer fails
-  if (err.empty()) err = lost(job.sp);
-  for (size_t i = 0; i < job.tg.size() && err.empty(); ++i) err = lost(job.tg[i].dp);
-  const int fd = job.fd;
-  const std::string &tid = job.tid, &bs = job.bs, &session = job.session;
-  const Pool& sp = job.sp;
-  const int64_t prefix = job.prefix;
-  const size_t nt = job.tg.size();
-  const bool ok = err.empty();
-  const uint64_t each = nt ? nbytes / nt : 0;
-
-  Completion done;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    // END to the engines first (receivers, then sender); Python's bookkeeping follows.
-    for (auto& t : job.tg) {
-      int told = 0;
-      auto ai = armed_.find(t.akey);  // still ours: disarm() answers 2 while a copy is pending
-      if (ai != armed_.end()) {
-        Armed& a = ai->second;
-        a.done += ok;
-        a.failed += !ok;
-        a.nbytes += each;
-        if (!ok && a.error.empty()) a.error = err;
-        if (a.failed && a.state == ARMED) a.state = RUNNING;  // a failure: it takes no more senders
-        // its END: with its last sender's copy; after a failure, once every copy taken has ended
-        // (a sender's kernel may still be writing its pages)
-        const bool all = a.done >= a.senders, ended = a.done + a.failed >= __builtin_popcountll(a.ranks);
-        if (!a.told && (a.failed ? ended : all)) {
-          a.told = true;
-          a.state = a.state == GATED ? GATED : COMPLETED;
-          const bool rok = a.failed == 0;
-          std::string to_recv =
-              end_msg(0, rok, tid, a.recv_bs, rok ? "" : a.error, a.nbytes, moved, (uint64_t)prefix, us, 0, &job);
-          for (auto& kv : conns_) {
-            if (kv.second.session == a.recv_session) told |= sendmsg_(kv.first, to_recv);
-          }
-        }
-      }
-      done.ranks.push_back(t.rank);
-      done.told.push_back(told);
-    }
-    std::string to_send = end_msg(1, ok, tid, bs, err, nbytes, moved, (uint64_t)prefix, us, 0, &job);
-    done.told_send = tell(fd, session, to_send);
-    done.told_recv = !done.told.empty() && done.told[0];
-    done.tid = tid;
-    done.rank = job.tg.empty() ? sp.rank : job.tg[0].rank;
-    done.bs = bs;
-    done.sender_session = session;
-    done.ok = ok;
-    done.error = err;
-    done.nbytes = nbytes;
-    done.copy_us = us;
-    done.flags = job.flags;
-    done.src.swap(job.src);
-    completions_.push_back(std::move(done));
-  }
-  uint64_t one = 1;
-  (void)!write(done_, &one, 8);
-}
-
-// One target's geometry against the sender's (nh 0: equal layouts, whole pages).
-std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const std::vector<int32_t>& src, int nh) const {
+// One target's geometry against the sender's (nh 0: equal layouts, whole pages), and where the
+// first chunk ``c`` of ``n`` pages lies: from the transfer's page 0, or from inside the
+// receiver's prefix (a sender that knows it); never past the delta.
+std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n, int nh) const {
   if (sp.regions.size() != dp.regions.size()) return "layouts differ";  // (nh 0: targets() saw equal signatures)
   // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
   // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
@@ -285,43 +309,46 @@ std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const st
                    a_ / ((uint64_t)sp.ps * sp.hn) != b_ / ((uint64_t)dp.ps * dp.hn)))
       return "region geometry differs";
   }
-  if ((int64_t)src.size() != a.prefix + (int64_t)a.dst.size()) return "page count is not prefix + delta";
+  const int64_t end = c.offset + (int64_t)n, want = a.prefix + (int64_t)a.dst.size();
+  if (c.offset > a.prefix) return "the first chunk starts past the receiver's prefix";
+  if (end > want || (c.last && end != want)) return "page count is not prefix + delta";
   return "";
 }
 
-// The copy's segments: per target, per region. A head slice of token-major pages is a run of
-// nh heads per token; of head-major pages one run of nh heads' tokens:
-//
-//   NHD page [ps][hn][hb]:  token k's run at hs*hb + k*hn*hb (sender), hd*hb + k*hn'*hb (receiver)
-//   HND page [hn][ps][hb]:  one run of nh*ps*hb at hs*ps*hb (sender), hd*ps*hb (receiver)
-std::vector<Seg> Lane::segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const {
-  const int on = tg.empty() ? sp.device : launch_device(sp, tg[0].dp);
-  const std::vector<uint64_t>* sa = sp.device == on || sp.device < 0 ? nullptr : &sp.alias.at(on);
-  std::vector<Seg> out;
-  for (size_t t = 0; t < tg.size(); ++t) {
-    const Target& x = tg[t];
-    const Pool& dp = x.dp;
-    const std::vector<uint64_t>* da = dp.device == on || dp.device < 0 ? nullptr : &dp.alias.at(on);
-    for (size_t r = 0; r < sp.regions.size(); ++r) {
-      const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
-      Seg g{sa ? (*sa)[r] : s.base, da ? (*da)[r] : d.base, s.stride, d.stride, s.nbytes, s.nbytes, 0, 0,
-            (uint64_t)(t * moved)};
-      if (x.nh) {
-        const uint64_t hb = s.nbytes / ((uint64_t)sp.ps * sp.hn), ps = (uint64_t)sp.ps;
-        if (sp.hmode == 1) {  // token-major
-          g.src += x.hs * hb, g.dst += x.hd * hb;
-          g.run = x.nh * hb, g.src_run = sp.hn * hb, g.dst_run = dp.hn * hb;
-          g.nbytes = g.run * ps;
-          if (g.run == g.src_run && g.run == g.dst_run) g.run = g.nbytes;  // all heads: one run
-        } else {                                                           // head-major
-          g.src += x.hs * ps * hb, g.dst += x.hd * ps * hb;
-          g.nbytes = g.run = x.nh * ps * hb;
-        }
+// The aux rows chunk ``c`` names, checked against the sender's aux regions and every target's
+// declaration (same names, row counts and row sizes, rows inside both regions) and resolved to
+// the row copies ``job.aux`` (or why not).
+std::string Lane::aux_ok(const Pool& sp, const std::vector<Target>& tg, const std::vector<AuxRows>& aux,
+                         LocalCopy& job) const {
+  for (const AuxRows& r : aux) {
+    const AuxDesc* mine = aux_of(sp, r.name);
+    if (!mine) return "aux: the sender's buffer set has no aux region named '" + r.name + "'";
+    for (int64_t row : r.rows)
+      if (row < 0 || row >= mine->rows) return "aux[" + r.name + "]: a row outside the sender's region";
+    for (const Target& t : tg) {
+      const AuxDesc* theirs = aux_of(t.dp, r.name);
+      auto ai = armed_.find(t.akey);
+      const AuxRows* want = ai == armed_.end() ? nullptr : rows_of(ai->second.aux, r.name);
+      if (!theirs || !want) return "aux: receiver has no aux region named '" + r.name + "'";
+      if (want->rows.size() != r.rows.size())
+        return "aux[" + r.name + "]: sender names " + std::to_string(r.rows.size()) + " rows, receiver declared " +
+               std::to_string(want->rows.size());
+      if (theirs->row_bytes != mine->row_bytes) return "aux[" + r.name + "]: row sizes differ";
+      for (size_t i = 0; i < r.rows.size(); ++i) {
+        const int64_t d = want->rows[i];
+        if (d < 0 || d >= theirs->rows) return "aux[" + r.name + "]: a row outside the receiver's region";
+        job.aux.push_back(AuxCopy{mine->base + (uint64_t)r.rows[i] * mine->row_bytes,
+                                  theirs->base + (uint64_t)d * theirs->row_bytes, mine->row_bytes});
       }
-      out.push_back(g);
     }
   }
-  return out;
+  return "";
+}
+
+// mu_ held: a chunk with aux rows was taken: its targets' declared aux rows are delivered.
+void Lane::mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& aux) {
+  if (aux.empty()) return;
+  for (const Target& t : tg) armed_.at(t.akey).aux_done = true;
 }
 
 std::string Lane::pages_ok(const Pool& sp, const std::vector<int32_t>& src) {

@@ -16,6 +16,30 @@ struct RegionDesc {
   uint64_t base, stride, nbytes;
 };
 
+// An aux region of a pool (SGLang's metadata rows and the like): ``rows`` rows of ``row_bytes``
+// at ``base``, in host memory (RegisterBuffers refuses aux rows in VRAM).
+struct AuxDesc {
+  std::string name;
+  uint64_t base = 0, row_bytes = 0;
+  int64_t rows = 0;
+};
+
+// Aux rows by name: a receiver's declared rows, or the rows a sender's chunk names.
+struct AuxRows {
+  std::string name;
+  std::vector<int64_t> rows;
+};
+
+struct AuxCopy {  // one aux row: host memory to host memory
+  uint64_t src, dst, n;
+};
+
+struct SendChunk {  // what a SEND says of its chunk (wire.h ChunkTrailer; none: the whole transfer)
+  int64_t offset = 0;
+  bool last = true;
+  std::vector<AuxRows> aux;
+};
+
 // Shared by every copy of a Pool: each job holds one, so drop_pool knows when no copy can touch
 // the pool's memory any more (the weak pointer expires), and a job waiting on a peer sees the
 // pool dropped and stops waiting.
@@ -31,6 +55,7 @@ struct Pool {
   uint64_t sig;
   int rank;
   std::vector<RegionDesc> regions;
+  std::vector<AuxDesc> aux;  // (set_aux)
   uint64_t xsig = 0;  // layout and region geometry (the cross-node lane compares it with the receiver's)
   // heads (set_heads): mixed TP on the lane. hmode 0: no head slices (another page layout,
   // replicated heads); 1: token-major pages (NHD), 2: head-major (HND). msig: the layout but for
@@ -61,6 +86,9 @@ struct Armed {  // one receiver rank's declaration
   uint64_t ranks = 0;   // sender ranks taken (bit per rank)
   uint64_t nbytes = 0;  // bytes copied into it
   bool told = false;    // its END went out
+  std::vector<AuxRows> aux;  // the aux rows it declared (a sender must deliver them)
+  bool aux_done = false;     // a sender's chunk delivered aux rows
+  bool cancelled = false;    // its receiver ended it (disarm with cancel): Python tells the receiver
 };
 
 // A segment of a copy: one region of one receiver rank (the kernel's Region, 9 x u64).
@@ -110,14 +138,39 @@ struct XIn {  // a transfer this service declared and offered with a slot
   double deadline = 0;
 };
 
-struct LocalCopy {  // an accepted same-node SEND, to copy (the lane thread, or the bulk thread)
+// One sender rank's chunks of a same-node transfer (key: transfer id and the sender's buffer
+// set), from its first SEND to its end. A one-shot SEND is a stream of one chunk. Its chunks
+// come in order; each is copied on its own; the stream ends (END to the engines, one completion
+// for Python) once its last chunk's copy and every earlier one ended, or at a failure once no
+// copy of it is in flight.
+//
+//   transfer pages   0 ........ prefix ........................ prefix + dst.size()
+//   chunk            [off, off + n)  pages below ``prefix`` are the receiver's already: skipped
+//   copied           src[i] -> dst[off + i - prefix]   for off + i >= prefix
+struct Stream {
   int fd = -1;
   uint32_t flags = 0;
   std::string tid, bs, session;
   Pool sp;
   std::vector<Target> tg;
-  int64_t prefix = 0;
-  std::vector<int32_t> src;
+  int64_t prefix = 0, first = 0, next = 0;  // the first chunk's offset, and the next one's
+  std::vector<int32_t> src;                 // every chunk's pages so far, from ``first``
+  int inflight = 0;                         // chunks accepted whose copy has not ended
+  bool last = false;                        // its last chunk was accepted
+  std::string error;                        // the first failure (the stream ends with it)
+  uint64_t nbytes = 0, us = 0, aux_bytes = 0, aux_rows = 0;
+  size_t moved = 0;  // pages copied (each target's)
+};
+
+struct LocalCopy {  // an accepted same-node chunk, to copy (the lane thread, or the bulk thread)
+  int fd = -1;
+  uint32_t flags = 0;
+  std::string tid, bs, session, skey;  // skey: its Stream
+  Pool sp;
+  std::vector<Target> tg;
+  int64_t prefix = 0, off = 0;  // the receiver's prefix; the chunk's first page in the transfer
+  std::vector<int32_t> src;     // the chunk's pages
+  std::vector<AuxCopy> aux;     // its aux rows, into every target
   uint32_t seq = 0;  // the SEND's: a GPU copy's REPLY goes once it is launched (copy_local)
   // CLOCK_MONOTONIC s: the SEND read, checked (targets), its copy launched, seen done (the END's trailer)
   double at_recv = 0, at_checked = 0, at_launch = 0, at_done = 0;
@@ -174,6 +227,8 @@ struct Completion {
   uint64_t nbytes = 0, copy_us = 0;
   bool told_recv = false, told_send = false;  // END reached that engine's lane
   std::vector<int32_t> src;
+  int64_t first = 0;                       // same node: the offset of src[0] in the transfer
+  uint64_t aux_bytes = 0, aux_rows = 0;    // same node: aux rows copied
   std::vector<int> ranks;  // same node: the receiver ranks copied into
   std::vector<int> told;   // ... and whether each one's END went out now (1) or not (0)
 };

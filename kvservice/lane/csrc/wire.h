@@ -12,10 +12,23 @@ namespace kvlane {
 
 // ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
 enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4 };
-enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1 };
+// FALLBACK: make the call over gRPC; REFUSED: a later chunk of a transfer the lane has, which the
+// lane cannot take (the message says why; the transfer ends FAILED with it)
+enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1, REPLY_REFUSED = 2 };
 constexpr uint32_t FLAG_SRC_I64 = 2;  // SEND / SEND_TO flags: the source pages are i64 (lane_wire)
+constexpr uint32_t FLAG_CHUNK = 4;    // SEND: a ChunkTrailer (and its aux rows) follows the pages
 struct SendHdr {
   uint32_t type, seq, n_src, tid_len, bs_len, flags;
+};
+// A chunk of a transfer (SendDelta's chunk_offset, last_chunk, aux), after the source pages;
+// then n_aux times: u32 name_len, u32 n_rows | name | i64 rows[n_rows]. A SEND without it is the
+// whole transfer: offset 0, last, no aux rows.
+struct ChunkTrailer {
+  uint64_t offset;
+  uint32_t last, n_aux;
+};
+struct AuxHdr {
+  uint32_t name_len, n_rows;
 };
 struct SendToHdr {  // SEND to another node's service: + the receiving service's address
   uint32_t type, seq, n_src, tid_len, bs_len, flags, addr_len;
@@ -39,8 +52,9 @@ inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '2'};
 // thread (as measured: no hand-off on the 64 MiB row) and only streamed ones move.
 constexpr uint64_t XSMALL = 2;
 enum : uint32_t { XNOTE_WRITTEN = 1, XNOTE_ACK = 2, XNOTE_CREDIT = 3 };
-// A receiver that ended a transfer while the lane unpacked one of its chunks (Abort, deadline):
-// the completion's error, which Python books as its own end (no END from the lane).
+// A receiver that ended a transfer while the lane unpacked one of its chunks, or while a same-node
+// stream into it waited for its next chunk (Abort, deadline): the completion's error, which
+// Python books as the receiver's own end (no END to the receiver from the lane).
 inline constexpr const char* CANCELLED = "cancelled by the receiving service";
 struct ReplyHdr {
   uint32_t type, seq;

@@ -1,0 +1,237 @@
+// The same-node route, copying: an accepted chunk's aux rows and pages copied into every receiver
+// rank it feeds (copy_local: launched on the GPU and ended by the finisher thread, or copied on
+// the host), its stream told (end_local); a stream's end sends END to the engines and queues
+// the one completion of the stream for Python (end_stream).
+
+#include <unistd.h>
+
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+
+#include "lane.h"
+
+namespace kvlane {
+
+// An accepted chunk: its aux rows (host memory: copied here), then one copy of its pages into
+// every target.
+//
+//   transfer pages   off ............ off + n          (the chunk)
+//   receiver's       0 ..... prefix ................... prefix + dst.size()
+//   copied           from lo = max(off, prefix):  src[lo - off + i] -> dst[lo - prefix + i]
+void Lane::copy_local(LocalCopy& job) {
+  const Pool& sp = job.sp;
+  uint64_t aux_bytes = 0;
+  for (const AuxCopy& a : job.aux) {
+    std::memcpy((void*)a.dst, (const void*)a.src, a.n);
+    aux_bytes += a.n;
+  }
+  const int64_t n = (int64_t)job.src.size(), lo = std::max(job.off, job.prefix);
+  const size_t moved = (size_t)std::max<int64_t>(0, job.off + n - lo), nt = job.tg.size();
+  const size_t s0 = (size_t)(lo - job.off), d0 = (size_t)(lo - job.prefix);
+  std::vector<int32_t> pairs(2 * moved * nt);
+  for (size_t t = 0; t < nt; ++t) {
+    const std::vector<int32_t>& dst = job.tg[t].dst;
+    int32_t* pr = pairs.data() + 2 * moved * t;
+    for (size_t i = 0; i < moved; ++i) {
+      pr[2 * i] = job.src[s0 + i];
+      pr[2 * i + 1] = dst[d0 + i];
+    }
+  }
+  std::vector<Seg> segs;
+  std::string err;
+  try {
+    segs = segments(sp, job.tg, moved);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  uint64_t nbytes = 0;
+  for (auto& g : segs) nbytes += g.nbytes * moved;
+  nbytes += aux_bytes;
+  double t0 = now_s();
+  if (sp.device >= 0) {  // a GPU copy's sender hears once it is queued (or how it failed, from its END)
+    const int fd = job.fd;
+    const uint32_t seq = job.seq;
+    if (err.empty()) err = launch_local(job, segs, pairs, moved, nbytes, t0);  // the finisher ends it
+    reply(fd, seq, REPLY_ACCEPTED, "");
+    if (err.empty()) return;
+  } else if (err.empty() && moved) {
+    err = cu_.copy(sp.device, job.tg[0].dp.device, segs, pairs, moved);
+  }
+  if (!job.at_launch) job.at_launch = t0;
+  job.at_done = now_s();
+  end_local(job, err, (uint64_t)((now_s() - t0) * 1e6), nbytes, moved);
+}
+
+std::string Lane::launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
+                               size_t moved, uint64_t nbytes, double t0) {
+  const size_t nr = segs.size();
+  if (moved == 0 || nr == 0) {  // nothing to copy: ends at once
+    end_local(job, "", 0, nbytes, moved);
+    return "";
+  }
+  const int on = launch_device(job.sp, job.tg[0].dp);
+  int si = -1;
+  std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si, job.at_launch);
+  if (!err.empty()) return err;
+  {
+    std::lock_guard<std::mutex> g(fin_mu_);
+    fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
+  }
+  fin_cv_.notify_all();
+  return "";
+}
+
+// The finisher thread: each launched copy in launch order, once its event completed.
+void Lane::finish_run() {
+  for (;;) {
+    InFlight f;
+    {
+      std::unique_lock<std::mutex> g(fin_mu_);
+      fin_cv_.wait(g, [&] { return !fin_q_.empty() || !fin_running_; });
+      if (fin_q_.empty()) return;
+      f = std::move(fin_q_.front());
+      fin_q_.pop_front();
+    }
+    const std::string err = cu_.finish(f.device, f.slot);
+    f.job.at_done = now_s();
+    try {
+      end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
+    } catch (const std::exception&) {  // (out of memory) the transfer's deadline ends it
+    }
+  }
+}
+
+// A chunk's copy ended: its stream counts it, and ends with its last copy (or, after a failure,
+// once no copy of it is in flight).
+void Lane::end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbytes, size_t moved) {
+  // a pool whose memory its owner shrank during (or before) the copy: the guard repaired the
+  // fault, the bytes are not the engine's: the transfer fails
+  if (err.empty()) err = lost(job.sp);
+  for (size_t i = 0; i < job.tg.size() && err.empty(); ++i) err = lost(job.tg[i].dp);
+  bool ended = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = streams_.find(job.skey);
+    if (it == streams_.end()) return;  // (cannot be: a stream outlives its copies)
+    Stream& s = it->second;
+    s.inflight--;
+    s.nbytes += nbytes;
+    s.us += us;
+    s.moved += moved;
+    s.aux_rows += job.aux.size();
+    if (!err.empty() && s.error.empty()) s.error = err;
+    if (s.inflight == 0 && (s.last || !s.error.empty())) {
+      end_stream(it, &job);
+      ended = true;
+    }
+  }
+  if (ended) signal_done();
+}
+
+// mu_ held: stream ``it`` ends (no copy of it in flight): END to each receiver rank that has all
+// its senders now (or a failure), then to the sender, then the completion for Python; the
+// stream goes (``at``: its last chunk, whose timeline the END carries).
+void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, const LocalCopy* at) {
+  Stream& s = it->second;
+  const std::string& err = s.error;
+  const bool ok = err.empty();
+  const size_t nt = s.tg.size();
+  const uint64_t each = nt ? s.nbytes / nt : 0, moved = nt ? s.moved : 0;
+  const uint64_t skipped = (uint64_t)std::max<int64_t>(0, s.prefix - s.first);
+  Completion done;
+  for (auto& t : s.tg) {
+    int told = 0;
+    auto ai = armed_.find(t.akey);  // still ours: disarm() answers 2 while a stream is pending
+    if (ai != armed_.end()) {
+      Armed& a = ai->second;
+      a.done += ok;
+      a.failed += !ok;
+      a.nbytes += each;
+      if (!ok && a.error.empty()) a.error = err;
+      if (a.failed && a.state == ARMED) a.state = RUNNING;  // a failure: it takes no more senders
+      // its END: with its last sender's stream; after a failure, once every stream taken has
+      // ended (another sender's kernel may still be writing its pages)
+      const bool all = a.done >= a.senders, ended = a.done + a.failed >= __builtin_popcountll(a.ranks);
+      // a receiver that ended it itself (CANCELLED: Abort, deadline) has its END from Python
+      if (!a.told && a.cancelled && err == CANCELLED) a.told = true;
+      if (!a.told && (a.failed ? ended : all)) {
+        a.told = true;
+        a.state = a.state == GATED ? GATED : COMPLETED;
+        std::string why = a.failed ? a.error : "";
+        if (why.empty() && !a.aux.empty() && !a.aux_done)
+          why = "every sender finished but no sender delivered the declared aux rows";
+        const std::string to_recv =
+            end_msg(0, why.empty(), s.tid, a.recv_bs, why, a.nbytes, moved, skipped, s.us, 0, at);
+        for (auto& kv : conns_) {
+          if (kv.second.session == a.recv_session) told |= sendmsg_(kv.first, to_recv);
+        }
+      }
+    }
+    done.ranks.push_back(t.rank);
+    done.told.push_back(told);
+  }
+  const std::string to_send = end_msg(1, ok, s.tid, s.bs, err, s.nbytes, moved, skipped, s.us, 0, at);
+  done.told_send = tell(s.fd, s.session, to_send);
+  done.told_recv = !done.told.empty() && done.told[0];
+  done.tid = s.tid;
+  done.rank = s.tg.empty() ? s.sp.rank : s.tg[0].rank;
+  done.bs = s.bs;
+  done.sender_session = s.session;
+  done.ok = ok;
+  done.error = err;
+  done.nbytes = s.nbytes;
+  done.copy_us = s.us;
+  done.flags = s.flags;
+  done.first = s.first;
+  done.aux_rows = s.aux_rows;
+  done.src.swap(s.src);
+  completions_.push_back(std::move(done));
+  // a later chunk of it is refused with what became of it (a new transfer under the id starts at 0)
+  if (ended_.size() >= kEndedMax) ended_.erase(ended_.begin());
+  ended_[it->first] = {s.next, ok ? "follows the last chunk of a transfer that ended DONE"
+                                  : "the transfer ended FAILED: " + err};
+  streams_.erase(it);
+}
+
+void Lane::signal_done() {
+  uint64_t one = 1;
+  (void)!write(done_, &one, 8);
+}
+
+// The copy's segments: per target, per region. A head slice of token-major pages is a run of
+// nh heads per token; of head-major pages one run of nh heads' tokens:
+//
+//   NHD page [ps][hn][hb]:  token k's run at hs*hb + k*hn*hb (sender), hd*hb + k*hn'*hb (receiver)
+//   HND page [hn][ps][hb]:  one run of nh*ps*hb at hs*ps*hb (sender), hd*ps*hb (receiver)
+std::vector<Seg> Lane::segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const {
+  const int on = tg.empty() ? sp.device : launch_device(sp, tg[0].dp);
+  const std::vector<uint64_t>* sa = sp.device == on || sp.device < 0 ? nullptr : &sp.alias.at(on);
+  std::vector<Seg> out;
+  for (size_t t = 0; t < tg.size(); ++t) {
+    const Target& x = tg[t];
+    const Pool& dp = x.dp;
+    const std::vector<uint64_t>* da = dp.device == on || dp.device < 0 ? nullptr : &dp.alias.at(on);
+    for (size_t r = 0; r < sp.regions.size(); ++r) {
+      const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
+      Seg g{sa ? (*sa)[r] : s.base, da ? (*da)[r] : d.base, s.stride, d.stride, s.nbytes, s.nbytes, 0, 0,
+            (uint64_t)(t * moved)};
+      if (x.nh) {
+        const uint64_t hb = s.nbytes / ((uint64_t)sp.ps * sp.hn), ps = (uint64_t)sp.ps;
+        if (sp.hmode == 1) {  // token-major
+          g.src += x.hs * hb, g.dst += x.hd * hb;
+          g.run = x.nh * hb, g.src_run = sp.hn * hb, g.dst_run = dp.hn * hb;
+          g.nbytes = g.run * ps;
+          if (g.run == g.src_run && g.run == g.dst_run) g.run = g.nbytes;  // all heads: one run
+        } else {                                                           // head-major
+          g.src += x.hs * ps * hb, g.dst += x.hd * ps * hb;
+          g.nbytes = g.run = x.nh * ps * hb;
+        }
+      }
+      out.push_back(g);
+    }
+  }
+  return out;
+}
+
+}  // namespace kvlane
