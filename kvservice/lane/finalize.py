@@ -142,7 +142,8 @@ class Finalizer:
             self.failed += 1
             if error == CANCELLED:  # the receiver ended it mid-stream: its own end is being booked
                 e.table.add(rec)
-                e.table.finish(rec, "FAILED", "ABORTED", "the receiver ended the transfer before its last chunk")
+                why = "the receiver ended the transfer before its last chunk"
+                e.table.finish(rec, "FAILED", "ABORTED", why)
                 return
             why = error or (
                 "the sender's buffer set is gone" if bs is None else "the receiver's declaration is gone"

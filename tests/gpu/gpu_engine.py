@@ -10,9 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from multiprocessing import shared_memory
 
+import numpy as np
 import torch
-from kvservice_client import AuxSpec, Client, Layout, cuda_region
+from kvservice_client import AuxSpec, Client, Layout, cuda_region, shm_region
+
+AUX_ROW = 64  # bytes of an aux row in host memory ("aux_rows" at register)
 
 
 def main() -> None:
@@ -22,6 +26,7 @@ def main() -> None:
     layout = None
     bs = ""
     block = None
+    aux_shm: shared_memory.SharedMemory | None = None
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -42,7 +47,21 @@ def main() -> None:
             kv = Client(cmd["address"], client_name="gpu-engine")
             regs = [cuda_region(t) for t in k]
             out["k_offsets"] = [r.offset for r in regs]
-            bs = kv.register_buffers(layout, regs, [cuda_region(t) for t in v], engine_id="gpu").buffer_set_id
+            aux = []
+            if cmd.get("aux_rows"):  # an aux region in host memory (shm), random when ``fill``
+                n = int(cmd["aux_rows"])
+                aux_shm = shared_memory.SharedMemory(create=True, size=AUX_ROW * n)
+                rows = np.ndarray((n, AUX_ROW), np.uint8, aux_shm.buf)
+                rows[:] = (
+                    np.random.default_rng(cmd.get("seed", 0)).integers(0, 256, rows.shape)
+                    if cmd.get("fill")
+                    else 0
+                )
+                del rows
+                aux = [AuxSpec("meta", shm_region(aux_shm.name, AUX_ROW * n), AUX_ROW, n)]
+            bs = kv.register_buffers(
+                layout, regs, [cuda_region(t) for t in v], aux=aux, engine_id="gpu"
+            ).buffer_set_id
             out["buffer_set_id"] = bs
         elif op == "pages":  # hex digest-like: sum of each named page per region, for comparison
             pages = cmd["pages"]
@@ -85,6 +104,7 @@ def main() -> None:
                 dst_page_indices=cmd["dst"],  # type: ignore[union-attr]
                 deadline_ms=cmd.get("deadline_ms", 0),
                 sender_address=cmd.get("sender", ""),
+                aux=cmd.get("aux"),
             )
             out["state"] = st.state
         elif op == "send":
@@ -95,6 +115,9 @@ def main() -> None:
                 src_page_indices=cmd["src"],
                 peer_address=cmd["peer"],  # type: ignore[union-attr]
                 path=cmd.get("path", "auto"),
+                chunk_offset=cmd.get("offset", 0),
+                last_chunk=cmd.get("last", True),
+                aux=cmd.get("aux"),
             )
             out["state"] = st.state
             out["lane"] = kv.lane_sent > before  # type: ignore[union-attr]  # over the native lane
@@ -140,6 +163,10 @@ def main() -> None:
                 {"location": p.location, "used": p.used_bytes, "landings": p.landings, "claims": p.claims}
                 for p in kv.get_stats().landing  # type: ignore[union-attr]
             ]
+        elif op == "aux":  # the named aux rows' bytes, hex
+            rows = np.ndarray((aux_shm.size // AUX_ROW, AUX_ROW), np.uint8, aux_shm.buf)  # type: ignore[union-attr]
+            out["rows"] = rows[cmd["rows"]].tobytes().hex()
+            del rows
         elif op == "register_aux_vram":  # aux rows in VRAM beside the pools: the service's answer
             meta = torch.zeros(256 * 64, dtype=torch.uint8, device="cuda")
             try:
@@ -163,6 +190,9 @@ def main() -> None:
         elif op == "stop":
             if kv is not None:
                 kv.close()
+            if aux_shm is not None:
+                aux_shm.close()
+                aux_shm.unlink()
             print(json.dumps(out), flush=True)
             return
         print(json.dumps(out), flush=True)

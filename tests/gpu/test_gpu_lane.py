@@ -167,3 +167,43 @@ def test_service_stopped_with_lane_copies_in_flight_exits_and_every_rank_ends(tm
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.parametrize("cuts", [[1], [1, 2, 3, 4, 5, 6, 7], list(range(1, 32))], ids=["2", "8", "32"])
+def test_lane_takes_chunked_transfers_with_aux_rows_on_the_gpu(service: str, cuts: list[int]) -> None:
+    """SGLang's shape (chunks, aux rows in host memory on the last) on the lane, byte exact."""
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=service, layout=LAYOUT, fill=True, seed=5, aux_rows=16)
+        dst_eng(op="register", address=service, layout=LAYOUT, aux_rows=16)
+        rng = np.random.default_rng(len(cuts))
+        n = len(cuts) + 1
+        src, dst = rng.permutation(64)[: n + 2].tolist(), rng.permutation(64)[:n].tolist()
+        for turn in range(2):
+            tid = f"chunks-{n}-{turn}"
+            assert dst_eng(op="expect", tid=tid, prefix=2, dst=dst, aux={"meta": [turn, 9]})["ok"]
+            bounds = [0, *[c + 2 for c in cuts], n + 2]
+            lane = []
+            for i in range(len(bounds) - 1):
+                last = i == len(bounds) - 2
+                got = src_eng(
+                    op="send",
+                    tid=tid,
+                    src=src[bounds[i] : bounds[i + 1]],
+                    offset=bounds[i],
+                    last=last,
+                    aux={"meta": [3, 4 + turn]} if last else None,
+                    peer=service,
+                )
+                lane.append(got["lane"])
+            assert all(lane), f"not every chunk went over the lane: {lane}"
+            got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
+            assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+            assert got_d["route_note"] == "lane"
+            assert dst_eng(op="pages", pages=dst)["sums"] == src_eng(op="pages", pages=src[2:])["sums"]
+            assert dst_eng(op="aux", rows=[turn, 9])["rows"] == src_eng(op="aux", rows=[3, 4 + turn])["rows"]
+        untouched = sorted(set(range(64)) - set(dst))
+        assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        src_eng.close()
+        dst_eng.close()

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kvservice_client import Client
-from kvservice_client._errors import FailedPrecondition
+from kvservice_client._errors import FailedPrecondition, InvalidArgument
 
 from tests.support.lane import LAYOUT, Engines
 from tests.support.poll import eventually
@@ -97,55 +97,61 @@ def test_a_first_chunk_inside_the_prefix_takes_the_lane(eng: Engines) -> None:
     _clean(eng)
 
 
-def test_a_chunk_out_of_order_is_refused_and_ends_the_transfer(eng: Engines) -> None:
-    before = eng.snapshot()
-    eng.kb.expect_delta("t-ooo", eng.b, prefix_pages=0, dst_page_indices=[1, 2, 3, 4])
-    eng.ka.send_delta("t-ooo", eng.a, src_page_indices=[5, 6], last_chunk=False, peer_address=eng.peer)
-    with pytest.raises(FailedPrecondition, match="contiguous and in order: expected 2"):
-        eng.ka.send_delta(
-            "t-ooo", eng.a, src_page_indices=[8], chunk_offset=3, last_chunk=True, peer_address=eng.peer
-        )
-    (r,) = eng.kb.wait("t-ooo", timeout=10)
-    (s,) = eng.ka.wait("t-ooo", timeout=10)
-    assert r.state == s.state == "FAILED" and "contiguous and in order" in r.error, r
-    assert eng.changed_pages(before) <= {1, 2}, "only the accepted chunk's pages"
-    # a chunk after the end is refused with what became of the transfer
-    with pytest.raises(FailedPrecondition, match="ended FAILED"):
-        eng.ka.send_delta(
-            "t-ooo", eng.a, src_page_indices=[8], chunk_offset=2, last_chunk=True, peer_address=eng.peer
-        )
+def test_a_bad_later_chunk_is_invalid_changes_nothing_and_the_transfer_goes_on(eng: Engines) -> None:
+    """As over gRPC: a gap, an overlap, pages past the delta, a bad source page or aux rows the
+    receiver did not declare are INVALID_ARGUMENT naming the field; nothing lands; the right
+    chunk then completes the transfer on the lane."""
+    dst = [1, 2, 3, 4]
+    before, before_aux = eng.snapshot(), eng.aux_snapshot()
+    eng.kb.expect_delta("t-bad", eng.b, prefix_pages=0, dst_page_indices=dst, aux={"meta": [3]})
+    eng.ka.send_delta("t-bad", eng.a, src_page_indices=[5, 6], last_chunk=False, peer_address=eng.peer)
+    mid = eng.snapshot()
+    bad: list[tuple[dict[str, Any], str]] = [
+        (
+            {"src_page_indices": [8], "chunk_offset": 3},
+            "chunk_offset: 3: chunks must be contiguous and in order",
+        ),
+        ({"src_page_indices": [8], "chunk_offset": 1}, "chunk_offset: 1: .*expected 2"),
+        ({"src_page_indices": [8, 9, 10], "chunk_offset": 2}, "src_page_indices: the chunk ends at page 5"),
+        ({"src_page_indices": [8, 8], "chunk_offset": 2}, "src_page_indices: source pages repeat"),
+        ({"src_page_indices": [8, 99], "chunk_offset": 2}, "src_page_indices: source page out of range"),
+        (
+            {"src_page_indices": [8, 9], "chunk_offset": 2, "aux": {"meta": [1, 2]}},
+            r"aux\[meta\]: sender names 2 rows, receiver declared 1",
+        ),
+        ({"src_page_indices": [8, 9], "chunk_offset": 2, "aux": {"nope": [1]}}, "no aux region named 'nope'"),
+    ]
+    for kw, match in bad:
+        with pytest.raises(InvalidArgument, match=match):
+            eng.ka.send_delta("t-bad", eng.a, peer_address=eng.peer, **kw)
+        assert eng.changed_pages(mid) == set(), kw
+    assert eng.changed_rows(before_aux) == {"meta": set(), "state": set()}
+    eng.ka.send_delta(
+        "t-bad", eng.a, src_page_indices=[8, 9], chunk_offset=2, aux={"meta": [0]}, peer_address=eng.peer
+    )
+    (r,) = eng.kb.wait("t-bad", timeout=10)
+    assert r.state == "DONE" and r.route_note == "lane", r
+    assert eng.pages(eng.pb, dst) == eng.pages(eng.pa, [5, 6, 8, 9])
+    assert eng.rows(eng.pb, "meta", [3]) == eng.rows(eng.pa, "meta", [0])
+    assert eng.changed_pages(before) <= set(dst)
+    # as over gRPC: a chunk right after the last one is a bad chunk_offset, and writes nothing
+    after = eng.snapshot()
+    with pytest.raises(InvalidArgument, match="chunk_offset: 4 follows the last chunk .*ended DONE"):
+        eng.ka.send_delta("t-bad", eng.a, src_page_indices=[8], chunk_offset=4, peer_address=eng.peer)
+    assert eng.changed_pages(after) == set()
     _clean(eng)
 
 
-def test_chunks_past_the_delta_or_short_of_it_fail_the_transfer(eng: Engines) -> None:
-    eng.kb.expect_delta("t-long", eng.b, prefix_pages=0, dst_page_indices=[1, 2])
-    eng.ka.send_delta("t-long", eng.a, src_page_indices=[5], last_chunk=False, peer_address=eng.peer)
-    with pytest.raises(FailedPrecondition, match="prefix \\+ delta"):
-        eng.ka.send_delta(
-            "t-long", eng.a, src_page_indices=[6, 7], chunk_offset=1, peer_address=eng.peer
-        )
-    (r,) = eng.kb.wait("t-long", timeout=10)
-    assert r.state == "FAILED"
+def test_a_last_chunk_short_of_the_delta_fails_the_transfer(eng: Engines) -> None:
     eng.kb.expect_delta("t-short", eng.b, prefix_pages=0, dst_page_indices=[1, 2, 3])
     eng.ka.send_delta("t-short", eng.a, src_page_indices=[5], last_chunk=False, peer_address=eng.peer)
-    with pytest.raises(FailedPrecondition, match="prefix \\+ delta"):
+    with pytest.raises(FailedPrecondition, match="1 of 3 delta pages unsent"):
         eng.ka.send_delta("t-short", eng.a, src_page_indices=[6], chunk_offset=1, peer_address=eng.peer)
     (r,) = eng.kb.wait("t-short", timeout=10)
-    assert r.state == "FAILED"
-    _clean(eng)
-
-
-def test_bad_aux_rows_on_a_later_chunk_are_refused_naming_them(eng: Engines) -> None:
-    before_aux = eng.aux_snapshot()
-    eng.kb.expect_delta("t-aux", eng.b, prefix_pages=0, dst_page_indices=[1, 2], aux={"meta": [3]})
-    eng.ka.send_delta("t-aux", eng.a, src_page_indices=[5], last_chunk=False, peer_address=eng.peer)
-    with pytest.raises(FailedPrecondition, match=r"aux\[meta\]: sender names 2 rows, receiver declared 1"):
-        eng.ka.send_delta(
-            "t-aux", eng.a, src_page_indices=[6], chunk_offset=1, aux={"meta": [1, 2]}, peer_address=eng.peer
-        )
-    (r,) = eng.kb.wait("t-aux", timeout=10)
-    assert r.state == "FAILED"
-    assert eng.changed_rows(before_aux) == {"meta": set(), "state": set()}
+    (s,) = eng.ka.wait("t-short", timeout=10)
+    assert r.state == s.state == "FAILED" and "unsent" in r.error, r
+    with pytest.raises(FailedPrecondition, match="ended FAILED"):
+        eng.ka.send_delta("t-short", eng.a, src_page_indices=[7], chunk_offset=2, peer_address=eng.peer)
     _clean(eng)
 
 
@@ -165,9 +171,7 @@ def test_abort_mid_stream_ends_it_and_no_byte_lands_after(eng: Engines) -> None:
     (r,) = eng.kb.wait("t-ab", timeout=10)
     assert r.state == "ABORTED", r
     with pytest.raises(FailedPrecondition):
-        eng.ka.send_delta(
-            "t-ab", eng.a, src_page_indices=[6, 7], chunk_offset=1, peer_address=eng.peer
-        )
+        eng.ka.send_delta("t-ab", eng.a, src_page_indices=[6, 7], chunk_offset=1, peer_address=eng.peer)
     (s,) = eng.ka.wait("t-ab", timeout=10)
     assert s.state in ("FAILED", "ABORTED"), s
     assert eng.changed_pages(before) <= {1}, "nothing after the Abort"

@@ -7,7 +7,6 @@ by the service when the client closes or its process dies.
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
@@ -18,10 +17,8 @@ import grpc
 import numpy as np
 
 from . import _requests as rq
-from . import lane_wire
 from ._errors import (
     DeadlineExceeded,
-    FailedPrecondition,
     KVClientError,
     SessionLost,
     Unauthenticated,
@@ -32,6 +29,7 @@ from ._errors import (
 from ._keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy
 from ._landing import LandingCalls
 from ._lane import LaneOpener
+from ._lane_send import LaneSend
 from ._layout import Layout
 from ._proto import kvservice_pb2 as pb
 from ._proto import kvservice_pb2_grpc
@@ -61,16 +59,6 @@ def channel_options(
 ) -> list[tuple[str, Any]]:
     """Channel arguments of SDK clients (and of peer clients between services)."""
     return message_size_options(max_message_mb) + keepalive.client_options()
-
-
-_CHUNK_ROUTES = 4096  # transfers between their first and last chunk that a client remembers
-
-
-def _aux_arrays(aux: Mapping[str, Iterable[int]] | None) -> dict[str, np.ndarray]:
-    return {
-        name: np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64).reshape(-1)
-        for name, rows in (aux or {}).items()
-    }
 
 
 class Client(LandingCalls):
@@ -119,10 +107,7 @@ class Client(LandingCalls):
             lane_spin_us = int(os.environ["KVSERVICE_LANE_SPIN_US"])
         # same-node transfers without gRPC
         self._lane = LaneOpener(target, self._tx_book, lane, lane_spin_us)
-        # (transfer id, buffer set) of a transfer whose first chunk went out and whose last has
-        # not -> True: its chunks go on the lane, False: over gRPC (a transfer never switches)
-        self._chunk_routes: collections.OrderedDict[tuple[str, str], bool] = collections.OrderedDict()
-        self._routes_lock = threading.Lock()
+        self._lane_send = LaneSend(self._lane, self._tx_book, self.owned, timeout)
         if self._lane.enabled:  # wait() reads the lane on the waiting thread (see _lane)
             self._tx_book.pump, self._tx_book.wake = self._lane.pump, self._lane.wake
         self._credential_path = find_credential_path(target, credential_path)
@@ -412,25 +397,20 @@ class Client(LandingCalls):
         ``no_duplicate_mark``: this engine will need the pages again (the conversation's next
         turn comes back here), so the service must not mark them as a P/D duplicate at DONE.
         """
-        whole = chunk_offset == 0 and last_chunk and not aux
-        route = self._chunk_route(transfer_id, buffer_set_id, last_chunk)
-        if route is not False and path.lower() in ("auto", "fused"):
-            chunk = None if whole else (chunk_offset, last_chunk, _aux_arrays(aux))
-            sent = self._send_on_lane(
-                transfer_id, buffer_set_id, src_page_indices, peer_address, no_duplicate_mark, path, chunk
-            )
-            if sent is not None:
-                if not whole and not last_chunk:
-                    self._set_chunk_route(transfer_id, buffer_set_id, True)
-                return sent
-            if route is True:  # its earlier chunks are on the lane: gRPC cannot continue it
-                raise FailedPrecondition(
-                    f"transfer_id {transfer_id!r}: the lane took its earlier chunks and cannot take "
-                    "this one (its connection is gone, or the chunk does not fit a lane message): "
-                    "the transfer ends FAILED"
-                )
-        if not last_chunk:
-            self._set_chunk_route(transfer_id, buffer_set_id, False)
+        sent = self._lane_send.try_send(
+            self._session.ready_id() or self.session_id,
+            transfer_id,
+            buffer_set_id,
+            src_page_indices,
+            peer_address,
+            chunk_offset,
+            last_chunk,
+            aux,
+            path,
+            no_duplicate_mark,
+        )
+        if sent is not None:
+            return sent
         req = rq.send(
             transfer_id,
             buffer_set_id,
@@ -447,59 +427,6 @@ class Client(LandingCalls):
         self.owned.add_transfer(transfer_id)
         self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
         return status
-
-    def _chunk_route(self, transfer_id: str, buffer_set_id: str, last: bool) -> bool | None:
-        """How the transfer's earlier chunks went (True: the lane, False: gRPC; None: this is its
-        first chunk); its last chunk forgets it."""
-        with self._routes_lock:
-            key = (transfer_id, buffer_set_id)
-            return self._chunk_routes.pop(key, None) if last else self._chunk_routes.get(key)
-
-    def _set_chunk_route(self, transfer_id: str, buffer_set_id: str, lane: bool) -> None:
-        with self._routes_lock:
-            self._chunk_routes[(transfer_id, buffer_set_id)] = lane
-            if len(self._chunk_routes) > _CHUNK_ROUTES:  # abandoned transfers: forget the oldest
-                self._chunk_routes.popitem(last=False)
-
-    def _send_on_lane(
-        self,
-        transfer_id: str,
-        buffer_set_id: str,
-        src: Any,
-        peer_address: str,
-        no_duplicate_mark: bool,
-        path: str = "auto",
-        chunk: tuple[int, bool, dict[str, np.ndarray]] | None = None,
-    ) -> TransferStatus | None:
-        """A chunk (``chunk``: offset, last, aux; None: the whole transfer) over the lane when its
-        receiver is this node's service, or (the whole transfer) another service whose cross-node
-        lane offered it, and the service takes it; None: make the gRPC call (see
-        kvservice_client.lane_wire)."""
-        lane = self._lane.get(self._session.ready_id() or self.session_id)
-        if lane is None:
-            return None
-        to = "" if peer_address in lane.self_addresses else peer_address
-        if to and (not lane.cross or path.lower() != "auto"):  # FUSED asked: gRPC says why not
-            return None
-        if chunk is not None and (to or not lane.chunks):  # (the cross-node lane: whole transfers)
-            return None
-        if isinstance(src, np.ndarray) and src.dtype == np.int64 and src.ndim == 1:
-            pages = src  # (np.asarray costs ~9 µs a call on a GPU host's cold caches)
-        else:
-            pages = np.asarray(src, dtype=np.int64).reshape(-1)
-        flags = lane_wire.FLAG_NO_DUPLICATE_MARK if no_duplicate_mark else 0
-        if pages.size == 0 and chunk is None:
-            return None
-        if lane.src_i64:  # the service refuses a page outside i32 (numpy's min/max: ~20 µs cold)
-            flags |= lane_wire.FLAG_SRC_I64
-        elif pages.size and (pages.min() < 0 or pages.max() >= 2**31):
-            return None
-        if not lane.send(transfer_id, buffer_set_id, pages, flags, self.timeout, to, chunk):
-            return None
-        # after the SEND (off the copy's path): an END booked before it still counts (Ended.made)
-        self._tx_book.made(transfer_id, "SENDER", buffer_set_id)
-        self.owned.add_transfer(transfer_id)
-        return TransferStatus.queued(transfer_id, "SENDER", buffer_set_id, "PACKED" if to else "FUSED")
 
     def poll(self, transfer_ids: Sequence[str] = ()) -> list[TransferStatus]:
         r = self._call("Poll", pb.PollRequest(transfer_ids=list(transfer_ids)))

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import lane_wire
-from ._errors import FailedPrecondition
+from ._errors import FailedPrecondition, InvalidArgument
 from ._types import TransferStatus
 
 __all__ = ["Lane", "LaneOpener"]
@@ -125,9 +125,9 @@ class Lane:
     ) -> bool:
         """True: the service took the chunk (the transfer's END follows its last); False: make
         the gRPC call. ``to``: another service's address (the cross-node lane's SEND_TO);
-        ``chunk``: (offset, last, aux) of a chunk that is not the whole transfer. Raises
-        FailedPrecondition when the service refuses a later chunk of a transfer it has (the
-        transfer then ends FAILED with that reason)."""
+        ``chunk``: (offset, last, aux) of a chunk that is not the whole transfer. For a later
+        chunk of a transfer the service has, raises InvalidArgument (a bad chunk: nothing
+        changed) or FailedPrecondition (the transfer is over, or ends FAILED now)."""
         if self.closed:
             return False
         seq = next(self._seq)
@@ -165,6 +165,8 @@ class Lane:
                 self._replies.pop(seq, None)
             return False  # NOTE: the service may still run it; its gRPC twin is then refused
         reply = slot[1]
+        if reply is not None and reply[1] == lane_wire.INVALID:
+            raise InvalidArgument(f"transfer_id {transfer_id!r}: {reply[2]}")
         if reply is not None and reply[1] == lane_wire.REFUSED:
             raise FailedPrecondition(f"transfer_id {transfer_id!r}: {reply[2]}")
         if reply is None or reply[1] != lane_wire.ACCEPTED:

@@ -12,7 +12,8 @@ and reads REPLY and END messages. Every message is one packet, little endian::
            u32 last_chunk, n_aux │ n_aux times: u32 name_len, n_rows │ name │ i64 rows[n_rows]
     SEND_TO u32 type=4, seq, n_src, tid_len, bs_len, flags, addr_len │ tid │ buffer set id │
            the receiving service's address │ i32 (i64) src[n_src]   (the cross-node lane)
-    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback, 2 refused) │ u32 msg_len │ msg
+    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback, 2 invalid, 3 refused) │ u32 msg_len │
+           msg
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
            msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg │
            u32 flags (END_CROSS: the cross-node lane moved it; absent from older services) │
@@ -27,9 +28,10 @@ or without FLAG_CHUNK the whole transfer in one chunk: the receiver's prefix and
 in order. The service accepts a transfer's first chunk only for a transfer its receiver
 declared and the service armed; anything else is answered *fallback* and the engine makes the
 same call over gRPC, which has the full validation and its errors. Its later chunks then go the
-same way: on the lane (a chunk the lane cannot take is *refused* with the reason, and the
-transfer ends FAILED with it) or over gRPC. gRPC stays the API: an END
-here is also reported on the engine's Transfers stream and by Poll.
+same way: on the lane or over gRPC. On the lane a bad later chunk is *invalid* (INVALID_ARGUMENT
+naming the field; nothing changed, the transfer goes on, as over gRPC), and one of a transfer
+that is over or cannot complete is *refused* (FAILED_PRECONDITION; the transfer ends FAILED).
+gRPC stays the API: an END here is also reported on the engine's Transfers stream and by Poll.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "FLAG_CHUNK",
     "FLAG_NO_DUPLICATE_MARK",
     "FLAG_SRC_I64",
+    "INVALID",
     "MAX_MESSAGE",
     "REFUSED",
     "End",
@@ -63,7 +66,7 @@ __all__ = [
 
 MSG_SEND, MSG_REPLY, MSG_END, MSG_SEND_TO = 1, 2, 3, 4
 END_CROSS = 1
-ACCEPTED, FALLBACK, REFUSED = 0, 1, 2
+ACCEPTED, FALLBACK, INVALID, REFUSED = 0, 1, 2, 3
 FLAG_NO_DUPLICATE_MARK = 1
 FLAG_SRC_I64 = 2
 FLAG_CHUNK = 4

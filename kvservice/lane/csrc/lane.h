@@ -148,7 +148,7 @@ class Lane {
   void handle(int fd, const char* p, size_t n);
   std::string first_chunk(const std::string& tid, const std::string& session, int fd, uint32_t flags,
                           const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job);
-  std::string next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job);
+  std::string next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job, bool& fatal);
   std::string targets(const std::string& tid, const Pool& sp, const SendChunk& c, const std::vector<int32_t>& src,
                       std::vector<Target>& tg, int64_t& prefix);
   std::string check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n, int nh) const;
@@ -254,7 +254,12 @@ class Lane {
   std::unordered_map<std::string, std::vector<int>> by_tid_;  // transfer id -> its armed ranks
   std::unordered_map<std::string, Stream> streams_;           // tid '\0' sender bs -> its chunks so far
   // ... and the streams that ended: the offset a next chunk would have, and what became of it
-  std::unordered_map<std::string, std::pair<int64_t, std::string>> ended_;
+  struct Ended {
+    int64_t next = 0;
+    bool got_last = false;  // its last chunk was taken
+    std::string how;        // "DONE", "FAILED: why"
+  };
+  std::unordered_map<std::string, Ended> ended_;
   static constexpr size_t kEndedMax = 4096;
   std::deque<Completion> completions_;
   // cross-node lane

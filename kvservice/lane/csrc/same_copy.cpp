@@ -189,8 +189,7 @@ void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, cons
   completions_.push_back(std::move(done));
   // a later chunk of it is refused with what became of it (a new transfer under the id starts at 0)
   if (ended_.size() >= kEndedMax) ended_.erase(ended_.begin());
-  ended_[it->first] = {s.next, ok ? "follows the last chunk of a transfer that ended DONE"
-                                  : "the transfer ended FAILED: " + err};
+  ended_[it->first] = Ended{s.next, s.last, ok ? "DONE" : "FAILED: " + err};
   streams_.erase(it);
 }
 

@@ -5,8 +5,9 @@
 //   first chunk of (tid, sender pool) ─▶ targets + check + aux ─▶ a Stream ─▶ copy_local
 //   a later chunk                      ─▶ in order, still armed ─▶ the Stream ─▶ copy_local
 //   anything the lane cannot take: a first chunk is answered FALLBACK (the engine makes the gRPC
-//   call, which has the full validation); a later one REFUSED, and its stream ends FAILED
-//   with the reason (the lane has the transfer: gRPC could not continue it).
+//   call, which has the full validation); a later one (the lane has the transfer: gRPC could not
+//   continue it) INVALID when the chunk is bad (nothing changes, the transfer goes on, as over
+//   gRPC), REFUSED when the transfer is over or must end (its stream ends FAILED with the reason).
 
 #include <unistd.h>
 
@@ -93,12 +94,19 @@ void Lane::handle(int fd, const char* p, size_t n) {
       auto st = streams_.find(job.skey);
       auto en = ended_.find(job.skey);
       if (st != streams_.end()) {
-        code = REPLY_REFUSED;
-        why = src_ok ? next_chunk(st->second, c, src, job) : "source page out of range";
-        if (!why.empty()) ended = fail_stream(st, why);
-      } else if (en != ended_.end() && c.offset > 0 && c.offset == en->second.first) {
-        code = REPLY_REFUSED;
-        why = "chunk_offset " + std::to_string(c.offset) + ": " + en->second.second;
+        bool fatal = false;
+        why = src_ok ? next_chunk(st->second, c, src, job, fatal) : "src_page_indices: a page outside i32";
+        code = fatal ? REPLY_REFUSED : REPLY_INVALID;
+        if (fatal) ended = fail_stream(st, why);
+      } else if (en != ended_.end() && c.offset > 0 && (!en->second.got_last || c.offset == en->second.next)) {
+        // as over gRPC: a chunk right after a finished transfer's last is a bad chunk_offset (a
+        // new transfer under the id starts with its own first chunk); any chunk of a transfer
+        // that ended before its last is refused
+        const Ended& e = en->second;
+        code = e.got_last ? REPLY_INVALID : REPLY_REFUSED;
+        why = e.got_last ? "chunk_offset: " + std::to_string(c.offset) + " follows the last chunk of transfer '" + tid +
+                               "' (ended " + e.how + "); a new transfer under this id starts with its own first chunk"
+                         : "transfer_id: '" + tid + "' already ended " + e.how;
       } else {
         why = src_ok ? first_chunk(tid, session, fd, h.flags, c, src, job) : "source page out of range";
       }
@@ -159,27 +167,37 @@ std::string Lane::first_chunk(const std::string& tid, const std::string& session
 }
 
 // mu_ held: a later chunk of stream ``s``: in order, its receivers still armed and in time, its
-// pages inside the delta; taken into the stream, or why not (the caller ends the stream).
-std::string Lane::next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job) {
+// pages inside the delta; taken into the stream, or why not: a bad chunk changes nothing
+// (``fatal`` false), a transfer that is over or cannot complete ends (``fatal``: the caller
+// ends the stream).
+std::string Lane::next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job,
+                             bool& fatal) {
+  fatal = true;
   if (!s.error.empty()) return s.error;
-  if (s.last) return "transfer already received its last chunk";
-  if (c.offset != s.next)
-    return "chunk_offset " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
-           std::to_string(s.next);
+  if (s.last) return "transfer_id: the transfer already received its last chunk";
   const double now = now_s();
   for (const Target& t : s.tg) {
     auto ai = armed_.find(t.akey);
-    if (ai == armed_.end() || ai->second.state == GATED) return "transfer ended by its receiver";
+    if (ai == armed_.end() || ai->second.state == GATED) return "transfer_id: the transfer was ended by its receiver";
     if (ai->second.failed) return ai->second.error;
     if (now > ai->second.deadline) return "transfer deadline passed";
   }
+  fatal = false;
+  if (c.offset != s.next)
+    return "chunk_offset: " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
+           std::to_string(s.next);
   const int64_t end = c.offset + (int64_t)src.size(), want = s.prefix + (int64_t)s.tg[0].dst.size();
-  if (end > want || (c.last && end != want))
-    return "chunk_offset + pages: " + std::to_string(end) + " pages of a transfer of " + std::to_string(want) +
-           " (prefix + delta)";
+  if (end > want)
+    return "src_page_indices: the chunk ends at page " + std::to_string(end) + " of a transfer of " +
+           std::to_string(want) + " (prefix + delta)";
   std::string why = pages_ok(s.sp, src);
   if (why.empty()) why = aux_ok(s.sp, s.tg, c.aux, job);
   if (!why.empty()) return why;
+  if (c.last && end != want) {  // the sender says it is done with pages unsent: the receiver fails
+    fatal = true;
+    return "sender finished with " + std::to_string(want - end) + " of " + std::to_string(s.tg[0].dst.size()) +
+           " delta pages unsent (prefix + delta)";
+  }
   mark_aux(s.tg, c.aux);
   s.next = end;
   s.last = c.last;
@@ -354,10 +372,10 @@ void Lane::mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& a
 std::string Lane::pages_ok(const Pool& sp, const std::vector<int32_t>& src) {
   std::vector<uint64_t> seen((size_t)(sp.num_pages + 63) / 64, 0);
   for (int32_t s : src) {
-    if (s < 0 || s >= sp.num_pages) return "source page out of range";
+    if (s < 0 || s >= sp.num_pages) return "src_page_indices: source page out of range";
     uint64_t& w = seen[(size_t)s >> 6];
     const uint64_t bit = 1ull << (s & 63);
-    if (w & bit) return "source pages repeat";
+    if (w & bit) return "src_page_indices: source pages repeat";
     w |= bit;
   }
   return "";

@@ -12,9 +12,10 @@ namespace kvlane {
 
 // ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
 enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4 };
-// FALLBACK: make the call over gRPC; REFUSED: a later chunk of a transfer the lane has, which the
-// lane cannot take (the message says why; the transfer ends FAILED with it)
-enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1, REPLY_REFUSED = 2 };
+// FALLBACK: make the call over gRPC. A later chunk of a transfer the lane has: INVALID, the chunk
+// is refused and nothing changed (the transfer goes on: INVALID_ARGUMENT); REFUSED, the transfer
+// has ended or ends FAILED now, with the message (FAILED_PRECONDITION).
+enum : int32_t { REPLY_ACCEPTED = 0, REPLY_FALLBACK = 1, REPLY_INVALID = 2, REPLY_REFUSED = 3 };
 constexpr uint32_t FLAG_SRC_I64 = 2;  // SEND / SEND_TO flags: the source pages are i64 (lane_wire)
 constexpr uint32_t FLAG_CHUNK = 4;    // SEND: a ChunkTrailer (and its aux rows) follows the pages
 struct SendHdr {

@@ -1,0 +1,171 @@
+"""Transfer shapes engines really make, one 64 KiB page a chunk: SendDelta of the last chunk →
+DONE seen by the receiving engine (``Client.wait``), p50/p99, each shape beside the one-chunk
+shape of the same run (the reference: the lane's one-shot SEND).
+
+    .venv/bin/python bench/bench_shapes.py [--device cuda] [--cross] [--out bench/results/...]
+
+Shapes (``--shapes``, comma list): ``c<N>`` a transfer of N pages in N chunks; ``+aux`` an aux
+row in host memory on the last chunk (SGLang's metadata rows); ``s<N>`` N chunks with the
+sender "computing" ``--compute-us`` between them (layer-wise streaming: the figure is still the
+last chunk's SendDelta → DONE). Same node by default (one service); ``--cross`` runs two services
+(the cross-node routes). Each row says which route carried it (the END's ``route_note``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+from _harness import KVPool, Services, progress, summarize, write_json
+from kvservice_client import AuxSpec, Client, Layout, shm_region
+
+AUX_ROW = 64  # bytes of one aux row (SGLang's metadata row is of this order)
+AUX_ROWS = 256
+
+
+def _layout(pages: int) -> Layout:
+    # 2 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16 = 64 KiB a page over all its regions
+    return Layout.mha(
+        num_layers=2, page_size=16, num_pages=pages, total_kv_heads=8, head_dim=64, dtype="float16"
+    )
+
+
+def _parse(shape: str) -> tuple[int, bool, bool]:
+    """(chunks, aux, streamed) of a shape name."""
+    aux = shape.endswith("+aux")
+    base = shape.removesuffix("+aux")
+    if base[:1] not in ("c", "s") or not base[1:].isdigit() or int(base[1:]) < 1:
+        raise SystemExit(f"--shapes: {shape!r} is not c<N>[+aux] or s<N>[+aux]")
+    return int(base[1:]), aux, base[0] == "s"
+
+
+def run_shape(
+    ka: Client,
+    kb: Client,
+    sb: str,
+    rb: str,
+    peer: str,
+    sender: str,
+    shape: str,
+    iters: int,
+    pool_pages: int,
+    compute_s: float,
+) -> dict[str, Any]:
+    chunks, aux, streamed = _parse(shape)
+    last_s: list[float] = []
+    first_s: list[float] = []
+    routes: set[str] = set()
+    rng = np.random.default_rng(1)
+    for i in progress(range(iters + 3), shape):
+        tid = f"{shape}-{i}"
+        src = rng.choice(pool_pages, chunks, replace=False)
+        dst = rng.choice(pool_pages, chunks, replace=False)
+        kb.expect_delta(
+            tid,
+            rb,
+            prefix_pages=0,
+            dst_page_indices=dst,
+            aux={"meta": [i % AUX_ROWS]} if aux else None,
+            sender_address=sender,
+        )
+        t_first = time.perf_counter()
+        for c in range(chunks):
+            last = c == chunks - 1
+            if last:
+                t0 = time.perf_counter()
+            ka.send_delta(
+                tid,
+                sb,
+                src_page_indices=src[c : c + 1],
+                chunk_offset=c,
+                last_chunk=last,
+                aux={"meta": [(i + 1) % AUX_ROWS]} if aux and last else None,
+                peer_address=peer,
+            )
+            if streamed and not last:
+                end = time.perf_counter() + compute_s  # the prefill computes the next layer
+                while time.perf_counter() < end:
+                    pass
+        (st,) = kb.wait(tid, timeout=30)
+        t1 = time.perf_counter()
+        if st.state != "DONE":
+            raise RuntimeError(f"{shape} {tid}: {st.state} {st.error}")
+        if i >= 3:  # warm-up rounds off the record
+            last_s.append(t1 - t0)
+            first_s.append(t1 - t_first)
+            routes.add(st.route_note or st.path)
+    return {
+        "chunks": chunks,
+        "aux": aux,
+        "streamed": streamed,
+        "last_chunk_to_done": summarize(last_s),
+        "first_chunk_to_done": summarize(first_s),
+        "routes": sorted(routes),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--cross", action="store_true", help="two services (cross-node routes)")
+    ap.add_argument("--shapes", default="c1,c2,c8,c1+aux,c2+aux,s32")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--pool-pages", type=int, default=256)
+    ap.add_argument("--compute-us", type=float, default=200.0, help="between streamed chunks")
+    ap.add_argument("--out", default="bench/results/cpu-2core")
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    for s in shapes:
+        _parse(s)
+    lay = _layout(args.pool_pages)
+    dev: str | int = 0 if args.device == "cuda" else "cpu"
+    rows: dict[str, Any] = {}
+    with Services(2 if args.cross else 1) as svc:
+        a, b = svc.addresses[0], svc.addresses[-1]
+        peer = svc.peer_addresses[-1]
+        sender = svc.peer_addresses[0] if args.cross else ""
+        sp, rp = KVPool(lay, dev, 1), KVPool(lay, dev, 2)
+        segs = [shared_memory.SharedMemory(create=True, size=AUX_ROW * AUX_ROWS) for _ in range(2)]
+        try:
+            aux = [[AuxSpec("meta", shm_region(s.name, AUX_ROW * AUX_ROWS), AUX_ROW, AUX_ROWS)] for s in segs]
+            with Client(a, client_name="shape-tx") as ka, Client(b, client_name="shape-rx") as kb:
+                sb = ka.register_buffers(lay, *sp.regions(), aux=aux[0]).buffer_set_id
+                rb = kb.register_buffers(lay, *rp.regions(), aux=aux[1]).buffer_set_id
+                for s in shapes:
+                    rows[s] = run_shape(
+                        ka, kb, sb, rb, peer, sender, s, args.iters, args.pool_pages, args.compute_us * 1e-6
+                    )
+                    r = rows[s]
+                    print(
+                        f"{s:>10}: last chunk -> DONE p50 {r['last_chunk_to_done']['p50_ms']:.3f} ms "
+                        f"({', '.join(r['routes'])})",
+                        file=sys.stderr,
+                    )
+        finally:
+            sp.close()
+            rp.close()
+            for s in segs:
+                s.close()
+                s.unlink()
+    ref = rows.get("c1", {}).get("last_chunk_to_done", {}).get("p50_ms")
+    report = {
+        "what": "SendDelta of the last chunk -> receiver DONE, one 64 KiB page a chunk",
+        "device": args.device,
+        "cross": args.cross,
+        "page_bytes": lay.page_bytes_all_layers,
+        "shapes": rows,
+        "baselines": {"one_chunk": rows["c1"]["last_chunk_to_done"]} if "c1" in rows else {},
+        "vs_one_chunk": {
+            s: round(r["last_chunk_to_done"]["p50_ms"] / ref, 2) for s, r in rows.items() if ref
+        },
+    }
+    tag = f"shapes_{'cross' if args.cross else 'same_node'}_{args.device}"
+    write_json(args.out, tag, report)
+
+
+if __name__ == "__main__":
+    main()
