@@ -116,15 +116,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--pool-pages", type=int, default=256)
     ap.add_argument("--compute-us", type=float, default=200.0, help="between streamed chunks")
-    ap.add_argument("--out", default="bench/results/cpu-2core")
+    ap.add_argument("--small", action="store_true", help="CI sizes (the figures then mean nothing)")
+    ap.add_argument("--out", default="/tmp/bench-shapes")
     args = ap.parse_args()
+    if args.small:
+        args.shapes, args.iters = "c1,c2,c1+aux,s4+aux", 5
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:
         _parse(s)
     lay = _layout(args.pool_pages)
     dev: str | int = 0 if args.device == "cuda" else "cpu"
     rows: dict[str, Any] = {}
-    with Services(2 if args.cross else 1) as svc:
+    # --cross: the cross-node routes between two services of one host (not their same-host route)
+    with Services(2 if args.cross else 1, {"KVSERVICE_SAME_HOST_ROUTE": "off"} if args.cross else {}) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
         sender = svc.peer_addresses[0] if args.cross else ""
@@ -153,6 +157,7 @@ def main() -> None:
                 s.unlink()
     ref = rows.get("c1", {}).get("last_chunk_to_done", {}).get("p50_ms")
     report = {
+        "benchmark": "shapes",
         "what": "SendDelta of the last chunk -> receiver DONE, one 64 KiB page a chunk",
         "device": args.device,
         "cross": args.cross,

@@ -169,6 +169,31 @@ def gap_within(us: float) -> Callable[..., Row | None]:
     return read
 
 
+def shapes_within(limit_ms: float, streamed: bool) -> Callable[..., Row | None]:
+    """bench_shapes: the slowest shape's last chunk -> DONE p50 (``streamed``: the s<N> shapes
+    only, else every other) at most ``limit_ms``, beside the one-chunk shape of the same run and
+    (``base``, when it ran) the same shapes with the native lane off."""
+
+    def read(j: dict[str, Any], base: dict[str, Any] | None = None) -> Row | None:
+        rows = {k: v for k, v in j.get("shapes", {}).items() if v["streamed"] == streamed}
+        if not rows:
+            return None
+        name, worst = max(rows.items(), key=lambda kv: kv[1]["last_chunk_to_done"]["p50_ms"])
+        got = worst["last_chunk_to_done"]["p50_ms"]
+        routes = sorted({r for v in rows.values() for r in v["routes"]})
+        one = j["shapes"].get("c1", {}).get("last_chunk_to_done", {}).get("p50_ms")
+        shown = f"one chunk {one:.3f} ms" if one else "(no one-chunk row)"
+        if base and base.get("shapes"):
+            b = max(base["shapes"].values(), key=lambda v: v["last_chunk_to_done"]["p50_ms"])
+            shown += f"; lane off (gRPC route) up to {b['last_chunk_to_done']['p50_ms']:.2f} ms"
+        fig = (
+            f"{len(rows)} shapes, slowest {name} {got:.3f} ms (limit {limit_ms:.2f} ms; {', '.join(routes)})"
+        )
+        return Row(fig, shown, got <= limit_ms, got, one)
+
+    return read
+
+
 def cpu_e2e(j: dict[str, Any]) -> Row | None:
     rpc = j.get("rpc", {})
     if "unary_rpc" not in rpc:
@@ -225,6 +250,7 @@ def _t(*args: str) -> tuple[str, ...]:
 GPU_X = ("--device", "cuda", "--cross-node", "--paths", "auto", "--expect-lead-ms", "3")
 SAME = ("--device", "cuda", "--same-node", "--paths", "auto", "--skip-nixl")
 TWO = ("--device", "cuda", "--src-gpu", "0", "--dst-gpu", "1")
+SHAPES = ("bench_shapes.py", "--device", "cuda", "--iters", "300")
 CONTROL = ("bench_control.py", "--device", "cuda", "--match-iters", "10", "--transfers", "200",
            "--sustain-s", "5", "--sustain-threads", "1,8,64", "--sustain-procs", "8")  # fmt: skip
 MIXED = (
@@ -360,6 +386,49 @@ SUITES: dict[str, Suite] = {
                 stages,
             ),
             Goal(XN, "one-page transfers/s, 64 senders >= 1,000", ("control_cross_node",), sustained(1000)),
+        ),
+    ),
+    "shapes": Suite(
+        "shapes",
+        "one GPU (H200: about three minutes)",
+        (
+            Step("shapes_same_node", (*SHAPES, "--shapes", "c1,c2,c8,c32,c1+aux,c2+aux,c8+aux,s32,s32+aux")),
+            Step(
+                "shapes_same_node_grpc",
+                (*SHAPES, "--shapes", "c1,c2,c2+aux", "--iters", "100"),
+                env=(("KVSERVICE_LANE", "false"),),
+            ),
+            Step(
+                "shapes_cross_node",
+                (*SHAPES, "--cross", "--shapes", "c1,c2,c8,c1+aux,c2+aux,s32", "--iters", "100"),
+            ),
+        ),
+        (
+            Goal(
+                SN,
+                "every shape (1-32 chunks, + aux row), 64 KiB a chunk: last chunk -> DONE <= 0.15 ms p50",
+                ("shapes_same_node",),
+                shapes_within(0.15, streamed=False),
+                ("shapes_same_node_grpc",),
+            ),
+            Goal(
+                SN,
+                "32 chunks streamed while the sender computes: DONE <= 0.2 ms after the last p50",
+                ("shapes_same_node",),
+                shapes_within(0.2, streamed=True),
+            ),
+            Goal(
+                XN,
+                "every shape (1-8 chunks, + aux row), 64 KiB a chunk: last chunk -> DONE <= 0.6 ms p50",
+                ("shapes_cross_node",),
+                shapes_within(0.6, streamed=False),
+            ),
+            Goal(
+                XN,
+                "32 chunks streamed while the sender computes: DONE <= 0.7 ms after the last p50",
+                ("shapes_cross_node",),
+                shapes_within(0.7, streamed=True),
+            ),
         ),
     ),
     "gpu2": Suite(

@@ -24,6 +24,7 @@ BENCHES = [
     "bench_events",
     "bench_convert",
     "bench_landing",
+    "bench_shapes",
 ]
 
 pytestmark = [

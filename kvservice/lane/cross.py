@@ -39,7 +39,7 @@ __all__ = ["CANCELLED", "CrossBook", "Slots", "geometry_signature", "slot_bytes"
 log = logging.getLogger(__name__)
 # The lanes' note format (csrc/wire.h XMAGIC): peers whose metadata carries another never pair
 # (a rolling upgrade: their transfers take gRPC instead of timing out on unread notes).
-WIRE = b"KVX2"
+WIRE = b"KVX3"
 
 
 class CrossBook:

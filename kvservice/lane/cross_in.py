@@ -64,7 +64,6 @@ class CrossIn:
         return (
             inc.bs.buffer_set_id in lane_pools
             and inc.landing is None
-            and not inc.aux
             and not inc.integrity
             and inc.expected_senders <= 1
             and inc.dst_pages.size > 0
@@ -103,6 +102,7 @@ class CrossIn:
             nbytes,
             device,
             inc.rec.deadline,
+            [(name, np.ascontiguousarray(rows, dtype=np.int64)) for name, rows in inc.aux.items()],
         )
         s = plan.lane_slot
         s.agent, s.address, s.size_bytes = self.agent_name, arena.base + off, nbytes
@@ -174,6 +174,7 @@ class CrossIn:
             nbytes=nbytes,
             skipped=int(inc.prefix_pages),
             descriptors=1,
+            aux=bool(inc.aux),  # (the lane fails a transfer whose declared aux rows never came)
             last=True,
             wire_us=copy_us,
         )

@@ -98,7 +98,8 @@ class CrossOut:
             self.n_failed += 1
             e.table.finish(rec, "FAILED", "UNAVAILABLE", f"cross-node lane: {error}")
             return
-        skipped = min(prefix, len(src))  # a one-chunk send from position 0: its first pages are the prefix
+        first = int(c[14])  # the transfer page of src[0] (a stream may start inside the prefix)
+        skipped = min(max(0, prefix - first), len(src))
         e.table.update(
             rec,
             state="TRANSFERRING",

@@ -27,7 +27,8 @@ class Engine:
         self.layout = layout
         self.pool = ShmKVPool.create(layout, **pool_kw)
         rng = np.random.default_rng(seed)
-        for r in regions(self.pool, layout):
+        self.aux_names = list(pool_kw.get("aux") or {})
+        for r in regions(self.pool, layout) + [self.pool.aux(n) for n in self.aux_names]:
             r[:] = rng.integers(0, 256, r.shape, dtype=np.uint8)
         self.kv = Client(address, client_name=name)
         self.bs = self.kv.register_buffers(
@@ -37,6 +38,9 @@ class Engine:
 
     def pages(self, pages: list[int]) -> list[bytes]:
         return [r[p].tobytes() for r in regions(self.pool, self.layout) for p in pages]
+
+    def rows(self, name: str, rows: list[int]) -> bytes:
+        return self.pool.aux(name)[rows].tobytes()
 
     def snapshot(self) -> list[np.ndarray]:
         return [r.copy() for r in regions(self.pool, self.layout)]
@@ -92,7 +96,14 @@ class Nodes:
     pools. Peers by ``auth``: "mtls" (each proves its certificate's name), "token" (a shared
     peer token: membership, no identity) or "insecure" (nothing)."""
 
-    def __init__(self, make_server: Any, tmp: str, cross_lane: bool, auth: str = "mtls") -> None:
+    def __init__(
+        self,
+        make_server: Any,
+        tmp: str,
+        cross_lane: bool,
+        auth: str = "mtls",
+        aux: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
         if not cross_lane:
             kw["lane_cross_mb"] = 0
@@ -111,9 +122,9 @@ class Nodes:
             auths = [{**peer, "insecure": True}] * 2
         self.sa, self.sb = (make_server(**kw, **a) for a in auths)
         lane_of(self.sa), lane_of(self.sb)
-        self.a = Engine(self.sa.address, "prefill", 1)
-        self.b = Engine(self.sb.address, "decode", 2)
-        self.c = Engine(self.sb.address, "bystander", 3)
+        self.a = Engine(self.sa.address, "prefill", 1, aux=aux)
+        self.b = Engine(self.sb.address, "decode", 2, aux=aux)
+        self.c = Engine(self.sb.address, "bystander", 3, aux=aux)
         self.peer = self.sb.app.peer_address
 
     def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:

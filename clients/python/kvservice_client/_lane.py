@@ -132,7 +132,7 @@ class Lane:
             return False
         seq = next(self._seq)
         if to:
-            msg = lane_wire.encode_send_to(seq, transfer_id, buffer_set_id, src, flags, to)
+            msg = lane_wire.encode_send_to(seq, transfer_id, buffer_set_id, src, flags, to, chunk)
         else:
             msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags, chunk)
         if len(msg) > lane_wire.MAX_MESSAGE:

@@ -119,16 +119,15 @@ class LaneSend:
         chunk: Chunk | None,
     ) -> TransferStatus | None:
         """A chunk (``chunk``: offset, last, aux; None: the whole transfer) over the lane when its
-        receiver is this node's service, or (the whole transfer) another service whose cross-node
-        lane offered it, and the service takes it; None: make the gRPC call (see
-        kvservice_client.lane_wire)."""
+        receiver is this node's service, or another service whose cross-node lane offered it,
+        and the service takes it; None: make the gRPC call (see kvservice_client.lane_wire)."""
         lane = self.opener.get(session_id)
         if lane is None:
             return None
         to = "" if peer_address in lane.self_addresses else peer_address
         if to and (not lane.cross or path.lower() != "auto"):  # FUSED asked: gRPC says why not
             return None
-        if chunk is not None and (to or not lane.chunks):  # (the cross-node lane: whole transfers)
+        if chunk is not None and not lane.chunks:  # an older service: whole transfers only
             return None
         if isinstance(src, np.ndarray) and src.dtype == np.int64 and src.ndim == 1:
             pages = src  # (np.asarray costs ~9 µs a call on a GPU host's cold caches)

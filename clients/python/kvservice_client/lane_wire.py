@@ -11,7 +11,8 @@ and reads REPLY and END messages. Every message is one packet, little endian::
            │ with flag FLAG_CHUNK (a service whose welcome says ``chunks``): u64 chunk_offset,
            u32 last_chunk, n_aux │ n_aux times: u32 name_len, n_rows │ name │ i64 rows[n_rows]
     SEND_TO u32 type=4, seq, n_src, tid_len, bs_len, flags, addr_len │ tid │ buffer set id │
-           the receiving service's address │ i32 (i64) src[n_src]   (the cross-node lane)
+           the receiving service's address │ i32 (i64) src[n_src] │ FLAG_CHUNK: as SEND
+           (the cross-node lane; chunks only of a delta that fits the receiver's slot)
     REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback, 2 invalid, 3 refused) │ u32 msg_len │
            msg
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
@@ -102,29 +103,37 @@ def encode_send(
     pages = _pages(src, flags)
     if chunk is None:
         return _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags) + t + b + pages.tobytes()
+    head = _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags | FLAG_CHUNK)
+    return head + t + b + pages.tobytes() + _trailer(chunk)
+
+
+def encode_send_to(
+    seq: int,
+    transfer_id: str,
+    buffer_set_id: str,
+    src: np.ndarray,
+    flags: int,
+    address: str,
+    chunk: tuple[int, bool, dict[str, np.ndarray]] | None = None,
+) -> bytes:
+    """A SEND to another service's engine (the cross-node lane): + that service's address, as
+    the engine names it in SendDelta; the service accepts it only for an offer from there.
+    ``chunk``: as :func:`encode_send` (the trailer follows the pages)."""
+    t, b, a = transfer_id.encode(), buffer_set_id.encode(), address.encode()
+    pages = _pages(src, flags)
+    if chunk is not None:
+        flags |= FLAG_CHUNK
+    head = _SEND_TO.pack(MSG_SEND_TO, seq, pages.size, len(t), len(b), flags, len(a))
+    return head + t + b + a + pages.tobytes() + (_trailer(chunk) if chunk is not None else b"")
+
+
+def _trailer(chunk: tuple[int, bool, dict[str, np.ndarray]]) -> bytes:
     offset, last, aux = chunk
-    parts = [
-        _SEND.pack(MSG_SEND, seq, pages.size, len(t), len(b), flags | FLAG_CHUNK),
-        t,
-        b,
-        pages.tobytes(),
-        _CHUNK.pack(offset, int(last), len(aux)),
-    ]
+    parts = [_CHUNK.pack(offset, int(last), len(aux))]
     for name, rows in aux.items():
         n, r = name.encode(), np.ascontiguousarray(rows, dtype="<i8").reshape(-1)
         parts += [_AUX.pack(len(n), r.size), n, r.tobytes()]
     return b"".join(parts)
-
-
-def encode_send_to(
-    seq: int, transfer_id: str, buffer_set_id: str, src: np.ndarray, flags: int, address: str
-) -> bytes:
-    """A SEND to another service's engine (the cross-node lane): + that service's address, as
-    the engine names it in SendDelta; the service accepts it only for an offer from there."""
-    t, b, a = transfer_id.encode(), buffer_set_id.encode(), address.encode()
-    pages = _pages(src, flags)
-    head = _SEND_TO.pack(MSG_SEND_TO, seq, pages.size, len(t), len(b), flags, len(a))
-    return head + t + b + a + pages.tobytes()
 
 
 class Reply(tuple):  # (seq, code, message)

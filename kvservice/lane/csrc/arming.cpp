@@ -42,8 +42,12 @@ void Lane::drop_session(const std::string& session) {
       }
     }
     ended = fail_streams_of_session(session);
+    ended |= fail_xstreams_of(-1, session, "the sending engine's session ended before its last chunk");
   }
-  if (ended) signal_done();
+  if (ended) {
+    signal_done();
+    flush_notes();
+  }
 }
 
 int Lane::conns() {

@@ -72,7 +72,8 @@ void Lane::on_note(const std::string& agent, const std::string& m) {
   std::string tid = m.substr(sizeof h, h.tid_len), msg = m.substr(sizeof h + h.tid_len, h.msg_len);
   stat(h.kind == XNOTE_WRITTEN ? S_NOTE : S_ACK, h.at);
   if (h.kind == XNOTE_WRITTEN && !h.ok) return on_failed(agent, tid, (int)h.rank, msg);
-  if (h.kind == XNOTE_WRITTEN) return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off);
+  if (h.kind == XNOTE_WRITTEN)
+    return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off, h.flags, msg);
   if (h.kind == XNOTE_ACK || h.kind == XNOTE_CREDIT) {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -129,7 +130,7 @@ void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, cons
 // last, END to the receiving engine, then ack to the sender (it reports DONE only after that);
 // after another, a credit (its half of the slot is free).
 void Lane::on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
-                      uint64_t first, uint64_t off) {
+                      uint64_t first, uint64_t off, uint32_t flags, const std::string& aux) {
   const std::string k = key(tid, rank);
   const double t_note = now_s();
   std::string why;
@@ -153,11 +154,12 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
       why = "receiver buffer set gone";
     } else if (first != it->second.got) {
       why = "chunk out of order";
-    } else if (npages == 0 || first + npages > it->second.dst.size() || nbytes != npages * page ||
+    } else if ((npages == 0 && !flags) || first + npages > it->second.dst.size() || nbytes != npages * page ||
                off + nbytes > it->second.bytes) {
       why = "chunk outside the offer";
     } else {
       dp = pd->second;
+      xi.aux = it->second.aux;
       it->second.state = RUNNING;
       XIn& x = it->second;
       xi.recv_session = x.recv_session;
@@ -176,8 +178,10 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
   if (!why.empty()) return send_note(agent, note(XNOTE_ACK, rank, false, 0, 0, 0, 0, tid, why));
   if (const unsigned slow = slow_unpack_us_) std::this_thread::sleep_for(std::chrono::microseconds(slow));
   const double t0 = now_s();
-  std::string err = dp.device == xi.device ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
-                                           : "the lane's staging is on another device than the receiver's pool";
+  std::string err = dp.device != xi.device ? "the lane's staging is on another device than the receiver's pool"
+                    : npages                ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
+                                            : "";
+  if (err.empty() && (flags & XF_AUX)) err = land_aux(xi, dp, aux);
   const double t_unpacked = now_s();
   const uint64_t us = (uint64_t)((t_unpacked - t0) * 1e6);
   st_[S_UNPACK] += us;
@@ -189,7 +193,14 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
     XIn& x = it->second;
     x.got += npages;
     x.us += us;
-    last = x.got == total;
+    x.aux_done |= (flags & XF_AUX) != 0;
+    // the sender's last note ends it (a one-shot's last part says so too)
+    last = x.got == total && (flags & XF_LAST);
+    if (err.empty() && (flags & XF_LAST) && x.got != total)
+      err = "sender finished with " + std::to_string(total - x.got) + " of " + std::to_string(total) +
+            " delta pages unsent";
+    if (err.empty() && last && !x.aux.empty() && !x.aux_done)
+      err = "every sender finished but no sender delivered the declared aux rows";
     cancelled = x.cancel && !last && err.empty();
     if (!last && err.empty() && !cancelled) {
       x.state = ARMED;  // the next chunk's
@@ -205,6 +216,41 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
   else
     send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
   if (trace_on_) trace(ChunkTrace{tid, 1, first, npages, nbytes, {t_note, t0, t_unpacked, now_s(), 0}});
+}
+
+// The aux rows a W note carries (aux_note's format) written into the receiver's declared rows
+// (host memory), each name checked against the declaration and the region; or why not.
+std::string Lane::land_aux(const XIn& x, const Pool& dp, const std::string& aux) const {
+  size_t at = 0;
+  while (at < aux.size()) {
+    uint32_t hdr[3];
+    if (aux.size() - at < sizeof hdr) return "aux rows: a malformed note";
+    std::memcpy(hdr, aux.data() + at, sizeof hdr);
+    at += sizeof hdr;
+    if (aux.size() - at < hdr[0]) return "aux rows: a malformed note";
+    const std::string name = aux.substr(at, hdr[0]);
+    at += hdr[0];
+    const uint64_t rb = hdr[2], n = hdr[1];
+    if (rb && (aux.size() - at) / rb < n) return "aux rows: a malformed note";
+    const AuxDesc* theirs = nullptr;
+    for (const AuxDesc& a : dp.aux)
+      if (a.name == name) theirs = &a;
+    const AuxRows* want = nullptr;
+    for (const AuxRows& r : x.aux)
+      if (r.name == name) want = &r;
+    if (!theirs || !want) return "aux: receiver has no aux region named '" + name + "'";
+    if (want->rows.size() != n)
+      return "aux[" + name + "]: sender names " + std::to_string(n) + " rows, receiver declared " +
+             std::to_string(want->rows.size());
+    if (theirs->row_bytes != rb) return "aux[" + name + "]: row sizes differ";
+    for (uint64_t i = 0; i < n; ++i) {
+      const int64_t d = want->rows[i];
+      if (d < 0 || d >= theirs->rows) return "aux[" + name + "]: a row outside the receiver's region";
+      std::memcpy((void*)(theirs->base + (uint64_t)d * rb), aux.data() + at + i * rb, rb);
+    }
+    at += n * rb;
+  }
+  return lost(dp);
 }
 
 }  // namespace kvlane

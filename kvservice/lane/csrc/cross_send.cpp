@@ -34,17 +34,39 @@ std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t
   return err;
 }
 
+// mu_ held: the aux rows a chunk names, read from the sender's pool into a W note's message
+// (name_len, n_rows, row_bytes | name | the rows' bytes, per name), or why not.
+std::string Lane::aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out) const {
+  for (const AuxRows& r : aux) {
+    const AuxDesc* mine = nullptr;
+    for (const AuxDesc& a : sp.aux)
+      if (a.name == r.name) mine = &a;
+    if (!mine) return "aux: the sender's buffer set has no aux region named '" + r.name + "'";
+    const uint32_t hdr[3] = {(uint32_t)r.name.size(), (uint32_t)r.rows.size(), (uint32_t)mine->row_bytes};
+    out.append((const char*)hdr, sizeof hdr).append(r.name);
+    for (int64_t row : r.rows) {
+      if (row < 0 || row >= mine->rows) return "aux[" + r.name + "]: a row outside the sender's region";
+      out.append((const char*)(mine->base + (uint64_t)row * mine->row_bytes), mine->row_bytes);
+    }
+    if (out.size() > MAX_AUX_NOTE) return "aux: more than 64 KiB of aux rows in one chunk";
+  }
+  return "";
+}
+
 void Lane::handle_x(int fd, const char* p, size_t n) {
   if (n < sizeof(SendToHdr)) return closed(fd);
   SendToHdr h;
   std::memcpy(&h, p, sizeof h);
   const uint64_t w = h.flags & FLAG_SRC_I64 ? 8 : 4;
-  if ((uint64_t)sizeof h + h.tid_len + h.bs_len + h.addr_len + w * h.n_src != n) return closed(fd);
+  const uint64_t head = (uint64_t)sizeof h + h.tid_len + h.bs_len + h.addr_len + w * h.n_src;
+  if (head > n) return closed(fd);
+  SendChunk c;
+  const bool chunked = h.flags & FLAG_CHUNK;
+  if (!chunked ? head != n : !read_chunk(p + head, n - head, c)) return closed(fd);
   const char* q = p + sizeof h;
   std::string tid(q, h.tid_len), bs(q + h.tid_len, h.bs_len), addr(q + h.tid_len + h.bs_len, h.addr_len);
   std::vector<int32_t> src;
-  if (!read_src(q + h.tid_len + h.bs_len + h.addr_len, h.n_src, w, src))
-    return reply(fd, h.seq, REPLY_FALLBACK, "source page out of range");
+  const bool src_ok = read_src(q + h.tid_len + h.bs_len + h.addr_len, h.n_src, w, src);
 
   std::string session, why;
   Pool sp;
@@ -54,22 +76,39 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   uint64_t nbytes = 0, page = 0, chunk = 0, parts = 2;  // the delta's bytes, a page's, pages a chunk
   uint64_t scratch = 0;                                 // where it packs
   bool bulk = false;                                    // on the bulk thread (see XSMALL)
+  int32_t code = REPLY_FALLBACK;
+  bool first_chunk = true, ended = false;
+  std::string aux;  // the chunk's aux rows, as its W note carries them
   {
     std::lock_guard<std::mutex> g(mu_);
-    auto c = conns_.find(fd);
-    if (c == conns_.end()) return;
-    session = c->second.session;
+    auto cn = conns_.find(fd);
+    if (cn == conns_.end()) return;
+    session = cn->second.session;
     auto ps = pools_.find(bs);
     xk = key(tid, ps != pools_.end() ? ps->second.rank : -1);
     auto xi = xout_.find(xk);
-    if (xi == xout_.end() && ps != pools_.end() && lane_peers_.count(addr) && !parked_.count(xk) && !unparking_) {
+    if (xi != xout_.end() && xi->second.streaming && xi->second.session == session && xi->second.bs == bs) {
+      // a later chunk of a stream this lane has
+      first_chunk = false;
+      bool fatal = false;
+      why = src_ok ? x_next_chunk(xi->second, xk, c, src, aux, fatal) : "src_page_indices: a page outside i32";
+      code = fatal ? REPLY_REFUSED : REPLY_INVALID;
+      if (why.empty()) {
+        sp = ps->second;
+        xo = xi->second;
+      } else if (fatal) {
+        ended = fail_xstream(xk, why);
+      }
+    } else if (xi == xout_.end() && ps != pools_.end() && lane_peers_.count(addr) && !parked_.count(xk) &&
+               !unparking_ && c.offset == 0) {
       // the receiver's offer may still be on its way (ExpectDelta and the prefill raced):
       // wait for it (20 ms at most; arm_out or refuse_out ends the wait), then fall back
       parked_[xk] = Parked{fd, std::string(p, n), now_s() + PARK_S};
       parked_count_ = parked_.size();
       return;
-    }
-    if (ps == pools_.end() || ps->second.owner != session) {
+    } else if (!src_ok) {
+      why = "source page out of range";
+    } else if (ps == pools_.end() || ps->second.owner != session) {
       why = "buffer set not on the lane";
     } else if (xi == xout_.end() || xi->second.state != ARMED) {
       why = "transfer not offered to this node's lane";
@@ -79,7 +118,10 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
       why = "offered by another receiving service than the one named";
     } else if (!ps->second.xsig || ps->second.xsig != xi->second.xsig) {
       why = "layouts differ";
-    } else if ((int64_t)src.size() != xi->second.prefix + xi->second.ndst) {
+    } else if (c.offset > xi->second.prefix) {
+      why = "the first chunk starts past the receiver's prefix";
+    } else if (c.offset + (int64_t)src.size() > xi->second.prefix + xi->second.ndst ||
+               (c.last && c.offset + (int64_t)src.size() != xi->second.prefix + xi->second.ndst)) {
       why = "page count is not prefix + delta";
     } else if (arenas_.find(ps->second.device) == arenas_.end()) {
       why = "no lane staging on the sender's device";
@@ -105,11 +147,27 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
       chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : fit / parts;
       if (why.empty() && xo.rbytes > nbytes) why = "the offered slot does not match the delta";
       if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
-      if (why.empty()) xi->second.state = RUNNING;
+      // an engine's chunks: each written where its pages go in the slot (the delta fits it)
+      if (why.empty() && chunked && bulk) why = "a chunked delta larger than the lane's slot goes over gRPC";
+      if (why.empty() && chunked) why = aux_note(sp, c.aux, aux);
+      if (why.empty()) {
+        XOut& x = xi->second;
+        x.state = RUNNING;
+        if (chunked) {
+          x.streaming = true, x.last = c.last, x.fd = fd, x.session = session, x.bs = bs;
+          x.next = c.offset + (int64_t)src.size(), x.scratch = scratch, x.page = page;
+          xo = x;
+        }
+      }
     }
   }
-  if (!why.empty()) return reply(fd, h.seq, REPLY_FALLBACK, why);
+  if (ended) {
+    signal_done();
+    flush_notes();
+  }
+  if (!why.empty()) return reply(fd, h.seq, code, why);
   reply(fd, h.seq, REPLY_ACCEPTED, "");
+  if (!first_chunk) return x_write_chunk(sp, xo, xk, tid, c, src, aux);
 
   const size_t moved = (size_t)xo.ndst;
   XPend pend;
@@ -124,14 +182,138 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   pend.prefix = (uint64_t)xo.prefix;
   pend.flags = h.flags;
   pend.deadline = xo.deadline;
+  pend.first = c.offset;
   {
     std::lock_guard<std::mutex> g(mu_);
     xpend_[xk] = std::move(pend);  // before the WRITE: its ack may come before we see it done
   }
   xcv_.notify_one();
+  if (chunked) return x_write_chunk(sp, xo, xk, tid, c, src, aux);
   XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk, parts};
   if (!bulk) return send_out(job);
   to_bulk([this, job]() mutable { send_out(job); });
+}
+
+// mu_ held: a later chunk ``c`` of stream ``x``: in order, still offered and in time, inside the
+// delta; taken (its aux rows read into ``aux``), or why not: a bad chunk changes nothing
+// (``fatal`` false), one of a stream that is over or cannot complete ends it (``fatal``).
+std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& c, const std::vector<int32_t>& src,
+                               std::string& aux, bool& fatal) {
+  fatal = true;
+  auto pe = xpend_.find(xk);
+  if (x.last || pe == xpend_.end()) return "transfer_id: the transfer already received its last chunk";
+  if (pe->second.acked) return pe->second.ack_ok ? "transfer_id: the receiver has every page" : pe->second.ack_msg;
+  if (x.state != RUNNING) return "transfer_id: the transfer was ended by its receiver";
+  if (now_s() > x.deadline) return "transfer deadline passed";
+  fatal = false;
+  if (c.offset != x.next)
+    return "chunk_offset: " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
+           std::to_string(x.next);
+  const int64_t end = c.offset + (int64_t)src.size(), want = x.prefix + x.ndst;
+  if (end > want)
+    return "src_page_indices: the chunk ends at page " + std::to_string(end) + " of a transfer of " +
+           std::to_string(want) + " (prefix + delta)";
+  auto ps = pools_.find(x.bs);
+  if (ps == pools_.end()) {
+    fatal = true;
+    return "buffer set '" + x.bs + "' was unregistered";
+  }
+  std::string why = pages_ok(ps->second, src);
+  if (why.empty()) why = aux_note(ps->second, c.aux, aux);
+  if (!why.empty()) return why;
+  if (c.last && end != want) {
+    fatal = true;
+    return "sender finished with " + std::to_string(want - end) + " of " + std::to_string(x.ndst) +
+           " delta pages unsent (prefix + delta)";
+  }
+  x.next = end;
+  x.last = c.last;
+  pe->second.idle = false;
+  return "";
+}
+
+// One engine chunk of a stream: its delta pages packed at their place in the scratch, written
+// to the same place in the slot, its W note (with its aux rows; XF_LAST on the last) after the
+// WRITE; a chunk of prefix pages only sends its note alone when it has aux rows or is the last.
+void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
+                         const SendChunk& c, const std::vector<int32_t>& src, const std::string& aux) {
+  const int64_t lo = std::max(c.offset, xo.prefix), end = c.offset + (int64_t)src.size();
+  const uint64_t d0 = (uint64_t)(lo - xo.prefix), m = (uint64_t)std::max<int64_t>(0, end - lo);
+  const uint32_t flags = (c.last ? XF_LAST : 0) | (c.aux.empty() ? 0 : XF_AUX);
+  const uint64_t off = d0 * xo.page;
+  const double t0 = now_s();
+  std::string err;
+  Posted o;
+  o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags);
+  if (m) {
+    std::vector<int32_t> pairs(2 * m);
+    for (uint64_t i = 0; i < m; ++i) {
+      pairs[2 * i] = src[(size_t)(lo - c.offset) + i];
+      pairs[2 * i + 1] = (int32_t)i;
+    }
+    err = copy(sp, packed(xo.scratch + off, sp, sp.device), pairs, m);
+    stat(S_PACK, t0);
+    if (err.empty()) err = nx_post(xo.scratch + off, m * xo.page, sp.device, xo, off, o);
+    if (err.empty()) err = nx_finish(xo, o);
+  } else if (flags) {
+    send_note(xo.remote_agent, o.msg);
+  }
+  std::string told;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = xpend_.find(xk);
+    if (it == xpend_.end()) return;  // expired meanwhile (told already)
+    XPend& pd = it->second;
+    pd.copy_us += (uint64_t)((now_s() - t0) * 1e6);
+    pd.src.insert(pd.src.end(), src.begin(), src.end());
+    if (!err.empty()) {
+      told = pd.remote_agent;
+      auto x = xout_.find(xk);
+      if (x != xout_.end()) x->second.last = true;
+      finish_sent(it, false, "cross-node write failed: " + err);
+    } else if (c.last) {
+      st_[S_SENT]++;
+      pd.written = true;
+      if (pd.acked) finish_sent(it, pd.ack_ok, pd.ack_msg);
+    } else {
+      pd.idle = true;
+    }
+  }
+  if (!told.empty()) send_note(told, note(XNOTE_WRITTEN, xo.rank, false, 0, 0, 0, 0, tid, "cross-node write failed: " + err));
+}
+
+// mu_ held: stream ``xk`` fails with ``why`` between chunks: END to its engine now, and the
+// receiving service hears it (a failure note; the notes are sent once mu_ is released: see
+// xnotes_). True: a completion was queued.
+bool Lane::fail_xstream(const std::string& xk, const std::string& why) {
+  auto it = xpend_.find(xk);
+  auto x = xout_.find(xk);
+  if (x != xout_.end()) x->second.last = true;
+  if (it == xpend_.end() || !it->second.idle) return false;  // a chunk's WRITE in flight ends it
+  pending_notes_.emplace_back(it->second.remote_agent,
+                              note(XNOTE_WRITTEN, it->second.rank, false, 0, 0, 0, 0, it->second.tid, why));
+  finish_sent(it, false, why);
+  return true;
+}
+
+bool Lane::fail_xstreams_of(int fd, const std::string& session, const std::string& why) {
+  bool ended = false;
+  for (auto& kv : xout_) {
+    const XOut& x = kv.second;
+    if (x.streaming && !x.last && ((fd >= 0 && x.fd == fd) || (!session.empty() && x.session == session)))
+      ended |= fail_xstream(kv.first, why);
+  }
+  return ended;
+}
+
+// The failure notes queued under mu_ (fail_xstream), sent now (nx_mu_ is never taken inside mu_).
+void Lane::flush_notes() {
+  std::vector<std::pair<std::string, std::string>> go;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    go.swap(pending_notes_);
+  }
+  for (auto& kv : go) send_note(kv.first, kv.second);
 }
 
 // Pack and write an accepted SEND_TO (its XPend is registered), then book what came of it.
@@ -191,7 +373,7 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
     err = copy(sp, packed(scratch + off, sp, sp.device), pairs, cnt);
     stat(S_PACK, t0);
     if (!err.empty()) break;
-    out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "");
+    out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "", first + cnt == n ? XF_LAST : 0);
     if (trace_on_) out[h].tr = ChunkTrace{tid, 0, first, cnt, cnt * page, {t0, now_s(), 0, 0, 0}};
     err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
     if (!out[h].tr.tid.empty()) out[h].tr.t[2] = now_s();
@@ -257,7 +439,7 @@ void Lane::unpark() {
 }
 
 std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first, uint64_t off,
-                       const std::string& tid, const std::string& msg) {
+                       const std::string& tid, const std::string& msg, uint32_t flags) {
   XNote h{};
   std::memcpy(h.magic, XMAGIC, 4);
   h.kind = kind;
@@ -270,6 +452,7 @@ std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64
   h.at = now_s();
   h.tid_len = (uint32_t)tid.size();
   h.msg_len = (uint32_t)msg.size();
+  h.flags = flags;
   return std::string((const char*)&h, sizeof h) + tid + msg;
 }
 
@@ -382,6 +565,7 @@ void Lane::finish_sent(std::unordered_map<std::string, XPend>::iterator it, bool
   done.nbytes = p.nbytes;
   done.copy_us = p.copy_us;
   done.flags = p.flags;
+  done.first = p.first;
   done.src.swap(p.src);
   completions_.push_back(std::move(done));
   auto xo = xout_.find(it->first);  // the same key(tid, rank)
@@ -396,7 +580,7 @@ void Lane::expire_sent() {  // no ack a second past the deadline: the receiver i
   const double now = now_s();
   for (auto it = xpend_.begin(); it != xpend_.end();) {
     auto next = std::next(it);
-    if (now > it->second.deadline + 1.0 && it->second.written)
+    if (now > it->second.deadline + 1.0 && (it->second.written || it->second.idle))
       finish_sent(it, false, "the receiving service did not acknowledge before the deadline");
     it = next;
   }

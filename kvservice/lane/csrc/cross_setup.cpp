@@ -131,8 +131,9 @@ void Lane::forget_out(const std::string& tid, int rank) {
 // This service declared ``tid`` and offered slot ``slot`` (``bytes``) to ``sender_agent``.
 void Lane::arm_in(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
                   const std::string& sender_agent, int64_t prefix, std::vector<int32_t> dst, uint64_t slot,
-                  uint64_t bytes, int device, double deadline) {
+                  uint64_t bytes, int device, double deadline, std::vector<AuxRows> aux) {
   XIn x;
+  x.aux = std::move(aux);
   x.recv_session = recv_session;
   x.recv_bs = recv_bs;
   x.sender_agent = sender_agent;
@@ -147,6 +148,29 @@ void Lane::arm_in(const std::string& tid, int rank, const std::string& recv_sess
     xin_[key(tid, rank)] = std::move(x);
   }
   xcv_.notify_one();
+}
+
+int Lane::disarm_out(const std::string& tid, int rank) {
+  const std::string k = key(tid, rank);
+  bool ended = false;
+  int out = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = xout_.find(k);
+    if (it == xout_.end()) return 0;
+    if (it->second.state == ARMED) {
+      xout_.erase(it);
+      return 1;
+    }
+    out = 2;
+    if (it->second.streaming && !it->second.last)
+      ended = fail_xstream(k, "transfer_id: the transfer was ended by its receiver before its last chunk");
+  }
+  if (ended) {
+    signal_done();
+    flush_notes();
+  }
+  return out;
 }
 
 // 1 (gone): no chunk is unpacked after this returns; 2: a chunk is being unpacked, or all

@@ -97,9 +97,13 @@ void Lane::closed(int fd) {
       epoll_ctl(epfd_, EPOLL_CTL_DEL, fd, nullptr);
       close(fd);
       ended = fail_streams_of_fd(fd);
+      ended |= fail_xstreams_of(fd, "", "the sending engine's lane closed before its last chunk");
     }
   }
-  if (ended) signal_done();
+  if (ended) {
+    signal_done();
+    flush_notes();
+  }
 }
 
 // mu_ held: ``m`` to connection ``fd`` if it is still one of ``session``'s (the number of a

@@ -116,11 +116,12 @@ class Lane {
   void arm_out(const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
                uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
                double deadline);
-  int disarm_out(const std::string& tid, int rank) { return disarm_of(xout_, key(tid, rank)); }
+  // 0 none, 1 was armed (now gone), 2 taken: an engine's stream of it waiting for chunks ends
+  int disarm_out(const std::string& tid, int rank);
   void forget_out(const std::string& tid, int rank);
   void arm_in(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
               const std::string& sender_agent, int64_t prefix, std::vector<int32_t> dst, uint64_t slot, uint64_t bytes,
-              int device, double deadline);
+              int device, double deadline, std::vector<AuxRows> aux);
   int disarm_in(const std::string& tid, int rank, bool cancel);
   void forget_in(const std::string& tid, int rank);
   size_t cross_count();
@@ -156,6 +157,7 @@ class Lane {
                      LocalCopy& job) const;
   void mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& aux);
   static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src);
+  static bool read_chunk(const char* q, size_t n, SendChunk& c);
   // mu_ held; true: a completion was queued (signal_done once mu_ is released)
   bool fail_stream(std::unordered_map<std::string, Stream>::iterator it, const std::string& why);
   template <class P>
@@ -220,7 +222,16 @@ class Lane {
   void kick();  // mu_ held: wake the lane thread to look at the parked SEND_TOs
   void unpark();
   static std::string note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
-                          uint64_t off, const std::string& tid, const std::string& msg);
+                          uint64_t off, const std::string& tid, const std::string& msg, uint32_t flags = 0);
+  // an engine's chunks of one transfer (FLAG_CHUNK SEND_TOs), its delta within the slot
+  std::string aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out) const;
+  std::string x_next_chunk(XOut& x, const std::string& xk, const SendChunk& c, const std::vector<int32_t>& src,
+                           std::string& aux, bool& fatal);
+  void x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid, const SendChunk& c,
+                     const std::vector<int32_t>& src, const std::string& aux);
+  bool fail_xstream(const std::string& xk, const std::string& why);  // mu_ held
+  bool fail_xstreams_of(int fd, const std::string& session, const std::string& why);  // mu_ held
+  void flush_notes();
   std::string nx_post(uint64_t local, uint64_t n, int device, const XOut& xo, uint64_t off, Posted& o);
   std::string nx_finish(const XOut& xo, Posted& o);
   void release_req(void* req);
@@ -235,7 +246,8 @@ class Lane {
   void finish_received(const XIn& xi, const std::string& tid, int rank, const std::string& err, uint64_t nbytes,
                        uint64_t npages, uint64_t prefix, uint64_t us, bool tell);
   void on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
-                  uint64_t first, uint64_t off);
+                  uint64_t first, uint64_t off, uint32_t flags, const std::string& aux);
+  std::string land_aux(const XIn& x, const Pool& dp, const std::string& aux) const;
 
   // ---- state ---------------------------------------------------------------------------------
   std::atomic<uint64_t (*)()> guard_faults_{nullptr};
@@ -271,6 +283,7 @@ class Lane {
   std::unordered_map<std::string, XOut> xout_;    // key(tid, rank) -> an offer an engine here may SEND_TO
   std::unordered_map<std::string, XIn> xin_;      // key(tid, rank) -> a declaration with a slot
   std::unordered_map<std::string, XPend> xpend_;  // key(tid, rank) -> written, waiting for the ack
+  std::vector<std::pair<std::string, std::string>> pending_notes_;  // (agent, note) to send outside mu_
   struct Parked {
     int fd;
     std::string msg;

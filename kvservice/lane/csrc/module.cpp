@@ -37,12 +37,23 @@ void set_alias(Lane& lane, const std::string& bs, int device, const U64Array& ba
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 // ``aux``: (name, rows) pairs (the receiver's declared aux rows)
+std::vector<kvlane::AuxRows> aux_rows(const std::vector<std::pair<std::string, I64Array>>& aux) {
+  std::vector<kvlane::AuxRows> rows;
+  for (auto& [name, r] : aux) rows.push_back({name, std::vector<int64_t>(r.data(), r.data() + r.size())});
+  return rows;
+}
+
 void arm(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
          int64_t prefix, const I32Array& dst, double deadline, int senders,
          const std::vector<std::pair<std::string, I64Array>>& aux) {
-  std::vector<kvlane::AuxRows> rows;
-  for (auto& [name, r] : aux) rows.push_back({name, std::vector<int64_t>(r.data(), r.data() + r.size())});
-  lane.arm(tid, rank, recv_session, recv_bs, prefix, pages(dst), deadline, senders, std::move(rows));
+  lane.arm(tid, rank, recv_session, recv_bs, prefix, pages(dst), deadline, senders, aux_rows(aux));
+}
+
+void arm_in(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
+            const std::string& sender_agent, int64_t prefix, const I32Array& dst, uint64_t slot, uint64_t bytes,
+            int device, double deadline, const std::vector<std::pair<std::string, I64Array>>& aux) {
+  lane.arm_in(tid, rank, recv_session, recv_bs, sender_agent, prefix, pages(dst), slot, bytes, device, deadline,
+              aux_rows(aux));
 }
 
 // ``aux``: (name, base address, row bytes, rows) of each aux region (host memory)
@@ -52,11 +63,7 @@ void set_aux(Lane& lane, const std::string& bs, const std::vector<std::tuple<std
   lane.set_aux(bs, std::move(out));
 }
 
-void arm_in(Lane& lane, const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
-            const std::string& sender_agent, int64_t prefix, const I32Array& dst, uint64_t slot, uint64_t bytes,
-            int device, double deadline) {
-  lane.arm_in(tid, rank, recv_session, recv_bs, sender_agent, prefix, pages(dst), slot, bytes, device, deadline);
-}
+
 
 py::bytes local_md(Lane& lane) {
   std::string md;
@@ -129,7 +136,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("refuse_out", &Lane::refuse_out)
       .def("disarm_out", &Lane::disarm_out)
       .def("forget_out", &Lane::forget_out)
-      .def("arm_in", &arm_in)
+      .def("arm_in", &arm_in, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"),
+           py::arg("sender_agent"), py::arg("prefix"), py::arg("dst"), py::arg("slot"), py::arg("bytes"),
+           py::arg("device"), py::arg("deadline"), py::arg("aux") = std::vector<std::pair<std::string, I64Array>>())
       .def("disarm_in", &Lane::disarm_in, py::arg("tid"), py::arg("rank"), py::arg("cancel") = false)
       .def("forget_in", &Lane::forget_in)
       .def("cross_count", &Lane::cross_count)

@@ -19,10 +19,8 @@
 
 namespace kvlane {
 
-namespace {
-
-// A chunked SEND's trailer and aux rows (wire.h); false: malformed.
-bool read_chunk(const char* q, size_t n, SendChunk& c) {
+// A chunked SEND's (or SEND_TO's) trailer and aux rows (wire.h); false: malformed.
+bool Lane::read_chunk(const char* q, size_t n, SendChunk& c) {
   ChunkTrailer t;
   if (n < sizeof t) return false;
   std::memcpy(&t, q, sizeof t);
@@ -46,6 +44,8 @@ bool read_chunk(const char* q, size_t n, SendChunk& c) {
   }
   return at == n;
 }
+
+namespace {
 
 const AuxDesc* aux_of(const Pool& p, const std::string& name) {
   for (const AuxDesc& a : p.aux)

@@ -124,6 +124,14 @@ struct XOut {  // a transfer the receiving service offered: its slot there
   int rdev = 0, rmem = 0;
   int64_t prefix = 0, ndst = 0;
   double deadline = 0;
+  // an engine's chunks of it (FLAG_CHUNK SEND_TOs, the delta within the slot): who sends them,
+  // the next one's offset, whether the last came; packed at the same place in the scratch as in
+  // the slot
+  bool streaming = false, last = false;
+  int fd = -1;
+  std::string session, bs;
+  int64_t next = 0;
+  uint64_t scratch = 0, page = 0;
 };
 
 struct XIn {  // a transfer this service declared and offered with a slot
@@ -136,6 +144,8 @@ struct XIn {  // a transfer this service declared and offered with a slot
   bool cancel = false;           // ended by the receiver while a chunk was being unpacked
   int device = -1;
   double deadline = 0;
+  std::vector<AuxRows> aux;  // the aux rows it declared (a W note with XF_AUX delivers them)
+  bool aux_done = false;
 };
 
 // One sender rank's chunks of a same-node transfer (key: transfer id and the sender's buffer
@@ -193,6 +203,8 @@ struct XPend {  // written (or being written), waiting for the receiver's ack
   uint64_t credits = 0;  // chunks the receiver unpacked (a streamed transfer)
   uint32_t flags = 0;
   double deadline = 0;
+  int64_t first = 0;  // the offset of src[0] in the transfer (a stream may start in the prefix)
+  bool idle = false;  // a stream between two of its engine's chunks (no WRITE of it in flight)
   bool written = false, acked = false, ack_ok = false;
   std::string ack_msg;
 };

@@ -38,6 +38,11 @@ struct SendToHdr {  // SEND to another node's service: + the receiving service's
 // into the receiver's slot; C: the receiver unpacked a chunk that was not the last, its part of
 // the slot is free again; A: the receiver unpacked the last chunk, or refused), binary, then tid
 // and message. A delta larger than its slot streams through it in chunks (lane_cross_parts parts in turn).
+//
+// An engine's chunks of one transfer (FLAG_CHUNK SEND_TOs) whose delta fits its slot are each
+// written at their own place in the slot (the delta page's), one W note per chunk; the one
+// that says XF_LAST ends it, and the W note of a chunk with aux rows carries them (XF_AUX, the
+// message: aux_rows_msg), as does a note with no pages (a last chunk of prefix pages only).
 struct XNote {
   char magic[4];
   uint32_t kind, rank, ok;
@@ -45,8 +50,11 @@ struct XNote {
   uint64_t first, off;  // W: the chunk's first page (of the delta) and its offset in the slot
   double at;            // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
   uint32_t tid_len, msg_len;
+  uint32_t flags, pad;  // W: XF_*
 };
-inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '2'};
+inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '3'};
+enum : uint32_t { XF_LAST = 1, XF_AUX = 2 };
+constexpr size_t MAX_AUX_NOTE = 64 * 1024;  // aux rows a W note carries (more: over gRPC)
 // The scratch's first 1/XSMALL is where the lane thread packs the cross-node sends that fit it
 // whole; the rest is the bulk thread's (streamed sends). A slot is at most half the receive
 // staging, which is as large as the scratch: with 2, every one-WRITE send stays on the lane
