@@ -66,7 +66,7 @@ class NoLane:
     def arm(self, inc: Any) -> bool:
         return False
 
-    async def settle(self, inc: Any) -> None:
+    async def settle(self, inc: Any, code: str = "", reason: str = "") -> None:
         pass
 
     async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
@@ -235,9 +235,13 @@ class LaneBook(NoLane):
         )
         return True
 
-    async def settle(self, inc: Any) -> None:
-        """Before the receiver ends otherwise: disarm, or wait until the lane's copy is booked."""
+    async def settle(self, inc: Any, code: str = "", reason: str = "") -> None:
+        """Before the receiver ends otherwise (``code``, ``reason``: how): disarm, or wait until
+        the lane's copy is booked. A stream into it waiting for chunks ends, its sender's side
+        with that reason."""
         key = (inc.rec.transfer_id, inc.bs.layout.tp_rank)
+        if reason:
+            self.fin.ended_by_receiver(inc.rec.transfer_id, code, reason)
         if booking(*key):
             return  # the booking itself ends the receiver (a malformed commit): nothing to wait for
         crossing = self.cross is not None and self.cross.rx.settle_in(*key)

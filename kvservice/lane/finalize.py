@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KVServiceError
+from ..errors import Aborted, KVServiceError
 from .cross_in import CANCELLED
 
 __all__ = ["Finalizer", "booking"]
@@ -46,17 +46,46 @@ class Finalizer:
         self.n = book.n
         self._waiters: dict[tuple[str, int], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._chains: dict[tuple[str, str], asyncio.Future[None]] = {}  # (tid, sender bs): its last booking
+        self._outs: dict[tuple[str, str], Any] = {}
+        self._receiver_ends: dict[
+            str, tuple[str, str]
+        ] = {}  # tid -> how its receiver ended it  # a stream's sending side, booked chunk by chunk
         self.sent = 0  # transfers the lane moved (finalized)
         self.failed = 0
 
     def on_completions(self) -> None:
-        """The native thread's completion fd is readable: book each completion in a task."""
+        """The native thread's completion fd is readable: book each completion in a task (a
+        same-node stream's in order: each waits for the one before it)."""
+        loop = asyncio.get_running_loop()
         for c in self.n.drain():
             kind = c[-1]
-            work = self._finalize(*c[:-1]) if kind == 0 else self._cross_done(kind, c)
-            task = asyncio.get_running_loop().create_task(work, name=f"lane-{c[0]}")
+            if kind in (0, 3):  # a same-node stream's end, or a chunk of it before the last
+                key = (c[0], c[2])
+                prev, mine = self._chains.get(key), loop.create_future()
+                self._chains[key] = mine
+                work = self._in_turn(key, prev, mine, self._stream(kind == 0, *c[:-1]))
+            else:
+                work = self._cross_done(kind, c)
+            task = loop.create_task(work, name=f"lane-{c[0]}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _in_turn(
+        self,
+        key: tuple[str, str],
+        prev: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
+        work: Any,
+    ) -> None:
+        try:
+            if prev is not None:
+                await asyncio.shield(prev)
+            await work
+        finally:
+            mine.set_result(None)
+            if self._chains.get(key) is mine:
+                del self._chains[key]
 
     async def _cross_done(self, kind: int, c: tuple[Any, ...]) -> None:
         """A cross-node completion (cross.py): 1 = sent (this side's engine had its END), 2 =
@@ -75,8 +104,9 @@ class Finalizer:
                 self.wake((tid, rank))
             self.book.cross.log_trace()
 
-    async def _finalize(
+    async def _stream(
         self,
+        final: bool,
         tid: str,
         rank: int,
         bs_id: str,
@@ -94,13 +124,16 @@ class Finalizer:
         first: int,
         aux_rows: int,
     ) -> None:
-        """Book one sender's stream the lane copied into receiver ranks ``ranks``: its chunks'
-        pages ``src`` from transfer page ``first`` on, and ``aux_rows`` aux rows (``told``: which
-        ranks heard their END with it: their last sender)."""
+        """Book a chunk of a sender's stream the lane copied into receiver ranks ``ranks`` (its
+        pages ``src`` from transfer page ``first``, ``aux_rows`` aux rows), as the ordinary
+        same-node send of a copy already made (records, commit, DONE, index, metrics); with
+        ``final`` its last chunk, or its failure (``told``: which ranks heard their END with it:
+        their last sender)."""
         from ..transfer.records import Record
         from ..transfer.sender import Chunk, Outgoing
 
         e = self.e
+        key = (tid, bs_id)
         ranks = list(ranks)  # (``rank``, ``told_recv``: its first, the cross-node completions' fields)
         told_by = dict(zip(ranks, told, strict=True))
         # NOTE: in this task's own context (create_task copied it), inherited by the tasks it
@@ -108,58 +141,108 @@ class Finalizer:
         _BOOKING.set((tid, tuple(ranks)))
         incs = [i for i in e.receiver.of(tid) if i.bs.layout.tp_rank in told_by]
         bs = self.book.pool(bs_id)
+        out = self._outs.pop(key, None) if final else self._outs.get(key)
         try:
-            deadline = incs[0].rec.deadline if incs else time.monotonic() + 60
-            rec = Record(tid, "SENDER", bs_id, session_id, deadline)
-            # an engine the lane told has its END: its Transfers stream need not say it again
-            rec.lane_told = told_send
-            for inc in incs:
-                inc.rec.lane_told = inc.rec.lane_told or bool(told_by.get(inc.bs.layout.tp_rank))
-            if ok and bs is not None and len(incs) == len(ranks):
-                # the booking: the ordinary same-node send of a copy already made, on this
-                # service's own declarations; nothing stops it and nothing in it waits (an end
-                # that meets it waits for it: Sender.stop)
+            if out is None and ok and bs is not None:
+                deadline = incs[0].rec.deadline if incs else time.monotonic() + 60
+                rec = Record(tid, "SENDER", bs_id, session_id, deadline)
                 out = Outgoing(rec, bs, e.address, "auto", no_duplicate_mark=bool(flags & 1), via_lane=True)
-                out.seq, out.next_offset, out.got_last = 1, int(first + src.size), True
+                out.next_offset = int(first)
+                if not final:  # a stream: an end of the sending side in Python ends it natively
+                    out.lane_abort = lambda why: self.n.abort_stream(tid, bs_id, why)
+                    self._outs[key] = out
+            if final:
+                # an engine the lane told has its END: its Transfers stream need not say it again
+                if out is not None:
+                    out.rec.lane_told = told_send
+                for inc in incs:
+                    inc.rec.lane_told = inc.rec.lane_told or bool(told_by.get(inc.bs.layout.tp_rank))
+            if ok and out is not None and len(incs) == len(ranks):
+                # the booking: nothing stops it and nothing in it waits (an end that meets it
+                # waits for it: Sender.stop)
                 each = (nbytes // len(ranks), copy_us)  # per receiver rank (even head splits)
                 chunk = Chunk(
-                    0,
+                    out.seq,
                     int(first),
                     src.astype(np.int64),
-                    True,
+                    final,
                     {},
                     time.monotonic(),
                     copied=each,
                     copied_aux=aux_rows // len(ranks),
                 )
+                out.seq, out.next_offset, out.got_last = out.seq + 1, int(first + src.size), final
                 await e.send(out, chunk)
-                await e.sender.stopped(out)
-                if rec.state == "DONE":
-                    self.sent += 1
-                else:
-                    self.failed += 1
+                if final:
+                    await e.sender.stopped(out)
+                    if out.rec.state == "DONE":
+                        self.sent += 1
+                    else:
+                        self.failed += 1
                 return
+            if not final:
+                return  # (its stream's end books what became of it)
             self.failed += 1
-            if error == CANCELLED:  # the receiver ended it mid-stream: its own end is being booked
-                e.table.add(rec)
-                why = "the receiver ended the transfer before its last chunk"
-                e.table.finish(rec, "FAILED", "ABORTED", why)
-                return
-            why = error or (
-                "the sender's buffer set is gone" if bs is None else "the receiver's declaration is gone"
-            )
-            e.table.add(rec)
-            e.table.finish(rec, "FAILED", "INTERNAL", f"lane copy failed: {why}")
-            for inc in incs:
-                # another sender's copy into this rank may still run: its booking first, so the
-                # rank ends FAILED only once nothing writes its pages (the lane's END waits too)
-                await self._booked(tid, inc.bs.layout.tp_rank, ranks)
-                await e.fail_incoming(inc, KVServiceError(f"lane copy failed: {why}"))
+            await self._failed(tid, ranks, incs, bs, out, error, session_id, bs_id)
         except Exception:
             log.exception("lane finalize failed", extra={"transfer_id": tid})
         finally:
-            for r in ranks:
-                self.forget(tid, r)
+            if final:
+                for r in ranks:
+                    self.forget(tid, r)
+
+    async def _failed(
+        self,
+        tid: str,
+        ranks: list[int],
+        incs: list[Any],
+        bs: Any,
+        out: Any,
+        error: str,
+        session_id: str,
+        bs_id: str,
+    ) -> None:
+        """A stream that failed (``out``: its sending side, when chunks of it were booked)."""
+        from ..transfer.records import Record
+
+        e = self.e
+        if error == CANCELLED:  # the receiver ended it mid-stream: its own end is being booked
+            code, why = self._receiver_ends.pop(
+                tid, ("ABORTED", "the receiver ended the transfer before its last chunk")
+            )
+            code = "ABORTED" if code == "ABORTED" else code
+        else:
+            why = error or (
+                "the sender's buffer set is gone" if bs is None else "the receiver's declaration is gone"
+            )
+            why, code = f"lane copy failed: {why}", "INTERNAL"
+        if out is not None:
+            # the sending side's worker (its chunks booked) ends as a Python route's would; what
+            # the engine's side said (an Abort, its buffer set unregistered) comes first
+            code, why = out.stop or code, out.stop_reason or why
+            out.via_lane, out.stop = False, ""
+            e.sender.stop(out, code, why)
+            await e.sender.stopped(out)
+            e.table.finish(out.rec, "ABORTED" if code == "ABORTED" else "FAILED", code, why)
+        else:
+            deadline = incs[0].rec.deadline if incs else time.monotonic() + 60
+            rec = Record(tid, "SENDER", bs_id, session_id, deadline)
+            e.table.add(rec)
+            e.table.finish(rec, "ABORTED" if code == "ABORTED" else "FAILED", code, why)
+        if error == CANCELLED:
+            return
+        for inc in incs:
+            # another sender's copy into this rank may still run: its booking first, so the
+            # rank ends FAILED only once nothing writes its pages (the lane's END waits too)
+            await self._booked(tid, inc.bs.layout.tp_rank, ranks)
+            await e.fail_incoming(inc, Aborted(why) if code == "ABORTED" else KVServiceError(why))
+
+    def ended_by_receiver(self, tid: str, code: str, reason: str) -> None:
+        """The receiver of ``tid`` ends it (``code``, ``reason``): a stream of it the lane cancels
+        ends its sending side with that."""
+        self._receiver_ends[tid] = (code, reason)
+        while len(self._receiver_ends) > 4096:
+            self._receiver_ends.pop(next(iter(self._receiver_ends)))
 
     def forget(self, tid: str, rank: int) -> int:
         """This completion's copy into (tid, rank) is booked: the copies still pending there; the

@@ -138,7 +138,7 @@ class Ends:
             await self.dispatch.tell_abort(out, code, reason)
 
     async def _abort_in(self, inc: Incoming, code: str, reason: str, notify: bool, origin: str = "") -> None:
-        await self._lane().settle(inc)  # disarmed, or the lane's copy is booked (then this is DONE)
+        await self._lane().settle(inc, code, reason)  # disarmed, or the lane's copy is booked (then DONE)
         state = "ABORTED" if code == "ABORTED" else "FAILED"
         landed = inc.rec.state == "LANDED"  # its senders are done: nobody to tell
         if not self.table.finish(inc.rec, state, code, reason):

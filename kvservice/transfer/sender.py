@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,6 +66,8 @@ class Outgoing:
     sent_src: list[np.ndarray] = dataclasses.field(default_factory=list)  # every chunk's source pages
     no_duplicate_mark: bool = False  # SendDelta's hint (first chunk): never a P/D duplicate mark
     via_lane: bool = False  # booked after the native lane moved it (kvservice.lane)
+    # a stream of the native lane, booked chunk by chunk: ends it there (with the reason)
+    lane_abort: Callable[[str], None] | None = None
 
 
 def check_live(out: Outgoing) -> None:
@@ -226,6 +229,9 @@ class Sender:
         receiver's settle does (kvservice.lane.book). Stopped, it would tell the receiver, whose
         settle waits for the booking, which waits for this worker: none of them would end."""
         if out.via_lane:
+            if out.lane_abort is not None and not out.stop:  # a lane stream: it ends there first
+                out.stop, out.stop_reason = code, reason
+                out.lane_abort(reason)
             return
         if not out.stop:
             out.stop, out.stop_reason = code, reason

@@ -145,7 +145,7 @@ def test_a_settle_that_never_returns_cannot_hang_the_stop(caplog: Any) -> None:
         eng.kb.expect_delta("stuck", eng.b, prefix_pages=0, dst_page_indices=[3])
         never: asyncio.Future[None] = server.call(_future())
 
-        async def settle(inc: Any) -> None:
+        async def settle(inc: Any, code: str = "", reason: str = "") -> None:
             await asyncio.shield(never)
 
         eng.lane.book.settle = settle

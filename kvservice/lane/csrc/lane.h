@@ -103,6 +103,9 @@ class Lane {
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
            int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux);
   int disarm(const std::string& tid, int rank, bool cancel);
+  // The sender's side of (tid, buffer set bs) ended in Python (Abort, its buffer set unregistered):
+  // its stream, if it still takes chunks, fails with ``why`` (its copies in flight end first).
+  void abort_stream(const std::string& tid, const std::string& bs, const std::string& why);
   int forget(const std::string& tid, int rank);
   size_t armed_count();
 
@@ -171,7 +174,9 @@ class Lane {
                            size_t moved, uint64_t nbytes, double t0);
   void finish_run();
   void end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbytes, size_t moved);
-  void end_stream(std::unordered_map<std::string, Stream>::iterator it, const LocalCopy* at);  // mu_ held
+  void end_stream(std::unordered_map<std::string, Stream>::iterator it, const LocalCopy* at, uint64_t nbytes,
+                  uint64_t us);  // mu_ held
+  static void fill(Completion& c, const Stream& s, const LocalCopy* at, uint64_t nbytes, uint64_t us);
   void signal_done();
   std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const;
   int launch_device(const Pool& sp, const Pool& dp) const { return cu_.launch_device(sp.device, dp.device); }

@@ -66,14 +66,12 @@ void Lane::copy_local(LocalCopy& job) {
 std::string Lane::launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
                                size_t moved, uint64_t nbytes, double t0) {
   const size_t nr = segs.size();
-  if (moved == 0 || nr == 0) {  // nothing to copy: ends at once
-    end_local(job, "", 0, nbytes, moved);
-    return "";
-  }
   const int on = launch_device(job.sp, job.tg[0].dp);
-  int si = -1;
-  std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si, job.at_launch);
-  if (!err.empty()) return err;
+  int si = -1;  // nothing to copy (its aux rows only): no launch, ended in turn by the finisher
+  if (moved && nr) {
+    std::string err = cu_.launch_async(on, segs, pairs, moved, running_, si, job.at_launch);
+    if (!err.empty()) return err;
+  }
   {
     std::lock_guard<std::mutex> g(fin_mu_);
     fin_q_.push_back(InFlight{std::move(job), on, si, nbytes, moved, t0});
@@ -93,7 +91,7 @@ void Lane::finish_run() {
       f = std::move(fin_q_.front());
       fin_q_.pop_front();
     }
-    const std::string err = cu_.finish(f.device, f.slot);
+    const std::string err = f.slot < 0 ? "" : cu_.finish(f.device, f.slot);
     f.job.at_done = now_s();
     try {
       end_local(f.job, err, (uint64_t)((now_s() - f.t0) * 1e6), f.nbytes, f.moved);
@@ -122,17 +120,44 @@ void Lane::end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbyt
     s.aux_rows += job.aux.size();
     if (!err.empty() && s.error.empty()) s.error = err;
     if (s.inflight == 0 && (s.last || !s.error.empty())) {
-      end_stream(it, &job);
+      end_stream(it, &job, nbytes, us);
+      ended = true;
+    } else if (s.error.empty()) {  // a chunk before the last: Python books it now (Poll, watchers)
+      Completion c;
+      c.kind = DONE_CHUNK;
+      fill(c, s, &job, nbytes, us);
+      completions_.push_back(std::move(c));
       ended = true;
     }
   }
   if (ended) signal_done();
 }
 
+// mu_ held: a completion's fields for stream ``s``: its chunk ``at`` (none: a stream that failed
+// between chunks), that chunk's bytes and µs.
+void Lane::fill(Completion& c, const Stream& s, const LocalCopy* at, uint64_t nbytes, uint64_t us) {
+  c.tid = s.tid;
+  c.rank = s.tg.empty() ? s.sp.rank : s.tg[0].rank;
+  c.bs = s.bs;
+  c.sender_session = s.session;
+  c.nbytes = nbytes;
+  c.copy_us = us;
+  c.flags = s.flags;
+  c.first = at ? at->off : s.next;
+  c.aux_rows = at ? at->aux.size() : 0;
+  if (at) c.src = at->src;
+  for (auto& t : s.tg) {
+    c.ranks.push_back(t.rank);
+    c.told.push_back(0);
+  }
+}
+
 // mu_ held: stream ``it`` ends (no copy of it in flight): END to each receiver rank that has all
-// its senders now (or a failure), then to the sender, then the completion for Python; the
-// stream goes (``at``: its last chunk, whose timeline the END carries).
-void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, const LocalCopy* at) {
+// its senders now (or a failure), then to the sender, then the completion for Python (of its
+// last chunk ``at``, whose timeline the END carries: ``nbytes``, ``us``; the chunks before it
+// were booked one by one); the stream goes.
+void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, const LocalCopy* at, uint64_t nbytes,
+                      uint64_t us) {
   Stream& s = it->second;
   const std::string& err = s.error;
   const bool ok = err.empty();
@@ -140,6 +165,9 @@ void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, cons
   const uint64_t each = nt ? s.nbytes / nt : 0, moved = nt ? s.moved : 0;
   const uint64_t skipped = (uint64_t)std::max<int64_t>(0, s.prefix - s.first);
   Completion done;
+  fill(done, s, at, nbytes, us);
+  done.ranks.clear();
+  done.told.clear();
   for (auto& t : s.tg) {
     int told = 0;
     auto ai = armed_.find(t.akey);  // still ours: disarm() answers 2 while a stream is pending
@@ -174,18 +202,8 @@ void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, cons
   const std::string to_send = end_msg(1, ok, s.tid, s.bs, err, s.nbytes, moved, skipped, s.us, 0, at);
   done.told_send = tell(s.fd, s.session, to_send);
   done.told_recv = !done.told.empty() && done.told[0];
-  done.tid = s.tid;
-  done.rank = s.tg.empty() ? s.sp.rank : s.tg[0].rank;
-  done.bs = s.bs;
-  done.sender_session = s.session;
   done.ok = ok;
   done.error = err;
-  done.nbytes = s.nbytes;
-  done.copy_us = s.us;
-  done.flags = s.flags;
-  done.first = s.first;
-  done.aux_rows = s.aux_rows;
-  done.src.swap(s.src);
   completions_.push_back(std::move(done));
   // a later chunk of it is refused with what became of it (a new transfer under the id starts at 0)
   if (ended_.size() >= kEndedMax) ended_.erase(ended_.begin());

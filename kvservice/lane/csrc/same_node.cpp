@@ -125,7 +125,8 @@ void Lane::handle(int fd, const char* p, size_t n) {
   job.src = std::move(src);
   uint64_t bytes = 0;
   for (auto& r : job.sp.regions) bytes += r.nbytes * job.src.size();
-  if (bytes < LOCAL_BULK_BYTES || job.sp.device >= 0) return copy_local(job);
+  // (a host chunk behind one on the bulk thread queues there too: a stream's chunks end in order)
+  if ((bytes < LOCAL_BULK_BYTES && !job.behind) || job.sp.device >= 0) return copy_local(job);
   to_bulk([this, job]() mutable { copy_local(job); });
 }
 
@@ -158,7 +159,6 @@ std::string Lane::first_chunk(const std::string& tid, const std::string& session
   s.prefix = job.prefix;
   s.first = c.offset;
   s.next = c.offset + (int64_t)src.size();
-  s.src = src;
   s.last = c.last;
   s.inflight = 1;
   job.off = c.offset;
@@ -202,7 +202,7 @@ std::string Lane::next_chunk(Stream& s, const SendChunk& c, const std::vector<in
   s.next = end;
   s.last = c.last;
   s.inflight++;
-  s.src.insert(s.src.end(), src.begin(), src.end());
+  job.behind = s.inflight > 1;
   job.sp = s.sp;
   job.tg = s.tg;
   job.prefix = s.prefix;
@@ -215,8 +215,18 @@ std::string Lane::next_chunk(Stream& s, const SendChunk& c, const std::vector<in
 bool Lane::fail_stream(std::unordered_map<std::string, Stream>::iterator it, const std::string& why) {
   if (it->second.error.empty()) it->second.error = why;
   if (it->second.inflight) return false;
-  end_stream(it, nullptr);
+  end_stream(it, nullptr, 0, 0);
   return true;
+}
+
+void Lane::abort_stream(const std::string& tid, const std::string& bs, const std::string& why) {
+  bool ended = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = streams_.find(tid + '\0' + bs);
+    if (it != streams_.end() && !it->second.last) ended = fail_stream(it, why);
+  }
+  if (ended) signal_done();
 }
 
 // mu_ held: every stream still taking chunks that matches ``pred`` fails with ``why``.

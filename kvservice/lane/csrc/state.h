@@ -164,7 +164,6 @@ struct Stream {
   Pool sp;
   std::vector<Target> tg;
   int64_t prefix = 0, first = 0, next = 0;  // the first chunk's offset, and the next one's
-  std::vector<int32_t> src;                 // every chunk's pages so far, from ``first``
   int inflight = 0;                         // chunks accepted whose copy has not ended
   bool last = false;                        // its last chunk was accepted
   std::string error;                        // the first failure (the stream ends with it)
@@ -181,6 +180,7 @@ struct LocalCopy {  // an accepted same-node chunk, to copy (the lane thread, or
   int64_t prefix = 0, off = 0;  // the receiver's prefix; the chunk's first page in the transfer
   std::vector<int32_t> src;     // the chunk's pages
   std::vector<AuxCopy> aux;     // its aux rows, into every target
+  bool behind = false;          // an earlier chunk of its stream is still being copied (host: queue behind it)
   uint32_t seq = 0;  // the SEND's: a GPU copy's REPLY goes once it is launched (copy_local)
   // CLOCK_MONOTONIC s: the SEND read, checked (targets), its copy launched, seen done (the END's trailer)
   double at_recv = 0, at_checked = 0, at_launch = 0, at_done = 0;
@@ -228,7 +228,9 @@ struct Posted {  // a chunk's WRITE in flight (stream_out)
   ChunkTrace tr;  // its timeline so far (tracing on)
 };
 
-enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2 };
+// DONE_SAME_NODE: a same-node stream ended (its last chunk, or its failure); DONE_CHUNK: a chunk
+// of one copied before its last (booked in order: Poll and WatchTransfers follow the stream)
+enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2, DONE_CHUNK = 3 };
 
 struct Completion {
   std::string tid, bs, sender_session, error;
