@@ -69,7 +69,9 @@ def _mps(on: bool) -> None:
 
 def run_steps(suite: Suite, small: bool, work: Path) -> dict[str, dict[str, Any]]:
     """Each step's JSON, by step name (a step that failed or wrote none is left out and said)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")])}
+    # (what the caller's PYTHONPATH holds stays behind ours: a GPU host's wheels in /tmp/site)
+    paths = [str(ROOT), str(ROOT / "clients/python"), *filter(None, [os.environ.get("PYTHONPATH", "")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     runs: dict[str, dict[str, Any]] = {}
     for step in suite.steps:
         out = work / step.name

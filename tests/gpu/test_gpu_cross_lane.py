@@ -65,3 +65,40 @@ def test_cross_node_lane_moves_the_delta_byte_for_byte(services: list[str], n: i
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+def test_cross_node_lane_takes_chunks_with_aux_rows_byte_for_byte(services: list[str]) -> None:
+    """SGLang's shape across services: 4 chunks (one page each), aux rows in host memory on the
+    last, every chunk on the cross-node lane, byte exact on the receiver's GPU and aux rows."""
+    a, b = services
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=a, layout=LAYOUT, fill=True, seed=7, aux_rows=16)
+        dst_eng(op="register", address=b, layout=LAYOUT, aux_rows=16)
+        src, dst = [9, 3, 17, 40, 22], [5, 6, 7, 8]
+        lanes = []
+        for turn in range(3):  # the first opens the prefill service's channel; offers follow
+            tid = f"xc-{turn}"
+            assert (
+                dst_eng(op="expect", tid=tid, prefix=1, dst=dst, sender=a, aux={"meta": [turn]})["state"]
+                != "FAILED"
+            )
+            time.sleep(0.05)
+            sent = []
+            for i in range(5):
+                last = i == 4
+                got = src_eng(
+                    op="send", tid=tid, src=src[i : i + 1], offset=i, last=last,
+                    aux={"meta": [10 + turn]} if last else None, peer=b,
+                )  # fmt: skip
+                sent.append(got["lane"])
+            lanes.append(all(sent))
+            got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
+            assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+            assert dst_eng(op="pages", pages=dst)["sums"] == src_eng(op="pages", pages=src[1:])["sums"]
+            assert dst_eng(op="aux", rows=[turn])["rows"] == src_eng(op="aux", rows=[10 + turn])["rows"]
+        assert lanes[1:] == [True, True], lanes
+        assert got_d["route_note"] == "cross-node lane", got_d
+    finally:
+        src_eng.close()
+        dst_eng.close()
