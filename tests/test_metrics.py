@@ -32,6 +32,7 @@ class FakeRecord:
     )
     error_code: str = ""
     total_us: int = 5000
+    route_note: str = ""
 
 
 def _value(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -52,6 +53,20 @@ def test_transfer_observe_counts_bytes_pages_and_skipped_bytes() -> None:
         _value(reg, "kvservice_transfer_duration_seconds_sum", role="receiver", path="packed", state="done")
         == 0.005
     )
+
+
+def test_transfer_sides_are_counted_by_the_route_that_moved_them() -> None:
+    """The native lanes' transfers and the gRPC route's are told apart (every series exists at 0)."""
+    reg = CollectorRegistry()
+    m = TransferMetrics(reg)
+    assert _value(reg, "kvservice_transfers_by_route_total", role="sender", route="lane") == 0
+    for note in ("lane", "lane", "cross-node lane", "", "another host"):
+        m.observe(FakeRecord(route_note=note))  # type: ignore[arg-type]
+    got = {
+        r: _value(reg, "kvservice_transfers_by_route_total", role="receiver", route=r)
+        for r in ("lane", "cross_node_lane", "grpc")
+    }
+    assert got == {"lane": 2, "cross_node_lane": 1, "grpc": 2}, got
 
 
 def test_transfer_observe_skips_phases_that_did_not_run() -> None:

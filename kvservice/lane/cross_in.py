@@ -141,9 +141,10 @@ class CrossIn:
             self.arenas[device].slots.give(off, nbytes)
 
     async def received(
-        self, tid: str, rank: int, ok: bool, error: str, nbytes: int, copy_us: int, told: bool
+        self, tid: str, rank: int, ok: bool, error: str, nbytes: int, copy_us: int, told: bool, first: int = 0
     ) -> None:
-        """The native thread unpacked (or failed to) a transfer into the declared pages."""
+        """The native thread unpacked (or failed to) a transfer into the declared pages (``first``:
+        the transfer page the sender's first sent page was; those below the prefix were skipped)."""
         e = self.e
         x = self._in.get((tid, rank))
         if x is not None and ok:
@@ -172,7 +173,7 @@ class CrossIn:
             0,
             lay.local_kv_heads,
             nbytes=nbytes,
-            skipped=int(inc.prefix_pages),
+            skipped=max(0, int(inc.prefix_pages) - first),
             descriptors=1,
             aux=bool(inc.aux),  # (the lane fails a transfer whose declared aux rows never came)
             last=True,

@@ -96,7 +96,7 @@ class Finalizer:
                 await self.book.cross.tx.sent(c)
             else:
                 _BOOKING.set((tid, (rank,)))  # this task's own context (create_task copied it)
-                await self.book.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10])
+                await self.book.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10], int(c[14]))
         except Exception:
             log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
         finally:
@@ -155,8 +155,10 @@ class Finalizer:
                 # an engine the lane told has its END: its Transfers stream need not say it again
                 if out is not None:
                     out.rec.lane_told = told_send
+                    out.rec.route_note = "lane"
                 for inc in incs:
                     inc.rec.lane_told = inc.rec.lane_told or bool(told_by.get(inc.bs.layout.tp_rank))
+                    inc.rec.route_note = "lane"
             if ok and out is not None and len(incs) == len(ranks):
                 # the booking: nothing stops it and nothing in it waits (an end that meets it
                 # waits for it: Sender.stop)

@@ -31,6 +31,10 @@ PageBytes = Callable[[str], int]
 buffer set (0 when unknown, e.g. already unregistered)."""
 
 
+# a record's route note -> the route label ("" and anything else: the gRPC route)
+ROUTES = {"lane": "lane", "cross-node lane": "cross_node_lane", "": "grpc"}
+
+
 class TransferRecord(Protocol):
     """What :meth:`TransferMetrics.observe` reads from a ``transfer.records.Record``."""
 
@@ -45,6 +49,7 @@ class TransferRecord(Protocol):
     path: str
     timings_us: dict[str, int]
     error_code: str
+    route_note: str
 
     @property
     def total_us(self) -> int: ...
@@ -113,10 +118,19 @@ class TransferMetrics:
             ("role",),
             registry=registry,
         )
+        self.routes = Counter(
+            "kvservice_transfers_by_route",
+            "Finished transfer sides by the route that moved their bytes: lane (the native same-node "
+            "lane), cross_node_lane (the native cross-node lane) or grpc (the gRPC route).",
+            ("role", "route"),
+            registry=registry,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         for role in ROLES:  # so rate() has a series (at 0) before the first transfer ends
             for state in STATES:
                 self.transfers.labels(role, state)
+            for route in ROUTES.values():
+                self.routes.labels(role, route)
             for c in (self.bytes, self.pages_sent, self.pages_skipped, self.skipped_bytes):
                 c.labels(role)
 
@@ -146,6 +160,7 @@ class TransferMetrics:
         if rec.descriptors:
             c(self.descriptors, role, path).observe(rec.descriptors)
         c(self.transfers, role, state).inc()
+        c(self.routes, role, ROUTES.get(getattr(rec, "route_note", ""), "grpc")).inc()
         if state != "done":
             c(self.failures, role, rec.error_code or "UNKNOWN").inc()
         c(self.bytes, role).inc(rec.bytes_sent)

@@ -57,7 +57,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     require_sglang()
     d = tmp_path_factory.mktemp("sglang-e2e")
     build_model(d / "model")
-    svc_p, svc_d = MeteredService("sgl-prefill"), MeteredService("sgl-decode")
+    # the service's defaults (integrity off: the cross-node lane carries the transfers; with it on
+    # they take the gRPC route, which every other end-to-end test checks with integrity)
+    svc_p, svc_d = (
+        MeteredService("sgl-prefill", integrity=False),
+        MeteredService("sgl-decode", integrity=False),
+    )
     env = {"SGLANG_KVSERVICE_DEADLINE_MS": DEADLINE_MS}
     started = time.monotonic()
     made: list[SglangServer] = []
@@ -90,6 +95,23 @@ def test_greedy_tokens_through_the_pair_equal_one_server(servers) -> None:
     for out, want in zip(outs, alone, strict=True):
         assert out.get("output_ids") == want, out
         assert out["meta_info"]["finish_reason"]["type"] == "length", out
+
+
+def test_the_pairs_transfers_take_the_cross_node_lane(servers) -> None:
+    """SGLang's shape (chunks, aux rows on the last) between the pair's two services goes over the
+    native cross-node lane on both sides once the prefill's service has its channel open (the
+    services' route counters; the first request of a pair may take gRPC while it opens)."""
+    p, d = servers["p"], servers["d"]
+    svc_p, svc_d = servers["svc_p"], servers["svc_d"]
+    pd_generate(p, d, _greedy(_prompt(40, 21), 2))  # (the prefill service's channel opens)
+    before_d, before_p = svc_d.routes(), svc_p.routes("sender")
+    for i in range(3):
+        pd_generate(p, d, _greedy(_prompt(40 + i, 22 + i), 2))
+    moved_d = _delta(svc_d.routes(), before_d)
+    moved_p = _delta(svc_p.routes("sender"), before_p)
+    print(f"routes: decode (receiver) {moved_d}, prefill (sender) {moved_p}")
+    for moved in (moved_d, moved_p):
+        assert moved["cross_node_lane"] == 3 and moved["grpc"] == 0 and moved["lane"] == 0, moved
 
 
 def test_the_first_tokens_logprobs_arrive_in_the_aux_rows(servers) -> None:

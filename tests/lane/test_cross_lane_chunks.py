@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kvservice_client._errors import FailedPrecondition, InvalidArgument
 
-from tests.support.nodes import Nodes
+from tests.support.nodes import LAYOUT, Nodes
 from tests.support.poll import eventually
 
 pytest.importorskip("nixl")
@@ -85,6 +85,10 @@ def test_a_last_chunk_of_aux_rows_only_and_a_first_chunk_in_the_prefix(nodes: No
     assert r.state == "DONE" and r.route_note == "cross-node lane", r
     assert n.b.pages(dst) == n.a.pages(src[1:])
     assert n.b.rows("meta", [3]) == n.a.rows("meta", [9])
+    for kv in (n.b.kv, n.a.kv):  # both sides count the aux row's bytes and the one prefix page sent
+        st = kv.poll(["x-aux"])[0]
+        assert (st.pages_sent, st.pages_skipped) == (2, 1), st
+        assert st.bytes_sent == 2 * LAYOUT.page_bytes_all_layers + 48, st
     _settled(n)
 
 

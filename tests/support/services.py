@@ -238,6 +238,19 @@ class MeteredService(ServiceProc):
             raise AssertionError(f"{sorted(missing)} not in /metrics")
         return out
 
+    def routes(self, role: str = "receiver") -> dict[str, float]:
+        """``kvservice_transfers_by_route_total`` of ``role``: finished sides by route (one scrape)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {
+            smp.labels["route"]: float(smp.value)
+            for fam in text_string_to_metric_families(text)
+            for smp in fam.samples
+            if smp.name == "kvservice_transfers_by_route_total" and smp.labels.get("role") == role
+        }
+
     def sums(self, *names: str) -> dict[str, float]:
         """Each sample name's value summed over its labels (0 when absent), one scrape."""
         from prometheus_client.parser import text_string_to_metric_families

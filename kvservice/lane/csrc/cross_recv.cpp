@@ -73,7 +73,7 @@ void Lane::on_note(const std::string& agent, const std::string& m) {
   stat(h.kind == XNOTE_WRITTEN ? S_NOTE : S_ACK, h.at);
   if (h.kind == XNOTE_WRITTEN && !h.ok) return on_failed(agent, tid, (int)h.rank, msg);
   if (h.kind == XNOTE_WRITTEN)
-    return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off, h.flags, msg);
+    return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off, h.flags, msg, h.src_first);
   if (h.kind == XNOTE_ACK || h.kind == XNOTE_CREDIT) {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -104,7 +104,7 @@ void Lane::on_failed(const std::string& agent, const std::string& tid, int rank,
 // mu_ held: END to the receiving engine and the completion for Python's books.
 // ``tell`` false (CANCELLED): Python books the end and the engine hears it from the service.
 void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, const std::string& err, uint64_t nbytes,
-                           uint64_t npages, uint64_t prefix, uint64_t us, bool tell) {
+                           uint64_t npages, uint64_t prefix, uint64_t us, bool tell, int64_t src_first) {
   const bool ok = err.empty();
   std::string to_recv = end_msg(0, ok, tid, xi.recv_bs, err, nbytes, npages, prefix, us, END_CROSS);
   bool told = false;
@@ -121,6 +121,7 @@ void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, cons
   done.nbytes = nbytes;
   done.copy_us = us;
   done.told_recv = told;
+  done.first = src_first;
   completions_.push_back(std::move(done));
   uint64_t one = 1;
   (void)!write(done_, &one, 8);
@@ -130,7 +131,7 @@ void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, cons
 // last, END to the receiving engine, then ack to the sender (it reports DONE only after that);
 // after another, a credit (its half of the slot is free).
 void Lane::on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
-                      uint64_t first, uint64_t off, uint32_t flags, const std::string& aux) {
+                      uint64_t first, uint64_t off, uint32_t flags, const std::string& aux, uint32_t src_first) {
   const std::string k = key(tid, rank);
   const double t_note = now_s();
   std::string why;
@@ -181,7 +182,8 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
   std::string err = dp.device != xi.device ? "the lane's staging is on another device than the receiver's pool"
                     : npages                ? copy(packed(xi.slot + off, dp, xi.device), dp, pairs, npages)
                                             : "";
-  if (err.empty() && (flags & XF_AUX)) err = land_aux(xi, dp, aux);
+  uint64_t aux_bytes = 0;
+  if (err.empty() && (flags & XF_AUX)) err = land_aux(xi, dp, aux, aux_bytes);
   const double t_unpacked = now_s();
   const uint64_t us = (uint64_t)((t_unpacked - t0) * 1e6);
   st_[S_UNPACK] += us;
@@ -194,6 +196,8 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
     x.got += npages;
     x.us += us;
     x.aux_done |= (flags & XF_AUX) != 0;
+    x.aux_bytes += aux_bytes;
+    x.src_first = src_first;
     // the sender's last note ends it (a one-shot's last part says so too)
     last = x.got == total && (flags & XF_LAST);
     if (err.empty() && (flags & XF_LAST) && x.got != total)
@@ -208,7 +212,8 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
       x.state = COMPLETED;
       st_[S_RECEIVED]++;
       if (cancelled) err = CANCELLED;
-      finish_received(xi, tid, rank, err, total * page, total, (uint64_t)xi.prefix, x.us, !cancelled);
+      const uint64_t skipped = (uint64_t)std::max<int64_t>(0, xi.prefix - x.src_first);
+      finish_received(xi, tid, rank, err, total * page + x.aux_bytes, total, skipped, x.us, !cancelled, x.src_first);
     }
   }
   if (!last && err.empty())
@@ -220,7 +225,7 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
 
 // The aux rows a W note carries (aux_note's format) written into the receiver's declared rows
 // (host memory), each name checked against the declaration and the region; or why not.
-std::string Lane::land_aux(const XIn& x, const Pool& dp, const std::string& aux) const {
+std::string Lane::land_aux(const XIn& x, const Pool& dp, const std::string& aux, uint64_t& nbytes) const {
   size_t at = 0;
   while (at < aux.size()) {
     uint32_t hdr[3];
@@ -247,6 +252,7 @@ std::string Lane::land_aux(const XIn& x, const Pool& dp, const std::string& aux)
       const int64_t d = want->rows[i];
       if (d < 0 || d >= theirs->rows) return "aux[" + name + "]: a row outside the receiver's region";
       std::memcpy((void*)(theirs->base + (uint64_t)d * rb), aux.data() + at + i * rb, rb);
+      nbytes += rb;
     }
     at += n * rb;
   }

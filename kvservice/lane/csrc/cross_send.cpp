@@ -36,7 +36,7 @@ std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t
 
 // mu_ held: the aux rows a chunk names, read from the sender's pool into a W note's message
 // (name_len, n_rows, row_bytes | name | the rows' bytes, per name), or why not.
-std::string Lane::aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out) const {
+std::string Lane::aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out, uint64_t& nbytes) const {
   for (const AuxRows& r : aux) {
     const AuxDesc* mine = nullptr;
     for (const AuxDesc& a : sp.aux)
@@ -47,6 +47,7 @@ std::string Lane::aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std:
     for (int64_t row : r.rows) {
       if (row < 0 || row >= mine->rows) return "aux[" + r.name + "]: a row outside the sender's region";
       out.append((const char*)(mine->base + (uint64_t)row * mine->row_bytes), mine->row_bytes);
+      nbytes += mine->row_bytes;
     }
     if (out.size() > MAX_AUX_NOTE) return "aux: more than 64 KiB of aux rows in one chunk";
   }
@@ -79,6 +80,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   int32_t code = REPLY_FALLBACK;
   bool first_chunk = true, ended = false;
   std::string aux;  // the chunk's aux rows, as its W note carries them
+  uint64_t aux_bytes = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
     auto cn = conns_.find(fd);
@@ -91,7 +93,8 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
       // a later chunk of a stream this lane has
       first_chunk = false;
       bool fatal = false;
-      why = src_ok ? x_next_chunk(xi->second, xk, c, src, aux, fatal) : "src_page_indices: a page outside i32";
+      why = src_ok ? x_next_chunk(xi->second, xk, c, src, aux, aux_bytes, fatal)
+                   : "src_page_indices: a page outside i32";
       code = fatal ? REPLY_REFUSED : REPLY_INVALID;
       if (why.empty()) {
         sp = ps->second;
@@ -149,13 +152,13 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
       if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
       // an engine's chunks: each written where its pages go in the slot (the delta fits it)
       if (why.empty() && chunked && bulk) why = "a chunked delta larger than the lane's slot goes over gRPC";
-      if (why.empty() && chunked) why = aux_note(sp, c.aux, aux);
+      if (why.empty() && chunked) why = aux_note(sp, c.aux, aux, aux_bytes);
       if (why.empty()) {
         XOut& x = xi->second;
         x.state = RUNNING;
         if (chunked) {
           x.streaming = true, x.last = c.last, x.fd = fd, x.session = session, x.bs = bs;
-          x.next = c.offset + (int64_t)src.size(), x.scratch = scratch, x.page = page;
+          x.next = c.offset + (int64_t)src.size(), x.scratch = scratch, x.page = page, x.first = c.offset;
           xo = x;
         }
       }
@@ -167,7 +170,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   }
   if (!why.empty()) return reply(fd, h.seq, code, why);
   reply(fd, h.seq, REPLY_ACCEPTED, "");
-  if (!first_chunk) return x_write_chunk(sp, xo, xk, tid, c, src, aux);
+  if (!first_chunk) return x_write_chunk(sp, xo, xk, tid, c, src, aux, aux_bytes);
 
   const size_t moved = (size_t)xo.ndst;
   XPend pend;
@@ -188,7 +191,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
     xpend_[xk] = std::move(pend);  // before the WRITE: its ack may come before we see it done
   }
   xcv_.notify_one();
-  if (chunked) return x_write_chunk(sp, xo, xk, tid, c, src, aux);
+  if (chunked) return x_write_chunk(sp, xo, xk, tid, c, src, aux, aux_bytes);
   XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk, parts};
   if (!bulk) return send_out(job);
   to_bulk([this, job]() mutable { send_out(job); });
@@ -198,7 +201,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
 // delta; taken (its aux rows read into ``aux``), or why not: a bad chunk changes nothing
 // (``fatal`` false), one of a stream that is over or cannot complete ends it (``fatal``).
 std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& c, const std::vector<int32_t>& src,
-                               std::string& aux, bool& fatal) {
+                               std::string& aux, uint64_t& aux_bytes, bool& fatal) {
   fatal = true;
   auto pe = xpend_.find(xk);
   if (x.last || pe == xpend_.end()) return "transfer_id: the transfer already received its last chunk";
@@ -219,7 +222,7 @@ std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& 
     return "buffer set '" + x.bs + "' was unregistered";
   }
   std::string why = pages_ok(ps->second, src);
-  if (why.empty()) why = aux_note(ps->second, c.aux, aux);
+  if (why.empty()) why = aux_note(ps->second, c.aux, aux, aux_bytes);
   if (!why.empty()) return why;
   if (c.last && end != want) {
     fatal = true;
@@ -236,7 +239,8 @@ std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& 
 // to the same place in the slot, its W note (with its aux rows; XF_LAST on the last) after the
 // WRITE; a chunk of prefix pages only sends its note alone when it has aux rows or is the last.
 void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
-                         const SendChunk& c, const std::vector<int32_t>& src, const std::string& aux) {
+                         const SendChunk& c, const std::vector<int32_t>& src, const std::string& aux,
+                         uint64_t aux_bytes) {
   const int64_t lo = std::max(c.offset, xo.prefix), end = c.offset + (int64_t)src.size();
   const uint64_t d0 = (uint64_t)(lo - xo.prefix), m = (uint64_t)std::max<int64_t>(0, end - lo);
   const uint32_t flags = (c.last ? XF_LAST : 0) | (c.aux.empty() ? 0 : XF_AUX);
@@ -244,7 +248,7 @@ void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, 
   const double t0 = now_s();
   std::string err;
   Posted o;
-  o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags);
+  o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags, (uint32_t)xo.first);
   if (m) {
     std::vector<int32_t> pairs(2 * m);
     for (uint64_t i = 0; i < m; ++i) {
@@ -265,6 +269,7 @@ void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, 
     if (it == xpend_.end()) return;  // expired meanwhile (told already)
     XPend& pd = it->second;
     pd.copy_us += (uint64_t)((now_s() - t0) * 1e6);
+    pd.nbytes += aux_bytes;
     pd.src.insert(pd.src.end(), src.begin(), src.end());
     if (!err.empty()) {
       told = pd.remote_agent;
@@ -439,7 +444,7 @@ void Lane::unpark() {
 }
 
 std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first, uint64_t off,
-                       const std::string& tid, const std::string& msg, uint32_t flags) {
+                       const std::string& tid, const std::string& msg, uint32_t flags, uint32_t src_first) {
   XNote h{};
   std::memcpy(h.magic, XMAGIC, 4);
   h.kind = kind;
@@ -453,6 +458,7 @@ std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64
   h.tid_len = (uint32_t)tid.size();
   h.msg_len = (uint32_t)msg.size();
   h.flags = flags;
+  h.src_first = src_first;
   return std::string((const char*)&h, sizeof h) + tid + msg;
 }
 

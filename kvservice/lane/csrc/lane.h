@@ -227,13 +227,14 @@ class Lane {
   void kick();  // mu_ held: wake the lane thread to look at the parked SEND_TOs
   void unpark();
   static std::string note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
-                          uint64_t off, const std::string& tid, const std::string& msg, uint32_t flags = 0);
+                          uint64_t off, const std::string& tid, const std::string& msg, uint32_t flags = 0,
+                          uint32_t src_first = 0);
   // an engine's chunks of one transfer (FLAG_CHUNK SEND_TOs), its delta within the slot
-  std::string aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out) const;
+  std::string aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out, uint64_t& nbytes) const;
   std::string x_next_chunk(XOut& x, const std::string& xk, const SendChunk& c, const std::vector<int32_t>& src,
-                           std::string& aux, bool& fatal);
+                           std::string& aux, uint64_t& aux_bytes, bool& fatal);
   void x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid, const SendChunk& c,
-                     const std::vector<int32_t>& src, const std::string& aux);
+                     const std::vector<int32_t>& src, const std::string& aux, uint64_t aux_bytes);
   bool fail_xstream(const std::string& xk, const std::string& why);  // mu_ held
   bool fail_xstreams_of(int fd, const std::string& session, const std::string& why);  // mu_ held
   void flush_notes();
@@ -249,10 +250,10 @@ class Lane {
   void on_note(const std::string& agent, const std::string& m);
   void on_failed(const std::string& agent, const std::string& tid, int rank, const std::string& why);
   void finish_received(const XIn& xi, const std::string& tid, int rank, const std::string& err, uint64_t nbytes,
-                       uint64_t npages, uint64_t prefix, uint64_t us, bool tell);
+                       uint64_t npages, uint64_t prefix, uint64_t us, bool tell, int64_t src_first = 0);
   void on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
-                  uint64_t first, uint64_t off, uint32_t flags, const std::string& aux);
-  std::string land_aux(const XIn& x, const Pool& dp, const std::string& aux) const;
+                  uint64_t first, uint64_t off, uint32_t flags, const std::string& aux, uint32_t src_first);
+  std::string land_aux(const XIn& x, const Pool& dp, const std::string& aux, uint64_t& nbytes) const;
 
   // ---- state ---------------------------------------------------------------------------------
   std::atomic<uint64_t (*)()> guard_faults_{nullptr};

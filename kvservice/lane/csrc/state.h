@@ -130,7 +130,7 @@ struct XOut {  // a transfer the receiving service offered: its slot there
   bool streaming = false, last = false;
   int fd = -1;
   std::string session, bs;
-  int64_t next = 0;
+  int64_t next = 0, first = 0;  // ... and the first one's
   uint64_t scratch = 0, page = 0;
 };
 
@@ -146,6 +146,8 @@ struct XIn {  // a transfer this service declared and offered with a slot
   double deadline = 0;
   std::vector<AuxRows> aux;  // the aux rows it declared (a W note with XF_AUX delivers them)
   bool aux_done = false;
+  uint64_t aux_bytes = 0;     // aux bytes landed
+  int64_t src_first = 0;      // the transfer page of the sender's first sent page (its notes say)
 };
 
 // One sender rank's chunks of a same-node transfer (key: transfer id and the sender's buffer

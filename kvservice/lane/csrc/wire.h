@@ -50,7 +50,8 @@ struct XNote {
   uint64_t first, off;  // W: the chunk's first page (of the delta) and its offset in the slot
   double at;            // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
   uint32_t tid_len, msg_len;
-  uint32_t flags, pad;  // W: XF_*
+  uint32_t flags;       // W: XF_*
+  uint32_t src_first;   // W: the transfer page the sender's first sent page is (below the prefix: skipped)
 };
 inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '3'};
 enum : uint32_t { XF_LAST = 1, XF_AUX = 2 };
