@@ -33,6 +33,7 @@ class FakeRecord:
     error_code: str = ""
     total_us: int = 5000
     route_note: str = ""
+    lane_told: bool = False
 
 
 def _value(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -60,8 +61,9 @@ def test_transfer_sides_are_counted_by_the_route_that_moved_them() -> None:
     reg = CollectorRegistry()
     m = TransferMetrics(reg)
     assert _value(reg, "kvservice_transfers_by_route_total", role="sender", route="lane") == 0
-    for note in ("lane", "lane", "cross-node lane", "", "another host"):
+    for note in ("lane", "cross-node lane", "", "another host"):
         m.observe(FakeRecord(route_note=note))  # type: ignore[arg-type]
+    m.observe(FakeRecord(lane_told=True))  # type: ignore[arg-type]  # a same-node lane side
     got = {
         r: _value(reg, "kvservice_transfers_by_route_total", role="receiver", route=r)
         for r in ("lane", "cross_node_lane", "grpc")

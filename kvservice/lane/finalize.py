@@ -155,10 +155,8 @@ class Finalizer:
                 # an engine the lane told has its END: its Transfers stream need not say it again
                 if out is not None:
                     out.rec.lane_told = told_send
-                    out.rec.route_note = "lane"
                 for inc in incs:
                     inc.rec.lane_told = inc.rec.lane_told or bool(told_by.get(inc.bs.layout.tp_rank))
-                    inc.rec.route_note = "lane"
             if ok and out is not None and len(incs) == len(ranks):
                 # the booking: nothing stops it and nothing in it waits (an end that meets it
                 # waits for it: Sender.stop)

@@ -160,7 +160,9 @@ class TransferMetrics:
         if rec.descriptors:
             c(self.descriptors, role, path).observe(rec.descriptors)
         c(self.transfers, role, state).inc()
-        c(self.routes, role, ROUTES.get(getattr(rec, "route_note", ""), "grpc")).inc()
+        # (the native same-node lane's sides: their engines read their END on the lane)
+        note = getattr(rec, "route_note", "") or ("lane" if getattr(rec, "lane_told", False) else "")
+        c(self.routes, role, ROUTES.get(note, "grpc")).inc()
         if state != "done":
             c(self.failures, role, rec.error_code or "UNKNOWN").inc()
         c(self.bytes, role).inc(rec.bytes_sent)
