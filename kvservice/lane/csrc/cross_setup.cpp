@@ -152,20 +152,11 @@ void Lane::arm_in(const std::string& tid, int rank, const std::string& recv_sess
 
 int Lane::disarm_out(const std::string& tid, int rank) {
   const std::string k = key(tid, rank);
-  bool ended = false;
-  int out = 0;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = xout_.find(k);
-    if (it == xout_.end()) return 0;
-    if (it->second.state == ARMED) {
-      xout_.erase(it);
-      return 1;
-    }
-    out = 2;
-    if (it->second.streaming && !it->second.last)
+  bool ended = false;  // an engine's stream of it, waiting for chunks, ends now
+  const int out = disarm_of(xout_, k, [&](XOut& x) {
+    if (x.streaming && !x.last)
       ended = fail_xstream(k, "transfer_id: the transfer was ended by its receiver before its last chunk");
-  }
+  });
   if (ended) {
     signal_done();
     flush_notes();

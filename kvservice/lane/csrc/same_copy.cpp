@@ -117,7 +117,6 @@ void Lane::end_local(LocalCopy& job, std::string err, uint64_t us, uint64_t nbyt
     s.nbytes += nbytes;
     s.us += us;
     s.moved += moved;
-    s.aux_rows += job.aux.size();
     if (!err.empty() && s.error.empty()) s.error = err;
     if (s.inflight == 0 && (s.last || !s.error.empty())) {
       end_stream(it, &job, nbytes, us);

@@ -169,7 +169,7 @@ struct Stream {
   int inflight = 0;                         // chunks accepted whose copy has not ended
   bool last = false;                        // its last chunk was accepted
   std::string error;                        // the first failure (the stream ends with it)
-  uint64_t nbytes = 0, us = 0, aux_bytes = 0, aux_rows = 0;
+  uint64_t nbytes = 0, us = 0;
   size_t moved = 0;  // pages copied (each target's)
 };
 
@@ -244,7 +244,7 @@ struct Completion {
   bool told_recv = false, told_send = false;  // END reached that engine's lane
   std::vector<int32_t> src;
   int64_t first = 0;                       // same node: the offset of src[0] in the transfer
-  uint64_t aux_bytes = 0, aux_rows = 0;    // same node: aux rows copied
+  uint64_t aux_rows = 0;                   // same node: aux rows copied
   std::vector<int> ranks;  // same node: the receiver ranks copied into
   std::vector<int> told;   // ... and whether each one's END went out now (1) or not (0)
 };
