@@ -412,3 +412,14 @@ def run_tag(args: Any) -> str:
     if getattr(args, "no_lane", False):
         base += "_nolane"
     return base + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
+
+
+def lane_stats(logs: Path) -> dict[str, str]:
+    """Each service's closing "cross-node lane: ..." line (kvservice/lane/cross.py log_stats:
+    where its cross-node lane's sends and receives spent their time, µs each)."""
+    got = {}
+    for f in sorted(logs.glob("svc*.log")):
+        for line in f.read_text().splitlines():
+            if '"cross-node lane: ' in line:
+                got[f.stem] = json.loads(line).get("msg", "")
+    return got

@@ -9,18 +9,25 @@ row in host memory on the last chunk (SGLang's metadata rows); ``s<N>`` N chunks
 sender "computing" ``--compute-us`` between them (layer-wise streaming: the figure is still the
 last chunk's SendDelta → DONE). Same node by default (one service); ``--cross`` runs two services
 (the cross-node routes). Each row says which route carried it (the END's ``route_note``).
+
+``--profile DIR``: the services log at DEBUG into DIR, and each cross-node shape's row gets the
+median time of each step of its chunks (the lane's chunk timeline: pack, post, WRITE, note,
+unpack, answer) and each service's step totals; DEBUG logging slows the services, so a profiled
+run's latencies are not the shapes' figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import KVPool, Services, progress, summarize, write_json
+from _harness import KVPool, Services, lane_stats, progress, summarize, write_json
 from kvservice_client import AuxSpec, Client, Layout, shm_region
 
 AUX_ROW = 64  # bytes of one aux row (SGLang's metadata row is of this order)
@@ -108,6 +115,41 @@ def run_shape(
     }
 
 
+def chunk_steps(logs: Path, shape: str) -> dict[str, float]:
+    """Median ms of each step of ``shape``'s cross-node chunks ("lane chunk" DEBUG lines,
+    csrc/state.h ChunkTrace; one clock for both services): the sender's pack, post, WRITE (post
+    to seen done), note (done to sent); the note's way (sent to read), the receiver's wait
+    before unpacking, unpack and answer; ``between``: one chunk's pack start to the next's."""
+    send: dict[tuple[str, int], list[float]] = {}
+    recv: dict[tuple[str, int], list[float]] = {}
+    for f in sorted(logs.glob("svc*.log")):
+        for line in f.read_text().splitlines():
+            if '"lane chunk"' not in line or f'"transfer_id": "{shape}-' not in line:
+                continue
+            rec = json.loads(line)
+            (send if rec["side"] == "send" else recv)[(rec["transfer_id"], rec["first"])] = rec["t"]
+    steps: dict[str, list[float]] = {}
+
+    def add(name: str, a: float, b: float) -> None:
+        if a and b:
+            steps.setdefault(name, []).append((b - a) * 1e3)
+
+    for k, s in send.items():
+        for name, i in (("pack", 0), ("post", 1), ("write", 2), ("note", 3)):
+            add(name, s[i], s[i + 1])
+        if (r := recv.get(k)) is not None:
+            add("note_way", s[4], r[0])
+            for name, i in (("wait", 0), ("unpack", 1), ("answer", 2)):
+                add(name, r[i], r[i + 1])
+    by_tid: dict[str, list[float]] = {}
+    for (tid, _), s in sorted(send.items(), key=lambda kv: (kv[0][0], kv[1][0])):
+        by_tid.setdefault(tid, []).append(s[0])
+    for starts in by_tid.values():
+        for a, b in zip(starts, starts[1:], strict=False):
+            add("between", a, b)
+    return {k: round(float(np.median(v)), 4) for k, v in steps.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -118,6 +160,7 @@ def main() -> None:
     ap.add_argument("--compute-us", type=float, default=200.0, help="between streamed chunks")
     ap.add_argument("--small", action="store_true", help="CI sizes (the figures then mean nothing)")
     ap.add_argument("--out", default="/tmp/bench-shapes")
+    ap.add_argument("--profile", metavar="DIR", help="services log at DEBUG here; rows get chunk steps")
     args = ap.parse_args()
     if args.small:
         args.shapes, args.iters = "c1,c2,c1+aux,s4+aux", 5
@@ -128,7 +171,12 @@ def main() -> None:
     dev: str | int = 0 if args.device == "cuda" else "cpu"
     rows: dict[str, Any] = {}
     # --cross: the cross-node routes between two services of one host (not their same-host route)
-    with Services(2 if args.cross else 1, {"KVSERVICE_SAME_HOST_ROUTE": "off"} if args.cross else {}) as svc:
+    env = {"KVSERVICE_SAME_HOST_ROUTE": "off"} if args.cross else {}
+    logs = Path(args.profile) if args.profile else None
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        env |= {"KVSERVICE_LOG_LEVEL": "DEBUG", "KVSERVICE_LOG_FORMAT": "json"}
+    with Services(2 if args.cross else 1, env, log_dir=logs) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
         sender = svc.peer_addresses[0] if args.cross else ""
@@ -155,6 +203,9 @@ def main() -> None:
             for s in segs:
                 s.close()
                 s.unlink()
+    if logs is not None:  # the services have stopped: their logs are whole
+        for s in shapes:
+            rows[s]["chunk_steps_ms"] = chunk_steps(logs, s)
     ref = rows.get("c1", {}).get("last_chunk_to_done", {}).get("p50_ms")
     report = {
         "benchmark": "shapes",
@@ -164,6 +215,7 @@ def main() -> None:
         "page_bytes": lay.page_bytes_all_layers,
         "shapes": rows,
         "baselines": {"one_chunk": rows["c1"]["last_chunk_to_done"]} if "c1" in rows else {},
+        "lane_stats": lane_stats(logs) if logs is not None else {},
         "vs_one_chunk": {
             s: round(r["last_chunk_to_done"]["p50_ms"] / ref, 2) for s, r in rows.items() if ref
         },

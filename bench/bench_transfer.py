@@ -29,6 +29,7 @@ from _harness import (
     Services,
     base_args,
     devices,
+    lane_stats,
     network,
     pools,
     progress,
@@ -139,17 +140,6 @@ def kvservice_runs(
                 ]
         shutil.rmtree(logs, ignore_errors=True)
     return out
-
-
-def lane_stats(logs: Path) -> dict[str, str]:
-    """Each service's closing "cross-node lane: ..." line (kvservice/lane/cross.py log_stats:
-    where its cross-node lane's sends and receives spent their time, µs each)."""
-    got = {}
-    for f in sorted(logs.glob("svc*.log")):
-        for line in f.read_text().splitlines():
-            if '"cross-node lane: ' in line:
-                got[f.stem] = json.loads(line).get("msg", "")
-    return got
 
 
 def points(logs: Path, transfer_id: str, t0: float) -> list[dict]:

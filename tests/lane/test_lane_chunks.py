@@ -105,6 +105,8 @@ def test_a_bad_later_chunk_is_invalid_changes_nothing_and_the_transfer_goes_on(e
     before, before_aux = eng.snapshot(), eng.aux_snapshot()
     eng.kb.expect_delta("t-bad", eng.b, prefix_pages=0, dst_page_indices=dst, aux={"meta": [3]})
     eng.ka.send_delta("t-bad", eng.a, src_page_indices=[5, 6], last_chunk=False, peer_address=eng.peer)
+    # a host copy's REPLY comes before its copy: the first chunk's pages land, then the snapshot
+    eventually(lambda: eng.pages(eng.pb, dst[:2]) == eng.pages(eng.pa, [5, 6]), 10, "the first chunk landed")
     mid = eng.snapshot()
     bad: list[tuple[dict[str, Any], str]] = [
         (

@@ -186,6 +186,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   pend.flags = h.flags;
   pend.deadline = xo.deadline;
   pend.first = c.offset;
+  pend.inflight = 1;  // this chunk (or the whole delta)
   {
     std::lock_guard<std::mutex> g(mu_);
     xpend_[xk] = std::move(pend);  // before the WRITE: its ack may come before we see it done
@@ -195,130 +196,6 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   XSend job{std::move(sp), std::move(xo), xk, tid, std::move(src), scratch, page, chunk, parts};
   if (!bulk) return send_out(job);
   to_bulk([this, job]() mutable { send_out(job); });
-}
-
-// mu_ held: a later chunk ``c`` of stream ``x``: in order, still offered and in time, inside the
-// delta; taken (its aux rows read into ``aux``), or why not: a bad chunk changes nothing
-// (``fatal`` false), one of a stream that is over or cannot complete ends it (``fatal``).
-std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& c, const std::vector<int32_t>& src,
-                               std::string& aux, uint64_t& aux_bytes, bool& fatal) {
-  fatal = true;
-  auto pe = xpend_.find(xk);
-  if (x.last || pe == xpend_.end()) return "transfer_id: the transfer already received its last chunk";
-  if (pe->second.acked) return pe->second.ack_ok ? "transfer_id: the receiver has every page" : pe->second.ack_msg;
-  if (x.state != RUNNING) return "transfer_id: the transfer was ended by its receiver";
-  if (now_s() > x.deadline) return "transfer deadline passed";
-  fatal = false;
-  if (c.offset != x.next)
-    return "chunk_offset: " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
-           std::to_string(x.next);
-  const int64_t end = c.offset + (int64_t)src.size(), want = x.prefix + x.ndst;
-  if (end > want)
-    return "src_page_indices: the chunk ends at page " + std::to_string(end) + " of a transfer of " +
-           std::to_string(want) + " (prefix + delta)";
-  auto ps = pools_.find(x.bs);
-  if (ps == pools_.end()) {
-    fatal = true;
-    return "buffer set '" + x.bs + "' was unregistered";
-  }
-  std::string why = pages_ok(ps->second, src);
-  if (why.empty()) why = aux_note(ps->second, c.aux, aux, aux_bytes);
-  if (!why.empty()) return why;
-  if (c.last && end != want) {
-    fatal = true;
-    return "sender finished with " + std::to_string(want - end) + " of " + std::to_string(x.ndst) +
-           " delta pages unsent (prefix + delta)";
-  }
-  x.next = end;
-  x.last = c.last;
-  pe->second.idle = false;
-  return "";
-}
-
-// One engine chunk of a stream: its delta pages packed at their place in the scratch, written
-// to the same place in the slot, its W note (with its aux rows; XF_LAST on the last) after the
-// WRITE; a chunk of prefix pages only sends its note alone when it has aux rows or is the last.
-void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
-                         const SendChunk& c, const std::vector<int32_t>& src, const std::string& aux,
-                         uint64_t aux_bytes) {
-  const int64_t lo = std::max(c.offset, xo.prefix), end = c.offset + (int64_t)src.size();
-  const uint64_t d0 = (uint64_t)(lo - xo.prefix), m = (uint64_t)std::max<int64_t>(0, end - lo);
-  const uint32_t flags = (c.last ? XF_LAST : 0) | (c.aux.empty() ? 0 : XF_AUX);
-  const uint64_t off = d0 * xo.page;
-  const double t0 = now_s();
-  std::string err;
-  Posted o;
-  o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags, (uint32_t)xo.first);
-  if (m) {
-    std::vector<int32_t> pairs(2 * m);
-    for (uint64_t i = 0; i < m; ++i) {
-      pairs[2 * i] = src[(size_t)(lo - c.offset) + i];
-      pairs[2 * i + 1] = (int32_t)i;
-    }
-    err = copy(sp, packed(xo.scratch + off, sp, sp.device), pairs, m);
-    stat(S_PACK, t0);
-    if (err.empty()) err = nx_post(xo.scratch + off, m * xo.page, sp.device, xo, off, o);
-    if (err.empty()) err = nx_finish(xo, o);
-  } else if (flags) {
-    send_note(xo.remote_agent, o.msg);
-  }
-  std::string told;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = xpend_.find(xk);
-    if (it == xpend_.end()) return;  // expired meanwhile (told already)
-    XPend& pd = it->second;
-    pd.copy_us += (uint64_t)((now_s() - t0) * 1e6);
-    pd.nbytes += aux_bytes;
-    pd.src.insert(pd.src.end(), src.begin(), src.end());
-    if (!err.empty()) {
-      told = pd.remote_agent;
-      auto x = xout_.find(xk);
-      if (x != xout_.end()) x->second.last = true;
-      finish_sent(it, false, "cross-node write failed: " + err);
-    } else if (c.last) {
-      st_[S_SENT]++;
-      pd.written = true;
-      if (pd.acked) finish_sent(it, pd.ack_ok, pd.ack_msg);
-    } else {
-      pd.idle = true;
-    }
-  }
-  if (!told.empty()) send_note(told, note(XNOTE_WRITTEN, xo.rank, false, 0, 0, 0, 0, tid, "cross-node write failed: " + err));
-}
-
-// mu_ held: stream ``xk`` fails with ``why`` between chunks: END to its engine now, and the
-// receiving service hears it (a failure note; the notes are sent once mu_ is released: see
-// xnotes_). True: a completion was queued.
-bool Lane::fail_xstream(const std::string& xk, const std::string& why) {
-  auto it = xpend_.find(xk);
-  auto x = xout_.find(xk);
-  if (x != xout_.end()) x->second.last = true;
-  if (it == xpend_.end() || !it->second.idle) return false;  // a chunk's WRITE in flight ends it
-  pending_notes_.emplace_back(it->second.remote_agent,
-                              note(XNOTE_WRITTEN, it->second.rank, false, 0, 0, 0, 0, it->second.tid, why));
-  finish_sent(it, false, why);
-  return true;
-}
-
-bool Lane::fail_xstreams_of(int fd, const std::string& session, const std::string& why) {
-  bool ended = false;
-  for (auto& kv : xout_) {
-    const XOut& x = kv.second;
-    if (x.streaming && !x.last && ((fd >= 0 && x.fd == fd) || (!session.empty() && x.session == session)))
-      ended |= fail_xstream(kv.first, why);
-  }
-  return ended;
-}
-
-// The failure notes queued under mu_ (fail_xstream), sent now (nx_mu_ is never taken inside mu_).
-void Lane::flush_notes() {
-  std::vector<std::pair<std::string, std::string>> go;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    go.swap(pending_notes_);
-  }
-  for (auto& kv : go) send_note(kv.first, kv.second);
 }
 
 // Pack and write an accepted SEND_TO (its XPend is registered), then book what came of it.
@@ -341,6 +218,7 @@ void Lane::send_out(XSend& job) {
     if (it == xpend_.end()) return;  // expired meanwhile (told already)
     it->second.copy_us = (uint64_t)((now_s() - t0) * 1e6);
     it->second.src.swap(job.src);
+    it->second.inflight = 0;
     if (!err.empty()) {
       told = it->second.remote_agent;
       finish_sent(it, false, failed);
@@ -506,39 +384,53 @@ std::string Lane::nx_post(uint64_t local, uint64_t n, int device, const XOut& xo
   stat(S_POST, t_post);
   o.req = req;
   o.state = r;
+  o.at = now_s();
   return "";
 }
 
 // Until ``o``'s WRITE is done (or the deadline passed: then released, which aborts it), then
 // the receiver's note.
 std::string Lane::nx_finish(const XOut& xo, Posted& o) {
+  std::string err;
+  while (!nx_poll(xo, o, err)) std::this_thread::yield();
+  return err.empty() ? nx_complete(xo, o, true) : err;
+}
+
+bool Lane::nx_poll(const XOut& xo, Posted& o, std::string& err) {
+  int r = o.state;
+  if (r == xnixl::IN_PROG) {
+    if (now_s() > xo.deadline || !running_) {
+      release_req(o.req);  // a request released in flight is aborted by NIXL
+      o.req = nullptr;
+      err = running_ ? "the WRITE outlived the transfer's deadline" : "the lane is stopping";
+      return true;
+    }
+    std::lock_guard<std::mutex> g(nx_mu_);
+    r = o.state = nx_.get_xfer_status(agent_, o.req);
+  }
+  if (r == xnixl::IN_PROG) return false;
+  stat(S_WAIT, o.at);
+  if (!o.tr.tid.empty()) o.tr.t[3] = now_s();
+  if (r != xnixl::OK) {
+    release_req(o.req);
+    o.req = nullptr;
+    err = "the WRITE failed (" + std::to_string(r) + ")";
+  }
+  return true;
+}
+
+std::string Lane::nx_complete(const XOut& xo, Posted& o, bool notify) {
   void* req = o.req;
   o.req = nullptr;
-  int r = o.state;
-  const double t_wait = now_s();
-  while (r == xnixl::IN_PROG) {
-    if (now_s() > xo.deadline || !running_) {
-      release_req(req);  // a request released in flight is aborted by NIXL
-      return running_ ? "the WRITE outlived the transfer's deadline" : "the lane is stopping";
-    }
-    {
-      std::lock_guard<std::mutex> g(nx_mu_);
-      r = nx_.get_xfer_status(agent_, req);
-    }
-    if (r == xnixl::IN_PROG) std::this_thread::yield();
-  }
-  stat(S_WAIT, t_wait);
-  if (!o.tr.tid.empty()) o.tr.t[3] = now_s();
-  if (r != xnixl::OK || !req_cache_) {
+  if (!req_cache_) {
     release_req(req);
   } else {
     std::lock_guard<std::mutex> g(nx_mu_);
     reqs_[o.rkey] = req;  // re-posted by the next WRITE of the same bytes to the same place
   }
-  if (r != xnixl::OK) return "the WRITE failed (" + std::to_string(r) + ")";
-  if (o.after) {
+  if (o.after && notify) {
     std::lock_guard<std::mutex> g(nx_mu_);
-    r = nx_.gen_notif(agent_, xo.remote_agent.c_str(), o.msg.data(), o.msg.size(), nullptr);
+    const int r = nx_.gen_notif(agent_, xo.remote_agent.c_str(), o.msg.data(), o.msg.size(), nullptr);
     if (r != xnixl::OK) return "notifying the receiver failed (" + std::to_string(r) + ")";
   }
   if (!o.tr.tid.empty()) {
@@ -586,7 +478,7 @@ void Lane::expire_sent() {  // no ack a second past the deadline: the receiver i
   const double now = now_s();
   for (auto it = xpend_.begin(); it != xpend_.end();) {
     auto next = std::next(it);
-    if (now > it->second.deadline + 1.0 && (it->second.written || it->second.idle))
+    if (now > it->second.deadline + 1.0 && (it->second.written || !it->second.inflight))
       finish_sent(it, false, "the receiving service did not acknowledge before the deadline");
     it = next;
   }

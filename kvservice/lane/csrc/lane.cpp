@@ -35,6 +35,7 @@ void Lane::stop() {
   (void)!write(wake_, &one, 8);
   cu_.wake();  // a launch waiting for a ring slot gives up
   if (thread_.joinable()) thread_.join();
+  poll_writes();  // the chunks it posted fail now ("the lane is stopping") and end their streams
   xcv_.notify_all();
   if (xthread_.joinable()) xthread_.join();
   {
@@ -63,7 +64,8 @@ void Lane::run() {
     // thread's wake-up on an idle core of the GPU host cost tens of µs per hop
     // (bench/probe_lane.py), the whole budget of a small transfer
     const bool spin = spin_us_ && (now_s() - busy) * 1e6 < spin_us_;
-    int n = epoll_wait(epfd_, evs, 64, spin ? 0 : parked_count_ ? 1 : -1);
+    // (chunks' WRITEs in flight: polled between messages, never slept on)
+    int n = epoll_wait(epfd_, evs, 64, spin || !xwrites_.empty() ? 0 : parked_count_ ? 1 : -1);
     if (n < 0 && errno == EINTR) continue;
     if (n > 0 && spin_us_) busy = now_s();
     if (parked_count_) unpark();
@@ -83,6 +85,7 @@ void Lane::run() {
       }
       handle(fd, buf.data(), (size_t)got);
     }
+    if (!xwrites_.empty()) poll_writes();
   }
 }
 

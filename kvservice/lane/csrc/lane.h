@@ -25,6 +25,7 @@
 //                    launches, the ring of launches in flight, host memcpy
 //   cross_setup.cpp  the cross-node lane's NIXL agent, staging, offers and declarations
 //   cross_send.cpp   a SEND_TO: packed, written through NIXL in chunks, acknowledged
+//   cross_stream.cpp an engine's chunks of one SEND_TO stream: WRITEs overlapped, noted in order
 //   cross_recv.cpp   notifications: a chunk written here is unpacked, acked or credited
 #pragma once
 
@@ -235,11 +236,16 @@ class Lane {
                            std::string& aux, uint64_t& aux_bytes, bool& fatal);
   void x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid, const SendChunk& c,
                      const std::vector<int32_t>& src, const std::string& aux, uint64_t aux_bytes);
+  void poll_writes();             // lane thread: the posted chunks done so far, in order
+  void book_chunk(XWrite& w);     // ... each booked on its stream
   bool fail_xstream(const std::string& xk, const std::string& why);  // mu_ held
   bool fail_xstreams_of(int fd, const std::string& session, const std::string& why);  // mu_ held
   void flush_notes();
   std::string nx_post(uint64_t local, uint64_t n, int device, const XOut& xo, uint64_t off, Posted& o);
-  std::string nx_finish(const XOut& xo, Posted& o);
+  std::string nx_finish(const XOut& xo, Posted& o);  // nx_poll until done, then nx_complete
+  // false: still in flight; true: done, or failed (``err``; the request released)
+  bool nx_poll(const XOut& xo, Posted& o, std::string& err);
+  std::string nx_complete(const XOut& xo, Posted& o, bool notify);  // a done WRITE: kept, noted
   void release_req(void* req);
   void finish_sent(std::unordered_map<std::string, XPend>::iterator it, bool ok, const std::string& err);
   void expire_sent();  // no ack a second past the deadline: the receiver is gone or wedged
@@ -334,6 +340,7 @@ class Lane {
   bool unparking_ = false;            // lane thread only
   std::set<std::string> lane_peers_;  // addresses whose lanes have offered slots
   std::condition_variable xcv_;
+  std::deque<XWrite> xwrites_;  // lane thread only: streamed chunks posted, finished front first
   std::thread xthread_;
   std::thread bthread_;  // larger cross-node sends (bulk_run)
   std::mutex bulk_mu_;

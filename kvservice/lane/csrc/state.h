@@ -206,7 +206,8 @@ struct XPend {  // written (or being written), waiting for the receiver's ack
   uint32_t flags = 0;
   double deadline = 0;
   int64_t first = 0;  // the offset of src[0] in the transfer (a stream may start in the prefix)
-  bool idle = false;  // a stream between two of its engine's chunks (no WRITE of it in flight)
+  uint32_t inflight = 0;  // its chunks accepted and not yet finished (a WRITE posted or to come)
+  std::string fail_why;   // a stream failing while chunks were in flight: it ends once they are done
   bool written = false, acked = false, ack_ok = false;
   std::string ack_msg;
 };
@@ -222,12 +223,25 @@ struct ChunkTrace {
   double t[5] = {0, 0, 0, 0, 0};
 };
 
-struct Posted {  // a chunk's WRITE in flight (stream_out)
+struct Posted {  // a chunk's WRITE in flight (stream_out, XWrite)
   void* req = nullptr;
   int state = 0;
   bool after = true;
+  double at = 0;  // when it was posted
   std::string rkey, msg;
   ChunkTrace tr;  // its timeline so far (tracing on)
+};
+
+// An engine chunk of a cross-node stream, packed and its WRITE posted (or failed), waiting its
+// turn to be finished in order (cross_stream.cpp poll_writes).
+struct XWrite {
+  XOut xo;
+  std::string xk, tid, err;
+  std::vector<int32_t> src;
+  Posted o;
+  bool last = false, note_only = false;  // note_only: no pages, a note (aux rows, the last) alone
+  uint64_t aux_bytes = 0;
+  double t0 = 0;
 };
 
 // DONE_SAME_NODE: a same-node stream ended (its last chunk, or its failure); DONE_CHUNK: a chunk
