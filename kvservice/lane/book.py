@@ -97,6 +97,11 @@ class NoLane:
     def gate_in(self, transfer_id: str, buffer_set_id: str) -> None:
         pass
 
+    async def abort_sender(self, session_id: str, transfer_id: str, code: str, reason: str) -> list[Any]:
+        """The sending engine's Abort of a transfer only the lane holds (a cross-node stream
+        between its chunks): its records once ended (none without a cross-node lane)."""
+        return []
+
 
 class LaneBook(NoLane):
     active = True
@@ -304,3 +309,8 @@ class LaneBook(NoLane):
         writing ends with the receiver's refusal)."""
         if self.cross is not None:
             self.cross.tx.drop_out(transfer_id)
+
+    async def abort_sender(self, session_id: str, transfer_id: str, code: str, reason: str) -> list[Any]:
+        if self.cross is None:
+            return []
+        return await self.cross.tx.abort(session_id, transfer_id, code, reason)

@@ -1,9 +1,12 @@
 """The cross-node lane's sending side (docs/decisions/0018): a receiver's offer with a lane
 slot arms the native lane for that transfer (an engine here may SEND_TO it); the native thread's
-END comes back here to book the sender's record and its duplicate marks."""
+END comes back here to book the sender's record and its duplicate marks. A stream's chunks
+before its last are booked as they are written (the record follows it: Poll, WatchTransfers),
+and the sending engine's Abort between chunks ends it here (the lane holds no Python side)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -13,6 +16,8 @@ from kvservice_client import lane_wire
 from ..errors import FailedPrecondition
 
 __all__ = ["CrossOut"]
+
+_ABORT_WAIT_S = 60.0
 
 
 class CrossOut:
@@ -25,6 +30,9 @@ class CrossOut:
         # (transfer, rank) offered to an engine here -> (receiver's address, its buffer set if it
         # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route, its prefix)
         self._out: dict[str, dict[int, tuple[str, str, int]]] = {}  # transfer -> rank -> that
+        self._recs: dict[tuple[str, str], Any] = {}  # (transfer, sender bs) -> a stream's record
+        # (transfer, sender bs) the engine aborted -> (code, reason, resolved with the record)
+        self._aborting: dict[tuple[str, str], tuple[str, str, asyncio.Future[Any]]] = {}
         self.n_sent = 0  # transfers booked
         self.n_failed = 0
 
@@ -75,11 +83,55 @@ class CrossOut:
             if self.n.disarm_out(transfer_id, rank) != 2:
                 self._forget_out(transfer_id, rank)
 
+    def _record(self, tid: str, bs_id: str, session_id: str) -> Any:
+        from ..transfer.records import Record
+
+        rec = self._recs.pop((tid, bs_id), None)
+        if rec is None:
+            rec = Record(tid, "SENDER", bs_id, session_id, time.monotonic() + 60)
+            rec.route_note = "cross-node lane"
+            self.e.table.add(rec)
+        return rec
+
+    def _count(self, rec: Any, tid: str, rank: int, src: Any, first: int, nbytes: int, us: int) -> None:
+        """``src`` (from transfer page ``first``) on ``rec``: the prefix pages among them skipped."""
+        prefix = self._out.get(tid, {}).get(rank, ("", "", 0))[2]
+        skipped = min(max(0, prefix - first), len(src))
+        self.e.table.update(
+            rec,
+            state="TRANSFERRING",
+            add_bytes_sent=nbytes,
+            add_pages_sent=len(src) - skipped,
+            add_pages_skipped=skipped,
+            add_wire=us,
+            path="PACKED",
+        )
+
+    def chunk(self, c: tuple[Any, ...]) -> None:
+        """A chunk of a stream written before its last: the sender's record shows it."""
+        tid, rank, bs_id, session_id, src, _, _, nbytes, copy_us = c[:9]
+        rec = self._record(tid, bs_id, session_id)
+        self._recs[(tid, bs_id)] = rec
+        self._count(rec, tid, rank, src, int(c[14]), nbytes, copy_us)
+
+    async def abort(self, session_id: str | None, transfer_id: str, code: str, reason: str) -> list[Any]:
+        """The sending engine's Abort of ``transfer_id``: its cross-node streams still taking
+        chunks end (the receiving service hears it at once); their records once booked."""
+        if session_id is None:
+            return []
+        waits = []
+        for bs_id in self.n.abort_xstreams(session_id, transfer_id, f"aborted by the sender: {reason}"):
+            fut = asyncio.get_running_loop().create_future()
+            self._aborting[(transfer_id, bs_id)] = (code, reason, fut)
+            waits.append(fut)
+        # NOTE: a stream with a WRITE in flight ends once it is done (at most its deadline); a
+        # lane that stops meanwhile books nothing more: then the records as they are
+        done, _ = await asyncio.wait(waits, timeout=_ABORT_WAIT_S) if waits else (set(), set())
+        return [f.result().snapshot() for f in waits if f in done]
+
     async def sent(self, c: tuple[Any, ...]) -> None:
         """The native thread's END to a sending engine: book the sender's side (its record, for
         Poll and the Transfers stream; the engine read its END on the lane already)."""
-        from ..transfer.records import Record
-
         tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send = c[:12]
         e = self.e
         self.n.forget_out(tid, rank)
@@ -90,24 +142,31 @@ class CrossOut:
         chan = e.dispatch.channels.get(address)
         if chan is not None:
             chan.offers.consume(tid, bs.layout.tp_rank if bs is not None else None)
-        rec = Record(tid, "SENDER", bs_id, session_id, time.monotonic() + 60)
+        rec = self._record(tid, bs_id, session_id)
         rec.lane_told = told_send
-        rec.route_note = "cross-node lane"
-        e.table.add(rec)
+        aborting = self._aborting.pop((tid, bs_id), None)
         if not ok:
             self.n_failed += 1
-            e.table.finish(rec, "FAILED", "UNAVAILABLE", f"cross-node lane: {error}")
+            if aborting is not None:
+                code, reason, fut = aborting
+                e.table.finish(rec, "ABORTED" if code == "ABORTED" else "FAILED", code, reason)
+                fut.set_result(rec)
+            else:
+                e.table.finish(rec, "FAILED", "UNAVAILABLE", f"cross-node lane: {error}")
             return
+        if aborting is not None:  # its last chunk was written before the Abort came: it is DONE
+            aborting[2].set_result(rec)
+        # what the chunk bookings did not count yet (the END's figures are the whole stream's)
         first = int(c[14])  # the transfer page of src[0] (a stream may start inside the prefix)
         skipped = min(max(0, prefix - first), len(src))
         e.table.update(
             rec,
             state="TRANSFERRING",
-            add_bytes_sent=nbytes,
-            add_pages_sent=len(src) - skipped,
-            add_pages_skipped=skipped,
+            add_bytes_sent=nbytes - rec.bytes_sent,
+            add_pages_sent=len(src) - skipped - rec.pages_sent,
+            add_pages_skipped=skipped - rec.pages_skipped,
             add_descriptors=1,
-            add_wire=copy_us,
+            add_wire=copy_us - rec.timings_us.get("wire", 0),
             path="PACKED",
         )
         e.table.finish(rec, "DONE")

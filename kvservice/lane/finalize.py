@@ -88,19 +88,21 @@ class Finalizer:
                 del self._chains[key]
 
     async def _cross_done(self, kind: int, c: tuple[Any, ...]) -> None:
-        """A cross-node completion (cross.py): 1 = sent (this side's engine had its END), 2 =
-        received into a declaration here."""
+        """A cross-node completion (cross.py): 1 = sent (this side's engine had its END), 4 = a
+        chunk of a stream sent before its last, 2 = received into a declaration here."""
         tid, rank = c[0], c[1]
         try:
             if kind == 1:
                 await self.book.cross.tx.sent(c)
+            elif kind == 4:
+                self.book.cross.tx.chunk(c)
             else:
                 _BOOKING.set((tid, (rank,)))  # this task's own context (create_task copied it)
                 await self.book.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10], int(c[14]))
         except Exception:
             log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
         finally:
-            if kind != 1:
+            if kind == 2:
                 self.wake((tid, rank))
             self.book.cross.log_trace()
 

@@ -83,7 +83,13 @@ class Ends:
         incs = [
             i for i in self.receiver.of(transfer_id) if session_id is None or i.rec.session_id == session_id
         ]
-        if not outs and not incs:  # ended a while ago (its working state went): its records say how
+        if not outs and not incs:
+            # a cross-node stream between its chunks (only the lane holds it), or one that ended a
+            # while ago (its working state went): its records say how
+            if session_id is not None and (
+                lane := await self._lane().abort_sender(session_id, transfer_id, code, reason)
+            ):
+                return list(lane)
             ended = [
                 r for r in self.table.find(transfer_id) if session_id is None or r.session_id == session_id
             ]

@@ -2,7 +2,7 @@
 DRAM, shm pools): under mutual TLS, token and insecure peers, a transfer sent in chunks (aux rows
 on the last) goes from the sender's lane into the receiver's and lands byte exact; a bad later
 chunk is INVALID_ARGUMENT and changes nothing; a short last chunk, the receiver's Abort, its
-deadline or the sender's session ending mid-stream end the transfer on both sides."""
+deadline, the sender's Abort or its session ending mid-stream end the transfer on both sides."""
 
 from __future__ import annotations
 
@@ -70,8 +70,10 @@ def test_chunks_with_aux_rows_take_the_cross_node_lane_byte_exact(nodes: Nodes, 
     assert n.b.pages(dst) == n.a.pages(src[2:])
     assert n.b.rows("meta", [0, 15]) == n.a.rows("meta", [2, 5])
     assert n.b.changed(before) <= set(dst)
-    polled = n.b.kv.poll(["x-ch"])[0]
-    assert (polled.state, polled.pages_sent, polled.pages_skipped) == ("DONE", 5, 2)
+    for kv in (n.b.kv, n.a.kv):  # the sender's record booked chunk by chunk adds up the same
+        polled = eventually(lambda kv=kv: (p := kv.poll(["x-ch"])[0]).state == "DONE" and p, 10, "booked")
+        assert (polled.state, polled.pages_sent, polled.pages_skipped) == ("DONE", 5, 2), polled
+        assert polled.bytes_sent == 5 * LAYOUT.page_bytes_all_layers + 2 * 48, polled
     _settled(n)
 
 
@@ -86,7 +88,8 @@ def test_a_last_chunk_of_aux_rows_only_and_a_first_chunk_in_the_prefix(nodes: No
     assert n.b.pages(dst) == n.a.pages(src[1:])
     assert n.b.rows("meta", [3]) == n.a.rows("meta", [9])
     for kv in (n.b.kv, n.a.kv):  # both sides count the aux row's bytes and the one prefix page sent
-        st = kv.poll(["x-aux"])[0]
+        # (the END comes first, the record is booked after it)
+        st = eventually(lambda kv=kv: (p := kv.poll(["x-aux"])[0]).state == "DONE" and p, 10, "booked")
         assert (st.pages_sent, st.pages_skipped) == (2, 1), st
         assert st.bytes_sent == 2 * LAYOUT.page_bytes_all_layers + 48, st
     _settled(n)
@@ -157,3 +160,45 @@ def test_the_senders_session_ending_mid_stream_fails_the_receiver(nodes: Nodes) 
     (r,) = n.b.kv.wait("x-gone", timeout=30)
     assert r.state == "FAILED" and time.monotonic() - t0 < 10, r
     n.a.kv = type(n.b.kv)(n.sa.address, client_name="prefill-again")  # (close() closes it again)
+
+
+def test_the_senders_abort_mid_stream_ends_both_sides_at_once(nodes: Nodes) -> None:
+    """The sending engine's Abort between chunks: its side ends ABORTED (Poll says so when Abort
+    returns), the receiver hears it at once, a later chunk is refused and writes nothing."""
+    n = nodes
+    _expect(n, "x-sab", [1, 2, 3], deadline_ms=30_000)
+    _send(n, "x-sab", [5], 0, False)
+    eventually(lambda: n.b.pages([1]) == n.a.pages([5]), 10, "the first chunk landed")
+    (mid,) = n.a.kv.poll(["x-sab"])
+    assert mid.state in ("QUEUED", "TRANSFERRING") and mid.route_note == "cross-node lane", mid
+    after = n.b.snapshot()
+    t0 = time.monotonic()
+    (st,) = n.a.kv.abort("x-sab", reason="prefill cancelled")
+    assert st.state == "ABORTED" and "prefill cancelled" in st.error, st
+    (r,) = n.b.kv.wait("x-sab", timeout=30)
+    assert r.state in ("FAILED", "ABORTED") and time.monotonic() - t0 < 5, r
+    with pytest.raises((FailedPrecondition, InvalidArgument)):
+        _send(n, "x-sab", [6, 7], 1, True)
+    assert n.b.changed(after) == set()
+    _settled(n)
+
+
+def test_the_senders_buffer_set_unregistered_mid_stream_fails_both_sides(nodes: Nodes) -> None:
+    """Unregistering the sending buffer set between chunks ends the stream at once (not at its
+    deadline): both sides FAILED, the receiver's pages past the first chunk untouched."""
+    n = nodes
+    _expect(n, "x-unreg", [1, 2, 3], deadline_ms=30_000)
+    _send(n, "x-unreg", [5], 0, False)
+    eventually(lambda: n.b.pages([1]) == n.a.pages([5]), 10, "the first chunk landed")
+    after = n.b.snapshot()
+    t0 = time.monotonic()
+    n.a.kv.unregister_buffers(n.a.bs)
+    (r,) = n.b.kv.wait("x-unreg", timeout=30)
+    assert r.state == "FAILED" and time.monotonic() - t0 < 5, r
+    (s,) = eventually(lambda: [p for p in n.a.kv.poll(["x-unreg"]) if p.state == "FAILED"], 10, "sender")
+    assert "unregistered" in s.error, s
+    assert n.b.changed(after) == set()
+    n.a.bs = n.a.kv.register_buffers(
+        LAYOUT, n.a.pool.k_regions, n.a.pool.v_regions, aux=n.a.pool.aux_specs
+    ).buffer_set_id
+    _settled(n)

@@ -84,6 +84,7 @@ void Lane::set_alias(const std::string& bs, int device, std::vector<uint64_t> ba
 // gives up, so this waits for at most the copies being made. Called without the GIL.
 bool Lane::drop_pool(const std::string& bs, double wait_s) {
   std::weak_ptr<PoolLife> life;
+  bool ended = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = pools_.find(bs);
@@ -91,7 +92,12 @@ bool Lane::drop_pool(const std::string& bs, double wait_s) {
     it->second.life->dropped = true;
     life = it->second.life;
     pools_.erase(it);
+    for (auto& kv : xout_)  // a cross-node stream from it between chunks: its receiver hears now
+      if (kv.second.streaming && !kv.second.last && kv.second.bs == bs)
+        ended |= fail_xstream(kv.first, "buffer set '" + bs + "' was unregistered before the last chunk");
   }
+  if (ended) signal_done();
+  flush_notes();
   credit_cv_.notify_all();
   const double until = now_s() + wait_s;
   while (!life.expired()) {

@@ -70,6 +70,9 @@ void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, 
   w.src = src;
   w.last = c.last;
   w.aux_bytes = aux_bytes;
+  w.pages = m;
+  w.page = xo.page;
+  w.offset = c.offset;
   w.t0 = now_s();
   w.o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags, (uint32_t)xo.first);
   w.note_only = !m && flags;
@@ -143,6 +146,19 @@ void Lane::book_chunk(XWrite& w) {
       st_[S_SENT]++;
       pd.written = true;
       if (pd.acked) finish_sent(it, pd.ack_ok, pd.ack_msg);
+    } else {  // the sender's record follows the stream (Poll, WatchTransfers)
+      Completion c;
+      c.kind = DONE_XCHUNK;
+      c.tid = w.tid;
+      c.rank = pd.rank;
+      c.bs = pd.bs;
+      c.sender_session = pd.session;
+      c.nbytes = w.pages * w.page + w.aux_bytes;
+      c.copy_us = (uint64_t)((now_s() - w.t0) * 1e6);
+      c.src = w.src;
+      c.first = w.offset;
+      completions_.push_back(std::move(c));
+      signal_done();
     }
   }
   if (!told.empty()) send_note(told, note(XNOTE_WRITTEN, w.xo.rank, false, 0, 0, 0, 0, w.tid, why));

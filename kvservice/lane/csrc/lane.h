@@ -105,8 +105,12 @@ class Lane {
            int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux);
   int disarm(const std::string& tid, int rank, bool cancel);
   // The sender's side of (tid, buffer set bs) ended in Python (Abort, its buffer set unregistered):
-  // its stream, if it still takes chunks, fails with ``why`` (its copies in flight end first).
+  // its stream, same node or cross-node, if it still takes chunks, fails with ``why`` (its copies
+  // or WRITEs in flight end first).
   void abort_stream(const std::string& tid, const std::string& bs, const std::string& why);
+  // The sending engine's Abort of ``tid`` (session ``session``): its cross-node streams still
+  // taking chunks fail with ``why`` (once their WRITEs in flight end); their buffer sets.
+  std::vector<std::string> abort_xstreams(const std::string& session, const std::string& tid, const std::string& why);
   int forget(const std::string& tid, int rank);
   size_t armed_count();
 

@@ -126,6 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("disarm", &Lane::disarm, py::arg("tid"), py::arg("rank"), py::arg("cancel") = false)
       .def("forget", &Lane::forget)
       .def("abort_stream", &Lane::abort_stream)
+      .def("abort_xstreams", &Lane::abort_xstreams)
       .def("armed_count", &Lane::armed_count)
       .def("drain", &drain)
       .def("init_nixl", &Lane::init_nixl, Release())

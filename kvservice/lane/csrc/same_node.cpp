@@ -220,13 +220,36 @@ bool Lane::fail_stream(std::unordered_map<std::string, Stream>::iterator it, con
 }
 
 void Lane::abort_stream(const std::string& tid, const std::string& bs, const std::string& why) {
-  bool ended = false;
+  bool ended = false, xended = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = streams_.find(tid + '\0' + bs);
     if (it != streams_.end() && !it->second.last) ended = fail_stream(it, why);
+    const std::string at = tid + '\0';  // key(tid, rank): a cross-node stream of it from bs
+    for (auto& kv : xout_)
+      if (kv.second.streaming && !kv.second.last && kv.second.bs == bs && kv.first.compare(0, at.size(), at) == 0)
+        xended |= fail_xstream(kv.first, why);
   }
-  if (ended) signal_done();
+  if (ended || xended) signal_done();
+  flush_notes();  // the receiving service hears it now
+}
+
+std::vector<std::string> Lane::abort_xstreams(const std::string& session, const std::string& tid,
+                                              const std::string& why) {
+  std::vector<std::string> out;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    const std::string at = tid + '\0';
+    for (auto& kv : xout_) {
+      const XOut& x = kv.second;
+      if (!x.streaming || x.last || x.session != session || kv.first.compare(0, at.size(), at) != 0) continue;
+      if (std::find(out.begin(), out.end(), x.bs) == out.end()) out.push_back(x.bs);
+      fail_xstream(kv.first, why);
+    }
+  }
+  signal_done();
+  flush_notes();
+  return out;
 }
 
 // mu_ held: every stream still taking chunks that matches ``pred`` fails with ``why``.

@@ -240,13 +240,15 @@ struct XWrite {
   std::vector<int32_t> src;
   Posted o;
   bool last = false, note_only = false;  // note_only: no pages, a note (aux rows, the last) alone
-  uint64_t aux_bytes = 0;
+  uint64_t aux_bytes = 0, pages = 0, page = 0;  // its delta pages (the rest are in the prefix)
+  int64_t offset = 0;                           // its chunk_offset
   double t0 = 0;
 };
 
 // DONE_SAME_NODE: a same-node stream ended (its last chunk, or its failure); DONE_CHUNK: a chunk
-// of one copied before its last (booked in order: Poll and WatchTransfers follow the stream)
-enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2, DONE_CHUNK = 3 };
+// of one copied before its last (booked in order: Poll and WatchTransfers follow the stream);
+// DONE_XCHUNK: a chunk of a cross-node stream written before its last (the sender's record)
+enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2, DONE_CHUNK = 3, DONE_XCHUNK = 4 };
 
 struct Completion {
   std::string tid, bs, sender_session, error;
