@@ -1,0 +1,103 @@
+"""Layer-wise streaming on the worker side against a real kvservice (KVS_TEST_SERVICE, started by
+tests/adapters/test_vllm_connector_units.py): a prefill worker sends each layer's pages as that
+layer is "computed" (save_layer), over two engine steps, to a decode worker that declared one load
+per layer past its prefix hit; the decode cache then holds exactly the prefill's pages."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from kvservice_vllm.meta import KVServiceMeta, RecvJob, StreamChunk, StreamEnd
+from kvservice_vllm.worker import KVHeads, WorkerSide
+
+ADDRESS = os.environ.get("KVS_TEST_SERVICE", "")
+pytestmark = pytest.mark.skipif(not ADDRESS, reason="needs a kvservice (KVS_TEST_SERVICE)")
+
+LAYERS, HEADS, DIM, BLOCK, BLOCKS = 3, 2, 64, 32, 12
+HEADS_OF = KVHeads(total=HEADS, local=HEADS, head_dim=DIM)
+
+
+def _caches(ws: WorkerSide) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout: one int8 buffer allocated inside the hook, a view per layer."""
+    per_layer = BLOCKS * HEADS * BLOCK * 2 * DIM
+    with ws.allocation_context():
+        buf = torch.zeros(LAYERS * per_layer * 4, dtype=torch.int8)
+    f = buf.view(torch.float32)
+    return {
+        f"model.layers.{i}.self_attn.attn": f[i * per_layer : (i + 1) * per_layer].view(
+            BLOCKS, HEADS, BLOCK, 2 * DIM
+        )
+        for i in range(LAYERS)
+    }
+
+
+def _outcomes(workers: list[WorkerSide], want: int, timeout: float = 20.0) -> list:
+    got: list = []
+    end = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < end:
+        for w in workers:
+            got += w.outcomes()
+        time.sleep(0.01)
+    return got
+
+
+def _pair() -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    p, d = WorkerSide(ADDRESS, "vllm-lw-p", "p"), WorkerSide(ADDRESS, "vllm-lw-d", "d")
+    pc, dc = _caches(p), _caches(d)
+    for c in pc.values():
+        c.copy_(torch.randn_like(c))
+    p.register(pc, BLOCK, HEADS_OF)
+    d.register(dc, BLOCK, HEADS_OF)
+    assert p.layer_sets is not None and len(p.layer_sets.buffer_sets) == LAYERS
+    return p, d, pc, dc
+
+
+def _step(p: WorkerSide, chunks: list[StreamChunk], layers: range) -> KVServiceMeta:
+    meta = KVServiceMeta(chunks=chunks)
+    for name in list(p.layer_sets.names)[layers.start : layers.stop]:  # type: ignore[union-attr]
+        p.save_layer(name, meta)
+    return meta
+
+
+def test_layers_stream_over_two_steps_into_the_pages_past_the_decode_prefix() -> None:
+    """Step 1 completes pages 0-1 (chunk 0), step 2 the rest (last): each layer's pages go as
+    that layer is computed; the decode's 4 blocks past its 1-page prefix hold the prefill's
+    bytes in every layer, its prefix block is untouched, both sides end ok."""
+    p, d, pc, dc = _pair()
+    try:
+        src, dst = [5, 2, 9, 0, 7], [3, 11, 6, 1, 4]  # prompt pages 0..4; decode holds page 0
+        d.submit(KVServiceMeta(recvs=[RecvJob("d-1", "lw-1", 1, tuple(dst[1:]), 10_000, layerwise=True)]))
+        c1 = StreamChunk("p-1", "lw-1", 0, tuple(src[:2]), False, ADDRESS, 10_000)
+        c2 = StreamChunk("p-1", "lw-1", 2, tuple(src[2:]), True, ADDRESS, 10_000)
+        _step(p, [c1], range(LAYERS))
+        p.end_step(_step(p, [c2], range(LAYERS - 1)))  # the last layer's hook "skipped": end_step sends it
+        p.submit(KVServiceMeta(stream_ends=[StreamEnd("p-1", "lw-1")]))
+        done = _outcomes([p, d], 2)
+        assert len(done) == 2 and all(o.ok for o in done), done
+        for name in pc:
+            assert torch.equal(dc[name][dst[1:]], pc[name][src[1:]]), name
+            assert not dc[name][dst[0]].any(), "the decode's prefix page was written"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_stream_ending_early_fails_the_load_and_writes_nothing_after_it() -> None:
+    """The prefill request ends after its first step (StreamEnd with a reason): every layer
+    transfer is aborted, the decode's load fails, no page past the first chunk arrives."""
+    p, d, pc, dc = _pair()
+    try:
+        src, dst = [5, 2, 9, 0], [3, 11, 6, 1]
+        d.submit(KVServiceMeta(recvs=[RecvJob("d-2", "lw-2", 0, tuple(dst), 10_000, layerwise=True)]))
+        _step(p, [StreamChunk("p-2", "lw-2", 0, tuple(src[:2]), False, ADDRESS, 10_000)], range(LAYERS))
+        p.submit(KVServiceMeta(stream_ends=[StreamEnd("p-2", "lw-2", "aborted by the client")]))
+        done = {o.job.req_id: o for o in _outcomes([p, d], 2)}
+        assert set(done) == {"p-2", "d-2"} and not done["d-2"].ok and not done["p-2"].ok, done
+        for name in dc:
+            assert not dc[name][dst[2:]].any(), name
+    finally:
+        p.close()
+        d.close()
