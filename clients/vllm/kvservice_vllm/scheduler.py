@@ -20,8 +20,10 @@ request's blocks in the step that matched it (its pre-allocation would wait)::
     request_finished before its blocks came ─▶ AbortJob (the landing is freed)
 A request allocated in the step that matched it takes the default path (RecvJob) unchanged.
 
-Layer-wise streaming (``layer_streaming``, on by default; a request's ``kvservice_layerwise``
-param overrides it, and the prefill's answer carries what it did, so the decode follows)::
+Layer-wise streaming (``layer_streaming``, on by default; a prefill request's
+``kvservice_layerwise`` param overrides it; the prefill's answer says what it did, and the decode
+follows its params: a proxy that starts the decode request before the prefill ends sets
+``kvservice_layerwise: true`` on both; no field means one transfer, as older prefills send)::
 
     prefill: update_state_after_alloc ─▶ a stream (transfer id, peer, its blocks)
              build_connector_meta, each step it computes ─▶ StreamChunk: the pages this step
@@ -143,11 +145,12 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens
-        if self.landing_ttl_ms and request.request_id not in self.landed and not self._layerwise(params):
+        if self.landing_ttl_ms and request.request_id not in self.landed and not _loads_layerwise(params):
             self._unallocated[request.request_id] = request
         return count, True
 
     def _layerwise(self, params: dict[str, Any]) -> bool:
+        """Prefill: whether to stream this request (the instance's default unless it says)."""
         return bool(params.get("kvservice_layerwise", self.layer_streaming))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -184,7 +187,7 @@ class SchedulerSide:
             pages=tuple(ids[prefix : self._pages(len(request.prompt_token_ids or ()))]),
             deadline_ms=int(params.get("deadline_ms", self.deadline_ms)),
             sender=_sender(params),
-            layerwise=self._layerwise(params),
+            layerwise=_loads_layerwise(params),
         )
         self.receiving[job.req_id] = job
         self._meta.recvs.append(job)
@@ -349,6 +352,12 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return bool(self.sending)
+
+
+def _loads_layerwise(params: dict[str, Any]) -> bool:
+    """Decode: whether the prefill streams this request layer by layer, as its answer (or the
+    proxy) says; params without the field come from a prefill that sends one transfer."""
+    return bool(params.get("kvservice_layerwise", False))
 
 
 def _sender(params: dict[str, Any]) -> str:
