@@ -5,9 +5,9 @@ kv_connector_extra_config:
     deadline_ms        a transfer's deadline when the request's params give none (default 30000)
     rpc_timeout_s      one call to the service, retries across a broken connection included (10)
     landing_ttl_ms     decode: a request vLLM cannot allocate at once lands meanwhile (0: off)
-    layer_streaming    prefill: send each layer's pages as soon as the layer is computed (one
-                       transfer per layer, layers.py); decode: the default when a request's
-                       params do not say (``kvservice_layerwise``). Default on
+    layer_streaming    prefill: a request whose params ask (``kvservice_layerwise: true``) sends
+                       each layer's pages as soon as the layer is computed (one transfer per
+                       layer, layers.py); false: never. Default true
     kvservice_peer_address  prefill: this instance's kvservice as other services reach it (its
                        peer address); returned as ``kvservice_sender``, the decode names it in
                        ExpectDelta so only that service may fetch the plan. Default (""): what
@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .meta import KVServiceMeta, SendJob
-from .sched_timer import SchedulerTimer, maybe_time
+from .sched_timer import SchedulerTimer, maybe_time, trace, tracing
 from .scheduler import SchedulerSide
 
 if TYPE_CHECKING:
@@ -138,6 +138,8 @@ class KVServiceConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """The step's layers no save_kv_layer came for (none, as vLLM calls it for every
         attention layer) go now, so each stream's chunk of this step is whole."""
+        if tracing():
+            trace("forward_end", "")  # the step's last layer is computed (bench: the transfer tail)
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if meta.chunks:  # type: ignore[attr-defined]

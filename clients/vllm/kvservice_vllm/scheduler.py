@@ -20,10 +20,13 @@ request's blocks in the step that matched it (its pre-allocation would wait)::
     request_finished before its blocks came ─▶ AbortJob (the landing is freed)
 A request allocated in the step that matched it takes the default path (RecvJob) unchanged.
 
-Layer-wise streaming (``layer_streaming``, on by default; a prefill request's
-``kvservice_layerwise`` param overrides it; the prefill's answer says what it did, and the decode
-follows its params: a proxy that starts the decode request before the prefill ends sets
-``kvservice_layerwise: true`` on both; no field means one transfer, as older prefills send)::
+Layer-wise streaming, for the requests whose params ask for it (``kvservice_layerwise: true``):
+a proxy that sends the decode request at once, beside the prefill's, sets it on both (then the
+decode declares its loads while the prefill computes, which is when streaming hides the
+transfer; with the decode request sent after the prefill's answer nothing would be hidden, and
+a receiver of another engine declares one transfer). ``layer_streaming: false`` turns it off on
+an instance. The prefill's answer says what it did; the decode follows its params (no field:
+one transfer, as older prefills send)::
 
     prefill: update_state_after_alloc ─▶ a stream (transfer id, peer, its blocks)
              build_connector_meta, each step it computes ─▶ StreamChunk: the pages this step
@@ -150,8 +153,10 @@ class SchedulerSide:
         return count, True
 
     def _layerwise(self, params: dict[str, Any]) -> bool:
-        """Prefill: whether to stream this request (the instance's default unless it says)."""
-        return bool(params.get("kvservice_layerwise", self.layer_streaming))
+        """Prefill: whether to stream this request: it asks (``kvservice_layerwise``: the proxy
+        starts the decode request at once, so the decode declares before the prefill ends: the
+        only case where streaming hides anything) and the instance allows it."""
+        return self.layer_streaming and bool(params.get("kvservice_layerwise", False))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params

@@ -210,7 +210,13 @@ class _Out:
 
 def _streamed(n: int = 100) -> tuple[SchedulerSide, Request]:
     s = SchedulerSide(BLOCK, 30_000)
-    r = _req("p-s", n, {"do_remote_decode": True, "kvservice_peer": "10.0.0.2:50051", "transfer_id": "ts"})
+    params = {
+        "do_remote_decode": True,
+        "kvservice_peer": "10.0.0.2:50051",
+        "transfer_id": "ts",
+        "kvservice_layerwise": True,
+    }
+    r = _req("p-s", n, params)
     s.update_state_after_alloc(r, _Blocks([]), 0)
     return s, r
 
@@ -256,9 +262,9 @@ def test_a_preempted_streamed_request_sends_nothing_more_and_is_aborted() -> Non
     assert hold and params is None and "preempted" in end.reason
 
 
-def test_streaming_off_by_config_or_by_the_request_sends_one_transfer_at_the_end() -> None:
-    for s, extra in ((SchedulerSide(BLOCK, 30_000, layer_streaming=False), {}),
-                     (SchedulerSide(BLOCK, 30_000), {"kvservice_layerwise": False})):  # fmt: skip
+def test_streaming_off_by_config_or_unasked_sends_one_transfer_at_the_end() -> None:
+    for s, extra in ((SchedulerSide(BLOCK, 30_000, layer_streaming=False), {"kvservice_layerwise": True}),
+                     (SchedulerSide(BLOCK, 30_000), {})):  # fmt: skip
         r = _req("p-o", 70, {"do_remote_decode": True, "kvservice_peer": "h:1", "transfer_id": "to", **extra})
         s.update_state_after_alloc(r, _Blocks([]), 0)
         assert s.build_connector_meta(_Out({"p-o": 70}, [_New("p-o", [1, 2, 3])])).chunks == []
