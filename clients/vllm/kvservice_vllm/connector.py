@@ -67,15 +67,10 @@ class KVServiceConnector(KVConnectorBase_V1):
             self._sched = SchedulerSide(
                 self.block_size, deadline_ms, landing_ttl_ms, peer_address, self.address,
                 layer_streaming=_flag(extra.get_from_extra_config("layer_streaming", True)),
+                pipeline_parallel=int(vllm_config.parallel_config.pipeline_parallel_size),
             )  # fmt: skip
             self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
-            pc = vllm_config.parallel_config
-            if pc.pipeline_parallel_size != 1:
-                raise NotImplementedError(
-                    "kvservice_vllm: pipeline parallel size > 1 is not supported yet "
-                    f"(pp={pc.pipeline_parallel_size}): a stage holds a subset of the layers"
-                )
             from .worker import WorkerSide
 
             timeout = float(extra.get_from_extra_config("rpc_timeout_s", 10.0))

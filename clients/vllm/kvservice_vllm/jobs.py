@@ -17,6 +17,7 @@ class SendJob:
     pages: tuple[int, ...]  # this instance's block ids, prompt order (the receiver skips its prefix)
     peer: str  # the decode instance's kvservice (host:port)
     deadline_ms: int
+    layerwise: bool = False  # one transfer per layer (layers.py): PP, or the request asked
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,14 @@ per layer as for a whole transfer, and mixed TP slices heads per layer as before
 outcome is every layer transfer's: DONE when all are; at the first that is not, the others are
 aborted and the request fails only once every abort settled (no write after).
 
+Pipeline parallelism falls out of it: a transfer's layer ``l`` is vLLM's layer ``l`` of the
+model (the number in its layer name), so a PP stage sends, or declares, the transfers of the
+layers it holds, and each layer meets the stage that holds it on the other side, whatever the two
+PP sizes (PP-m prefill -> PP-n decode, TP x PP: each stage's TP ranks slice heads as before)::
+
+    prefill PP 2: stage 0 layers 0-7 ─▶ T#L0..T#L7    decode PP 1: one stage declares T#L0..T#L15
+                  stage 1 layers 8-15 ─▶ T#L8..T#L15
+
 What the service lacks for one transfer per request: a chunk naming a layer range
 (``SendDelta.layer_begin/layer_end``: a 2-D chunk, pages x layers) and a stream that ends when
 every (page run, layer range) of the delta arrived. That change is in the data plane
@@ -34,12 +42,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from kvservice_client import BackgroundClient, Layout, NotFound, TransferStatus
 
-__all__ = ["LayerSets", "all_done", "layer_tid"]
+__all__ = ["LayerSets", "all_done", "layer_ids", "layer_tid"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,20 @@ log = logging.getLogger(__name__)
 def layer_tid(transfer_id: str, layer: int) -> str:
     """The transfer id of ``layer``'s part of a layer-wise transfer."""
     return f"{transfer_id}#L{layer}"
+
+
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_ids(names: Sequence[str]) -> list[int]:
+    """The model's layer number of each of vLLM's layer names (``model.layers.12.self_attn.attn``
+    -> 12), so every PP stage names a layer alike; names without one: their order (PP 1 only)."""
+    found = [_LAYER_NUMBER.search(n) for n in names]
+    if all(found):
+        ids = [int(m.group(1)) for m in found]  # type: ignore[union-attr]
+        if len(set(ids)) == len(ids):
+            return ids
+    return list(range(len(names)))
 
 
 def one_layer(layout: Layout) -> Layout:
@@ -58,11 +81,16 @@ def one_layer(layout: Layout) -> Layout:
 class LayerSets:
     """This worker's per-layer buffer sets, by layer index (the order vLLM registered the caches)."""
 
-    names: dict[str, int]  # vLLM's layer name -> layer index
+    names: dict[str, int]  # vLLM's layer name -> layer index (on this worker)
     buffer_sets: list[str]  # layer index -> its one-layer buffer set id
+    ids: list[int]  # layer index -> the model's layer number (the transfer's layer, layer_tid)
 
     def index(self, layer_name: str) -> int:
         return self.names[layer_name]
+
+    def tids(self, transfer_id: str) -> list[str]:
+        """This worker's layer transfers of ``transfer_id``, by layer index."""
+        return [layer_tid(transfer_id, i) for i in self.ids]
 
 
 class StreamSend:
@@ -71,18 +99,16 @@ class StreamSend:
     def __init__(self, bg: BackgroundClient, sets: LayerSets, transfer_id: str, peer: str, deadline_ms: int):
         self.bg, self.sets, self.transfer_id = bg, sets, transfer_id
         self.peer, self.deadline_ms = peer, deadline_ms
-        self.layers = [
-            bg.chunked(layer_tid(transfer_id, i), deadline_ms) for i in range(len(sets.buffer_sets))
-        ]
+        self.layers = [bg.chunked(tid, deadline_ms) for tid in sets.tids(transfer_id)]
         self.done = all_done(bg, [c.done for c in self.layers], self.tids)
 
     @property
     def tids(self) -> list[str]:
-        return [layer_tid(self.transfer_id, i) for i in range(len(self.sets.buffer_sets))]
+        return self.sets.tids(self.transfer_id)
 
     def chunk(self, layer: int, offset: int, pages: Sequence[int], last: bool) -> None:
         """Queue layer ``layer``'s chunk (its pages ``offset..offset+len(pages)`` of the prompt)."""
-        tid, bs = layer_tid(self.transfer_id, layer), self.sets.buffer_sets[layer]
+        tid, bs = self.tids[layer], self.sets.buffer_sets[layer]
         self.layers[layer].send(
             lambda kv: kv.send_delta(
                 tid, bs, src_page_indices=pages, peer_address=self.peer, chunk_offset=offset,

@@ -36,6 +36,11 @@ one transfer, as older prefills send)::
     decode:  RecvJob(layerwise) ─▶ one ExpectDelta per layer (same prefix and blocks)
 A streamed request that vLLM preempts (its blocks freed) is aborted: its decode fails that load.
 
+Pipeline parallelism: an instance with PP > 1 sends and loads one transfer per layer always (each
+stage its own layers, layers.py); its prefill's answer says so, and a decode with PP > 1 loads
+layer by layer whatever its params say, so its prefill must be sent ``kvservice_layerwise: true``
+when the prefill itself is PP 1 (the proxy knows both; without it the load fails at its deadline).
+
 The prefill's answer names its own kvservice (``kvservice_sender``), and the decode's loads pass it
 on as ExpectDelta's ``sender_address``, so only that service may fetch the transfer's plan (issue
 33; docs/design/security.md). It is the ``kvservice_peer_address`` the prefill is configured with, else
@@ -91,9 +96,12 @@ class SchedulerSide:
         peer_address: str = "",
         service_address: str = "",
         layer_streaming: bool = True,
+        pipeline_parallel: int = 1,
     ) -> None:
         self.block_size = block_size
         self.layer_streaming = layer_streaming
+        # PP > 1: a stage holds some layers, so every transfer goes one per layer (layers.py)
+        self.pipeline_parallel = pipeline_parallel
         self._streams: dict[str, _Stream] = {}  # prefill: requests streamed layer by layer
         self.deadline_ms = deadline_ms
         self.landing_ttl_ms = landing_ttl_ms  # 0: no landing (the default path only)
@@ -192,7 +200,7 @@ class SchedulerSide:
             pages=tuple(ids[prefix : self._pages(len(request.prompt_token_ids or ()))]),
             deadline_ms=int(params.get("deadline_ms", self.deadline_ms)),
             sender=_sender(params),
-            layerwise=_loads_layerwise(params),
+            layerwise=_loads_layerwise(params) or self.pipeline_parallel > 1,
         )
         self.receiving[job.req_id] = job
         self._meta.recvs.append(job)
@@ -311,7 +319,8 @@ class SchedulerSide:
             }
         deadline = int(params.get("deadline_ms", self.deadline_ms))
         pages = _first_group(block_ids)[: self._pages(len(request.prompt_token_ids or ()))]
-        self._meta.sends.append(SendJob(rid, transfer_id, tuple(pages), str(peer), deadline))
+        layerwise = self.pipeline_parallel > 1 or bool(params.get("kvservice_layerwise", False))
+        self._meta.sends.append(SendJob(rid, transfer_id, tuple(pages), str(peer), deadline, layerwise))
         self.sending.add(rid)
         trace("send_job", transfer_id)
         out: dict[str, Any] = {
@@ -319,7 +328,7 @@ class SchedulerSide:
             "do_remote_decode": False,
             "transfer_id": transfer_id,
             "deadline_ms": deadline,
-            "kvservice_layerwise": False,
+            "kvservice_layerwise": layerwise,
         }
         if self.peer_address:  # the decode names it in ExpectDelta: no other peer fetches the plan
             out["kvservice_sender"] = self.peer_address

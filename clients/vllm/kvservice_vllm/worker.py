@@ -32,7 +32,7 @@ from kvservice_client import BackgroundClient, Layout, NotFound, Region, pointer
 from torch.overrides import TorchFunctionMode
 
 from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob, StreamEnd
-from .layers import LayerSets, StreamSend, abort_all, all_done, layer_tid, one_layer
+from .layers import LayerSets, StreamSend, abort_all, all_done, layer_ids, one_layer
 from .layout import KVHeads, kv_layout
 from .sched_timer import flush_trace, trace, tracing
 
@@ -126,7 +126,8 @@ class WorkerSide:
         sets = self.bg.call(
             _register_layers(self.bg, one, regions, v_regions, self.engine_id), 60 + len(regions)
         )
-        self.layer_sets = LayerSets({name: i for i, name in enumerate(kv_caches)}, sets)
+        names = {name: i for i, name in enumerate(kv_caches)}
+        self.layer_sets = LayerSets(names, sets, layer_ids(list(kv_caches)))
         log.info(
             "kvservice: registered %d layers x %d blocks (%s) as %s",
             layout.num_layers,
@@ -151,8 +152,7 @@ class WorkerSide:
             self._lands[land.transfer_id] = self.bg.submit(_land(self.bg, bs, land))
         for abort in meta.aborts:  # settled when Abort returns: no write lands after it
             if abort.transfer_id in self._layerwise and self.layer_sets is not None:
-                n = len(self.layer_sets.buffer_sets)
-                tids = [layer_tid(abort.transfer_id, i) for i in range(n)]
+                tids = self.layer_sets.tids(abort.transfer_id)
                 self._aborts[abort.transfer_id] = self.bg.submit(abort_all(self.bg, tids, abort.reason))
                 continue
             self._aborts[abort.transfer_id] = self.bg.submit(
@@ -168,6 +168,8 @@ class WorkerSide:
             fut: Any
             if isinstance(job, RecvJob) and job.layerwise:
                 fut = self._recv_layers(job)
+            elif isinstance(job, SendJob) and job.layerwise:
+                fut = self._send_layers(job)
             elif isinstance(job, SendJob):
                 fut = self.bg.transfer(
                     job.transfer_id,
@@ -244,7 +246,7 @@ class WorkerSide:
         """One ExpectDelta per layer (the same prefix and blocks); one outcome for all."""
         assert self.layer_sets is not None
         self._layerwise.add(job.transfer_id)
-        tids = [layer_tid(job.transfer_id, i) for i in range(len(self.layer_sets.buffer_sets))]
+        tids = self.layer_sets.tids(job.transfer_id)
         futs = [
             self.bg.transfer(
                 tid,
@@ -256,6 +258,23 @@ class WorkerSide:
             )
             for tid, bs in zip(tids, self.layer_sets.buffer_sets, strict=True)
         ]  # fmt: skip
+        return all_done(self.bg, futs, tids)
+
+    def _send_layers(self, job: SendJob) -> Any:
+        """A finished request's pages as one transfer per layer (PP, or asked layer-wise), each
+        of one chunk; one outcome for all."""
+        assert self.layer_sets is not None
+        tids = self.layer_sets.tids(job.transfer_id)
+        futs = [
+            self.bg.transfer(
+                tid,
+                lambda kv, t=tid, bs=bs: kv.send_delta(  # type: ignore[misc]
+                    t, bs, src_page_indices=job.pages, peer_address=job.peer, deadline_ms=job.deadline_ms
+                ),
+                job.deadline_ms,
+            )
+            for tid, bs in zip(tids, self.layer_sets.buffer_sets, strict=True)
+        ]
         return all_done(self.bg, futs, tids)
 
     async def _claim(self, job: ClaimJob, landing: Any) -> Any:

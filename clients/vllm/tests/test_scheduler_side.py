@@ -262,16 +262,31 @@ def test_a_preempted_streamed_request_sends_nothing_more_and_is_aborted() -> Non
     assert hold and params is None and "preempted" in end.reason
 
 
-def test_streaming_off_by_config_or_unasked_sends_one_transfer_at_the_end() -> None:
-    for s, extra in ((SchedulerSide(BLOCK, 30_000, layer_streaming=False), {"kvservice_layerwise": True}),
-                     (SchedulerSide(BLOCK, 30_000), {})):  # fmt: skip
+def test_streaming_off_by_config_or_unasked_sends_at_the_end() -> None:
+    """Off by config but asked: one transfer per layer at the end (the decode, told by the same
+    params, declares per layer); unasked: one transfer."""
+    for s, extra, lw in ((SchedulerSide(BLOCK, 30_000, layer_streaming=False), {"kvservice_layerwise": True}, True),
+                         (SchedulerSide(BLOCK, 30_000), {}, False)):  # fmt: skip
         r = _req("p-o", 70, {"do_remote_decode": True, "kvservice_peer": "h:1", "transfer_id": "to", **extra})
         s.update_state_after_alloc(r, _Blocks([]), 0)
         assert s.build_connector_meta(_Out({"p-o": 70}, [_New("p-o", [1, 2, 3])])).chunks == []
         r.status = RequestStatus.FINISHED_LENGTH_CAPPED
         _, params = s.request_finished(r, [1, 2, 3])
-        assert params is not None and params["kvservice_layerwise"] is False
-        assert s.build_connector_meta(_Out({})).sends == [SendJob("p-o", "to", (1, 2, 3), "h:1", 30_000)]
+        assert params is not None and params["kvservice_layerwise"] is lw
+        assert s.build_connector_meta(_Out({})).sends == [SendJob("p-o", "to", (1, 2, 3), "h:1", 30_000, lw)]
+
+
+def test_a_pp_instance_sends_and_loads_layer_by_layer() -> None:
+    s = SchedulerSide(BLOCK, 30_000, layer_streaming=False, pipeline_parallel=2)
+    r = _req("p-pp", 70, {"do_remote_decode": True, "kvservice_peer": "h:1", "transfer_id": "tp"})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(r, [1, 2, 3])
+    assert params is not None and params["kvservice_layerwise"] is True
+    assert s.build_connector_meta(_Out({})).sends[0].layerwise
+    d = _req("d-pp", 70, {"do_remote_prefill": True, "transfer_id": "tp"})  # params silent
+    s.get_num_new_matched_tokens(d, 0)
+    s.update_state_after_alloc(d, _Blocks([4, 5, 6]), 70)
+    assert s.build_connector_meta().recvs[0].layerwise
 
 
 def test_the_decode_declares_layer_by_layer_only_when_the_params_say_so() -> None:

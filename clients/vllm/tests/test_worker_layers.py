@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from kvservice_vllm.meta import KVServiceMeta, RecvJob, StreamChunk, StreamEnd
+from kvservice_vllm.meta import KVServiceMeta, RecvJob, SendJob, StreamChunk, StreamEnd
 from kvservice_vllm.worker import KVHeads, WorkerSide
 
 ADDRESS = os.environ.get("KVS_TEST_SERVICE", "")
@@ -101,3 +101,66 @@ def test_a_stream_ending_early_fails_the_load_and_writes_nothing_after_it() -> N
     finally:
         p.close()
         d.close()
+
+
+# -- pipeline parallelism: each stage holds a layer range --------------------------------------
+def _stage(ws: WorkerSide, layers: range) -> dict[str, torch.Tensor]:
+    """A PP stage's caches: only its layers, named as vLLM names them (the model's numbers)."""
+    per_layer = BLOCKS * HEADS * BLOCK * 2 * DIM
+    with ws.allocation_context():
+        buf = torch.zeros(len(layers) * per_layer * 4, dtype=torch.int8)
+    f = buf.view(torch.float32)
+    return {
+        f"model.layers.{n}.self_attn.attn": f[i * per_layer : (i + 1) * per_layer].view(
+            BLOCKS, HEADS, BLOCK, 2 * DIM
+        )
+        for i, n in enumerate(layers)
+    }
+
+
+def _pp_transfer(tid: str, p_stages: list[range], d_stages: list[range], stream: bool) -> None:
+    """A prefill of PP len(p_stages) fills a decode of PP len(d_stages), 4 layers in all: every
+    layer lands in the decode stage holding it, byte for byte, past a 1-page prefix hit."""
+    senders = [WorkerSide(ADDRESS, f"vllm-pp-p{i}", "p") for i in range(len(p_stages))]
+    receivers = [WorkerSide(ADDRESS, f"vllm-pp-d{i}", "d") for i in range(len(d_stages))]
+    src, dst = [5, 2, 9, 0], [3, 11, 6, 1]
+    try:
+        pc: dict[str, torch.Tensor] = {}
+        for ws, layers in zip(senders, p_stages, strict=True):
+            c = _stage(ws, layers)
+            for t in c.values():
+                t.copy_(torch.randn_like(t))
+            ws.register(c, BLOCK, HEADS_OF)
+            pc.update(c)
+        dc: dict[str, torch.Tensor] = {}
+        for ws, layers in zip(receivers, d_stages, strict=True):
+            c = _stage(ws, layers)
+            ws.register(c, BLOCK, HEADS_OF)
+            dc.update(c)
+            ws.submit(KVServiceMeta(recvs=[RecvJob("d", tid, 1, tuple(dst[1:]), 10_000, layerwise=True)]))
+        for ws in senders:  # every stage gets the same step metadata, as vLLM's workers do
+            if stream:
+                chunk = StreamChunk("p", tid, 0, tuple(src), True, ADDRESS, 10_000)
+                ws.end_step(_step(ws, [chunk], range(0)))
+                ws.submit(KVServiceMeta(stream_ends=[StreamEnd("p", tid)]))
+            else:
+                ws.submit(KVServiceMeta(sends=[SendJob("p", tid, tuple(src), ADDRESS, 10_000, layerwise=True)]))
+        done = _outcomes([*senders, *receivers], len(senders) + len(receivers))
+        assert len(done) == len(senders) + len(receivers) and all(o.ok for o in done), done
+        assert set(dc) == set(pc)
+        for name in pc:
+            assert torch.equal(dc[name][dst[1:]], pc[name][src[1:]]), name
+            assert not dc[name][dst[0]].any(), name
+    finally:
+        for w in (*senders, *receivers):
+            w.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pp2_prefill_fills_a_pp1_decode(stream: bool) -> None:
+    _pp_transfer(f"pp21-{stream}", [range(0, 2), range(2, 4)], [range(0, 4)], stream)
+
+
+def test_pp1_prefill_fills_a_pp2_decode_and_pp2_an_uneven_pp3() -> None:
+    _pp_transfer("pp12", [range(0, 4)], [range(0, 2), range(2, 4)], False)
+    _pp_transfer("pp23", [range(0, 2), range(2, 4)], [range(0, 1), range(1, 3), range(3, 4)], True)
