@@ -126,6 +126,8 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Layer-wise streaming: this layer's pages of the step's streamed requests go now."""
+        if tracing():
+            trace("layer_saved", "")  # this layer is computed (bench: the transfer tail after the last)
         meta = self._get_connector_metadata()
         if meta.chunks:  # type: ignore[attr-defined]
             self._w().save_layer(layer_name, meta)  # type: ignore[arg-type]
@@ -133,8 +135,6 @@ class KVServiceConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """The step's layers no save_kv_layer came for (none, as vLLM calls it for every
         attention layer) go now, so each stream's chunk of this step is whole."""
-        if tracing():
-            trace("forward_end", "")  # the step's last layer is computed (bench: the transfer tail)
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if meta.chunks:  # type: ignore[attr-defined]
