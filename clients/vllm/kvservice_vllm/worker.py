@@ -122,12 +122,12 @@ class WorkerSide:
             self.bg.kv.register_buffers(layout, regions, v_regions, engine_id=self.engine_id), 60
         )
         self.layout, self.buffer_set_id = layout, bs.buffer_set_id
-        one = one_layer(layout)
+        ids = layer_ids(list(kv_caches))  # the model's layer numbers (a PP stage holds some)
         sets = self.bg.call(
-            _register_layers(self.bg, one, regions, v_regions, self.engine_id), 60 + len(regions)
+            _register_layers(self.bg, one_layer(layout), regions, v_regions, self.engine_id, ids),
+            60 + len(regions),
         )
-        names = {name: i for i, name in enumerate(kv_caches)}
-        self.layer_sets = LayerSets(names, sets, layer_ids(list(kv_caches)))
+        self.layer_sets = LayerSets({name: i for i, name in enumerate(kv_caches)}, sets, ids)
         log.info(
             "kvservice: registered %d layers x %d blocks (%s) as %s",
             layout.num_layers,
@@ -343,15 +343,16 @@ class WorkerSide:
 
 
 async def _register_layers(
-    bg: BackgroundClient, one: Layout, k: list[Region], v: list[Region], engine_id: str
+    bg: BackgroundClient, one: Layout, k: list[Region], v: list[Region], engine_id: str, ids: list[int]
 ) -> list[str]:
-    """One buffer set per layer over the whole-cache set's memory (layer-wise transfers)."""
+    """One buffer set per layer over the whole-cache set's memory (layer-wise transfers), its
+    engine id ``<engine>#L<the model's layer number>``."""
     import asyncio
 
     sets = await asyncio.gather(
         *(
-            bg.kv.register_buffers(one, [k[i]], [v[i]] if v else [], engine_id=f"{engine_id}#L{i}")
-            for i in range(len(k))
+            bg.kv.register_buffers(one, [k[i]], [v[i]] if v else [], engine_id=f"{engine_id}#L{n}")
+            for i, n in enumerate(ids)
         )
     )
     return [s.buffer_set_id for s in sets]

@@ -14,7 +14,7 @@ from kvservice_vllm.meta import KVServiceMeta, RecvJob, SendJob, StreamChunk, St
 from kvservice_vllm.worker import KVHeads, WorkerSide
 
 ADDRESS = os.environ.get("KVS_TEST_SERVICE", "")
-pytestmark = pytest.mark.skipif(not ADDRESS, reason="needs a kvservice (KVS_TEST_SERVICE)")
+needs_service = pytest.mark.skipif(not ADDRESS, reason="needs a kvservice (KVS_TEST_SERVICE)")
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 3, 2, 64, 32, 12
 HEADS_OF = KVHeads(total=HEADS, local=HEADS, head_dim=DIM)
@@ -62,6 +62,7 @@ def _step(p: WorkerSide, chunks: list[StreamChunk], layers: range) -> KVServiceM
     return meta
 
 
+@needs_service
 def test_layers_stream_over_two_steps_into_the_pages_past_the_decode_prefix() -> None:
     """Step 1 completes pages 0-1 (chunk 0), step 2 the rest (last): each layer's pages go as
     that layer is computed; the decode's 4 blocks past its 1-page prefix hold the prefill's
@@ -85,6 +86,7 @@ def test_layers_stream_over_two_steps_into_the_pages_past_the_decode_prefix() ->
         d.close()
 
 
+@needs_service
 def test_a_stream_ending_early_fails_the_load_and_writes_nothing_after_it() -> None:
     """The prefill request ends after its first step (StreamEnd with a reason): every layer
     transfer is aborted, the decode's load fails, no page past the first chunk arrives."""
@@ -144,7 +146,9 @@ def _pp_transfer(tid: str, p_stages: list[range], d_stages: list[range], stream:
                 ws.end_step(_step(ws, [chunk], range(0)))
                 ws.submit(KVServiceMeta(stream_ends=[StreamEnd("p", tid)]))
             else:
-                ws.submit(KVServiceMeta(sends=[SendJob("p", tid, tuple(src), ADDRESS, 10_000, layerwise=True)]))
+                ws.submit(
+                    KVServiceMeta(sends=[SendJob("p", tid, tuple(src), ADDRESS, 10_000, layerwise=True)])
+                )
         done = _outcomes([*senders, *receivers], len(senders) + len(receivers))
         assert len(done) == len(senders) + len(receivers) and all(o.ok for o in done), done
         assert set(dc) == set(pc)
@@ -156,11 +160,22 @@ def _pp_transfer(tid: str, p_stages: list[range], d_stages: list[range], stream:
             w.close()
 
 
+@needs_service
 @pytest.mark.parametrize("stream", [False, True])
 def test_pp2_prefill_fills_a_pp1_decode(stream: bool) -> None:
     _pp_transfer(f"pp21-{stream}", [range(0, 2), range(2, 4)], [range(0, 4)], stream)
 
 
+@needs_service
 def test_pp1_prefill_fills_a_pp2_decode_and_pp2_an_uneven_pp3() -> None:
     _pp_transfer("pp12", [range(0, 4)], [range(0, 2), range(2, 4)], False)
     _pp_transfer("pp23", [range(0, 2), range(2, 4)], [range(0, 1), range(1, 3), range(3, 4)], True)
+
+
+def test_layer_ids_are_the_models_layer_numbers() -> None:
+    """A PP stage's layer names give the model's numbers; names without one fall back to order."""
+    from kvservice_vllm.layers import layer_ids
+
+    assert layer_ids(["model.layers.12.self_attn.attn", "model.layers.13.self_attn.attn"]) == [12, 13]
+    assert layer_ids(["language_model.model.layers.3.attn"]) == [3]
+    assert layer_ids(["a", "b"]) == [0, 1]
