@@ -17,8 +17,9 @@
 With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service;
 with "nixl" it runs vLLM's own NixlConnector (kv_buffer_device="cpu"; VLLM_NIXL_SIDE_CHANNEL_PORT
 must differ per instance).
-Environment: KVS_VLLM_TP (tensor parallel ranks, 1), KVS_VLLM_PP (pipeline stages, 1), KVS_VLLM_BLOCKS (KV blocks, 128; the model
-length shrinks to what fits), KVS_VLLM_MAX_LEN (the model length at most, 1024), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off),
+Environment: KVS_VLLM_TP (tensor parallel ranks, 1), KVS_VLLM_PP (pipeline stages, 1),
+KVS_VLLM_BLOCKS (KV blocks, 128; the model length shrinks to what fits), KVS_VLLM_MAX_LEN (the
+model length at most, 1024), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off),
 KVS_VLLM_MLA=1 for a build-mla model: vLLM's reference CPU MLA backend (CPU_MLA; its decode kernel
 takes 16-token blocks and a 512 + 64 latent row; vLLM turns prefix caching off for MLA on CPU).
 Answers are prefixed "@@ " (vLLM prints to stdout too).
