@@ -265,8 +265,8 @@ def test_a_preempted_streamed_request_sends_nothing_more_and_is_aborted() -> Non
 def test_streaming_off_by_config_or_unasked_sends_at_the_end() -> None:
     """Off by config but asked: one transfer per layer at the end (the decode, told by the same
     params, declares per layer); unasked: one transfer."""
-    off = SchedulerSide(BLOCK, 30_000, layer_streaming=False)
-    for s, extra, lw in ((off, {"kvservice_layerwise": True}, True), (SchedulerSide(BLOCK, 30_000), {}, False)):
+    off, on = SchedulerSide(BLOCK, 30_000, layer_streaming=False), SchedulerSide(BLOCK, 30_000)
+    for s, extra, lw in ((off, {"kvservice_layerwise": True}, True), (on, {}, False)):
         r = _req("p-o", 70, {"do_remote_decode": True, "kvservice_peer": "h:1", "transfer_id": "to", **extra})
         s.update_state_after_alloc(r, _Blocks([]), 0)
         assert s.build_connector_meta(_Out({"p-o": 70}, [_New("p-o", [1, 2, 3])])).chunks == []
