@@ -193,29 +193,9 @@ def test_the_landing_option_lands_while_the_decode_cannot_allocate(pair, landing
     assert landing["expired_total"] == 0 and landing["peak_bytes"] > 0, landing
 
 
-def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_serving(pair) -> None:
-    p, d, svc_p, svc_d = pair["p"], pair["d"], pair["svc_p"], pair["svc_d"]
-    c = _prompt(100, 3)
-    alone = p.generate(c, 6)["tokens"]
-    params = {
-        "do_remote_decode": True,
-        "kvservice_peer": svc_d.address,
-        "transfer_id": "killed",
-        "deadline_ms": 4000,
-    }
-    pre = p.generate(c, 1, params)
-    svc_p.kill()  # its send of "killed" waits for the decode side's declaration: it dies mid-transfer
-    t0 = time.monotonic()
-    out = d.generate(c, 6, pre["kv_transfer_params"])
-    assert out["finish_reason"] == "error", out  # kv_load_failure_policy "fail": the request ends
-    assert time.monotonic() - t0 < 20
-    # nothing of the failed load was kept as valid KV: the same prompt alone gives the true tokens
-    assert d.generate(c, 6)["tokens"] == alone
-    assert p.generate(_prompt(70, 4), 3)["finish_reason"] == "length"  # prefill engine serves on
-
-
 def test_layerwise_streaming_is_token_identical_and_moves_each_page_once(pair) -> None:
-    """The decode request is sent at once, beside the prefill's (both ``kvservice_layerwise``):
+    """(Before the killed-service test: it needs the prefill's service.) The decode request is
+    sent at once, beside the prefill's (both ``kvservice_layerwise``):
     the decode declares one load per layer while the prefill computes; each layer's pages go as
     the layer is computed. Greedy tokens equal one instance's; every prompt page of every layer
     moved exactly once (page counts are per layer transfer), as many bytes as a whole transfer."""
@@ -236,3 +216,25 @@ def test_layerwise_streaming_is_token_identical_and_moves_each_page_once(pair) -
     moved = _delta(svc_d.moved(), before)
     assert moved["pages_sent"] == LAYERS * _pages(len(a)) and moved["pages_skipped"] == 0, moved
     assert moved["bytes"] == _pages(len(a)) * LAYERS * 2 * BLOCK * 64 * 2 * 4, moved
+
+
+def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_serving(pair) -> None:
+    p, d, svc_p, svc_d = pair["p"], pair["d"], pair["svc_p"], pair["svc_d"]
+    c = _prompt(100, 3)
+    alone = p.generate(c, 6)["tokens"]
+    params = {
+        "do_remote_decode": True,
+        "kvservice_peer": svc_d.address,
+        "transfer_id": "killed",
+        "deadline_ms": 4000,
+    }
+    pre = p.generate(c, 1, params)
+    svc_p.kill()  # its send of "killed" waits for the decode side's declaration: it dies mid-transfer
+    t0 = time.monotonic()
+    out = d.generate(c, 6, pre["kv_transfer_params"])
+    assert out["finish_reason"] == "error", out  # kv_load_failure_policy "fail": the request ends
+    assert time.monotonic() - t0 < 20
+    # nothing of the failed load was kept as valid KV: the same prompt alone gives the true tokens
+    assert d.generate(c, 6)["tokens"] == alone
+    assert p.generate(_prompt(70, 4), 3)["finish_reason"] == "length"  # prefill engine serves on
+
