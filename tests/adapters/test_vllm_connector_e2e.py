@@ -29,6 +29,7 @@ from tests.support.services import MeteredService, admin_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
+LAYERS = 2  # vllm_instance.py's tiny Llama
 RESULT = os.environ.get("E2E_VLLM_RESULT", "")  # scripts/e2e-vllm.sh: where the run's JSON goes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two vLLM cold starts
@@ -106,9 +107,11 @@ def test_two_turns_match_one_instance_and_move_only_the_delta(pair) -> None:
     alone = p.generate(a, 8)["tokens"]
     for svc in (pair["svc_p"], svc_d):  # vLLM's CPU cache in its own byte order, per head
         lay = [Layout.from_proto(b.layout) for b in admin_stats(svc.address).buffer_sets]
-        assert [(x.kind, x.page_layout, x.local_kv_heads, x.page_size) for x in lay] == [
+        whole = [x for x in lay if x.num_layers == LAYERS]  # beside it one set a layer (streaming)
+        assert [(x.kind, x.page_layout, x.local_kv_heads, x.page_size) for x in whole] == [
             ("mha", "hnd_kv", 2, BLOCK)
         ]
+        assert sorted(x.num_layers for x in lay) == [1] * LAYERS + [LAYERS], lay
 
     before = svc_d.moved()
     pre = p.generate(
@@ -190,6 +193,31 @@ def test_the_landing_option_lands_while_the_decode_cannot_allocate(pair, landing
     assert landing["expired_total"] == 0 and landing["peak_bytes"] > 0, landing
 
 
+def test_layerwise_streaming_is_token_identical_and_moves_each_page_once(pair) -> None:
+    """(Before the killed-service test: it needs the prefill's service.) The decode request is
+    sent at once, beside the prefill's (both ``kvservice_layerwise``):
+    the decode declares one load per layer while the prefill computes; each layer's pages go as
+    the layer is computed. Greedy tokens equal one instance's; every prompt page of every layer
+    moved exactly once (page counts are per layer transfer), as many bytes as a whole transfer."""
+    p, d, svc_d = pair["p"], pair["d"], pair["svc_d"]
+    a = _prompt(300, 7)
+    alone = p.generate(a, 8)["tokens"]
+    p.reset()
+    before = svc_d.moved()
+    d.start(a, 8, {"do_remote_prefill": True, "transfer_id": "lw-1", "kvservice_layerwise": True})
+    pre = p.generate(
+        a, 1,
+        {"do_remote_decode": True, "kvservice_peer": svc_d.address, "transfer_id": "lw-1",
+         "kvservice_layerwise": True},
+    )  # fmt: skip
+    assert pre["kv_transfer_params"]["kvservice_layerwise"] is True, pre
+    out = d.result()
+    assert out["tokens"] == alone and out["finish_reason"] == "length", (out, alone)
+    moved = _delta(svc_d.moved(), before)
+    assert moved["pages_sent"] == LAYERS * _pages(len(a)) and moved["pages_skipped"] == 0, moved
+    assert moved["bytes"] == _pages(len(a)) * LAYERS * 2 * BLOCK * 64 * 2 * 4, moved
+
+
 def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_serving(pair) -> None:
     p, d, svc_p, svc_d = pair["p"], pair["d"], pair["svc_p"], pair["svc_d"]
     c = _prompt(100, 3)
@@ -209,3 +237,4 @@ def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_servin
     # nothing of the failed load was kept as valid KV: the same prompt alone gives the true tokens
     assert d.generate(c, 6)["tokens"] == alone
     assert p.generate(_prompt(70, 4), 3)["finish_reason"] == "length"  # prefill engine serves on
+

@@ -17,12 +17,18 @@ from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
 from tests.support.services import MeteredService, admin_stats
 
-__all__ = ["BLOCK", "HEADS", "PAGE_BYTES", "MeteredService", "layouts", "prompt", "tp2", "vllm_pair"]
+__all__ = ["BLOCK", "HEADS", "PAGE_BYTES", "MeteredService", "layouts", "pp2", "prompt", "tp2", "vllm_pair"]
 
 HEADS = ("page_layout", "local_kv_heads", "tp_rank", "tp_size")  # an MHA rank's layout, for layouts()
 # the tiny MHA model vllm_instance.py builds ("build"): its block, and a page's bytes (both heads)
 BLOCK = 32
 PAGE_BYTES = 2 * 2 * BLOCK * 64 * 2 * 4  # layers x heads x tokens x dim x (K, V) x fp32
+
+
+def pp2(**env: str) -> dict[str, str]:
+    """An instance of two pipeline stages (one worker process each, one core each here)."""
+    bind = "0|1" if (os.cpu_count() or 1) < 4 else "0-1|2-3"
+    return {**env, "KVS_VLLM_PP": "2", "VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
 def tp2(**env: str) -> dict[str, str]:
@@ -60,9 +66,12 @@ def vllm_pair(
         svc_d.stop()
 
 
-def layouts(svc: MeteredService, *fields: str) -> list[tuple[Any, ...]]:
-    """``fields`` of each buffer set's layout registered at ``svc``, sorted."""
-    lays = [Layout.from_proto(b.layout) for b in admin_stats(svc.address).buffer_sets]
+def layouts(svc: MeteredService, *fields: str, per_layer: bool = False) -> list[tuple[Any, ...]]:
+    """``fields`` of each buffer set's layout registered at ``svc``, sorted: each worker's whole
+    cache, or (``per_layer``) the one-layer sets the connector registers beside it (engine id
+    ``<engine>#L<layer>``, kvservice_vllm/layers.py)."""
+    sets = admin_stats(svc.address).buffer_sets
+    lays = [Layout.from_proto(b.layout) for b in sets if ("#L" in b.engine_id) == per_layer]
     return sorted(tuple(getattr(x, f) for f in fields) for x in lays)
 
 

@@ -1,7 +1,7 @@
 """kvservice client SDK: sync and asyncio clients, regions, layouts, hashing, typed results."""
 
 from ._aio import AsyncClient
-from ._background import BackgroundClient
+from ._background import BackgroundClient, ChunkedSend
 from ._client import Client, ask_service_peer_address
 from ._errors import (
     Aborted,
@@ -41,6 +41,7 @@ __all__ = [
     "AsyncClient",
     "BackgroundClient",
     "ChannelSecurity",
+    "ChunkedSend",
     "AuxSpec",
     "Claimed",
     "Client",

@@ -9,6 +9,11 @@ thread and look at their outcome later; every RPC runs here, off that thread::
 
 A transfer's end comes from one WatchTransfers stream of the session, with a poll each second as a
 backstop (an event sent before the stream was open is not replayed).
+
+A transfer sent in chunks as the engine computes them (layer-wise streaming) is a
+:class:`ChunkedSend`: ``bg.chunked(transfer_id, deadline_ms)``, then ``send(start, last)`` per chunk
+from any thread; the chunks go in the order given, one at a time (a chunk's call returns before
+the next starts, as the service's in-order rule needs), and ``done`` ends like ``transfer``'s future.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from ._errors import KVClientError
 from ._security import PLAIN, ChannelSecurity
 from ._types import TransferStatus
 
-__all__ = ["BackgroundClient"]
+__all__ = ["BackgroundClient", "ChunkedSend"]
 
 T = TypeVar("T")
 _SAFETY_S = 5.0  # past a transfer's deadline, stop waiting for the service's word
@@ -66,28 +71,41 @@ class BackgroundClient:
         transfer's terminal status, or the client error that kept it from starting."""
         return self.submit(self._transfer(transfer_id, start, deadline_ms))
 
+    def chunked(self, transfer_id: str, deadline_ms: int) -> ChunkedSend:
+        """A transfer whose chunks the caller hands over one by one (see :class:`ChunkedSend`)."""
+        return ChunkedSend(self, transfer_id, deadline_ms)
+
+    def _waiter(self, tid: str) -> asyncio.Future[TransferStatus]:
+        waiter = self._waiters.get(tid)
+        if waiter is None or waiter.done():
+            waiter = self._waiters[tid] = asyncio.get_running_loop().create_future()
+        return waiter
+
     async def _transfer(
         self, tid: str, start: Callable[[AsyncClient], Awaitable[TransferStatus]], deadline_ms: int
     ) -> TransferStatus:
-        loop = asyncio.get_running_loop()
-        waiter = self._waiters.get(tid)
-        if waiter is None or waiter.done():
-            waiter = self._waiters[tid] = loop.create_future()  # before the call: no event is lost
+        waiter = self._waiter(tid)  # before the call: no event is lost
         try:
-            st = await start(self.kv)
-            end = loop.time() + deadline_ms / 1000 + _SAFETY_S
-            while not st.terminal:
-                if loop.time() > end:
-                    raise asyncio.TimeoutError(f"transfer {tid} not settled past its deadline")
-                try:
-                    return await asyncio.wait_for(asyncio.shield(waiter), 1.0)
-                except asyncio.TimeoutError:
-                    found = await self.kv.poll([tid])
-                    st = found[0] if found else st
-            return st
+            return await self._settle(tid, waiter, await start(self.kv), deadline_ms)
         finally:
             if self._waiters.get(tid) is waiter:
                 del self._waiters[tid]
+
+    async def _settle(
+        self, tid: str, waiter: asyncio.Future[TransferStatus], st: TransferStatus, deadline_ms: int
+    ) -> TransferStatus:
+        """``st`` (a call's answer) until the transfer is terminal: its event, else a poll a second."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_ms / 1000 + _SAFETY_S
+        while not st.terminal:
+            if loop.time() > end:
+                raise asyncio.TimeoutError(f"transfer {tid} not settled past its deadline")
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), 1.0)
+            except asyncio.TimeoutError:
+                found = await self.kv.poll([tid])
+                st = found[0] if found else st
+        return st
 
     async def _watch(self) -> None:
         while True:
@@ -117,3 +135,43 @@ class BackgroundClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class ChunkedSend:
+    """One transfer sent as chunks, in the order :meth:`send` is called (from any thread).
+
+    Each chunk is a call ``start(kv)`` (a SendDelta naming its ``chunk_offset`` and ``last_chunk``);
+    the next starts once it returned, so the service sees them in order. ``done`` ends with the
+    transfer's terminal status after the chunk sent with ``last=True`` (or after a chunk whose
+    answer is already terminal: a refused stream sends nothing more), or with the error of the
+    call that failed (the chunks after it are not sent). :meth:`cancel` drops the chunks not yet
+    sent and ends ``done`` with :class:`asyncio.CancelledError` (the caller aborts the transfer).
+    """
+
+    def __init__(self, bg: BackgroundClient, transfer_id: str, deadline_ms: int) -> None:
+        self.transfer_id = transfer_id
+        self._bg = bg
+        # NOTE: made on the caller's thread, bound to the client's loop at its first use there
+        self._queue: asyncio.Queue[tuple[Callable[[AsyncClient], Awaitable[TransferStatus]], bool]] = (
+            asyncio.Queue()
+        )
+        self.done: concurrent.futures.Future[TransferStatus] = bg.submit(self._run(deadline_ms))
+
+    def send(self, start: Callable[[AsyncClient], Awaitable[TransferStatus]], last: bool) -> None:
+        self._bg.loop.call_soon_threadsafe(self._queue.put_nowait, (start, last))
+
+    def cancel(self) -> None:
+        self.done.cancel()
+
+    async def _run(self, deadline_ms: int) -> TransferStatus:
+        bg, tid = self._bg, self.transfer_id
+        waiter = bg._waiter(tid)  # before the first call: no event is lost
+        try:
+            while True:
+                start, last = await self._queue.get()
+                st = await start(bg.kv)
+                if last or st.terminal:
+                    return await bg._settle(tid, waiter, st, deadline_ms)
+        finally:
+            if bg._waiters.get(tid) is waiter:
+                del bg._waiters[tid]

@@ -29,10 +29,11 @@ class VllmInstance:
         )
 
     @staticmethod
-    def build_model(path: str, kind: str = "build") -> None:
-        """``kind``: "build" (a tiny Llama) or "build-mla" (a tiny DeepSeek-V3)."""
+    def build_model(path: str, kind: str = "build", *args: str) -> None:
+        """``kind``: "build" (a tiny Llama), "build-mla" (a tiny DeepSeek-V3) or "build-bench"
+        (a deeper Llama; ``args``: its layer count)."""
         subprocess.run(
-            [str(VLLM_PY), str(HERE / "vllm_instance.py"), kind, path], check=True, capture_output=True
+            [str(VLLM_PY), str(HERE / "vllm_instance.py"), kind, path, *args], check=True, capture_output=True
         )
 
     def _answer(self) -> str:
@@ -57,6 +58,17 @@ class VllmInstance:
         msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
+        return json.loads(self._answer())  # type: ignore[no-any-return]
+
+    def start(self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> None:
+        """Send a generate request without waiting; :meth:`result` reads its answer (a proxy that
+        starts the decode request beside the prefill's)."""
+        assert self.proc.stdin is not None
+        msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
         return json.loads(self._answer())  # type: ignore[no-any-return]
 
     def generate_many(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
     vllm_instance.py build MODEL_DIR                   a tiny random Llama + a BPE tokenizer, locally
     vllm_instance.py build-mla MODEL_DIR               a tiny random DeepSeek-V3 (MLA), the same way
+    vllm_instance.py build-bench MODEL_DIR LAYERS      a deeper random Llama (hidden 256, 4 KV heads
+                                                       x 64): a 2K-token prefill takes ~1 s on 2 cores
     vllm_instance.py serve MODEL_DIR [KVSERVICE_ADDR]  prints "@@ ready", then serves JSON lines:
 
     {"op": "generate", "prompt": [ids], "max_tokens": n, "params": {...} | null}
@@ -15,8 +17,9 @@
 With KVSERVICE_ADDR the instance runs kvservice_vllm.KVServiceConnector (kv_both) on that service;
 with "nixl" it runs vLLM's own NixlConnector (kv_buffer_device="cpu"; VLLM_NIXL_SIDE_CHANNEL_PORT
 must differ per instance).
-Environment: KVS_VLLM_TP (tensor parallel ranks, 1), KVS_VLLM_BLOCKS (KV blocks, 128; the model
-length shrinks to what fits), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off),
+Environment: KVS_VLLM_TP (tensor parallel ranks, 1), KVS_VLLM_PP (pipeline stages, 1),
+KVS_VLLM_BLOCKS (KV blocks, 128; the model length shrinks to what fits), KVS_VLLM_MAX_LEN (the
+model length at most, 1024), KVS_VLLM_LANDING_TTL_MS (our connector's landing_ttl_ms, 0: off),
 KVS_VLLM_MLA=1 for a build-mla model: vLLM's reference CPU MLA backend (CPU_MLA; its decode kernel
 takes 16-token blocks and a 512 + 64 latent row; vLLM turns prefix caching off for MLA on CPU).
 Answers are prefixed "@@ " (vLLM prints to stdout too).
@@ -31,7 +34,7 @@ BLOCK = 32  # the CPU attention backend needs a multiple of 32
 MLA_BLOCK = 16  # the CPU MLA backend's only block size
 
 
-def build(path: str) -> None:
+def build(path: str, layers: int = 2, intermediate: int = 512) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,8 +42,8 @@ def build(path: str) -> None:
     cfg = LlamaConfig(
         vocab_size=1024,
         hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,  # head_dim 64: the CPU attention backend needs >= 32
         max_position_embeddings=4096,
@@ -121,8 +124,12 @@ def serve(model: str, kvservice: str) -> None:
             kv_connector_extra_config=extra,
         )
     tp = int(os.environ.get("KVS_VLLM_TP", "1"))  # tensor parallel ranks (worker processes)
+    pp = int(os.environ.get("KVS_VLLM_PP", "1"))  # pipeline stages (worker processes)
     if tp > 1:
         kw["tensor_parallel_size"] = tp
+    if pp > 1:
+        kw["pipeline_parallel_size"] = pp
+    if tp * pp > 1:
         kw["distributed_executor_backend"] = "mp"
     blocks = int(os.environ.get("KVS_VLLM_BLOCKS", "128"))
     block = BLOCK
@@ -136,7 +143,8 @@ def serve(model: str, kvservice: str) -> None:
         block_size=block,
         enable_prefix_caching=True,
         num_gpu_blocks_override=blocks,
-        max_model_len=min(1024, (blocks - 1) * block),  # one block is vLLM's null block
+        # one block is vLLM's null block
+        max_model_len=min(int(os.environ.get("KVS_VLLM_MAX_LEN", "1024")), (blocks - 1) * block),
         max_num_seqs=4,
         enforce_eager=True,
         **kw,
@@ -178,6 +186,8 @@ def serve(model: str, kvservice: str) -> None:
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
     if sys.argv[1] == "build":
         build(sys.argv[2])
+    elif sys.argv[1] == "build-bench":
+        build(sys.argv[2], layers=int(sys.argv[3]), intermediate=768)
     elif sys.argv[1] == "build-mla":
         build_mla(sys.argv[2])
     else:

@@ -5,6 +5,9 @@ kv_connector_extra_config:
     deadline_ms        a transfer's deadline when the request's params give none (default 30000)
     rpc_timeout_s      one call to the service, retries across a broken connection included (10)
     landing_ttl_ms     decode: a request vLLM cannot allocate at once lands meanwhile (0: off)
+    layer_streaming    prefill: a request whose params ask (``kvservice_layerwise: true``) sends
+                       each layer's pages as soon as the layer is computed (one transfer per
+                       layer, layers.py); false: never. Default true
     kvservice_peer_address  prefill: this instance's kvservice as other services reach it (its
                        peer address); returned as ``kvservice_sender``, the decode names it in
                        ExpectDelta so only that service may fetch the plan. Default (""): what
@@ -25,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .meta import KVServiceMeta, SendJob
-from .sched_timer import SchedulerTimer, maybe_time
+from .sched_timer import SchedulerTimer, maybe_time, trace, tracing
 from .scheduler import SchedulerSide
 
 if TYPE_CHECKING:
@@ -34,6 +37,13 @@ if TYPE_CHECKING:
     from .worker import KVHeads, WorkerSide
 
 __all__ = ["KVServiceConnector"]
+
+
+def _flag(value: Any) -> bool:
+    """A boolean extra_config value (JSON true/false, or a string such as "0" / "off")."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "off", "no")
+    return bool(value)
 
 
 class KVServiceConnector(KVConnectorBase_V1):
@@ -55,16 +65,12 @@ class KVServiceConnector(KVConnectorBase_V1):
             landing_ttl_ms = int(extra.get_from_extra_config("landing_ttl_ms", 0))
             peer_address = str(extra.get_from_extra_config("kvservice_peer_address", "") or "")
             self._sched = SchedulerSide(
-                self.block_size, deadline_ms, landing_ttl_ms, peer_address, self.address
-            )
+                self.block_size, deadline_ms, landing_ttl_ms, peer_address, self.address,
+                layer_streaming=_flag(extra.get_from_extra_config("layer_streaming", True)),
+                pipeline_parallel=int(vllm_config.parallel_config.pipeline_parallel_size),
+            )  # fmt: skip
             self._timer = maybe_time(self)  # opt-in (KVSERVICE_VLLM_SCHED_TIMES); else no wrapper
         else:
-            pc = vllm_config.parallel_config
-            if pc.pipeline_parallel_size != 1:
-                raise NotImplementedError(
-                    "kvservice_vllm: pipeline parallel size > 1 is not supported yet "
-                    f"(pp={pc.pipeline_parallel_size}): a stage holds a subset of the layers"
-                )
             from .worker import WorkerSide
 
             timeout = float(extra.get_from_extra_config("rpc_timeout_s", 10.0))
@@ -119,10 +125,20 @@ class KVServiceConnector(KVConnectorBase_V1):
         return  # a request's KV lands before it is scheduled (async load): nothing per layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # sends start when the request finishes (request_finished), from the blocks held
+        """Layer-wise streaming: this layer's pages of the step's streamed requests go now."""
+        if tracing():
+            trace("layer_saved", "")  # this layer is computed (bench: the transfer tail after the last)
+        meta = self._get_connector_metadata()
+        if meta.chunks:  # type: ignore[attr-defined]
+            self._w().save_layer(layer_name, meta)  # type: ignore[arg-type]
 
     def wait_for_save(self) -> None:
-        return
+        """The step's layers no save_kv_layer came for (none, as vLLM calls it for every
+        attention layer) go now, so each stream's chunk of this step is whole."""
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if meta.chunks:  # type: ignore[attr-defined]
+                self._w().end_step(meta)  # type: ignore[arg-type]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
@@ -162,7 +178,7 @@ class KVServiceConnector(KVConnectorBase_V1):
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._s().build_connector_meta()
+        return self._s().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._s().finished(connector_output.finished_sending, connector_output.finished_recving)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["AbortJob", "ClaimJob", "LandJob", "RecvJob", "SendJob"]
+__all__ = ["AbortJob", "ClaimJob", "LandJob", "RecvJob", "SendJob", "StreamChunk", "StreamEnd"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +17,7 @@ class SendJob:
     pages: tuple[int, ...]  # this instance's block ids, prompt order (the receiver skips its prefix)
     peer: str  # the decode instance's kvservice (host:port)
     deadline_ms: int
+    layerwise: bool = False  # one transfer per layer (layers.py): PP, or the request asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,32 @@ class RecvJob:
     pages: tuple[int, ...]  # this instance's block ids for the pages that move
     deadline_ms: int
     sender: str = ""  # the prefill's kvservice (ExpectDelta.sender_address); "": not known
+    layerwise: bool = False  # one transfer per layer (layers.py), as the prefill streams them
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """Prefill side, layer-wise streaming: in this step, as each layer is computed, its pages
+    ``chunk_offset .. chunk_offset + len(pages)`` of the prompt go as a chunk of that layer's
+    transfer; ``last``: the step completes the prompt (its partial last page included)."""
+
+    req_id: str
+    transfer_id: str
+    chunk_offset: int
+    pages: tuple[int, ...]  # this instance's block ids of those pages
+    last: bool
+    peer: str
+    deadline_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEnd:
+    """Prefill side: a streamed request finished. ``reason`` "": whole (report the send when every
+    layer transfer ended); else it ended early (aborted, preempted): abort them, then report."""
+
+    req_id: str
+    transfer_id: str
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,11 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob
+from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob, StreamChunk, StreamEnd
 
-__all__ = ["AbortJob", "ClaimJob", "KVServiceMeta", "LandJob", "RecvJob", "SendJob"]
+__all__ = [
+    "AbortJob", "ClaimJob", "KVServiceMeta", "LandJob", "RecvJob", "SendJob", "StreamChunk", "StreamEnd",
+]  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -18,3 +20,5 @@ class KVServiceMeta(KVConnectorMetadata):
     aborts: list[AbortJob] = dataclasses.field(default_factory=list)
     lands: list[LandJob] = dataclasses.field(default_factory=list)
     claims: list[ClaimJob] = dataclasses.field(default_factory=list)
+    chunks: list[StreamChunk] = dataclasses.field(default_factory=list)  # sent layer by layer
+    stream_ends: list[StreamEnd] = dataclasses.field(default_factory=list)

@@ -31,7 +31,8 @@ import torch
 from kvservice_client import BackgroundClient, Layout, NotFound, Region, pointer_region
 from torch.overrides import TorchFunctionMode
 
-from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob
+from .jobs import AbortJob, ClaimJob, LandJob, RecvJob, SendJob, StreamEnd
+from .layers import LayerSets, StreamSend, abort_all, all_done, layer_ids, one_layer
 from .layout import KVHeads, kv_layout
 from .sched_timer import flush_trace, trace, tracing
 
@@ -86,6 +87,12 @@ class WorkerSide:
         self._outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._aborts: dict[str, Any] = {}  # transfer id -> the Abort call of a load being stopped
         self._lands: dict[str, Any] = {}  # transfer id -> its landing declaration (landing option)
+        self.layer_sets: LayerSets | None = None  # one-layer buffer sets (layer-wise transfers)
+        self._streams: dict[str, StreamSend] = {}  # prefill: transfer id -> its layer-wise send
+        self._layerwise: set[str] = set()  # decode: loads declared layer by layer (their aborts too)
+        # the step's meta (held: an id() could be reused by the next step's) and its layers sent
+        self._step_meta: KVServiceMeta | None = None
+        self._step_sent: set[int] = set()
 
     # -- KV cache ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -115,6 +122,12 @@ class WorkerSide:
             self.bg.kv.register_buffers(layout, regions, v_regions, engine_id=self.engine_id), 60
         )
         self.layout, self.buffer_set_id = layout, bs.buffer_set_id
+        ids = layer_ids(list(kv_caches))  # the model's layer numbers (a PP stage holds some)
+        sets = self.bg.call(
+            _register_layers(self.bg, one_layer(layout), regions, v_regions, self.engine_id, ids),
+            60 + len(regions),
+        )
+        self.layer_sets = LayerSets({name: i for i, name in enumerate(kv_caches)}, sets, ids)
         log.info(
             "kvservice: registered %d layers x %d blocks (%s) as %s",
             layout.num_layers,
@@ -138,16 +151,26 @@ class WorkerSide:
         for land in meta.lands:  # declared now; claimed (or received) once blocks are allocated
             self._lands[land.transfer_id] = self.bg.submit(_land(self.bg, bs, land))
         for abort in meta.aborts:  # settled when Abort returns: no write lands after it
+            if abort.transfer_id in self._layerwise and self.layer_sets is not None:
+                tids = self.layer_sets.tids(abort.transfer_id)
+                self._aborts[abort.transfer_id] = self.bg.submit(abort_all(self.bg, tids, abort.reason))
+                continue
             self._aborts[abort.transfer_id] = self.bg.submit(
                 _abort(self.bg, abort, self._lands.pop(abort.transfer_id, None))
             )
         for claim in meta.claims:
             done = self.bg.submit(self._claim(claim, self._lands.pop(claim.transfer_id, None)))
             done.add_done_callback(lambda f, j=claim: self._finish(j, f))
+        for end in meta.stream_ends:
+            self._stream_end(end)
         jobs: list[SendJob | RecvJob] = [*meta.sends, *meta.recvs]
         for job in jobs:
             fut: Any
-            if isinstance(job, SendJob):
+            if isinstance(job, RecvJob) and job.layerwise:
+                fut = self._recv_layers(job)
+            elif isinstance(job, SendJob) and job.layerwise:
+                fut = self._send_layers(job)
+            elif isinstance(job, SendJob):
                 fut = self.bg.transfer(
                     job.transfer_id,
                     lambda kv, j=job: kv.send_delta(  # type: ignore[misc]
@@ -174,6 +197,85 @@ class WorkerSide:
                 )
             trace("submitted", job.transfer_id)
             fut.add_done_callback(lambda f, j=job: self._finish(j, f))
+
+    # -- layer-wise streaming (layers.py) ----------------------------------------------------
+    def save_layer(self, layer_name: str, meta: KVServiceMeta) -> None:
+        """Layer ``layer_name`` is computed: its chunk of each of the step's streams goes now."""
+        assert self.layer_sets is not None
+        self._send_layer(self.layer_sets.index(layer_name), meta)
+
+    def end_step(self, meta: KVServiceMeta) -> None:
+        """The step's forward ended: any layer not sent yet goes now (vLLM skipped its hook)."""
+        assert self.layer_sets is not None
+        sent = self._step_sent if self._step_meta is meta else set()
+        for layer in range(len(self.layer_sets.buffer_sets)):
+            if layer not in sent:
+                self._send_layer(layer, meta)
+        self._step_meta, self._step_sent = None, set()
+
+    def _send_layer(self, layer: int, meta: KVServiceMeta) -> None:
+        assert self.layer_sets is not None
+        if self._step_meta is not meta:  # the step's first layer: its new streams open
+            self._step_meta, self._step_sent = meta, set()
+            for c in meta.chunks:
+                if c.transfer_id not in self._streams:
+                    self._streams[c.transfer_id] = StreamSend(
+                        self.bg, self.layer_sets, c.transfer_id, c.peer, c.deadline_ms
+                    )
+                    trace("stream_open", c.transfer_id)
+        if layer in self._step_sent:
+            return
+        self._step_sent.add(layer)
+        for c in meta.chunks:
+            self._streams[c.transfer_id].chunk(layer, c.chunk_offset, c.pages, c.last)
+
+    def _stream_end(self, end: StreamEnd) -> None:
+        """Report a streamed request's send once every layer transfer ended (or was aborted)."""
+        stream = self._streams.pop(end.transfer_id, None)
+        job = SendJob(end.req_id, end.transfer_id, (), stream.peer if stream else "", 0)
+        if stream is None:  # nothing was sent: its blocks may go now
+            self._outcomes.put(Outcome(job, not end.reason, end.reason))
+        elif end.reason:
+            stream.abort(end.reason).add_done_callback(
+                lambda _: self._outcomes.put(Outcome(job, False, end.reason))
+            )
+        else:
+            stream.done.add_done_callback(lambda f: self._finish(job, f))
+
+    def _recv_layers(self, job: RecvJob) -> Any:
+        """One ExpectDelta per layer (the same prefix and blocks); one outcome for all."""
+        assert self.layer_sets is not None
+        self._layerwise.add(job.transfer_id)
+        tids = self.layer_sets.tids(job.transfer_id)
+        futs = [
+            self.bg.transfer(
+                tid,
+                lambda kv, t=tid, bs=bs: kv.expect_delta(  # type: ignore[misc]
+                    t, bs, prefix_pages=job.prefix_pages, dst_page_indices=job.pages,
+                    deadline_ms=job.deadline_ms, sender_address=job.sender,
+                ),
+                job.deadline_ms,
+            )
+            for tid, bs in zip(tids, self.layer_sets.buffer_sets, strict=True)
+        ]  # fmt: skip
+        return all_done(self.bg, futs, tids)
+
+    def _send_layers(self, job: SendJob) -> Any:
+        """A finished request's pages as one transfer per layer (PP, or asked layer-wise), each
+        of one chunk; one outcome for all."""
+        assert self.layer_sets is not None
+        tids = self.layer_sets.tids(job.transfer_id)
+        futs = [
+            self.bg.transfer(
+                tid,
+                lambda kv, t=tid, bs=bs: kv.send_delta(  # type: ignore[misc]
+                    t, bs, src_page_indices=job.pages, peer_address=job.peer, deadline_ms=job.deadline_ms
+                ),
+                job.deadline_ms,
+            )
+            for tid, bs in zip(tids, self.layer_sets.buffer_sets, strict=True)
+        ]
+        return all_done(self.bg, futs, tids)
 
     async def _claim(self, job: ClaimJob, landing: Any) -> Any:
         """The landed pages into the allocated blocks; if the landing was refused (pool full),
@@ -213,6 +315,8 @@ class WorkerSide:
         if tracing() and fut.exception() is None:
             st = fut.result()
             trace("done", job.transfer_id, state=st.state, path=st.path, timings_us=st.timings_us)
+        if isinstance(job, RecvJob):
+            self._layerwise.discard(job.transfer_id)
         abort = self._aborts.pop(job.transfer_id, None) if isinstance(job, RecvJob | ClaimJob) else None
         if abort is not None and not abort.done():
             abort.add_done_callback(lambda _: self._outcomes.put(_outcome(job, fut)))
@@ -236,6 +340,22 @@ class WorkerSide:
                 shm.close()
             with contextlib.suppress(Exception):
                 shm.unlink()
+
+
+async def _register_layers(
+    bg: BackgroundClient, one: Layout, k: list[Region], v: list[Region], engine_id: str, ids: list[int]
+) -> list[str]:
+    """One buffer set per layer over the whole-cache set's memory (layer-wise transfers), its
+    engine id ``<engine>#L<the model's layer number>``."""
+    import asyncio
+
+    sets = await asyncio.gather(
+        *(
+            bg.kv.register_buffers(one, [k[i]], [v[i]] if v else [], engine_id=f"{engine_id}#L{n}")
+            for i, n in enumerate(ids)
+        )
+    )
+    return [s.buffer_set_id for s in sets]
 
 
 async def _land(bg: BackgroundClient, bs: str, job: LandJob) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvservice_vllm.meta import AbortJob, ClaimJob, LandJob, RecvJob, SendJob
+from kvservice_vllm.meta import AbortJob, ClaimJob, LandJob, RecvJob, SendJob, StreamChunk, StreamEnd
 from kvservice_vllm.scheduler import SchedulerSide
 from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
@@ -34,6 +34,7 @@ def test_prefill_sends_the_prompt_pages_and_holds_the_blocks_until_the_send_ends
         "do_remote_decode": False,
         "transfer_id": "t",
         "deadline_ms": 30_000,
+        "kvservice_layerwise": False,  # sent whole: the decode declares one transfer
     }
     meta = s.build_connector_meta()
     assert meta.sends == [SendJob("p-1", "t", (7, 8, 9), "10.0.0.2:50051", 30_000)]
@@ -183,3 +184,116 @@ def test_without_a_named_sender_the_loads_name_none() -> None:
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks([1, 2]), 40)
     assert s.build_connector_meta().recvs[0].sender == ""
+
+
+# -- layer-wise streaming --------------------------------------------------------------------
+class _New:
+    def __init__(self, rid: str, blocks: list[int]) -> None:
+        self.req_id, self.block_ids = rid, (blocks,)
+
+
+class _Cached:
+    def __init__(self, rows: dict[str, list[int] | None], resumed: set[str] = frozenset()) -> None:
+        self.req_ids = list(rows)
+        self.new_block_ids = [None if b is None else (b,) for b in rows.values()]
+        self.resumed_req_ids = set(resumed)
+
+
+class _Out:
+    """The fields of vLLM's SchedulerOutput the scheduler side reads."""
+
+    def __init__(self, sched: dict[str, int], new: list[_New] = (), cached: _Cached | None = None) -> None:
+        self.num_scheduled_tokens = sched
+        self.scheduled_new_reqs = list(new)
+        self.scheduled_cached_reqs = cached or _Cached({})
+
+
+def _streamed(n: int = 100) -> tuple[SchedulerSide, Request]:
+    s = SchedulerSide(BLOCK, 30_000)
+    params = {
+        "do_remote_decode": True,
+        "kvservice_peer": "10.0.0.2:50051",
+        "transfer_id": "ts",
+        "kvservice_layerwise": True,
+    }
+    r = _req("p-s", n, params)
+    s.update_state_after_alloc(r, _Blocks([]), 0)
+    return s, r
+
+
+def test_a_chunked_prefill_streams_the_pages_each_step_completes_and_the_last_step_closes_it() -> None:
+    """100 tokens (4 pages, the last partial) in steps of 40 and 60 tokens: step 1 completes page
+    0 (tokens 0-31), step 2 pages 1-3 with the partial one, last; the answer says layer-wise."""
+    s, r = _streamed(100)
+    m1 = s.build_connector_meta(_Out({"p-s": 40}, [_New("p-s", [7, 8])]))
+    assert m1.chunks == [StreamChunk("p-s", "ts", 0, (7,), False, "10.0.0.2:50051", 30_000)]
+    r.num_computed_tokens = 40
+    m2 = s.build_connector_meta(_Out({"p-s": 60}, cached=_Cached({"p-s": [9, 10]})))
+    assert m2.chunks == [StreamChunk("p-s", "ts", 1, (8, 9, 10), True, "10.0.0.2:50051", 30_000)]
+    r.num_computed_tokens, r.status = 100, RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.build_connector_meta(_Out({"p-s": 1})).chunks == []  # nothing after the last chunk
+    hold, params = s.request_finished(r, [7, 8, 9, 10])
+    assert hold and params is not None and params["kvservice_layerwise"] and params["transfer_id"] == "ts"
+    meta = s.build_connector_meta(_Out({}))
+    assert meta.stream_ends == [StreamEnd("p-s", "ts")] and meta.sends == []  # never sent twice
+    assert s.has_pending_push_work()
+    s.finished({"p-s"}, None)
+    assert not s.has_pending_push_work()
+
+
+def test_a_streamed_request_that_ends_early_is_aborted_with_its_blocks_held() -> None:
+    s, r = _streamed(100)
+    s.build_connector_meta(_Out({"p-s": 40}, [_New("p-s", [7, 8])]))
+    r.status = RequestStatus.FINISHED_ABORTED
+    hold, params = s.request_finished(r, [7, 8])
+    (end,) = s.build_connector_meta(_Out({})).stream_ends
+    assert hold and params is None and end.transfer_id == "ts" and end.reason
+
+
+def test_a_preempted_streamed_request_sends_nothing_more_and_is_aborted() -> None:
+    s, r = _streamed(100)
+    s.build_connector_meta(_Out({"p-s": 40}, [_New("p-s", [7, 8])]))
+    r.num_computed_tokens = 40
+    m = s.build_connector_meta(_Out({"p-s": 60}, cached=_Cached({"p-s": [3, 4, 5, 6]}, {"p-s"})))
+    assert m.chunks == []
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(r, [3, 4, 5, 6])
+    (end,) = s.build_connector_meta(_Out({})).stream_ends
+    assert hold and params is None and "preempted" in end.reason
+
+
+def test_streaming_off_by_config_or_unasked_sends_at_the_end() -> None:
+    """Off by config but asked: one transfer per layer at the end (the decode, told by the same
+    params, declares per layer); unasked: one transfer."""
+    off, on = SchedulerSide(BLOCK, 30_000, layer_streaming=False), SchedulerSide(BLOCK, 30_000)
+    for s, extra, lw in ((off, {"kvservice_layerwise": True}, True), (on, {}, False)):
+        r = _req("p-o", 70, {"do_remote_decode": True, "kvservice_peer": "h:1", "transfer_id": "to", **extra})
+        s.update_state_after_alloc(r, _Blocks([]), 0)
+        assert s.build_connector_meta(_Out({"p-o": 70}, [_New("p-o", [1, 2, 3])])).chunks == []
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = s.request_finished(r, [1, 2, 3])
+        assert params is not None and params["kvservice_layerwise"] is lw
+        assert s.build_connector_meta(_Out({})).sends == [SendJob("p-o", "to", (1, 2, 3), "h:1", 30_000, lw)]
+
+
+def test_a_pp_instance_sends_and_loads_layer_by_layer() -> None:
+    s = SchedulerSide(BLOCK, 30_000, layer_streaming=False, pipeline_parallel=2)
+    r = _req("p-pp", 70, {"do_remote_decode": True, "kvservice_peer": "h:1", "transfer_id": "tp"})
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(r, [1, 2, 3])
+    assert params is not None and params["kvservice_layerwise"] is True
+    assert s.build_connector_meta(_Out({})).sends[0].layerwise
+    d = _req("d-pp", 70, {"do_remote_prefill": True, "transfer_id": "tp"})  # params silent
+    s.get_num_new_matched_tokens(d, 0)
+    s.update_state_after_alloc(d, _Blocks([4, 5, 6]), 70)
+    assert s.build_connector_meta().recvs[0].layerwise
+
+
+def test_the_decode_declares_layer_by_layer_only_when_the_params_say_so() -> None:
+    s = SchedulerSide(BLOCK, 30_000)
+    for tid, extra, want in (("a", {}, False), ("b", {"kvservice_layerwise": True}, True)):
+        r = _req(f"d-{tid}", 70, {"do_remote_prefill": True, "transfer_id": tid, **extra})
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, _Blocks([4, 5, 6]), 70)
+        (job,) = s.build_connector_meta().recvs
+        assert job.layerwise is want and job.pages == (4, 5, 6)
