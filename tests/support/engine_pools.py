@@ -110,9 +110,8 @@ def _vllm_kv(kind: str, t: torch.Tensor) -> list[torch.Tensor]:
 def step(**jobs: list[Any]) -> Any:
     """A worker step's metadata (what vLLM's scheduler side hands over): every job list, empty
     unless given."""
-    return types.SimpleNamespace(
-        **{k: jobs.get(k, []) for k in ("sends", "recvs", "aborts", "lands", "claims")}
-    )
+    kinds = ("sends", "recvs", "aborts", "lands", "claims", "chunks", "stream_ends")
+    return types.SimpleNamespace(**{k: jobs.get(k, []) for k in kinds})
 
 
 class EnginePool:
