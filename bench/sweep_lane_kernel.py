@@ -184,7 +184,7 @@ def _lane_default() -> tuple[int, int, int]:
     assert all(got), "kWideThreads / kLaneThreads not found in kernel.h"
     from kvservice.config import Config
 
-    return int(got[0].group(1)), int(got[1].group(1)), Config().lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
+    return int(got[0].group(1)), int(got[1].group(1)), Config().tuning.lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
 
 
 def _persistent(threads: int, unroll: int, load: str, store: str) -> str:

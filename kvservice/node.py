@@ -62,7 +62,7 @@ class Node:
         self.config = config
         # NOTE: random, not time-based: two services started in the same millisecond must differ
         # (a peer with our own id is treated as ourselves, and it names the NIXL agent).
-        self.service_id = f"{config.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
+        self.service_id = f"{config.listen.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
         self.started = time.monotonic()
         self.sessions = SessionRegistry()
         self.credentials = CredentialBook()
@@ -100,7 +100,7 @@ class Node:
             identity = self.credentials.take(credential)
             if identity is None:
                 raise Unauthenticated("kvservice-credential: unknown or expired (fetch a new one)")
-        allowed = self.config.allowed_uid_set
+        allowed = self.config.security.allowed_uid_set
         if allowed is not None and local and identity is None:
             raise PermissionDenied(
                 "allowed_uids: sessions over the Unix socket must be identified (present a "
@@ -108,12 +108,12 @@ class Node:
             )
         if allowed is not None and identity is not None and identity.uid not in allowed:
             raise PermissionDenied(f"allowed_uids: uid {identity.uid} may not use this service")
-        admin = identity is not None and identity.uid in self.config.admin_uid_set
+        admin = identity is not None and identity.uid in self.config.security.admin_uid_set
         return self.sessions.open(client_name, identity, admin)
 
     def check_peer_address(self, address: str) -> None:
         """SendDelta may aim only at allowlisted peers (``peer_allowlist``; empty: any)."""
-        allow = self.config.peer_allowlist_entries
+        allow = self.config.security.peer_allowlist_entries
         if allow and not peer_allowed(address, allow):
             raise PermissionDenied(f"peer_address: {address!r} is not in this service's peer_allowlist")
 
@@ -126,7 +126,7 @@ class Node:
             return
 
         async def expire() -> None:
-            await asyncio.sleep(self.config.session_grace_s)
+            await asyncio.sleep(self.config.listen.session_grace_s)
             await self.close_session(session_id, "grace_expired", epoch)
 
         task = asyncio.get_running_loop().create_task(expire())
@@ -189,7 +189,7 @@ class Node:
                 "RegisterBuffers: memory is registered only by an identified local caller; open the "
                 "session over the service's Unix socket (the SDK fetches a credential from <socket>.cred)"
             )
-        cap = self.config.max_buffer_sets_per_session
+        cap = self.config.limits.max_buffer_sets_per_session
         if self.buffers.owned_by(session.session_id) >= cap:
             raise ResourceExhausted(
                 f"max_buffer_sets_per_session: this session already holds {cap} buffer sets; "

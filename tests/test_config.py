@@ -12,7 +12,7 @@ from kvservice.config import ConfigError, load_config
 def test_defaults_are_valid() -> None:
     """The defaults validate on their own."""
     cfg = load_config({}, environ={})
-    assert cfg.uds_mode_int == 0o600 and cfg.uds_path
+    assert cfg.listen.uds_mode_int == 0o600 and cfg.listen.uds_path
 
 
 def test_precedence_flags_over_env_over_yaml(tmp_path: Path) -> None:
@@ -21,7 +21,7 @@ def test_precedence_flags_over_env_over_yaml(tmp_path: Path) -> None:
     y.write_text("grace_period_s: 3\nhash_seed: 7\nlog_format: text\n")
     env = {"KVSERVICE_HASH_SEED": "9", "KVSERVICE_LOG_FORMAT": "json"}
     cfg = load_config({"log_format": "text"}, environ=env, yaml_path=str(y))
-    assert (cfg.grace_period_s, cfg.hash_seed, cfg.log_format) == (3.0, 9, "text")
+    assert (cfg.listen.grace_period_s, cfg.index.hash_seed, cfg.observability.log_format) == (3.0, 9, "text")
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_kv_event_streams_parse_and_validate(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
     y.write_text("kv_events:\n  - {engine_id: vllm-0, endpoint: 'tcp://127.0.0.1:5557', page_size: 16}\n")
     cfg = load_config({}, environ={}, yaml_path=str(y))
-    assert cfg.event_streams()[0]["engine_id"] == "vllm-0"
+    assert cfg.index.event_streams()[0]["engine_id"] == "vllm-0"
     with pytest.raises(ConfigError, match=r"^kv_events\[0\]\.endpoint"):
         load_config({}, environ={"KVSERVICE_KV_EVENTS": '[{"engine_id": "x", "page_size": 16}]'})
 
@@ -74,24 +74,68 @@ def test_image_environment_is_known_options() -> None:
         ours = {k: v for k, v in pairs.items() if k.startswith("KVSERVICE_")}
         assert "KVSERVICE_NATIVE_DIR" in ours and "KVSERVICE_CACHE_DIR" in ours
         cfg = load_config({}, environ=ours)
-        assert cfg.native_dir == ours["KVSERVICE_NATIVE_DIR"]
+        assert cfg.data_plane.native_dir == ours["KVSERVICE_NATIVE_DIR"]
 
 
-def test_options_are_declared_and_listed_by_section() -> None:
-    """Each option is in exactly one section of ``SECTIONS``; the declaration follows the sections
-    (a new option goes under its subject), and ``--help`` shows them as argument groups."""
+def test_each_option_is_declared_once_and_listed_by_group() -> None:
+    """Each flat option name is one field of one group; ``--help`` shows the groups as argument
+    groups in their declared order, each option under its own group."""
     import argparse
     import dataclasses
 
-    from kvservice.config import SECTIONS, Config, add_flags
+    from kvservice.config import GROUPS, OPTIONS, Config, add_flags
 
-    listed = [name for names in SECTIONS.values() for name in names]
-    assert len(listed) == len(set(listed))
-    assert listed == [f.name for f in dataclasses.fields(Config)]
+    assert [name for name, _ in GROUPS] == [f.name for f in dataclasses.fields(Config)]
+
+    declared = [f.name for _, cls in GROUPS for f in dataclasses.fields(cls)]
+    assert len(declared) == len(set(declared)) == len(OPTIONS)
     parser = argparse.ArgumentParser()
     add_flags(parser)
     text = parser.format_help()
-    at = [text.index(f"{title}:") for title in SECTIONS]
+    at = [text.index(f"\n{name}: ") for name, _ in GROUPS]
     assert at == sorted(at)
-    lane = text.index("Native lane (same node and cross-node):")
-    assert lane < text.index("  --lane-cross-stream") < text.index("Prefix index and KV events:")
+    tuning = text.index("\ntuning: ")
+    assert tuning < text.index("  --lane-cross-stream") and text.index("  --lane-cross-mb") < tuning
+
+
+def test_yaml_accepts_flat_and_nested_keys(tmp_path: Path) -> None:
+    """A YAML key is an option's flat name or, nested, its group's; a key under the wrong group
+    is reported by its path."""
+    y = tmp_path / "c.yaml"
+    y.write_text("listen:\n  grace_period_s: 4\ntuning:\n  lane_cross_parts: 8\nhash_seed: 5\n")
+    cfg = load_config({}, environ={}, yaml_path=str(y))
+    assert (cfg.listen.grace_period_s, cfg.tuning.lane_cross_parts, cfg.index.hash_seed) == (4.0, 8, 5)
+    y.write_text("listen:\n  hash_seed: 5\n")
+    with pytest.raises(ConfigError, match=r"^listen\.hash_seed"):
+        load_config({}, environ={}, yaml_path=str(y))
+
+
+def test_deprecated_note_with_write_variable_still_works(caplog: pytest.LogCaptureFixture) -> None:
+    """KVLANE_NOTE_WITH_WRITE=1 sets tuning.lane_note_with_write, with a warning naming the new
+    variable; KVSERVICE_LANE_NOTE_WITH_WRITE wins over it."""
+    with caplog.at_level("WARNING"):
+        assert load_config({}, environ={"KVLANE_NOTE_WITH_WRITE": "1"}).tuning.lane_note_with_write
+    assert "KVSERVICE_LANE_NOTE_WITH_WRITE" in caplog.text
+    env = {"KVLANE_NOTE_WITH_WRITE": "1", "KVSERVICE_LANE_NOTE_WITH_WRITE": "0"}
+    assert not load_config({}, environ=env).tuning.lane_note_with_write
+
+
+def test_with_options_names_an_unknown_option() -> None:
+    """Replacing options by flat name puts each in its group and refuses an unknown name."""
+    from kvservice.config import Config, with_options
+
+    cfg = with_options(Config(), tcp_address="127.0.0.1:1", lane_spin_us=0)
+    assert (cfg.listen.tcp_address, cfg.tuning.lane_spin_us) == ("127.0.0.1:1", 0)
+    with pytest.raises(ConfigError, match="^bogus: unknown option"):
+        with_options(Config(), bogus=1)
+
+
+def test_a_flat_name_still_reads_with_a_deprecation_warning() -> None:
+    """``config.uds_path`` (before the groups) reads ``config.listen.uds_path`` and warns."""
+    from kvservice.config import Config
+
+    cfg = Config()
+    with pytest.warns(DeprecationWarning, match=r"use Config\.listen\.uds_path"):
+        assert cfg.uds_path == cfg.listen.uds_path  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        cfg.nope  # type: ignore[attr-defined]  # noqa: B018

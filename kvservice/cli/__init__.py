@@ -112,11 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvservice: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.log_level, config.log_format)
-    if config.cache_dir:  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
-        os.environ["KVSERVICE_CACHE_DIR"] = config.cache_dir
-    if config.native_dir:  # read by kvservice.lane.native
-        os.environ["KVSERVICE_NATIVE_DIR"] = config.native_dir
+    setup_logging(config.observability.log_level, config.observability.log_format)
+    if config.data_plane.cache_dir:  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
+        os.environ["KVSERVICE_CACHE_DIR"] = config.data_plane.cache_dir
+    if config.data_plane.native_dir:  # read by kvservice.lane.native
+        os.environ["KVSERVICE_NATIVE_DIR"] = config.data_plane.native_dir
     from kvservice_client import jit_cache
 
     jit_cache.configure()

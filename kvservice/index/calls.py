@@ -63,7 +63,7 @@ class IndexCalls:
         if tokens is not None:
             if page_size <= 0:
                 raise InvalidArgument("page_size", "is required (> 0) with token ids")
-            return page_hashes(tokens, page_size, self.config.hash_seed)
+            return page_hashes(tokens, page_size, self.config.index.hash_seed)
         return as_hashes(hashes, field)  # type: ignore[arg-type]
 
     def match_prefix(
@@ -81,9 +81,9 @@ class IndexCalls:
                 raise Unauthenticated("lease_ttl_ms: a lease needs a session (kvservice-session metadata)")
             if scores_only:
                 raise InvalidArgument("lease_ttl_ms", "scores_only matches take no lease")
-            if lease_ttl_ms > self.config.max_lease_ttl_ms:
+            if lease_ttl_ms > self.config.index.max_lease_ttl_ms:
                 raise InvalidArgument(
-                    "lease_ttl_ms", f"exceeds the service maximum {self.config.max_lease_ttl_ms}"
+                    "lease_ttl_ms", f"exceeds the service maximum {self.config.index.max_lease_ttl_ms}"
                 )
         matches = self.index.match(
             hashes,
@@ -94,7 +94,7 @@ class IndexCalls:
         )
         lease = None
         if lease_ttl_ms and any(m.matched_pages for m in matches):
-            cap = self.config.max_leases_per_session
+            cap = self.config.limits.max_leases_per_session
             if self.index.lease_count(session_id) >= cap:  # type: ignore[arg-type]
                 raise ResourceExhausted(
                     f"max_leases_per_session: this session already holds {cap} live leases; release some"
@@ -145,7 +145,7 @@ class IndexCalls:
         """Compile the index and hashing code paths on scratch data (JIT) so no caller pays it."""
         ix = PrefixIndex()
         ix.add_buffer_set("warm-up", engine_id="", page_size=16, num_pages=64)
-        h = page_hashes(np.arange(512, dtype=np.uint32), 16, self.config.hash_seed)
+        h = page_hashes(np.arange(512, dtype=np.uint32), 16, self.config.index.hash_seed)
         ix.publish("warm-up", h, np.arange(h.size), 0)
         matches = ix.match(h, page_size=16)
         ix.release_lease(ix.lease(matches, 1000, "warm-up").lease_id, "warm-up")
@@ -158,7 +158,7 @@ class IndexCalls:
         """Subscribe to the configured vLLM/SGLang KV-event publishers (presence-only sets)."""
         from .events import EventSubscriber, StreamConfig
 
-        for st in self.config.event_streams():
+        for st in self.config.index.event_streams():
             bs_id = f"events-{st['engine_id']}"
             self.index.add_buffer_set(
                 bs_id,
@@ -175,7 +175,7 @@ class IndexCalls:
                 replay_endpoint=st.get("replay_endpoint"),
                 topic=st.get("topic", ""),
                 scheme=st.get("scheme", "canonical"),
-                seed=self.config.hash_seed,
+                seed=self.config.index.hash_seed,
             )
             sub = EventSubscriber(self.index, cfg)
             sub.start()
@@ -186,7 +186,7 @@ class IndexCalls:
         """Re-publish the index as vLLM-format KV events on the configured endpoints."""
         from .events import EventRepublisher, RepublishConfig
 
-        for st in self.config.republish_streams():
+        for st in self.config.index.republish_streams():
             pub = EventRepublisher(RepublishConfig(**st))
             self.index.listeners.append(pub)
             self.republishers.append(pub)

@@ -75,10 +75,10 @@ class LandingBook:
     def __init__(self, engine: Any) -> None:
         cfg = engine.config
         self.e = engine
-        self.pool = LandingPool(cfg.landing_pool_mb << 20, register=engine.memory.reg_pool)
-        self.default_ttl_ms = cfg.landing_ttl_ms
-        self.max_ttl_ms = cfg.landing_max_ttl_ms
-        self.evict_policy = cfg.landing_evict
+        self.pool = LandingPool(cfg.transfer.landing_pool_mb << 20, register=engine.memory.reg_pool)
+        self.default_ttl_ms = cfg.transfer.landing_ttl_ms
+        self.max_ttl_ms = cfg.transfer.landing_max_ttl_ms
+        self.evict_policy = cfg.transfer.landing_evict
         self.entries: dict[tuple[str, str], Entry] = {}
         self._by_bs: dict[str, dict[str, Entry]] = {}
         self.counts: dict[str, dict[str, int]] = {}  # arena kind -> claims/expired/evicted/refused

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from ..errors import KVServiceError
@@ -67,27 +66,25 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
 
     if (g := guard.get()) is not None:  # the lane's copies fail a pool whose memory shrank
         lane.set_guard(*g.addresses())
-    lane.set_chunk(cfg.lane_cuda_chunk_kb * 1024)
-    lane.set_pull(cfg.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
-    # NOTE: a bench knob (bench/results/NOTES.md): the cross-node lane's notification rides the
-    # WRITE (1) instead of following it once DONE (unset: the measured faster way)
-    lane.set_note_after(os.environ.get("KVLANE_NOTE_WITH_WRITE", "") != "1")
+    lane.set_chunk(cfg.tuning.lane_cuda_chunk_kb * 1024)
+    lane.set_pull(cfg.tuning.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
+    lane.set_note_after(not cfg.tuning.lane_note_with_write)
     cuda = await asyncio.to_thread(_init_cuda, lane)
-    lane.set_spin_us(auto_spin_us(cfg.lane_spin_us, cuda))
+    lane.set_spin_us(auto_spin_us(cfg.tuning.lane_spin_us, cuda))
     book = LaneBook(engine, lane, cuda)
-    if cfg.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
+    if cfg.data_plane.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
         from .cross import CrossBook
 
         devices = _cuda_devices() if cuda else 0
-        lane.set_parts(cfg.lane_cross_parts)  # a streamed send's chunks in flight
+        lane.set_parts(cfg.tuning.lane_cross_parts)  # a streamed send's chunks in flight
         book.cross = await asyncio.to_thread(
             CrossBook.start,
             engine,
             lane,
-            cfg.lane_cross_mb,
+            cfg.data_plane.lane_cross_mb,
             devices,
-            cfg.lane_cross_stream,
-            cfg.lane_cross_gpu_mb,
+            cfg.tuning.lane_cross_stream,
+            cfg.tuning.lane_cross_gpu_mb,
         )
         engine.peers.me.lane = book
         # handshakes made before this point carried no lane metadata either way: our peers see a
@@ -107,13 +104,13 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
             pass
     listener = LaneListener(
         lane_path(uds_path),
-        cfg.uds_mode_int,
+        cfg.listen.uds_mode_int,
         node.sessions,
-        cfg.allowed_uid_set,
+        cfg.security.allowed_uid_set,
         lane,
         allowed,
         book.cross is not None,
-        auto_spin_us(cfg.lane_wait_spin_us, cuda),
+        auto_spin_us(cfg.tuning.lane_wait_spin_us, cuda),
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)

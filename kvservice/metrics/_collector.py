@@ -42,7 +42,7 @@ class NodeCollector(Collector):
             "Constant 1, labelled with version and identity.",
             labels=("version", "service_id", "transport"),
         )
-        info.add_metric((self._version, str(self._node.service_id), self._node.config.transport), 1)
+        info.add_metric((self._version, str(self._node.service_id), self._node.config.transfer.transport), 1)
         yield info
         for part in (
             self._sessions,

@@ -5,7 +5,7 @@ Lifecycle (driven by ``server.app``)::
     m = Metrics(node)                       # build_server: registry + RPC interceptor
     grpc.aio.server(interceptors=[m.interceptor])
     m.attach(node.transfers)                # App.start, once the TransferEngine exists
-    m.serve(host, port)                     # App.start, when config.metrics_port != 0
+    m.serve(host, port)                     # App.start, when config.observability.metrics_port != 0
     m.close()                               # App.stop
 
 One registry per service (not prometheus_client's global one) so several services can run in

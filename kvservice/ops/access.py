@@ -53,9 +53,9 @@ class AdminPolicy:
     """The configured admins (``admin_uids``, ``admin_identities``, ``admin_token_file``)."""
 
     def __init__(self, config: Config, credentials: CredentialBook) -> None:
-        self._uids = config.admin_uid_set
-        self._names = config.admin_identity_set
-        self._tokens = TokenFile(config.admin_token_file) if config.admin_token_file else None
+        self._uids = config.security.admin_uid_set
+        self._names = config.security.admin_identity_set
+        self._tokens = TokenFile(config.security.admin_token_file) if config.security.admin_token_file else None
         self._credentials = credentials
 
     def viewer(

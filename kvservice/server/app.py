@@ -76,13 +76,13 @@ class App:
         """Address other kvservices reach this one at: ``advertise_address``, else the peer TCP
         listener (or the engine TCP port when it serves peers), else the engine address."""
         cfg = self.node.config
-        if cfg.advertise_address:
-            return cfg.advertise_address
+        if cfg.listen.advertise_address:
+            return cfg.listen.advertise_address
         if self.peer_port:
-            host = cfg.peer_tcp_address.rpartition(":")[0]
+            host = cfg.listen.peer_tcp_address.rpartition(":")[0]
             return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.peer_port}"
         if self.tcp_port and cfg.peers_on_engine_tcp:
-            host = cfg.tcp_address.rpartition(":")[0]
+            host = cfg.listen.tcp_address.rpartition(":")[0]
             return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.tcp_port}"
         return self.address
 
@@ -95,11 +95,11 @@ class App:
         sending service needs no listener at all): the engine then names no sender, as before,
         rather than one that would refuse the real one."""
         cfg = self.node.config
-        if cfg.advertise_address:
-            return cfg.advertise_address
-        listeners = [(self.peer_port, cfg.peer_tcp_address)]
+        if cfg.listen.advertise_address:
+            return cfg.listen.advertise_address
+        listeners = [(self.peer_port, cfg.listen.peer_tcp_address)]
         if cfg.peers_on_engine_tcp:
-            listeners.append((self.tcp_port, cfg.tcp_address))
+            listeners.append((self.tcp_port, cfg.listen.tcp_address))
         for port, bound in listeners:
             host = bound.rpartition(":")[0]
             if port and host not in ("0.0.0.0", "[::]", ""):
@@ -133,16 +133,16 @@ class App:
             self.node.transfers.table.terminal_listeners.append(self.servicer.activity.observe)
         if self.metrics is not None:
             self.metrics.attach(self.node.transfers)
-            if self.node.config.metrics_port:
+            if self.node.config.observability.metrics_port:
                 self.metrics_port = self.metrics.serve(
-                    metrics_host(self.node.config.tcp_address), self.node.config.metrics_port
+                    metrics_host(self.node.config.listen.tcp_address), self.node.config.observability.metrics_port
                 )
                 log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
-            os.chmod(self.uds_path, self.node.config.uds_mode_int)
+            os.chmod(self.uds_path, self.node.config.listen.uds_mode_int)
         if self.credential_socket is not None:
             self.credential_server = await serve_credentials(self.credential_socket, self.node.credentials)
-        if self.uds_path and self.node.config.lane:  # in the background: a first build takes ~20 s
+        if self.uds_path and self.node.config.data_plane.lane:  # in the background: a first build takes ~20 s
             from .. import lane
 
             self.lane = asyncio.get_running_loop().create_task(
@@ -156,7 +156,7 @@ class App:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain (bounded by ``grace_s``, default the config's) and stop."""
-        grace = self.node.config.grace_period_s if grace_s is None else grace_s
+        grace = self.node.config.listen.grace_period_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         await self.node.drain(grace)
         if self.lane is not None:
@@ -185,11 +185,11 @@ def build_server(config: Config) -> App:
     """Create the server(s) and bind their ports (call ``await app.start()`` next)."""
     node = Node(config)
     metrics = Metrics(node)
-    token = TokenFile(config.token_file) if config.token_file else None
-    peer_token = TokenFile(config.peer_token_file) if config.peer_token_file else None
+    token = TokenFile(config.security.token_file) if config.security.token_file else None
+    peer_token = TokenFile(config.security.peer_token_file) if config.security.peer_token_file else None
     # NOTE: metrics outermost, so refused calls are counted by their status too
-    limits = CallLimits(config.max_pages_per_call, config.max_tokens_per_call)
-    local = LocalGate(node.credentials, node.sessions, config.allowed_uid_set, config.peer_uid_set)
+    limits = CallLimits(config.limits.max_pages_per_call, config.limits.max_tokens_per_call)
+    local = LocalGate(node.credentials, node.sessions, config.security.allowed_uid_set, config.security.peer_uid_set)
     guard = Guard(
         ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits, local)
     )
@@ -209,20 +209,20 @@ def build_server(config: Config) -> App:
         ),
         server,
     )
-    uds_path = config.uds_path
+    uds_path = config.listen.uds_path
     cred_sock = None
     if uds_path:
         _clear_stale_socket(uds_path)
-        cred_sock = bind_credentials(uds_path + ".cred", config.uds_mode_int)
+        cred_sock = bind_credentials(uds_path + ".cred", config.listen.uds_mode_int)
         if not server.add_insecure_port(f"unix:{uds_path}"):
             raise InvalidArgument("uds_path", f"cannot listen on {uds_path}")
     tcp_port = 0
-    if config.tcp_address:
+    if config.listen.tcp_address:
         tcp_port = _add_port(
-            server, "tcp_address", config.tcp_address, config.tls_cert, config.tls_key, config.tls_client_ca
+            server, "tcp_address", config.listen.tcp_address, config.security.tls_cert, config.security.tls_key, config.security.tls_client_ca
         )
     peer_server, peer_port = None, 0
-    if config.peer_tcp_address:
+    if config.listen.peer_tcp_address:
         peer_guard = Guard(ListenerPolicy(False, True, None, peer_token, "peer_tcp_address", limits))
         peer_server = _grpc_server(config, metrics, peer_guard)
         peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, peer_server)
@@ -230,10 +230,10 @@ def build_server(config: Config) -> App:
         peer_port = _add_port(
             peer_server,
             "peer_tcp_address",
-            config.peer_tcp_address,
-            config.peer_tls_cert,
-            config.peer_tls_key,
-            config.peer_tls_ca,
+            config.listen.peer_tcp_address,
+            config.security.peer_tls_cert,
+            config.security.peer_tls_key,
+            config.security.peer_tls_ca,
         )
     return App(
         server,
@@ -254,7 +254,7 @@ def _grpc_server(config: Config, metrics: Metrics, guard: Guard) -> grpc.aio.Ser
     # NOTE: one keepalive policy for every listener (UDS, TCP, peers): kvservice_client.contract.
     return grpc.aio.server(
         interceptors=[metrics.interceptor, guard],
-        options=message_size_options(config.max_message_mb) + config.keepalive.server_options(),
+        options=message_size_options(config.listen.max_message_mb) + config.listen.keepalive.server_options(),
     )
 
 
@@ -271,26 +271,26 @@ def _add_port(server: grpc.aio.Server, field: str, address: str, cert: str, key:
 
 def _log_exposure(cfg: Config) -> None:
     """Say at every start what is open: an insecure listener, an empty peer allowlist."""
-    if cfg.insecure and (cfg.tcp_address or cfg.peer_tcp_address):
+    if cfg.security.insecure and (cfg.listen.tcp_address or cfg.listen.peer_tcp_address):
         open_ports = [
             name
             for name, addr, authed in (
-                ("tcp_address", cfg.tcp_address, cfg.engine_tcp_authenticated),
-                ("peer_tcp_address", cfg.peer_tcp_address, cfg.peer_tcp_authenticated),
+                ("tcp_address", cfg.listen.tcp_address, cfg.security.engine_tcp_authenticated),
+                ("peer_tcp_address", cfg.listen.peer_tcp_address, cfg.security.peer_tcp_authenticated),
             )
             if addr and not authed
         ]
-        if open_ports or (cfg.peers_on_engine_tcp and not cfg.peer_token_file):
+        if open_ports or (cfg.peers_on_engine_tcp and not cfg.security.peer_token_file):
             log.warning(
                 "INSECURE: --insecure is set and %s accept(s) unauthenticated callers; anyone who "
                 "reaches the port can use the API",
                 ", ".join(open_ports) or "KVPeer on tcp_address",
             )
-    if cfg.tcp_address and cfg.token_file and not cfg.tls_cert:
+    if cfg.listen.tcp_address and cfg.security.token_file and not cfg.security.tls_cert:
         log.warning("token_file without tls_cert: bearer tokens cross tcp_address in clear text")
-    if cfg.tcp_address and not cfg.peers_on_engine_tcp and not cfg.peer_tcp_address:
+    if cfg.listen.tcp_address and not cfg.peers_on_engine_tcp and not cfg.listen.peer_tcp_address:
         log.info("KVPeer is served on the Unix socket only (set peer_tcp_address for other nodes)")
-    if not cfg.peer_allowlist:
+    if not cfg.security.peer_allowlist:
         log.warning("peer_allowlist is empty: SendDelta may send KV to any address a caller names")
 
 
@@ -313,8 +313,8 @@ def _freeze_after(warmed: threading.Event) -> None:
 
 async def serve(config: Config) -> None:
     """Run until SIGTERM/SIGINT, then drain and stop."""
-    if config.gil_switch_us:
-        sys.setswitchinterval(config.gil_switch_us * 1e-6)
+    if config.tuning.gil_switch_us:
+        sys.setswitchinterval(config.tuning.gil_switch_us * 1e-6)
     app = build_server(config)
     await app.start()
     # NOTE: the start-up's objects (torch, NIXL, numba's caches: ~350k) never become garbage, yet
@@ -330,5 +330,5 @@ async def serve(config: Config) -> None:
     if app.metrics is not None and app.metrics.http is not None:
         print(f"kvservice metrics on {app.metrics.http.url}", flush=True)
     await stop.wait()
-    log.info("signal received; draining", extra={"grace_s": config.grace_period_s})
+    log.info("signal received; draining", extra={"grace_s": config.listen.grace_period_s})
     await app.stop()

@@ -28,8 +28,8 @@ _TOKEN_FIELD = "u32le"
 
 @dataclasses.dataclass(frozen=True)
 class CallLimits:
-    max_items: int = 1 << 20  # Config.max_pages_per_call
-    max_tokens: int = 1 << 22  # Config.max_tokens_per_call
+    max_items: int = 1 << 20  # Config.limits.max_pages_per_call
+    max_tokens: int = 1 << 22  # Config.limits.max_tokens_per_call
 
     def breach(self, msg: Message, prefix: str = "") -> str | None:
         """Why ``msg`` breaks a cap (naming the field and the option), or None."""

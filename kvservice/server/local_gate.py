@@ -44,8 +44,8 @@ class LocalGate:
 
     credentials: CredentialBook
     sessions: SessionRegistry
-    allowed_uids: frozenset[int] | None  # Config.allowed_uid_set (None: any uid the mode lets in)
-    peer_uids: frozenset[int] = frozenset({os.getuid()})  # Config.peer_uid_set
+    allowed_uids: frozenset[int] | None  # Config.security.allowed_uid_set (None: any uid the mode lets in)
+    peer_uids: frozenset[int] = frozenset({os.getuid()})  # Config.security.peer_uid_set
 
     def refusal(self, method: str, metadata: dict[str, str]) -> Refusal | None:
         """Why this call over the socket may not run, or None."""

@@ -66,7 +66,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         try:
             yield pb.SessionEvent(
                 session_id=session.session_id,
-                grace_ms=int(self.node.config.session_grace_s * 1000),
+                grace_ms=int(self.node.config.listen.session_grace_s * 1000),
                 resumed=bool(request.resume_session_id),
                 peer_address=self.peer_address,
             )

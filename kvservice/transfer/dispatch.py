@@ -82,7 +82,7 @@ class Dispatch:
             engine.kv_regions,
             engine.local_lists,
             engine.memory.pool_for,
-            engine.config.two_gpu_copy,
+            engine.config.tuning.two_gpu_copy,
         )
         self.fused = SameNodeRoute(self.ctx)
         self.packed = PackedRoute(self.ctx)
@@ -111,7 +111,7 @@ class Dispatch:
                 (e.service_id, e.address),
                 self.transport,
                 self.peer_pools,
-                e.config.same_host_route == "auto",
+                e.config.transfer.same_host_route == "auto",
                 self._note,
                 lambda address, peer, plan: self._engine.lane.offered(address, peer, plan),
             )

@@ -63,9 +63,9 @@ class DuplicateBook:
     def __init__(self, engine: Any) -> None:
         self._e = engine
         cfg = engine.config
-        self.policy: str = cfg.duplicate_policy
-        self.dup_priority: int | None = cfg.duplicate_priority if self.policy == "lower" else None
-        self.period_s = cfg.duplicate_check_ms / 1000
+        self.policy: str = cfg.index.duplicate_policy
+        self.dup_priority: int | None = cfg.index.duplicate_priority if self.policy == "lower" else None
+        self.period_s = cfg.index.duplicate_check_ms / 1000
         self.marks: dict[int, Mark] = {}
         # One mark per (source set, receiver service, receiver sets): a prefix sent again to the
         # same receiver extends its mark instead of stacking another (bounded by the index).

@@ -56,17 +56,17 @@ class TransferEngine:
         self.config = cfg
         self.service_id = node.service_id
         self.address = address
-        self.transport = make_transport(cfg.transport, f"kvs-{node.service_id}", cfg.nixl_progress_delay_us)
+        self.transport = make_transport(cfg.transfer.transport, f"kvs-{node.service_id}", cfg.transfer.nixl_progress_delay_us)
         self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
         self.metadata_epoch = 0
-        self.table = TransferTable(cfg.transfer_retain_s)
+        self.table = TransferTable(cfg.transfer.transfer_retain_s)
         self.load = LoadBook(
-            self.table, Budget(cfg.inbound_max_transfers, cfg.inbound_max_bytes), self._staging_waiters
+            self.table, Budget(cfg.limits.inbound_max_transfers, cfg.limits.inbound_max_bytes), self._staging_waiters
         )
         self.peers = PeerDirectory(
             Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch),
-            cfg.keepalive,
-            cfg.peer_security,
+            cfg.listen.keepalive,
+            cfg.security.peer_security,
         )
         self.memory = TransportMemory(cfg, self.transport, self._epoch_moved)
         self.kv_regions = self.memory.kv_regions  # NOTE: the same dicts and set, read by the routes
@@ -85,7 +85,7 @@ class TransferEngine:
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.offer_channels = OfferChannels()  # ... by sending service address (plans pushed)
-        self.sender = Sender(self.table, self.dispatch, cfg.workers_per_peer, cfg.peer_inflight_mb)
+        self.sender = Sender(self.table, self.dispatch, cfg.transfer.workers_per_peer, cfg.transfer.peer_inflight_mb)
         self.duplicates = DuplicateBook(self)
         from ..landing import LandingBook  # NOTE: the landing pool's receivers use this engine
 
@@ -144,7 +144,7 @@ class TransferEngine:
 
     # -- engine API ----------------------------------------------------------------------------
     def _check_transfer_cap(self, session_id: str) -> None:
-        cap = self.config.max_transfers_per_session
+        cap = self.config.limits.max_transfers_per_session
         if self.table.live_per_session.get(session_id, 0) >= cap:
             raise ResourceExhausted(
                 f"max_transfers_per_session: this session already has {cap} unfinished transfers"
@@ -152,7 +152,7 @@ class TransferEngine:
 
     async def expect(self, inc: Incoming, sender_address: str = "") -> Record:
         self._check_transfer_cap(inc.rec.session_id)
-        inc.integrity = self.config.transfer_integrity
+        inc.integrity = self.config.transfer.transfer_integrity
         if sender_address and not inc.allowed_senders:  # no first-fetcher race (docs/design/security.md)
             inc.allowed_senders = await self.peer_names.allowed(sender_address)
         # NOTE: no await between admission and the record's add in receiver.expect: one step.

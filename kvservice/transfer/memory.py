@@ -66,7 +66,7 @@ class TransportMemory:
         self._epoch_moved = epoch_moved
         self._pool_regs: dict[int, RegHandle] = {}
         self.host_pool = StagingPool(
-            config.host_staging_mb << 20, "host", register=self.reg_pool, deregister=self._dereg_pool
+            config.transfer.host_staging_mb << 20, "host", register=self.reg_pool, deregister=self._dereg_pool
         )
         self.vram_pools: dict[int, StagingPool] = {}
         self.local_lists: dict[str, Any] = {}  # buffer set id -> its prepped local descriptor list
@@ -96,7 +96,7 @@ class TransportMemory:
         pool = self.vram_pools.get(dev)
         if pool is None:
             pool = self.vram_pools[dev] = StagingPool(
-                self.config.vram_staging_mb << 20,
+                self.config.transfer.vram_staging_mb << 20,
                 "vram",
                 device=dev,
                 register=self.reg_pool,

@@ -45,14 +45,14 @@ class PeerNames:
         if address == self._own or address.startswith("unix:"):
             return frozenset({LOCAL_PEER})
         cfg = self._cfg
-        if not (cfg.peer_tls_ca and cfg.peer_tls_cert):
+        if not (cfg.security.peer_tls_ca and cfg.security.peer_tls_cert):
             return frozenset()
         hit = self._cache.get(address)
         if hit is not None and hit[1] > time.monotonic():
             return hit[0]
         try:
             name = await asyncio.to_thread(
-                _certificate_name, address, cfg.peer_tls_ca, cfg.peer_tls_cert, cfg.peer_tls_key
+                _certificate_name, address, cfg.security.peer_tls_ca, cfg.security.peer_tls_cert, cfg.security.peer_tls_key
             )
         except (OSError, ValueError) as exc:
             raise Unavailable(

@@ -38,7 +38,7 @@ async def receive_plans(
     kvservice.identity): wait for the declarations this sender rank writes to, then say where its
     pages go — with the receiver's pool handles for a same-host sender on a local connection."""
     src = Layout.from_proto(request.src_layout)
-    wait = min(request.wait_ms / 1000, engine.config.max_deadline_ms / 1000)
+    wait = min(request.wait_ms / 1000, engine.config.transfer.max_deadline_ms / 1000)
     await engine.lane.gate(request.transfer_id, src)  # a peer sends it: the native lane may not
     found = await engine.receiver.plans(
         request.transfer_id, src, request.sender_service_id, request.sender_address, wait, identity
@@ -93,7 +93,7 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
 def _same_host_pools(engine: Any, inc: Incoming, plan: peer_pb2.ReceivePlan, refusal: str) -> None:
     """A plan for a sender on this host: the receiver's pool handles (the fused route), or why not
     (``refusal``: the connection's reason, if any)."""
-    if engine.config.same_host_route != "auto":
+    if engine.config.transfer.same_host_route != "auto":
         refusal = "the receiver's same_host_route is 'off'"
     why = refusal or ("the receiver lands it in its landing pool" if inc.landing else "")
     if not why:

@@ -36,11 +36,11 @@ def _transfer_id(tid: str) -> str:
 
 def _deadline(engine: Any, deadline_ms: int) -> float:
     cfg = engine.config
-    if deadline_ms > cfg.max_deadline_ms:
+    if deadline_ms > cfg.transfer.max_deadline_ms:
         raise InvalidArgument(
-            "deadline_ms", f"{deadline_ms} exceeds the service maximum {cfg.max_deadline_ms}"
+            "deadline_ms", f"{deadline_ms} exceeds the service maximum {cfg.transfer.max_deadline_ms}"
         )
-    return time.monotonic() + (deadline_ms or cfg.default_deadline_ms) / 1000
+    return time.monotonic() + (deadline_ms or cfg.transfer.default_deadline_ms) / 1000
 
 
 def check_aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -96,7 +96,7 @@ def build_incoming(
     if publish_tokens is not None:
         from kvservice_client.hashing import page_hashes
 
-        publish_hashes = page_hashes(publish_tokens, bs.layout.page_size, engine.config.hash_seed)
+        publish_hashes = page_hashes(publish_tokens, bs.layout.page_size, engine.config.index.hash_seed)
     if landing_pages is None:
         dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
     else:

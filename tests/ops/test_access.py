@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from kvservice.identity import CredentialBook, Identity
 from kvservice.ops import AdminPolicy
 from kvservice.sessions import Session
@@ -12,7 +10,7 @@ from tests.support.services import make_config
 
 def _policy(**overrides) -> tuple[AdminPolicy, CredentialBook]:
     book = CredentialBook()
-    cfg = dataclasses.replace(make_config(), **overrides)
+    cfg = make_config(**overrides)
     return AdminPolicy(cfg, book), book
 
 

@@ -47,7 +47,7 @@ def _write(path: str, text: str) -> None:
 def test_a_tcp_listener_that_authenticates_nobody_is_refused_at_start(field: str, capsys: Any) -> None:
     with pytest.raises(ConfigError, match=field):
         load_config({field: "127.0.0.1:0"}, environ={})
-    assert load_config({field: "127.0.0.1:0", "insecure": True}, environ={}).insecure
+    assert load_config({field: "127.0.0.1:0", "insecure": True}, environ={}).security.insecure
     flag = "--" + field.replace("_", "-")
     assert cli_main(["serve", flag, "127.0.0.1:0", "--uds-path", "/tmp/kvs-refused.sock"]) == 2
     assert field in capsys.readouterr().err
@@ -60,8 +60,8 @@ def test_a_tcp_listener_that_authenticates_nobody_is_refused_at_start(field: str
 def test_insecure_is_an_explicit_flag_and_is_logged_at_every_start(make_server: Any, caplog: Any) -> None:
     from kvservice.config import parse_args
 
-    assert parse_args(["--insecure", "--tcp-address", "127.0.0.1:0"]).insecure
-    assert not parse_args(["--insecure", "false"]).insecure
+    assert parse_args(["--insecure", "--tcp-address", "127.0.0.1:0"]).security.insecure
+    assert not parse_args(["--insecure", "false"]).security.insecure
     with caplog.at_level(logging.WARNING, logger="kvservice.server.app"):
         make_server(insecure=True)
     assert any("INSECURE" in r.getMessage() for r in caplog.records)

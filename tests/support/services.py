@@ -5,7 +5,6 @@ socket; ``MeteredService`` with /metrics)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import shutil
 import signal
@@ -22,7 +21,7 @@ from typing import Any
 
 from kvservice_client import Client
 
-from kvservice.config import Config
+from kvservice.config import Config, with_options
 from kvservice.server import App, build_server
 
 __all__ = [
@@ -76,14 +75,16 @@ class ServerThread:
 
 def make_config(**overrides: Any) -> Config:
     d = tempfile.mkdtemp(prefix="kvs-")
-    base = Config(
+    """A valid Config for an in-process test service; ``overrides`` by option (flag) name."""
+    base = with_options(
+        Config(),
         uds_path=os.path.join(d, "kv.sock"),
         tcp_address="127.0.0.1:0",
         insecure=True,
         log_format="text",
-        transfer_integrity=True,  # on in tests (issue 33), off by default
+        transfer_integrity=True,  # on in tests, off by default
     )
-    return dataclasses.replace(base, **overrides).validate()
+    return with_options(base, **overrides).validate()
 
 
 # -- service processes (python -m kvservice, NIXL) -------------------------------------------

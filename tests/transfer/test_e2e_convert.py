@@ -210,7 +210,7 @@ def test_direct_is_refused_across_layouts(pair, make_pool, make_client) -> None:
     kb.expect_delta("xd", b, prefix_pages=0, dst_page_indices=[3])
     ka.send_delta("xd", a, src_page_indices=list(range(16)), peer_address=sb.app.peer_address, path="direct")
     st = wait_all(ka, "xd")[0]
-    if sa is sb or sa.app.node.config.same_host_route == "auto":
+    if sa is sb or sa.app.node.config.transfer.same_host_route == "auto":
         assert st.state == "DONE"  # both pools mapped: DIRECT is not a route there (FUSED)
         return
     assert st.state == "FAILED" and "page size or page layout" in st.error, st

@@ -37,7 +37,7 @@ class RouteContext:
     kv_regions: dict[str, KVRegions]  # buffer set id -> its KV regions
     local_lists: dict[str, Any]  # buffer set id -> its prepped local descriptor list
     pool_for: Callable[[BufferSet], Any]  # the staging pool of a buffer set's memory
-    two_gpu_copy: str = "auto"  # Config.two_gpu_copy
+    two_gpu_copy: str = "auto"  # Config.tuning.two_gpu_copy
 
 
 async def commit(

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 # 1 MiB delta: 10.9 ms through a thread).
 INLINE_BYTES = 2 << 20
 
-# NOTE: Config.two_gpu_copy "auto" on this route (2×H200, bench_transfer --src-gpu 0 --dst-gpu 1
+# NOTE: Config.tuning.two_gpu_copy "auto" on this route (2×H200, bench_transfer --src-gpu 0 --dst-gpu 1
 # --same-node --no-lane, bench/results/NOTES.md): for 2 GiB the staged copy's link copies run at
 # the copy engines' rate and beat one Triton kernel across the link (copy phase 6.46 ms staged,
 # 6.89 pull, 7.03 push); one 64 KiB page is one launch across the link instead of three launches
