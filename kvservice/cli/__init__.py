@@ -113,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvservice: invalid configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.observability.log_level, config.observability.log_format)
-    if config.data_plane.cache_dir:  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
+    if (
+        config.data_plane.cache_dir
+    ):  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
         os.environ["KVSERVICE_CACHE_DIR"] = config.data_plane.cache_dir
     if config.data_plane.native_dir:  # read by kvservice.lane.native
         os.environ["KVSERVICE_NATIVE_DIR"] = config.data_plane.native_dir

@@ -52,7 +52,9 @@ class Config:
             for group, cls in GROUPS:
                 if name in _MEMBERS[cls]:
                     warnings.warn(
-                        f"Config.{name} is deprecated: use Config.{group}.{name}", DeprecationWarning, stacklevel=2
+                        f"Config.{name} is deprecated: use Config.{group}.{name}",
+                        DeprecationWarning,
+                        stacklevel=2,
                     )
                     return getattr(getattr(self, group), name)
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -107,7 +107,9 @@ def _yaml_values(yaml_path: str) -> dict[str, Any]:
             flat[name] = raw
         else:
             raise ConfigError(f"{key}: unknown option in {yaml_path}")
-    return {name: json.dumps(raw) if isinstance(raw, list) else _coerce(name, raw) for name, raw in flat.items()}
+    return {
+        name: json.dumps(raw) if isinstance(raw, list) else _coerce(name, raw) for name, raw in flat.items()
+    }
 
 
 def load_config(
@@ -123,7 +125,9 @@ def load_config(
         values.update(_yaml_values(yaml_path))
     for key, name in DEPRECATED_ENV.items():
         if key in environ:
-            log.warning("%s is deprecated: use KVSERVICE_%s (--%s)", key, name.upper(), name.replace("_", "-"))
+            log.warning(
+                "%s is deprecated: use KVSERVICE_%s (--%s)", key, name.upper(), name.replace("_", "-")
+            )
             values[name] = _coerce(name, environ[key])
     for key, raw in environ.items():
         if key.startswith("KVSERVICE_") and key != "KVSERVICE_CONFIG":

@@ -83,7 +83,9 @@ class Tuning:
         check_choice("two_gpu_copy", self.two_gpu_copy, ("auto", "push", "pull", "staged"))
         check_range("lane_cuda_chunk_kb", self.lane_cuda_chunk_kb, 1, 65536, "1..65536 (KiB)")
         check_range("lane_spin_us", self.lane_spin_us, -1, 1_000_000, "-1 (auto) or 0..1000000 (µs)")
-        check_range("lane_wait_spin_us", self.lane_wait_spin_us, -1, 1_000_000, "-1 (auto) or 0..1000000 (µs)")
+        check_range(
+            "lane_wait_spin_us", self.lane_wait_spin_us, -1, 1_000_000, "-1 (auto) or 0..1000000 (µs)"
+        )
         check_range("lane_cross_gpu_mb", self.lane_cross_gpu_mb, 0, 1 << 20, "0..1048576 (MiB)")
         check_range("lane_cross_parts", self.lane_cross_parts, 2, 16, "2..16")
         check_choice("lane_cross_stream", self.lane_cross_stream, ("gpu", "all", "off"))

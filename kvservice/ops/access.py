@@ -55,7 +55,9 @@ class AdminPolicy:
     def __init__(self, config: Config, credentials: CredentialBook) -> None:
         self._uids = config.security.admin_uid_set
         self._names = config.security.admin_identity_set
-        self._tokens = TokenFile(config.security.admin_token_file) if config.security.admin_token_file else None
+        self._tokens = (
+            TokenFile(config.security.admin_token_file) if config.security.admin_token_file else None
+        )
         self._credentials = credentials
 
     def viewer(

@@ -135,7 +135,8 @@ class App:
             self.metrics.attach(self.node.transfers)
             if self.node.config.observability.metrics_port:
                 self.metrics_port = self.metrics.serve(
-                    metrics_host(self.node.config.listen.tcp_address), self.node.config.observability.metrics_port
+                    metrics_host(self.node.config.listen.tcp_address),
+                    self.node.config.observability.metrics_port,
                 )
                 log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
@@ -189,7 +190,9 @@ def build_server(config: Config) -> App:
     peer_token = TokenFile(config.security.peer_token_file) if config.security.peer_token_file else None
     # NOTE: metrics outermost, so refused calls are counted by their status too
     limits = CallLimits(config.limits.max_pages_per_call, config.limits.max_tokens_per_call)
-    local = LocalGate(node.credentials, node.sessions, config.security.allowed_uid_set, config.security.peer_uid_set)
+    local = LocalGate(
+        node.credentials, node.sessions, config.security.allowed_uid_set, config.security.peer_uid_set
+    )
     guard = Guard(
         ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits, local)
     )
@@ -219,7 +222,12 @@ def build_server(config: Config) -> App:
     tcp_port = 0
     if config.listen.tcp_address:
         tcp_port = _add_port(
-            server, "tcp_address", config.listen.tcp_address, config.security.tls_cert, config.security.tls_key, config.security.tls_client_ca
+            server,
+            "tcp_address",
+            config.listen.tcp_address,
+            config.security.tls_cert,
+            config.security.tls_key,
+            config.security.tls_client_ca,
         )
     peer_server, peer_port = None, 0
     if config.listen.peer_tcp_address:

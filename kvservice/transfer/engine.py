@@ -56,12 +56,16 @@ class TransferEngine:
         self.config = cfg
         self.service_id = node.service_id
         self.address = address
-        self.transport = make_transport(cfg.transfer.transport, f"kvs-{node.service_id}", cfg.transfer.nixl_progress_delay_us)
+        self.transport = make_transport(
+            cfg.transfer.transport, f"kvs-{node.service_id}", cfg.transfer.nixl_progress_delay_us
+        )
         self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
         self.metadata_epoch = 0
         self.table = TransferTable(cfg.transfer.transfer_retain_s)
         self.load = LoadBook(
-            self.table, Budget(cfg.limits.inbound_max_transfers, cfg.limits.inbound_max_bytes), self._staging_waiters
+            self.table,
+            Budget(cfg.limits.inbound_max_transfers, cfg.limits.inbound_max_bytes),
+            self._staging_waiters,
         )
         self.peers = PeerDirectory(
             Self(self.service_id, "0.1.0", address, self.transport, lambda: self.metadata_epoch),
@@ -85,7 +89,9 @@ class TransferEngine:
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
         self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
         self.offer_channels = OfferChannels()  # ... by sending service address (plans pushed)
-        self.sender = Sender(self.table, self.dispatch, cfg.transfer.workers_per_peer, cfg.transfer.peer_inflight_mb)
+        self.sender = Sender(
+            self.table, self.dispatch, cfg.transfer.workers_per_peer, cfg.transfer.peer_inflight_mb
+        )
         self.duplicates = DuplicateBook(self)
         from ..landing import LandingBook  # NOTE: the landing pool's receivers use this engine
 

@@ -52,7 +52,11 @@ class PeerNames:
             return hit[0]
         try:
             name = await asyncio.to_thread(
-                _certificate_name, address, cfg.security.peer_tls_ca, cfg.security.peer_tls_cert, cfg.security.peer_tls_key
+                _certificate_name,
+                address,
+                cfg.security.peer_tls_ca,
+                cfg.security.peer_tls_cert,
+                cfg.security.peer_tls_key,
             )
         except (OSError, ValueError) as exc:
             raise Unavailable(

@@ -237,4 +237,3 @@ def test_a_killed_prefill_service_fails_the_request_and_both_engines_keep_servin
     # nothing of the failed load was kept as valid KV: the same prompt alone gives the true tokens
     assert d.generate(c, 6)["tokens"] == alone
     assert p.generate(_prompt(70, 4), 3)["finish_reason"] == "length"  # prefill engine serves on
-
