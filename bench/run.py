@@ -71,7 +71,7 @@ def run_steps(suite: Suite, small: bool, work: Path) -> dict[str, dict[str, Any]
     """Each step's JSON, by step name (a step that failed or wrote none is left out and said)."""
     # (what the caller's PYTHONPATH holds stays behind ours: a GPU host's wheels in /tmp/site)
     paths = [str(ROOT), str(ROOT / "clients/python"), *filter(None, [os.environ.get("PYTHONPATH", "")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    pythonpath = os.pathsep.join(paths)
     runs: dict[str, dict[str, Any]] = {}
     for step in suite.steps:
         out = work / step.name
@@ -83,7 +83,10 @@ def run_steps(suite: Suite, small: bool, work: Path) -> dict[str, dict[str, Any]
         if step.mps:
             _mps(True)
         try:
-            done = subprocess.run(argv, cwd=ROOT, env={**env, **dict(step.env)}, timeout=step.timeout_s)
+            # NOTE: the environment as it is now: _mps just set the pipe directory the step's
+            # processes must find the MPS daemon by
+            env = {**os.environ, "PYTHONPATH": pythonpath, **dict(step.env)}
+            done = subprocess.run(argv, cwd=ROOT, env=env, timeout=step.timeout_s)
         except subprocess.TimeoutExpired:
             print(f"   {step.name}: over {step.timeout_s} s, left out", flush=True)
             continue
