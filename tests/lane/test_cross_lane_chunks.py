@@ -169,7 +169,8 @@ def test_the_senders_abort_mid_stream_ends_both_sides_at_once(nodes: Nodes) -> N
     _expect(n, "x-sab", [1, 2, 3], deadline_ms=30_000)
     _send(n, "x-sab", [5], 0, False)
     eventually(lambda: n.b.pages([1]) == n.a.pages([5]), 10, "the first chunk landed")
-    (mid,) = n.a.kv.poll(["x-sab"])
+    # (the chunk lands, then the sender's record books it)
+    (mid,) = eventually(lambda: n.a.kv.poll(["x-sab"]), 10, "the sender's record")
     assert mid.state in ("QUEUED", "TRANSFERRING") and mid.route_note == "cross-node lane", mid
     after = n.b.snapshot()
     t0 = time.monotonic()
