@@ -97,6 +97,8 @@ void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, 
 void Lane::poll_writes() {
   while (!xwrites_.empty()) {
     XWrite& w = xwrites_.front();
+    // in flight: the ones behind it wait their turn (no lock taken while it is)
+    if (w.o.req && w.err.empty() && !nx_poll(w.xo, w.o, w.err)) return;
     bool notify = w.err.empty();
     if (notify) {
       std::lock_guard<std::mutex> g(mu_);
@@ -104,8 +106,7 @@ void Lane::poll_writes() {
       notify = it != xpend_.end() && it->second.fail_why.empty();
     }
     if (w.o.req && w.err.empty()) {
-      if (!nx_poll(w.xo, w.o, w.err)) return;  // in flight: the ones behind it wait their turn
-      if (w.err.empty()) w.err = nx_complete(w.xo, w.o, notify);
+      w.err = nx_complete(w.xo, w.o, notify);
     } else if (w.o.req) {
       release_req(w.o.req);
       w.o.req = nullptr;
