@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,28 @@ __all__ = ["CAPABILITIES", "PeerClient", "PeerDirectory", "Self", "error_from_co
 CAPABILITIES = ("direct", "packed", "mixed_tp", "mla", "aux", "same_host_fused", "channel")
 
 log = logging.getLogger(__name__)
+
+# NOTE: a connection that fails before the call reached the peer (a TLS handshake the peer's end
+# closed, a refused connect while it restarts) is UNAVAILABLE at once; the calls that change
+# nothing on the peer are tried again by gRPC's own retry policy, within the call's timeout. The
+# rest (a plan fetch binds a ticket, a commit unpacks) fail the transfer with the reason instead.
+IDEMPOTENT = ("Handshake", "HeldPages")
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "kvservice.v1.KVPeer", "method": m} for m in IDEMPOTENT],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 4,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 _BY_CODE: dict[grpc.StatusCode, type[errors.KVServiceError]] = {
     cls.code: cls
@@ -231,7 +254,11 @@ class PeerDirectory:
 
     def __init__(self, me: Self, keepalive: KeepalivePolicy, security: ChannelSecurity = PLAIN) -> None:
         self.me = me
-        self._options = channel_options(keepalive=keepalive)
+        self._options = [
+            *channel_options(keepalive=keepalive),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", RETRY_SERVICE_CONFIG),
+        ]
         self._security = security
         self._peers: dict[str, PeerClient] = {}
 

@@ -48,25 +48,30 @@ class VllmInstance:
             self.log.write(line)  # vLLM logs to stdout too (the engine core's tracebacks)
             self.log.flush()
 
+    def _send(self, msg: dict[str, Any]) -> None:
+        """One request line; an instance that exited is a RuntimeError with its log's tail (as
+        :meth:`_answer` raises), not a BrokenPipeError."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # (ValueError: a stdin closed by an earlier failure)
+            self.log.flush()
+            raise RuntimeError(f"vLLM instance exited: {self.logpath.read_text()[-3000:]}") from None
+
     def ready(self) -> None:
         assert self._answer() == "ready"
 
     def generate(
         self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
+        self._send({"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params})
         return json.loads(self._answer())  # type: ignore[no-any-return]
 
     def start(self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> None:
         """Send a generate request without waiting; :meth:`result` reads its answer (a proxy that
         starts the decode request beside the prefill's)."""
-        assert self.proc.stdin is not None
-        msg = {"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params}
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
+        self._send({"op": "generate", "prompt": prompt, "max_tokens": max_tokens, "params": params})
 
     def result(self) -> dict[str, Any]:
         return json.loads(self._answer())  # type: ignore[no-any-return]
@@ -74,16 +79,12 @@ class VllmInstance:
     def generate_many(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Requests (``prompt``, ``max_tokens``, ``params``) in one llm.generate call, arriving in
         order: they share the engine's steps and KV blocks. One answer per request, in order."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "generate_many", "requests": requests}) + "\n")
-        self.proc.stdin.flush()
+        self._send({"op": "generate_many", "requests": requests})
         return json.loads(self._answer())["outputs"]  # type: ignore[no-any-return]
 
     def reset(self) -> bool:
         """Empty the instance's prefix cache."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write('{"op": "reset"}\n')
-        self.proc.stdin.flush()
+        self._send({"op": "reset"})
         return bool(json.loads(self._answer())["reset"])
 
     def stop(self) -> None:
