@@ -16,7 +16,11 @@ def _exited(tmp_path, code: str) -> VllmInstance:
     inst.logpath = tmp_path / "instance.log"
     inst.log = open(inst.logpath, "w")
     inst.proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=inst.log, text=True
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=inst.log,
+        text=True,
     )
     inst.proc.wait(30)
     return inst

@@ -90,7 +90,8 @@ def test_a_peer_that_never_accepts_fails_the_transfer_unavailable(nodes: Nodes) 
     n = nodes
     proxy = DroppingProxy(n.peer, drop=-1)
     try:
-        n.a.kv.send_delta("t-gone", n.a.bs, src_page_indices=[1], peer_address=proxy.address, deadline_ms=5000)
+        kv = n.a.kv
+        kv.send_delta("t-gone", n.a.bs, src_page_indices=[1], peer_address=proxy.address, deadline_ms=5000)
         (s,) = n.a.kv.wait("t-gone", timeout=20)
         assert s.state == "FAILED" and "UNAVAILABLE" in s.error and proxy.address in s.error, s
         assert proxy.dropped >= 4  # every attempt of the retry policy
