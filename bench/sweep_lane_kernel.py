@@ -1,10 +1,13 @@
 """The native lane's copy kernel and variants of it against a device copy of the same bytes (GPU).
 
-The lane (kvservice/lane/csrc/kernel.h) compiles its kernel with NVRTC; here the same source, and
-variants, compile through CuPy and copy the same-node 2 GiB row's pages (32 layers x K/V, 1,024
-scattered 32 KiB pages of pools of 2,048) with the lane's argument layout: a table of regions
-(src, dst, strides, bytes) and (src page, dst page) pairs. Each variant is checked byte for byte
-and timed with CUDA events against ``copy_`` of 2 GiB, interleaved over rounds::
+The lane launches the Triton kernel of kvservice/kernels/lane_copy.py, compiled ahead of time to
+cubins (kvservice/kernels/aot.py; ``lane_*`` rows), or kernel.h's CUDA text through NVRTC
+(``nvrtc_*``; ``tuning.lane_kernel``); here the same cubins and text, Triton variants of other launch
+shapes and CUDA experiments (persistent blocks, Hopper's bulk copy) load through CuPy and copy the
+same-node 2 GiB row's pages (32 layers x K/V, 1,024 scattered 32 KiB pages of pools of 2,048) with
+the lane's argument layout: a table of regions (src, dst, strides, bytes) and (src page, dst page)
+pairs. Each variant is checked byte for byte and timed with CUDA events against ``copy_`` of 2 GiB,
+interleaved over rounds::
 
     python3 bench/sweep_lane_kernel.py --out /tmp/kvservice-bench  # sweep_lane_kernel_<gpu>.json
     python3 bench/sweep_lane_kernel.py --src-gpu 0 --dst-gpu 1  # across two GPUs (peer access)
@@ -170,7 +173,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) lane_copy_p(
 """
 
 
-def _lane_source() -> str:
+def _nvrtc_source() -> str:
+    """kernel.h's CUDA text (the lane's kernel under ``tuning.lane_kernel: nvrtc``)."""
     text = (ROOT / "kvservice/lane/csrc/kernel.h").read_text()
     m = re.search(r'const char\* KERNEL_SRC = R"\((.*?)\)";', text, re.S)
     assert m, "KERNEL_SRC not found in kernel.h"
@@ -178,13 +182,24 @@ def _lane_source() -> str:
 
 
 def _lane_default() -> tuple[int, int, int]:
-    """kernel.h's block sizes (lane_copy_wide, lane_copy) and the service's default chunk."""
-    text = (ROOT / "kvservice/lane/csrc/kernel.h").read_text()
-    got = [re.search(rf"{k} = (\d+);", text) for k in ("kWideThreads", "kLaneThreads")]
-    assert all(got), "kWideThreads / kLaneThreads not found in kernel.h"
+    """The lane's block sizes (wide, narrow: aot.THREADS) and the service's default chunk."""
     from kvservice.config import Config
+    from kvservice.kernels.aot import THREADS
 
-    return int(got[0].group(1)), int(got[1].group(1)), Config().tuning.lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
+    return THREADS[1], THREADS[0], Config().tuning.lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
+
+
+def _triton_kernel(cc: int, threads: int, words: int | None = None):  # type: ignore[no-untyped-def]
+    """The lane's Triton kernel (16-byte words) for ``threads`` a block, loaded through CuPy as the
+    lane loads it (a cubin, its scratch parameters passed as null): (kernel, extra parameters)."""
+    import tempfile
+
+    from kvservice.kernels import aot
+
+    im = aot.compile_image(cc, 1, threads, *(() if words is None else (words,)))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(im.cubin)
+    return cp.RawModule(path=f.name).get_function(im.name), im.params - 5
 
 
 def _persistent(threads: int, unroll: int, load: str, store: str) -> str:
@@ -252,20 +267,31 @@ def main() -> None:
     variants = {}
     with cp.cuda.Device(launch_dev):
         opts = ("-default-device",)
-        # kernel.h's two kernels as Lane::launch picks them: this row's whole 32 KiB pages take
-        # lane_copy_wide, head slices lane_copy
-        wide = cp.RawKernel(_lane_source(), "lane_copy_wide", options=opts)
-        lane = cp.RawKernel(_lane_source(), "lane_copy", options=opts)
+        cc = int(cp.cuda.Device(launch_dev).compute_capability)  # "90" on an H100/H200
+        # the lane's two variants as Lane::launch picks them: this row's whole 32 KiB pages take
+        # the wide block, head slices the narrow one
         wt, lt, lc = _lane_default()
+        wide, lane = _triton_kernel(cc, wt), _triton_kernel(cc, lt)
 
         def lane_run(k, threads: int, chunk: int, nbytes: int = page, tab=table, prs=pairs):  # type: ignore[no-untyped-def]
             """A launch of a lane kernel as Lane::launch makes it: grid (pairs, regions, chunks of
-            ``nbytes``), one target (its regions, then the pages, as the kernel's last arguments)."""
+            ``nbytes``), one target (its regions, then the pages), the scratch pointers null."""
+            fn, extra = k
             grid = (args.pages, nreg, (nbytes + chunk - 1) // chunk)
-            tail = (np.int32(1), np.uint32(chunk), np.uint32(nreg), np.uint32(args.pages))
-            return lambda: k(grid, (threads,), (tab, prs, *tail))
+            tail = (np.int32(chunk), np.int32(nreg), np.int32(args.pages), *([np.uint64(0)] * extra))
+            return lambda: fn(grid, (threads,), (tab, prs, *tail))
 
         variants["lane_default"] = lane_run(wide, wt, lc)
+        # the same launches of kernel.h's text (NVRTC through CuPy): its arguments carry vec16
+        nv_wide = cp.RawKernel(_nvrtc_source(), "lane_copy_wide", options=opts)
+        nv_lane = cp.RawKernel(_nvrtc_source(), "lane_copy", options=opts)
+
+        def nvrtc_run(k, threads: int, chunk: int, nbytes: int = page, tab=table):  # type: ignore[no-untyped-def]
+            grid = (args.pages, nreg, (nbytes + chunk - 1) // chunk)
+            tail = (np.int32(1), np.uint32(chunk), np.uint32(nreg), np.uint32(args.pages))
+            return lambda: k(grid, (threads,), (tab, pairs, *tail))
+
+        variants["nvrtc_default"] = nvrtc_run(nv_wide, wt, lc)
         # the lane kernel's launch shapes: threads a block, words in flight a thread, chunk bytes
         for threads, unroll, chunk in (
             (256, 4, 16384),
@@ -275,8 +301,7 @@ def main() -> None:
             (1024, 2, 32768),
             (512, 2, 16384),
         ):
-            shape = (f"-DLANE_THREADS={threads}", f"-DLANE_UNROLL={unroll}")
-            k_ = cp.RawKernel(_lane_source(), "lane_copy_t", options=opts + shape)
+            k_ = _triton_kernel(cc, threads, unroll)
             variants[f"lane_grid3_t{threads}_u{unroll}_chunk{chunk // 1024}k"] = lane_run(k_, threads, chunk)
         # diagnosis (not checked byte for byte): the same kernel on contiguous pages (pairs i -> i)
         # and on the row's pages sorted by source page: what the scatter itself costs
@@ -353,6 +378,7 @@ def main() -> None:
 
             variants[f"copy_slice_{p_}to{p_ // 2}"] = scopy
             variants[f"lane_slice_{p_}to{p_ // 2}"] = lane_run(lane, lt, lc, nbytes=sl, tab=stab)
+            variants[f"nvrtc_slice_{p_}to{p_ // 2}"] = nvrtc_run(nv_lane, lt, lc, nbytes=sl, tab=stab)
 
     def check() -> bool:
         for s, d in zip(src[:2], dst[:2], strict=True):
@@ -367,7 +393,7 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            unchecked = vname.startswith(("lane_slice", "copy_slice", "diag_"))
+            unchecked = vname.startswith(("lane_slice", "nvrtc_slice", "copy_slice", "diag_"))
             if vname not in ok and not unchecked:  # byte for byte, once
                 for d in dst:
                     d.fill(0)
@@ -387,9 +413,10 @@ def main() -> None:
         for v, t in results.items()
     }
     for p_ in (4, 2):  # a slice against the device copy of its own bytes
-        c, k = f"copy_slice_{p_}to{p_ // 2}", f"lane_slice_{p_}to{p_ // 2}"
-        rows[k]["share_of_copy"] = rows[c]["p50_ms"] / rows[k]["p50_ms"]
-        rows[k]["exact"] = None  # not checked here: tests/lane/test_lane_mixed_tp.py (CPU), GPU tests
+        c = f"copy_slice_{p_}to{p_ // 2}"
+        for k in (f"lane_slice_{p_}to{p_ // 2}", f"nvrtc_slice_{p_}to{p_ // 2}"):
+            rows[k]["share_of_copy"] = rows[c]["p50_ms"] / rows[k]["p50_ms"]
+            rows[k]["exact"] = None  # not checked here: tests/lane/test_lane_mixed_tp.py (CPU), GPU tests
         rows[c]["share_of_copy"] = 1.0
     for v, r in rows.items():
         print(f"{v:48s} {r['p50_ms']:.3f} ms  {r['share_of_copy']:.1%}  exact={r['exact']}")

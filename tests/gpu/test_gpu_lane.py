@@ -1,5 +1,5 @@
 """GPU: the native lane on one service (kvservice.lane): engines in their own processes with
-CUDA IPC pools; the copy is the lane's NVRTC kernel, launched without the service's Python."""
+CUDA IPC pools; the copy is the lane's Triton kernel (AOT cubins), launched without Python."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from tests.support.gpu import LAYOUT, Engine, kvservice_procs
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def service(tmp_path: Path):
-    procs, socks = kvservice_procs(tmp_path, ("a",))
+@pytest.fixture(params=["nvrtc", "triton"])
+def service(tmp_path: Path, request: pytest.FixtureRequest):
+    # both copy kernels (tuning.lane_kernel): a kernel that cannot load leaves GPU pools off the lane,
+    # which every test here fails on (route_note "lane")
+    procs, socks = kvservice_procs(tmp_path, ("a",), KVSERVICE_LANE_KERNEL=request.param)
     end = time.monotonic() + 180  # the first start builds the native module
     while not os.path.exists(socks[0][5:] + ".lane"):
         assert time.monotonic() < end, "the lane did not start"
@@ -36,8 +38,8 @@ def _engines(address: str, layout: dict | None = None) -> tuple[Engine, Engine]:
     return src, dst
 
 
-# The lane's two kernels (csrc/kernel.h): whole pages of >= 32 KiB a block take lane_copy_wide
-# (LAYOUT's 32 KiB regions one block each, 64 KiB regions two), smaller pages lane_copy.
+# The lane's two block sizes (kernels/aot.py THREADS): whole pages of >= 32 KiB a block take the wide
+# one (LAYOUT's 32 KiB regions one block each, 64 KiB regions two), smaller pages the narrow one.
 PAGES = {
     "wide-32k": LAYOUT,
     "wide-64k": dict(LAYOUT, page_size=32),

@@ -1,5 +1,6 @@
-// The lane's copies, behind one object (copy.cpp): the CUDA driver and NVRTC opened at run time,
-// per device a context, a stream and the kernels of kernel.h, descriptor buffers, and a ring of
+// The lane's copies, behind one object (copy.cpp): the CUDA driver opened at run time, per device a
+// context, a stream and the copy kernel (Triton's cubins, or kernel.h's through NVRTC: cuda.h),
+// descriptor buffers, and a ring of
 // launch slots for copies that are launched now and waited for later; host pools copied with
 // memcpy. The routes (same_node.cpp, cross_send.cpp, cross_recv.cpp) say what to copy as
 // segments and page pairs; this object knows how.
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "cuda.h"
+#include "kernel.h"
 #include "state.h"
 #include "wire.h"
 
@@ -29,8 +31,10 @@ namespace kvlane {
 
 class Copier {
  public:
-  // CUDA: load the driver and NVRTC (paths chosen by Python); false + why() when unavailable.
-  bool init(const std::string& libcuda, const std::string& libnvrtc);
+  // CUDA: load the driver (path chosen by Python) and keep the Triton kernel images (compiled by
+  // Python for the devices present), or with none NVRTC (``libnvrtc``) for kernel.h's text; false
+  // + why() when unavailable.
+  bool init(const std::string& libcuda, const std::string& libnvrtc, const std::vector<KernelImage>& kernels);
   std::string why() const { return cuda_.why; }
   // Context, stream and kernels of device ``dev`` (Python calls it before the first arm there).
   void prepare(int dev);
@@ -81,9 +85,17 @@ class Copier {
   // Copies launched and not yet waited for, per device: each holds a slot of descriptor buffers,
   // so a later launch never overwrites the table an earlier kernel still reads.
   static constexpr size_t RING = 8;
+  // Block sizes of the two variants Lane::launch picks from (bench/sweep_lane_kernel.py measured):
+  // the wide one for whole pages of at least WIDE_BYTES a block, the narrow one for the rest (head
+  // slices, small pages). kernel.h says the same for its text.
+  static constexpr unsigned NARROW_THREADS = kLaneThreads, WIDE_THREADS = kWideThreads;
+  static constexpr unsigned long long WIDE_BYTES = kWideBytes;
+  void load_triton(DeviceLane& d, int cc, int dev);  // mu_ held
+  void load_nvrtc(DeviceLane& d, int cc);            // mu_ held
 
   std::mutex mu_;
   Cuda cuda_;
+  std::vector<KernelImage> images_;  // Triton's cubins; empty: kernel.h through NVRTC
   NvRtc nvrtc_;
   std::unordered_map<int, DeviceLane> devs_;
   std::atomic<unsigned> chunk_{32768};

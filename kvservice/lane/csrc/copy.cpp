@@ -1,6 +1,6 @@
-// The Copier (copier.h): the CUDA driver and NVRTC opened at run time, the kernels (kernel.h)
-// compiled per device, descriptor buffers, launches and the ring of launch slots; host pools
-// copied with memcpy (non-temporal on x86).
+// The Copier (copier.h): the CUDA driver opened at run time, the copy kernel loaded per device
+// (Triton's cubins, or kernel.h's text through NVRTC), descriptor buffers, launches and the ring of
+// launch slots; host pools copied with memcpy (non-temporal on x86).
 
 #include <dlfcn.h>
 
@@ -16,14 +16,15 @@
 #endif
 
 #include "copier.h"
-#include "kernel.h"
 
 namespace kvlane {
 
-// CUDA: load the driver and NVRTC (paths chosen by Python); false + why() when unavailable.
-bool Copier::init(const std::string& libcuda, const std::string& libnvrtc) {
+// CUDA: load the driver (path chosen by Python) and keep the Triton kernel images, or with none
+// open NVRTC for kernel.h's text; false + why() when unavailable.
+bool Copier::init(const std::string& libcuda, const std::string& libnvrtc, const std::vector<KernelImage>& kernels) {
   std::lock_guard<std::mutex> g(mu_);
   if (cuda_.ok) return true;
+  images_ = kernels;
   void* h = dlopen(libcuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (!h) return fail(std::string("dlopen ") + libcuda + ": " + dlerror());
 #define SYM(name, sym)                                                 \
@@ -51,21 +52,23 @@ bool Copier::init(const std::string& libcuda, const std::string& libnvrtc) {
   SYM(cuEventRecord, "cuEventRecord");
   SYM(cuEventSynchronize, "cuEventSynchronize");
 #undef SYM
-  void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
+  if (images_.empty()) {
+    void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
 #define NSYM(name, sym)                                                  \
   do {                                                                   \
     *(void**)(&nvrtc_.name) = dlsym(n, sym);                             \
     if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym); \
   } while (0)
-  NSYM(create, "nvrtcCreateProgram");
-  NSYM(compile, "nvrtcCompileProgram");
-  NSYM(ptx_size, "nvrtcGetPTXSize");
-  NSYM(ptx, "nvrtcGetPTX");
-  NSYM(log_size, "nvrtcGetProgramLogSize");
-  NSYM(log, "nvrtcGetProgramLog");
-  NSYM(destroy, "nvrtcDestroyProgram");
+    NSYM(create, "nvrtcCreateProgram");
+    NSYM(compile, "nvrtcCompileProgram");
+    NSYM(ptx_size, "nvrtcGetPTXSize");
+    NSYM(ptx, "nvrtcGetPTX");
+    NSYM(log_size, "nvrtcGetProgramLogSize");
+    NSYM(log, "nvrtcGetProgramLog");
+    NSYM(destroy, "nvrtcDestroyProgram");
 #undef NSYM
+  }
   if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
   cuda_.ok = true;
   return true;
@@ -100,7 +103,44 @@ DeviceLane& Copier::device(int dev) {  // mu_ held
   int major = 0, minor = 0;
   cuda_.cuDeviceGetAttribute(&major, 75, cd);  // COMPUTE_CAPABILITY_MAJOR
   cuda_.cuDeviceGetAttribute(&minor, 76, cd);
-  std::string arch = "--gpu-architecture=compute_" + std::to_string(major * 10 + minor);
+  const int cc = major * 10 + minor;
+  if (images_.empty())
+    load_nvrtc(d, cc);
+  else
+    load_triton(d, cc, dev);
+  if ((r = cuda_.cuStreamCreate(&d.stream, 1 /* CU_STREAM_NON_BLOCKING */)))
+    throw std::runtime_error("lane: stream: " + cu_err(r));
+  grow(d.host, d.dev, d.cap, 1 << 16);
+  return devs_.emplace(dev, d).first->second;
+}
+
+// Triton's cubins for capability ``cc``: the four variants (16-byte words or bytes, narrow or wide).
+void Copier::load_triton(DeviceLane& d, int cc, int dev) {
+  CUresult r;
+  int found = 0;
+  for (const KernelImage& im : images_) {
+    if (im.cc != cc) continue;
+    const int wide = im.threads == WIDE_THREADS ? 1 : im.threads == NARROW_THREADS ? 0 : -1;
+    if (wide < 0 || (im.vec != 0 && im.vec != 1) || im.shared > 48 * 1024 || im.params < 5 || im.params > 16)
+      throw std::runtime_error("lane: kernel image " + im.name + ": unexpected threads, words, shared or params");
+    CUmodule mod;
+    Kernel& k = d.kernel[im.vec][wide];
+    if ((r = cuda_.cuModuleLoadData(&mod, im.cubin.data())) ||
+        (r = cuda_.cuModuleGetFunction(&k.fn, mod, im.name.c_str())))
+      throw std::runtime_error("lane: kernel " + im.name + " for sm_" + std::to_string(cc) + ": " + cu_err(r));
+    k.threads = im.threads, k.shared = im.shared, k.params = im.params;
+    found++;
+  }
+  for (auto& row : d.kernel)
+    for (auto& k : row)
+      if (!k.fn)
+        throw std::runtime_error("lane: no copy kernel compiled for sm_" + std::to_string(cc) + " (of device " +
+                                 std::to_string(dev) + "; " + std::to_string(found) + " of 4 variants)");
+}
+
+// kernel.h's text compiled by NVRTC for capability ``cc``: one function a block size (vec16 an argument).
+void Copier::load_nvrtc(DeviceLane& d, int cc) {
+  std::string arch = "--gpu-architecture=compute_" + std::to_string(cc);
   const char* opts[] = {arch.c_str(), "-default-device"};
   void* prog = nullptr;
   if (nvrtc_.create(&prog, KERNEL_SRC, "lane_copy.cu", 0, nullptr, nullptr) != 0)
@@ -119,12 +159,15 @@ DeviceLane& Copier::device(int dev) {  // mu_ held
   nvrtc_.ptx(prog, &ptx[0]);
   nvrtc_.destroy(&prog);
   CUmodule mod;
-  if ((r = cuda_.cuModuleLoadData(&mod, ptx.c_str())) || (r = cuda_.cuModuleGetFunction(&d.fn, mod, "lane_copy")) ||
-      (r = cuda_.cuModuleGetFunction(&d.fn_wide, mod, "lane_copy_wide")) ||
-      (r = cuda_.cuStreamCreate(&d.stream, 1 /* CU_STREAM_NON_BLOCKING */)))
+  CUfunction fn = nullptr, fn_wide = nullptr;
+  CUresult r;
+  if ((r = cuda_.cuModuleLoadData(&mod, ptx.c_str())) || (r = cuda_.cuModuleGetFunction(&fn, mod, "lane_copy")) ||
+      (r = cuda_.cuModuleGetFunction(&fn_wide, mod, "lane_copy_wide")))
     throw std::runtime_error("lane: kernel load: " + cu_err(r));
-  grow(d.host, d.dev, d.cap, 1 << 16);
-  return devs_.emplace(dev, d).first->second;
+  for (auto& row : d.kernel) {
+    row[0] = Kernel{fn, kLaneThreads, 0, 6, true};
+    row[1] = Kernel{fn_wide, kWideThreads, 0, 6, true};
+  }
 }
 
 // Descriptor buffers (pinned host, device) of at least ``need`` bytes.
@@ -167,12 +210,16 @@ std::string Copier::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std
   CUresult r;
   if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
   CUdeviceptr regs = dev, prs = dev + rbytes;
-  void* args[] = {&regs, &prs, &vec, &chunk, &per, &mv};
-  // whole pages of kWideBytes a block or more: the wide block (sweep_lane_kernel: 512 threads at 32
+  // whole pages of WIDE_BYTES a block or more: the wide block (sweep_lane_kernel: 512 threads at 32
   // KiB 92.7% of a device copy, 256 at 16 KiB 90.8%; head slices of 8 KiB lose 16 points at 512)
-  const bool wide = whole && std::min<uint64_t>(chunk, maxb) >= kWideBytes;
-  if ((r = cuda_.cuLaunchKernel(wide ? d.fn_wide : d.fn, (unsigned)moved, (unsigned)nr, zc,
-                                wide ? kWideThreads : kLaneThreads, 1, 1, 0, d.stream, args, nullptr)))
+  const bool wide = whole && std::min<uint64_t>(chunk, maxb) >= WIDE_BYTES;
+  const Kernel& k = d.kernel[vec][wide ? 1 : 0];
+  CUdeviceptr none = 0;  // the scratch pointers Triton appends (none needed by this kernel)
+  void* args[16] = {&regs, &prs, &chunk, &per, &mv};
+  void* nv_args[] = {&regs, &prs, &vec, &chunk, &per, &mv};
+  for (int i = 5; i < k.params && !k.nvrtc; ++i) args[i] = &none;
+  if ((r = cuda_.cuLaunchKernel(k.fn, (unsigned)moved, (unsigned)nr, zc, k.threads, 1, 1, k.shared, d.stream,
+                                k.nvrtc ? nv_args : args, nullptr)))
     return cu_err(r);
   return "";
 }

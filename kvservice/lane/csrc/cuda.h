@@ -1,5 +1,8 @@
-// The CUDA driver API and NVRTC, opened at run time (dlopen; copy.cpp): a CPU host builds and
-// runs the lane without either. Only the entry points the lane calls are declared.
+// The CUDA driver API and NVRTC, opened at run time (dlopen; copy.cpp): a CPU host builds and runs
+// the lane without either. Only the entry points the lane calls are declared. The copy kernel is
+// either Triton's (kvservice/kernels/lane_copy.py: cubins compiled by kvservice/kernels/aot.py and
+// handed in by Python) or, until that one is measured on a GPU, kernel.h's text through NVRTC
+// (the ``tuning.lane_kernel`` option; docs/decisions/0026).
 #pragma once
 
 #include <cstddef>
@@ -53,6 +56,23 @@ struct NvRtc {
   int (*destroy)(void**) = nullptr;
 };
 
+// One compiled variant of the Triton copy kernel (aot.py): for compute capability ``cc`` (major*10+minor),
+// 16-byte words or bytes (``vec``), ``threads`` a block; ``params``: the kernel's parameter count
+// (its five arguments, then the scratch pointers Triton appends, passed as null).
+struct KernelImage {
+  int cc = 0, vec = 0;
+  unsigned threads = 0, shared = 0;
+  int params = 0;
+  std::string name, cubin;
+};
+
+struct Kernel {  // a copy kernel loaded on one device
+  CUfunction fn = nullptr;
+  unsigned threads = 0, shared = 0;
+  int params = 0;       // Triton's: its parameters as compiled
+  bool nvrtc = false;   // kernel.h's: (regions, pairs, vec16, chunk, per_target, moved)
+};
+
 struct Slot {  // descriptor buffers of one launch in flight (pinned host, device), its event
   char* host = nullptr;
   CUdeviceptr dev = 0;
@@ -61,11 +81,10 @@ struct Slot {  // descriptor buffers of one launch in flight (pinned host, devic
   bool busy = false;
 };
 
-struct DeviceLane {  // per CUDA device: context, stream, kernel, descriptor buffers
+struct DeviceLane {  // per CUDA device: context, stream, kernels, descriptor buffers
   CUcontext ctx = nullptr;
   CUstream stream = nullptr;
-  CUfunction fn = nullptr;       // lane_copy (kernel.h)
-  CUfunction fn_wide = nullptr;  // lane_copy_wide
+  Kernel kernel[2][2];  // [vec][wide]: 16-byte words or bytes; the narrow block or the wide one
   char* host = nullptr;          // pinned
   CUdeviceptr dev = 0;
   size_t cap = 0;

@@ -2,8 +2,8 @@
 //
 // One thread per service reads engines' lane sockets (SOCK_SEQPACKET, authenticated by Python
 // before the fd is handed here), matches a SEND command to an armed transfer, copies the pages
-// (one CUDA kernel compiled with NVRTC and launched through the driver API, or memcpy for host
-// pools), then writes END to both engines' lanes and queues a completion for Python's
+// (one copy kernel launched through the driver API: Triton's, compiled ahead of time to cubins, or
+// kernel.h's through NVRTC; memcpy for host pools), then writes END to both engines' lanes and queues a completion for Python's
 // bookkeeping (records, index, metrics), which runs after the engines have their answer.
 //
 // Python owns every decision that is not per-transfer: who may connect, which pools exist, which
@@ -21,7 +21,7 @@
 //   same_node.cpp    a SEND (a chunk of a transfer, or all of it): checked against what is armed
 //                    and against its stream's earlier chunks (handle -> copy_local)
 //   same_copy.cpp    its aux rows and pages copied, its stream ended: END, the completion
-//   copy.cpp         the copy itself (copier.h, class Copier): CUDA driver + NVRTC kernel
+//   copy.cpp         the copy itself (copier.h, class Copier): CUDA driver + kernel
 //                    launches, the ring of launches in flight, host memcpy
 //   cross_setup.cpp  the cross-node lane's NIXL agent, staging, offers and declarations
 //   cross_send.cpp   a SEND_TO: packed, written through NIXL in chunks, acknowledged
@@ -86,7 +86,9 @@ class Lane {
   std::string lost(const Pool& p) const;
 
   // ---- CUDA (the Copier, copy.cpp) -----------------------------------------------------------
-  bool init_cuda(const std::string& libcuda, const std::string& libnvrtc) { return cu_.init(libcuda, libnvrtc); }
+  bool init_cuda(const std::string& libcuda, const std::string& libnvrtc, const std::vector<KernelImage>& kernels) {
+    return cu_.init(libcuda, libnvrtc, kernels);
+  }
   std::string cuda_why() const { return cu_.why(); }
   void prepare_device(int dev) { cu_.prepare(dev); }
 

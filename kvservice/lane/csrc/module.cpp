@@ -107,7 +107,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_chunk", &Lane::set_chunk)
       .def("set_spin_us", &Lane::set_spin_us)
       .def("set_pull", &Lane::set_pull)
-      .def("init_cuda", &Lane::init_cuda, Release())
+      .def(
+          "init_cuda",
+          [](Lane& l, const std::string& libcuda, const std::string& libnvrtc, const py::list& kernels) {
+            // kernels: (cc, vec, threads, shared, params, name, cubin bytes) (kernels/aot.py);
+            // none: kernel.h's text through NVRTC (``libnvrtc``)
+            std::vector<kvlane::KernelImage> images;
+            for (const py::handle& h : kernels) {
+              auto t = h.cast<py::tuple>();
+              kvlane::KernelImage im;
+              im.cc = t[0].cast<int>(), im.vec = t[1].cast<int>();
+              im.threads = t[2].cast<unsigned>(), im.shared = t[3].cast<unsigned>();
+              im.params = t[4].cast<int>();
+              im.name = t[5].cast<std::string>(), im.cubin = t[6].cast<std::string>();
+              images.push_back(std::move(im));
+            }
+            py::gil_scoped_release release;
+            return l.init_cuda(libcuda, libnvrtc, images);
+          },
+          py::arg("libcuda"), py::arg("libnvrtc"), py::arg("kernels"))
       .def("cuda_why", &Lane::cuda_why)
       .def("prepare_device", &Lane::prepare_device, Release())
       .def("add_conn", &Lane::add_conn)
