@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from ..errors import KVServiceError
-from .book import LaneBook, NoLane
+from .book import CallHandler, LaneBook, NoLane
 
 __all__ = ["LaneBook", "NoLane", "RunningLane", "start"]
 
@@ -46,9 +46,12 @@ class RunningLane:
             self.book.cross.log_stats()
 
 
-async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningLane | None:
+async def start(
+    node: Any, uds_path: str, self_addresses: list[str], calls: CallHandler | None = None
+) -> RunningLane | None:
     """Build/load the native module (in a thread), listen on ``<uds_path>.lane`` and put the
-    book on the transfer engine; None (logged) when the lane cannot run here."""
+    book on the transfer engine; None (logged) when the lane cannot run here. ``calls``: the
+    handler of the engines' CALLs (ExpectDelta on the lane; none: they go over gRPC)."""
     from kvservice_client.lane_wire import lane_path
 
     from . import native
@@ -95,6 +98,8 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         book.add_pool(bs)
     engine.lane = book
     node.sessions.on_close(book.drop_session)
+    if calls is not None:
+        book.serve_calls(calls)
     allowed = []  # the lane aims only at this service: listed when peer_allowlist lets SendDelta aim here
     for address in self_addresses:
         try:
@@ -111,6 +116,7 @@ async def start(node: Any, uds_path: str, self_addresses: list[str]) -> RunningL
         allowed,
         book.cross is not None,
         auto_spin_us(cfg.tuning.lane_wait_spin_us, cuda),
+        calls=("expect_delta",) if calls is not None else (),
     )
     listener.start()
     asyncio.get_running_loop().add_reader(lane.completion_fd(), book.on_completions)

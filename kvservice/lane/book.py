@@ -14,6 +14,8 @@ bookkeeping of what it did.
                                                   copies there (a rank with several senders)
     UnregisterBuffers ─▶ drop_pool (returns once no native copy holds the pool: its memory may
                        then be unmapped; a finalize in flight still books it from ``_retired``)
+    engine CALL     ─▶ completion fd ─▶ serve_calls' handler (ExpectDelta, as on the Transfers
+                       stream) ─▶ its REPLY on the engine's lane
 
 The rules of DESIGN.md hold: a copy never starts for a transfer that is not ARMED (a disarm is
 atomic with the native thread's accept), so no byte lands after Abort returns; an Abort that
@@ -22,11 +24,14 @@ meets a running copy waits for it, as the Python route's ``busy`` does.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+from kvservice_client import lane_wire
 
 from ..errors import FailedPrecondition, KVServiceError
 from ..identity import LOCAL_PEER
@@ -37,6 +42,8 @@ from .geometry import head_geometry, heads_overlap, layout_signature
 __all__ = ["LaneBook", "NoLane"]
 
 log = logging.getLogger(__name__)
+# (kind, session id, request id, serialized request) -> the serialized response
+CallHandler = Callable[[int, str, str, bytes], Awaitable[bytes]]
 _RETIRED = 256  # unregistered buffer sets a finalize in flight may still name (its bookkeeping)
 
 
@@ -115,6 +122,8 @@ class LaneBook(NoLane):
         self._held: list[Any] = []  # buffer sets a native copy still held at drop_pool
         self.cross: Any = None  # cross.CrossBook when the cross-node lane runs
         self.fin = Finalizer(self)  # the completions' bookkeeping
+        self._calls: CallHandler | None = None
+        self._call_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def sent(self) -> int:
@@ -126,8 +135,33 @@ class LaneBook(NoLane):
         return self.fin.failed
 
     def on_completions(self) -> None:
-        """The native thread's completion fd is readable (the loop's reader)."""
+        """The native thread's completion fd is readable (the loop's reader): its completions
+        booked, its CALLs started."""
         self.fin.on_completions()
+        if self._calls is not None:
+            for call in self.n.take_calls():
+                task = asyncio.ensure_future(self._answer(*call))
+                self._call_tasks.add(task)
+                task.add_done_callback(self._call_tasks.discard)
+
+    # -- calls (lane_wire CALL) ----------------------------------------------------------------
+    def serve_calls(self, handler: CallHandler) -> None:
+        """Answer the engines' CALLs with ``handler(kind, session, request_id, body)``: the
+        serialized response, or it raises a KVServiceError (the REPLY carries its code and
+        message). Until this is called every CALL is answered *fallback*."""
+        self._calls = handler
+        self.n.set_calls(True)
+
+    async def _answer(self, fd: int, session: str, seq: int, kind: int, rid: str, body: bytes) -> None:
+        assert self._calls is not None
+        try:
+            code, msg = lane_wire.ACCEPTED, await self._calls(kind, session, rid, body)
+        except KVServiceError as exc:
+            code, msg = lane_wire.CALL_ERROR, f"{exc.code.name}\n{exc.message}".encode()
+        except Exception:
+            log.exception("unhandled error in a lane call", extra={"kind": kind})
+            code, msg = lane_wire.CALL_ERROR, b"INTERNAL\nlane call: internal error; see server log"
+        self.n.answer(fd, session, seq, code, msg)  # (a connection gone since: nobody to tell)
 
     def pool(self, buffer_set_id: str) -> Any:
         """Buffer set ``buffer_set_id`` on the lane, or recently unregistered (a finalize in

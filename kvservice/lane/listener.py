@@ -54,8 +54,10 @@ class LaneListener:
         self_addresses: list[str],
         cross: bool = False,
         wait_spin_us: int = 0,
+        calls: tuple[str, ...] = (),
     ) -> None:
         self.path = path
+        self.calls = calls
         self.wait_spin_us = wait_spin_us
         self.sessions = sessions
         self.allowed_uids = allowed_uids
@@ -163,7 +165,11 @@ class LaneListener:
                 return
             conn.send(
                 lane_wire.welcome(
-                    True, self_addresses=self.self_addresses, cross=self.cross, wait_spin_us=self.wait_spin_us
+                    True,
+                    self_addresses=self.self_addresses,
+                    cross=self.cross,
+                    wait_spin_us=self.wait_spin_us,
+                    calls=self.calls,
                 )
             )
             self.native.add_conn(conn.detach(), session_id)

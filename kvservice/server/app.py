@@ -147,7 +147,13 @@ class App:
             from .. import lane
 
             self.lane = asyncio.get_running_loop().create_task(
-                lane.start(self.node, self.uds_path, sorted({self.peer_address, self.address})), name="lane"
+                lane.start(
+                    self.node,
+                    self.uds_path,
+                    sorted({self.peer_address, self.address}),
+                    self.servicer.lane_call if self.servicer is not None else None,
+                ),
+                name="lane",
             )
             self.node.transfers.peers.me.lane_starting = self.lane  # handshakes wait for it
         _log_exposure(self.node.config)

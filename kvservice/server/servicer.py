@@ -8,10 +8,13 @@ from typing import TypeAlias
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
+from kvservice_client import lane_wire
 from kvservice_client.contract import BEARER_METADATA_KEY
 from kvservice_client.proto import kvservice_pb2 as pb
 from kvservice_client.proto import kvservice_pb2_grpc
 
+from ..errors import InvalidArgument
 from ..identity import certificate_identity
 from ..landing import claim
 from ..node import Node
@@ -211,6 +214,27 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         else:
             rec = await engine.expect(inc, request.sender_address)
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
+
+    async def lane_call(self, kind: int, session_id: str, request_id: str, body: bytes) -> bytes:
+        """A CALL on an engine's lane (kvservice_client.lane_wire): ExpectDelta as the Transfers
+        stream runs it (the per-call caps, the replay cache by request id), from the session the
+        lane connection proved; the serialized response."""
+        if kind != lane_wire.CALL_EXPECT:
+            raise InvalidArgument("kind", f"{kind} is not a lane call (1: ExpectDelta)")
+        self.node.sessions.require(session_id)
+        try:
+            req = pb.ExpectDeltaRequest.FromString(body)
+        except DecodeError:
+            raise InvalidArgument("request", "not an ExpectDeltaRequest") from None
+        breach = self.limits.breach(req) if self.limits is not None else None
+        if breach:
+            field, _, why = breach.partition(": ")
+            raise InvalidArgument(field, why)
+        if not request_id:
+            return (await self._expect(req, session_id)).SerializeToString()
+        task = self.replay.run((session_id, request_id), lambda: self._expect(req, session_id))
+        # NOTE: shielded: the engine's lane closing must not cancel a call that already started
+        return (await asyncio.shield(task)).SerializeToString()  # type: ignore[no-any-return]
 
     async def _claim(self, request: pb.ClaimRequest, session_id: str) -> pb.ClaimResponse:
         engine = self.node.require_transfers("Claim")

@@ -1,7 +1,8 @@
-"""The sync client's lane (see :mod:`kvservice_client.lane_wire`): same-node SendDelta and the
-END of this session's transfers without gRPC.
+"""The sync client's lane (see :mod:`kvservice_client.lane_wire`): same-node SendDelta, ExpectDelta
+and the END of this session's transfers without gRPC.
 
-    send_delta ─▶ Lane.send: SEND packet ─▶ waits for its REPLY (accepted | fallback)
+    send_delta   ─▶ Lane.send: SEND packet ─▶ waits for its REPLY (accepted | fallback)
+    expect_delta ─▶ Lane.call: CALL packet ─▶ waits for its REPLY (the response | error | fallback)
     wait(transfer_id) ─▶ ``Ended`` book ─▶ Lane.pump until its END is in the book
 
 Whoever waits reads the socket itself: a caller that finds nobody reading takes the read lock
@@ -26,10 +27,11 @@ import threading
 import time
 from typing import Any
 
+import grpc
 import numpy as np
 
 from . import lane_wire
-from ._errors import FailedPrecondition, InvalidArgument
+from ._errors import _BY_CODE, FailedPrecondition, InvalidArgument, ServerError
 from ._types import TransferStatus
 
 __all__ = ["Lane", "LaneOpener"]
@@ -92,6 +94,8 @@ class Lane:
         self.cross = bool(w.get("cross"))  # the service's cross-node lane runs: SEND_TO elsewhere
         self.src_i64 = bool(w.get("src_i64"))  # it checks i64 source pages itself (lane_wire)
         self.chunks = bool(w.get("chunks"))  # it takes chunks with aux rows (FLAG_CHUNK)
+        self.calls_served = frozenset(w.get("calls") or ())  # the CALLs it answers ("expect_delta")
+        self.calls = 0  # CALLs answered here
         if spin_us is None:  # the engine set none: what the service advises (lane_wait_spin_us)
             spin_us = _advised_spin(w.get("wait_spin_us"))
         self.spin_us = max(0, spin_us)
@@ -137,6 +141,40 @@ class Lane:
             msg = lane_wire.encode_send(seq, transfer_id, buffer_set_id, src, flags, chunk)
         if len(msg) > lane_wire.MAX_MESSAGE:
             return False
+        reply = self._exchange(seq, msg, timeout)
+        if reply is None:
+            return False
+        if reply[1] == lane_wire.INVALID:
+            raise InvalidArgument(f"transfer_id {transfer_id!r}: {reply[2]}")
+        if reply[1] == lane_wire.REFUSED:
+            raise FailedPrecondition(f"transfer_id {transfer_id!r}: {reply[2]}")
+        if reply[1] != lane_wire.ACCEPTED:
+            return False
+        self.sent += 1
+        return True
+
+    def call(self, kind: int, request_id: str, body: bytes, timeout: float) -> bytes | None:
+        """A CALL (``calls`` lists it): the serialized response; None: make the call over gRPC
+        with the same request id (fallback, no REPLY in time, a lost lane); raises the call's
+        error (the KVClientError of its gRPC code)."""
+        if self.closed:
+            return None
+        seq = next(self._seq)
+        msg = lane_wire.encode_call(seq, kind, request_id, body)
+        if len(msg) > lane_wire.MAX_MESSAGE:
+            return None
+        reply = self._exchange(seq, msg, timeout)
+        if reply is None or reply[1] == lane_wire.FALLBACK:
+            return None
+        if reply[1] == lane_wire.CALL_ERROR:
+            code, _, text = reply[2].partition("\n")
+            status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+            raise _BY_CODE.get(status, ServerError)(text or code, status)
+        self.calls += 1
+        return bytes(reply[3])
+
+    def _exchange(self, seq: int, msg: bytes, timeout: float) -> lane_wire.Reply | None:
+        """Send ``msg`` and wait for its REPLY (None: the lane is gone, or none in ``timeout``)."""
         # the packet first: what follows overlaps the service's work (its REPLY waits for the
         # lock to be dispatched, so the slot is in place before it can be)
         slot: list[Any] | None
@@ -150,7 +188,7 @@ class Lane:
                 self._replies[seq] = slot
         if slot is None:
             self._drop()
-            return False
+            return None
         deadline = time.monotonic() + timeout
         if self._rlock.acquire(blocking=False):  # nobody reads: take the REPLY on this thread
             try:
@@ -163,16 +201,8 @@ class Lane:
         if not slot[0].wait(max(0.0, deadline - time.monotonic())):
             with self._lock:
                 self._replies.pop(seq, None)
-            return False  # NOTE: the service may still run it; its gRPC twin is then refused
-        reply = slot[1]
-        if reply is not None and reply[1] == lane_wire.INVALID:
-            raise InvalidArgument(f"transfer_id {transfer_id!r}: {reply[2]}")
-        if reply is not None and reply[1] == lane_wire.REFUSED:
-            raise FailedPrecondition(f"transfer_id {transfer_id!r}: {reply[2]}")
-        if reply is None or reply[1] != lane_wire.ACCEPTED:
-            return False
-        self.sent += 1
-        return True
+            return None  # NOTE: the service may still run it; its gRPC twin is then refused (or replayed)
+        return slot[1]  # type: ignore[no-any-return]
 
     def pump(self, timeout: float) -> bool:
         """Receive and dispatch on the calling thread until one message came, :meth:`wake` was

@@ -159,6 +159,9 @@ class TransferStream:
         self._lock = threading.Lock()
         self.book = book
         self.closed = False
+        # an answer came: the service serves this stream and reports this session's ends on it
+        # (it subscribes before it reads a call), so a side made another way (the lane) is seen
+        self.answered = False
         self.error: KVClientError | None = None
         self._call = stub.Transfers(iter(self._out.get, _END), metadata=metadata)
         threading.Thread(target=self._read, name="kvservice-transfers", daemon=True).start()
@@ -189,6 +192,7 @@ class TransferStream:
         try:
             for event in self._call:
                 if event.call_id:
+                    self.answered = True
                     with self._lock:
                         slot = self._slots.pop(event.call_id, None)
                     if slot is not None:

@@ -13,8 +13,11 @@ and reads REPLY and END messages. Every message is one packet, little endian::
     SEND_TO u32 type=4, seq, n_src, tid_len, bs_len, flags, addr_len │ tid │ buffer set id │
            the receiving service's address │ i32 (i64) src[n_src] │ FLAG_CHUNK: as SEND
            (the cross-node lane; chunks only of a delta that fits the receiver's slot)
-    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback, 2 invalid, 3 refused) │ u32 msg_len │
-           msg
+    CALL   u32 type=5, seq, kind (1: ExpectDelta), rid_len, body_len │ request id │ the serialized
+           request (to a service whose welcome lists the call in ``calls``)
+    REPLY  u32 type=2, seq │ i32 code (0 accepted, 1 fallback, 2 invalid, 3 refused, 4 error) │
+           u32 msg_len │ msg (a CALL's: the serialized response when accepted; with 4 its error,
+           the gRPC code name, a newline, the message)
     END    u32 type=3, role (0 receiver, 1 sender), state (0 DONE, 1 FAILED), tid_len, bs_len,
            msg_len │ u64 bytes, pages, skipped pages, copy_us │ tid │ buffer set id │ msg │
            u32 flags (END_CROSS: the cross-node lane moved it; absent from older services) │
@@ -33,6 +36,10 @@ same way: on the lane or over gRPC. On the lane a bad later chunk is *invalid* (
 naming the field; nothing changed, the transfer goes on, as over gRPC), and one of a transfer
 that is over or cannot complete is *refused* (FAILED_PRECONDITION; the transfer ends FAILED).
 gRPC stays the API: an END here is also reported on the engine's Transfers stream and by Poll.
+
+A CALL is a transfer call the service's Python answers (ExpectDelta) without gRPC: the same
+request and response messages, the same request id (a call whose REPLY never came is made again
+over gRPC with it, and runs once). *fallback*: make it over gRPC.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ import numpy as np
 
 __all__ = [
     "ACCEPTED",
+    "CALL_ERROR",
+    "CALL_EXPECT",
     "FALLBACK",
     "FLAG_CHUNK",
     "FLAG_NO_DUPLICATE_MARK",
@@ -57,6 +66,7 @@ __all__ = [
     "decode",
     "encode_send",
     "encode_send_to",
+    "encode_call",
     "end_times",
     "hello",
     "lane_path",
@@ -65,15 +75,18 @@ __all__ = [
     "welcome",
 ]
 
-MSG_SEND, MSG_REPLY, MSG_END, MSG_SEND_TO = 1, 2, 3, 4
+MSG_SEND, MSG_REPLY, MSG_END, MSG_SEND_TO, MSG_CALL = 1, 2, 3, 4, 5
 END_CROSS = 1
-ACCEPTED, FALLBACK, INVALID, REFUSED = 0, 1, 2, 3
+ACCEPTED, FALLBACK, INVALID, REFUSED, CALL_ERROR = 0, 1, 2, 3, 4
+CALL_EXPECT = 1  # a CALL's kind: ExpectDelta
+MAX_REQUEST_ID = 64
 FLAG_NO_DUPLICATE_MARK = 1
 FLAG_SRC_I64 = 2
 FLAG_CHUNK = 4
 MAX_MESSAGE = 256 * 1024  # the service's receive buffer: a larger SEND goes over gRPC
 _SEND = struct.Struct("<6I")
 _SEND_TO = struct.Struct("<7I")
+_CALL = struct.Struct("<5I")
 _CHUNK = struct.Struct("<QII")
 _AUX = struct.Struct("<II")
 _REPLY = struct.Struct("<IIiI")
@@ -127,6 +140,14 @@ def encode_send_to(
     return head + t + b + a + pages.tobytes() + (_trailer(chunk) if chunk is not None else b"")
 
 
+def encode_call(seq: int, kind: int, request_id: str, body: bytes) -> bytes:
+    """A CALL: ``body`` is the serialized request (ExpectDeltaRequest for CALL_EXPECT)."""
+    rid = request_id.encode()
+    if len(rid) > MAX_REQUEST_ID:
+        raise ValueError(f"request_id: longer than {MAX_REQUEST_ID}")
+    return _CALL.pack(MSG_CALL, seq, kind, len(rid), len(body)) + rid + body
+
+
 def _trailer(chunk: tuple[int, bool, dict[str, np.ndarray]]) -> bytes:
     offset, last, aux = chunk
     parts = [_CHUNK.pack(offset, int(last), len(aux))]
@@ -136,7 +157,7 @@ def _trailer(chunk: tuple[int, bool, dict[str, np.ndarray]]) -> bytes:
     return b"".join(parts)
 
 
-class Reply(tuple):  # (seq, code, message)
+class Reply(tuple):  # (seq, code, message, the message's bytes)
     __slots__ = ()
 
 
@@ -148,7 +169,8 @@ def decode(msg: bytes) -> Reply | End:
     kind = struct.unpack_from("<I", msg)[0]
     if kind == MSG_REPLY:
         _, seq, code, n = _REPLY.unpack_from(msg)
-        return Reply((seq, code, msg[_REPLY.size : _REPLY.size + n].decode(errors="replace")))
+        raw = msg[_REPLY.size : _REPLY.size + n]
+        return Reply((seq, code, raw.decode(errors="replace"), raw))
     if kind == MSG_END:
         _, role, state, tl, bl, ml, nbytes, pages, skipped, us = _END.unpack_from(msg)
         o = _END.size
@@ -198,8 +220,10 @@ def welcome(
     self_addresses: list[str] | None = None,
     cross: bool = False,
     wait_spin_us: int = 0,
+    calls: tuple[str, ...] = (),
 ) -> bytes:
-    """``cross``: the service's cross-node lane runs (SEND_TO is worth trying). ``src_i64``: it
+    """``cross``: the service's cross-node lane runs (SEND_TO is worth trying). ``calls``: the
+    CALLs it answers ("expect_delta"). ``src_i64``: it
     reads i64 source pages (FLAG_SRC_I64). ``chunks``: it takes chunks with aux rows
     (FLAG_CHUNK). ``wait_spin_us``: how long the service advises a
     waiting thread to poll before it sleeps (the engine's own setting wins)."""
@@ -211,6 +235,7 @@ def welcome(
         "src_i64": True,
         "chunks": True,
         "wait_spin_us": wait_spin_us,
+        "calls": list(calls),
     }
     return json.dumps(msg).encode()
 

@@ -7,6 +7,8 @@
 #include <errno.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+
+#include <cstring>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -214,6 +216,48 @@ std::deque<Completion> Lane::drain() {
     got.swap(completions_);
   }
   return got;
+}
+
+// A CALL: queued for Python with the connection's session (it answers with answer()), or
+// FALLBACK while Python takes none or too many wait.
+void Lane::handle_call(int fd, const char* p, size_t n) {
+  CallHdr h;
+  if (n < sizeof h) return closed(fd);
+  std::memcpy(&h, p, sizeof h);
+  if ((uint64_t)sizeof h + h.rid_len + h.body_len != n || h.rid_len > 64) return closed(fd);
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto cn = conns_.find(fd);
+    if (cn == conns_.end()) return;
+    if (calls_on_ && calls_.size() < kCallsMax) {
+      LaneCall c;
+      c.fd = fd, c.session = cn->second.session, c.seq = h.seq, c.kind = h.kind;
+      c.rid.assign(p + sizeof h, h.rid_len);
+      c.body.assign(p + sizeof h + h.rid_len, h.body_len);
+      calls_.push_back(std::move(c));
+      queued = true;
+    }
+  }
+  if (queued)
+    signal_done();
+  else
+    reply(fd, h.seq, REPLY_FALLBACK, "");
+}
+
+std::deque<LaneCall> Lane::take_calls() {
+  std::deque<LaneCall> got;
+  std::lock_guard<std::mutex> g(mu_);
+  got.swap(calls_);
+  return got;
+}
+
+bool Lane::answer(int fd, const std::string& session, uint32_t seq, int32_t code, const std::string& msg) {
+  ReplyHdr h{MSG_REPLY, seq, code, (uint32_t)msg.size()};
+  std::string m((const char*)&h, sizeof h);
+  m += msg;
+  std::lock_guard<std::mutex> g(mu_);
+  return tell(fd, session, m);
 }
 
 std::vector<ChunkTrace> Lane::take_trace() {

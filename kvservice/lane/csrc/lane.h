@@ -59,6 +59,14 @@ class Lane {
   int completion_fd() const { return done_; }
   // The completions queued since the last call (the completion fd's reader; Python books them).
   std::deque<Completion> drain();
+
+  // ---- calls Python answers (lane.cpp): CALL messages, queued with the completions ----------
+  // Take CALLs (false: each is answered FALLBACK, the engine makes it over gRPC).
+  void set_calls(bool on) { calls_on_ = on; }
+  // The CALLs read since the last take (the completion fd signals them too).
+  std::deque<LaneCall> take_calls();
+  // The REPLY to a call, if connection ``fd`` is still ``session``'s; false when it is gone.
+  bool answer(int fd, const std::string& session, uint32_t seq, int32_t code, const std::string& msg);
   // sent, pack µs, post µs, wait µs, W-note µs, ack µs, received, unpack µs, re-posts, CUDA copies,
   // their µs waiting for the device lock, and in cuStreamSynchronize (cumulative)
   std::vector<uint64_t> stats();
@@ -292,6 +300,10 @@ class Lane {
   std::unordered_map<std::string, Ended> ended_;
   static constexpr size_t kEndedMax = 4096;
   std::deque<Completion> completions_;
+  std::deque<LaneCall> calls_;  // mu_
+  std::atomic<bool> calls_on_{false};
+  static constexpr size_t kCallsMax = 4096;  // CALLs waiting for Python; past it: FALLBACK
+  void handle_call(int fd, const char* p, size_t n);
   // cross-node lane
   xnixl::Api nx_;
   xnixl::Agent agent_ = nullptr;

@@ -87,6 +87,14 @@ py::list drain(Lane& lane) {
   return out;
 }
 
+// The CALLs read since the last take: (fd, session, seq, kind, request id, body bytes).
+py::list take_calls(Lane& lane) {
+  py::list out;
+  for (auto& c : lane.take_calls())
+    out.append(py::make_tuple(c.fd, c.session, c.seq, c.kind, c.rid, py::bytes(c.body)));
+  return out;
+}
+
 // The cross-node chunks timed since the last call: (tid, side, first, npages, nbytes, (t0..t4)).
 py::list take_trace(Lane& lane) {
   py::list out;
@@ -147,6 +155,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("abort_xstreams", &Lane::abort_xstreams)
       .def("armed_count", &Lane::armed_count)
       .def("drain", &drain)
+      .def("take_calls", &take_calls)
+      .def("set_calls", &Lane::set_calls)
+      .def(
+          "answer",
+          [](Lane& l, int fd, const std::string& session, uint32_t seq, int32_t code, const py::bytes& msg) {
+            std::string m = msg;
+            py::gil_scoped_release release;
+            return l.answer(fd, session, seq, code, m);
+          },
+          py::arg("fd"), py::arg("session"), py::arg("seq"), py::arg("code"), py::arg("msg"))
       .def("init_nixl", &Lane::init_nixl, Release())
       .def("nixl_why", &Lane::nixl_why)
       .def("add_arena", &Lane::add_arena, Release())

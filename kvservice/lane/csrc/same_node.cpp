@@ -62,6 +62,9 @@ const AuxRows* rows_of(const std::vector<AuxRows>& v, const std::string& name) {
 }  // namespace
 
 void Lane::handle(int fd, const char* p, size_t n) {
+  uint32_t type = 0;
+  if (n >= 4) std::memcpy(&type, p, 4);
+  if (type == MSG_CALL) return handle_call(fd, p, n);
   if (n < sizeof(SendHdr)) return closed(fd);  // not our protocol: drop the connection
   SendHdr h;
   std::memcpy(&h, p, sizeof h);

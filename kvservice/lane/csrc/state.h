@@ -250,6 +250,13 @@ struct XWrite {
 // DONE_XCHUNK: a chunk of a cross-node stream written before its last (the sender's record)
 enum : int { DONE_SAME_NODE = 0, DONE_SENT = 1, DONE_RECEIVED = 2, DONE_CHUNK = 3, DONE_XCHUNK = 4 };
 
+struct LaneCall {  // a CALL for Python (lane.cpp handle_call): who asked, its request
+  int fd = -1;
+  std::string session;
+  uint32_t seq = 0, kind = 0;
+  std::string rid, body;
+};
+
 struct Completion {
   std::string tid, bs, sender_session, error;
   int kind = DONE_SAME_NODE;

@@ -11,7 +11,7 @@
 namespace kvlane {
 
 // ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
-enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4 };
+enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4, MSG_CALL = 5 };
 // FALLBACK: make the call over gRPC. A later chunk of a transfer the lane has: INVALID, the chunk
 // is refused and nothing changed (the transfer goes on: INVALID_ARGUMENT); REFUSED, the transfer
 // has ended or ends FAILED now, with the message (FAILED_PRECONDITION).
@@ -31,6 +31,14 @@ struct ChunkTrailer {
 struct AuxHdr {
   uint32_t name_len, n_rows;
 };
+// A call Python answers (ExpectDelta, kind CALL_EXPECT): the request id, then the serialized
+// request; the REPLY carries the serialized response (ACCEPTED), the error (REPLY_ERROR: its gRPC
+// code name, a newline, its message), or FALLBACK (make the call over gRPC).
+struct CallHdr {
+  uint32_t type, seq, kind, rid_len, body_len;
+};
+enum : uint32_t { CALL_EXPECT = 1 };
+constexpr int32_t REPLY_ERROR = 4;
 struct SendToHdr {  // SEND to another node's service: + the receiving service's address
   uint32_t type, seq, n_src, tid_len, bs_len, flags, addr_len;
 };
