@@ -26,7 +26,7 @@ class Tier:
 
     host_tier_gb: float = opt(
         -1.0,
-        "Host memory of the KV tier, GiB (pinned when CUDA is present). -1: 10% of the RAM free at "
+        "Host memory of the KV tier, GiB (pinned when CUDA is present). -1: a tenth of the RAM free at "
         "start, at most 64 GiB; 0 turns the tier off.",
     )
     host_tier_layouts: int = opt(
@@ -50,7 +50,7 @@ class Tier:
 
     def validate(self) -> None:
         if self.host_tier_gb < 0 and self.host_tier_gb != -1:
-            raise ConfigError("host_tier_gb: must be >= 0 GiB, or -1 for 10% of the free RAM")
+            raise ConfigError("host_tier_gb: must be >= 0 GiB, or -1 for a tenth of the free RAM")
         check_range("host_tier_layouts", self.host_tier_layouts, 1, 64)
         if not self.host_tier_fill_gbps > 0:
             raise ConfigError("host_tier_fill_gbps: must be > 0 GB/s")
