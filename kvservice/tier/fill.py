@@ -48,7 +48,7 @@ class Filler:
         self.rate = fill_gbps * 1e9  # bytes per second
         self._queue: collections.deque[tuple[str, np.ndarray]] = collections.deque()
         self._cv = threading.Condition()
-        self._pages = 0  # pages queued
+        self._pages = 0  # hashes queued, not yet taken by the thread (the backlog)
         self._busy = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -88,6 +88,7 @@ class Filler:
                 if self._stop:
                     return
                 bs_id, hashes = self._queue.popleft()
+                self._pages = max(0, self._pages - int(hashes.size))
                 self._busy = True
             try:
                 self._fill(bs_id, hashes)
@@ -95,7 +96,6 @@ class Filler:
                 log.exception("host tier fill failed", extra={"buffer_set_id": bs_id})
             finally:
                 with self._cv:
-                    self._pages = max(0, self._pages - int(hashes.size))
                     self._busy = False
                     self._cv.notify_all()
 
