@@ -147,15 +147,16 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             resp.matches[-1].tier_pages = in_tier
         if lease is not None:
             node.tier.lease(lease, matches, hashes)
+        elif request.lease_ttl_ms and any(tier_pages):
+            lease = node.tier.lease_alone(session, request.lease_ttl_ms, matches, hashes)  # type: ignore[arg-type]
+        if lease is not None:
             resp.lease_id, resp.lease_expires_unix_ms = lease.lease_id, lease.expires_unix_ms
         return resp
 
     @grpc_errors
     @replayable
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:
-        session_id = self._session(context)
-        self.node.tier.tier.release_lease(request.lease_id, session_id)
-        self.node.index.release_lease(request.lease_id, session_id)
+        self.node.tier.release_lease(request.lease_id, self._session(context))
         return pb.ReleaseLeaseResponse()
 
     @grpc_errors

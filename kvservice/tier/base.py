@@ -32,8 +32,9 @@ pin and unpin. ``match`` refreshes recency. Every method validates its input bef
 anything: a call that raises changed nothing.
 
 Errors (``kvservice.errors``): malformed hashes -> ``InvalidArgument`` naming the field; a load
-of a hash the tier does not hold -> ``FailedPrecondition`` naming it; an unknown or foreign
-lease on release -> False (the index owns the lease's error), never an exception.
+of a hash the tier does not hold -> ``FailedPrecondition`` naming it; releasing another
+session's lease -> ``PermissionDenied``; an unknown lease on release -> False (the index may
+know it: the caller decides whether that is NotFound).
 
 Thread safety: every method takes the tier's lock; copies run outside it on reserved or pinned
 slots, which nobody else touches.
@@ -189,7 +190,8 @@ class HostTierBase(abc.ABC):
 
     @abc.abstractmethod
     def release_lease(self, lease_id: str, owner: str) -> bool:
-        """Unpin a lease; False when the tier has no such lease of ``owner``."""
+        """Unpin a lease; False when the tier has no such lease, PermissionDenied when it is another
+        owner's."""
 
     @abc.abstractmethod
     def release_owner(self, owner: str) -> int:

@@ -5,12 +5,14 @@ node; the filler follows the index as a listener."""
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 
 import numpy as np
 
 from ..buffers import BufferRegistry, BufferSet
 from ..config import Config
-from ..errors import InvalidArgument, NotFound
+from ..errors import InvalidArgument, NotFound, ResourceExhausted
 from ..index.base import Lease, Match
 from ..index.prefix_index import PrefixIndex, as_hashes
 from ._copy import from_tier, to_tier
@@ -146,6 +148,29 @@ class TierCalls:
         return sum(
             self.tier.lease(lease.lease_id, lease.owner, lease.expires_unix_ms, k, hashes) for k in keys
         )
+
+    def lease_alone(self, owner: str, ttl_ms: int, matches: list[Match], hashes: np.ndarray) -> Lease | None:
+        """A lease of the tier's pages alone, for a MatchPrefix whose candidates hold none of the
+        prefix in their pools (the index took no lease); None when the tier holds none either.
+        It counts towards ``max_leases_per_session`` like the index's."""
+        cap = self.config.limits.max_leases_per_session
+        if self.index.lease_count(owner) + self.tier.lease_count(owner) >= cap:
+            raise ResourceExhausted(
+                f"max_leases_per_session: this session already holds {cap} live leases; release some"
+            )
+        lease = Lease(uuid.uuid4().hex, owner, int(time.time() * 1000) + ttl_ms, 0)
+        pinned = self.lease(lease, matches, hashes)
+        return Lease(lease.lease_id, owner, lease.expires_unix_ms, pinned) if pinned else None
+
+    def release_lease(self, lease_id: str, owner: str) -> None:
+        """Unpin a MatchPrefix lease in the tier and in the index (a tier-only lease has no index
+        part); NotFound / PermissionDenied from the index when neither knew it as ``owner``'s."""
+        released = self.tier.release_lease(lease_id, owner)
+        try:
+            self.index.release_lease(lease_id, owner)
+        except NotFound:
+            if not released:
+                raise
 
     def close(self) -> None:
         self.filler.close()

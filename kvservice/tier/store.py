@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import FailedPrecondition, InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..index.prefix_index import as_hashes
 from ._memory import host_pages
 from ._slots import HELD, Slots
@@ -253,8 +253,10 @@ class HostTier(HostTierBase):
     def release_lease(self, lease_id: str, owner: str) -> bool:
         with self._lock:
             rec = self._leases.get(lease_id)
-            if rec is None or rec.owner != owner:
+            if rec is None:
                 return False
+            if rec.owner != owner:
+                raise PermissionDenied(f"lease {lease_id!r} belongs to another session")
             self._release(lease_id)
             return True
 
@@ -274,6 +276,11 @@ class HostTier(HostTierBase):
     def expire_leases(self, now_ms: int | None = None) -> int:
         with self._lock:
             return self._expire(self._clock() if now_ms is None else now_ms)
+
+    def lease_count(self, owner: str) -> int:
+        """Live tier leases of ``owner`` (expired ones included until the next expiry pass)."""
+        with self._lock:
+            return sum(1 for r in self._leases.values() if r.owner == owner)
 
     def leases(self) -> int:
         with self._lock:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvservice.errors import FailedPrecondition, InvalidArgument
+from kvservice.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvservice.tier import HostTier, LayoutKey
 
 KEY = LayoutKey("mha", 2, 4, 2, 2, 8, 8, "float16", 1, 0, "nhd")
@@ -104,7 +104,9 @@ def test_release_and_expiry_unpin_a_lease() -> None:
     store(t, h(1, 2))
     t.lease("A", "s", 5_000, KEY, h(1))
     t.lease("B", "s", 500, KEY, h(1, 2))
-    assert not t.release_lease("A", "other") and t.release_lease("A", "s")
+    with pytest.raises(PermissionDenied):
+        t.release_lease("A", "other")
+    assert not t.release_lease("Z", "s") and t.release_lease("A", "s")
     t.check_integrity()
     assert t.expire_leases(now_ms=600) == 1
     t.check_integrity()

@@ -10,6 +10,7 @@ from kvservice_client import (
     FailedPrecondition,
     InvalidArgument,
     Layout,
+    NotFound,
     PermissionDenied,
     ShmKVPool,
     page_hashes,
@@ -226,3 +227,19 @@ def test_tier_off_stores_nothing(make_server) -> None:
         assert e.kv.get_stats().tier.capacity_bytes == 0
     finally:
         e.close()
+
+
+def test_a_tier_only_prefix_gets_a_lease_of_its_own(engines, server) -> None:
+    """With no pool holding the prefix, a lease pins the tier's pages; ReleaseLease ends it once."""
+    a, b = engines
+    a.offload([0, 1, 2], HASHES[:3])
+    m = b.kv.match_prefix(tokens=TOKENS, page_size=4, lease_ttl_ms=10_000)
+    assert m.lease_id and m.best.matched_pages == 0
+    t = tier(server)
+    assert t.tier.leases() == 1 and server.node.index.stats().leases == 0
+    with pytest.raises(PermissionDenied):
+        a.kv.release_lease(m.lease_id)
+    b.kv.release_lease(m.lease_id)
+    assert tier(server).tier.leases() == 0
+    with pytest.raises(NotFound):
+        b.kv.release_lease(m.lease_id)

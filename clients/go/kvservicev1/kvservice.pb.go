@@ -1431,7 +1431,9 @@ type MatchPrefixResponse struct {
 	Matches []*PrefixMatch `protobuf:"bytes,1,rep,name=matches,proto3" json:"matches,omitempty"`
 	// Full pages in the query.
 	QueryPages uint32 `protobuf:"varint,2,opt,name=query_pages,json=queryPages,proto3" json:"query_pages,omitempty"`
-	// Lease pinning every match with matched_pages > 0 (empty when no lease was asked for).
+	// Lease pinning every match with matched_pages > 0 and the host tier's pages of the prefix (a
+	// lease of the tier's pages alone when no pool holds any); empty when no lease was asked for
+	// or nothing matched.
 	LeaseId string `protobuf:"bytes,3,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	// Lease expiry, unix time in milliseconds.
 	LeaseExpiresUnixMs uint64 `protobuf:"varint,4,opt,name=lease_expires_unix_ms,json=leaseExpiresUnixMs,proto3" json:"lease_expires_unix_ms,omitempty"`
