@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +47,18 @@ def _pages(bs: BufferSet, page_indices: np.ndarray, field: str = "page_indices")
     if np.unique(pages).size != pages.size:
         raise InvalidArgument(field, "duplicate page indices")
     return pages.astype(np.int64)
+
+
+async def _copy_to_end(fn: Callable[..., None], *args: Any) -> None:
+    """Run a copy on a worker thread; a cancelled caller still waits for it to end, because the
+    copy owns its reserved or pinned slots until then (freeing them under it would hand them to
+    another copy while it still writes or reads them)."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait({fut})
+        raise
 
 
 class TierCalls:
@@ -90,7 +104,7 @@ class TierCalls:
         key = LayoutKey.of(bs.layout)
         res = self.tier.reserve(key, bs.page_bytes, h)
         try:
-            await asyncio.to_thread(to_tier, bs, pages[res.positions], self.tier.slots_view(key), res.slots)
+            await _copy_to_end(to_tier, bs, pages[res.positions], self.tier.slots_view(key), res.slots)
         except BaseException:
             self.tier.abort(res)
             raise
@@ -112,7 +126,7 @@ class TierCalls:
         load = self.tier.begin_load(key, h)
         loaded = False
         try:
-            await asyncio.to_thread(from_tier, bs, pages, self.tier.slots_view(key), load.slots)
+            await _copy_to_end(from_tier, bs, pages, self.tier.slots_view(key), load.slots)
             loaded = True
         finally:
             self.tier.end_load(load, loaded)
