@@ -236,6 +236,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             landing_pages=landing.pages if landing is not None else None,
             landing_aux=convert.landing_aux(landing.aux) if landing is not None else None,
         )
+        if request.from_tier:
+            await self.node.tier.source_from_tier(inc)
         if landing is not None:
             rec = await engine.landing.expect(inc, landing.ttl_ms, request.sender_address)
         else:

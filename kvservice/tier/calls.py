@@ -17,6 +17,7 @@ from ..config import Config
 from ..errors import InvalidArgument, NotFound, ResourceExhausted
 from ..index.base import Lease, Match
 from ..index.prefix_index import PrefixIndex, as_hashes
+from ..transfer.load import expected_bytes
 from ._copy import from_tier, to_tier
 from .base import LayoutKey
 from .fill import Filler
@@ -131,6 +132,44 @@ class TierCalls:
         finally:
             self.tier.end_load(load, loaded)
         return int(pages.size)
+
+    # -- ExpectDelta from_tier -----------------------------------------------------------
+
+    async def source_from_tier(self, inc: Any) -> int:
+        """Copy the tier's leading run of the declaration's pages past its prefix into their dst
+        pages and make them part of the prefix (a ``transfer.receiver.Incoming``, validated and
+        not yet declared); returns pages loaded. The last page is left to the senders.
+
+        ::
+
+            sequence   0 .. prefix-1 | prefix .. prefix+n-1 | .. total-1
+            from       engine's pool | the tier (this call) | senders
+            dst        prefix_idx    | dst[:n]              | dst[n:]
+        """
+        if inc.landing is not None:
+            raise InvalidArgument("from_tier", "is not for a landing transfer (claim it instead)")
+        if inc.publish_hashes is None:
+            raise InvalidArgument("from_tier", "needs publish_tokens or publish_hashes (the pages' hashes)")
+        if not self.tier.enabled or inc.dst_pages.size < 2:
+            return 0
+        key = LayoutKey.of(inc.bs.layout)
+        want = inc.publish_hashes[inc.prefix_pages : inc.prefix_pages + inc.dst_pages.size - 1]
+        held = self.tier.held(key, want)
+        n = int(np.argmin(held)) if not held.all() else int(held.size)
+        if n == 0:
+            return 0
+        load = self.tier.begin_load(key, want[:n])
+        loaded = False
+        try:
+            await _copy_to_end(from_tier, inc.bs, inc.dst_pages[:n], self.tier.slots_view(key), load.slots)
+            loaded = True
+        finally:
+            self.tier.end_load(load, loaded)
+        inc.prefix_page_indices = np.concatenate([inc.prefix_page_indices, inc.dst_pages[:n]])
+        inc.dst_pages = inc.dst_pages[n:]
+        inc.prefix_pages += n
+        inc.rec.expected_bytes = expected_bytes(inc.bs, int(inc.dst_pages.size), inc.aux)
+        return n
 
     # -- MatchPrefix -----------------------------------------------------------------------
 

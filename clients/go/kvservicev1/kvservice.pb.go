@@ -2136,7 +2136,12 @@ type ExpectDeltaRequest struct {
 	// into the engine's pages (DONE). Refused with RESOURCE_EXHAUSTED at once when the pool cannot
 	// hold them. A landing's aux rows are counted in Landing.aux (aux stays empty): they land in the
 	// landing pool too, and the Claim names their destination rows.
-	Landing       *Landing `protobuf:"bytes,13,opt,name=landing,proto3" json:"landing,omitempty"`
+	Landing *Landing `protobuf:"bytes,13,opt,name=landing,proto3" json:"landing,omitempty"`
+	// Host tier: the leading run of pages from prefix_pages on that the node's host tier holds (by
+	// the publish hashes, so publish_tokens or publish_hashes is required) is copied from the tier
+	// into its dst pages before this call returns, and the senders skip those pages like the prefix
+	// (they count in pages_skipped). The last page always comes from a sender. Not with landing.
+	FromTier      bool `protobuf:"varint,14,opt,name=from_tier,json=fromTier,proto3" json:"from_tier,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2271,6 +2276,13 @@ func (x *ExpectDeltaRequest) GetLanding() *Landing {
 		return x.Landing
 	}
 	return nil
+}
+
+func (x *ExpectDeltaRequest) GetFromTier() bool {
+	if x != nil {
+		return x.FromTier
+	}
+	return false
 }
 
 type isExpectDeltaRequest_Publish interface {
@@ -4885,7 +4897,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x10\n" +
 	"\x03all\x18\x03 \x01(\bR\x03all\"9\n" +
 	"\x12EvictPagesResponse\x12#\n" +
-	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xdb\x04\n" +
+	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xf8\x04\n" +
 	"\x12ExpectDeltaRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
@@ -4902,7 +4914,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	" \x03(\rR\x11prefixPageIndices\x12'\n" +
 	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSenders\x12%\n" +
 	"\x0esender_address\x18\f \x01(\tR\rsenderAddress\x12/\n" +
-	"\alanding\x18\r \x01(\v2\x15.kvservice.v1.LandingR\alandingB\t\n" +
+	"\alanding\x18\r \x01(\v2\x15.kvservice.v1.LandingR\alanding\x12\x1b\n" +
+	"\tfrom_tier\x18\x0e \x01(\bR\bfromTierB\t\n" +
 	"\apublish\"b\n" +
 	"\aLanding\x12\x14\n" +
 	"\x05pages\x18\x01 \x01(\rR\x05pages\x12\x15\n" +

@@ -312,7 +312,7 @@ class EvictPagesResponse(_message.Message):
     def __init__(self, evicted_pages: _Optional[int] = ...) -> None: ...
 
 class ExpectDeltaRequest(_message.Message):
-    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address", "landing")
+    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address", "landing", "from_tier")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,7 @@ class ExpectDeltaRequest(_message.Message):
     ALLOWED_SENDERS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANDING_FIELD_NUMBER: _ClassVar[int]
+    FROM_TIER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     buffer_set_id: str
     prefix_pages: int
@@ -339,7 +340,8 @@ class ExpectDeltaRequest(_message.Message):
     allowed_senders: _containers.RepeatedScalarFieldContainer[str]
     sender_address: str
     landing: Landing
-    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ...) -> None: ...
+    from_tier: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ..., from_tier: bool = ...) -> None: ...
 
 class Landing(_message.Message):
     __slots__ = ("pages", "ttl_ms", "aux")
