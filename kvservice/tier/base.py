@@ -31,6 +31,11 @@ HELD slots for a copy out and ``end_load`` unpins them. ``lease``/``release*``/`
 pin and unpin. ``match`` refreshes recency. Every method validates its input before changing
 anything: a call that raises changed nothing.
 
+NOTE: a hash being filled counts as held for a later reserve (it is not copied twice); should
+that fill be dropped (its engine evicted the page mid-copy), the page is lost to the tier, never
+stored wrong: an OffloadPages that met it as ``already_held`` may have let its engine overwrite
+its own copy. Rare (an evict racing two copies of one hash), and it costs a recompute only.
+
 Errors (``kvservice.errors``): malformed hashes -> ``InvalidArgument`` naming the field; a load
 of a hash the tier does not hold -> ``FailedPrecondition`` naming it; releasing another
 session's lease -> ``PermissionDenied``; an unknown lease on release -> False (the index may
