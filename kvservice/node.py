@@ -36,6 +36,7 @@ from .index.calls import IndexCalls
 from .latest import LatestQueue
 from .peers_allow import peer_allowed
 from .sessions import Session, SessionRegistry
+from .tier import TierCalls
 
 __all__ = ["Node", "VERSION"]
 
@@ -71,6 +72,7 @@ class Node:
         self.index = PrefixIndex()
         self.transfers: Any = None
         self.prefix = IndexCalls(config, self.index, self.buffers, lambda: self.transfers)
+        self.tier = TierCalls(config, self.index, self.buffers)  # the host tier (issue 49)
         self.draining = False
         self.shutdown_settle_s = SHUTDOWN_SETTLE_S
         self._settle_by: float | None = None  # the shutdown's bound, from its first bounded step
@@ -168,6 +170,7 @@ class Node:
     def _release_session(self, session_id: str) -> None:
         self._notices.pop(session_id, None)
         self.index.release_owner(session_id)
+        self.tier.tier.release_owner(session_id)
         self.buffers.release_session(session_id)
 
     # -- buffers ---------------------------------------------------------------------------
@@ -268,6 +271,7 @@ class Node:
 
     async def close(self) -> None:
         self.prefix.close()
+        self.tier.close()
         for task in list(self._session_timers):
             task.cancel()
         for sid in self.sessions.ids():

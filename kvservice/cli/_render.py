@@ -53,9 +53,23 @@ def header(s: pb.GetStatsResponse, address: str) -> Panel:
         f"{ix.leases} leases, hit {hit}  transfers: {t.in_flight} in flight, {t.done} done, "
         f"{t.failed} failed, {t.aborted} aborted",
     ]
+    lines.append(_tier_line(s.tier))
     if s.scope_note:
         lines.append(f"[yellow]{s.scope_note}[/]")
     return Panel("\n".join(lines), title="kvservice", title_align="left")
+
+
+def _tier_line(tr: pb.TierStats) -> str:
+    """The host tier in one line: size, pages, hit rate, evictions, fill backlog."""
+    if not tr.capacity_bytes:
+        return "host tier [dim]off[/]"
+    asked = tr.hit_pages + tr.miss_pages
+    hit = f"{100 * tr.hit_pages / asked:.1f}%" if asked else "-"
+    return (
+        f"host tier {human_bytes(tr.used_bytes)} / {human_bytes(tr.capacity_bytes)}, {tr.held_pages} pages "
+        f"in {tr.layouts} layouts, hit {hit}, {tr.evicted_pages} evicted, {tr.loaded_pages} loaded, "
+        f"fill backlog {tr.fill_backlog_pages} pages"
+    )
 
 
 def routes(s: pb.GetStatsResponse) -> Table:

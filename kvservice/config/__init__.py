@@ -1,5 +1,5 @@
 """Service configuration: a frozen ``Config`` of frozen option groups (listen, security,
-transfer, data_plane, index, limits, observability, tuning), filled from (highest first)
+transfer, data_plane, index, limits, observability, tuning, tier), filled from (highest first)
 command-line flags, ``KVSERVICE_*`` environment variables, an optional YAML file and the
 defaults, validated once at start with messages that name the option.
 
@@ -18,6 +18,7 @@ from .limits import Limits
 from .listen import Listen
 from .observability import Observability
 from .security import Security
+from .tier import Tier
 from .transfer import Transfer
 from .tuning import Tuning
 
@@ -33,6 +34,7 @@ __all__ = [
     "Listen",
     "Observability",
     "Security",
+    "Tier",
     "Transfer",
     "Tuning",
     "add_flags",

@@ -12,6 +12,7 @@ from .limits import Limits
 from .listen import Listen
 from .observability import Observability
 from .security import Security
+from .tier import Tier
 from .transfer import Transfer
 from .tuning import Tuning
 
@@ -32,6 +33,7 @@ class Config:
     limits: Limits = dataclasses.field(default_factory=Limits)
     observability: Observability = dataclasses.field(default_factory=Observability)
     tuning: Tuning = dataclasses.field(default_factory=Tuning)
+    tier: Tier = dataclasses.field(default_factory=Tier)
 
     def validate(self) -> Config:
         """Return self if every option is valid, else raise ConfigError naming the option."""
@@ -43,6 +45,7 @@ class Config:
         self.security.validate(self.listen.tcp_address, self.listen.peer_tcp_address)
         self.limits.validate()
         self.observability.validate()
+        self.tier.validate()
         return self
 
     if not TYPE_CHECKING:  # mypy flags a flat name; at run time it still reads, with a warning
@@ -80,6 +83,7 @@ GROUPS: tuple[tuple[str, type], ...] = (
     ("limits", Limits),
     ("observability", Observability),
     ("tuning", Tuning),
+    ("tier", Tier),
 )
 
 # the names a group answers: its fields and its properties and methods

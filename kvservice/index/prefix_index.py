@@ -305,6 +305,31 @@ class PrefixIndex(PrefixIndexBase):
             live = bs.live_slots()
             return int(np.count_nonzero(bs.duplicated(live)))
 
+    def page_entries(
+        self, buffer_set_id: str, hashes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(hashes, page indices, slots, epochs) of the hashes indexed with a page in the buffer
+        set, in query order; absent hashes and presence-only sets give nothing. With
+        ``entries_alive`` a copier learns whether a page was evicted while it read it."""
+        h = as_hashes(hashes)
+        with self._lock:
+            bs = self._set(buffer_set_id)
+            if bs.spec.presence_only:
+                return h[:0], _EMPTY, _EMPTY.astype(np.int32), _EMPTY.astype(np.int32)
+            slots = bs.find(h)
+            ok = slots >= 0
+            slots = slots[ok]
+            return h[ok], bs.E[slots, K.PAGE].astype(np.int64), slots, bs.E[slots, K.EPOCH].copy()
+
+    def hashes_at(self, buffer_set_id: str, page_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(hash, indexed) of each page index of the buffer set (hash 0 where none is indexed)."""
+        with self._lock:
+            bs = self._set(buffer_set_id)
+            pages = bs.check_pages(page_indices)
+            slots = bs.page_slot[pages]
+            ok = slots >= 0
+            return np.where(ok, bs.H[np.maximum(slots, 0)], np.uint64(0)).astype(np.uint64), ok
+
     def held(self, buffer_set_id: str, hashes: np.ndarray) -> np.ndarray:
         """Whether each hash is indexed in the buffer set (bool array)."""
         h = as_hashes(hashes)

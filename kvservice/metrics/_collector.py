@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ._landing import landing_metrics
+from ._tier import tier_metrics
 
 __all__ = ["NodeCollector"]
 
@@ -51,6 +52,7 @@ class NodeCollector(Collector):
             self._staging,
             self._index,
             self._landing,
+            self._tier,
         ):
             try:
                 yield from part()
@@ -208,6 +210,9 @@ class NodeCollector(Collector):
 
     def _landing(self) -> Iterator[Metric]:
         yield from landing_metrics(self._node.transfers)
+
+    def _tier(self) -> Iterator[Metric]:
+        yield from tier_metrics(self._node)
 
     def _index(self) -> Iterator[Metric]:
         st = self._node.index.stats()

@@ -15,6 +15,7 @@ from ..errors import InvalidArgument
 from ..index import IndexStats, Match
 from ..landing import LandedMatch, LandingStats
 from ..staging import StagingStats
+from ..tier import TierStats
 from ..transfer.load import Load
 from ..transfer.records import Record
 
@@ -212,4 +213,21 @@ def transfer_counts(e: TransferEngine) -> kvservice_pb2.TransferCounts:
         failed=counts["FAILED"],
         aborted=counts["ABORTED"],
         queue_depth={k: v for k, v in e.sender.queue_depth.items() if v},
+    )
+
+
+def tier_stats(st: TierStats) -> kvservice_pb2.TierStats:
+    return kvservice_pb2.TierStats(
+        capacity_bytes=st.capacity_bytes,
+        used_bytes=st.used_bytes,
+        held_pages=st.held_pages,
+        layouts=st.layouts,
+        hit_pages=st.hits,
+        miss_pages=st.misses,
+        evicted_pages=st.evictions,
+        stored_pages=st.stored_pages,
+        stored_bytes=st.stored_bytes,
+        duplicate_pages=st.duplicate_pages,
+        loaded_pages=st.loaded_pages,
+        fill_backlog_pages=st.fill_backlog_pages,
     )

@@ -143,9 +143,15 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         )
         resp = pb.MatchPrefixResponse(query_pages=int(hashes.size))
         landing = node.transfers.landing if node.transfers is not None else None
-        for m in matches:
+        tier_pages = node.tier.tier_pages(matches, hashes, touch=not request.scores_only)
+        for m, in_tier in zip(matches, tier_pages, strict=True):
             landed = landing.match(hashes, m.buffer_set_id) if landing is not None else None
             resp.matches.append(convert.prefix_match(m, node.load_of(m.buffer_set_id), landed))
+            resp.matches[-1].tier_pages = in_tier
+        if lease is not None:
+            node.tier.lease(lease, matches, hashes)
+        elif request.lease_ttl_ms and any(tier_pages):
+            lease = node.tier.lease_alone(session, request.lease_ttl_ms, matches, hashes)  # type: ignore[arg-type]
         if lease is not None:
             resp.lease_id, resp.lease_expires_unix_ms = lease.lease_id, lease.expires_unix_ms
         return resp
@@ -153,7 +159,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     @grpc_errors
     @replayable
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:
-        self.node.index.release_lease(request.lease_id, self._session(context))
+        self.node.tier.release_lease(request.lease_id, self._session(context))
         return pb.ReleaseLeaseResponse()
 
     @grpc_errors
@@ -180,6 +186,30 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             request.all,
         )
         return pb.EvictPagesResponse(evicted_pages=n)
+
+    @grpc_errors
+    @replayable
+    async def OffloadPages(self, request: pb.OffloadPagesRequest, context: Ctx) -> pb.OffloadPagesResponse:
+        done = await self.node.tier.offload_pages(
+            self._session(context),
+            request.buffer_set_id,
+            np.asarray(request.page_indices, dtype=np.int64),
+            np.asarray(request.hashes, dtype=np.uint64),
+        )
+        return pb.OffloadPagesResponse(
+            stored_pages=done.stored, already_held=done.already_held, not_stored=done.not_stored
+        )
+
+    @grpc_errors
+    @replayable
+    async def LoadPages(self, request: pb.LoadPagesRequest, context: Ctx) -> pb.LoadPagesResponse:
+        n = await self.node.tier.load_pages(
+            self._session(context),
+            request.buffer_set_id,
+            np.asarray(request.page_indices, dtype=np.int64),
+            np.asarray(request.hashes, dtype=np.uint64),
+        )
+        return pb.LoadPagesResponse(loaded_pages=n)
 
     # NOTE: the transfer calls' bodies (_expect, _send, _abort) serve the unary RPCs and the
     # Transfers stream alike.
@@ -209,6 +239,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             landing_pages=landing.pages if landing is not None else None,
             landing_aux=convert.landing_aux(landing.aux) if landing is not None else None,
         )
+        if request.from_tier:
+            await self.node.tier.source_from_tier(inc)
         if landing is not None:
             rec = await engine.landing.expect(inc, landing.ttl_ms, request.sender_address)
         else:

@@ -43,6 +43,7 @@ def stats_response(
     resp.buffer_sets_total = len(all_sets)
     resp.scope_note = viewer.scope_note(len(all_sets), len(resp.buffer_sets))
     resp.index.CopyFrom(convert.index_stats(node.index.stats()))
+    resp.tier.CopyFrom(convert.tier_stats(node.tier.tier.stats()))
     window_s = window_ms / 1000 if window_ms else DEFAULT_WINDOW_S
     resp.activity.window_ms = int(activity.window_s(window_s) * 1000)
     for w in activity.window(window_s):

@@ -1154,8 +1154,13 @@ type PrefixMatch struct {
 	LandedPages uint32 `protobuf:"varint,9,opt,name=landed_pages,json=landedPages,proto3" json:"landed_pages,omitempty"`
 	// The landed transfer those pages belong to (ClaimRequest.transfer_id); "" when landed_pages is 0.
 	LandedTransferId string `protobuf:"bytes,10,opt,name=landed_transfer_id,json=landedTransferId,proto3" json:"landed_transfer_id,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Leading pages of the prompt the node's host tier holds in this buffer set's layout (counted
+	// from the first page, whatever matched_pages is): pages matched_pages..tier_pages-1 can be
+	// restored with LoadPages instead of a transfer or a prefill. With a lease they are pinned
+	// in the tier too. 0 when the tier is off or holds none.
+	TierPages     uint32 `protobuf:"varint,11,opt,name=tier_pages,json=tierPages,proto3" json:"tier_pages,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PrefixMatch) Reset() {
@@ -1256,6 +1261,13 @@ func (x *PrefixMatch) GetLandedTransferId() string {
 		return x.LandedTransferId
 	}
 	return ""
+}
+
+func (x *PrefixMatch) GetTierPages() uint32 {
+	if x != nil {
+		return x.TierPages
+	}
+	return 0
 }
 
 // Transfer load of one buffer set (an engine rank), as routers see it in MatchPrefix.
@@ -1419,7 +1431,9 @@ type MatchPrefixResponse struct {
 	Matches []*PrefixMatch `protobuf:"bytes,1,rep,name=matches,proto3" json:"matches,omitempty"`
 	// Full pages in the query.
 	QueryPages uint32 `protobuf:"varint,2,opt,name=query_pages,json=queryPages,proto3" json:"query_pages,omitempty"`
-	// Lease pinning every match with matched_pages > 0 (empty when no lease was asked for).
+	// Lease pinning every match with matched_pages > 0 and the host tier's pages of the prefix (a
+	// lease of the tier's pages alone when no pool holds any); empty when no lease was asked for
+	// or nothing matched.
 	LeaseId string `protobuf:"bytes,3,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	// Lease expiry, unix time in milliseconds.
 	LeaseExpiresUnixMs uint64 `protobuf:"varint,4,opt,name=lease_expires_unix_ms,json=leaseExpiresUnixMs,proto3" json:"lease_expires_unix_ms,omitempty"`
@@ -1730,6 +1744,246 @@ func (x *PublishPagesResponse) GetInsertedPages() uint32 {
 	return 0
 }
 
+// Pages of a buffer set to keep in the host tier.
+type OffloadPagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Buffer set (from RegisterBuffers, owned by the calling session) whose pages are copied.
+	BufferSetId string `protobuf:"bytes,1,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
+	// Page indices to copy (distinct, in range).
+	PageIndices []uint32 `protobuf:"varint,2,rep,packed,name=page_indices,json=pageIndices,proto3" json:"page_indices,omitempty"`
+	// The chained hash of each page, one per page index. Empty: the hashes the index holds for
+	// those pages (each page must then be indexed, else INVALID_ARGUMENT naming it).
+	Hashes        []uint64 `protobuf:"varint,3,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OffloadPagesRequest) Reset() {
+	*x = OffloadPagesRequest{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OffloadPagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OffloadPagesRequest) ProtoMessage() {}
+
+func (x *OffloadPagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OffloadPagesRequest.ProtoReflect.Descriptor instead.
+func (*OffloadPagesRequest) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *OffloadPagesRequest) GetBufferSetId() string {
+	if x != nil {
+		return x.BufferSetId
+	}
+	return ""
+}
+
+func (x *OffloadPagesRequest) GetPageIndices() []uint32 {
+	if x != nil {
+		return x.PageIndices
+	}
+	return nil
+}
+
+func (x *OffloadPagesRequest) GetHashes() []uint64 {
+	if x != nil {
+		return x.Hashes
+	}
+	return nil
+}
+
+// What an OffloadPages copied.
+type OffloadPagesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Pages copied into the tier.
+	StoredPages uint32 `protobuf:"varint,1,opt,name=stored_pages,json=storedPages,proto3" json:"stored_pages,omitempty"`
+	// Pages the tier already held (not copied again).
+	AlreadyHeld uint32 `protobuf:"varint,2,opt,name=already_held,json=alreadyHeld,proto3" json:"already_held,omitempty"`
+	// Pages not kept: the tier is off, or every slot of its arena was leased or being filled.
+	NotStored     uint32 `protobuf:"varint,3,opt,name=not_stored,json=notStored,proto3" json:"not_stored,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OffloadPagesResponse) Reset() {
+	*x = OffloadPagesResponse{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OffloadPagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OffloadPagesResponse) ProtoMessage() {}
+
+func (x *OffloadPagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OffloadPagesResponse.ProtoReflect.Descriptor instead.
+func (*OffloadPagesResponse) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *OffloadPagesResponse) GetStoredPages() uint32 {
+	if x != nil {
+		return x.StoredPages
+	}
+	return 0
+}
+
+func (x *OffloadPagesResponse) GetAlreadyHeld() uint32 {
+	if x != nil {
+		return x.AlreadyHeld
+	}
+	return 0
+}
+
+func (x *OffloadPagesResponse) GetNotStored() uint32 {
+	if x != nil {
+		return x.NotStored
+	}
+	return 0
+}
+
+// Pages to restore from the host tier into a buffer set.
+type LoadPagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Buffer set (from RegisterBuffers, owned by the calling session) whose pages are written.
+	BufferSetId string `protobuf:"bytes,1,opt,name=buffer_set_id,json=bufferSetId,proto3" json:"buffer_set_id,omitempty"`
+	// Destination page indices (distinct, in range); the engine must not use them until the call
+	// returns.
+	PageIndices []uint32 `protobuf:"varint,2,rep,packed,name=page_indices,json=pageIndices,proto3" json:"page_indices,omitempty"`
+	// The hash of the page to write at each page index (MatchPrefix's hashes of the prompt).
+	Hashes        []uint64 `protobuf:"varint,3,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadPagesRequest) Reset() {
+	*x = LoadPagesRequest{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadPagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadPagesRequest) ProtoMessage() {}
+
+func (x *LoadPagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadPagesRequest.ProtoReflect.Descriptor instead.
+func (*LoadPagesRequest) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *LoadPagesRequest) GetBufferSetId() string {
+	if x != nil {
+		return x.BufferSetId
+	}
+	return ""
+}
+
+func (x *LoadPagesRequest) GetPageIndices() []uint32 {
+	if x != nil {
+		return x.PageIndices
+	}
+	return nil
+}
+
+func (x *LoadPagesRequest) GetHashes() []uint64 {
+	if x != nil {
+		return x.Hashes
+	}
+	return nil
+}
+
+// What a LoadPages wrote.
+type LoadPagesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Pages written (all of the request).
+	LoadedPages   uint32 `protobuf:"varint,1,opt,name=loaded_pages,json=loadedPages,proto3" json:"loaded_pages,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadPagesResponse) Reset() {
+	*x = LoadPagesResponse{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadPagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadPagesResponse) ProtoMessage() {}
+
+func (x *LoadPagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadPagesResponse.ProtoReflect.Descriptor instead.
+func (*LoadPagesResponse) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *LoadPagesResponse) GetLoadedPages() uint32 {
+	if x != nil {
+		return x.LoadedPages
+	}
+	return 0
+}
+
 // Removes pages of a buffer set from the index (the engine freed or reused them).
 type EvictPagesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1746,7 +2000,7 @@ type EvictPagesRequest struct {
 
 func (x *EvictPagesRequest) Reset() {
 	*x = EvictPagesRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1758,7 +2012,7 @@ func (x *EvictPagesRequest) String() string {
 func (*EvictPagesRequest) ProtoMessage() {}
 
 func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[20]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1771,7 +2025,7 @@ func (x *EvictPagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesRequest.ProtoReflect.Descriptor instead.
 func (*EvictPagesRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{20}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *EvictPagesRequest) GetBufferSetId() string {
@@ -1806,7 +2060,7 @@ type EvictPagesResponse struct {
 
 func (x *EvictPagesResponse) Reset() {
 	*x = EvictPagesResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1818,7 +2072,7 @@ func (x *EvictPagesResponse) String() string {
 func (*EvictPagesResponse) ProtoMessage() {}
 
 func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[21]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1831,7 +2085,7 @@ func (x *EvictPagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvictPagesResponse.ProtoReflect.Descriptor instead.
 func (*EvictPagesResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{21}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *EvictPagesResponse) GetEvictedPages() uint32 {
@@ -1882,14 +2136,19 @@ type ExpectDeltaRequest struct {
 	// into the engine's pages (DONE). Refused with RESOURCE_EXHAUSTED at once when the pool cannot
 	// hold them. A landing's aux rows are counted in Landing.aux (aux stays empty): they land in the
 	// landing pool too, and the Claim names their destination rows.
-	Landing       *Landing `protobuf:"bytes,13,opt,name=landing,proto3" json:"landing,omitempty"`
+	Landing *Landing `protobuf:"bytes,13,opt,name=landing,proto3" json:"landing,omitempty"`
+	// Host tier: the leading run of pages from prefix_pages on that the node's host tier holds (by
+	// the publish hashes, so publish_tokens or publish_hashes is required) is copied from the tier
+	// into its dst pages before this call returns, and the senders skip those pages like the prefix
+	// (they count in pages_skipped). The last page always comes from a sender. Not with landing.
+	FromTier      bool `protobuf:"varint,14,opt,name=from_tier,json=fromTier,proto3" json:"from_tier,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExpectDeltaRequest) Reset() {
 	*x = ExpectDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1901,7 +2160,7 @@ func (x *ExpectDeltaRequest) String() string {
 func (*ExpectDeltaRequest) ProtoMessage() {}
 
 func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[22]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1914,7 +2173,7 @@ func (x *ExpectDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaRequest.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{22}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ExpectDeltaRequest) GetTransferId() string {
@@ -2019,6 +2278,13 @@ func (x *ExpectDeltaRequest) GetLanding() *Landing {
 	return nil
 }
 
+func (x *ExpectDeltaRequest) GetFromTier() bool {
+	if x != nil {
+		return x.FromTier
+	}
+	return false
+}
+
 type isExpectDeltaRequest_Publish interface {
 	isExpectDeltaRequest_Publish()
 }
@@ -2056,7 +2322,7 @@ type Landing struct {
 
 func (x *Landing) Reset() {
 	*x = Landing{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2068,7 +2334,7 @@ func (x *Landing) String() string {
 func (*Landing) ProtoMessage() {}
 
 func (x *Landing) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[23]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2081,7 +2347,7 @@ func (x *Landing) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Landing.ProtoReflect.Descriptor instead.
 func (*Landing) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{23}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *Landing) GetPages() uint32 {
@@ -2118,7 +2384,7 @@ type LandingAux struct {
 
 func (x *LandingAux) Reset() {
 	*x = LandingAux{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2130,7 +2396,7 @@ func (x *LandingAux) String() string {
 func (*LandingAux) ProtoMessage() {}
 
 func (x *LandingAux) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[24]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2143,7 +2409,7 @@ func (x *LandingAux) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LandingAux.ProtoReflect.Descriptor instead.
 func (*LandingAux) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{24}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *LandingAux) GetName() string {
@@ -2181,7 +2447,7 @@ type ClaimRequest struct {
 
 func (x *ClaimRequest) Reset() {
 	*x = ClaimRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2193,7 +2459,7 @@ func (x *ClaimRequest) String() string {
 func (*ClaimRequest) ProtoMessage() {}
 
 func (x *ClaimRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[25]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2206,7 +2472,7 @@ func (x *ClaimRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimRequest.ProtoReflect.Descriptor instead.
 func (*ClaimRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{25}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ClaimRequest) GetTransferId() string {
@@ -2257,7 +2523,7 @@ type ClaimResponse struct {
 
 func (x *ClaimResponse) Reset() {
 	*x = ClaimResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2269,7 +2535,7 @@ func (x *ClaimResponse) String() string {
 func (*ClaimResponse) ProtoMessage() {}
 
 func (x *ClaimResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[26]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2282,7 +2548,7 @@ func (x *ClaimResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClaimResponse.ProtoReflect.Descriptor instead.
 func (*ClaimResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{26}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ClaimResponse) GetStatus() *TransferStatus {
@@ -2310,7 +2576,7 @@ type ExpectDeltaResponse struct {
 
 func (x *ExpectDeltaResponse) Reset() {
 	*x = ExpectDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2322,7 +2588,7 @@ func (x *ExpectDeltaResponse) String() string {
 func (*ExpectDeltaResponse) ProtoMessage() {}
 
 func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[27]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2335,7 +2601,7 @@ func (x *ExpectDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpectDeltaResponse.ProtoReflect.Descriptor instead.
 func (*ExpectDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{27}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ExpectDeltaResponse) GetStatus() *TransferStatus {
@@ -2379,7 +2645,7 @@ type SendDeltaRequest struct {
 
 func (x *SendDeltaRequest) Reset() {
 	*x = SendDeltaRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2391,7 +2657,7 @@ func (x *SendDeltaRequest) String() string {
 func (*SendDeltaRequest) ProtoMessage() {}
 
 func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[28]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2404,7 +2670,7 @@ func (x *SendDeltaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaRequest.ProtoReflect.Descriptor instead.
 func (*SendDeltaRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{28}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SendDeltaRequest) GetTransferId() string {
@@ -2488,7 +2754,7 @@ type SendDeltaResponse struct {
 
 func (x *SendDeltaResponse) Reset() {
 	*x = SendDeltaResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2500,7 +2766,7 @@ func (x *SendDeltaResponse) String() string {
 func (*SendDeltaResponse) ProtoMessage() {}
 
 func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[29]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2513,7 +2779,7 @@ func (x *SendDeltaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendDeltaResponse.ProtoReflect.Descriptor instead.
 func (*SendDeltaResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{29}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SendDeltaResponse) GetStatus() *TransferStatus {
@@ -2534,7 +2800,7 @@ type PollRequest struct {
 
 func (x *PollRequest) Reset() {
 	*x = PollRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2546,7 +2812,7 @@ func (x *PollRequest) String() string {
 func (*PollRequest) ProtoMessage() {}
 
 func (x *PollRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[30]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2559,7 +2825,7 @@ func (x *PollRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollRequest.ProtoReflect.Descriptor instead.
 func (*PollRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{30}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *PollRequest) GetTransferIds() []string {
@@ -2581,7 +2847,7 @@ type PollResponse struct {
 
 func (x *PollResponse) Reset() {
 	*x = PollResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2593,7 +2859,7 @@ func (x *PollResponse) String() string {
 func (*PollResponse) ProtoMessage() {}
 
 func (x *PollResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[31]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2606,7 +2872,7 @@ func (x *PollResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PollResponse.ProtoReflect.Descriptor instead.
 func (*PollResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{31}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *PollResponse) GetStatuses() []*TransferStatus {
@@ -2629,7 +2895,7 @@ type WatchTransfersRequest struct {
 
 func (x *WatchTransfersRequest) Reset() {
 	*x = WatchTransfersRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2641,7 +2907,7 @@ func (x *WatchTransfersRequest) String() string {
 func (*WatchTransfersRequest) ProtoMessage() {}
 
 func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[32]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2654,7 +2920,7 @@ func (x *WatchTransfersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchTransfersRequest.ProtoReflect.Descriptor instead.
 func (*WatchTransfersRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{32}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *WatchTransfersRequest) GetTransferIds() []string {
@@ -2684,7 +2950,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2696,7 +2962,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[33]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2709,7 +2975,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{33}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *AbortRequest) GetTransferId() string {
@@ -2737,7 +3003,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2749,7 +3015,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[34]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2762,7 +3028,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{34}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *AbortResponse) GetStatuses() []*TransferStatus {
@@ -2793,7 +3059,7 @@ type PhaseTimings struct {
 
 func (x *PhaseTimings) Reset() {
 	*x = PhaseTimings{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2805,7 +3071,7 @@ func (x *PhaseTimings) String() string {
 func (*PhaseTimings) ProtoMessage() {}
 
 func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[35]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2818,7 +3084,7 @@ func (x *PhaseTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PhaseTimings.ProtoReflect.Descriptor instead.
 func (*PhaseTimings) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{35}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *PhaseTimings) GetQueueUs() uint64 {
@@ -2901,7 +3167,7 @@ type TransferStatus struct {
 
 func (x *TransferStatus) Reset() {
 	*x = TransferStatus{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2913,7 +3179,7 @@ func (x *TransferStatus) String() string {
 func (*TransferStatus) ProtoMessage() {}
 
 func (x *TransferStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[36]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2926,7 +3192,7 @@ func (x *TransferStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferStatus.ProtoReflect.Descriptor instead.
 func (*TransferStatus) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{36}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *TransferStatus) GetTransferId() string {
@@ -3058,7 +3324,7 @@ type GetStatsRequest struct {
 
 func (x *GetStatsRequest) Reset() {
 	*x = GetStatsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3070,7 +3336,7 @@ func (x *GetStatsRequest) String() string {
 func (*GetStatsRequest) ProtoMessage() {}
 
 func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[37]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3083,7 +3349,7 @@ func (x *GetStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetStatsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{37}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *GetStatsRequest) GetWindowMs() uint32 {
@@ -3127,7 +3393,7 @@ type BufferSetInfo struct {
 
 func (x *BufferSetInfo) Reset() {
 	*x = BufferSetInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3139,7 +3405,7 @@ func (x *BufferSetInfo) String() string {
 func (*BufferSetInfo) ProtoMessage() {}
 
 func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[38]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3152,7 +3418,7 @@ func (x *BufferSetInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BufferSetInfo.ProtoReflect.Descriptor instead.
 func (*BufferSetInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{38}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *BufferSetInfo) GetBufferSetId() string {
@@ -3231,7 +3497,7 @@ type SuggestEvictionsRequest struct {
 
 func (x *SuggestEvictionsRequest) Reset() {
 	*x = SuggestEvictionsRequest{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3243,7 +3509,7 @@ func (x *SuggestEvictionsRequest) String() string {
 func (*SuggestEvictionsRequest) ProtoMessage() {}
 
 func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[39]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3256,7 +3522,7 @@ func (x *SuggestEvictionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsRequest.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsRequest) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{39}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *SuggestEvictionsRequest) GetBufferSetId() string {
@@ -3289,7 +3555,7 @@ type SuggestEvictionsResponse struct {
 
 func (x *SuggestEvictionsResponse) Reset() {
 	*x = SuggestEvictionsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3301,7 +3567,7 @@ func (x *SuggestEvictionsResponse) String() string {
 func (*SuggestEvictionsResponse) ProtoMessage() {}
 
 func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[40]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3314,7 +3580,7 @@ func (x *SuggestEvictionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SuggestEvictionsResponse.ProtoReflect.Descriptor instead.
 func (*SuggestEvictionsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{40}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *SuggestEvictionsResponse) GetPageIndices() []uint32 {
@@ -3359,7 +3625,7 @@ type IndexStats struct {
 
 func (x *IndexStats) Reset() {
 	*x = IndexStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3371,7 +3637,7 @@ func (x *IndexStats) String() string {
 func (*IndexStats) ProtoMessage() {}
 
 func (x *IndexStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[41]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3384,7 +3650,7 @@ func (x *IndexStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use IndexStats.ProtoReflect.Descriptor instead.
 func (*IndexStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{41}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *IndexStats) GetEntries() uint64 {
@@ -3448,7 +3714,7 @@ type StagingStats struct {
 
 func (x *StagingStats) Reset() {
 	*x = StagingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3460,7 +3726,7 @@ func (x *StagingStats) String() string {
 func (*StagingStats) ProtoMessage() {}
 
 func (x *StagingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[42]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3473,7 +3739,7 @@ func (x *StagingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StagingStats.ProtoReflect.Descriptor instead.
 func (*StagingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{42}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *StagingStats) GetKind() string {
@@ -3528,7 +3794,7 @@ type TransferCounts struct {
 
 func (x *TransferCounts) Reset() {
 	*x = TransferCounts{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3540,7 +3806,7 @@ func (x *TransferCounts) String() string {
 func (*TransferCounts) ProtoMessage() {}
 
 func (x *TransferCounts) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[43]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3553,7 +3819,7 @@ func (x *TransferCounts) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TransferCounts.ProtoReflect.Descriptor instead.
 func (*TransferCounts) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{43}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *TransferCounts) GetInFlight() uint64 {
@@ -3626,14 +3892,16 @@ type GetStatsResponse struct {
 	// Open sessions (admin view: all; otherwise the caller's own).
 	SessionList []*SessionInfo `protobuf:"bytes,15,rep,name=session_list,json=sessionList,proto3" json:"session_list,omitempty"`
 	// One entry per landing pool (host memory, each GPU), once it was first used.
-	Landing       []*LandingStats `protobuf:"bytes,16,rep,name=landing,proto3" json:"landing,omitempty"`
+	Landing []*LandingStats `protobuf:"bytes,16,rep,name=landing,proto3" json:"landing,omitempty"`
+	// The host tier (absent counters are 0 when it is off).
+	Tier          *TierStats `protobuf:"bytes,17,opt,name=tier,proto3" json:"tier,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetStatsResponse) Reset() {
 	*x = GetStatsResponse{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3645,7 +3913,7 @@ func (x *GetStatsResponse) String() string {
 func (*GetStatsResponse) ProtoMessage() {}
 
 func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[44]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3658,7 +3926,7 @@ func (x *GetStatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatsResponse.ProtoReflect.Descriptor instead.
 func (*GetStatsResponse) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{44}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *GetStatsResponse) GetServiceId() string {
@@ -3773,6 +4041,153 @@ func (x *GetStatsResponse) GetLanding() []*LandingStats {
 	return nil
 }
 
+func (x *GetStatsResponse) GetTier() *TierStats {
+	if x != nil {
+		return x.Tier
+	}
+	return nil
+}
+
+// The node's host KV tier.
+type TierStats struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Bytes the tier may use (host_tier_gb) and bytes of the pages it holds.
+	CapacityBytes uint64 `protobuf:"varint,1,opt,name=capacity_bytes,json=capacityBytes,proto3" json:"capacity_bytes,omitempty"`
+	UsedBytes     uint64 `protobuf:"varint,2,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	// Pages held, and layouts (arenas) with pages.
+	HeldPages uint64 `protobuf:"varint,3,opt,name=held_pages,json=heldPages,proto3" json:"held_pages,omitempty"`
+	Layouts   uint32 `protobuf:"varint,4,opt,name=layouts,proto3" json:"layouts,omitempty"`
+	// Pages MatchPrefix or LoadPages asked for that the tier held / did not hold.
+	HitPages  uint64 `protobuf:"varint,5,opt,name=hit_pages,json=hitPages,proto3" json:"hit_pages,omitempty"`
+	MissPages uint64 `protobuf:"varint,6,opt,name=miss_pages,json=missPages,proto3" json:"miss_pages,omitempty"`
+	// Pages evicted (least recently used, unleased) to make room.
+	EvictedPages uint64 `protobuf:"varint,7,opt,name=evicted_pages,json=evictedPages,proto3" json:"evicted_pages,omitempty"`
+	// Pages and bytes copied in (write-behind fill and OffloadPages), and pages skipped as held.
+	StoredPages    uint64 `protobuf:"varint,8,opt,name=stored_pages,json=storedPages,proto3" json:"stored_pages,omitempty"`
+	StoredBytes    uint64 `protobuf:"varint,9,opt,name=stored_bytes,json=storedBytes,proto3" json:"stored_bytes,omitempty"`
+	DuplicatePages uint64 `protobuf:"varint,10,opt,name=duplicate_pages,json=duplicatePages,proto3" json:"duplicate_pages,omitempty"`
+	// Pages copied out by LoadPages.
+	LoadedPages uint64 `protobuf:"varint,11,opt,name=loaded_pages,json=loadedPages,proto3" json:"loaded_pages,omitempty"`
+	// Published pages waiting for the write-behind fill.
+	FillBacklogPages uint64 `protobuf:"varint,12,opt,name=fill_backlog_pages,json=fillBacklogPages,proto3" json:"fill_backlog_pages,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *TierStats) Reset() {
+	*x = TierStats{}
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TierStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TierStats) ProtoMessage() {}
+
+func (x *TierStats) ProtoReflect() protoreflect.Message {
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TierStats.ProtoReflect.Descriptor instead.
+func (*TierStats) Descriptor() ([]byte, []int) {
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *TierStats) GetCapacityBytes() uint64 {
+	if x != nil {
+		return x.CapacityBytes
+	}
+	return 0
+}
+
+func (x *TierStats) GetUsedBytes() uint64 {
+	if x != nil {
+		return x.UsedBytes
+	}
+	return 0
+}
+
+func (x *TierStats) GetHeldPages() uint64 {
+	if x != nil {
+		return x.HeldPages
+	}
+	return 0
+}
+
+func (x *TierStats) GetLayouts() uint32 {
+	if x != nil {
+		return x.Layouts
+	}
+	return 0
+}
+
+func (x *TierStats) GetHitPages() uint64 {
+	if x != nil {
+		return x.HitPages
+	}
+	return 0
+}
+
+func (x *TierStats) GetMissPages() uint64 {
+	if x != nil {
+		return x.MissPages
+	}
+	return 0
+}
+
+func (x *TierStats) GetEvictedPages() uint64 {
+	if x != nil {
+		return x.EvictedPages
+	}
+	return 0
+}
+
+func (x *TierStats) GetStoredPages() uint64 {
+	if x != nil {
+		return x.StoredPages
+	}
+	return 0
+}
+
+func (x *TierStats) GetStoredBytes() uint64 {
+	if x != nil {
+		return x.StoredBytes
+	}
+	return 0
+}
+
+func (x *TierStats) GetDuplicatePages() uint64 {
+	if x != nil {
+		return x.DuplicatePages
+	}
+	return 0
+}
+
+func (x *TierStats) GetLoadedPages() uint64 {
+	if x != nil {
+		return x.LoadedPages
+	}
+	return 0
+}
+
+func (x *TierStats) GetFillBacklogPages() uint64 {
+	if x != nil {
+		return x.FillBacklogPages
+	}
+	return 0
+}
+
 // A landing pool: service-owned memory that landing transfers land in until claimed.
 type LandingStats struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3795,7 +4210,7 @@ type LandingStats struct {
 
 func (x *LandingStats) Reset() {
 	*x = LandingStats{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3807,7 +4222,7 @@ func (x *LandingStats) String() string {
 func (*LandingStats) ProtoMessage() {}
 
 func (x *LandingStats) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[45]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3820,7 +4235,7 @@ func (x *LandingStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LandingStats.ProtoReflect.Descriptor instead.
 func (*LandingStats) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{45}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *LandingStats) GetLocation() string {
@@ -3899,7 +4314,7 @@ type Activity struct {
 
 func (x *Activity) Reset() {
 	*x = Activity{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3911,7 +4326,7 @@ func (x *Activity) String() string {
 func (*Activity) ProtoMessage() {}
 
 func (x *Activity) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[46]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3924,7 +4339,7 @@ func (x *Activity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Activity.ProtoReflect.Descriptor instead.
 func (*Activity) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{46}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *Activity) GetWindowMs() uint64 {
@@ -3965,7 +4380,7 @@ type RouteActivity struct {
 
 func (x *RouteActivity) Reset() {
 	*x = RouteActivity{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3977,7 +4392,7 @@ func (x *RouteActivity) String() string {
 func (*RouteActivity) ProtoMessage() {}
 
 func (x *RouteActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[47]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3990,7 +4405,7 @@ func (x *RouteActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteActivity.ProtoReflect.Descriptor instead.
 func (*RouteActivity) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{47}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *RouteActivity) GetRole() string {
@@ -4073,7 +4488,7 @@ type InFlight struct {
 
 func (x *InFlight) Reset() {
 	*x = InFlight{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4085,7 +4500,7 @@ func (x *InFlight) String() string {
 func (*InFlight) ProtoMessage() {}
 
 func (x *InFlight) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[48]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4098,7 +4513,7 @@ func (x *InFlight) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InFlight.ProtoReflect.Descriptor instead.
 func (*InFlight) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{48}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *InFlight) GetRole() string {
@@ -4152,7 +4567,7 @@ type PeerInfo struct {
 
 func (x *PeerInfo) Reset() {
 	*x = PeerInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4164,7 +4579,7 @@ func (x *PeerInfo) String() string {
 func (*PeerInfo) ProtoMessage() {}
 
 func (x *PeerInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[49]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4177,7 +4592,7 @@ func (x *PeerInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerInfo.ProtoReflect.Descriptor instead.
 func (*PeerInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{49}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *PeerInfo) GetAddress() string {
@@ -4252,7 +4667,7 @@ type SessionInfo struct {
 
 func (x *SessionInfo) Reset() {
 	*x = SessionInfo{}
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[50]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4264,7 +4679,7 @@ func (x *SessionInfo) String() string {
 func (*SessionInfo) ProtoMessage() {}
 
 func (x *SessionInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvservice_v1_kvservice_proto_msgTypes[50]
+	mi := &file_kvservice_v1_kvservice_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4277,7 +4692,7 @@ func (x *SessionInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionInfo.ProtoReflect.Descriptor instead.
 func (*SessionInfo) Descriptor() ([]byte, []int) {
-	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{50}
+	return file_kvservice_v1_kvservice_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *SessionInfo) GetClientName() string {
@@ -4414,7 +4829,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"scoresOnly\x12 \n" +
 	"\flease_ttl_ms\x18\b \x01(\rR\n" +
 	"leaseTtlMsB\x05\n" +
-	"\x03key\"\xec\x02\n" +
+	"\x03key\"\x8b\x03\n" +
 	"\vPrefixMatch\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12\x1b\n" +
 	"\tengine_id\x18\x02 \x01(\tR\bengineId\x12\x17\n" +
@@ -4426,7 +4841,9 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\x04load\x18\b \x01(\v2\x1a.kvservice.v1.TransferLoadR\x04load\x12!\n" +
 	"\flanded_pages\x18\t \x01(\rR\vlandedPages\x12,\n" +
 	"\x12landed_transfer_id\x18\n" +
-	" \x01(\tR\x10landedTransferId\"\xab\x04\n" +
+	" \x01(\tR\x10landedTransferId\x12\x1d\n" +
+	"\n" +
+	"tier_pages\x18\v \x01(\rR\ttierPages\"\xab\x04\n" +
 	"\fTransferLoad\x12+\n" +
 	"\x11inbound_transfers\x18\x01 \x01(\rR\x10inboundTransfers\x122\n" +
 	"\x15inbound_bytes_pending\x18\x02 \x01(\x04R\x13inboundBytesPending\x12-\n" +
@@ -4459,13 +4876,28 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\bpriority\x18\x05 \x01(\x05R\bpriorityB\x05\n" +
 	"\x03key\"=\n" +
 	"\x14PublishPagesResponse\x12%\n" +
-	"\x0einserted_pages\x18\x01 \x01(\rR\rinsertedPages\"l\n" +
+	"\x0einserted_pages\x18\x01 \x01(\rR\rinsertedPages\"t\n" +
+	"\x13OffloadPagesRequest\x12\"\n" +
+	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12!\n" +
+	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x16\n" +
+	"\x06hashes\x18\x03 \x03(\x04R\x06hashes\"{\n" +
+	"\x14OffloadPagesResponse\x12!\n" +
+	"\fstored_pages\x18\x01 \x01(\rR\vstoredPages\x12!\n" +
+	"\falready_held\x18\x02 \x01(\rR\valreadyHeld\x12\x1d\n" +
+	"\n" +
+	"not_stored\x18\x03 \x01(\rR\tnotStored\"q\n" +
+	"\x10LoadPagesRequest\x12\"\n" +
+	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12!\n" +
+	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x16\n" +
+	"\x06hashes\x18\x03 \x03(\x04R\x06hashes\"6\n" +
+	"\x11LoadPagesResponse\x12!\n" +
+	"\floaded_pages\x18\x01 \x01(\rR\vloadedPages\"l\n" +
 	"\x11EvictPagesRequest\x12\"\n" +
 	"\rbuffer_set_id\x18\x01 \x01(\tR\vbufferSetId\x12!\n" +
 	"\fpage_indices\x18\x02 \x03(\rR\vpageIndices\x12\x10\n" +
 	"\x03all\x18\x03 \x01(\bR\x03all\"9\n" +
 	"\x12EvictPagesResponse\x12#\n" +
-	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xdb\x04\n" +
+	"\revicted_pages\x18\x01 \x01(\rR\fevictedPages\"\xf8\x04\n" +
 	"\x12ExpectDeltaRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12\"\n" +
@@ -4482,7 +4914,8 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	" \x03(\rR\x11prefixPageIndices\x12'\n" +
 	"\x0fallowed_senders\x18\v \x03(\tR\x0eallowedSenders\x12%\n" +
 	"\x0esender_address\x18\f \x01(\tR\rsenderAddress\x12/\n" +
-	"\alanding\x18\r \x01(\v2\x15.kvservice.v1.LandingR\alandingB\t\n" +
+	"\alanding\x18\r \x01(\v2\x15.kvservice.v1.LandingR\alanding\x12\x1b\n" +
+	"\tfrom_tier\x18\x0e \x01(\bR\bfromTierB\t\n" +
 	"\apublish\"b\n" +
 	"\aLanding\x12\x14\n" +
 	"\x05pages\x18\x01 \x01(\rR\x05pages\x12\x15\n" +
@@ -4621,7 +5054,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"queueDepth\x1a=\n" +
 	"\x0fQueueDepthEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xd9\x05\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\x86\x06\n" +
 	"\x10GetStatsResponse\x12\x1d\n" +
 	"\n" +
 	"service_id\x18\x01 \x01(\tR\tserviceId\x12\x18\n" +
@@ -4643,7 +5076,25 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\tin_flight\x18\r \x03(\v2\x16.kvservice.v1.InFlightR\binFlight\x12,\n" +
 	"\x05peers\x18\x0e \x03(\v2\x16.kvservice.v1.PeerInfoR\x05peers\x12<\n" +
 	"\fsession_list\x18\x0f \x03(\v2\x19.kvservice.v1.SessionInfoR\vsessionList\x124\n" +
-	"\alanding\x18\x10 \x03(\v2\x1a.kvservice.v1.LandingStatsR\alanding\"\x91\x02\n" +
+	"\alanding\x18\x10 \x03(\v2\x1a.kvservice.v1.LandingStatsR\alanding\x12+\n" +
+	"\x04tier\x18\x11 \x01(\v2\x17.kvservice.v1.TierStatsR\x04tier\"\xab\x03\n" +
+	"\tTierStats\x12%\n" +
+	"\x0ecapacity_bytes\x18\x01 \x01(\x04R\rcapacityBytes\x12\x1d\n" +
+	"\n" +
+	"used_bytes\x18\x02 \x01(\x04R\tusedBytes\x12\x1d\n" +
+	"\n" +
+	"held_pages\x18\x03 \x01(\x04R\theldPages\x12\x18\n" +
+	"\alayouts\x18\x04 \x01(\rR\alayouts\x12\x1b\n" +
+	"\thit_pages\x18\x05 \x01(\x04R\bhitPages\x12\x1d\n" +
+	"\n" +
+	"miss_pages\x18\x06 \x01(\x04R\tmissPages\x12#\n" +
+	"\revicted_pages\x18\a \x01(\x04R\fevictedPages\x12!\n" +
+	"\fstored_pages\x18\b \x01(\x04R\vstoredPages\x12!\n" +
+	"\fstored_bytes\x18\t \x01(\x04R\vstoredBytes\x12'\n" +
+	"\x0fduplicate_pages\x18\n" +
+	" \x01(\x04R\x0eduplicatePages\x12!\n" +
+	"\floaded_pages\x18\v \x01(\x04R\vloadedPages\x12,\n" +
+	"\x12fill_backlog_pages\x18\f \x01(\x04R\x10fillBacklogPages\"\x91\x02\n" +
 	"\fLandingStats\x12\x1a\n" +
 	"\blocation\x18\x01 \x01(\tR\blocation\x12%\n" +
 	"\x0ecapacity_bytes\x18\x02 \x01(\x04R\rcapacityBytes\x12\x1d\n" +
@@ -4702,8 +5153,7 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\fTransferRole\x12\x1d\n" +
 	"\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n" +
-	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xfe\n" +
-	"\n" +
+	"\x16TRANSFER_ROLE_RECEIVER\x10\x022\xa3\f\n" +
 	"\tKVService\x12M\n" +
 	"\vOpenSession\x12 .kvservice.v1.OpenSessionRequest\x1a\x1a.kvservice.v1.SessionEvent0\x01\x12U\n" +
 	"\fCloseSession\x12!.kvservice.v1.CloseSessionRequest\x1a\".kvservice.v1.CloseSessionResponse\x12^\n" +
@@ -4722,7 +5172,9 @@ const file_kvservice_v1_kvservice_proto_rawDesc = "" +
 	"\bGetStats\x12\x1d.kvservice.v1.GetStatsRequest\x1a\x1e.kvservice.v1.GetStatsResponse\x12a\n" +
 	"\x10SuggestEvictions\x12%.kvservice.v1.SuggestEvictionsRequest\x1a&.kvservice.v1.SuggestEvictionsResponse\x12H\n" +
 	"\tTransfers\x12\x1a.kvservice.v1.TransferCall\x1a\x1b.kvservice.v1.TransferEvent(\x010\x01\x12@\n" +
-	"\x05Claim\x12\x1a.kvservice.v1.ClaimRequest\x1a\x1b.kvservice.v1.ClaimResponseb\x06proto3"
+	"\x05Claim\x12\x1a.kvservice.v1.ClaimRequest\x1a\x1b.kvservice.v1.ClaimResponse\x12U\n" +
+	"\fOffloadPages\x12!.kvservice.v1.OffloadPagesRequest\x1a\".kvservice.v1.OffloadPagesResponse\x12L\n" +
+	"\tLoadPages\x12\x1e.kvservice.v1.LoadPagesRequest\x1a\x1f.kvservice.v1.LoadPagesResponseb\x06proto3"
 
 var (
 	file_kvservice_v1_kvservice_proto_rawDescOnce sync.Once
@@ -4737,7 +5189,7 @@ func file_kvservice_v1_kvservice_proto_rawDescGZIP() []byte {
 }
 
 var file_kvservice_v1_kvservice_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
+var file_kvservice_v1_kvservice_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
 var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(TransferRole)(0),                 // 0: kvservice.v1.TransferRole
 	(*TransferCall)(nil),              // 1: kvservice.v1.TransferCall
@@ -4760,140 +5212,150 @@ var file_kvservice_v1_kvservice_proto_goTypes = []any{
 	(*ReleaseLeaseResponse)(nil),      // 18: kvservice.v1.ReleaseLeaseResponse
 	(*PublishPagesRequest)(nil),       // 19: kvservice.v1.PublishPagesRequest
 	(*PublishPagesResponse)(nil),      // 20: kvservice.v1.PublishPagesResponse
-	(*EvictPagesRequest)(nil),         // 21: kvservice.v1.EvictPagesRequest
-	(*EvictPagesResponse)(nil),        // 22: kvservice.v1.EvictPagesResponse
-	(*ExpectDeltaRequest)(nil),        // 23: kvservice.v1.ExpectDeltaRequest
-	(*Landing)(nil),                   // 24: kvservice.v1.Landing
-	(*LandingAux)(nil),                // 25: kvservice.v1.LandingAux
-	(*ClaimRequest)(nil),              // 26: kvservice.v1.ClaimRequest
-	(*ClaimResponse)(nil),             // 27: kvservice.v1.ClaimResponse
-	(*ExpectDeltaResponse)(nil),       // 28: kvservice.v1.ExpectDeltaResponse
-	(*SendDeltaRequest)(nil),          // 29: kvservice.v1.SendDeltaRequest
-	(*SendDeltaResponse)(nil),         // 30: kvservice.v1.SendDeltaResponse
-	(*PollRequest)(nil),               // 31: kvservice.v1.PollRequest
-	(*PollResponse)(nil),              // 32: kvservice.v1.PollResponse
-	(*WatchTransfersRequest)(nil),     // 33: kvservice.v1.WatchTransfersRequest
-	(*AbortRequest)(nil),              // 34: kvservice.v1.AbortRequest
-	(*AbortResponse)(nil),             // 35: kvservice.v1.AbortResponse
-	(*PhaseTimings)(nil),              // 36: kvservice.v1.PhaseTimings
-	(*TransferStatus)(nil),            // 37: kvservice.v1.TransferStatus
-	(*GetStatsRequest)(nil),           // 38: kvservice.v1.GetStatsRequest
-	(*BufferSetInfo)(nil),             // 39: kvservice.v1.BufferSetInfo
-	(*SuggestEvictionsRequest)(nil),   // 40: kvservice.v1.SuggestEvictionsRequest
-	(*SuggestEvictionsResponse)(nil),  // 41: kvservice.v1.SuggestEvictionsResponse
-	(*IndexStats)(nil),                // 42: kvservice.v1.IndexStats
-	(*StagingStats)(nil),              // 43: kvservice.v1.StagingStats
-	(*TransferCounts)(nil),            // 44: kvservice.v1.TransferCounts
-	(*GetStatsResponse)(nil),          // 45: kvservice.v1.GetStatsResponse
-	(*LandingStats)(nil),              // 46: kvservice.v1.LandingStats
-	(*Activity)(nil),                  // 47: kvservice.v1.Activity
-	(*RouteActivity)(nil),             // 48: kvservice.v1.RouteActivity
-	(*InFlight)(nil),                  // 49: kvservice.v1.InFlight
-	(*PeerInfo)(nil),                  // 50: kvservice.v1.PeerInfo
-	(*SessionInfo)(nil),               // 51: kvservice.v1.SessionInfo
-	nil,                               // 52: kvservice.v1.IndexStats.EntriesByPriorityEntry
-	nil,                               // 53: kvservice.v1.TransferCounts.QueueDepthEntry
-	(*Layout)(nil),                    // 54: kvservice.v1.Layout
-	(*Region)(nil),                    // 55: kvservice.v1.Region
-	(*AuxRegion)(nil),                 // 56: kvservice.v1.AuxRegion
-	(*TokenIds)(nil),                  // 57: kvservice.v1.TokenIds
-	(*PageHashes)(nil),                // 58: kvservice.v1.PageHashes
-	(*AuxRows)(nil),                   // 59: kvservice.v1.AuxRows
-	(TransferPath)(0),                 // 60: kvservice.v1.TransferPath
-	(TransferState)(0),                // 61: kvservice.v1.TransferState
+	(*OffloadPagesRequest)(nil),       // 21: kvservice.v1.OffloadPagesRequest
+	(*OffloadPagesResponse)(nil),      // 22: kvservice.v1.OffloadPagesResponse
+	(*LoadPagesRequest)(nil),          // 23: kvservice.v1.LoadPagesRequest
+	(*LoadPagesResponse)(nil),         // 24: kvservice.v1.LoadPagesResponse
+	(*EvictPagesRequest)(nil),         // 25: kvservice.v1.EvictPagesRequest
+	(*EvictPagesResponse)(nil),        // 26: kvservice.v1.EvictPagesResponse
+	(*ExpectDeltaRequest)(nil),        // 27: kvservice.v1.ExpectDeltaRequest
+	(*Landing)(nil),                   // 28: kvservice.v1.Landing
+	(*LandingAux)(nil),                // 29: kvservice.v1.LandingAux
+	(*ClaimRequest)(nil),              // 30: kvservice.v1.ClaimRequest
+	(*ClaimResponse)(nil),             // 31: kvservice.v1.ClaimResponse
+	(*ExpectDeltaResponse)(nil),       // 32: kvservice.v1.ExpectDeltaResponse
+	(*SendDeltaRequest)(nil),          // 33: kvservice.v1.SendDeltaRequest
+	(*SendDeltaResponse)(nil),         // 34: kvservice.v1.SendDeltaResponse
+	(*PollRequest)(nil),               // 35: kvservice.v1.PollRequest
+	(*PollResponse)(nil),              // 36: kvservice.v1.PollResponse
+	(*WatchTransfersRequest)(nil),     // 37: kvservice.v1.WatchTransfersRequest
+	(*AbortRequest)(nil),              // 38: kvservice.v1.AbortRequest
+	(*AbortResponse)(nil),             // 39: kvservice.v1.AbortResponse
+	(*PhaseTimings)(nil),              // 40: kvservice.v1.PhaseTimings
+	(*TransferStatus)(nil),            // 41: kvservice.v1.TransferStatus
+	(*GetStatsRequest)(nil),           // 42: kvservice.v1.GetStatsRequest
+	(*BufferSetInfo)(nil),             // 43: kvservice.v1.BufferSetInfo
+	(*SuggestEvictionsRequest)(nil),   // 44: kvservice.v1.SuggestEvictionsRequest
+	(*SuggestEvictionsResponse)(nil),  // 45: kvservice.v1.SuggestEvictionsResponse
+	(*IndexStats)(nil),                // 46: kvservice.v1.IndexStats
+	(*StagingStats)(nil),              // 47: kvservice.v1.StagingStats
+	(*TransferCounts)(nil),            // 48: kvservice.v1.TransferCounts
+	(*GetStatsResponse)(nil),          // 49: kvservice.v1.GetStatsResponse
+	(*TierStats)(nil),                 // 50: kvservice.v1.TierStats
+	(*LandingStats)(nil),              // 51: kvservice.v1.LandingStats
+	(*Activity)(nil),                  // 52: kvservice.v1.Activity
+	(*RouteActivity)(nil),             // 53: kvservice.v1.RouteActivity
+	(*InFlight)(nil),                  // 54: kvservice.v1.InFlight
+	(*PeerInfo)(nil),                  // 55: kvservice.v1.PeerInfo
+	(*SessionInfo)(nil),               // 56: kvservice.v1.SessionInfo
+	nil,                               // 57: kvservice.v1.IndexStats.EntriesByPriorityEntry
+	nil,                               // 58: kvservice.v1.TransferCounts.QueueDepthEntry
+	(*Layout)(nil),                    // 59: kvservice.v1.Layout
+	(*Region)(nil),                    // 60: kvservice.v1.Region
+	(*AuxRegion)(nil),                 // 61: kvservice.v1.AuxRegion
+	(*TokenIds)(nil),                  // 62: kvservice.v1.TokenIds
+	(*PageHashes)(nil),                // 63: kvservice.v1.PageHashes
+	(*AuxRows)(nil),                   // 64: kvservice.v1.AuxRows
+	(TransferPath)(0),                 // 65: kvservice.v1.TransferPath
+	(TransferState)(0),                // 66: kvservice.v1.TransferState
 }
 var file_kvservice_v1_kvservice_proto_depIdxs = []int32{
-	23, // 0: kvservice.v1.TransferCall.expect_delta:type_name -> kvservice.v1.ExpectDeltaRequest
-	29, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
-	34, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
-	26, // 3: kvservice.v1.TransferCall.claim:type_name -> kvservice.v1.ClaimRequest
-	28, // 4: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
-	30, // 5: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
-	35, // 6: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
+	27, // 0: kvservice.v1.TransferCall.expect_delta:type_name -> kvservice.v1.ExpectDeltaRequest
+	33, // 1: kvservice.v1.TransferCall.send_delta:type_name -> kvservice.v1.SendDeltaRequest
+	38, // 2: kvservice.v1.TransferCall.abort:type_name -> kvservice.v1.AbortRequest
+	30, // 3: kvservice.v1.TransferCall.claim:type_name -> kvservice.v1.ClaimRequest
+	32, // 4: kvservice.v1.TransferEvent.expect_delta:type_name -> kvservice.v1.ExpectDeltaResponse
+	34, // 5: kvservice.v1.TransferEvent.send_delta:type_name -> kvservice.v1.SendDeltaResponse
+	39, // 6: kvservice.v1.TransferEvent.abort:type_name -> kvservice.v1.AbortResponse
 	2,  // 7: kvservice.v1.TransferEvent.error:type_name -> kvservice.v1.CallError
-	37, // 8: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
-	27, // 9: kvservice.v1.TransferEvent.claim:type_name -> kvservice.v1.ClaimResponse
+	41, // 8: kvservice.v1.TransferEvent.status:type_name -> kvservice.v1.TransferStatus
+	31, // 9: kvservice.v1.TransferEvent.claim:type_name -> kvservice.v1.ClaimResponse
 	6,  // 10: kvservice.v1.SessionEvent.duplicates:type_name -> kvservice.v1.DuplicateNotice
-	54, // 11: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
-	55, // 12: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
-	55, // 13: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
-	56, // 14: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
-	57, // 15: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
-	58, // 16: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
+	59, // 11: kvservice.v1.RegisterBuffersRequest.layout:type_name -> kvservice.v1.Layout
+	60, // 12: kvservice.v1.RegisterBuffersRequest.k_regions:type_name -> kvservice.v1.Region
+	60, // 13: kvservice.v1.RegisterBuffersRequest.v_regions:type_name -> kvservice.v1.Region
+	61, // 14: kvservice.v1.RegisterBuffersRequest.aux_regions:type_name -> kvservice.v1.AuxRegion
+	62, // 15: kvservice.v1.MatchPrefixRequest.tokens:type_name -> kvservice.v1.TokenIds
+	63, // 16: kvservice.v1.MatchPrefixRequest.hashes:type_name -> kvservice.v1.PageHashes
 	15, // 17: kvservice.v1.PrefixMatch.load:type_name -> kvservice.v1.TransferLoad
 	14, // 18: kvservice.v1.MatchPrefixResponse.matches:type_name -> kvservice.v1.PrefixMatch
-	57, // 19: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
-	58, // 20: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
-	59, // 21: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	57, // 22: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
-	58, // 23: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
-	24, // 24: kvservice.v1.ExpectDeltaRequest.landing:type_name -> kvservice.v1.Landing
-	25, // 25: kvservice.v1.Landing.aux:type_name -> kvservice.v1.LandingAux
-	59, // 26: kvservice.v1.ClaimRequest.aux:type_name -> kvservice.v1.AuxRows
-	37, // 27: kvservice.v1.ClaimResponse.status:type_name -> kvservice.v1.TransferStatus
-	37, // 28: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	59, // 29: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
-	60, // 30: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
-	37, // 31: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
-	37, // 32: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
-	37, // 33: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	62, // 19: kvservice.v1.PublishPagesRequest.tokens:type_name -> kvservice.v1.TokenIds
+	63, // 20: kvservice.v1.PublishPagesRequest.hashes:type_name -> kvservice.v1.PageHashes
+	64, // 21: kvservice.v1.ExpectDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	62, // 22: kvservice.v1.ExpectDeltaRequest.publish_tokens:type_name -> kvservice.v1.TokenIds
+	63, // 23: kvservice.v1.ExpectDeltaRequest.publish_hashes:type_name -> kvservice.v1.PageHashes
+	28, // 24: kvservice.v1.ExpectDeltaRequest.landing:type_name -> kvservice.v1.Landing
+	29, // 25: kvservice.v1.Landing.aux:type_name -> kvservice.v1.LandingAux
+	64, // 26: kvservice.v1.ClaimRequest.aux:type_name -> kvservice.v1.AuxRows
+	41, // 27: kvservice.v1.ClaimResponse.status:type_name -> kvservice.v1.TransferStatus
+	41, // 28: kvservice.v1.ExpectDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	64, // 29: kvservice.v1.SendDeltaRequest.aux:type_name -> kvservice.v1.AuxRows
+	65, // 30: kvservice.v1.SendDeltaRequest.path:type_name -> kvservice.v1.TransferPath
+	41, // 31: kvservice.v1.SendDeltaResponse.status:type_name -> kvservice.v1.TransferStatus
+	41, // 32: kvservice.v1.PollResponse.statuses:type_name -> kvservice.v1.TransferStatus
+	41, // 33: kvservice.v1.AbortResponse.statuses:type_name -> kvservice.v1.TransferStatus
 	0,  // 34: kvservice.v1.TransferStatus.role:type_name -> kvservice.v1.TransferRole
-	61, // 35: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
-	60, // 36: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
-	36, // 37: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
-	54, // 38: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
+	66, // 35: kvservice.v1.TransferStatus.state:type_name -> kvservice.v1.TransferState
+	65, // 36: kvservice.v1.TransferStatus.path:type_name -> kvservice.v1.TransferPath
+	40, // 37: kvservice.v1.TransferStatus.timings:type_name -> kvservice.v1.PhaseTimings
+	59, // 38: kvservice.v1.BufferSetInfo.layout:type_name -> kvservice.v1.Layout
 	15, // 39: kvservice.v1.BufferSetInfo.load:type_name -> kvservice.v1.TransferLoad
-	52, // 40: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
-	53, // 41: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
-	39, // 42: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
-	42, // 43: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
-	43, // 44: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
-	44, // 45: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
-	47, // 46: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
-	49, // 47: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
-	50, // 48: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
-	51, // 49: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
-	46, // 50: kvservice.v1.GetStatsResponse.landing:type_name -> kvservice.v1.LandingStats
-	48, // 51: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
-	4,  // 52: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
-	7,  // 53: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
-	9,  // 54: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
-	11, // 55: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
-	13, // 56: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
-	17, // 57: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
-	19, // 58: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
-	21, // 59: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
-	23, // 60: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
-	29, // 61: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
-	31, // 62: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
-	33, // 63: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
-	34, // 64: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
-	38, // 65: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
-	40, // 66: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
-	1,  // 67: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
-	26, // 68: kvservice.v1.KVService.Claim:input_type -> kvservice.v1.ClaimRequest
-	5,  // 69: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
-	8,  // 70: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
-	10, // 71: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
-	12, // 72: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
-	16, // 73: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
-	18, // 74: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
-	20, // 75: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
-	22, // 76: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
-	28, // 77: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
-	30, // 78: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
-	32, // 79: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
-	37, // 80: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
-	35, // 81: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
-	45, // 82: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
-	41, // 83: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
-	3,  // 84: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
-	27, // 85: kvservice.v1.KVService.Claim:output_type -> kvservice.v1.ClaimResponse
-	69, // [69:86] is the sub-list for method output_type
-	52, // [52:69] is the sub-list for method input_type
-	52, // [52:52] is the sub-list for extension type_name
-	52, // [52:52] is the sub-list for extension extendee
-	0,  // [0:52] is the sub-list for field type_name
+	57, // 40: kvservice.v1.IndexStats.entries_by_priority:type_name -> kvservice.v1.IndexStats.EntriesByPriorityEntry
+	58, // 41: kvservice.v1.TransferCounts.queue_depth:type_name -> kvservice.v1.TransferCounts.QueueDepthEntry
+	43, // 42: kvservice.v1.GetStatsResponse.buffer_sets:type_name -> kvservice.v1.BufferSetInfo
+	46, // 43: kvservice.v1.GetStatsResponse.index:type_name -> kvservice.v1.IndexStats
+	47, // 44: kvservice.v1.GetStatsResponse.staging:type_name -> kvservice.v1.StagingStats
+	48, // 45: kvservice.v1.GetStatsResponse.transfers:type_name -> kvservice.v1.TransferCounts
+	52, // 46: kvservice.v1.GetStatsResponse.activity:type_name -> kvservice.v1.Activity
+	54, // 47: kvservice.v1.GetStatsResponse.in_flight:type_name -> kvservice.v1.InFlight
+	55, // 48: kvservice.v1.GetStatsResponse.peers:type_name -> kvservice.v1.PeerInfo
+	56, // 49: kvservice.v1.GetStatsResponse.session_list:type_name -> kvservice.v1.SessionInfo
+	51, // 50: kvservice.v1.GetStatsResponse.landing:type_name -> kvservice.v1.LandingStats
+	50, // 51: kvservice.v1.GetStatsResponse.tier:type_name -> kvservice.v1.TierStats
+	53, // 52: kvservice.v1.Activity.routes:type_name -> kvservice.v1.RouteActivity
+	4,  // 53: kvservice.v1.KVService.OpenSession:input_type -> kvservice.v1.OpenSessionRequest
+	7,  // 54: kvservice.v1.KVService.CloseSession:input_type -> kvservice.v1.CloseSessionRequest
+	9,  // 55: kvservice.v1.KVService.RegisterBuffers:input_type -> kvservice.v1.RegisterBuffersRequest
+	11, // 56: kvservice.v1.KVService.UnregisterBuffers:input_type -> kvservice.v1.UnregisterBuffersRequest
+	13, // 57: kvservice.v1.KVService.MatchPrefix:input_type -> kvservice.v1.MatchPrefixRequest
+	17, // 58: kvservice.v1.KVService.ReleaseLease:input_type -> kvservice.v1.ReleaseLeaseRequest
+	19, // 59: kvservice.v1.KVService.PublishPages:input_type -> kvservice.v1.PublishPagesRequest
+	25, // 60: kvservice.v1.KVService.EvictPages:input_type -> kvservice.v1.EvictPagesRequest
+	27, // 61: kvservice.v1.KVService.ExpectDelta:input_type -> kvservice.v1.ExpectDeltaRequest
+	33, // 62: kvservice.v1.KVService.SendDelta:input_type -> kvservice.v1.SendDeltaRequest
+	35, // 63: kvservice.v1.KVService.Poll:input_type -> kvservice.v1.PollRequest
+	37, // 64: kvservice.v1.KVService.WatchTransfers:input_type -> kvservice.v1.WatchTransfersRequest
+	38, // 65: kvservice.v1.KVService.Abort:input_type -> kvservice.v1.AbortRequest
+	42, // 66: kvservice.v1.KVService.GetStats:input_type -> kvservice.v1.GetStatsRequest
+	44, // 67: kvservice.v1.KVService.SuggestEvictions:input_type -> kvservice.v1.SuggestEvictionsRequest
+	1,  // 68: kvservice.v1.KVService.Transfers:input_type -> kvservice.v1.TransferCall
+	30, // 69: kvservice.v1.KVService.Claim:input_type -> kvservice.v1.ClaimRequest
+	21, // 70: kvservice.v1.KVService.OffloadPages:input_type -> kvservice.v1.OffloadPagesRequest
+	23, // 71: kvservice.v1.KVService.LoadPages:input_type -> kvservice.v1.LoadPagesRequest
+	5,  // 72: kvservice.v1.KVService.OpenSession:output_type -> kvservice.v1.SessionEvent
+	8,  // 73: kvservice.v1.KVService.CloseSession:output_type -> kvservice.v1.CloseSessionResponse
+	10, // 74: kvservice.v1.KVService.RegisterBuffers:output_type -> kvservice.v1.RegisterBuffersResponse
+	12, // 75: kvservice.v1.KVService.UnregisterBuffers:output_type -> kvservice.v1.UnregisterBuffersResponse
+	16, // 76: kvservice.v1.KVService.MatchPrefix:output_type -> kvservice.v1.MatchPrefixResponse
+	18, // 77: kvservice.v1.KVService.ReleaseLease:output_type -> kvservice.v1.ReleaseLeaseResponse
+	20, // 78: kvservice.v1.KVService.PublishPages:output_type -> kvservice.v1.PublishPagesResponse
+	26, // 79: kvservice.v1.KVService.EvictPages:output_type -> kvservice.v1.EvictPagesResponse
+	32, // 80: kvservice.v1.KVService.ExpectDelta:output_type -> kvservice.v1.ExpectDeltaResponse
+	34, // 81: kvservice.v1.KVService.SendDelta:output_type -> kvservice.v1.SendDeltaResponse
+	36, // 82: kvservice.v1.KVService.Poll:output_type -> kvservice.v1.PollResponse
+	41, // 83: kvservice.v1.KVService.WatchTransfers:output_type -> kvservice.v1.TransferStatus
+	39, // 84: kvservice.v1.KVService.Abort:output_type -> kvservice.v1.AbortResponse
+	49, // 85: kvservice.v1.KVService.GetStats:output_type -> kvservice.v1.GetStatsResponse
+	45, // 86: kvservice.v1.KVService.SuggestEvictions:output_type -> kvservice.v1.SuggestEvictionsResponse
+	3,  // 87: kvservice.v1.KVService.Transfers:output_type -> kvservice.v1.TransferEvent
+	31, // 88: kvservice.v1.KVService.Claim:output_type -> kvservice.v1.ClaimResponse
+	22, // 89: kvservice.v1.KVService.OffloadPages:output_type -> kvservice.v1.OffloadPagesResponse
+	24, // 90: kvservice.v1.KVService.LoadPages:output_type -> kvservice.v1.LoadPagesResponse
+	72, // [72:91] is the sub-list for method output_type
+	53, // [53:72] is the sub-list for method input_type
+	53, // [53:53] is the sub-list for extension type_name
+	53, // [53:53] is the sub-list for extension extendee
+	0,  // [0:53] is the sub-list for field type_name
 }
 
 func init() { file_kvservice_v1_kvservice_proto_init() }
@@ -4924,7 +5386,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 		(*PublishPagesRequest_Tokens)(nil),
 		(*PublishPagesRequest_Hashes)(nil),
 	}
-	file_kvservice_v1_kvservice_proto_msgTypes[22].OneofWrappers = []any{
+	file_kvservice_v1_kvservice_proto_msgTypes[26].OneofWrappers = []any{
 		(*ExpectDeltaRequest_PublishTokens)(nil),
 		(*ExpectDeltaRequest_PublishHashes)(nil),
 	}
@@ -4934,7 +5396,7 @@ func file_kvservice_v1_kvservice_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvservice_v1_kvservice_proto_rawDesc), len(file_kvservice_v1_kvservice_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   53,
+			NumMessages:   58,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -45,6 +45,8 @@ const (
 	KVService_SuggestEvictions_FullMethodName  = "/kvservice.v1.KVService/SuggestEvictions"
 	KVService_Transfers_FullMethodName         = "/kvservice.v1.KVService/Transfers"
 	KVService_Claim_FullMethodName             = "/kvservice.v1.KVService/Claim"
+	KVService_OffloadPages_FullMethodName      = "/kvservice.v1.KVService/OffloadPages"
+	KVService_LoadPages_FullMethodName         = "/kvservice.v1.KVService/LoadPages"
 )
 
 // KVServiceClient is the client API for KVService service.
@@ -99,6 +101,14 @@ type KVServiceClient interface {
 	// wait_ms and the transfer's deadline) while the transfer is still arriving; refused with a
 	// reason naming the transfer once it is gone.
 	Claim(ctx context.Context, in *ClaimRequest, opts ...grpc.CallOption) (*ClaimResponse, error)
+	// Host tier: copies pages of the caller's buffer set into the node's host tier (an engine about
+	// to evict them asks the service to keep them). Returns once the copy is done: the engine may
+	// then overwrite the pages. Pages the tier already holds are not copied again.
+	OffloadPages(ctx context.Context, in *OffloadPagesRequest, opts ...grpc.CallOption) (*OffloadPagesResponse, error)
+	// Host tier: copies pages the tier holds (by hash) into pages of the caller's buffer set, all or
+	// none (FAILED_PRECONDITION naming the first hash the tier does not hold, nothing written). The
+	// engine publishes the pages itself once they are in its pool (PublishPages).
+	LoadPages(ctx context.Context, in *LoadPagesRequest, opts ...grpc.CallOption) (*LoadPagesResponse, error)
 }
 
 type kVServiceClient struct {
@@ -300,6 +310,26 @@ func (c *kVServiceClient) Claim(ctx context.Context, in *ClaimRequest, opts ...g
 	return out, nil
 }
 
+func (c *kVServiceClient) OffloadPages(ctx context.Context, in *OffloadPagesRequest, opts ...grpc.CallOption) (*OffloadPagesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(OffloadPagesResponse)
+	err := c.cc.Invoke(ctx, KVService_OffloadPages_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *kVServiceClient) LoadPages(ctx context.Context, in *LoadPagesRequest, opts ...grpc.CallOption) (*LoadPagesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LoadPagesResponse)
+	err := c.cc.Invoke(ctx, KVService_LoadPages_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // KVServiceServer is the server API for KVService service.
 // All implementations must embed UnimplementedKVServiceServer
 // for forward compatibility.
@@ -352,6 +382,14 @@ type KVServiceServer interface {
 	// wait_ms and the transfer's deadline) while the transfer is still arriving; refused with a
 	// reason naming the transfer once it is gone.
 	Claim(context.Context, *ClaimRequest) (*ClaimResponse, error)
+	// Host tier: copies pages of the caller's buffer set into the node's host tier (an engine about
+	// to evict them asks the service to keep them). Returns once the copy is done: the engine may
+	// then overwrite the pages. Pages the tier already holds are not copied again.
+	OffloadPages(context.Context, *OffloadPagesRequest) (*OffloadPagesResponse, error)
+	// Host tier: copies pages the tier holds (by hash) into pages of the caller's buffer set, all or
+	// none (FAILED_PRECONDITION naming the first hash the tier does not hold, nothing written). The
+	// engine publishes the pages itself once they are in its pool (PublishPages).
+	LoadPages(context.Context, *LoadPagesRequest) (*LoadPagesResponse, error)
 	mustEmbedUnimplementedKVServiceServer()
 }
 
@@ -412,6 +450,12 @@ func (UnimplementedKVServiceServer) Transfers(grpc.BidiStreamingServer[TransferC
 }
 func (UnimplementedKVServiceServer) Claim(context.Context, *ClaimRequest) (*ClaimResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Claim not implemented")
+}
+func (UnimplementedKVServiceServer) OffloadPages(context.Context, *OffloadPagesRequest) (*OffloadPagesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method OffloadPages not implemented")
+}
+func (UnimplementedKVServiceServer) LoadPages(context.Context, *LoadPagesRequest) (*LoadPagesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method LoadPages not implemented")
 }
 func (UnimplementedKVServiceServer) mustEmbedUnimplementedKVServiceServer() {}
 func (UnimplementedKVServiceServer) testEmbeddedByValue()                   {}
@@ -715,6 +759,42 @@ func _KVService_Claim_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _KVService_OffloadPages_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(OffloadPagesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVServiceServer).OffloadPages(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVService_OffloadPages_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVServiceServer).OffloadPages(ctx, req.(*OffloadPagesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _KVService_LoadPages_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LoadPagesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(KVServiceServer).LoadPages(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: KVService_LoadPages_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(KVServiceServer).LoadPages(ctx, req.(*LoadPagesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // KVService_ServiceDesc is the grpc.ServiceDesc for KVService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -777,6 +857,14 @@ var KVService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Claim",
 			Handler:    _KVService_Claim_Handler,
+		},
+		{
+			MethodName: "OffloadPages",
+			Handler:    _KVService_OffloadPages_Handler,
+		},
+		{
+			MethodName: "LoadPages",
+			Handler:    _KVService_LoadPages_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

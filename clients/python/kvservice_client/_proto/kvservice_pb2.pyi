@@ -162,7 +162,7 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., page_size: _Optional[int] = ..., buffer_set_ids: _Optional[_Iterable[str]] = ..., has_dp_rank: bool = ..., dp_rank: _Optional[int] = ..., scores_only: bool = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefixMatch(_message.Message):
-    __slots__ = ("buffer_set_id", "engine_id", "tp_rank", "dp_rank", "matched_pages", "page_indices", "min_priority", "load", "landed_pages", "landed_transfer_id")
+    __slots__ = ("buffer_set_id", "engine_id", "tp_rank", "dp_rank", "matched_pages", "page_indices", "min_priority", "load", "landed_pages", "landed_transfer_id", "tier_pages")
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class PrefixMatch(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     LANDED_PAGES_FIELD_NUMBER: _ClassVar[int]
     LANDED_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_PAGES_FIELD_NUMBER: _ClassVar[int]
     buffer_set_id: str
     engine_id: str
     tp_rank: int
@@ -183,7 +184,8 @@ class PrefixMatch(_message.Message):
     load: TransferLoad
     landed_pages: int
     landed_transfer_id: str
-    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_pages: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., min_priority: _Optional[int] = ..., load: _Optional[_Union[TransferLoad, _Mapping]] = ..., landed_pages: _Optional[int] = ..., landed_transfer_id: _Optional[str] = ...) -> None: ...
+    tier_pages: int
+    def __init__(self, buffer_set_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., matched_pages: _Optional[int] = ..., page_indices: _Optional[_Iterable[int]] = ..., min_priority: _Optional[int] = ..., load: _Optional[_Union[TransferLoad, _Mapping]] = ..., landed_pages: _Optional[int] = ..., landed_transfer_id: _Optional[str] = ..., tier_pages: _Optional[int] = ...) -> None: ...
 
 class TransferLoad(_message.Message):
     __slots__ = ("inbound_transfers", "inbound_bytes_pending", "outbound_transfers", "staging_waiters", "inbound_p50_us", "inbound_p99_us", "inbound_samples", "inbound_max_transfers", "inbound_max_bytes", "inbound_refused", "admits", "landed_transfers", "landed_bytes")
@@ -257,6 +259,42 @@ class PublishPagesResponse(_message.Message):
     inserted_pages: int
     def __init__(self, inserted_pages: _Optional[int] = ...) -> None: ...
 
+class OffloadPagesRequest(_message.Message):
+    __slots__ = ("buffer_set_id", "page_indices", "hashes")
+    BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    buffer_set_id: str
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, buffer_set_id: _Optional[str] = ..., page_indices: _Optional[_Iterable[int]] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OffloadPagesResponse(_message.Message):
+    __slots__ = ("stored_pages", "already_held", "not_stored")
+    STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_HELD_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    stored_pages: int
+    already_held: int
+    not_stored: int
+    def __init__(self, stored_pages: _Optional[int] = ..., already_held: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
+
+class LoadPagesRequest(_message.Message):
+    __slots__ = ("buffer_set_id", "page_indices", "hashes")
+    BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    buffer_set_id: str
+    page_indices: _containers.RepeatedScalarFieldContainer[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, buffer_set_id: _Optional[str] = ..., page_indices: _Optional[_Iterable[int]] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadPagesResponse(_message.Message):
+    __slots__ = ("loaded_pages",)
+    LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    loaded_pages: int
+    def __init__(self, loaded_pages: _Optional[int] = ...) -> None: ...
+
 class EvictPagesRequest(_message.Message):
     __slots__ = ("buffer_set_id", "page_indices", "all")
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
@@ -274,7 +312,7 @@ class EvictPagesResponse(_message.Message):
     def __init__(self, evicted_pages: _Optional[int] = ...) -> None: ...
 
 class ExpectDeltaRequest(_message.Message):
-    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address", "landing")
+    __slots__ = ("transfer_id", "buffer_set_id", "prefix_pages", "dst_page_indices", "aux", "expected_senders", "deadline_ms", "publish_tokens", "publish_hashes", "prefix_page_indices", "allowed_senders", "sender_address", "landing", "from_tier")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_SET_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +326,7 @@ class ExpectDeltaRequest(_message.Message):
     ALLOWED_SENDERS_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LANDING_FIELD_NUMBER: _ClassVar[int]
+    FROM_TIER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     buffer_set_id: str
     prefix_pages: int
@@ -301,7 +340,8 @@ class ExpectDeltaRequest(_message.Message):
     allowed_senders: _containers.RepeatedScalarFieldContainer[str]
     sender_address: str
     landing: Landing
-    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ...) -> None: ...
+    from_tier: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., buffer_set_id: _Optional[str] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., publish_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., publish_hashes: _Optional[_Union[_common_pb2.PageHashes, _Mapping]] = ..., prefix_page_indices: _Optional[_Iterable[int]] = ..., allowed_senders: _Optional[_Iterable[str]] = ..., sender_address: _Optional[str] = ..., landing: _Optional[_Union[Landing, _Mapping]] = ..., from_tier: bool = ...) -> None: ...
 
 class Landing(_message.Message):
     __slots__ = ("pages", "ttl_ms", "aux")
@@ -572,7 +612,7 @@ class TransferCounts(_message.Message):
     def __init__(self, in_flight: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., aborted: _Optional[int] = ..., queue_depth: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("service_id", "version", "uptime_ms", "sessions", "buffer_sets", "index", "staging", "transfers", "admin_view", "scope_note", "buffer_sets_total", "activity", "in_flight", "peers", "session_list", "landing")
+    __slots__ = ("service_id", "version", "uptime_ms", "sessions", "buffer_sets", "index", "staging", "transfers", "admin_view", "scope_note", "buffer_sets_total", "activity", "in_flight", "peers", "session_list", "landing", "tier")
     SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -589,6 +629,7 @@ class GetStatsResponse(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
     LANDING_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     service_id: str
     version: str
     uptime_ms: int
@@ -605,7 +646,36 @@ class GetStatsResponse(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     landing: _containers.RepeatedCompositeFieldContainer[LandingStats]
-    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., sessions: _Optional[int] = ..., buffer_sets: _Optional[_Iterable[_Union[BufferSetInfo, _Mapping]]] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., staging: _Optional[_Iterable[_Union[StagingStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferCounts, _Mapping]] = ..., admin_view: bool = ..., scope_note: _Optional[str] = ..., buffer_sets_total: _Optional[int] = ..., activity: _Optional[_Union[Activity, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., landing: _Optional[_Iterable[_Union[LandingStats, _Mapping]]] = ...) -> None: ...
+    tier: TierStats
+    def __init__(self, service_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., sessions: _Optional[int] = ..., buffer_sets: _Optional[_Iterable[_Union[BufferSetInfo, _Mapping]]] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., staging: _Optional[_Iterable[_Union[StagingStats, _Mapping]]] = ..., transfers: _Optional[_Union[TransferCounts, _Mapping]] = ..., admin_view: bool = ..., scope_note: _Optional[str] = ..., buffer_sets_total: _Optional[int] = ..., activity: _Optional[_Union[Activity, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., landing: _Optional[_Iterable[_Union[LandingStats, _Mapping]]] = ..., tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "held_pages", "layouts", "hit_pages", "miss_pages", "evicted_pages", "stored_pages", "stored_bytes", "duplicate_pages", "loaded_pages", "fill_backlog_pages")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    HIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MISS_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FILL_BACKLOG_PAGES_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    held_pages: int
+    layouts: int
+    hit_pages: int
+    miss_pages: int
+    evicted_pages: int
+    stored_pages: int
+    stored_bytes: int
+    duplicate_pages: int
+    loaded_pages: int
+    fill_backlog_pages: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., held_pages: _Optional[int] = ..., layouts: _Optional[int] = ..., hit_pages: _Optional[int] = ..., miss_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., stored_pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., duplicate_pages: _Optional[int] = ..., loaded_pages: _Optional[int] = ..., fill_backlog_pages: _Optional[int] = ...) -> None: ...
 
 class LandingStats(_message.Message):
     __slots__ = ("location", "capacity_bytes", "used_bytes", "peak_bytes", "landings", "claims", "expired", "evicted", "refused")

@@ -120,6 +120,16 @@ class KVServiceStub(object):
                 request_serializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimResponse.FromString,
                 _registered_method=True)
+        self.OffloadPages = channel.unary_unary(
+                '/kvservice.v1.KVService/OffloadPages',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.OffloadPagesRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.OffloadPagesResponse.FromString,
+                _registered_method=True)
+        self.LoadPages = channel.unary_unary(
+                '/kvservice.v1.KVService/LoadPages',
+                request_serializer=kvservice_dot_v1_dot_kvservice__pb2.LoadPagesRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kvservice__pb2.LoadPagesResponse.FromString,
+                _registered_method=True)
 
 
 class KVServiceServicer(object):
@@ -258,6 +268,24 @@ class KVServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OffloadPages(self, request, context):
+        """Host tier: copies pages of the caller's buffer set into the node's host tier (an engine about
+        to evict them asks the service to keep them). Returns once the copy is done: the engine may
+        then overwrite the pages. Pages the tier already holds are not copied again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadPages(self, request, context):
+        """Host tier: copies pages the tier holds (by hash) into pages of the caller's buffer set, all or
+        none (FAILED_PRECONDITION naming the first hash the tier does not hold, nothing written). The
+        engine publishes the pages itself once they are in its pool (PublishPages).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +373,16 @@ def add_KVServiceServicer_to_server(servicer, server):
                     servicer.Claim,
                     request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kvservice__pb2.ClaimResponse.SerializeToString,
+            ),
+            'OffloadPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.OffloadPages,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.OffloadPagesRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.OffloadPagesResponse.SerializeToString,
+            ),
+            'LoadPages': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadPages,
+                    request_deserializer=kvservice_dot_v1_dot_kvservice__pb2.LoadPagesRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kvservice__pb2.LoadPagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -806,6 +844,60 @@ class KVService(object):
             '/kvservice.v1.KVService/Claim',
             kvservice_dot_v1_dot_kvservice__pb2.ClaimRequest.SerializeToString,
             kvservice_dot_v1_dot_kvservice__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OffloadPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVService/OffloadPages',
+            kvservice_dot_v1_dot_kvservice__pb2.OffloadPagesRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.OffloadPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadPages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVService/LoadPages',
+            kvservice_dot_v1_dot_kvservice__pb2.LoadPagesRequest.SerializeToString,
+            kvservice_dot_v1_dot_kvservice__pb2.LoadPagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
