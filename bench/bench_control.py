@@ -44,6 +44,25 @@ def timed(samples: list[float], fn, *a, **kw):  # type: ignore[no-untyped-def]
     return r
 
 
+def expect_ab(kb: Client, rb: str, sender: str, n: int, lat: dict[str, list[float]]) -> None:
+    """ExpectDelta on the engine's lane (a CALL) against the same call on the session's Transfers
+    stream, interleaved (each declaration aborted): ``expect_delta_lane_ab`` /
+    ``expect_delta_stream_ab``. The lane's is what ``expect_delta`` measures when the service
+    answers CALLs; the stream's is the baseline."""
+    lane = kb._lane.lane
+    if lane is None or "expect_delta" not in lane.calls_served:
+        return
+    served = lane.calls_served
+    for i in range(n):
+        for key, calls in (("expect_delta_lane_ab", served), ("expect_delta_stream_ab", frozenset())):
+            lane.calls_served = calls  # NOTE: the SDK's own switch: no CALL, the stream instead
+            tid = f"ab-{key[13:17]}-{i}"
+            kw = {"prefix_pages": 0, "dst_page_indices": [i % 64], "sender_address": sender}
+            timed(lat[key], kb.expect_delta, tid, rb, **kw)
+            kb.abort(tid)
+    lane.calls_served = served
+
+
 def _engine_pair(
     a: str,
     b: str,
@@ -218,7 +237,17 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
     print(f"raw NIXL one page: p50 {np.median(raw) * 1e3:.3f} ms", file=sys.stderr)
     prompt = np.random.default_rng(0).integers(0, 150_000, args.prompt_tokens, dtype=np.int64)
     lat: dict[str, list[float]] = {
-        k: [] for k in ("match_prefix", "expect_delta", "send_delta", "poll", "transfer_e2e", "unary_rpc")
+        k: []
+        for k in (
+            "match_prefix",
+            "expect_delta",
+            "send_delta",
+            "poll",
+            "transfer_e2e",
+            "unary_rpc",
+            "expect_delta_lane_ab",
+            "expect_delta_stream_ab",
+        )
     }
     with Services(1 if args.same_node else 2, route_env(args), net=args.net) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
@@ -290,6 +319,8 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
                         for v in lat.values():
                             if v and v is not lat["match_prefix"]:
                                 v.pop()
+
+                expect_ab(kb, rb, sender, args.transfers, lat)
 
                 # sustained: threads each run expect → send → wait back to back
                 def sustain(threads: int) -> dict:
