@@ -356,6 +356,12 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
                     return {"threads": threads, "transfers_per_s": rate, "errors": errors[:5]}
 
                 sustained = [sustain(n) for n in args.sustain_threads]
+                lane = kb._lane.lane
+                if lane is not None and "expect_delta" in lane.calls_served and 8 in args.sustain_threads:
+                    served, lane.calls_served = lane.calls_served, frozenset()  # the baseline: on the stream
+                    base = sustain(8)
+                    lane.calls_served = served
+                    sustained.append({**base, "expect_on": "stream"})
                 by_engines = (
                     [sustain_procs(svc, args, xl, (sdev, ddev), n) for n in args.sustain_threads if n > 1]
                     if args.sustain_procs
