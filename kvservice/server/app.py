@@ -127,6 +127,7 @@ class App:
         self.node.transfers.peers.me.local = self.peer_servicer
         self.node.transfers.start()
         self.node.prefix.start_republishers()  # before the subscribers, so ingested pages are re-published
+        self.node.tier.tier.listeners.extend(self.node.prefix.republishers)  # tier pages: medium CPU
         self.node.prefix.start_event_streams()
         threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
         if self.servicer is not None:

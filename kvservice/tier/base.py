@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 from kvservice_client import Layout
 
-__all__ = ["HostTierBase", "LayoutKey", "Load", "Reservation", "TierStats"]
+__all__ = ["HostTierBase", "LayoutKey", "Load", "Reservation", "TierListener", "TierStats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +141,15 @@ class TierStats:
     duplicate_pages: int  # pages a fill or an offload skipped because the tier held them
     loaded_pages: int
     fill_backlog_pages: int
+
+
+class TierListener(Protocol):
+    """Told of the pages the tier starts and stops holding (under the tier's lock: enqueue, return).
+    The KV events re-publisher is one: the tier's pages go out with ``medium`` "CPU"."""
+
+    def tier_stored(self, key: LayoutKey, hashes: np.ndarray) -> None: ...
+
+    def tier_removed(self, key: LayoutKey, hashes: np.ndarray) -> None: ...
 
 
 class HostTierBase(abc.ABC):

@@ -15,7 +15,7 @@ from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..index.prefix_index import as_hashes
 from ._memory import host_pages
 from ._slots import HELD, Slots
-from .base import HostTierBase, LayoutKey, Load, Reservation, TierStats
+from .base import HostTierBase, LayoutKey, Load, Reservation, TierListener, TierStats
 
 __all__ = ["HostTier"]
 
@@ -65,6 +65,7 @@ class HostTier(HostTierBase):
         self.hits = self.misses = self.evictions = 0
         self.stored_pages = self.stored_bytes = self.duplicate_pages = self.loaded_pages = 0
         self.backlog: Callable[[], int] = lambda: 0  # the filler's queue length (pages)
+        self.listeners: list[TierListener] = []  # told of pages stored and evicted (KV events)
 
     @property
     def enabled(self) -> bool:
@@ -126,7 +127,10 @@ class HostTier(HostTierBase):
             short = int(want.size) - s.nfree
             if short > 0:
                 victims = s.victims(short)
+                gone = s.H[victims].copy()
                 s.give_back(victims)
+                for listener in self.listeners:
+                    listener.tier_removed(key, gone)
                 evicted = int(victims.size)
                 self.evictions += evicted
             n = min(int(want.size), s.nfree)
@@ -164,6 +168,9 @@ class HostTier(HostTierBase):
             arena.slots.hold(res.slots[mask], self._next_tick())
             arena.slots.give_back(res.slots[~mask])
             n = int(np.count_nonzero(mask))
+            if n:
+                for listener in self.listeners:
+                    listener.tier_stored(res.key, res.hashes[mask])
             self.stored_pages += n
             self.stored_bytes += n * arena.page_bytes
             return n

@@ -73,6 +73,7 @@ def test_vllms_own_event_classes_decode_the_republished_stream(node_a) -> None:
         bs = kv.register_buffers(LAYOUT, p.k_regions, p.v_regions).buffer_set_id
         kv.publish_pages(bs, np.arange(3), tokens=tokens)
         kv.evict_pages(bs, [2])
+        assert a.node.tier.filler.drain()  # the tier's copies of the published pages are stored
         time.sleep(0.3)
         code = textwrap.dedent(
             f"""
@@ -88,7 +89,7 @@ def test_vllms_own_event_classes_decode_the_republished_stream(node_a) -> None:
                     break
                 for ev in dec.decode(payload).events:
                     out.append([type(ev).__name__, ev.block_hashes,
-                                getattr(ev, "token_ids", None), getattr(ev, "block_size", None)])
+                                getattr(ev, "token_ids", None), getattr(ev, "block_size", None), ev.medium])
             print(json.dumps(out))
             """
         )
@@ -98,4 +99,59 @@ def test_vllms_own_event_classes_decode_the_republished_stream(node_a) -> None:
     from kvservice_client.hashing import page_hashes
 
     h = page_hashes(tokens, 16).tolist()
-    assert events == [["BlockStored", h, tokens.tolist(), 16], ["BlockRemoved", [h[2]], None, None]]
+    gpu = [e[:4] for e in events if e[4] == "GPU"]
+    assert gpu == [["BlockStored", h, tokens.tolist(), 16], ["BlockRemoved", [h[2]], None, None]]
+    # the host tier's write-behind copies of those pages decode too (medium "CPU", by hash only)
+    cpu = [e for e in events if e[4] == "CPU"]
+    assert cpu and all(e[0] == "BlockStored" and set(e[1]) <= set(h) and e[3] == 16 for e in cpu), cpu
+
+
+def _replayed(replay_endpoint: str) -> list[dict]:
+    """Every event of the stream so far, through its replay endpoint."""
+    import msgpack
+    import zmq
+
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.connect(replay_endpoint)
+    d.send_multipart([b"", (0).to_bytes(8, "big")])
+    out: list[dict] = []
+    try:
+        while d.poll(5000):
+            _, _topic, seq, payload = d.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            out += msgpack.unpackb(payload)[1]
+        raise AssertionError("the replay did not end")
+    finally:
+        d.close(linger=0)
+
+
+def test_host_tier_pages_are_republished_with_medium_cpu(make_server) -> None:
+    """Pages the host tier stores (write-behind fill, OffloadPages) go out as BlockStored with
+    medium "CPU", and the ones it evicts as BlockRemoved "CPU", beside the pools' "GPU" events."""
+    from kvservice_client import page_hashes
+
+    pub, replay = free_ports(2)
+    ep = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    page_bytes = 2 * 16 * 8 * 2  # k and v, 16 tokens, 1 head of 8 float16
+    tier = {"host_tier_gb": 4 * page_bytes / (1 << 30), "host_tier_layouts": 1}  # four pages
+    a = make_server(republish_events=json.dumps([ep]), **tier)
+    tokens = np.arange(6 * 16) + 11
+    h = page_hashes(tokens, 16).tolist()
+    with ShmKVPool.create(LAYOUT) as p, Client(a.address) as kv:
+        bs = kv.register_buffers(LAYOUT, p.k_regions, p.v_regions).buffer_set_id
+        kv.publish_pages(bs, np.arange(3), tokens=tokens[:48])
+        assert a.node.tier.filler.drain()
+        # three more pages into a tier of four: the least recent two go
+        assert kv.offload_pages(bs, [3, 4, 5], h[3:]).stored_pages == 3
+        eventually(lambda: sum(e["medium"] == "CPU" for e in _replayed(ep["replay_endpoint"])) >= 3)
+        events = _replayed(ep["replay_endpoint"])
+    cpu = [(e["type"], e["block_hashes"]) for e in events if e["medium"] == "CPU"]
+    stored = [x for t, b in cpu if t == "BlockStored" for x in b]
+    removed = [x for t, b in cpu if t == "BlockRemoved" for x in b]
+    assert sorted(stored) == sorted(h) and len(removed) == 2 and set(removed) <= set(h[:3]), cpu
+    assert all(e["block_size"] == 16 and e["parent_block_hash"] is None for e in events
+               if e["type"] == "BlockStored" and e["medium"] == "CPU")  # fmt: skip
+    gpu = [e for e in events if e["medium"] == "GPU" and e["type"] == "BlockStored"]
+    assert gpu and gpu[0]["block_hashes"] == h[:3]
+    a.node.tier.tier.check_integrity()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvservice_client import Client, InvalidArgument, Layout, ShmKVPool, TransferStatus
-from kvservice_client import _requests as rq
 
 from tests.support.pools import fill_random, regions_of
 
@@ -15,12 +14,15 @@ TOKENS = np.arange(300, 300 + 6 * 4)  # 6 pages
 
 
 def expect_from_tier(kv: Client, tid: str, bs: str, dst: list[int], prefix: int = 0, **kw) -> TransferStatus:
-    req = rq.expect(tid, bs, prefix, dst, 0, 0, None, TOKENS, kw.get("prefix_idx", ()), ())
-    req.from_tier = True
-    status = TransferStatus.from_proto(kv._transfer_call("expect_delta", "ExpectDelta", req).status)
-    kv.owned.add_transfer(tid)
-    kv._tx_book.made(tid, status.role, status.buffer_set_id)
-    return status
+    return kv.expect_delta(
+        tid,
+        bs,
+        prefix_pages=prefix,
+        dst_page_indices=dst,
+        publish_tokens=TOKENS,
+        prefix_page_indices=kw.get("prefix_idx", ()),
+        from_tier=True,
+    )
 
 
 def test_tier_pages_are_loaded_and_the_sender_moves_only_the_rest(make_server) -> None:
@@ -69,10 +71,8 @@ def test_from_tier_needs_the_pages_hashes(server) -> None:
     """Without publish tokens or hashes from_tier is INVALID_ARGUMENT naming it, nothing declared."""
     with ShmKVPool.create(LAYOUT) as pb, Client(server.address) as kb:
         sb = kb.register_buffers(LAYOUT, pb.k_regions, pb.v_regions).buffer_set_id
-        req = rq.expect("t3", sb, 0, [0, 1], 0, 0, None, None, (), ())
-        req.from_tier = True
         with pytest.raises(InvalidArgument, match="from_tier"):
-            kb._transfer_call("expect_delta", "ExpectDelta", req)
+            kb.expect_delta("t3", sb, prefix_pages=0, dst_page_indices=[0, 1], from_tier=True)
         assert server.node.transfers.in_flight() == 0
 
 

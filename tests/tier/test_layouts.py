@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 from kvservice_client import Client, Layout, ShmKVPool, page_hashes
-from kvservice_client.proto import kvservice_pb2 as pb
 
 from kvservice.tier.calls import _copy_to_end
 from tests.support.pools import fill_random, regions_of
@@ -50,8 +49,8 @@ def test_pages_round_trip_in_every_layout(server, name: str) -> None:
         sa = kv.register_buffers(lay, pa.k_regions, pa.v_regions).buffer_set_id
         sb = kv.register_buffers(lay, pb_.k_regions, pb_.v_regions).buffer_set_id
         hs = [int(h) for h in HASHES[:3]]
-        kv._call("OffloadPages", pb.OffloadPagesRequest(buffer_set_id=sa, page_indices=[9, 2, 5], hashes=hs))
-        kv._call("LoadPages", pb.LoadPagesRequest(buffer_set_id=sb, page_indices=[0, 11, 4], hashes=hs))
+        kv.offload_pages(sa, [9, 2, 5], hs)
+        kv.load_pages(sb, [0, 11, 4], hs)
         for ra, rb in zip(regions_of(pa), regions_of(pb_), strict=True):
             assert (rb[[0, 11, 4]] == ra[[9, 2, 5]]).all()
     server.node.tier.tier.check_integrity()

@@ -16,13 +16,8 @@ HASHES = page_hashes(np.arange(16), 4)
 def _offload_three(server) -> None:
     with ShmKVPool.create(LAYOUT) as pool, Client(server.address, client_name="e") as kv:
         bs = kv.register_buffers(LAYOUT, pool.k_regions, pool.v_regions, engine_id="e").buffer_set_id
-        req = pb.OffloadPagesRequest(
-            buffer_set_id=bs, page_indices=[0, 1, 2], hashes=[int(h) for h in HASHES[:3]]
-        )
-        kv._call("OffloadPages", req)
-        kv._call(
-            "LoadPages", pb.LoadPagesRequest(buffer_set_id=bs, page_indices=[5], hashes=[int(HASHES[1])])
-        )
+        kv.offload_pages(bs, [0, 1, 2], HASHES[:3])
+        kv.load_pages(bs, [5], HASHES[1:2])
 
 
 def test_tier_series_count_stores_loads_and_bytes(server) -> None:

@@ -11,12 +11,11 @@ from kvservice_client import (
     InvalidArgument,
     Layout,
     NotFound,
+    Offloaded,
     PermissionDenied,
     ShmKVPool,
     page_hashes,
 )
-from kvservice_client.proto import common_pb2
-from kvservice_client.proto import kvservice_pb2 as pb
 
 from tests.support.pools import fill_random, regions_of
 
@@ -42,15 +41,11 @@ class Engine:
     def pages(self) -> list[bytes]:
         return [self.page(p) for p in range(LAYOUT.num_pages)]
 
-    def offload(self, pages, hashes=()) -> pb.OffloadPagesResponse:
-        req = pb.OffloadPagesRequest(buffer_set_id=self.bs, page_indices=list(pages), hashes=list(hashes))
-        return self.kv._call("OffloadPages", req)
+    def offload(self, pages, hashes=None) -> Offloaded:
+        return self.kv.offload_pages(self.bs, list(pages), hashes)
 
-    def load(self, pages, hashes) -> pb.LoadPagesResponse:
-        req = pb.LoadPagesRequest(
-            buffer_set_id=self.bs, page_indices=list(pages), hashes=[int(x) for x in hashes]
-        )
-        return self.kv._call("LoadPages", req)
+    def load(self, pages, hashes) -> int:
+        return self.kv.load_pages(self.bs, list(pages), hashes)
 
     def close(self) -> None:
         self.kv.close()
@@ -103,8 +98,7 @@ def test_match_prefix_reports_tier_pages_per_candidate(engines, server) -> None:
     a.kv.publish_pages(a.bs, np.arange(6), tokens=TOKENS[:24])
     assert tier(server).filler.drain()
     a.kv.evict_pages(a.bs, [2])
-    req = pb.MatchPrefixRequest(hashes=common_pb2.PageHashes(hashes=[int(x) for x in HASHES]))
-    raw = b.kv._call("MatchPrefix", req, owned=False)
+    raw = b.kv.match_prefix(hashes=HASHES)
     by_bs = {x.buffer_set_id: x for x in raw.matches}
     assert by_bs[a.bs].matched_pages == 2 and by_bs[a.bs].tier_pages == 6
     assert by_bs[b.bs].matched_pages == 0 and by_bs[b.bs].tier_pages == 6
@@ -120,7 +114,7 @@ def test_load_pages_restores_the_prefix_byte_exact(engines, server) -> None:
     want = [a.page(p) for p in range(5, 11)]
     before = b.pages()
     dst = [15, 0, 7, 3, 9, 1]
-    assert b.load(dst, HASHES[:6]).loaded_pages == 6
+    assert b.load(dst, HASHES[:6]) == 6
     after = b.pages()
     assert [after[p] for p in dst] == want
     assert all(after[p] == before[p] for p in range(16) if p not in dst), "only the named pages change"
@@ -135,7 +129,7 @@ def test_offload_keeps_pages_the_engine_then_overwrites(engines, server) -> None
     assert (r.stored_pages, r.already_held, r.not_stored) == (3, 0, 0)
     for region in regions_of(a.pool):
         region[4:7] = 0
-    assert a.load([10, 11, 12], HASHES[:3]).loaded_pages == 3
+    assert a.load([10, 11, 12], HASHES[:3]) == 3
     assert [a.page(p) for p in (10, 11, 12)] == want
     assert a.offload([10, 11, 12], HASHES[:3]).already_held == 3
     tier(server)
@@ -184,9 +178,8 @@ def test_load_of_a_page_the_tier_lacks_writes_nothing(engines, server) -> None:
 def test_another_session_cannot_use_the_buffer_set(engines, server) -> None:
     """Offload and load need the buffer set's own session (PERMISSION_DENIED otherwise)."""
     a, b = engines
-    req = pb.OffloadPagesRequest(buffer_set_id=a.bs, page_indices=[0], hashes=[1])
     with pytest.raises(PermissionDenied, match="buffer_set_id"):
-        b.kv._call("OffloadPages", req)
+        b.kv.offload_pages(a.bs, [0], [1])
 
 
 def test_a_lease_pins_the_tier_pages_until_released(engines, server) -> None:
@@ -243,3 +236,15 @@ def test_a_tier_only_prefix_gets_a_lease_of_its_own(engines, server) -> None:
     assert tier(server).tier.leases() == 0
     with pytest.raises(NotFound):
         b.kv.release_lease(m.lease_id)
+
+
+def test_the_sdk_names_a_bad_hash_before_calling(engines, server) -> None:
+    """Negative, fractional or too large hashes are INVALID_ARGUMENT naming "hashes" in the SDK."""
+    a, _ = engines
+    for bad in ([-1], [1.5], [2**64], np.array([0.5])):
+        with pytest.raises(InvalidArgument, match="hashes"):
+            a.kv.offload_pages(a.bs, [0], bad)
+        with pytest.raises(InvalidArgument, match="hashes"):
+            a.kv.load_pages(a.bs, [0], bad)
+    assert a.kv.offload_pages(a.bs, [0], np.array([2**63 + 5], dtype=np.uint64)).stored_pages == 1
+    assert tier(server).tier.stats().held_pages == 1

@@ -27,6 +27,7 @@ from ._security import ChannelSecurity
 from ._types import (
     EvictionSuggestion,
     MatchResult,
+    Offloaded,
     PrefixMatch,
     RegisteredBuffers,
     TransferLoad,
@@ -54,6 +55,7 @@ __all__ = [
     "KeepalivePolicy",
     "Layout",
     "MatchResult",
+    "Offloaded",
     "NotFound",
     "PermissionDenied",
     "PrefixMatch",

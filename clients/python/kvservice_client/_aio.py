@@ -26,7 +26,7 @@ from ._regions import AuxSpec, Region
 from ._security import PLAIN, ChannelSecurity
 from ._session import Owned, RegisterArgs, find_credential_path
 from ._transfer_stream import Ended
-from ._types import MatchResult, RegisteredBuffers, TransferStatus
+from ._types import MatchResult, Offloaded, RegisteredBuffers, TransferStatus
 
 __all__ = ["AsyncClient"]
 
@@ -229,6 +229,23 @@ class AsyncClient(AsyncLandingCalls):
         )
         return int((await self._call("EvictPages", req)).evicted_pages)
 
+    async def offload_pages(
+        self,
+        buffer_set_id: str,
+        page_indices: Iterable[int] | np.ndarray,
+        hashes: rq.HashesLike | None = None,
+    ) -> Offloaded:
+        """See ``Client.offload_pages``."""
+        req = rq.offload(buffer_set_id, page_indices, hashes)
+        return Offloaded.from_proto(await self._call("OffloadPages", req))
+
+    async def load_pages(
+        self, buffer_set_id: str, page_indices: Iterable[int] | np.ndarray, hashes: rq.HashesLike
+    ) -> int:
+        """See ``Client.load_pages``."""
+        req = rq.load(buffer_set_id, page_indices, hashes)
+        return int((await self._call("LoadPages", req)).loaded_pages)
+
     async def expect_delta(
         self,
         transfer_id: str,
@@ -243,10 +260,14 @@ class AsyncClient(AsyncLandingCalls):
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
         sender_address: str = "",
+        from_tier: bool = False,
     ) -> TransferStatus:
         """Declare transfer ``transfer_id`` into this client's buffer set. ``sender_address``: the
         sending engine's kvservice, when known; the service then lets only that service's proven
-        identity fetch the plan (``allowed_senders`` filled for you, see docs/design/security.md)."""
+        identity fetch the plan (``allowed_senders`` filled for you, see docs/design/security.md).
+        ``from_tier``: the leading pages past the prefix that the node's host tier holds (by the
+        hashes of ``publish_tokens``, required then) are copied from the tier before this returns,
+        and the senders skip them like the prefix."""
         req = rq.expect(
             transfer_id,
             buffer_set_id,
@@ -260,6 +281,7 @@ class AsyncClient(AsyncLandingCalls):
             allowed_senders,
         )
         req.sender_address = sender_address
+        req.from_tier = from_tier
         status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)
         self.owned.add_transfer(transfer_id)
         return status

@@ -45,7 +45,7 @@ from ._session import (
     find_credential_path,
 )
 from ._transfer_stream import Ended, StreamBroken, TransferStream
-from ._types import EvictionSuggestion, MatchResult, RegisteredBuffers, TransferStatus
+from ._types import EvictionSuggestion, MatchResult, Offloaded, RegisteredBuffers, TransferStatus
 
 __all__ = ["Client", "channel_options", "message_size_options"]
 
@@ -341,6 +341,25 @@ class Client(LandingCalls):
         )
         return int(self._call("EvictPages", req).evicted_pages)
 
+    # -- the node's host tier ----------------------------------------------------------------
+    def offload_pages(
+        self,
+        buffer_set_id: str,
+        page_indices: Iterable[int] | np.ndarray,
+        hashes: rq.HashesLike | None = None,
+    ) -> Offloaded:
+        """Keep these pages in the node's host tier; returns once the pages may be overwritten.
+        ``hashes``: each page's chained hash (default: the ones the index holds for them)."""
+        req = rq.offload(buffer_set_id, page_indices, hashes)
+        return Offloaded.from_proto(self._call("OffloadPages", req))
+
+    def load_pages(
+        self, buffer_set_id: str, page_indices: Iterable[int] | np.ndarray, hashes: rq.HashesLike
+    ) -> int:
+        """Write the tier's pages ``hashes`` into ``page_indices`` (all or none: FAILED_PRECONDITION
+        naming a hash the tier does not hold); returns the pages written."""
+        return int(self._call("LoadPages", rq.load(buffer_set_id, page_indices, hashes)).loaded_pages)
+
     # -- transfers -------------------------------------------------------------------------
     def expect_delta(
         self,
@@ -356,10 +375,14 @@ class Client(LandingCalls):
         prefix_page_indices: Iterable[int] | np.ndarray = (),
         allowed_senders: Iterable[str] = (),
         sender_address: str = "",
+        from_tier: bool = False,
     ) -> TransferStatus:
         """Declare transfer ``transfer_id`` into this client's buffer set. ``sender_address``: the
         sending engine's kvservice, when known; the service then lets only that service's proven
-        identity fetch the plan (``allowed_senders`` filled for you, see docs/design/security.md)."""
+        identity fetch the plan (``allowed_senders`` filled for you, see docs/design/security.md).
+        ``from_tier``: the leading pages past the prefix that the node's host tier holds (by the
+        hashes of ``publish_tokens``, required then) are copied from the tier before this returns,
+        and the senders skip them like the prefix."""
         req = rq.expect(
             transfer_id,
             buffer_set_id,
@@ -373,6 +396,7 @@ class Client(LandingCalls):
             allowed_senders,
         )
         req.sender_address = sender_address
+        req.from_tier = from_tier
         lane = self._lane.get(self.session_id)  # open before the transfer: its END may come this way
         rid = rq.new_request_id()
         resp = None

@@ -129,6 +129,41 @@ def publish(
     )
 
 
+def offload(
+    buffer_set_id: str, page_indices: Iterable[int] | np.ndarray, hashes: HashesLike | None
+) -> kvservice_pb2.OffloadPagesRequest:
+    return kvservice_pb2.OffloadPagesRequest(
+        buffer_set_id=buffer_set_id,
+        page_indices=_idx(page_indices, "page_indices"),
+        hashes=_hashes(hashes if hashes is not None else (), "hashes"),
+    )
+
+
+def load(
+    buffer_set_id: str, page_indices: Iterable[int] | np.ndarray, hashes: HashesLike
+) -> kvservice_pb2.LoadPagesRequest:
+    return kvservice_pb2.LoadPagesRequest(
+        buffer_set_id=buffer_set_id,
+        page_indices=_idx(page_indices, "page_indices"),
+        hashes=_hashes(hashes, "hashes"),
+    )
+
+
+def _hashes(values: HashesLike, field: str) -> list[int]:
+    """Page hashes as a list for a uint64 field; InvalidArgument naming ``field`` if not."""
+    if isinstance(values, np.ndarray):
+        if values.size and (values.dtype.kind not in "iu" or values.ndim != 1 or (values < 0).any()):
+            raise InvalidArgument(f"{field}: must be a 1-D array of unsigned 64-bit page hashes")
+        return values.astype(np.uint64, copy=False).tolist()
+    vals = list(values)
+    if not all(isinstance(v, (int, np.integer)) for v in vals):
+        raise InvalidArgument(f"{field}: must be integers (unsigned 64-bit page hashes)")
+    try:
+        return np.asarray(vals, dtype=np.uint64).tolist()
+    except OverflowError as e:
+        raise InvalidArgument(f"{field}: must be unsigned 64-bit page hashes ({e})") from None
+
+
 def expect(
     transfer_id: str,
     buffer_set_id: str,

@@ -70,6 +70,20 @@ class PrefixMatch:
     load: TransferLoad = TransferLoad()
     landed_pages: int = 0  # leading pages claimable from a LANDED transfer (prefix included)
     landed_transfer_id: str = ""
+    tier_pages: int = 0  # leading pages of the prompt the node's host tier holds (LoadPages restores them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloaded:
+    """What an OffloadPages kept in the node's host tier."""
+
+    stored_pages: int  # copied into the tier
+    already_held: int  # the tier held them already (not copied again)
+    not_stored: int  # not kept: the tier is off, or its arena had no slot that was not leased
+
+    @classmethod
+    def from_proto(cls, pb: kvservice_pb2.OffloadPagesResponse) -> Offloaded:
+        return cls(pb.stored_pages, pb.already_held, pb.not_stored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +125,7 @@ class MatchResult:
                     load=TransferLoad.from_proto(m.load),
                     landed_pages=m.landed_pages,
                     landed_transfer_id=m.landed_transfer_id,
+                    tier_pages=m.tier_pages,
                 )
                 for m in pb.matches
             ),

@@ -8,6 +8,7 @@ that arrived by transfer, pages ingested from engines' own events — as if it w
                                                    parent_block_hash=parent, token_ids=tokens,
                                                    block_size=page size, medium="GPU", ...)
     index evictions / buffer set removal       ->  BlockRemoved(block_hashes=every hash that went)
+    host tier stores / evictions               ->  the same with medium="CPU" (streams of every engine)
 
 Wire, exactly as vLLM 0.32's ZmqEventPublisher: PUB frames ``(topic, seq u64 BE, msgpack
 [ts, [events], dp_rank])`` with map-encoded events tagged ``"type"``; a ROUTER answers
@@ -29,7 +30,7 @@ import queue
 import threading
 import time
 from itertools import count
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -40,6 +41,12 @@ from ..base import BufferSetSpec
 __all__ = ["EventRepublisher", "RepublishConfig"]
 
 log = logging.getLogger(__name__)
+
+
+class _Paged(Protocol):  # the tier's LayoutKey, as far as an event needs it
+    page_size: int
+
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -105,6 +112,32 @@ class EventRepublisher:
     def removed(self, spec: BufferSetSpec, hashes: np.ndarray) -> None:
         if self._wanted(spec) and hashes.size:
             ev = {"type": "BlockRemoved", "block_hashes": hashes.tolist(), "medium": "GPU", "group_idx": 0}
+            self._queue.put([ev])
+
+    # -- TierListener (the node's host tier: node-wide, so only on a stream of every engine) ----
+    def tier_stored(self, key: _Paged, hashes: np.ndarray) -> None:
+        """Pages the host tier now holds, as vLLM's offloading connector reports them: medium
+        "CPU", no parent (the tier keeps pages, not chains), no token ids."""
+        if self.config.engine_id != "*" or hashes.size == 0:
+            return
+        n = int(hashes.size)
+        self._queue.put([{
+            "type": "BlockStored",
+            "block_hashes": hashes.tolist(),
+            "parent_block_hash": None,
+            "token_ids": [],
+            "block_size": key.page_size,
+            "lora_id": None,
+            "medium": "CPU",
+            "lora_name": None,
+            "extra_keys": [None] * n,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }])  # fmt: skip
+
+    def tier_removed(self, key: _Paged, hashes: np.ndarray) -> None:
+        if self.config.engine_id == "*" and hashes.size:
+            ev = {"type": "BlockRemoved", "block_hashes": hashes.tolist(), "medium": "CPU", "group_idx": 0}
             self._queue.put([ev])
 
     # -- the thread ---------------------------------------------------------------------------
