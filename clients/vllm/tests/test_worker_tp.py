@@ -122,7 +122,8 @@ def _mla_transfer(tid: str, p_tp: int, d_tp: int) -> tuple[list[torch.Tensor], l
         for ws in senders:
             ws.submit(KVServiceMeta(sends=[SendJob("p-1", tid, tuple(src_blocks), ADDRESS, 10_000)]))
         done = _outcomes([*senders, *receivers], p_tp + d_tp)
-        assert len(done) == p_tp + d_tp and all(o.ok for o in done), done
+        bad = [(o.job.transfer_id, type(o.job).__name__, o.why) for o in done if not o.ok]
+        assert len(done) == p_tp + d_tp and not bad, (len(done), bad)
         got = [torch.stack([t[dst_blocks] for t in c.values()]) for c in dcaches]
         return values, got
     finally:
