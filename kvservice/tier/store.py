@@ -127,7 +127,7 @@ class HostTier(HostTierBase):
             short = int(want.size) - s.nfree
             if short > 0:
                 victims = s.victims(short)
-                gone = s.H[victims].copy()
+                gone = s.H[victims]  # fancy indexing copies: read before give_back
                 s.give_back(victims)
                 for listener in self.listeners:
                     listener.tier_removed(key, gone)

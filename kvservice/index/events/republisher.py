@@ -41,13 +41,35 @@ from ..base import BufferSetSpec
 __all__ = ["EventRepublisher", "RepublishConfig"]
 
 log = logging.getLogger(__name__)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class _Paged(Protocol):  # the tier's LayoutKey, as far as an event needs it
     page_size: int
 
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+def _block_stored(
+    hashes: np.ndarray, parent: int | None, tokens: list[int], block_size: int, medium: str
+) -> dict[str, Any]:
+    """vLLM's BlockStored event, map-encoded."""
+    n = int(hashes.size)
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes.tolist(),
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "extra_keys": [None] * n,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def _block_removed(hashes: np.ndarray, medium: str) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes.tolist(), "medium": medium, "group_idx": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,50 +117,23 @@ class EventRepublisher:
             return
         n = int(hashes.size)
         full = tokens is not None and tokens.size >= n * spec.page_size
-        self._queue.put([{
-            "type": "BlockStored",
-            "block_hashes": hashes.tolist(),
-            "parent_block_hash": parent,
-            "token_ids": tokens[: n * spec.page_size].tolist() if full else [],  # type: ignore[index]
-            "block_size": spec.page_size,
-            "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
-            "extra_keys": [None] * n,
-            "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention",
-        }])  # fmt: skip
+        kept = tokens[: n * spec.page_size].tolist() if full else []  # type: ignore[index]
+        self._queue.put([_block_stored(hashes, parent, kept, spec.page_size, "GPU")])
 
     def removed(self, spec: BufferSetSpec, hashes: np.ndarray) -> None:
         if self._wanted(spec) and hashes.size:
-            ev = {"type": "BlockRemoved", "block_hashes": hashes.tolist(), "medium": "GPU", "group_idx": 0}
-            self._queue.put([ev])
+            self._queue.put([_block_removed(hashes, "GPU")])
 
     # -- TierListener (the node's host tier: node-wide, so only on a stream of every engine) ----
     def tier_stored(self, key: _Paged, hashes: np.ndarray) -> None:
         """Pages the host tier now holds, as vLLM's offloading connector reports them: medium
         "CPU", no parent (the tier keeps pages, not chains), no token ids."""
-        if self.config.engine_id != "*" or hashes.size == 0:
-            return
-        n = int(hashes.size)
-        self._queue.put([{
-            "type": "BlockStored",
-            "block_hashes": hashes.tolist(),
-            "parent_block_hash": None,
-            "token_ids": [],
-            "block_size": key.page_size,
-            "lora_id": None,
-            "medium": "CPU",
-            "lora_name": None,
-            "extra_keys": [None] * n,
-            "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention",
-        }])  # fmt: skip
+        if self.config.engine_id == "*" and hashes.size:
+            self._queue.put([_block_stored(hashes, None, [], key.page_size, "CPU")])
 
     def tier_removed(self, key: _Paged, hashes: np.ndarray) -> None:
         if self.config.engine_id == "*" and hashes.size:
-            ev = {"type": "BlockRemoved", "block_hashes": hashes.tolist(), "medium": "CPU", "group_idx": 0}
-            self._queue.put([ev])
+            self._queue.put([_block_removed(hashes, "CPU")])
 
     # -- the thread ---------------------------------------------------------------------------
     def close(self) -> None:
