@@ -5,17 +5,18 @@ a malformed or unknown CALL changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kvservice_client import lane_wire
+from kvservice_client import AsyncClient, lane_wire
 from kvservice_client._errors import InvalidArgument, NotFound
 from kvservice_client._proto import kvservice_pb2 as pb
 
-from tests.support.lane import Engines
+from tests.support.lane import LAYOUT, Engines
 from tests.support.poll import eventually
 
 
@@ -101,3 +102,47 @@ def test_a_service_without_calls_gets_expect_delta_over_grpc(eng: Engines) -> No
     st = eng.kb.expect_delta("t-fb2", eng.b, prefix_pages=0, dst_page_indices=[4])
     assert st.state == "PENDING" and lane.calls == 0
     eventually(lambda: eng.server.node.transfers.table.live() != [], 5, "declared over gRPC")
+
+
+def test_the_async_client_declares_over_the_lane_without_blocking_its_loop(eng: Engines) -> None:
+    """AsyncClient (both adapters' client) sends ExpectDelta as a CALL and awaits the REPLY (the
+    loop is free meanwhile); a bad call is the gRPC error; a CALL answered fallback is made over
+    gRPC."""
+
+    async def main() -> None:
+        kv = AsyncClient(eng.server.address, client_name="decode-async")
+        try:
+            reg = await kv.register_buffers(LAYOUT, eng.pb.k_regions, eng.pb.v_regions)
+            bs = reg.buffer_set_id
+            st = await kv.expect_delta("t-async", bs, prefix_pages=0, dst_page_indices=[7, 8])
+            lane = kv._lane.lane
+            assert lane is not None and lane.calls == 1, "not declared over the lane"
+            assert st.state == "PENDING" and st.role == "RECEIVER", st
+            req = pb.ExpectDeltaRequest(transfer_id="t-await", buffer_set_id=bs, dst_page_indices=[3])
+            call = asyncio.create_task(
+                lane.call_async(lane_wire.CALL_EXPECT, "rid-a", req.SerializeToString(), 5)
+            )
+            await asyncio.sleep(
+                0
+            )  # the call's first step sent the CALL; its REPLY is awaited, not waited for
+            assert not call.done(), "call_async held the loop until its REPLY"
+            assert pb.ExpectDeltaResponse.FromString(await call).status.transfer_id == "t-await"
+            eng.ka.send_delta("t-async", eng.a, src_page_indices=[1, 2], peer_address=eng.peer)
+            async for s in kv.watch(["t-async"], include_current=True):
+                if s.state in ("DONE", "FAILED", "ABORTED"):
+                    assert s.state == "DONE" and s.pages_sent == 2, s
+                    break
+            with pytest.raises(InvalidArgument, match="dst_page_indices"):
+                await kv.expect_delta("t-bad", bs, prefix_pages=0, dst_page_indices=[10_000])
+            assert lane.calls == 2
+            eng.lane.native.set_calls(False)
+            st = await kv.expect_delta("t-grpc", bs, prefix_pages=0, dst_page_indices=[9])
+            assert st.state == "PENDING" and lane.calls == 2, "the fallback did not go over gRPC"
+            eng.lane.native.set_calls(True)
+        finally:
+            await kv.close()
+
+    before = eng.snapshot()
+    asyncio.run(main())
+    assert eng.changed_pages(before) == {7, 8}  # eng.pb is the async engine's pool too
+    assert eng.pages(eng.pb, [7, 8]) == eng.pages(eng.pa, [1, 2])

@@ -1,8 +1,9 @@
-"""The sync client's lane (see :mod:`kvservice_client.lane_wire`): same-node SendDelta, ExpectDelta
+"""The clients' lane (see :mod:`kvservice_client.lane_wire`): same-node SendDelta, ExpectDelta
 and the END of this session's transfers without gRPC.
 
     send_delta   ─▶ Lane.send: SEND packet ─▶ waits for its REPLY (accepted | fallback)
     expect_delta ─▶ Lane.call: CALL packet ─▶ waits for its REPLY (the response | error | fallback)
+                    (AsyncClient: Lane.call_async, the REPLY awaited on the loop)
     wait(transfer_id) ─▶ ``Ended`` book ─▶ Lane.pump until its END is in the book
 
 Whoever waits reads the socket itself: a caller that finds nobody reading takes the read lock
@@ -19,6 +20,7 @@ END, so nothing waits forever on a lost packet.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import select
@@ -70,6 +72,25 @@ _MAX_ADVISED_SPIN_US = 100_000
 def _advised_spin(value: Any) -> int:
     """A welcome's ``wait_spin_us`` (absent from older services: 0), at most 0.1 s."""
     return min(value, _MAX_ADVISED_SPIN_US) if isinstance(value, int) and value > 0 else 0
+
+
+class _LoopEvent:
+    """A REPLY slot's event for a caller on an event loop: ``set`` from any thread resolves
+    ``future`` on its loop (a closed loop: nobody awaits it any more)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+
+    def set(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._resolve)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _resolve(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 class Lane:
@@ -157,13 +178,37 @@ class Lane:
         """A CALL (``calls`` lists it): the serialized response; None: make the call over gRPC
         with the same request id (fallback, no REPLY in time, a lost lane); raises the call's
         error (the KVClientError of its gRPC code)."""
+        packet = self._call_packet(kind, request_id, body)
+        return None if packet is None else self._answer(self._exchange(*packet, timeout))
+
+    async def call_async(self, kind: int, request_id: str, body: bytes, timeout: float) -> bytes | None:
+        """:meth:`call` for an event loop: the REPLY is awaited, never waited for on the loop's
+        thread (the reader thread dispatches it: one hand-off to the loop)."""
+        packet = self._call_packet(kind, request_id, body)
+        if packet is None:
+            return None
+        seq, msg = packet
+        done = _LoopEvent(asyncio.get_running_loop())
+        slot = self._post(seq, msg, done)
+        if slot is None:
+            return None
+        try:
+            await asyncio.wait_for(done.future, timeout)
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+            with self._lock:
+                self._replies.pop(seq, None)
+            return None  # NOTE: as in _exchange: its gRPC twin with the same request id runs once
+        return self._answer(slot[1])
+
+    def _call_packet(self, kind: int, request_id: str, body: bytes) -> tuple[int, bytes] | None:
         if self.closed:
             return None
         seq = next(self._seq)
         msg = lane_wire.encode_call(seq, kind, request_id, body)
-        if len(msg) > lane_wire.MAX_MESSAGE:
-            return None
-        reply = self._exchange(seq, msg, timeout)
+        return (seq, msg) if len(msg) <= lane_wire.MAX_MESSAGE else None
+
+    def _answer(self, reply: lane_wire.Reply | None) -> bytes | None:
+        """A CALL's REPLY: the response's bytes, None (make the call over gRPC) or the error raised."""
         if reply is None or reply[1] == lane_wire.FALLBACK:
             return None
         if reply[1] == lane_wire.CALL_ERROR:
@@ -173,8 +218,8 @@ class Lane:
         self.calls += 1
         return bytes(reply[3])
 
-    def _exchange(self, seq: int, msg: bytes, timeout: float) -> lane_wire.Reply | None:
-        """Send ``msg`` and wait for its REPLY (None: the lane is gone, or none in ``timeout``)."""
+    def _post(self, seq: int, msg: bytes, event: Any) -> list[Any] | None:
+        """Send ``msg`` with its REPLY's slot ``[event, reply]`` in place (None: the lane is gone)."""
         # the packet first: what follows overlaps the service's work (its REPLY waits for the
         # lock to be dispatched, so the slot is in place before it can be)
         slot: list[Any] | None
@@ -184,10 +229,16 @@ class Lane:
             except OSError:
                 slot = None
             else:
-                slot = [threading.Event(), None]
+                slot = [event, None]
                 self._replies[seq] = slot
         if slot is None:
             self._drop()
+        return slot
+
+    def _exchange(self, seq: int, msg: bytes, timeout: float) -> lane_wire.Reply | None:
+        """Send ``msg`` and wait for its REPLY (None: the lane is gone, or none in ``timeout``)."""
+        slot = self._post(seq, msg, threading.Event())
+        if slot is None:
             return None
         deadline = time.monotonic() + timeout
         if self._rlock.acquire(blocking=False):  # nobody reads: take the REPLY on this thread
