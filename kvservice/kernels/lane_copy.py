@@ -69,25 +69,27 @@ def lane_copy(
             LANES: tl.constexpr = 1
             s_page = (src + sp * src_stride).to(tl.pointer_type(tl.uint8))
             d_page = (dst + dp * dst_stride).to(tl.pointer_type(tl.uint8))
-        w0 = start // WB  # first word of this program
-        nw = n // WB
-        j = tl.arange(0, BLOCK)
+        # NOTE: word numbers within a page's segment in 32 bits (a segment is < 64 GiB): a run's
+        # division is then a 32-bit one, not the GPU's slow 64-bit emulation (kernel.h's too)
+        w0 = (start // WB).to(tl.uint32)  # first word of this program
+        nw = (n // WB).to(tl.uint32)
+        j = tl.arange(0, BLOCK).to(tl.uint32)
         lane = tl.arange(0, LANES)
         whole = run >= nbytes
-        run_w = run // WB
+        run_w = (run // WB).to(tl.uint32)
         src_run_w = src_run // WB
         dst_run_w = dst_run // WB
         for step in range(0, nw, BLOCK):
             i = w0 + step + j  # words of the page's segment
             mask = (step + j) < nw
             if whole:
-                s_w = i
-                d_w = i
+                s_w = i.to(tl.int64)
+                d_w = s_w
             else:
                 k = i // run_w
-                w = i - k * run_w
-                s_w = k * src_run_w + w
-                d_w = k * dst_run_w + w
+                w = (i - k * run_w).to(tl.int64)
+                s_w = k.to(tl.int64) * src_run_w + w
+                d_w = k.to(tl.int64) * dst_run_w + w
             s_ptrs = s_page + (s_w[:, None] * LANES + lane[None, :])
             d_ptrs = d_page + (d_w[:, None] * LANES + lane[None, :])
             if VEC:
