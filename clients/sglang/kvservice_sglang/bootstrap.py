@@ -4,7 +4,7 @@ decode instances post where a room's pages go, and the prefill's senders read it
     PUT /room/<room> {peer, decode_prefix_len[, landing][, layers]}  decode -> prefill (its kvservice, prefix)
     GET /room/<room>[?rank=r&ranks=n][&layers=a,b,..]       each prefill rank reads it once
     PUT /room/<room>/pages {pages}                          prefill -> decode (landing option)
-    GET /service                                            {peer, pp_size}: the decode's sender
+    GET /service                                            {peer[, pp_size]}: the decode's sender
 
 An entry is read by every rank (attention TP x PP) of the other instance (each runs a sender or a
 receiver of the room) and goes once all ``n`` read it, or at its TTL. ``GET /service`` names the
@@ -146,7 +146,7 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.strip("/") == "service":  # the prefill's kvservice: the decode's sender
                     service = prefill.get()
-                    body = {"peer": service, "pp_size": stages}
+                    body = {"peer": service, **({"pp_size": stages} if stages > 1 else {})}  # absent: 1
                     return self._reply(200, body) if service else self._reply(404, {})
                 room, book = self._target()
                 rank, ranks = _reader(self.path)
