@@ -1,6 +1,7 @@
 """kvservice_sglang's contract tests (clients/sglang/tests) in .venv-vllm, where the pinned sglang
 0.5.23 package is, over two real kvservice processes started here; and the landing option's tests
-(test_sglang_landing.py, in-process services) there too, over the real base classes."""
+(test_sglang_landing.py, in-process services) and the pipeline-parallel ones (test_sglang_pp.py,
+kvservice processes) there too, over the real base classes."""
 
 from __future__ import annotations
 
@@ -48,15 +49,13 @@ def test_sglang_backend_contract() -> None:
         svc_d.stop()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sglang_landing_over_the_real_base_classes() -> None:
-    """test_sglang_landing.py runs here over a stand-in of SGLang's base classes; in .venv-vllm it
-    runs over the package's own (KVS_SGLANG_REAL=1: no fallback), kvservice from this checkout."""
+def _run_real(module: str) -> None:
+    """``module`` (tests/adapters) in .venv-vllm over the package's own base classes
+    (KVS_SGLANG_REAL=1: no fallback to the stand-in), kvservice from this checkout."""
     _need_venv()
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     r = subprocess.run(
-        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_sglang_landing.py")],
+        [str(VLLM_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / module)],
         cwd=ROOT,
         env=dict(os.environ, KVS_SGLANG_REAL="1", PYTHONPATH=path),
         capture_output=True,
@@ -65,3 +64,18 @@ def test_sglang_landing_over_the_real_base_classes() -> None:
     )
     tail = (r.stdout + r.stderr)[-4000:]
     assert r.returncode == 0 and " passed" in r.stdout and "skipped" not in r.stdout, tail
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sglang_landing_over_the_real_base_classes() -> None:
+    """test_sglang_landing.py runs here over a stand-in of SGLang's base classes; in .venv-vllm it
+    runs over the package's own."""
+    _run_real("test_sglang_landing.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sglang_pipeline_parallel_over_the_real_base_classes() -> None:
+    """test_sglang_pp.py (every PP / TP shape) over the pinned package's own classes and KVArgs."""
+    _run_real("test_sglang_pp.py")

@@ -1,15 +1,27 @@
 """The prefill's rendezvous (SGLang's ``--disaggregation-bootstrap-port``): a small HTTP server where
 decode instances post where a room's pages go, and the prefill's senders read it::
 
-    PUT /room/<room> {peer, decode_prefix_len[, landing]}   decode -> prefill (its kvservice, prefix)
-    GET /room/<room>[?rank=r&ranks=n]                       each prefill rank reads it once
+    PUT /room/<room> {peer, decode_prefix_len[, landing][, layers]}  decode -> prefill (its kvservice, prefix)
+    GET /room/<room>[?rank=r&ranks=n][&layers=a,b,..]       each prefill rank reads it once
     PUT /room/<room>/pages {pages}                          prefill -> decode (landing option)
-    GET /service                                            the prefill's kvservice: the decode's sender
+    GET /service                                            {peer[, pp_size]}: the decode's sender
 
-An entry is read by every attention TP rank of the other instance (each runs a sender or a
+An entry is read by every rank (attention TP x PP) of the other instance (each runs a sender or a
 receiver of the room) and goes once all ``n`` read it, or at its TTL. ``GET /service`` names the
-prefill's kvservice (``SGLANG_KVSERVICE_PEER_ADDRESS``, else what its kvservice tells its sessions);
-nobody can set it over HTTP.
+prefill's kvservice (``SGLANG_KVSERVICE_PEER_ADDRESS``, else what its kvservice tells its sessions)
+and its pipeline stages; nobody can set them over HTTP.
+
+Rooms of instances split into pipeline stages go one transfer per layer (``layers``): each decode
+stage posts the model's layers it declared, and the entry keeps one part per stage::
+
+    PUT {peer: D0, decode_prefix_len: 8, layers: [0, 1]}     stage 0 of a decode at PP 2
+    PUT {peer: D1, decode_prefix_len: 8, layers: [2, 3]}     stage 1
+    GET ?layers=2,3  -> {peer: D0, decode_prefix_len: 8, stages: [
+                            {peer: D0, layers: [0, 1], decode_prefix_len: 8},
+                            {peer: D1, layers: [2, 3], decode_prefix_len: 8}]}
+
+A GET naming ``layers`` finds the entry only once its stages hold them all (an entry without
+stages, one transfer of every layer, holds any); until then it is 404 and the rank has not read it.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ __all__ = ["KVServiceBootstrapServer", "http_json"]
 
 log = logging.getLogger(__name__)
 _ROOM_TTL_S = 600.0
-_PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing]} or /room/<int>/pages {pages}"
+_PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing][, layers]} or /room/<int>/pages {pages}"
 _SERVICE_LOOKUP_TIMEOUT_S = 3.0  # the bootstrap server asking its kvservice (within a GET's 5 s)
 
 
@@ -79,11 +91,13 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
         port: int,
         peer_address: str | None = None,
         service_address: str | None = None,
+        pp_size: int | None = None,
         **_: Any,
     ) -> None:
         if peer_address is None:
             peer_address = os.environ.get("SGLANG_KVSERVICE_PEER_ADDRESS") or None
         prefill = _PrefillService(peer_address, service_address or local_service())
+        stages = _pp_size() if pp_size is None else int(pp_size)
         rooms: dict[int, tuple[float, dict[str, Any]]] = {}
         sizes: dict[int, tuple[float, dict[str, Any]]] = {}  # landing rooms: the prefill's page count
         # an entry is read by every attention TP rank of the other instance (each runs a sender or
@@ -125,17 +139,22 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                         for r in [r for r, (t, _) in d.items() if now - t > _ROOM_TTL_S]:
                             del d[r]
                             readers.pop((id(d), r), None)
-                    book[room] = (now, entry)
+                    old = book.get(room)
+                    book[room] = (now, _merge(old[1] if old and book is rooms else None, entry))
                 self._reply(200, {})
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.strip("/") == "service":  # the prefill's kvservice: the decode's sender
                     service = prefill.get()
-                    return self._reply(200, {"peer": service}) if service else self._reply(404, {})
+                    body = {"peer": service, **({"pp_size": stages} if stages > 1 else {})}  # absent: 1
+                    return self._reply(200, body) if service else self._reply(404, {})
                 room, book = self._target()
                 rank, ranks = _reader(self.path)
+                wanted = _layers(self.path)
                 with lock:
                     found = book.get(room) if room is not None else None
+                    if found is not None and wanted and not _holds(found[1], wanted):
+                        found = None  # not every stage holding this rank's layers posted yet
                     if found is not None and room is not None:  # gone once every rank read it
                         seen = readers.setdefault((id(book), room), set())
                         seen.add(rank)
@@ -170,13 +189,68 @@ def _reader(path: str) -> tuple[int, int]:
         return 0, 1
 
 
+def _pp_size() -> int:
+    """The prefill's pipeline stages, as SGLang's published server args say (1 where they are not
+    published in this process)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return max(1, int(getattr(get_server_args(), "pp_size", 1) or 1))
+    except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError, TypeError):
+        return 1
+
+
+def _layers(path: str) -> list[int]:
+    """A GET's ``?layers=a,b,...``: the model's layers the reading rank sends (none: any entry)."""
+    raw = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query).get("layers", [""])[0]
+    try:
+        return [int(x) for x in raw.split(",") if x]
+    except ValueError:
+        return []
+
+
+def _holds(entry: dict[str, Any], layers: list[int]) -> bool:
+    """Whether the decode stages that posted ``entry`` hold all of ``layers`` (an entry without
+    stages is one transfer of every layer)."""
+    if "stages" not in entry:
+        return True
+    held = {i for s in entry["stages"] for i in s["layers"]}
+    return held.issuperset(layers)
+
+
+def _merge(old: dict[str, Any] | None, entry: dict[str, Any]) -> dict[str, Any]:
+    """A decode stage's post (``layers``) joins the stages posted before it (replacing one with the
+    same layers: its other TP ranks post it too); any other post replaces the entry. The merged
+    prefix is the smallest (the prefill sends from there; each layer transfer skips its own)."""
+    layers = entry.pop("layers", None)
+    if layers is None:
+        return entry
+    stage = {"peer": entry["peer"], "layers": layers, "decode_prefix_len": entry["decode_prefix_len"]}
+    parts = [s for s in (old or {}).get("stages", []) if s["layers"] != layers] + [stage]
+    return {
+        "peer": parts[0]["peer"],
+        "decode_prefix_len": min(s["decode_prefix_len"] for s in parts),
+        "stages": parts,
+    }
+
+
 def _room_entry(body: dict[str, Any]) -> dict[str, Any] | None:
-    """A decode instance's post for a room (its service, prefix, and whether it lands the pages)."""
+    """A decode instance's post for a room (its service, prefix, whether it lands the pages, and
+    the model's layers of its stage when the room goes per layer)."""
     if not isinstance(body.get("peer"), str) or not body["peer"]:
         return None
-    entry = {"peer": body["peer"], "decode_prefix_len": int(body.get("decode_prefix_len", 0))}
+    entry: dict[str, Any] = {"peer": body["peer"], "decode_prefix_len": int(body.get("decode_prefix_len", 0))}
     if body.get("landing"):
         entry["landing"] = True
+    if "layers" in body:
+        layers = body["layers"]
+        if (
+            not isinstance(layers, list)
+            or not layers
+            or not all(isinstance(i, int) and i >= 0 for i in layers)
+        ):
+            return None
+        entry["layers"] = sorted(set(layers))
     return entry
 
 

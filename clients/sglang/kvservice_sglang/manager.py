@@ -1,8 +1,10 @@
 """SGLang's ``BaseKVManager`` on kvservice: one a scheduler rank, owning its session.
 
 At start it registers the rank's pools (``regions.register_kv_args``: KV, aux rows, state slots)
-as its attention TP rank. Every RPC of the rank's senders and receivers runs on its
-:class:`BackgroundClient` thread. When the service forgets the session (it restarted), the first
+as its attention TP rank, and each of its layers again on its own, named by the model's layer
+number (``layers``: the per-layer transfers of rooms where either instance runs pipeline
+parallelism; a PP stage holds some layers). Every RPC of the rank's senders and receivers runs on
+its :class:`BackgroundClient` thread. When the service forgets the session (it restarted), the first
 transfer that meets ``SessionLost`` opens a new one, registers the same pools again and makes
 its call again (:meth:`on_session`), so only the transfers in flight on the lost session fail.
 
@@ -21,17 +23,18 @@ import importlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 from kvservice_client import BackgroundClient, SessionLost
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
 from .bootstrap import http_json
+from .layers import LayerSets, register_layers, stage_layers
 from .regions import register_kv_args
 from .settings import Settings
 
-__all__ = ["KVServiceManager"]
+__all__ = ["KVServiceManager", "PrefillService"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,6 +64,13 @@ def _attention_tp(args: KVArgs, server_args: Any) -> tuple[int, int]:
         size //= int(getattr(server_args, "attn_cp_size", 1) or 1)
     size = max(1, size)
     return size, int(args.engine_rank) % size
+
+
+class PrefillService(NamedTuple):
+    """A prefill instance as its bootstrap server describes it (``GET /service``)."""
+
+    peer: str  # its kvservice ("": none named): the decode's ExpectDelta sender_address
+    pp_size: int  # its pipeline stages: > 1 (or a decode of PP > 1) makes rooms per layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,38 +103,51 @@ class KVServiceManager(BaseKVManager):
     def __init__(
         self, args: KVArgs, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False
     ) -> None:
-        pp = int(getattr(server_args, "pp_size", 1) or 1)
-        if pp > 1:  # a stage holds a subset of the layers; the service pairs whole layouts
-            raise NotImplementedError(
-                f"kvservice_sglang: pipeline parallel size > 1 is not supported (pp_size={pp}): "
-                "a stage holds a subset of the layers"
-            )
         settings = Settings.from_env()
         self.attn_tp = _attention_tp(args, server_args)
         self.kv_args, self.mode = args, str(getattr(disaggregation_mode, "value", disaggregation_mode))
         self.address, self.peer_address = settings.address, settings.peer_address
         self.deadline_ms, self.bootstrap_timeout_s = settings.deadline_ms, settings.bootstrap_timeout_s
         self.prefill_info_table = _EveryPrefill()
+        self.pp_size = max(1, int(getattr(server_args, "pp_size", 1) or 1))
+        self.pp_rank = int(getattr(args, "pp_rank", 0) or 0) if self.pp_size > 1 else 0
+        if self.pp_size > 1 and any(getattr(args, "state_data_ptrs", None) or ()):
+            raise NotImplementedError(  # a stage's state slots cover its layers only
+                f"kvservice_sglang: state buffers (a hybrid model) with pipeline parallel size "
+                f"{self.pp_size} are not supported"
+            )
         self.bg = BackgroundClient(self.address, client_name=f"sglang-{self.mode}-{args.engine_rank}")
-        self._senders: dict[str, tuple[float, str]] = {}  # decode: bootstrap addr -> (until, its service)
+        self._senders: dict[str, tuple[float, PrefillService]] = {}  # decode: bootstrap addr -> its prefill
         reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend), self.attn_tp)
+        ids = stage_layers(args, reg.layout.num_layers, self.pp_size)
+        self.layers: LayerSets = self.bg.call(register_layers(self.bg, reg, ids), 60 + len(ids))
         self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.landing_ttl_ms = self._landing_ttl_ms(settings.landing_ttl_ms, server_args)  # 0: off
         self._registration, self._lost, self._relock = reg, False, asyncio.Lock()
-        log.info("kvservice: %s rank %s registered %s", self.mode, args.engine_rank, self.buffer_set_id)
+        log.info(
+            "kvservice: %s rank %s (PP stage %d of %d, layers %s) registered %s",
+            self.mode, args.engine_rank, self.pp_rank, self.pp_size, list(ids), self.buffer_set_id,
+        )  # fmt: skip
 
-    def reader_url(self, url: str) -> str:
+    def reader_url(self, url: str, layers: bool = False) -> str:
         """``url`` (a room entry at the other instance's bootstrap server) as this rank reads it:
-        the entry stays until each of this instance's attention TP ranks has read it."""
+        the entry stays until each of this instance's ranks (attention TP x PP) has read it;
+        ``layers``: found only once the decode stages that posted it hold all of this rank's."""
         size, rank = self.attn_tp
-        return f"{url}?rank={rank}&ranks={size}" if size > 1 else url
+        ranks, rank = size * self.pp_size, self.pp_rank * size + rank
+        query = [f"rank={rank}&ranks={ranks}"] if ranks > 1 else []
+        if layers:
+            query.append("layers=" + ",".join(str(i) for i in self.layers.ids))
+        return f"{url}?{'&'.join(query)}" if query else url
 
     def _landing_ttl_ms(self, ttl: int, server_args: Any) -> int:
         """The landing option (decode only): how long landed pages wait for the allocation."""
         if not ttl or self.mode != "decode":
             return 0
         why = ""
-        if any(self.state_names):  # NOTE: a landing counts its aux rows before any allocation
+        if self.pp_size > 1:
+            why = f"pipeline parallel size {self.pp_size}: a stage's layers arrive one transfer each"
+        elif any(self.state_names):  # NOTE: a landing counts its aux rows before any allocation
             why = "state buffers are registered (a hybrid model): their slots are known only at allocation"
         elif getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
             why = "the decode radix cache is on: a landing holds every page, an allocation only its delta"
@@ -133,10 +156,11 @@ class KVServiceManager(BaseKVManager):
             return 0
         return ttl
 
-    async def prefill_service(self, bootstrap_addr: str) -> str:
-        """The kvservice of the prefill behind ``bootstrap_addr``, as its bootstrap server names it
-        (``GET /service``, kept a minute): ExpectDelta's ``sender_address``. "" when it names none
-        (the transfer then names no sender) or cannot be reached (not kept)."""
+    async def prefill_service(self, bootstrap_addr: str) -> PrefillService:
+        """The prefill behind ``bootstrap_addr`` as its bootstrap server describes it (``GET
+        /service``, kept a minute): its kvservice (ExpectDelta's ``sender_address``; "" when it
+        names none: the transfer then names no sender) and its PP size (1 unless it says). Not
+        kept when the server cannot be reached."""
         now = time.monotonic()
         hit = self._senders.get(bootstrap_addr)
         if hit is not None and hit[0] > now:
@@ -145,27 +169,41 @@ class KVServiceManager(BaseKVManager):
             code, body = await asyncio.to_thread(http_json, "GET", f"http://{bootstrap_addr}/service")
         except (OSError, ValueError) as exc:
             log.info("kvservice: no prefill service from %s (%s); no sender named", bootstrap_addr, exc)
-            return ""
-        peer = body.get("peer") if code == 200 and isinstance(body, dict) else ""
-        peer = peer if isinstance(peer, str) else ""
-        self._senders[bootstrap_addr] = (now + _SENDER_TTL_S, peer)
-        return peer
+            return PrefillService("", 1)
+        body = body if code == 200 and isinstance(body, dict) else {}
+        peer, pp = body.get("peer"), body.get("pp_size", 1)
+        found = PrefillService(
+            peer if isinstance(peer, str) else "", pp if isinstance(pp, int) and pp > 0 else 1
+        )
+        self._senders[bootstrap_addr] = (now + _SENDER_TTL_S, found)
+        return found
 
-    async def on_session(self, call: Callable[[str], Awaitable[T]], first: bool = True) -> T:
-        """``call(buffer_set_id)``, on a live registration. The service forgot this session (it
-        restarted, ``SessionLost``): on a transfer's ``first`` call (nothing of it was on the lost
-        session) the pools are registered again on a new session and the call is made once more;
-        while the service is down, that registration's error fails the call."""
+    def layerwise(self, prefill: PrefillService) -> bool:
+        """Whether a room with ``prefill`` goes one transfer per layer: either side runs PP."""
+        return self.pp_size > 1 or prefill.pp_size > 1
+
+    async def on_session(
+        self, call: Callable[[str], Awaitable[T]], first: bool = True, layer: int | None = None
+    ) -> T:
+        """``call(buffer_set_id)``, on a live registration: the whole-cache set, or the one-layer
+        set of the model's ``layer``. The service forgot this session (it restarted,
+        ``SessionLost``): on a transfer's ``first`` call (nothing of it was on the lost session)
+        the pools are registered again on a new session and the call is made once more; while the
+        service is down, that registration's error fails the call."""
+
+        def bs() -> str:
+            return self.buffer_set_id if layer is None else self.layers.of(layer)
+
         if first and self._lost:
             await self._register_again()
         try:
-            return await call(self.buffer_set_id)
+            return await call(bs())
         except SessionLost as exc:
             self.note_failure(exc)
             if not first:
                 raise
             await self._register_again()
-            return await call(self.buffer_set_id)
+            return await call(bs())
 
     def note_failure(self, exc: BaseException) -> None:
         """A call failed with ``exc``: after ``SessionLost`` the next transfer registers again."""
@@ -179,6 +217,7 @@ class KVServiceManager(BaseKVManager):
             await self.bg.kv.reopen_session(reregister=False)  # a new session at the next call
             reg = self._registration
             bs = await self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux)
+            self.layers = await register_layers(self.bg, reg, self.layers.ids)
             self.buffer_set_id, self._lost = bs.buffer_set_id, False
             log.warning("kvservice: %s session reopened; pools registered as %s", self.mode, bs.buffer_set_id)
 

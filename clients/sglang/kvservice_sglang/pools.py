@@ -12,8 +12,10 @@ as SGLang does.
 
 The hook also records what SGLang 0.5.23 does not put in the backend's ``KVArgs`` about every KV
 buffer it saw made, by address (:func:`buffer_info`): the storage dtype (``kv_cache_dtype_str``
-is the ``--kv-cache-dtype`` setting, ``auto`` unless set) and the pool's KV heads on this rank
-(its decode side leaves ``kv_head_num`` unset).
+is the ``--kv-cache-dtype`` setting, ``auto`` unless set), the pool's KV heads on this rank
+(its decode side leaves ``kv_head_num`` unset) and the model's layer number of the buffer (the
+pool's ``start_layer`` plus its place: a pipeline stage's decode side sets no
+``prefill_start_layer``).
 
 The objects are named ``kvs-sglang-<pid>-<n>`` and unlinked when the process exits normally;
 kvservice holds its own mapping, and re-registers from the names after a service restart, so the
@@ -43,6 +45,7 @@ __all__ = [
     "around_allocation",
     "buffer_info",
     "leftovers",
+    "record_pool",
     "shared_allocations",
 ]
 
@@ -60,6 +63,7 @@ _segments: list[shared_memory.SharedMemory] = []
 class BufferInfo(NamedTuple):
     dtype: str  # torch's name, without "torch."
     head_num: int | None  # the pool's KV heads on this rank (None: an MLA pool)
+    layer: int  # the model's layer number of the buffer (pool.start_layer + its index)
 
 
 _buffers: dict[int, BufferInfo] = {}  # a KV buffer's address -> what its pool says of it
@@ -152,21 +156,28 @@ def _kvservice_backend() -> bool:
 def around_allocation(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """SGLang ``HookRegistry`` AROUND hook for :data:`TARGETS`: the original, its CPU tensors in
     shared memory when the backend is kvservice (a GPU pool's allocations are CUDA: untouched);
-    then the dtype of each KV buffer the pool made (``args[0]``)."""
+    then what the pool (``args[0]``) says of each KV buffer it made (:func:`record_pool`)."""
     if not _kvservice_backend():
         return original(*args, **kwargs)
     with shared_allocations():
         out = original(*args, **kwargs)
-    pool = args[0] if args else None
-    heads = getattr(pool, "head_num", None)
-    for name in ("k_buffer", "v_buffer", "kv_buffer"):
-        for buf in getattr(pool, name, None) or ():
-            if isinstance(buf, torch.Tensor):
-                info = BufferInfo(
-                    str(buf.dtype).removeprefix("torch."), None if heads is None else int(heads)
-                )
-                _buffers[int(buf.data_ptr())] = info
+    if args:
+        record_pool(args[0])
     return out
+
+
+def record_pool(pool: Any) -> None:
+    """Note what ``pool`` (an SGLang KV pool, its buffers made) says of each of its KV buffers:
+    dtype, KV heads on this rank, the model's layer number (``start_layer`` + the buffer's index)."""
+    heads = getattr(pool, "head_num", None)
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    for name in ("k_buffer", "v_buffer", "kv_buffer"):
+        for i, buf in enumerate(getattr(pool, name, None) or ()):
+            if isinstance(buf, torch.Tensor):
+                dtype = str(buf.dtype).removeprefix("torch.")
+                _buffers[int(buf.data_ptr())] = BufferInfo(
+                    dtype, None if heads is None else int(heads), start + i
+                )
 
 
 def buffer_info(ptr: int) -> BufferInfo | None:

@@ -13,6 +13,10 @@ decode's allocation (seed 002's pre-allocation queue)::
               unless send_metadata came first; the prefill's pages are free at LANDED
     send_metadata(kv_indices, aux_index) ─▶ Claim(kv_indices, aux row) ─▶ Success
       (no landing, or refused because the pool is full: ExpectDelta, as without the option)
+
+When either instance runs pipeline parallelism (this decode's PP size, the prefill's from ``GET
+/service``), the room is one transfer per layer this stage holds (``layer_room.declare_layers``),
+posted with its layers; the landing option is not used for it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from kvservice_client import KVClientError, TransferStatus
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from .bootstrap import http_json
-from .manager import KVServiceManager
-from .room import RoomTransfer, abort_quietly, put_quietly
+from .layer_room import declare_layers
+from .layers import abort_all, layer_tid
+from .manager import KVServiceManager, PrefillService
+from .room import KVServiceTransferError, RoomTransfer, abort_quietly, put_quietly
 
 __all__ = ["KVServiceReceiver"]
 
@@ -60,6 +66,8 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
         """Post the room now (the prefill starts, sending from page 0), learn its page count, and
         declare a landing of them with one row per aux buffer, unless the allocation came first."""
         mgr = self.mgr
+        if mgr.layerwise(await asyncio.wrap_future(self._sender)):
+            return None  # a per-layer room: declared at the allocation
         body = {"peer": mgr.peer_address, "decode_prefix_len": 0, "landing": True}
         if await put_quietly(self.url, body) != 200:
             return None  # send_metadata posts the room, as without the option
@@ -75,7 +83,7 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
                 aux={name: 1 for name in mgr.aux_names},
                 ttl_ms=mgr.landing_ttl_ms,
                 deadline_ms=mgr.deadline_ms,
-                sender_address=await asyncio.wrap_future(self._sender),
+                sender_address=(await asyncio.wrap_future(self._sender)).peer,
             )
         except KVClientError as exc:  # the pool is full, for instance: receive directly later
             log.info("kvservice: landing of %s not declared (%s); it waits for the allocation", self.tid, exc)
@@ -127,8 +135,7 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
             self.failed = str(exc)
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
-        body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len}
-        url, sender = self.url, self._sender
+        sender = self._sender
 
         async def declare(kv: Any) -> TransferStatus:
             if landing is not None and await _landed(landing):  # its pages land in the service's pool
@@ -136,7 +143,9 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
                     tid, mgr.buffer_set_id, dst_page_indices=pages, aux=aux, wait_ms=mgr.deadline_ms
                 )
                 return claimed.status  # type: ignore[no-any-return]
-            sender_address = await asyncio.wrap_future(sender)  # only it may fetch the plan
+            prefill: PrefillService = await asyncio.wrap_future(sender)  # only it may fetch the plan
+            if mgr.layerwise(prefill):
+                return await self._declare_layers(pages, prefix_len, aux, prefill.peer)
             st = await mgr.on_session(
                 lambda bs: kv.expect_delta(
                     tid,
@@ -145,23 +154,42 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
                     dst_page_indices=pages,
                     aux=aux,
                     deadline_ms=mgr.deadline_ms,
-                    sender_address=sender_address,
+                    sender_address=prefill.peer,
                 )
             )
             if self._posted:  # landing option: the room is posted already (the prefill sends from 0)
                 return st  # type: ignore[no-any-return]
-            try:
-                code, _ = await asyncio.to_thread(http_json, "PUT", url, body)  # now the prefill may send
-                why = f"it answered {code}"
-            except OSError as exc:
-                code, why = 0, str(exc)
-            if code != 200:
-                await kv.abort(
-                    tid, f"the prefill's bootstrap server {url} did not take room {self.room}: {why}"
-                )
+            await self._post({"peer": mgr.peer_address, "decode_prefix_len": prefix_len}, [tid])
             return st  # type: ignore[no-any-return]
 
         self.fut = mgr.bg.transfer(tid, declare, mgr.deadline_ms)
+
+    async def _declare_layers(
+        self, pages: np.ndarray, prefix_len: int, aux: dict[str, list[int]], sender: str
+    ) -> TransferStatus:
+        """The room per layer: each of this stage's layers declared, then posted with its layers."""
+        mgr = self.mgr
+        if self.failed:  # aborted before the declaration: declare nothing
+            raise KVServiceTransferError(self.room, self.failed)
+        if any(mgr.state_names):
+            raise KVServiceTransferError(self.room, "state buffers (a hybrid model) are not sent per layer")
+        self.tids = [layer_tid(self.tid, i) for i in mgr.layers.ids]
+        outcome = declare_layers(mgr, self.tid, pages, prefix_len // mgr.page_size, aux, sender)
+        body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len, "layers": list(mgr.layers.ids)}
+        await self._post(body, self.tids)
+        return await asyncio.wrap_future(outcome)
+
+    async def _post(self, body: dict[str, Any], tids: list[str]) -> None:
+        """PUT the room at the prefill's bootstrap server (now the prefill may send); refused or
+        unreachable: the declared transfers are aborted with the reason."""
+        try:
+            code, _ = await asyncio.to_thread(http_json, "PUT", self.url, body)
+            why = f"it answered {code}"
+        except OSError as exc:
+            code, why = 0, str(exc)
+        if code != 200:
+            reason = f"the prefill's bootstrap server {self.url} did not take room {self.room}: {why}"
+            await abort_all(self.mgr.bg, tids, reason)
 
     def clear(self) -> None:
         if self._landing is not None and not self._allocated and not self.failed:

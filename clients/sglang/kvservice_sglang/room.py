@@ -43,6 +43,7 @@ class RoomTransfer:
     def __init__(self, mgr: KVServiceManager, room: int | None) -> None:
         self.mgr, self.room = mgr, int(room or 0)
         self.tid = transfer_id(self.room)
+        self.tids = [self.tid]  # what an abort ends: the room's transfer, or its layer transfers
         self.fut: concurrent.futures.Future[TransferStatus] | None = None
         self.failed = ""
         self.started = time.monotonic()
@@ -85,9 +86,11 @@ class RoomTransfer:
         )
 
     def abort(self) -> None:
-        """Stop the transfer on both services; Failed from now on (the abort settles off-thread)."""
+        """Stop the transfer (each layer's, per layer) on both services; Failed from now on (the
+        abort settles off-thread)."""
         self.failed = self.failed or "aborted"
-        self.mgr.bg.submit(abort_quietly(self.mgr, self.tid))
+        for tid in list(self.tids):
+            self.mgr.bg.submit(abort_quietly(self.mgr, tid))
 
 
 async def put_quietly(url: str, body: dict[str, Any]) -> int:

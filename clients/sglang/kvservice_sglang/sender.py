@@ -8,6 +8,10 @@
 
 Only the delta moves: SGLang's prefill sends from the decode's prefix on (the room's
 ``decode_prefix_len``), and positions are absolute, so the receiver may be any engine.
+
+A room whose decode stages posted their layers (either instance runs PP) goes one transfer per
+layer of this stage instead (``layer_room.LayerSend``); a stage of a PP prefill waits until the
+decode stages holding its layers have all posted.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kvservice_client import TransferStatus
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll
 
 from .bootstrap import http_json
+from .layer_room import LayerSend
 from .manager import KVServiceManager
 from .room import KVServiceTransferError, RoomTransfer, put_quietly
 
@@ -46,12 +51,15 @@ class KVServiceSender(RoomTransfer, BaseKVSender):
         self.state: dict[str, list[int]] = {}  # state rows, sent with the last chunk
         self.sent = 0
         self._chain: concurrent.futures.Future[Any] | None = None
+        self._layers: LayerSend | None = None  # a per-layer room: this stage's layer transfers
 
     async def _lookup(self) -> dict[str, Any]:
-        """Wait for the decode instance to post this room (its peer and prefix)."""
+        """Wait for the decode instance to post this room (its peer and prefix; per layer: until
+        the decode stages that posted hold every layer of this stage)."""
         end = time.monotonic() + self.mgr.bootstrap_timeout_s
+        url = self.mgr.reader_url(self.url, layers=True)
         while not self.failed:
-            code, body = await asyncio.to_thread(http_json, "GET", self.mgr.reader_url(self.url))
+            code, body = await asyncio.to_thread(http_json, "GET", url)
             if code == 200:
                 return body
             if time.monotonic() > end:
@@ -97,8 +105,11 @@ class KVServiceSender(RoomTransfer, BaseKVSender):
         offset, self.sent = self.sent, self.sent + int(pages.size)
         offset += self.pop_decode_prefix_len() // self.mgr.page_size  # absolute sequence position
         last = self.sent >= self.num_pages
-        peer = str(self.target.result()["peer"])
+        entry = self.target.result()
         aux = {**self.mgr.aux_rows(self.aux_index), **self.state} if last else {}
+        if "stages" in entry or self.mgr.pp_size > 1:
+            return self._send_layers(entry, pages, offset, last, aux)
+        peer = str(entry["peer"])
         prev, mgr, tid = self._chain, self.mgr, self.tid
 
         async def one(kv: Any) -> TransferStatus:
@@ -124,10 +135,44 @@ class KVServiceSender(RoomTransfer, BaseKVSender):
             self._chain = mgr.bg.submit(one(mgr.bg.kv))
             self._chain.add_done_callback(self._chunk_done)
 
+    def _send_layers(
+        self, entry: dict[str, Any], pages: np.ndarray, offset: int, last: bool, aux: dict[str, list[int]]
+    ) -> None:
+        """The chunk as one of each of this stage's layer transfers (``layer_room``)."""
+        if self._layers is None:
+            why = ""
+            if "stages" not in entry:
+                why = (
+                    f"this prefill runs {self.mgr.pp_size} pipeline stages, and the decode declared "
+                    "one transfer of every layer (it did not learn the prefill's PP size from GET /service)"
+                )
+            elif self.state or any(self.mgr.state_names):
+                why = "state buffers (a hybrid model) are not sent per layer"
+            if not why:
+                try:
+                    self._layers = LayerSend(self.mgr, self.tid, entry)
+                except ValueError as exc:
+                    why = str(exc)
+            if why:
+                self.failed = why
+                self.abort()
+                return
+            assert self._layers is not None
+            self.tids = list(self._layers.tids.values())
+            self._layers.outcome.add_done_callback(self._chunk_done)  # it ends early only on a failure
+        self._layers.send(pages, offset, last, aux)
+        if last:
+            self.fut = self._layers.outcome
+
     def _chunk_done(self, fut: concurrent.futures.Future[Any]) -> None:
+        """A chunk's call (or a per-layer room's outcome, ending early) failed: the room did."""
+        if self.failed or fut.cancelled():
+            return
         exc = fut.exception()
-        if exc is not None and not self.failed:
+        if exc is not None:
             self.failed = f"{type(exc).__name__}: {exc}"
+        elif isinstance(st := fut.result(), TransferStatus) and st.terminal and st.state != "DONE":
+            self.failed = f"{st.state} {st.error_code}: {st.error}"
 
     def clear(self) -> None:
         return
