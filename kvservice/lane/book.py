@@ -59,6 +59,18 @@ def _senders_into(src: Any, dst: Any) -> int:
     return sum(1 for r in routes if r.dst_rank == dst.tp_rank)
 
 
+def _writes(src: Any, dst: Any) -> bool:
+    """Whether the sender rank of layout ``src`` writes the receiver rank of layout ``dst``: a head
+    route of its plan goes there (replicas: one sender rank a receiver rank); True when unknown."""
+    if src is None:
+        return True
+    try:
+        routes = plan_heads(src.total_kv_heads, src.tp_size, dst.tp_size)
+    except KVServiceError:
+        return heads_overlap(src, dst)
+    return any(r.src_rank == src.tp_rank and r.dst_rank == dst.tp_rank for r in routes)
+
+
 class NoLane:
     """No native lane (disabled, or it could not be built): every hook does nothing."""
 
@@ -296,7 +308,7 @@ class LaneBook(NoLane):
         transfer); when the rank has several senders, this one waits until the lane's copies
         there are booked, then takes the rank over gRPC (the rank's END then comes that way)."""
         for inc in self.e.receiver.of(transfer_id):
-            if src_layout is not None and not heads_overlap(src_layout, inc.bs.layout):
+            if not _writes(src_layout, inc.bs.layout):
                 continue
             key = (transfer_id, inc.bs.layout.tp_rank)
             while self.n.disarm(*key) == 2:

@@ -258,6 +258,36 @@ def test_a_sender_over_grpc_leaves_the_other_ranks_on_the_lane(server: Any) -> N
         t.close()
 
 
+@pytest.mark.parametrize("lane_first", [True, False], ids=["lane-first", "grpc-first"])
+def test_a_replica_over_grpc_leaves_the_rank_another_replica_sends_on_the_lane(
+    server: Any, lane_first: bool
+) -> None:
+    """Replicated heads (as MLA), TP 2 -> 2: receiver r is served by sender r alone. Sender 0 on
+    the lane and sender 1 over gRPC (its SEND came before its receiver rank was armed, say):
+    sender 1 gates only receiver 1. It used to refuse sender 1 because the lane was moving
+    receiver 0, which sender 1 never writes (a real vLLM MLA pair under load failed so)."""
+    t = Ranks(server, 1, 2, 2)
+    try:
+        t.expect("rep")
+        kv, _, bs = t.tx[1]
+        if lane_first:
+            t.send("rep", [0])
+        kv.send_delta("rep", bs, src_page_indices=SRC, peer_address=t.peer, path="packed")
+        if not lane_first:
+            t.send("rep", [0])
+        (r0,) = t.rx[0][0].wait("rep", timeout=10)
+        (r1,) = t.rx[1][0].wait("rep", timeout=10)
+        assert r0.state == r1.state == "DONE", (r0, r1)
+        assert r0.route_note == "lane" and r1.route_note != "lane", (r0, r1)
+        for r in (0, 1):
+            t.check_rank(r)
+        for kv, _, _ in t.tx:
+            (st,) = kv.wait("rep", timeout=10)
+            assert st.state == "DONE", st
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize(
     "heads,p,d",
     [
