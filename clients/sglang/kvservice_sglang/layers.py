@@ -24,25 +24,19 @@ its first layer (:func:`aux_layer`). The room's outcome is every layer transfer'
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvservice_client import AuxSpec, BackgroundClient, NotFound, Region, TransferStatus
+from kvservice_client import AuxSpec, BackgroundClient, Region
+from kvservice_client.layerwise import abort_all, all_done, layer_tid
 
 from .regions import Registration
 
 __all__ = ["LayerSets", "abort_all", "all_done", "aux_layer", "layer_tid", "register_layers", "stage_layers"]
 
 log = logging.getLogger(__name__)
-
-
-def layer_tid(transfer_id: str, layer: int) -> str:
-    """The transfer id of ``layer``'s part of a room's per-layer transfer (kvservice_vllm's name)."""
-    return f"{transfer_id}#L{int(layer)}"
 
 
 def aux_layer(layers: Sequence[int]) -> int:
@@ -106,46 +100,3 @@ async def register_layers(bg: BackgroundClient, reg: Registration, ids: Sequence
 
     sets = await asyncio.gather(*(bg.kv.register_buffers(one, *regions(i)) for i in range(len(ids))))
     return LayerSets(tuple(int(i) for i in ids), tuple(s.buffer_set_id for s in sets))
-
-
-def all_done(
-    bg: BackgroundClient, futures: Sequence[concurrent.futures.Future[TransferStatus]], tids: Sequence[str]
-) -> concurrent.futures.Future[TransferStatus]:
-    """One terminal status for a room's layer transfers: the last DONE when all are DONE, else the
-    first that is not (or the client error of the first that failed to start), once every other
-    was aborted and the aborts settled."""
-
-    async def wait() -> TransferStatus:
-        pending = {asyncio.wrap_future(f) for f in futures}
-        last: TransferStatus | None = None
-        while pending:
-            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for f in finished:
-                try:
-                    st = f.result()
-                except BaseException:
-                    await abort_all(bg, tids, "a layer transfer of the room failed in the client")
-                    raise
-                if st.state != "DONE":
-                    await abort_all(bg, tids, f"layer transfer {st.transfer_id} ended {st.state}")
-                    return st
-                last = st
-        assert last is not None, "a room has at least one layer"
-        return last
-
-    return bg.submit(wait())
-
-
-async def abort_all(bg: BackgroundClient, tids: Sequence[str], reason: str) -> None:
-    """Abort each transfer; one already over (NOT_FOUND) or failing to abort is logged, not raised."""
-
-    async def one(tid: str) -> None:
-        try:
-            await bg.kv.abort(tid, reason)
-        except NotFound:
-            pass
-        except Exception as exc:
-            log.warning("kvservice: abort of %s failed: %s", tid, exc)
-
-    with contextlib.suppress(Exception):
-        await asyncio.gather(*(one(t) for t in tids))

@@ -37,25 +37,18 @@ every (page run, layer range) of the delta arrived. That change is in the data p
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
 
-from kvservice_client import BackgroundClient, Layout, NotFound, TransferStatus
+from kvservice_client import BackgroundClient, Layout
+from kvservice_client.layerwise import abort_all, all_done, layer_tid
 
-__all__ = ["LayerSets", "all_done", "layer_ids", "layer_tid"]
+__all__ = ["LayerSets", "abort_all", "all_done", "layer_ids", "layer_tid"]
 
 log = logging.getLogger(__name__)
-
-
-def layer_tid(transfer_id: str, layer: int) -> str:
-    """The transfer id of ``layer``'s part of a layer-wise transfer."""
-    return f"{transfer_id}#L{layer}"
 
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -122,52 +115,3 @@ class StreamSend:
         for c in self.layers:
             c.cancel()
         return self.bg.submit(abort_all(self.bg, self.tids, reason))
-
-
-def all_done(
-    bg: BackgroundClient, futures: Sequence[concurrent.futures.Future[TransferStatus]], tids: Sequence[str]
-) -> concurrent.futures.Future[TransferStatus]:
-    """One terminal status for a request's layer transfers: the last DONE when all are DONE, else
-    the first that is not, once every other was aborted and settled."""
-
-    async def wait() -> TransferStatus:
-        pending = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
-        last: TransferStatus | None = None
-        while pending:
-            finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for f in finished:
-                pending.pop(f)
-                try:
-                    st = f.result()
-                except BaseException:  # a client error ends the whole request the same way
-                    await _stop(pending)
-                    await abort_all(bg, tids, "a layer transfer failed in the client")
-                    raise
-                if st.state != "DONE":
-                    await _stop(pending)
-                    await abort_all(bg, tids, f"layer transfer {st.transfer_id} ended {st.state}")
-                    return st
-                last = st
-        assert last is not None
-        return last
-
-    async def _stop(pending: dict[Any, int]) -> None:
-        for f in pending:
-            f.cancel()
-
-    return bg.submit(wait())
-
-
-async def abort_all(bg: BackgroundClient, tids: Sequence[str], reason: str) -> None:
-    """Abort each transfer; one already over (NOT_FOUND) or failing to abort is logged, not raised."""
-
-    async def one(tid: str) -> None:
-        try:
-            await bg.kv.abort(tid, reason)
-        except NotFound:
-            pass
-        except Exception as exc:
-            log.warning("kvservice: abort of %s failed: %s", tid, exc)
-
-    with contextlib.suppress(Exception):
-        await asyncio.gather(*(one(t) for t in tids))
