@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
 import xxhash
 from kvservice_client import hashing
+from kvservice_client.hashing import tokens_to_u32le
 
 VECTORS = pathlib.Path(__file__).parents[1] / "vectors" / "page_hash.json"
 SEEDS = [0, 1, 12345678901234, 2**64 - 1]
@@ -74,3 +77,34 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError):
         hashing.page_hashes(b"\x00" * 5, 1)
     assert hashing.page_hashes([1, 2, 3], 4).size == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 1 << 16, (1 << 16) + 3, 1 << 17])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint32, np.uint16])
+def test_tokens_pack_as_u32_little_endian_whatever_the_scratch_holds(n: int, dtype: Any) -> None:
+    """The packed form equals numpy's own conversion, for every size (a thread's scratch grows,
+    and a shorter prompt after a longer one reads none of the longer one's tail)."""
+    rng = np.random.default_rng(n)
+    top = min(np.iinfo(dtype).max, 150_000)
+    tokens = rng.integers(0, top, n).astype(dtype)
+    assert tokens_to_u32le(tokens) == tokens.astype("<u4").tobytes()
+    assert tokens_to_u32le(tokens[: n // 2]) == tokens[: n // 2].astype("<u4").tobytes()
+    assert tokens_to_u32le(tokens.tolist()) == tokens.astype("<u4").tobytes()
+
+
+def test_threads_pack_tokens_each_in_their_own_scratch() -> None:
+    prompts = [np.random.default_rng(i).integers(0, 150_000, 70_000 + i) for i in range(4)]
+    want = [p.astype("<u4").tobytes() for p in prompts]
+    bad: list[int] = []
+
+    def run(i: int) -> None:
+        for _ in range(50):
+            if tokens_to_u32le(prompts[i]) != want[i]:
+                bad.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad

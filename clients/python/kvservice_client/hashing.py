@@ -14,6 +14,7 @@ sequential by definition; it runs as a compiled loop when ``numba`` is importabl
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from itertools import accumulate
 from typing import Any
@@ -41,6 +42,9 @@ _KSECRET = bytes.fromhex(
     "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
     "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
 )
+_U32LE = np.dtype("<u4")
+_SCRATCH_TOKENS = 1 << 22  # a thread's token scratch grows to this (16 MiB), larger prompts convert fresh
+_scratch = threading.local()
 _MAX_VECTOR_BYTES = 1024  # one XXH3 block: stripes accumulate without a scramble step
 
 
@@ -53,7 +57,17 @@ def tokens_to_u32le(tokens: Sequence[int] | np.ndarray | bytes) -> bytes:
         raise ValueError("tokens must be one-dimensional")
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise ValueError("token ids must fit in u32")
-    return arr.astype("<u4", copy=False).tobytes()
+    if arr.dtype == _U32LE or not _SCRATCH_TOKENS >= arr.size > 0:
+        return arr.astype(_U32LE, copy=False).tobytes()
+    # NOTE: converted in this thread's scratch, not a fresh array: a fresh 0.5 MiB array and the
+    # 0.5 MiB bytes after it are both new pages each call (glibc maps them: ~0.55 ms of page faults
+    # for 131,072 tokens on the 2-core VM, against 0.045 ms this way)
+    scratch = getattr(_scratch, "u32", None)
+    if scratch is None or scratch.size < arr.size:
+        scratch = _scratch.u32 = np.empty(max(arr.size, 1 << 16), dtype=_U32LE)
+    view = scratch[: arr.size]
+    np.copyto(view, arr, casting="unsafe")
+    return view.tobytes()
 
 
 def page_hashes_reference(
