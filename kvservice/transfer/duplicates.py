@@ -24,12 +24,15 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import KVServiceError
 from .records import Record
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
 
 __all__ = ["DuplicateBook", "Mark"]
 
@@ -60,7 +63,7 @@ def _ids(slots: np.ndarray, epochs: np.ndarray) -> np.ndarray:
 class DuplicateBook:
     """Sender-side marks, checked against the receivers' services. Runs on the event loop."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         self._e = engine
         cfg = engine.config
         self.policy: str = cfg.index.duplicate_policy

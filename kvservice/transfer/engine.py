@@ -33,7 +33,7 @@ from .peer_serving import offer_plan
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
-from .sender import Outgoing, Sender
+from .sender import Chunk, Outgoing, Sender
 from .transport import Transport
 
 __all__ = ["TransferEngine", "make_transport"]
@@ -107,7 +107,7 @@ class TransferEngine:
         )
         self.dispatch = Dispatch(self)
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
-        self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
+        self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks (grpc's)
         self.offer_channels = OfferChannels()  # ... by sending service address (plans pushed)
         self.sender = Sender(
             self.table, self.dispatch, cfg.transfer.workers_per_peer, cfg.transfer.peer_inflight_mb
@@ -192,7 +192,7 @@ class TransferEngine:
             self.lane.arm(inc)
         return inc.rec
 
-    async def send(self, out: Outgoing, chunk: Any) -> Record:
+    async def send(self, out: Outgoing, chunk: Chunk) -> Record:
         new = self.table.get(out.rec.key) is None
         if new and not out.via_lane:  # the lane's booking of a copy already made is never refused
             self._check_transfer_cap(out.rec.session_id)
