@@ -47,7 +47,7 @@ class Side:
         asyncio.run(self.receiver.expect(self.inc))
         index = types.SimpleNamespace(publish=lambda *a, **k: self.published.append(a))
         self.inbound = Inbound(
-            self.table, self.receiver, lambda _i: self.regions, set(), self._fail, lambda: index
+            self.table, self.receiver, lambda _i: self.regions, set(), self._fail, index
         )
 
     async def _fail(self, inc: Incoming, exc: KVServiceError) -> None:
