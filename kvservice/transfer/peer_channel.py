@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from kvservice_client.proto import common_pb2, peer_pb2
+from kvservice_client.proto import common_pb2, peer_pb2, peer_pb2_grpc
 
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import peer_identity
@@ -303,7 +303,9 @@ class InboundChannel:
 
 
 async def serve_channel(
-    requests: AsyncIterator[peer_pb2.ChannelMessage], context: Any, engine: TransferEngine
+    requests: AsyncIterator[peer_pb2.ChannelMessage],
+    context: grpc.aio.ServicerContext,
+    engine: TransferEngine,
 ) -> None:
     """Run one inbound channel on a grpc.aio stream-stream call for the receiving ``engine``."""
     out: asyncio.Queue[peer_pb2.ChannelMessage | None] = asyncio.Queue()
@@ -448,7 +450,7 @@ class OutboundChannel:
     def __init__(
         self,
         address: str,
-        stub_of: Callable[[], Any],
+        stub_of: Callable[[], peer_pb2_grpc.KVPeerStub],
         me: tuple[str, str],
         on_lane_slot: Callable[[peer_pb2.ReceivePlan], None] | None = None,
     ) -> None:
