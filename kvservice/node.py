@@ -89,7 +89,7 @@ class NodeParts:
             buffers,
             index,
             IndexCalls(config, index, buffers),  # NOTE: before the engine: its buffer hooks run first
-            TierCalls(config, index, buffers),  # the host tier (issue 49)
+            TierCalls(config, index, buffers),  # the host tier
             SessionNotices(buffers, index),
         )
 

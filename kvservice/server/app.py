@@ -104,10 +104,10 @@ class App:
             self.warmed.set()
 
     async def start(self) -> None:
+        self.node.transfers.start()  # its reaper and duplicate checks run before the first call
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()
-        self.node.transfers.start()
         self.node.prefix.start_republishers()  # before the subscribers, so ingested pages are re-published
         self.node.tier.tier.listeners.extend(self.node.prefix.republishers)  # tier pages: medium CPU
         self.node.prefix.start_event_streams()
