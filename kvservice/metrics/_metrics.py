@@ -4,7 +4,7 @@ Lifecycle (driven by ``server.app``)::
 
     rpc = RpcMetricsInterceptor(metrics_registry())   # build_server: before the gRPC servers
     grpc.aio.server(interceptors=[rpc, ...])
-    m = Metrics(node, rpc)                  # build_server, once the node exists (same registry)
+    m = Metrics(node, interceptor=rpc)      # build_server, once the node exists (same registry)
     m.attach(node.transfers)                # every transfer record observed when it ends
     m.serve(host, port)                     # App.start, when config.observability.metrics_port != 0
     m.close()                               # App.stop
@@ -45,7 +45,7 @@ class Metrics:
     the RPC metrics its gRPC servers were built with (a new one on a registry of its own if none)."""
 
     def __init__(
-        self, node: Node, interceptor: RpcMetricsInterceptor | None = None, version: str = ""
+        self, node: Node, version: str = "", *, interceptor: RpcMetricsInterceptor | None = None
     ) -> None:
         self.interceptor = (
             interceptor if interceptor is not None else RpcMetricsInterceptor(metrics_registry())

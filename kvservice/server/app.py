@@ -224,7 +224,7 @@ def build_server(config: Config) -> App:
     peer_servicer = KVPeerServicer(node)
     node.transfers.peers.me.local = peer_servicer  # our own KVPeer calls, in-process
     node.transfers.table.terminal_listeners.append(servicer.activity.observe)
-    metrics = Metrics(node, rpc_metrics)
+    metrics = Metrics(node, interceptor=rpc_metrics)
     metrics.attach(node.transfers)
     health_servicer = health.aio.HealthServicer()
     kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
