@@ -8,7 +8,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvservice_client import Client
 
 from tests.support.grpcurl import grpcurl
+from tests.support.poll import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,11 +105,12 @@ def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
+
+        def started() -> bool:
             assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+            return sock.exists()
+
+        eventually(started, 60, "the server to start", 0.1)
         with Client(f"unix:{sock}") as kv:
             assert kv.get_stats().version
         proc.send_signal(signal.SIGTERM)
