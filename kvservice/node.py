@@ -2,9 +2,17 @@
 
 The gRPC servicers are thin adapters over this class; everything here speaks domain values and
 raises the error tree in ``errors.py``. Here: sessions, buffer registration and drain; the index's
-calls (hashing, match, publish, evictions, KV events) are ``prefix`` (``index/calls.py``). The
-transfer engine is attached as ``transfers``; until then its calls raise Unimplemented with a
-message saying what is missing.
+calls (hashing, match, publish, evictions, KV events) are ``prefix`` (``index/calls.py``), the
+host tier's ``tier``, the transfers' ``transfers`` (``transfer/engine.py``).
+
+Built once, in dependency order (``server/app.py``; tests: :func:`build_node`)::
+
+    NodeParts.create(config)    sessions, credentials, buffers, index and its calls, tier, notices
+        │                       (the listeners' guards read the sessions and credentials)
+        ▼  + the address peers reach this service at (known once its listeners are bound)
+    TransferEngine(...)         follows the buffers, reads the index, tells the notices
+        ▼
+    Node(parts, transfers)      what the servicers call
 """
 
 from __future__ import annotations
@@ -15,30 +23,27 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
+import numpy as np
 from kvservice_client import Layout
 
 from .buffers import BufferRegistry, BufferSet
 from .config import Config
-from .errors import (
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    Unimplemented,
-)
+from .errors import PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
 from .identity import CredentialBook
 from .index import PrefixIndex
 from .index.calls import IndexCalls
-from .latest import LatestQueue
-from .peers_allow import peer_allowed
+from .notices import SessionNotices
+from .peers_allow import check_peer_address
 from .sessions import Session, SessionRegistry
 from .tier import TierCalls
+from .transfer.engine import TransferEngine
+from .transfer.load import Load
+from .transfer.peer_channel import end_inbound_channels
 
-__all__ = ["Node", "VERSION"]
+__all__ = ["Node", "NodeParts", "VERSION", "build_node"]
 
 from . import VERSION
 
@@ -56,37 +61,74 @@ class Unregistered:
     index_entries_dropped: int
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeParts:
+    """What a node holds before its transfer engine exists; built first, shared by both."""
+
+    config: Config
+    service_id: str
+    sessions: SessionRegistry
+    credentials: CredentialBook
+    buffers: BufferRegistry
+    index: PrefixIndex
+    prefix: IndexCalls
+    tier: TierCalls
+    notices: SessionNotices
+
+    @classmethod
+    def create(cls, config: Config) -> NodeParts:
+        # NOTE: random, not time-based: two services started in the same millisecond must differ
+        # (a peer with our own id is treated as ourselves, and it names the NIXL agent).
+        service_id = f"{config.listen.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
+        buffers, index = BufferRegistry(), PrefixIndex()
+        return cls(
+            config,
+            service_id,
+            SessionRegistry(),
+            CredentialBook(),
+            buffers,
+            index,
+            IndexCalls(config, index, buffers),  # NOTE: before the engine: its buffer hooks run first
+            TierCalls(config, index, buffers),  # the host tier
+            SessionNotices(buffers, index),
+        )
+
+    def transfer_engine(self, address: str) -> TransferEngine:
+        """The transfer engine over these parts, reached by peers at ``address``."""
+        return TransferEngine(self.config, self.service_id, address, self.buffers, self.index, self.notices)
+
+
+def build_node(config: Config, address: str) -> Node:
+    """A node with its transfer engine (not started), for callers without listeners (tests)."""
+    parts = NodeParts.create(config)
+    return Node(parts, parts.transfer_engine(address))
+
+
 class Node:
     """Domain facade used by the servicers. Thread-safe where its parts are."""
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        # NOTE: random, not time-based: two services started in the same millisecond must differ
-        # (a peer with our own id is treated as ourselves, and it names the NIXL agent).
-        self.service_id = f"{config.listen.service_name or socket.gethostname()}-{secrets.token_hex(6)}"
+    def __init__(self, parts: NodeParts, transfers: TransferEngine) -> None:
+        self.config = parts.config
+        self.service_id = parts.service_id
         self.started = time.monotonic()
-        self.sessions = SessionRegistry()
-        self.credentials = CredentialBook()
+        self.sessions = parts.sessions
+        self.credentials = parts.credentials
+        self.buffers = parts.buffers
+        self.index = parts.index
+        self.prefix = parts.prefix
+        self.tier = parts.tier
+        self.notices = parts.notices
+        self.transfers = transfers
         self._session_timers: set[asyncio.Task[None]] = set()
-        self.buffers = BufferRegistry()
-        self.index = PrefixIndex()
-        self.transfers: Any = None
-        self.prefix = IndexCalls(config, self.index, self.buffers, lambda: self.transfers)
-        self.tier = TierCalls(config, self.index, self.buffers)  # the host tier (issue 49)
         self.draining = False
         self.shutdown_settle_s = SHUTDOWN_SETTLE_S
         self._settle_by: float | None = None  # the shutdown's bound, from its first bounded step
-        # session id -> its stream's pending duplicate counts, per buffer set (newest only)
-        self._notices: dict[str, LatestQueue[str, int]] = {}
         self.sessions.on_close(self._release_session)
 
-    # -- capabilities attached by later subsystems ----------------------------------------
-    def require_transfers(self, rpc: str) -> Any:
-        if self.transfers is None:
-            raise Unimplemented(f"{rpc}: the transfer engine (NIXL data path) is not part of this build yet")
-        if self.draining and rpc in ("ExpectDelta", "SendDelta"):
+    def check_accepting(self, rpc: str) -> None:
+        """A new transfer (``rpc``: ExpectDelta, SendDelta) is refused while the service drains."""
+        if self.draining:
             raise Unavailable(f"{rpc}: the service is draining for shutdown; retry on another instance")
-        return self.transfers
 
     # -- sessions --------------------------------------------------------------------------
     def open_session(
@@ -115,9 +157,7 @@ class Node:
 
     def check_peer_address(self, address: str) -> None:
         """SendDelta may aim only at allowlisted peers (``peer_allowlist``; empty: any)."""
-        allow = self.config.security.peer_allowlist_entries
-        if allow and not peer_allowed(address, allow):
-            raise PermissionDenied(f"peer_address: {address!r} is not in this service's peer_allowlist")
+        check_peer_address(address, self.config.security.peer_allowlist_entries)
 
     def session_stream_ended(self, session_id: str, epoch: int) -> None:
         """The session stream of ``epoch`` broke: release only if no resume comes within the grace.
@@ -146,29 +186,13 @@ class Node:
         session = self.sessions.take(session_id, reason, epoch)
         if session is None:
             return False
-        if self.transfers is not None:
-            ending = self.transfers.release_session(session_id)
-            await (self._settled(ending, f"closing session {session_id}") if bounded else ending)
+        ending = self.transfers.release_session(session_id)
+        await (self._settled(ending, f"closing session {session_id}") if bounded else ending)
         self.sessions.release(session, reason)
         return True
 
-    def session_notices(self, session_id: str) -> LatestQueue[str, int]:
-        """The pending notices of a session's stream (a resumed stream takes over the same)."""
-        return self._notices.setdefault(session_id, LatestQueue())
-
-    def notify_duplicates(self, buffer_set_id: str) -> None:
-        """Tell the owner session of ``buffer_set_id`` how many of its pages are P/D duplicates
-        now (coalesced: a slow stream gets the latest count once)."""
-        try:
-            bs = self.buffers.get(buffer_set_id)
-        except NotFound:
-            return
-        box = self._notices.get(bs.session_id)
-        if box is not None:  # NOTE: on the event loop (the transfer engine's callbacks run there)
-            box.put(buffer_set_id, self.index.duplicated_pages(buffer_set_id))
-
     def _release_session(self, session_id: str) -> None:
-        self._notices.pop(session_id, None)
+        self.notices.drop(session_id)
         self.index.release_owner(session_id)
         self.tier.tier.release_owner(session_id)
         self.buffers.release_session(session_id)
@@ -179,9 +203,9 @@ class Node:
         session: Session,
         engine_id: str,
         layout: Layout,
-        k_regions: Any,
-        v_regions: Any,
-        aux_regions: Any,
+        k_regions: Sequence[Any],
+        v_regions: Sequence[Any],
+        aux_regions: Sequence[Any],
         inbound_max_transfers: int = 0,
         inbound_max_bytes: int = 0,
     ) -> BufferSet:
@@ -201,25 +225,28 @@ class Node:
         bs = self.buffers.register(
             session.session_id, engine_id, layout, k_regions, v_regions, aux_regions, session.identity.uid
         )
-        if self.transfers is not None:
-            self.transfers.load.set_budget(bs.buffer_set_id, inbound_max_transfers, inbound_max_bytes)
+        self.transfers.load.set_budget(bs.buffer_set_id, inbound_max_transfers, inbound_max_bytes)
         return bs
 
-    def load_of(self, buffer_set_id: str) -> Any:
-        """Transfer load of a buffer set (``transfer.load.Load``); zeros without a transfer engine
-        or for a presence-only (KV-event) set."""
-        from .transfer.load import EMPTY_LOAD
-
-        if self.transfers is None:
-            return EMPTY_LOAD
+    def load_of(self, buffer_set_id: str) -> Load:
+        """Transfer load of a buffer set; zeros for a presence-only (KV-event) set."""
         return self.transfers.load.load(buffer_set_id)
 
     async def unregister_buffers(self, session_id: str, buffer_set_id: str) -> Unregistered:
         self.buffers.get(buffer_set_id, session_id)  # ownership check before anything changes
-        aborted = await self.transfers.abort_buffer_set(buffer_set_id) if self.transfers is not None else 0
+        aborted = await self.transfers.abort_buffer_set(buffer_set_id)
         dropped = self.index.remove_buffer_set(buffer_set_id)
         self.buffers.unregister(buffer_set_id, session_id)
         return Unregistered(aborted, dropped)
+
+    async def suggest_evictions(
+        self, session_id: str, buffer_set_id: str, max_pages: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pages to evict first (``IndexCalls.suggest_evictions``), the transfer engine's
+        duplicate marks checked with their receivers first."""
+        return await self.prefix.suggest_evictions(
+            session_id, buffer_set_id, max_pages, self.transfers.duplicates
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -230,8 +257,6 @@ class Node:
         """Refuse new transfers, wait up to ``grace_s`` for in-flight ones to end, then end the
         peer channels of sending services (nothing is left for them to carry)."""
         self.draining = True
-        if self.transfers is None:
-            return
         deadline = time.monotonic() + grace_s
         while self.transfers.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -241,8 +266,6 @@ class Node:
             await self._settled(
                 self.transfers.abort_all("service shutting down"), "aborting in-flight transfers"
             )
-        from .transfer.peer_channel import end_inbound_channels
-
         await end_inbound_channels(self.transfers)
 
     async def _settled(self, step: Awaitable[Any], what: str) -> None:
@@ -259,7 +282,7 @@ class Node:
             return
         task.cancel()
         await asyncio.wait({task}, timeout=1.0)
-        live = self.transfers.table.live() if self.transfers is not None else []
+        live = self.transfers.table.live()
         stuck = sorted({f"{r.transfer_id} ({r.role.lower()})" for r in live})
         log.warning(
             "%s: transfers did not settle within the shutdown bound (%.1fs); stopping anyway: %s",
@@ -276,5 +299,4 @@ class Node:
             task.cancel()
         for sid in self.sessions.ids():
             await self.close_session(sid, bounded=True)
-        if self.transfers is not None:
-            await self.transfers.close(self._settled)
+        await self.transfers.close(self._settled)

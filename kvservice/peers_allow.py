@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["AllowEntry", "parse_allowlist", "peer_allowed"]
+from .errors import PermissionDenied
+
+__all__ = ["AllowEntry", "check_peer_address", "parse_allowlist", "peer_allowed"]
 
 # ("net", network) | ("suffix", ".example") | ("host", "name") | ("unix", "")
 AllowEntry = tuple[str, object]
@@ -57,3 +59,9 @@ def peer_allowed(address: str, allow: tuple[AllowEntry, ...]) -> bool:
         if kind == "host" and host == value:
             return True
     return False
+
+
+def check_peer_address(address: str, allow: tuple[AllowEntry, ...]) -> None:
+    """SendDelta may aim only at allowlisted peers (``peer_allowlist``; empty: any)."""
+    if allow and not peer_allowed(address, allow):
+        raise PermissionDenied(f"peer_address: {address!r} is not in this service's peer_allowlist")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import time
@@ -13,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from kvservice.metrics import Metrics, TransferMetrics, metrics_host
+from kvservice.node import build_node
 from tests.support.services import ServerThread, make_config
 
 
@@ -106,12 +108,13 @@ def test_metrics_host_follows_the_tcp_address() -> None:
     assert metrics_host("") == "0.0.0.0"
 
 
-def test_collector_reads_zero_before_the_engine_exists() -> None:
+def test_collector_reads_zero_before_the_engine_starts() -> None:
     """Scrapes work before App.start: in-flight reads zero, index gauges are present."""
-    from kvservice.node import Node
-
-    m = Metrics(Node(make_config()))
-    text = m.exposition().decode()
+    node = build_node(make_config(transport="loopback"), "127.0.0.1:0")
+    try:
+        text = Metrics(node).exposition().decode()
+    finally:
+        asyncio.run(node.close())
     assert 'kvservice_transfers_in_flight{role="sender"} 0.0' in text
     assert "kvservice_index_entries 0.0" in text
     assert "kvservice_build_info{" in text

@@ -5,8 +5,7 @@ as vLLM-format events). Buffer sets enter and leave the index with the registry'
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from kvservice_client.hashing import page_hashes
@@ -17,24 +16,33 @@ from ..errors import InvalidArgument, NotFound, ResourceExhausted, Unauthenticat
 from .base import Lease, Match
 from .prefix_index import PrefixIndex, as_hashes
 
-__all__ = ["IndexCalls"]
+if TYPE_CHECKING:
+    from .events import EventRepublisher, EventSubscriber
+
+__all__ = ["DuplicateChecks", "IndexCalls"]
 
 log = logging.getLogger(__name__)
 
 
-class IndexCalls:
-    """The node's index: ``index`` is the store; ``transfers()`` the transfer engine or None (its
-    duplicate marks weigh the eviction suggestions)."""
+class DuplicateChecks(Protocol):
+    """The duplicate marks an eviction suggestion weighs (``transfer.duplicates.DuplicateBook``)."""
 
-    def __init__(
-        self, config: Config, index: PrefixIndex, buffers: BufferRegistry, transfers: Callable[[], Any]
-    ) -> None:
+    dup_priority: int | None  # the marked pages' priority (policy 'lower'), else None
+
+    async def check(self, src_bs: str | None = None) -> None:
+        """Ask the receivers of ``src_bs``'s marks whether they still hold the pages."""
+        ...
+
+
+class IndexCalls:
+    """The node's index: ``index`` is the store."""
+
+    def __init__(self, config: Config, index: PrefixIndex, buffers: BufferRegistry) -> None:
         self.config = config
         self.index = index
         self.buffers = buffers
-        self._transfers = transfers
-        self.event_subscribers: list[Any] = []
-        self.republishers: list[Any] = []
+        self.event_subscribers: list[EventSubscriber] = []
+        self.republishers: list[EventRepublisher] = []
         buffers.add_hooks(self._index_add, self._index_drop)
 
     def _index_add(self, bs: BufferSet) -> None:
@@ -116,7 +124,7 @@ class IndexCalls:
         return self.index.publish(buffer_set_id, h, page_indices, priority, tokens=tokens)
 
     async def suggest_evictions(
-        self, session_id: str, buffer_set_id: str, max_pages: int
+        self, session_id: str, buffer_set_id: str, max_pages: int, duplicates: DuplicateChecks
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pages to evict first (see ``PrefixIndex.suggest_evictions``). Duplicate marks of the
         buffer set are checked with the receivers first, so a page offered as duplicated was
@@ -124,12 +132,8 @@ class IndexCalls:
         self.buffers.get(buffer_set_id, session_id)
         if max_pages <= 0:
             raise InvalidArgument("max_pages", "must be > 0")
-        dup_priority = None
-        transfers = self._transfers()
-        if transfers is not None:
-            await transfers.duplicates.check(buffer_set_id)
-            dup_priority = transfers.duplicates.dup_priority
-        return self.index.suggest_evictions(buffer_set_id, max_pages, dup_priority)
+        await duplicates.check(buffer_set_id)
+        return self.index.suggest_evictions(buffer_set_id, max_pages, duplicates.dup_priority)
 
     def evict_pages(
         self, session_id: str, buffer_set_id: str, page_indices: np.ndarray, all_pages: bool

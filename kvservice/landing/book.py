@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from ..errors import (
 from ..transfer.receiver import Incoming
 from ..transfer.records import Record
 from .pool import Landing, LandingPool, LandingStats
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
 
 __all__ = ["Entry", "LandingBook", "LandedMatch"]
 
@@ -72,7 +75,7 @@ class Entry:
 
 
 class LandingBook:
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         cfg = engine.config
         self.e = engine
         self.pool = LandingPool(cfg.transfer.landing_pool_mb << 20, register=engine.memory.reg_pool)

@@ -16,19 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..buffers import BufferSet
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, KVServiceError
 from ..kernels import KVRegions, _fused_cpu
 from ..kernels.fused import copy_pages, fused_nbytes
 from ..kernels.streams import run_on_device
 from ..transfer.plan import src_pages_array
+from ..transfer.receiver import Incoming
 from ..transfer.records import Record
 from ..transfer.requests import check_aux
 from .book import Entry, LandingBook
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
 
 __all__ = ["claim"]
 
@@ -40,7 +46,7 @@ async def claim(
     session_id: str,
     transfer_id: str,
     buffer_set_id: str,
-    dst_page_indices: Any,
+    dst_page_indices: Sequence[int],
     wait_ms: int,
     aux: dict[str, np.ndarray] | None = None,
 ) -> tuple[Record, int]:
@@ -50,7 +56,7 @@ async def claim(
     e = book.e
     if not transfer_id:
         raise InvalidArgument("transfer_id", "is required")
-    bs = e.node.buffers.get(buffer_set_id, session_id)
+    bs = e.buffers.get(buffer_set_id, session_id)
     entry = book.find(transfer_id, bs.buffer_set_id)
     inc = entry.inc
     dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
@@ -101,7 +107,7 @@ async def claim(
 
 
 def _aux_rows(
-    bs: Any, landed: dict[str, np.ndarray], aux: dict[str, np.ndarray], transfer_id: str
+    bs: BufferSet, landed: dict[str, np.ndarray], aux: dict[str, np.ndarray], transfer_id: str
 ) -> dict[str, np.ndarray]:
     """The claim's destination rows, checked against what landed (names, counts) and ``bs``."""
     check_aux(bs, aux)
@@ -122,10 +128,11 @@ def _aux_rows(
     return aux
 
 
-def _copy_aux(src_bs: Any, dst_bs: Any, aux: dict[str, np.ndarray]) -> None:
+def _copy_aux(src_bs: BufferSet, dst_bs: BufferSet, aux: dict[str, np.ndarray]) -> None:
     """Landed rows ``0..r-1`` of each aux region into the claimer's rows (host memory, a few rows)."""
     for name, rows in aux.items():
         src, dst = src_bs.aux_by_name(name), dst_bs.aux_by_name(name)
+        assert src is not None and dst is not None  # NOTE: both names checked (_aux_rows, check_aux)
         d = dst.region.pages(dst.row_bytes)
         d[torch.from_numpy(rows)] = src.region.pages(src.row_bytes)[: rows.size].to(d.device)
 
@@ -158,12 +165,12 @@ async def _copy(src: KVRegions, dst: KVRegions, dst_pages: np.ndarray) -> int:
     return int(await asyncio.to_thread(copy_pages, src, dst, sp, dst_pages))
 
 
-def _publish(e: Any, inc: Any, dst: np.ndarray) -> None:
+def _publish(e: TransferEngine, inc: Incoming, dst: np.ndarray) -> None:
     """After DONE: the claimed sequence's pages go into the index, as a DONE ExpectDelta's would."""
-    if inc.publish_hashes is None or e.node.index is None:
+    if inc.publish_hashes is None:
         return
     pages = np.concatenate([inc.prefix_page_indices, dst])[: inc.publish_hashes.size]
     try:
-        e.node.index.publish(inc.rec.buffer_set_id, inc.publish_hashes, pages, 0, tokens=inc.publish_tokens)
+        e.index.publish(inc.rec.buffer_set_id, inc.publish_hashes, pages, 0, tokens=inc.publish_tokens)
     except KVServiceError:
         pass  # NOTE: the copy is done; an index refusal (buffer set gone) does not undo it

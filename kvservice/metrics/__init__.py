@@ -13,7 +13,7 @@
 from ._buckets import COUNT_BUCKETS, LATENCY_BUCKETS
 from ._collector import NodeCollector
 from ._http import MetricsHttpServer, metrics_host
-from ._metrics import Metrics
+from ._metrics import Metrics, metrics_registry
 from ._rpc import RpcMetricsInterceptor
 from ._transfers import TransferMetrics
 
@@ -26,4 +26,5 @@ __all__ = [
     "RpcMetricsInterceptor",
     "TransferMetrics",
     "metrics_host",
+    "metrics_registry",
 ]

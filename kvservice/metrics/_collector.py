@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ._landing import landing_metrics
 from ._tier import tier_metrics
+
+if TYPE_CHECKING:
+    from ..node import Node
+    from ..transfer.load import Load
 
 __all__ = ["NodeCollector"]
 
@@ -26,11 +30,10 @@ log = logging.getLogger(__name__)
 class NodeCollector(Collector):
     """Exposes in-flight transfers, send queues, staging pools, the prefix index and build info.
 
-    ``node`` is a ``kvservice.node.Node``; ``node.transfers`` (a TransferEngine) may be None
-    before ``App.start``, in which case the transfer gauges read zero.
+    Before ``App.start`` the transfer gauges read zero (nothing has run).
     """
 
-    def __init__(self, node: Any, version: str) -> None:
+    def __init__(self, node: Node, version: str) -> None:
         self._node = node
         self._version = version
 
@@ -95,11 +98,9 @@ class NodeCollector(Collector):
             "kvservice_transfers_in_flight", "Transfer sides not yet terminal.", labels=("role",)
         )
         counts = {"sender": 0, "receiver": 0}
-        depth: dict[str, int] = {}
-        if engine is not None:
-            for rec in engine.table.live():
-                counts[rec.role.lower()] = counts.get(rec.role.lower(), 0) + 1
-            depth = dict(engine.sender.queue_depth)
+        for rec in engine.table.live():
+            counts[rec.role.lower()] = counts.get(rec.role.lower(), 0) + 1
+        depth = dict(engine.sender.queue_depth)
         for role, n in sorted(counts.items()):
             inflight.add_metric((role,), n)
         yield inflight
@@ -116,12 +117,11 @@ class NodeCollector(Collector):
         """Routing figures per engine (the sum over its buffer sets; latency: the worst rank).
         The label set is bounded by the registered buffer sets: an engine's series go with it."""
         node, engine = self._node, self._node.transfers
-        per: dict[str, list[Any]] = {}
-        if engine is not None:
-            for bs in node.buffers.all():
-                per.setdefault(bs.engine_id or bs.buffer_set_id, []).append(
-                    (engine.load.load(bs.buffer_set_id), node.index.duplicated_pages(bs.buffer_set_id))
-                )
+        per: dict[str, list[tuple[Load, int]]] = {}
+        for bs in node.buffers.all():
+            per.setdefault(bs.engine_id or bs.buffer_set_id, []).append(
+                (engine.load.load(bs.buffer_set_id), node.index.duplicated_pages(bs.buffer_set_id))
+            )
         fams = {
             "in": GaugeMetricFamily(
                 "kvservice_engine_inbound_transfers",
@@ -172,17 +172,15 @@ class NodeCollector(Collector):
             "ExpectDeltas refused at once because the receiving buffer set was over its inbound budget.",
             labels=("budget",),
         )
-        counts = engine.load.refused_total if engine is not None else {}
+        counts = engine.load.refused_total
         for budget in ("inbound_max_transfers", "inbound_max_bytes"):
             refused.add_metric((budget,), counts.get(budget, 0))
         yield refused
 
     def _staging(self) -> Iterator[Metric]:
         engine = self._node.transfers
-        pools: list[tuple[str, Any]] = []
-        if engine is not None:
-            pools = [("host", engine.memory.host_pool.stats())]
-            pools += [(f"cuda:{dev}", pool.stats()) for dev, pool in sorted(engine.memory.vram_pools.items())]
+        pools = [("host", engine.memory.host_pool.stats())]
+        pools += [(f"cuda:{dev}", pool.stats()) for dev, pool in sorted(engine.memory.vram_pools.items())]
         labels = ("pool", "kind")
         fams = {
             "capacity": GaugeMetricFamily(
@@ -209,10 +207,10 @@ class NodeCollector(Collector):
         yield from fams.values()
 
     def _landing(self) -> Iterator[Metric]:
-        yield from landing_metrics(self._node.transfers)
+        yield from landing_metrics(self._node.transfers.landing)
 
     def _tier(self) -> Iterator[Metric]:
-        yield from tier_metrics(self._node)
+        yield from tier_metrics(self._node.tier.tier)
 
     def _index(self) -> Iterator[Metric]:
         st = self._node.index.stats()

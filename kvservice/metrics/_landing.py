@@ -15,9 +15,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from ..landing import LandingBook
 
 __all__ = ["landing_metrics"]
 
@@ -35,8 +38,8 @@ _COUNTERS = (
 )
 
 
-def landing_metrics(engine: Any) -> Iterator[Metric]:
-    stats = engine.landing.stats() if engine is not None else []
+def landing_metrics(landing: LandingBook) -> Iterator[Metric]:
+    stats = landing.stats()
     for name, field, doc in _GAUGES:
         fam = GaugeMetricFamily(f"kvservice_landing_{name}", doc, labels=("location",))
         for st in stats:

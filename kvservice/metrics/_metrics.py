@@ -2,9 +2,10 @@
 
 Lifecycle (driven by ``server.app``)::
 
-    m = Metrics(node)                       # build_server: registry + RPC interceptor
-    grpc.aio.server(interceptors=[m.interceptor])
-    m.attach(node.transfers)                # App.start, once the TransferEngine exists
+    rpc = RpcMetricsInterceptor(metrics_registry())   # build_server: before the gRPC servers
+    grpc.aio.server(interceptors=[rpc, ...])
+    m = Metrics(node, interceptor=rpc)      # build_server, once the node exists (same registry)
+    m.attach(node.transfers)                # every transfer record observed when it ends
     m.serve(host, port)                     # App.start, when config.observability.metrics_port != 0
     m.close()                               # App.stop
 
@@ -14,7 +15,7 @@ one process (tests) without name clashes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 
@@ -24,20 +25,34 @@ from ._http import MetricsHttpServer
 from ._rpc import RpcMetricsInterceptor
 from ._transfers import TransferMetrics
 
-__all__ = ["Metrics"]
+if TYPE_CHECKING:
+    from ..node import Node
+    from ..transfer.engine import TransferEngine
+
+__all__ = ["Metrics", "metrics_registry"]
+
+
+def metrics_registry() -> CollectorRegistry:
+    """A registry of its own for one service."""
+    # NOTE: process-wide; the ``*_created`` series would double every counter's series and
+    # nothing of ours reads them (a restart is visible as a counter reset anyway).
+    disable_created_metrics()
+    return CollectorRegistry()
 
 
 class Metrics:
-    """Registry, collectors and (optionally) the HTTP endpoint of one service."""
+    """Registry, collectors and (optionally) the HTTP endpoint of one service; ``interceptor``:
+    the RPC metrics its gRPC servers were built with (a new one on a registry of its own if none)."""
 
-    def __init__(self, node: Any, version: str = "") -> None:
-        # NOTE: process-wide; the ``*_created`` series would double every counter's series and
-        # nothing of ours reads them (a restart is visible as a counter reset anyway).
-        disable_created_metrics()
-        self.registry = CollectorRegistry()
+    def __init__(
+        self, node: Node, version: str = "", *, interceptor: RpcMetricsInterceptor | None = None
+    ) -> None:
+        self.interceptor = (
+            interceptor if interceptor is not None else RpcMetricsInterceptor(metrics_registry())
+        )
+        self.registry = self.interceptor.registry
         self._node = node
         self.transfers = TransferMetrics(self.registry, self._page_bytes)
-        self.interceptor = RpcMetricsInterceptor(self.registry)
         self.registry.register(NodeCollector(node, version or VERSION))
         self.http: MetricsHttpServer | None = None
 
@@ -48,8 +63,8 @@ class Metrics:
             return 0
         return int(bs.page_bytes)
 
-    def attach(self, transfers: Any) -> None:
-        """Observe every transfer record of ``transfers`` (a TransferEngine) when it ends."""
+    def attach(self, transfers: TransferEngine) -> None:
+        """Observe every transfer record of ``transfers`` when it ends."""
         transfers.table.terminal_listeners.append(self.transfers.observe)
 
     def serve(self, host: str, port: int) -> int:

@@ -51,6 +51,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     """Times handlers; create one per server with that server's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.duration = Histogram(
             "kvservice_rpc_duration_seconds",
             "Handling time of unary-response RPCs.",

@@ -16,9 +16,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from ..tier import HostTier
 
 __all__ = ["tier_metrics"]
 
@@ -39,8 +42,8 @@ _COUNTERS = (
 )
 
 
-def tier_metrics(node: Any) -> Iterator[Metric]:
-    st = node.tier.tier.stats()
+def tier_metrics(tier: HostTier) -> Iterator[Metric]:
+    st = tier.stats()
     for name, field, doc in _GAUGES:
         fam = GaugeMetricFamily(f"kvservice_tier_{name}", doc, labels=("tier",))
         fam.add_metric(("host",), getattr(st, field))

@@ -19,9 +19,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..transfer.records import Record
 
 __all__ = ["DEFAULT_WINDOW_S", "MAX_WINDOW_S", "RecentTransfers", "RouteWindow"]
 
@@ -49,7 +53,7 @@ class RouteWindow:
 class RecentTransfers:
     """Thread-safe sliding window of finished transfers (see the module docstring)."""
 
-    def __init__(self, clock: Any = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._samples: collections.deque[tuple[float, str, str, bool, int, int]] = collections.deque(
@@ -58,7 +62,7 @@ class RecentTransfers:
         self._totals: dict[tuple[str, str], list[int]] = {}  # (role, route) -> [done, bytes]
         self.started = clock()
 
-    def observe(self, rec: Any) -> None:
+    def observe(self, rec: Record) -> None:
         """Record one terminal ``transfer.records.Record``; never raises."""
         try:
             role, route = str(rec.role).lower(), str(rec.path).lower()

@@ -13,12 +13,17 @@ import asyncio
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..sessions import Session
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
+    from ..transfer.peers import PeerClient
+    from ..transfer.records import Record
 
 __all__ = ["InFlightGroup", "PeerRtts", "PeerState", "SessionRow", "in_flight", "peer_states", "session_rows"]
 
@@ -53,7 +58,7 @@ class SessionRow:
     transfers_in_flight: int
 
 
-def phase_of(rec: Any) -> tuple[str, str]:
+def phase_of(rec: Record) -> tuple[str, str]:
     """(role, phase) of a live record; a sender's phase is the one after the last that took
     time (its chunks cycle through them, so this is where it is, give or take a chunk)::
 
@@ -69,7 +74,7 @@ def phase_of(rec: Any) -> tuple[str, str]:
     return role, _SENDER_PHASES[min(last + 1, len(_SENDER_PHASES) - 1)]
 
 
-def in_flight(records: Iterable[Any]) -> list[InFlightGroup]:
+def in_flight(records: Iterable[Record]) -> list[InFlightGroup]:
     """Live records grouped by (role, phase), sorted."""
     n: collections.Counter[tuple[str, str]] = collections.Counter()
     moved: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -80,11 +85,11 @@ def in_flight(records: Iterable[Any]) -> list[InFlightGroup]:
     return [InFlightGroup(r, p, n[(r, p)], moved[(r, p)]) for r, p in sorted(n)]
 
 
-def _peers(engine: Any) -> dict[str, Any]:
+def _peers(engine: TransferEngine) -> dict[str, PeerClient]:
     return dict(getattr(getattr(engine, "peers", None), "_peers", {}) or {})
 
 
-def _channel_state(peer: Any) -> str:
+def _channel_state(peer: PeerClient) -> str:
     chan = getattr(peer, "_channel", None)
     try:
         return str(chan.get_state(try_to_connect=False).name) if chan is not None else ""
@@ -92,7 +97,7 @@ def _channel_state(peer: Any) -> str:
         return ""
 
 
-def peer_states(engine: Any, rtts: PeerRtts) -> list[PeerState]:
+def peer_states(engine: TransferEngine, rtts: PeerRtts) -> list[PeerState]:
     """Every peer the engine has a client for, sorted by address."""
     channels = getattr(getattr(engine, "dispatch", None), "channels", {}) or {}
     depth = dict(getattr(getattr(engine, "sender", None), "queue_depth", {}) or {})
@@ -119,10 +124,10 @@ class PeerRtts:
     def __init__(self) -> None:
         self.last: dict[str, int] = {}
 
-    async def probe(self, engine: Any) -> None:
+    async def probe(self, engine: TransferEngine) -> None:
         """Measure every peer at once, each bounded by PROBE_TIMEOUT_S (a timeout keeps the old value)."""
 
-        async def one(address: str, peer: Any) -> None:
+        async def one(address: str, peer: PeerClient) -> None:
             chan = getattr(peer, "_channel", None)
             if chan is None:
                 return
@@ -139,7 +144,7 @@ class PeerRtts:
 
 
 def session_rows(
-    listing: Iterable[tuple[Session, bool]], owners: Iterable[str], live: Any
+    listing: Iterable[tuple[Session, bool]], owners: Iterable[str], live: Mapping[str, int]
 ) -> list[SessionRow]:
     """Rows for ``listing`` (SessionRegistry.listing()); ``owners``: the session id of every
     buffer set; ``live``: unfinished transfers per session id (a mapping)."""

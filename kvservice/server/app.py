@@ -19,7 +19,7 @@ import socket
 import stat
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,17 +27,22 @@ from grpc_reflection.v1alpha import reflection
 from kvservice_client.contract import TokenFile, message_size_options
 from kvservice_client.proto import kvservice_pb2, kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
 
+from ..buffers import guard as fault_guard
 from ..config import Config
 from ..errors import InvalidArgument
-from ..metrics import Metrics, metrics_host
-from ..node import Node
+from ..metrics import Metrics, RpcMetricsInterceptor, metrics_host, metrics_registry
+from ..node import Node, NodeParts
 from .credentials import bind_credentials, serve_credentials
 from .guard import Guard, ListenerPolicy
 from .limits import CallLimits
+from .listeners import Listeners
 from .local_gate import LocalGate
 from .peer_servicer import KVPeerServicer
 from .servicer import KVServiceServicer
 from .tls import server_credentials
+
+if TYPE_CHECKING:
+    from ..lane import RunningLane
 
 __all__ = ["App", "build_server", "serve"]
 
@@ -53,58 +58,44 @@ class App:
     server: grpc.aio.Server
     node: Node
     health: health.aio.HealthServicer
-    uds_path: str
-    tcp_port: int
-    metrics: Metrics | None = None
-    metrics_port: int = 0  # bound /metrics port once started (0: off)
-    peer_servicer: KVPeerServicer | None = None
-    servicer: KVServiceServicer | None = None
+    servicer: KVServiceServicer
+    peer_servicer: KVPeerServicer
+    metrics: Metrics
+    listeners: Listeners
     credential_socket: socket.socket | None = None  # <uds_path>.cred, bound in build_server
-    credential_server: asyncio.AbstractServer | None = None  # serving it (local identity)
     peer_server: grpc.aio.Server | None = None  # KVPeer's own listener (peer_tcp_address)
-    peer_port: int = 0
-    lane: asyncio.Task[Any] | None = None  # starting kvservice.lane (its result: RunningLane | None)
+    # -- what start() brings up ------------------------------------------------------------
+    metrics_port: int = 0  # bound /metrics port once started (0: off)
+    credential_server: asyncio.AbstractServer | None = None  # serving <uds_path>.cred (local identity)
+    lane: asyncio.Task[RunningLane | None] | None = None  # starting kvservice.lane
     warmed: threading.Event = dataclasses.field(default_factory=threading.Event)  # warm-up ended
+
+    @property
+    def uds_path(self) -> str:
+        return self.listeners.uds_path
+
+    @property
+    def tcp_port(self) -> int:
+        return self.listeners.tcp_port
+
+    @property
+    def peer_port(self) -> int:
+        return self.listeners.peer_port
 
     @property
     def address(self) -> str:
         """Address engines should use (the UDS when there is one)."""
-        return f"unix:{self.uds_path}" if self.uds_path else f"127.0.0.1:{self.tcp_port}"
+        return self.listeners.address
 
     @property
     def peer_address(self) -> str:
-        """Address other kvservices reach this one at: ``advertise_address``, else the peer TCP
-        listener (or the engine TCP port when it serves peers), else the engine address."""
-        cfg = self.node.config
-        if cfg.listen.advertise_address:
-            return cfg.listen.advertise_address
-        if self.peer_port:
-            host = cfg.listen.peer_tcp_address.rpartition(":")[0]
-            return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.peer_port}"
-        if self.tcp_port and cfg.peers_on_engine_tcp:
-            host = cfg.listen.tcp_address.rpartition(":")[0]
-            return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{self.tcp_port}"
-        return self.address
+        """Address other kvservices reach this one at (``Listeners.peer_address``)."""
+        return self.listeners.peer_address(self.node.config)
 
     @property
     def announced_address(self) -> str:
-        """What sessions are told (SessionEvent.peer_address), for a decode to name this service as
-        the sender of its transfers: only an address that means this service wherever the decode
-        runs — ``advertise_address``, or a TCP listener for peers bound to a named host. '' when
-        that is not known (a wildcard bind reports 127.0.0.1, a Unix socket only this host; a
-        sending service needs no listener at all): the engine then names no sender, as before,
-        rather than one that would refuse the real one."""
-        cfg = self.node.config
-        if cfg.listen.advertise_address:
-            return cfg.listen.advertise_address
-        listeners = [(self.peer_port, cfg.listen.peer_tcp_address)]
-        if cfg.peers_on_engine_tcp:
-            listeners.append((self.tcp_port, cfg.listen.tcp_address))
-        for port, bound in listeners:
-            host = bound.rpartition(":")[0]
-            if port and host not in ("0.0.0.0", "[::]", ""):
-                return f"{host}:{port}"
-        return ""
+        """What sessions are told (``Listeners.announced_address``)."""
+        return self.listeners.announced_address(self.node.config)
 
     def _warm_up(self) -> None:
         try:
@@ -113,33 +104,20 @@ class App:
             self.warmed.set()
 
     async def start(self) -> None:
-        from ..transfer.engine import TransferEngine
-
-        if self.servicer is not None:  # told to every session (SessionEvent.peer_address)
-            self.servicer.peer_address = self.announced_address
-        from ..buffers import guard
-
-        await asyncio.to_thread(guard.get)  # before any engine registers memory (built once, cached)
+        self.node.transfers.start()  # its reaper and duplicate checks run before the first call
         await self.server.start()
         if self.peer_server is not None:
             await self.peer_server.start()
-        self.node.transfers = TransferEngine(self.node, self.peer_address)
-        self.node.transfers.peers.me.local = self.peer_servicer
-        self.node.transfers.start()
         self.node.prefix.start_republishers()  # before the subscribers, so ingested pages are re-published
         self.node.tier.tier.listeners.extend(self.node.prefix.republishers)  # tier pages: medium CPU
         self.node.prefix.start_event_streams()
         threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
-        if self.servicer is not None:
-            self.node.transfers.table.terminal_listeners.append(self.servicer.activity.observe)
-        if self.metrics is not None:
-            self.metrics.attach(self.node.transfers)
-            if self.node.config.observability.metrics_port:
-                self.metrics_port = self.metrics.serve(
-                    metrics_host(self.node.config.listen.tcp_address),
-                    self.node.config.observability.metrics_port,
-                )
-                log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
+        if self.node.config.observability.metrics_port:
+            self.metrics_port = self.metrics.serve(
+                metrics_host(self.node.config.listen.tcp_address),
+                self.node.config.observability.metrics_port,
+            )
+            log.info("metrics serving", extra={"url": self.metrics.http.url if self.metrics.http else ""})
         if self.uds_path:
             os.chmod(self.uds_path, self.node.config.listen.uds_mode_int)
         if self.credential_socket is not None:
@@ -152,7 +130,7 @@ class App:
                     self.node,
                     self.uds_path,
                     sorted({self.peer_address, self.address}),
-                    self.servicer.lane_call if self.servicer is not None else None,
+                    self.servicer.lane_call,
                 ),
                 name="lane",
             )
@@ -179,8 +157,7 @@ class App:
         if self.peer_server is not None:
             await self.peer_server.stop(min(grace, 1.0))
         await self.node.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        self.metrics.close()
         if self.credential_server is not None:
             self.credential_server.close()
         for path in (self.uds_path, self.uds_path + ".cred"):
@@ -190,35 +167,25 @@ class App:
 
 
 def build_server(config: Config) -> App:
-    """Create the server(s) and bind their ports (call ``await app.start()`` next)."""
-    node = Node(config)
-    metrics = Metrics(node)
+    """Bind the listeners, then build what serves them in dependency order (call ``await
+    app.start()`` next)::
+
+        node parts ─▶ guards ─▶ gRPC servers, ports bound ─▶ transfer engine (at the peer address
+        the ports give) ─▶ node ─▶ servicers, metrics ─▶ App
+    """
+    parts = NodeParts.create(config)
+    rpc_metrics = RpcMetricsInterceptor(metrics_registry())
     token = TokenFile(config.security.token_file) if config.security.token_file else None
     peer_token = TokenFile(config.security.peer_token_file) if config.security.peer_token_file else None
     # NOTE: metrics outermost, so refused calls are counted by their status too
     limits = CallLimits(config.limits.max_pages_per_call, config.limits.max_tokens_per_call)
     local = LocalGate(
-        node.credentials, node.sessions, config.security.allowed_uid_set, config.security.peer_uid_set
+        parts.credentials, parts.sessions, config.security.allowed_uid_set, config.security.peer_uid_set
     )
     guard = Guard(
         ListenerPolicy(True, config.peers_on_engine_tcp, token, peer_token, "tcp_address", limits, local)
     )
-    server = _grpc_server(config, metrics, guard)
-    servicer = KVServiceServicer(node, limits=limits)
-    kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
-    peer_servicer = KVPeerServicer(node)
-    peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            PEER_SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    server = _grpc_server(config, rpc_metrics, guard)
     uds_path = config.listen.uds_path
     cred_sock = None
     if uds_path:
@@ -239,9 +206,7 @@ def build_server(config: Config) -> App:
     peer_server, peer_port = None, 0
     if config.listen.peer_tcp_address:
         peer_guard = Guard(ListenerPolicy(False, True, None, peer_token, "peer_tcp_address", limits))
-        peer_server = _grpc_server(config, metrics, peer_guard)
-        peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, peer_server)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, peer_server)
+        peer_server = _grpc_server(config, rpc_metrics, peer_guard)
         peer_port = _add_port(
             peer_server,
             "peer_tcp_address",
@@ -250,25 +215,50 @@ def build_server(config: Config) -> App:
             config.security.peer_tls_key,
             config.security.peer_tls_ca,
         )
+    listeners = Listeners(uds_path, tcp_port, peer_port)
+    # NOTE: the fault guard's SIGBUS handler is installed before the transport starts (built once,
+    # cached; before any engine registers memory)
+    fault_guard.get()
+    node = Node(parts, parts.transfer_engine(listeners.peer_address(config)))
+    servicer = KVServiceServicer(node, limits=limits, peer_address=listeners.announced_address(config))
+    peer_servicer = KVPeerServicer(node)
+    node.transfers.peers.me.local = peer_servicer  # our own KVPeer calls, in-process
+    node.transfers.table.terminal_listeners.append(servicer.activity.observe)
+    metrics = Metrics(node, interceptor=rpc_metrics)
+    metrics.attach(node.transfers)
+    health_servicer = health.aio.HealthServicer()
+    kvservice_pb2_grpc.add_KVServiceServicer_to_server(servicer, server)
+    peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            PEER_SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    if peer_server is not None:
+        peer_pb2_grpc.add_KVPeerServicer_to_server(peer_servicer, peer_server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, peer_server)
     return App(
         server,
         node,
         health_servicer,
-        uds_path,
-        tcp_port,
+        servicer,
+        peer_servicer,
         metrics,
-        peer_servicer=peer_servicer,
-        servicer=servicer,
+        listeners,
         credential_socket=cred_sock,
         peer_server=peer_server,
-        peer_port=peer_port,
     )
 
 
-def _grpc_server(config: Config, metrics: Metrics, guard: Guard) -> grpc.aio.Server:
+def _grpc_server(config: Config, rpc_metrics: RpcMetricsInterceptor, guard: Guard) -> grpc.aio.Server:
     # NOTE: one keepalive policy for every listener (UDS, TCP, peers): kvservice_client.contract.
     return grpc.aio.server(
-        interceptors=[metrics.interceptor, guard],
+        interceptors=[rpc_metrics, guard],
         options=message_size_options(config.listen.max_message_mb) + config.listen.keepalive.server_options(),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TypeAlias
 
 import grpc
@@ -25,10 +26,7 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
     def __init__(self, node: Node) -> None:
         self.node = node
-
-    @property
-    def engine(self):  # type: ignore[no-untyped-def]
-        return self.node.require_transfers("KVPeer")
+        self.engine = node.transfers
 
     @grpc_errors
     async def Handshake(self, request: peer_pb2.HandshakeRequest, context: Ctx) -> peer_pb2.HandshakeResponse:
@@ -68,13 +66,9 @@ class KVPeerServicer(peer_pb2_grpc.KVPeerServicer):
         state = await apply_commit(self.engine, request, peer_identity(context))
         return peer_pb2.CommitChunkResponse(state=STATE_PB[state])
 
-    async def Channel(self, request_iterator, context: Ctx) -> None:  # type: ignore[no-untyped-def]
+    async def Channel(self, request_iterator: AsyncIterator[peer_pb2.ChannelMessage], context: Ctx) -> None:
         """The peer channel of one sending service (transfer/peer_channel.py)."""
-        e = self.node.transfers
-        if e is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KVPeer: this service has no transfer engine")
-            return
-        await serve_channel(request_iterator, context, e)
+        await serve_channel(request_iterator, context, self.engine)
 
     @grpc_errors
     async def HeldPages(self, request: peer_pb2.HeldPagesRequest, context: Ctx) -> peer_pb2.HeldPagesResponse:

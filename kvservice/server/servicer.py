@@ -37,17 +37,20 @@ Ctx: TypeAlias = grpc.aio.ServicerContext
 
 class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     def __init__(
-        self, node: Node, activity: RecentTransfers | None = None, limits: CallLimits | None = None
+        self,
+        node: Node,
+        activity: RecentTransfers | None = None,
+        limits: CallLimits | None = None,
+        peer_address: str = "",
     ) -> None:
         self.node = node
         self.replay = ReplayCache()
         # NOTE: the Guard checks unary requests against these; the Transfers stream, each call
         self.limits = limits
         self.admins = AdminPolicy(node.config, node.credentials)
-        self.activity = activity or RecentTransfers()  # App.start feeds it the finished transfers
+        self.activity = activity or RecentTransfers()  # build_server feeds it the finished transfers
         self.rtts = PeerRtts()
-        # NOTE: App.start sets it (App.peer_address) before serving; each session's first event
-        self.peer_address = ""
+        self.peer_address = peer_address  # told in each session's first event (Listeners.announced_address)
 
     def _session(self, context: Ctx) -> str:
         return self.node.sessions.require(convert.session_of(context)).session_id
@@ -73,7 +76,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
                 resumed=bool(request.resume_session_id),
                 peer_address=self.peer_address,
             )
-            notices = self.node.session_notices(session.session_id)
+            notices = self.node.notices.of(session.session_id)
             while True:  # held until the stream ends (cancellation); carries notices meanwhile
                 bs_id, count = await notices.get()
                 yield pb.SessionEvent(
@@ -142,10 +145,10 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             request.lease_ttl_ms,
         )
         resp = pb.MatchPrefixResponse(query_pages=int(hashes.size))
-        landing = node.transfers.landing if node.transfers is not None else None
+        landing = node.transfers.landing
         tier_pages = node.tier.tier_pages(matches, hashes, touch=not request.scores_only)
         for m, in_tier in zip(matches, tier_pages, strict=True):
-            landed = landing.match(hashes, m.buffer_set_id) if landing is not None else None
+            landed = landing.match(hashes, m.buffer_set_id)
             resp.matches.append(convert.prefix_match(m, node.load_of(m.buffer_set_id), landed))
             resp.matches[-1].tier_pages = in_tier
         if lease is not None:
@@ -215,7 +218,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     # Transfers stream alike.
     async def _expect(self, request: pb.ExpectDeltaRequest, session_id: str) -> pb.ExpectDeltaResponse:
         trace.mark(request.transfer_id, "expect_rpc")
-        engine = self.node.require_transfers("ExpectDelta")
+        self.node.check_accepting("ExpectDelta")
+        engine = self.node.transfers
         which = request.WhichOneof("publish")
         landing = request.landing if request.HasField("landing") else None
         inc = build_incoming(
@@ -269,9 +273,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return (await asyncio.shield(task)).SerializeToString()  # type: ignore[no-any-return]
 
     async def _claim(self, request: pb.ClaimRequest, session_id: str) -> pb.ClaimResponse:
-        engine = self.node.require_transfers("Claim")
         rec, us = await claim(
-            engine.landing,
+            self.node.transfers.landing,
             session_id,
             request.transfer_id,
             request.buffer_set_id,
@@ -287,7 +290,8 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return await self._claim(request, self._session(context))
 
     async def _send(self, request: pb.SendDeltaRequest, session_id: str) -> pb.SendDeltaResponse:
-        engine = self.node.require_transfers("SendDelta")
+        self.node.check_accepting("SendDelta")
+        engine = self.node.transfers
         trace.mark(request.transfer_id, "send_rpc")
         out, chunk = build_chunk(
             engine,
@@ -307,8 +311,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         return pb.SendDeltaResponse(status=convert.transfer_status(rec))
 
     async def _abort(self, request: pb.AbortRequest, session_id: str) -> pb.AbortResponse:
-        engine = self.node.require_transfers("Abort")
-        recs = await engine.abort(
+        recs = await self.node.transfers.abort(
             session_id, request.transfer_id, "ABORTED", request.reason or "aborted by the engine"
         )
         return pb.AbortResponse(statuses=[convert.transfer_status(r) for r in recs])
@@ -325,16 +328,17 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
 
     @grpc_errors
     async def Poll(self, request: pb.PollRequest, context: Ctx) -> pb.PollResponse:
-        engine = self.node.require_transfers("Poll")
-        recs = engine.records(self._session(context), request.transfer_ids)
+        recs = self.node.transfers.records(self._session(context), request.transfer_ids)
         return pb.PollResponse(statuses=[convert.transfer_status(r) for r in recs])
 
     @grpc_errors
     async def WatchTransfers(
         self, request: pb.WatchTransfersRequest, context: Ctx
     ) -> AsyncIterator[pb.TransferStatus]:
-        engine = self.node.require_transfers("WatchTransfers")
-        async for rec in engine.watch(self._session(context), request.transfer_ids, request.include_current):
+        watched = self.node.transfers.watch(
+            self._session(context), request.transfer_ids, request.include_current
+        )
+        async for rec in watched:
             yield convert.transfer_status(rec)
 
     @grpc_errors
@@ -346,10 +350,9 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def Transfers(
         self, request_iterator: AsyncIterator[pb.TransferCall], context: Ctx
     ) -> AsyncIterator[pb.TransferEvent]:
-        engine = self.node.require_transfers("Transfers")
         stream = TransferStream(
             self._session(context),
-            engine,
+            self.node.transfers,
             self.replay,
             self._expect,
             self._send,
@@ -364,7 +367,7 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
     async def SuggestEvictions(
         self, request: pb.SuggestEvictionsRequest, context: Ctx
     ) -> pb.SuggestEvictionsResponse:
-        pages, prios, dup = await self.node.prefix.suggest_evictions(
+        pages, prios, dup = await self.node.suggest_evictions(
             self._session(context), request.buffer_set_id, request.max_pages
         )
         return pb.SuggestEvictionsResponse(
@@ -380,6 +383,6 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
             certificate=certificate_identity(context),
             bearer=convert.metadata_value(context, BEARER_METADATA_KEY) or "",
         )
-        if request.probe_peers and viewer.admin and self.node.transfers is not None:
+        if request.probe_peers and viewer.admin:
             await self.rtts.probe(self.node.transfers)
         return stats_response(self.node, viewer, self.activity, self.rtts, request.window_ms)

@@ -49,21 +49,17 @@ def stats_response(
     for w in activity.window(window_s):
         resp.activity.routes.append(pb.RouteActivity(**w.__dict__))
     engine = node.transfers
-    live: dict[str, int] = {}
-    if engine is not None:
-        for st in engine.memory.staging_stats():
-            resp.staging.append(convert.staging_stats(st))
-        for ls in engine.landing.stats():
-            resp.landing.append(convert.landing_stats(ls))
-        resp.transfers.CopyFrom(convert.transfer_counts(engine))
-        for g in in_flight(engine.table.live()):
-            resp.in_flight.append(
-                pb.InFlight(role=g.role, phase=g.phase, transfers=g.transfers, bytes=g.bytes)
-            )
-        live = dict(engine.table.live_per_session)
-        if viewer.admin:
-            for p in peer_states(engine, rtts):
-                resp.peers.append(pb.PeerInfo(**p.__dict__))
+    for st in engine.memory.staging_stats():
+        resp.staging.append(convert.staging_stats(st))
+    for ls in engine.landing.stats():
+        resp.landing.append(convert.landing_stats(ls))
+    resp.transfers.CopyFrom(convert.transfer_counts(engine))
+    for g in in_flight(engine.table.live()):
+        resp.in_flight.append(pb.InFlight(role=g.role, phase=g.phase, transfers=g.transfers, bytes=g.bytes))
+    live = dict(engine.table.live_per_session)
+    if viewer.admin:
+        for p in peer_states(engine, rtts):
+            resp.peers.append(pb.PeerInfo(**p.__dict__))
     for row in session_rows(node.sessions.listing(), (b.session_id for b in all_sets), live):
         s = row.session
         if viewer.sees(s.session_id):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvservice_client.proto import kvservice_pb2 as pb
 
@@ -32,6 +32,9 @@ from ..transfer.records import Record
 from . import convert
 from .limits import CallLimits
 from .replay import ReplayCache
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
 
 __all__ = ["MAX_QUEUED", "TransferStream"]
 
@@ -48,7 +51,7 @@ class TransferStream:
     def __init__(
         self,
         session_id: str,
-        engine: Any,
+        engine: TransferEngine,
         replay: ReplayCache,
         expect: Handler,
         send: Handler,

@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from ._copy import from_tier, to_tier
 from .base import LayoutKey
 from .fill import Filler
 from .store import HostTier
+
+if TYPE_CHECKING:
+    from ..transfer.receiver import Incoming
 
 __all__ = ["Offloaded", "TierCalls"]
 
@@ -135,7 +138,7 @@ class TierCalls:
 
     # -- ExpectDelta from_tier -----------------------------------------------------------
 
-    async def source_from_tier(self, inc: Any) -> int:
+    async def source_from_tier(self, inc: Incoming) -> int:
         """Copy the tier's leading run of the declaration's pages past its prefix into their dst
         pages and make them part of the prefix (a ``transfer.receiver.Incoming``, validated and
         not yet declared); returns pages loaded. The last page is left to the senders.

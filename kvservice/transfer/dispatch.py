@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..buffers import BufferSet
 from ..errors import DeadlineExceeded, FailedPrecondition
@@ -30,6 +30,10 @@ from .routes.packed import PackedRoute
 from .routes.same_node import SameNodeRoute
 from .sender import Chunk, Outgoing
 from .values import Commit, Target
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
+    from .peer_channel import OutboundChannel
 
 __all__ = ["Dispatch", "path_of"]
 
@@ -67,7 +71,7 @@ def path_of(asked: str, target: Target, registered: bool, where: str) -> str:
 class Dispatch:
     """The sending half of the engine: ports to receivers, and the routes that write to them."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         self._engine = engine  # NOTE: read for its receiver side (LocalReceiver) and config only
         self.peers = engine.peers
         self.transport = engine.transport
@@ -118,7 +122,7 @@ class Dispatch:
         return port
 
     @property
-    def channels(self) -> dict[str, Any]:
+    def channels(self) -> dict[str, OutboundChannel]:
         """Open peer channels by address (ops/snapshot reads them)."""
         return {a: p.opened for a, p in self.ports.items() if p.opened is not None}
 
@@ -188,7 +192,7 @@ class Dispatch:
             await commit(self.ctx, port, out, target, chunk.seq, c)
 
     @staticmethod
-    async def _write_aux(port: Any, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
+    async def _write_aux(port: ReceiverPort, out: Outgoing, target: Target, chunk: Chunk) -> tuple[int, int]:
         """The last chunk's aux rows written to the receiver: (bytes, rows); a chunk the native
         lane copied has them there already (their bytes are in ``chunk.copied``)."""
         if chunk.copied is not None:

@@ -24,12 +24,15 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import KVServiceError
 from .records import Record
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
 
 __all__ = ["DuplicateBook", "Mark"]
 
@@ -60,7 +63,7 @@ def _ids(slots: np.ndarray, epochs: np.ndarray) -> np.ndarray:
 class DuplicateBook:
     """Sender-side marks, checked against the receivers' services. Runs on the event loop."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         self._e = engine
         cfg = engine.config
         self.policy: str = cfg.index.duplicate_policy
@@ -105,7 +108,7 @@ class DuplicateBook:
         (a DONE transfer whose receivers publish; the gRPC route's and the cross-node lane's)."""
         if self.policy == "off":
             return
-        index = self._e.node.index
+        index = self._e.index
         try:
             slots, epochs, hashes = index.mark_duplicates(src_bs, pages)
         except KVServiceError:  # the buffer set went meanwhile
@@ -134,12 +137,12 @@ class DuplicateBook:
                 targets,
             )
             self.marks[m.mark_id] = self._by_key[key] = m
-        self._e.node.notify_duplicates(src_bs)
+        self._e.notices.duplicates(src_bs)
 
     def _drop(self, m: Mark, keep: np.ndarray | None = None) -> None:
         """Clear ``m`` entirely, or only the entries where ``keep`` is False."""
         gone = slice(None) if keep is None else ~keep
-        self._e.node.index.unmark_duplicates(m.src_bs, m.slots[gone], m.epochs[gone])
+        self._e.index.unmark_duplicates(m.src_bs, m.slots[gone], m.epochs[gone])
         if keep is None or not keep.any():
             self._forget(m)
         else:
@@ -173,7 +176,7 @@ class DuplicateBook:
             await self._check(src_bs)
 
     async def _check(self, src_bs: str | None) -> None:
-        index = self._e.node.index
+        index = self._e.index
         changed: set[str] = set()  # source sets whose owners are told once, at the end
         for m in [m for m in self.marks.values() if src_bs is None or m.src_bs == src_bs]:
             alive = index.entries_alive(m.src_bs, m.slots, m.epochs)
@@ -197,7 +200,7 @@ class DuplicateBook:
                 self._drop(m, got)
                 changed.add(m.src_bs)
         for bs_id in changed:
-            self._e.node.notify_duplicates(bs_id)
+            self._e.notices.duplicates(bs_id)
 
     async def _held(self, address: str, target: str, marks: list[Mark]) -> list[np.ndarray]:
         """Per mark, which of its hashes the receiver buffer set ``target`` holds (all False

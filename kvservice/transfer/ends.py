@@ -20,15 +20,20 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..errors import InvalidArgument, NotFound
+from ..errors import InvalidArgument, KVServiceError, NotFound
+from ..index import PrefixIndex
+from ..lane.book import NoLane
 from .dispatch import Dispatch
 from .parties import may_abort_in, may_abort_out
 from .peer_serving import tell_sender
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
 from .sender import Outgoing, Sender
+
+if TYPE_CHECKING:
+    from ..landing import LandingBook
 
 __all__ = ["STATE_GRACE_S", "Ends"]
 
@@ -47,9 +52,9 @@ class Ends:
         sender: Sender,
         receiver: Receiver,
         dispatch: Dispatch,
-        lane: Callable[[], Any],
-        landing: Callable[[], Any],
-        index: Callable[[], Any],
+        lane: Callable[[], NoLane],
+        landing: LandingBook,
+        index: PrefixIndex,
     ) -> None:
         self.service_id = service_id
         self.table = table
@@ -170,7 +175,7 @@ class Ends:
         await inc.quiet()  # an unpack or copy in progress finishes first
         self.receiver.release_slots(inc)
         if inc.landing is not None:  # its landing-pool bytes are free when the abort returns
-            self._landing().release(inc.landing)
+            self._landing.release(inc.landing)
 
     async def sender_gone(self, sender_service_id: str, why: str) -> None:
         """A sending service's channel ended: its live incoming transfers fail now (UNAVAILABLE)."""
@@ -178,7 +183,7 @@ class Ends:
             if not inc.rec.terminal and inc.rec.state != "LANDED" and sender_service_id in inc.senders:
                 await self._abort_in(inc, "UNAVAILABLE", f"sender {sender_service_id}: {why}", notify=False)
 
-    async def fail_incoming(self, inc: Incoming, exc: Any) -> None:
+    async def fail_incoming(self, inc: Incoming, exc: KVServiceError) -> None:
         await self._abort_in(inc, exc.code.name, exc.message, True)
 
     async def abort_buffer_set(self, bs_id: str) -> int:
@@ -220,7 +225,7 @@ class Ends:
                     self._forget(self._ended.popleft()[1])
                 for key in self.table.prune():  # a record added already ended never told us
                     self._forget(key)
-                self._index().expire_leases()
+                self._index.expire_leases()
                 self.dispatch.peer_pools.expire()
 
     async def _expire(self, rec: Record) -> None:

@@ -14,10 +14,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from .. import kernels
-from ..buffers import BufferSet
+from ..buffers import BufferRegistry, BufferSet
+from ..config import Config
 from ..errors import NotFound, ResourceExhausted
+from ..index import PrefixIndex
 from ..kernels import completions
 from ..lane.book import NoLane
+from ..notices import SessionNotices
 from .dispatch import Dispatch
 from .duplicates import DuplicateBook
 from .ends import Ends
@@ -30,7 +33,7 @@ from .peer_serving import offer_plan
 from .peers import PeerDirectory, Self
 from .receiver import Incoming, Receiver
 from .records import Record, TransferTable
-from .sender import Outgoing, Sender
+from .sender import Chunk, Outgoing, Sender
 from .transport import Transport
 
 __all__ = ["TransferEngine", "make_transport"]
@@ -50,14 +53,31 @@ def make_transport(kind: str, name: str, progress_delay_us: int) -> Transport:
 
 
 class TransferEngine:
-    def __init__(self, node: Any, address: str) -> None:
-        cfg = node.config
-        self.node = node
+    """The transfers of one service (see the module docstring), reached by peers at ``address``.
+
+    Collaborators, built before it (``node.NodeParts``): ``buffers`` (followed through its hooks:
+    memory registered with the transport, pools with the lane), ``index`` (pages a DONE transfer
+    delivered, duplicate marks, lease expiry), ``notices`` (duplicate counts told to sessions).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        service_id: str,
+        address: str,
+        buffers: BufferRegistry,
+        index: PrefixIndex,
+        notices: SessionNotices,
+    ) -> None:
+        cfg = config
         self.config = cfg
-        self.service_id = node.service_id
+        self.service_id = service_id
         self.address = address
+        self.buffers = buffers
+        self.index = index
+        self.notices = notices
         self.transport = make_transport(
-            cfg.transfer.transport, f"kvs-{node.service_id}", cfg.transfer.nixl_progress_delay_us
+            cfg.transfer.transport, f"kvs-{service_id}", cfg.transfer.nixl_progress_delay_us
         )
         self.calibration = None  # per-kind defaults in descriptors.CALIBRATIONS
         self.metadata_epoch = 0
@@ -83,11 +103,11 @@ class TransferEngine:
             self.regions_of,
             self.no_direct,
             lambda inc, exc: self.ends.fail_incoming(inc, exc),
-            lambda: self.node.index,
+            index,
         )
         self.dispatch = Dispatch(self)
         self.credit_broker = CreditBroker()  # receiver side of the peer channels
-        self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks
+        self.inbound_channels: set[asyncio.Task[Any]] = set()  # their handler tasks (grpc's)
         self.offer_channels = OfferChannels()  # ... by sending service address (plans pushed)
         self.sender = Sender(
             self.table, self.dispatch, cfg.transfer.workers_per_peer, cfg.transfer.peer_inflight_mb
@@ -104,8 +124,8 @@ class TransferEngine:
             self.receiver,
             self.dispatch,
             lambda: self.lane,
-            lambda: self.landing,
-            lambda: self.node.index,
+            self.landing,
+            index,
         )
         # the ways a transfer ends early, as the server, the lane and the landing book call them
         self.abort = self.ends.abort
@@ -116,7 +136,7 @@ class TransferEngine:
         self.release_session = self.ends.release_session
         self.abort_all = self.ends.abort_all
         self.lane: NoLane = NoLane()  # kvservice.lane.start replaces it when the lane runs
-        node.buffers.add_hooks(self._on_register, self._on_unregister)
+        buffers.add_hooks(self._on_register, self._on_unregister)
 
     def start(self) -> None:
         self.ends.start()
@@ -137,7 +157,7 @@ class TransferEngine:
     def _staging_waiters(self, buffer_set_id: str) -> int:
         """Reservations waiting in the staging pool ``buffer_set_id``'s packed chunks use."""
         try:
-            bs = self.node.buffers.get(buffer_set_id)
+            bs = self.buffers.get(buffer_set_id)
         except NotFound:
             return 0
         return self.memory.waiters(bs)
@@ -172,7 +192,7 @@ class TransferEngine:
             self.lane.arm(inc)
         return inc.rec
 
-    async def send(self, out: Outgoing, chunk: Any) -> Record:
+    async def send(self, out: Outgoing, chunk: Chunk) -> Record:
         new = self.table.get(out.rec.key) is None
         if new and not out.via_lane:  # the lane's booking of a copy already made is never refused
             self._check_transfer_cap(out.rec.session_id)

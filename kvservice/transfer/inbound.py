@@ -23,7 +23,9 @@ from kvservice_client import Layout
 
 from .. import kernels
 from ..errors import Aborted, FailedPrecondition, InvalidArgument, KVServiceError, NotFound
+from ..index import PrefixIndex
 from ..kernels.streams import run_on_device
+from ..staging import Slot, StagingPool
 from . import trace
 from .integrity import landed_check, unpack_verified
 from .receiver import Incoming, Receiver
@@ -34,7 +36,7 @@ __all__ = ["Inbound"]
 
 log = logging.getLogger(__name__)
 
-Held = tuple[Any, Any]  # (StagingPool, Slot)
+Held = tuple[StagingPool, Slot]
 
 
 class Inbound:
@@ -47,14 +49,14 @@ class Inbound:
         regions_of: Callable[[Incoming], kernels.KVRegions],
         no_direct: set[str],
         fail: Callable[[Incoming, KVServiceError], Awaitable[None]],
-        index_of: Callable[[], Any],
+        index: PrefixIndex,
     ) -> None:
         self.table = table
         self.receiver = receiver
         self.regions_of = regions_of
         self.no_direct = no_direct  # buffer sets the transport could not register
         self.fail = fail
-        self._index_of = index_of
+        self._index = index
 
     async def apply(
         self,
@@ -231,11 +233,10 @@ class Inbound:
 
     def publish(self, inc: Incoming) -> None:
         """After DONE: insert the sequence's pages into the index when the receiver asked to."""
-        index = self._index_of()
-        if inc.publish_hashes is None or index is None:
+        if inc.publish_hashes is None:
             return
         pages = np.concatenate([inc.prefix_page_indices, inc.dst_pages])
         try:
-            index.publish(inc.bs.buffer_set_id, inc.publish_hashes, pages, 0, tokens=inc.publish_tokens)
+            self._index.publish(inc.bs.buffer_set_id, inc.publish_hashes, pages, 0, tokens=inc.publish_tokens)
         except Exception:
             log.exception("publishing received pages failed", extra={"transfer_id": inc.rec.transfer_id})

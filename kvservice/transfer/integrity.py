@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,14 +40,17 @@ from ..kernels import checksum
 from ..kernels.checksum import Pending
 from ..kernels.streams import on_side_stream, run_on_device
 
+if TYPE_CHECKING:
+    from .values import Plan, Target
+
 __all__ = ["Check", "landed_check", "pack_hashed", "pages_check", "unpack_verified"]
 
 Check = tuple[int, str]  # (checksum, checksum_kind)
 
 
 async def pack_hashed(
-    plan: Any,
-    target: Any,
+    plan: Plan,
+    target: Target,
     regions: kernels.KVRegions,
     src: np.ndarray,
     view: torch.Tensor | None,
@@ -69,7 +72,9 @@ async def pack_hashed(
     return None if pending is None else (pending.value(), kind)
 
 
-async def pages_check(plan: Any, regions: kernels.KVRegions, src: np.ndarray, target: Any) -> Check | None:
+async def pages_check(
+    plan: Plan, regions: kernels.KVRegions, src: np.ndarray, target: Target
+) -> Check | None:
     """The sender's checksum of a direct or fused chunk: its pages packed for the receiver rank."""
     if not plan.integrity or not src.size:
         return None

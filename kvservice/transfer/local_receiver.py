@@ -12,16 +12,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, NotFound
 from ..identity import LOCAL_PEER
 from .aux_rows import aux_rows
-from .receiver import plan_of
+from .receiver import Incoming, plan_of
 from .sender import Chunk, Outgoing
 from .values import Commit, Plan, Reserved, Target
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
 
 __all__ = ["LocalReceiver"]
 
@@ -29,7 +32,7 @@ __all__ = ["LocalReceiver"]
 class LocalReceiver:
     verifies_copies = False  # this service made the copy: no hop to verify
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: TransferEngine) -> None:
         # NOTE: the engine's receiver side, read only through these names
         self._service_id: str = engine.service_id
         self._address: str = engine.address
@@ -44,7 +47,7 @@ class LocalReceiver:
     def _key(self, out: Outgoing) -> str:
         return f"{self._service_id}/{out.bs.layout.tp_rank}"
 
-    def _inc(self, out: Outgoing, target: Target) -> Any:
+    def _inc(self, out: Outgoing, target: Target) -> Incoming:
         return self._receiver.get(out.rec.transfer_id, target.plan.dst_buffer_set_id)
 
     async def targets(self, out: Outgoing) -> list[Target]:

@@ -24,7 +24,7 @@ from ..config import Config
 from ..errors import NotFound
 from ..kernels import checksum
 from ..kernels.streams import on_side_stream
-from ..staging import StagingPool
+from ..staging import StagingPool, StagingStats
 from .descriptors import prepped_rows
 from .transport import RegHandle, Transport
 
@@ -119,7 +119,7 @@ class TransportMemory:
         pool = self.host_pool if bs.memory != "cuda_ipc" else self.vram_pools.get(bs.k[0].device)
         return pool.stats().waiters if pool is not None else 0
 
-    def staging_stats(self) -> list[Any]:
+    def staging_stats(self) -> list[StagingStats]:
         return [pool.stats() for pool in self.pools()]
 
     # -- engines' pools ------------------------------------------------------------------------

@@ -22,10 +22,13 @@ A peer-token holder without a ticket stops nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..identity import LOCAL_PEER
 from .receiver import Incoming, ticket_matches
+
+if TYPE_CHECKING:
+    from .sender import Outgoing
 
 __all__ = ["may_abort_in", "may_abort_out"]
 
@@ -41,7 +44,7 @@ def may_abort_in(inc: Incoming, origin: str, identity: str, ticket: str) -> bool
     return identity in inc.allowed_senders or (identity == LOCAL_PEER and not inc.allowed_senders)
 
 
-def may_abort_out(out: Any, identity: str, ticket: str) -> bool:
+def may_abort_out(out: Outgoing, identity: str, ticket: str) -> bool:
     """A peer abort from the receiving service of ``out`` may stop this sender rank."""
     if identity == LOCAL_PEER:
         return True

@@ -24,10 +24,10 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from kvservice_client.proto import common_pb2, peer_pb2
+from kvservice_client.proto import common_pb2, peer_pb2, peer_pb2_grpc
 
 from ..errors import DeadlineExceeded, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import peer_identity
@@ -38,6 +38,9 @@ from .peer_serving import apply_commit, receive_plans
 from .peers import error_from_code
 from .receiver import ticket_matches
 from .values import Plan
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
 
 __all__ = [
     "CreditBroker",
@@ -299,7 +302,11 @@ class InboundChannel:
         self._release([sid for sid in self.slots if sid not in self._in_use])
 
 
-async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], context: Any, engine: Any) -> None:
+async def serve_channel(
+    requests: AsyncIterator[peer_pb2.ChannelMessage],
+    context: grpc.aio.ServicerContext,
+    engine: TransferEngine,
+) -> None:
     """Run one inbound channel on a grpc.aio stream-stream call for the receiving ``engine``."""
     out: asyncio.Queue[peer_pb2.ChannelMessage | None] = asyncio.Queue()
 
@@ -354,7 +361,7 @@ async def serve_channel(requests: AsyncIterator[peer_pb2.ChannelMessage], contex
             wtask.cancel()
 
 
-async def end_inbound_channels(engine: Any, timeout: float = 2.0) -> None:
+async def end_inbound_channels(engine: TransferEngine, timeout: float = 2.0) -> None:
     """End the channels of every sending service now and wait (bounded) for their handlers.
 
     Called when the service stops, once its transfers are over and before its servers stop: grpc
@@ -443,7 +450,7 @@ class OutboundChannel:
     def __init__(
         self,
         address: str,
-        stub_of: Callable[[], Any],
+        stub_of: Callable[[], peer_pb2_grpc.KVPeerStub],
         me: tuple[str, str],
         on_lane_slot: Callable[[peer_pb2.ReceivePlan], None] | None = None,
     ) -> None:

@@ -24,6 +24,7 @@ import ssl
 import time
 from typing import Any
 
+from ..config import Config
 from ..errors import Unavailable
 from ..identity import LOCAL_PEER
 
@@ -35,7 +36,7 @@ _TTL_S = 60.0
 class PeerNames:
     """Identities of sending services by address, cached for a minute."""
 
-    def __init__(self, config: Any, own_address: str) -> None:
+    def __init__(self, config: Config, own_address: str) -> None:
         self._cfg = config
         self._own = own_address
         self._cache: dict[str, tuple[frozenset[str], float]] = {}

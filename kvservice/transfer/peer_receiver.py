@@ -15,8 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 from kvservice_client.proto import peer_pb2
@@ -65,8 +64,8 @@ class PeerReceiver:
         transport: Transport,
         peer_pools: PeerPools,
         same_host_auto: bool,
-        note: Any,
-        on_lane_slot: Any = None,
+        note: Callable[[Outgoing, str, str], None],
+        on_lane_slot: Callable[[str, PeerClient, peer_pb2.ReceivePlan], None] | None = None,
     ) -> None:
         self.peer = peer
         self._on_lane_slot = on_lane_slot  # (address, peer, ReceivePlan) -> None: the cross-node lane

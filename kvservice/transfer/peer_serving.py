@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvservice_client import Layout
 from kvservice_client.proto import peer_pb2
@@ -26,13 +26,19 @@ from . import trace
 from .peer_codec import commit_from_pb, plan_to_pb
 from .receiver import Incoming, plan_of
 
+if TYPE_CHECKING:
+    from .engine import TransferEngine
+    from .inbound import Held
+    from .peer_channel import InboundChannel
+    from .peers import PeerDirectory
+
 __all__ = ["apply_commit", "offer_plan", "receive_plans", "reserve_staging", "tell_sender"]
 
 log = logging.getLogger(__name__)
 
 
 async def receive_plans(
-    engine: Any, request: peer_pb2.GetReceivePlanRequest, peer: str, identity: str
+    engine: TransferEngine, request: peer_pb2.GetReceivePlanRequest, peer: str, identity: str
 ) -> peer_pb2.ReceivePlanSet:
     """GetReceivePlan (``peer``: the caller's gRPC peer string, ``identity``: what it proved, see
     kvservice.identity): wait for the declarations this sender rank writes to, then say where its
@@ -61,7 +67,7 @@ async def receive_plans(
     return out
 
 
-async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
+async def offer_plan(engine: TransferEngine, inc: Incoming, chan: InboundChannel) -> bool:
     """Push ``inc``'s plan to the sending service on its open channel ``chan`` before any of
     its ranks asks (ExpectDelta named it): the ask's round trip leaves the transfer's path.
     False: nothing offered (that service may not send it, or this node's lane moves it).
@@ -90,7 +96,7 @@ async def offer_plan(engine: Any, inc: Incoming, chan: Any) -> bool:
     return True
 
 
-def _same_host_pools(engine: Any, inc: Incoming, plan: peer_pb2.ReceivePlan, refusal: str) -> None:
+def _same_host_pools(engine: TransferEngine, inc: Incoming, plan: peer_pb2.ReceivePlan, refusal: str) -> None:
     """A plan for a sender on this host: the receiver's pool handles (the fused route), or why not
     (``refusal``: the connection's reason, if any)."""
     if engine.config.transfer.same_host_route != "auto":
@@ -102,7 +108,7 @@ def _same_host_pools(engine: Any, inc: Incoming, plan: peer_pb2.ReceivePlan, ref
 
 
 async def reserve_staging(
-    engine: Any, request: peer_pb2.ReserveStagingRequest, identity: str
+    engine: TransferEngine, request: peer_pb2.ReserveStagingRequest, identity: str
 ) -> peer_pb2.StagingSlot:
     engine.lane.gate_in(request.transfer_id, request.dst_buffer_set_id)  # the sender took gRPC
     pool, slot = await engine.receiver.reserve(
@@ -118,7 +124,10 @@ async def reserve_staging(
 
 
 async def apply_commit(
-    engine: Any, req: peer_pb2.CommitChunkRequest, identity: str, credits: dict[int, Any] | None = None
+    engine: TransferEngine,
+    req: peer_pb2.CommitChunkRequest,
+    identity: str,
+    credits: dict[int, Held] | None = None,
 ) -> str:
     """A sender's CommitChunk (unary, or on its channel with the channel's ``credits``)."""
     engine.lane.gate_in(req.transfer_id, req.dst_buffer_set_id)  # the sender took gRPC: not the lane
@@ -133,7 +142,7 @@ async def apply_commit(
             req.sender_ticket,
             req.staging_slot,
         )
-    return await engine.inbound.apply(  # type: ignore[no-any-return]
+    return await engine.inbound.apply(
         req.transfer_id,
         req.dst_buffer_set_id,
         req.sender_service_id,
@@ -147,7 +156,7 @@ async def apply_commit(
 
 
 async def tell_sender(
-    peers: Any, me: str, address: str, transfer_id: str, code: str, reason: str, ticket: str = ""
+    peers: PeerDirectory, me: str, address: str, transfer_id: str, code: str, reason: str, ticket: str = ""
 ) -> None:
     """Best effort: tell the sending service at ``address`` that the receiver ``me`` stopped
     ``transfer_id`` (it settles its in-flight writes before it answers)."""

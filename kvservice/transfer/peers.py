@@ -14,8 +14,8 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -30,6 +30,10 @@ from kvservice_client.proto import peer_pb2, peer_pb2_grpc
 
 from .. import errors, host
 from .transport import Transport
+
+if TYPE_CHECKING:
+    from ..lane import RunningLane
+    from ..lane.book import NoLane
 
 # NOTE: the lane's start is a module load (tens of ms) once built, a first build ~20 s: a handshake
 # waits this long at most, then goes on without the lane's metadata; when the lane comes up later,
@@ -122,16 +126,22 @@ class _LocalContext:
 class Self:
     """What we tell peers about ourselves in a handshake; ``local`` serves our own calls."""
 
-    local: Any = None  # the KVPeer servicer of this service, set by the server
+    # NOTE: the one back edge of the wiring: the KVPeer servicer is built on the engine, so
+    # build_server attaches it here right after; without it our own calls go over the socket.
+    local: peer_pb2_grpc.KVPeerServicer | None = None
 
-    def __init__(self, service_id: str, version: str, address: str, transport: Transport, epoch: Any) -> None:
+    def __init__(
+        self, service_id: str, version: str, address: str, transport: Transport, epoch: Callable[[], int]
+    ) -> None:
         self.service_id = service_id
         self.version = version
         self.address = address
         self.transport = transport
-        self.epoch = epoch  # callable returning our metadata epoch
-        self.lane: Any = None  # the lane book (kvservice.lane): its cross-node agent's metadata
-        self.lane_starting: asyncio.Future[Any] | None = None  # the lane's start, while it runs
+        self.epoch = epoch  # our metadata epoch
+        self.lane: NoLane | None = None  # the lane book (kvservice.lane): its cross-node agent's metadata
+        self.lane_starting: asyncio.Future[RunningLane | None] | None = (
+            None  # the lane's start, while it runs
+        )
 
     async def lane_settled(self, timeout: float = LANE_SETTLE_S) -> None:
         """Wait (``timeout`` at most) for the lane's start to end: a handshake either way carries

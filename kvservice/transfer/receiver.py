@@ -18,7 +18,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kvservice_client import Layout
@@ -32,12 +32,16 @@ from ..errors import (
     NotFound,
     PermissionDenied,
 )
+from ..kernels import KVRegions
 from ..kernels.heads import HeadRoute, plan_heads
 from ..staging import Slot, StagingPool
 from .plan import Units
 from .records import Record, TransferTable
 from .sender_binding import Offer, SenderBinding, check_compatible, ticket_matches
 from .values import Plan, Region
+
+if TYPE_CHECKING:
+    from ..landing import Entry
 
 __all__ = ["Incoming", "Offer", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
 
@@ -71,8 +75,8 @@ class Incoming:
     _idle: asyncio.Event | None = dataclasses.field(default=None, repr=False)
     # A landing declaration (kvservice.landing): ``bs`` is then a view of the landing pool under the
     # engine's buffer set id, ``regions`` its KV regions, and completion is LANDED, not DONE.
-    landing: Any = None
-    regions: Any = None
+    landing: Entry | None = None
+    regions: KVRegions | None = None
 
     def holds_offer(self, ticket: str, identity: str | None = None) -> bool:
         """``ticket`` is one of this declaration's offers (given to ``identity``, when named)."""

@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..buffers import BufferSet
 from ..errors import FailedPrecondition, InvalidArgument
 from ..kernels import distinct
+from ..peers_allow import check_peer_address
 from .load import expected_bytes
 from .plan import src_pages_array
 from .receiver import Incoming
 from .records import Record
 from .sender import Chunk, Outgoing
+
+if TYPE_CHECKING:
+    from .engine import TransferEngine
 
 __all__ = ["build_chunk", "build_incoming", "check_aux"]
 
@@ -34,7 +38,7 @@ def _transfer_id(tid: str) -> str:
     return tid
 
 
-def _deadline(engine: Any, deadline_ms: int) -> float:
+def _deadline(engine: TransferEngine, deadline_ms: int) -> float:
     cfg = engine.config
     if deadline_ms > cfg.transfer.max_deadline_ms:
         raise InvalidArgument(
@@ -43,7 +47,7 @@ def _deadline(engine: Any, deadline_ms: int) -> float:
     return time.monotonic() + (deadline_ms or cfg.transfer.default_deadline_ms) / 1000
 
 
-def check_aux(bs: Any, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def check_aux(bs: BufferSet, aux: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``aux`` (name -> rows) if every name is an aux region of ``bs`` and its rows are distinct
     and in range; InvalidArgument naming the field otherwise."""
     for name, rows in aux.items():
@@ -65,7 +69,7 @@ def check_whole(bs: BufferSet) -> None:
 
 
 def build_incoming(
-    engine: Any,
+    engine: TransferEngine,
     session_id: str,
     *,
     transfer_id: str,
@@ -91,7 +95,7 @@ def build_incoming(
     for i, name in enumerate(allowed_senders):
         if not name or len(name) > 255:
             raise InvalidArgument(f"allowed_senders[{i}]", "must be a peer identity of 1..255 characters")
-    bs = engine.node.buffers.get(buffer_set_id, session_id)
+    bs = engine.buffers.get(buffer_set_id, session_id)
     check_whole(bs)
     if publish_tokens is not None:
         from kvservice_client.hashing import page_hashes
@@ -138,7 +142,7 @@ def build_incoming(
 
 
 def build_chunk(
-    engine: Any,
+    engine: TransferEngine,
     session_id: str,
     *,
     transfer_id: str,
@@ -153,13 +157,13 @@ def build_chunk(
     no_duplicate_mark: bool = False,
 ) -> tuple[Outgoing, Chunk]:
     tid = _transfer_id(transfer_id)
-    bs = engine.node.buffers.get(buffer_set_id, session_id)
+    bs = engine.buffers.get(buffer_set_id, session_id)
     check_whole(bs)
     src = src_pages_array(src_page_indices, bs.layout.num_pages)
     aux = check_aux(bs, aux)
     if not peer_address:
         raise InvalidArgument("peer_address", "is required (the receiver's kvservice address)")
-    engine.node.check_peer_address(peer_address)
+    check_peer_address(peer_address, engine.config.security.peer_allowlist_entries)
     out = engine.sender.outgoing.get((tid, bs.buffer_set_id))
     if out is not None and out.rec.terminal and out.got_last and 0 < chunk_offset == out.next_offset:
         raise InvalidArgument(

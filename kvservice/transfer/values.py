@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 from kvservice_client import Layout
 
 from .. import kernels
@@ -111,7 +112,7 @@ class Reserved:
     address: int
     device: int
     mem_kind: str
-    view: Any = None
+    view: torch.Tensor | None = None
     credit: Any = None
 
 
@@ -142,7 +143,7 @@ class Target:
     def dst_pages(self) -> np.ndarray:
         return self.plan.dst_pages
 
-    def pack(self, regions: KVRegions, src: np.ndarray, out: Any = None) -> Any:
+    def pack(self, regions: KVRegions, src: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """``kernels.pack`` of this route's head slice, in the receiver's unit and page order (its
         unpack is then the straight copy); into ``out`` if given (asynchronous on CUDA)."""
         r = self.route

@@ -13,7 +13,6 @@ byte moves, and the prefill then delivers byte-exact. Neither engine package is 
 from __future__ import annotations
 
 import sys
-import time
 import types
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,14 +116,9 @@ def declared(server: Any, tid: str) -> list[Any]:
 
 
 def _outcome(pool: EnginePool, timeout: float = 30.0) -> Any:
-    assert pool.worker is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pool.worker.outcomes()
-        if got:
-            return got[0]
-        time.sleep(0.005)
-    raise AssertionError("no outcome")
+    worker = pool.worker
+    assert worker is not None
+    return eventually(worker.outcomes, timeout, "an outcome", interval=0.005)[0]
 
 
 def _rogue_is_refused(rogue: EnginePool, tid: str, peer: str) -> None:

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[2] / "clients" / "vllm" / "e2e"))
 from instance_proc import VLLM_PY, VllmInstance  # noqa: E402
 
+from tests.support.poll import eventually
 from tests.support.services import MeteredService, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,18 +52,18 @@ def _serve(model: str, kvservice: str, port: int, log: Path) -> subprocess.Popen
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 400) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+    """``url`` answers 200 within ``timeout_s``; the process exiting first fails at once."""
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
+                return bool(r.status == 200)
         except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy within {timeout_s} s:\n{log.read_text()[-3000:]}")
+            return False
+
+    eventually(healthy, timeout_s, lambda: f"{url} healthy:\n{log.read_text()[-3000:]}", interval=1)
 
 
 def _complete(base: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:

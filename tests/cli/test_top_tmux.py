@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.poll import eventually
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "clients", "python")])}
 
@@ -31,10 +33,7 @@ def live_node(tmp_path) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(600):
-            if os.path.exists(addr_file) or proc.poll() is not None:
-                break
-            time.sleep(0.1)
+        eventually(lambda: os.path.exists(addr_file) or proc.poll() is not None, 60, "the live node", 0.1)
         assert os.path.exists(addr_file), "the live node did not start"
         yield open(addr_file).read()
     finally:
@@ -50,15 +49,15 @@ def _tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=30, env=ENV).stdout
 
 
-def _wait_for(session: str, words: tuple[str, ...], timeout: float = 60) -> str:
-    screen = ""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        screen = _tmux("capture-pane", "-p", "-t", session)
-        if all(w in screen for w in words):
-            return screen
-        time.sleep(0.3)
-    raise AssertionError(f"never saw {words} on the screen:\n{screen}")
+def _screen_with(session: str, words: tuple[str, ...], timeout: float = 60) -> str:
+    """The session's screen once it shows every one of ``words``."""
+    screen = [""]
+
+    def shows() -> str:
+        screen[0] = _tmux("capture-pane", "-p", "-t", session)
+        return screen[0] if all(w in screen[0] for w in words) else ""
+
+    return str(eventually(shows, timeout, lambda: f"never saw {words} on the screen:\n{screen[0]}", 0.3))
 
 
 def test_top_shows_the_live_node_refreshes_and_quits_on_q(live_node: str) -> None:
@@ -78,16 +77,15 @@ def test_top_shows_the_live_node_refreshes_and_quits_on_q(live_node: str) -> Non
         f"env PYTHONPATH={ENV['PYTHONPATH']} {cmd}",
     )
     try:
-        first = _wait_for(session, ("admin view", "sender/fused", "prefill-0", "decode-l", "READY", "ms"))
+        first = _screen_with(session, ("admin view", "sender/fused", "prefill-0", "decode-l", "READY", "ms"))
         assert "Peers" in first and "Sessions" in first and "q or Ctrl-C quits" in first
         assert "xfer/s" in first and "bytes/s" in first
         time.sleep(2.0)
         second = _tmux("capture-pane", "-p", "-t", session)
         assert second != first  # uptime and counters moved: it refreshes in place
         _tmux("send-keys", "-t", session, "q")
-        end = time.monotonic() + 15
-        while time.monotonic() < end and session in _tmux("list-sessions", "-F", "#{session_name}"):
-            time.sleep(0.2)
-        assert session not in _tmux("list-sessions", "-F", "#{session_name}"), "q did not quit"
+        eventually(
+            lambda: session not in _tmux("list-sessions", "-F", "#{session_name}"), 15, "q to quit", 0.2
+        )
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

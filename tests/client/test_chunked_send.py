@@ -3,9 +3,9 @@ the receiver gets every page, and ``done`` ends with the transfer's terminal sta
 
 from __future__ import annotations
 
-import time
-
 from kvservice_client import BackgroundClient, Layout, ShmKVPool
+
+from tests.support.poll import eventually
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
 
@@ -33,8 +33,7 @@ def _run(server, declare_first: bool) -> None:
 
         if declare_first:  # declared before the first chunk (the lane takes them)
             recv = declare()
-            while not bg.call(bg.kv.poll(["cs-1"])):
-                time.sleep(0.005)
+            eventually(lambda: bg.call(bg.kv.poll(["cs-1"])), 30, "the declaration", interval=0.005)
         send = bg.chunked("cs-1", 10_000)
         peer = server.app.peer_address
         for i in range(4):

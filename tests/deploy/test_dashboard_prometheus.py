@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.support.metrics_workload import run_workload
+from tests.support.poll import eventually
 from tests.support.services import ServerThread, make_config
 
 ROOT = Path(__file__).parents[2]
@@ -117,17 +118,11 @@ def _query(url: str, expr: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
-def _wait_for(url: str, expr: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not _query(url, expr):
-        assert time.monotonic() < deadline, f"no data for {expr} after {timeout}s"
-        time.sleep(0.5)
-
-
 def test_every_dashboard_query_returns_data(services: tuple[Any, Any], prometheus: str) -> None:
     """Each PromQL target of the dashboard returns a non-empty result while transfers run."""
     a, b = services
-    _wait_for(prometheus, 'sum(up{job="kvservice"}) == 2', 15)
+    up = 'sum(up{job="kvservice"}) == 2'
+    eventually(lambda: _query(prometheus, up), 15, f"data for {up}", interval=0.5)
     done = run_workload(a, b, seconds=12.0)
     assert done > 20, f"only {done} transfers completed"
     time.sleep(2.5)  # let the last samples be scraped

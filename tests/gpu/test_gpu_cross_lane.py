@@ -5,14 +5,13 @@ unpacks, with no service's Python on the path."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support.gpu import LAYOUT, Engine, kvservice_procs
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs, wait_lanes
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("nixl")
@@ -28,10 +27,7 @@ def services(tmp_path: Path, request: pytest.FixtureRequest):
         "KVSERVICE_LANE_CROSS_MB": request.param,
     }
     procs, socks = kvservice_procs(tmp_path, ("prefill", "decode"), **env)
-    end = time.monotonic() + 180  # the first start builds the native module
-    while not all(os.path.exists(s[5:] + ".lane") for s in socks):
-        assert time.monotonic() < end, "the lanes did not start"
-        time.sleep(0.1)
+    wait_lanes(socks)
     yield socks
     for p in procs:
         p.terminate()

@@ -3,14 +3,13 @@ CUDA IPC pools; the copy is the lane's Triton kernel (AOT cubins), launched with
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support.gpu import LAYOUT, Engine, kvservice_procs
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs, wait_lanes
 
 pytestmark = pytest.mark.gpu
 
@@ -20,10 +19,7 @@ def service(tmp_path: Path, request: pytest.FixtureRequest):
     # both copy kernels (tuning.lane_kernel): a kernel that cannot load leaves GPU pools off the lane,
     # which every test here fails on (route_note "lane")
     procs, socks = kvservice_procs(tmp_path, ("a",), KVSERVICE_LANE_KERNEL=request.param)
-    end = time.monotonic() + 180  # the first start builds the native module
-    while not os.path.exists(socks[0][5:] + ".lane"):
-        assert time.monotonic() < end, "the lane did not start"
-        time.sleep(0.1)
+    wait_lanes(socks[:1])
     yield socks[0]
     for p in procs:
         p.terminate()
@@ -133,10 +129,7 @@ def test_service_stopped_with_lane_copies_in_flight_exits_and_every_rank_ends(tm
     import signal
 
     procs, socks = kvservice_procs(tmp_path, ("a",))
-    end = time.monotonic() + 180
-    while not os.path.exists(socks[0][5:] + ".lane"):
-        assert time.monotonic() < end, "the lane did not start"
-        time.sleep(0.1)
+    wait_lanes(socks[:1])
     big = {**MIXED, "num_layers": 32, "num_pages": 1100}
     senders = [Engine() for _ in range(4)]
     receivers = [Engine() for _ in range(2)]

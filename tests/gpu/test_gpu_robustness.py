@@ -6,13 +6,12 @@ refused at RegisterBuffers naming the field."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.gpu import LAYOUT, Engine, kvservice_procs
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs, wait_lanes
 
 pytestmark = pytest.mark.gpu
 BIG = dict(LAYOUT, num_pages=1024)  # 3 layers x 1024 pages x 32 KiB x 2: 192 MiB a pool
@@ -21,10 +20,7 @@ BIG = dict(LAYOUT, num_pages=1024)  # 3 layers x 1024 pages x 32 KiB x 2: 192 Mi
 @pytest.fixture
 def service(tmp_path: Path):
     procs, socks = kvservice_procs(tmp_path, ("a",), KVSERVICE_TRANSFER_INTEGRITY="0")
-    end = time.monotonic() + 180  # the first start builds the native modules
-    while not os.path.exists(socks[0][5:] + ".lane"):
-        assert time.monotonic() < end, "the lane did not start"
-        time.sleep(0.1)
+    wait_lanes(socks[:1])
     yield socks[0], procs[0]
     for p in procs:
         p.terminate()

@@ -3,14 +3,12 @@ processes registered through CUDA IPC, checked page by page (needs a CUDA GPU an
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.support.gpu import LAYOUT, Engine, kvservice_procs
+from tests.support.gpu import LAYOUT, Engine, kvservice_procs, wait_lanes
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,10 +75,7 @@ def test_cross_gpu_delta(tmp_path: Path, path: str, one_service: bool, mode: str
     )
     rx = a if one_service else b
     if lane and one_service:
-        end = time.monotonic() + 120
-        while not os.path.exists(a[5:] + ".lane"):  # the first start builds it
-            assert time.monotonic() < end, "the lane did not start"
-            time.sleep(0.1)
+        wait_lanes([a], 120)
     src_eng, dst_eng = Engine(), Engine()
     try:
         src_eng(op="register", address=a, layout=LAYOUT, fill=True, seed=3, device=0)

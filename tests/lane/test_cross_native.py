@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from kvservice_client import lane_wire
 
+from tests.support.poll import eventually
+
 pytest.importorskip("nixl")
 R, P, PB = 4, 16, 1024  # regions, pages, bytes of a page region
 
@@ -101,6 +103,11 @@ def pair() -> Iterator[Pair]:
     p = Pair()
     yield p
     p.close()
+
+
+def _completions(lane: Any) -> list[Any]:
+    """The receiving lane's next completions (what its engine is told), within 10 s."""
+    return list(eventually(lane.drain, 10, "a completion", interval=0.005))
 
 
 def test_written_unpacked_and_both_engines_told(pair: Pair) -> None:
@@ -222,13 +229,11 @@ def test_an_abort_during_a_chunks_unpack_cancels_after_it(pair: Pair) -> None:
     pair.rx.set_slow_unpack(200_000)
     pair.arm("cx", dst, prefix=0, slot_pages=2)
     assert pair.send("cx", dst)[1] == lane_wire.ACCEPTED
-    end = time.monotonic() + 10
-    while pair.rx.stats()[4] == 0:  # chunk 0's note arrived: its unpack is held (200 ms)
-        assert time.monotonic() < end
-        time.sleep(0.001)
+    # chunk 0's note arrived: its unpack is held (200 ms)
+    eventually(lambda: pair.rx.stats()[4] != 0, 10, "chunk 0's note", interval=0.001)
     time.sleep(0.02)  # past the few µs between the note's arrival and its unpack being RUNNING
     assert pair.rx.disarm_in("cx", 0, cancel=True) == 2
-    (c,) = eventually_drain(pair.rx)
+    (c,) = _completions(pair.rx)
     assert not c[5] and c[6] == "cancelled by the receiving service" and not c[10], c
     tx = lane_wire.decode(pair.ea.recv(65536))
     assert not tx[1] and "cancelled" in tx[4], tx
@@ -254,7 +259,7 @@ def test_the_receiver_ends_a_streamed_transfer_midway(pair: Pair, delay_ms: floa
     after = pair.b.copy()
     tx = lane_wire.decode(pair.ea.recv(65536))
     time.sleep(0.05)
-    rx_done = eventually_drain(pair.rx) if got == 2 else []
+    rx_done = _completions(pair.rx) if got == 2 else []
     if got == 1:  # disarmed between chunks: nothing lands from now on
         assert not tx[1], tx
         assert (pair.b == after).all()
@@ -271,16 +276,6 @@ def test_the_receiver_ends_a_streamed_transfer_midway(pair: Pair, delay_ms: floa
             time.sleep(0.05)
             assert (pair.b == settled).all()
     print("outcome", got, tx[1], rx_done and rx_done[0][6])
-
-
-def eventually_drain(lane: Any) -> list[Any]:
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        got = lane.drain()
-        if got:
-            return list(got)
-        time.sleep(0.005)
-    raise AssertionError("no completion")
 
 
 def test_a_small_send_is_not_held_up_behind_a_streaming_one(pair: Pair) -> None:

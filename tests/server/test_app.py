@@ -8,16 +8,15 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvservice_client import Client, Unimplemented
+from kvservice_client import Client
 
 from tests.support.grpcurl import grpcurl
+from tests.support.poll import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,12 +78,13 @@ def test_grpcurl_lists_and_calls(server) -> None:
     assert '"SERVING"' in out.stdout, out.stderr
 
 
-def test_unbuilt_rpcs_answer_unimplemented(server) -> None:
-    """An RPC whose subsystem is absent answers UNIMPLEMENTED with what is missing."""
-    server.node.transfers = None
-    with Client(server.address) as kv:
-        with pytest.raises(Unimplemented, match="transfer engine"):
-            kv.poll(["t"])
+def test_the_node_is_wired_at_build(server) -> None:
+    """build_server builds the transfer engine at the peer address its bound ports give, with this
+    service's KVPeer servicer for its own calls and the address sessions are told."""
+    app = server.app
+    assert app.node.transfers.address == app.peer_address
+    assert app.node.transfers.peers.me.local is app.peer_servicer
+    assert app.servicer.peer_address == app.announced_address
 
 
 def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
@@ -105,11 +105,12 @@ def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
+
+        def started() -> bool:
             assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
+            return sock.exists()
+
+        eventually(started, 60, "the server to start", 0.1)
         with Client(f"unix:{sock}") as kv:
             assert kv.get_stats().version
         proc.send_signal(signal.SIGTERM)

@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import json
 import sys
-import time
 import types
 from multiprocessing import shared_memory
 from typing import Any
@@ -43,6 +42,8 @@ from kvservice_sglang.regions import register_kv_args
 from kvservice_vllm.jobs import RecvJob, SendJob
 from kvservice_vllm.layout import KVHeads
 from kvservice_vllm.worker import WorkerSide
+
+from tests.support.poll import eventually
 
 LAYERS, HEADS, DIM, LATENT = 2, 4, 64, 576
 DTYPE, READ = torch.bfloat16, torch.int16  # registered as bf16; read back as same-size ints (bits)
@@ -246,13 +247,11 @@ class EnginePool:
     def wait(self, timeout: float = 30.0) -> dict[str, Any]:
         """The transfer's end: {"ok": bool, "why": str}."""
         if self.worker is not None:
-            end = time.monotonic() + timeout
-            while time.monotonic() < end:
-                got = self.worker.outcomes()
-                if got:
-                    return {"ok": got[0].ok, "why": got[0].why}
-                time.sleep(0.005)
-            return {"ok": False, "why": "no outcome"}
+            try:
+                got = eventually(self.worker.outcomes, timeout, "an outcome", interval=0.005)
+            except AssertionError:
+                return {"ok": False, "why": "no outcome"}
+            return {"ok": got[0].ok, "why": got[0].why}
         st = self._fut.result(timeout)
         return {"ok": st.state == "DONE", "why": f"{st.state} {st.error}"}
 

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["LAYOUT", "Engine", "kvservice_procs"]
+from tests.support.poll import eventually
+
+__all__ = ["LAYOUT", "Engine", "kvservice_procs", "wait_lanes"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = dict(num_layers=3, page_size=16, num_pages=64, total_kv_heads=8, head_dim=128, dtype="bfloat16")
@@ -79,9 +80,12 @@ def kvservice_procs(
             subprocess.Popen([sys.executable, *launcher, "--uds-path", str(sock)], cwd=ROOT, env=full)
         )
         socks.append(f"unix:{sock}")
-    end = time.monotonic() + 60
-    for s in socks:
-        while not os.path.exists(s[5:]):
-            assert time.monotonic() < end, "services did not start"
-            time.sleep(0.1)
+    eventually(lambda: all(os.path.exists(s[5:]) for s in socks), 60, "the services to start", 0.1)
     return procs, socks
+
+
+def wait_lanes(socks: Sequence[str], timeout: float = 180) -> None:
+    """Every service's lane socket is there (the first start builds the native module)."""
+    eventually(
+        lambda: all(os.path.exists(s[5:] + ".lane") for s in socks), timeout, "the lanes to start", 0.1
+    )

@@ -22,6 +22,7 @@ from typing import Any
 from kvservice_client import Client
 
 from kvservice.config import Config, with_options
+from kvservice.node import Node
 from kvservice.server import App, build_server
 
 __all__ = [
@@ -69,7 +70,7 @@ class ServerThread:
         return self.app.address
 
     @property
-    def node(self) -> Any:
+    def node(self) -> Node:
         return self.app.node
 
 

@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.poll import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PY = ROOT / os.environ.get("SGLANG_VENV", ".venv-sglang") / "bin" / "python"
@@ -103,18 +104,19 @@ class SglangServer:
         )
 
     def ready(self, timeout: float = 240.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        def up() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang server exited {self.proc.returncode}: {self.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
+                    return bool(r.status == 200)
             except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"sglang server not up within {timeout}s: {self.tail()}")
+                return False
+
+        try:
+            eventually(up, timeout, "the sglang server's health", interval=1)
+        except AssertionError:
+            raise RuntimeError(f"sglang server not up within {timeout}s: {self.tail()}") from None
 
     def tail(self, n: int = 6000) -> str:
         self._log.flush()

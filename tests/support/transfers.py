@@ -4,11 +4,11 @@ one record, the route of a pair, staging left idle."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 from kvservice_client import Client, Layout, ShmKVPool, TransferStatus
 
+from tests.support.poll import eventually
 from tests.support.pools import fill_random
 
 __all__ = ["LAYOUT", "TERMINAL", "Link", "fused_pair", "link", "one", "staging_idle", "wait_all"]
@@ -24,14 +24,13 @@ def fused_pair(pair: tuple[Any, Any]) -> bool:
 
 def wait_all(client: Client, tid: str, n: int = 1, timeout: float = 10.0) -> list[TransferStatus]:
     """Poll until ``n`` records of ``tid`` on this client are terminal (bounded)."""
-    end = time.monotonic() + timeout
-    while True:
-        sts = client.poll([tid])
-        if len(sts) >= n and all(s.terminal for s in sts):
-            return sts
-        if time.monotonic() > end:
-            raise AssertionError(f"{tid}: not terminal within {timeout}s: {sts}")
-        time.sleep(0.01)
+    last: list[TransferStatus] = []
+
+    def terminal() -> tuple[list[TransferStatus]] | None:  # a tuple: an empty list is an answer (n=0)
+        last[:] = sts = client.poll([tid])
+        return (sts,) if len(sts) >= n and all(s.terminal for s in sts) else None
+
+    return list(eventually(terminal, timeout, lambda: f"{tid}: terminal (last: {last})")[0])
 
 
 def one(client: Client, tid: str, timeout: float = 10.0) -> TransferStatus:

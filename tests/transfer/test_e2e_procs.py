@@ -54,15 +54,17 @@ def nodes() -> Iterator[dict[str, Any]]:
 
 
 def wait_eng(eng: EngineProc, tid: str, timeout: float = 10.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
+    """The one record of ``tid`` on ``eng``, once terminal."""
+    last: list[Any] = []
+
+    def terminal() -> Any:
         sts = eng.call("poll", [tid])
-        if sts and all(s.terminal for s in sts):
-            assert len(sts) == 1, sts
-            return sts[0]
-        if time.monotonic() > end:
-            raise AssertionError(f"{tid} not terminal within {timeout}s: {sts}")
-        time.sleep(0.02)
+        last[:] = sts or []
+        return sts if sts and all(s.terminal for s in sts) else None
+
+    sts = eventually(terminal, timeout, lambda: f"{tid} terminal (last: {last})", interval=0.02)
+    assert len(sts) == 1, sts
+    return sts[0]
 
 
 def stats(svc: ServiceProc) -> Any:

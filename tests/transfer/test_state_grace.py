@@ -6,13 +6,13 @@ its task and plans made the cyclic GC walk millions of objects at a few thousand
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 from kvservice_client import Layout
 
 from kvservice.transfer import ends
+from tests.support.poll import eventually
 from tests.support.transfers import one
 
 LAYOUT = Layout.mha(num_layers=1, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
@@ -32,10 +32,13 @@ def test_ended_sides_drop_their_state_and_keep_their_records(
     ka.send_delta("g1", a, src_page_indices=[3, 4], peer_address=srv.app.peer_address, path=path)
     assert one(kb, "g1").state == "DONE" and one(ka, "g1").state == "DONE"
     engine = srv.app.node.transfers
-    end = time.monotonic() + 5.0  # the reaper drops it within about a second
-    while (engine.sender.of("g1") or engine.receiver.of("g1")) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not engine.sender.of("g1") and not engine.receiver.of("g1"), "working state kept"
+    # the reaper drops it within about a second
+    eventually(
+        lambda: not engine.sender.of("g1") and not engine.receiver.of("g1"),
+        5.0,
+        "working state dropped",
+        0.05,
+    )
     (r,) = kb.poll(["g1"])  # the records still answer
     assert r.state == "DONE" and r.pages_sent == 2
     assert [s.state for s in kb.abort("g1")] == ["DONE"]  # an abort of it: its record, unchanged

@@ -15,6 +15,7 @@ from kvservice.transfer.descriptors import prepped_indices, prepped_rows, run_de
 from kvservice.transfer.loopback import LoopbackTransport
 from kvservice.transfer.nixl_transport import NIXL_IMPORT_ERROR, NixlTransport
 from kvservice.transfer.transport import Transport
+from tests.support.poll import eventually
 
 REGIONS, PAGES, PAGE_BYTES = 4, 32, 512
 _names = itertools.count()
@@ -59,13 +60,10 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 
 
 def _drain(t: Transport, timeout_s: float = 5.0) -> dict[str, list[bytes]]:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = t.notifications()
-        if got:
-            return got
-        time.sleep(0.001)
-    return {}
+    try:
+        return eventually(t.notifications, timeout_s, "a notification", interval=0.001)  # type: ignore[no-any-return]
+    except AssertionError:
+        return {}
 
 
 async def test_add_peer_returns_str_name(pair: Pair) -> None:

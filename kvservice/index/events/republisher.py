@@ -45,7 +45,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class _Paged(Protocol):  # the tier's LayoutKey, as far as an event needs it
-    page_size: int
+    @property
+    def page_size(self) -> int: ...
 
 
 def _block_stored(

@@ -19,6 +19,7 @@ from typing import Any
 from ...buffers import BufferSet
 from ...errors import FailedPrecondition
 from ...kernels import KVRegions
+from ...staging import StagingPool
 from ..port import ReceiverPort
 from ..records import TransferTable
 from ..sender import Outgoing
@@ -36,7 +37,7 @@ class RouteContext:
     transport: Transport
     kv_regions: dict[str, KVRegions]  # buffer set id -> its KV regions
     local_lists: dict[str, Any]  # buffer set id -> its prepped local descriptor list
-    pool_for: Callable[[BufferSet], Any]  # the staging pool of a buffer set's memory
+    pool_for: Callable[[BufferSet], StagingPool]  # the staging pool of a buffer set's memory
     two_gpu_copy: str = "auto"  # Config.tuning.two_gpu_copy
 
 
