@@ -52,19 +52,8 @@ def mtls(make_server: Any, tmp_path: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sgl() -> Any:
     """kvservice_sglang.conn over the real SGLang if installed, else over the stand-in (removed after)."""
-    try:
-        import sglang.srt.disaggregation.base.conn  # noqa: F401
-    except ImportError:
-        added = sglang_stub.install()
-    else:
-        added = []
-    import kvservice_sglang.conn as c
-
-    yield c
-    if added:
-        sglang_stub.uninstall(added)
-        for name in ("kvservice_sglang.conn", "kvservice_sglang"):
-            sys.modules.pop(name, None)
+    with sglang_stub.backend_conn() as c:
+        yield c
 
 
 _VLLM_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"

@@ -11,7 +11,6 @@ POSIX shared memory, registered through the backend's own code.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,24 +29,8 @@ TTL_MS = "20000"
 @pytest.fixture(scope="module")
 def conn() -> Any:
     """kvservice_sglang.conn over the real SGLang, or over the stand-in (removed afterwards)."""
-    real = os.environ.get("KVS_SGLANG_REAL") == "1"
-    try:
-        import sglang.srt.disaggregation.base.conn  # noqa: F401
-    except ImportError:
-        if real:
-            raise
-        added = sglang_stub.install()
-    else:
-        added = []
-    import kvservice_sglang.conn as c
-
-    if real:  # the package's own base classes, not the stand-in's
-        assert c.BaseKVReceiver.__module__ == "sglang.srt.disaggregation.base.conn", c.BaseKVReceiver
-    yield c
-    if added:
-        sglang_stub.uninstall(added)
-        for name in ("kvservice_sglang.conn", "kvservice_sglang"):
-            sys.modules.pop(name, None)
+    with sglang_stub.backend_conn() as c:
+        yield c
 
 
 @pytest.fixture

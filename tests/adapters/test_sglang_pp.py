@@ -14,7 +14,6 @@ so in .venv-vllm, where the pinned sglang 0.5.23 is). A real SGLang server canno
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from collections.abc import Iterator
@@ -41,24 +40,8 @@ P_AUX, D_AUX = 5, 3  # the request's metadata row on each side
 @pytest.fixture(scope="module")
 def conn() -> Iterator[Any]:
     """kvservice_sglang.conn over the real SGLang, or over the stand-in (removed afterwards)."""
-    real = os.environ.get("KVS_SGLANG_REAL") == "1"
-    try:
-        import sglang.srt.disaggregation.base.conn  # noqa: F401
-    except ImportError:
-        if real:
-            raise
-        added = sglang_stub.install()
-    else:
-        added = []
-    import kvservice_sglang.conn as c
-
-    if real:
-        assert c.BaseKVSender.__module__ == "sglang.srt.disaggregation.base.conn", c.BaseKVSender
-    yield c
-    if added:
-        sglang_stub.uninstall(added)
-        for name in ("kvservice_sglang.conn", "kvservice_sglang"):
-            sys.modules.pop(name, None)
+    with sglang_stub.backend_conn() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,14 @@ uses), ``KVArgs`` (attributes the caller sets), ``KVPoll`` (SGLang's values) and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
 import types
+from collections.abc import Iterator
 
-__all__ = ["install", "uninstall"]
+__all__ = ["backend_conn", "install", "uninstall"]
 
 NAMES = (
     "sglang",
@@ -81,3 +84,31 @@ def install() -> list[str]:
 def uninstall(added: list[str]) -> None:
     for name in added:
         sys.modules.pop(name, None)
+
+
+@contextlib.contextmanager
+def backend_conn() -> Iterator[types.ModuleType]:
+    """``kvservice_sglang.conn`` over the real SGLang when it is installed (required with
+    ``KVS_SGLANG_REAL=1``, and then checked to be the package's own base classes), else over this
+    stand-in, removed with the backend's modules afterwards."""
+    real = os.environ.get("KVS_SGLANG_REAL") == "1"
+    try:
+        import sglang.srt.disaggregation.base.conn  # noqa: F401
+    except ImportError:
+        if real:
+            raise
+        added = install()
+    else:
+        added = []
+    import kvservice_sglang.conn as c
+
+    if real:
+        for cls in (c.BaseKVSender, c.BaseKVReceiver):
+            assert cls.__module__ == "sglang.srt.disaggregation.base.conn", cls
+    try:
+        yield c
+    finally:
+        if added:
+            uninstall(added)
+            for name in ("kvservice_sglang.conn", "kvservice_sglang"):
+                sys.modules.pop(name, None)
