@@ -532,6 +532,10 @@ class OutboundChannel:
         if self._call is not call:
             return
         self._call = None
+        # NOTE: cancelled even when it already ended: an intercepted stream (grpc.aio) writes
+        # through a request generator whose task otherwise stays pending until the loop closes
+        # ("Task was destroyed but it is pending" at the service's stop)
+        call.cancel()
         self.offers.clear()  # NOTE: offers are tied to the channel's identity: ask after a break
         self._credits.clear()
         self._asked.clear()
