@@ -112,6 +112,18 @@ def write_json(out: str | Path, name: str, report: dict[str, Any]) -> Path:
     return path
 
 
+PEER_AUTHS = ("local", "token", "mtls", "insecure")
+
+
+def _free_port() -> int:
+    """A loopback TCP port free now (the service binds it a moment later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class Services:
     """``n`` kvservice processes on Unix sockets in a temp dir; terminated (then killed) on exit.
 
@@ -119,6 +131,10 @@ class Services:
     ``net`` (``--netns``): service ``i`` runs in namespace ``net.names[i]`` and listens for peers
     on ``net.ips[i]``, UCX over TCP, a peer token between them; engines still reach it over its
     Unix socket. ``peer_addresses[i]`` is what a SendDelta names to reach service ``i``.
+    ``peer_auth`` (``--peer-auth``): how the services prove themselves to each other: ``local``
+    (peers over their Unix sockets, the default), or KVPeer on a loopback TCP port with a peer
+    token (``token``, Helm's default), mutual TLS (``mtls``: certificates of a CA made here,
+    needs ``cryptography``) or none (``insecure``).
     """
 
     PEER_PORT = 7777
@@ -130,8 +146,12 @@ class Services:
         timeout_s: float = 120.0,
         net: Any = None,
         log_dir: Path | None = None,
+        peer_auth: str = "local",
     ) -> None:
+        if peer_auth not in PEER_AUTHS:
+            raise ValueError(f"peer_auth: {peer_auth!r} is not one of {', '.join(PEER_AUTHS)}")
         self.n, self.extra, self.timeout_s, self.net = n, env or {}, timeout_s, net
+        self.peer_auth = peer_auth
         self.log_dir = log_dir  # service i's stderr (its log) goes to log_dir/svc<i>.log
         self._logs: list[Any] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -165,6 +185,9 @@ class Services:
                     peer = f"{self.net.ips[i]}:{self.PEER_PORT}"
                     cmd = ["ip", "netns", "exec", self.net.names[i], *cmd]
                     cmd += ["--peer-tcp-address", peer, "--peer-token-file", str(token)]
+                elif self.peer_auth != "local":
+                    peer = f"127.0.0.1:{_free_port()}"
+                    cmd += ["--peer-tcp-address", peer, *self._auth_flags(i, token)]
                 if os.environ.get("BENCH_TORCH_PROFILE_DIR"):  # GPU activity: bench/_profiled.py
                     m = cmd.index("-m")
                     cmd[m : m + 2] = [str(ROOT / "bench/_profiled.py")]
@@ -216,6 +239,22 @@ class Services:
             self.__exit__()
             raise
         return self
+
+    def _auth_flags(self, i: int, token: Path) -> list[str]:
+        """Service ``i``'s peer-auth flags under ``peer_auth`` (files in the temp dir)."""
+        if self.peer_auth == "insecure":
+            return ["--insecure"]
+        if self.peer_auth == "token":
+            if not token.exists():
+                token.write_text(os.urandom(16).hex() + "\n")
+            return ["--peer-token-file", str(token)]
+        sys.path.insert(0, str(ROOT))
+        from tests.support.pki import CA  # (cryptography: pip install it where it is missing)
+
+        if getattr(self, "_ca", None) is None:
+            self._ca = CA(self._tmp.name, "bench-cluster")  # type: ignore[union-attr]
+        leaf = self._ca.leaf(f"bench-svc{i}")
+        return ["--peer-tls-cert", leaf.cert, "--peer-tls-key", leaf.key, "--peer-tls-ca", self._ca.cert]
 
     def idle_cpu(self, seconds: float) -> list[float]:
         """Share of one core each service used over ``seconds`` while nobody called it."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import KVPool, Services, lane_stats, progress, summarize, write_json
+from _harness import PEER_AUTHS, KVPool, Services, lane_stats, progress, summarize, write_json
 from kvservice_client import AuxSpec, Client, Layout, shm_region
 
 AUX_ROW = 64  # bytes of one aux row (SGLang's metadata row is of this order)
@@ -161,6 +161,12 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="CI sizes (the figures then mean nothing)")
     ap.add_argument("--out", default="/tmp/bench-shapes")
     ap.add_argument("--profile", metavar="DIR", help="services log at DEBUG here; rows get chunk steps")
+    ap.add_argument(
+        "--peer-auth",
+        choices=PEER_AUTHS,
+        default="local",
+        help="with --cross: how the two services prove themselves to each other (_harness.Services)",
+    )
     args = ap.parse_args()
     if args.small:
         args.shapes, args.iters = "c1,c2,c1+aux,s4+aux", 5
@@ -176,7 +182,8 @@ def main() -> None:
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
         env |= {"KVSERVICE_LOG_LEVEL": "DEBUG", "KVSERVICE_LOG_FORMAT": "json"}
-    with Services(2 if args.cross else 1, env, log_dir=logs) as svc:
+    auth = args.peer_auth if args.cross else "local"
+    with Services(2 if args.cross else 1, env, log_dir=logs, peer_auth=auth) as svc:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
         sender = svc.peer_addresses[0] if args.cross else ""
@@ -212,6 +219,7 @@ def main() -> None:
         "what": "SendDelta of the last chunk -> receiver DONE, one 64 KiB page a chunk",
         "device": args.device,
         "cross": args.cross,
+        "peer_auth": auth,
         "page_bytes": lay.page_bytes_all_layers,
         "shapes": rows,
         "baselines": {"one_chunk": rows["c1"]["last_chunk_to_done"]} if "c1" in rows else {},

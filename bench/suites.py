@@ -453,6 +453,20 @@ SUITES: dict[str, Suite] = {
                 mps=True,
             ),
             Step(
+                "shapes_cross_node_token",
+                (
+                    *SHAPES,
+                    "--cross",
+                    "--peer-auth",
+                    "token",
+                    "--shapes",
+                    "c1,c2,c8,c1+aux,s32",
+                    "--iters",
+                    "100",
+                ),
+                mps=True,
+            ),
+            Step(
                 "shapes_cross_node_time_sliced",
                 (*SHAPES, "--cross", "--shapes", "c1,c2,c8,s32", "--iters", "100"),
             ),
@@ -478,6 +492,14 @@ SUITES: dict[str, Suite] = {
                 ("shapes_cross_node",),
                 shapes_within(0.6, streamed=False, base_is=TIME_SLICED),
                 ("shapes_cross_node_time_sliced",),
+            ),
+            Goal(
+                XN,
+                "the same shapes between token peers (KVPeer over TCP, Helm's default): last chunk -> "
+                "DONE <= 0.6 ms p50 (both services under CUDA MPS)",
+                ("shapes_cross_node_token",),
+                shapes_within(0.6, streamed=False, base_is="peers over Unix sockets, same run"),
+                ("shapes_cross_node",),
             ),
             Goal(
                 XN,
