@@ -209,7 +209,7 @@ def test_each_layer_reaches_the_stage_that_holds_it(conn, services, monkeypatch,
             mgrs.append(_manager(conn, monkeypatch, node, "decode", args, shape.decode_pp, shape.decode_tp))
         d_mgrs = mgrs[len(p_mgrs) :]
         for m, (_, rank) in zip(d_mgrs, d_ranks, strict=True):
-            assert list(m.layers.ids) == rank.layers  # from the pools the hook saw made
+            assert list(m.layer_ids) == rank.layers  # from the pools the hook saw made
         before = [[b.copy() for b in r.bufs] + [x.copy() for x in r.aux] for _, r in d_ranks]
 
         recvs = [conn.KVServiceReceiver(m, addr, room) for m in d_mgrs]

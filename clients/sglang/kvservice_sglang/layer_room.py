@@ -59,7 +59,7 @@ class LayerSend:
 
     def __init__(self, mgr: KVServiceManager, transfer_id: str, entry: Mapping[str, Any]) -> None:
         self.mgr = mgr
-        self.routes = routes(entry, mgr.layers.ids)
+        self.routes = routes(entry, mgr.layer_ids)
         self.tids = {i: layer_tid(transfer_id, i) for i in self.routes}
         self.chunks = {i: mgr.bg.chunked(t, mgr.deadline_ms) for i, t in self.tids.items()}
         self.outcome: concurrent.futures.Future[TransferStatus] = all_done(
@@ -99,8 +99,8 @@ def declare_layers(
 ) -> concurrent.futures.Future[TransferStatus]:
     """ExpectDelta of each layer this decode stage holds (the same prefix and pages), its first
     layer's with ``aux``; the future ends with all of them."""
-    first = aux_layer(mgr.layers.ids)
-    tids = [layer_tid(transfer_id, i) for i in mgr.layers.ids]
+    first = aux_layer(mgr.layer_ids)
+    tids = [layer_tid(transfer_id, i) for i in mgr.layer_ids]
 
     def start(kv: Any, layer: int, tid: str) -> Any:
         return mgr.on_session(
@@ -113,6 +113,6 @@ def declare_layers(
 
     futs = [
         mgr.bg.transfer(tid, lambda kv, i=i, t=tid: start(kv, i, t), mgr.deadline_ms)  # type: ignore[misc]
-        for i, tid in zip(mgr.layers.ids, tids, strict=True)
+        for i, tid in zip(mgr.layer_ids, tids, strict=True)
     ]
     return all_done(mgr.bg, futs, tids)

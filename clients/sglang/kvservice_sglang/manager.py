@@ -120,7 +120,13 @@ class KVServiceManager(BaseKVManager):
         self._senders: dict[str, tuple[float, PrefillService]] = {}  # decode: bootstrap addr -> its prefill
         reg, self.buffer_set_id = register_kv_args(self.bg, args, bool(is_mla_backend), self.attn_tp)
         ids = stage_layers(args, reg.layout.num_layers, self.pp_size)
-        self.layers: LayerSets = self.bg.call(register_layers(self.bg, reg, ids), 60 + len(ids))
+        self.layer_ids: tuple[int, ...] = tuple(ids)  # the model's layer number of each of ours
+        # NOTE: one buffer set per layer serves rooms with a PP instance: a PP stage's every room,
+        # so registered now; at PP 1 only a PP peer's rooms, so registered at the first of those
+        self._layer_sets: LayerSets | None = None
+        self._layer_lock = asyncio.Lock()
+        if self.pp_size > 1:
+            self._layer_sets = self.bg.call(register_layers(self.bg, reg, ids), 60 + len(ids))
         self.page_size, self.aux_names, self.state_names = int(args.page_size), reg.aux_names, reg.state_names
         self.landing_ttl_ms = self._landing_ttl_ms(settings.landing_ttl_ms, server_args)  # 0: off
         self._registration, self._lost, self._relock = reg, False, asyncio.Lock()
@@ -137,7 +143,7 @@ class KVServiceManager(BaseKVManager):
         ranks, rank = size * self.pp_size, self.pp_rank * size + rank
         query = [f"rank={rank}&ranks={ranks}"] if ranks > 1 else []
         if layers:
-            query.append("layers=" + ",".join(str(i) for i in self.layers.ids))
+            query.append("layers=" + ",".join(str(i) for i in self.layer_ids))
         return f"{url}?{'&'.join(query)}" if query else url
 
     def _landing_ttl_ms(self, ttl: int, server_args: Any) -> int:
@@ -191,19 +197,27 @@ class KVServiceManager(BaseKVManager):
         the pools are registered again on a new session and the call is made once more; while the
         service is down, that registration's error fails the call."""
 
-        def bs() -> str:
-            return self.buffer_set_id if layer is None else self.layers.of(layer)
+        async def bs() -> str:
+            return self.buffer_set_id if layer is None else (await self._layers()).of(layer)
 
         if first and self._lost:
             await self._register_again()
         try:
-            return await call(bs())
+            return await call(await bs())
         except SessionLost as exc:
             self.note_failure(exc)
             if not first:
                 raise
             await self._register_again()
-            return await call(bs())
+            return await call(await bs())
+
+    async def _layers(self) -> LayerSets:
+        """The one-layer buffer sets, registered on first use (at PP 1: the first room with a PP
+        instance; again after a lost session)."""
+        async with self._layer_lock:
+            if self._layer_sets is None:
+                self._layer_sets = await register_layers(self.bg, self._registration, self.layer_ids)
+            return self._layer_sets
 
     def note_failure(self, exc: BaseException) -> None:
         """A call failed with ``exc``: after ``SessionLost`` the next transfer registers again."""
@@ -217,7 +231,9 @@ class KVServiceManager(BaseKVManager):
             await self.bg.kv.reopen_session(reregister=False)  # a new session at the next call
             reg = self._registration
             bs = await self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux)
-            self.layers = await register_layers(self.bg, reg, self.layers.ids)
+            self._layer_sets = None
+            if self.pp_size > 1:
+                self._layer_sets = await register_layers(self.bg, reg, self.layer_ids)
             self.buffer_set_id, self._lost = bs.buffer_set_id, False
             log.warning("kvservice: %s session reopened; pools registered as %s", self.mode, bs.buffer_set_id)
 

@@ -173,9 +173,9 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
             raise KVServiceTransferError(self.room, self.failed)
         if any(mgr.state_names):
             raise KVServiceTransferError(self.room, "state buffers (a hybrid model) are not sent per layer")
-        self.tids = [layer_tid(self.tid, i) for i in mgr.layers.ids]
+        self.tids = [layer_tid(self.tid, i) for i in mgr.layer_ids]
         outcome = declare_layers(mgr, self.tid, pages, prefix_len // mgr.page_size, aux, sender)
-        body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len, "layers": list(mgr.layers.ids)}
+        body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len, "layers": list(mgr.layer_ids)}
         await self._post(body, self.tids)
         return await asyncio.wrap_future(outcome)
 
