@@ -248,7 +248,8 @@ class Services:
             if not token.exists():
                 token.write_text(os.urandom(16).hex() + "\n")
             return ["--peer-token-file", str(token)]
-        sys.path.insert(0, str(ROOT))
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
         from tests.support.pki import CA  # (cryptography: pip install it where it is missing)
 
         if getattr(self, "_ca", None) is None:

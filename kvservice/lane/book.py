@@ -47,28 +47,16 @@ CallHandler = Callable[[int, str, str, bytes], Awaitable[bytes]]
 _RETIRED = 256  # unregistered buffer sets a finalize in flight may still name (its bookkeeping)
 
 
-def _senders_into(src: Any, dst: Any) -> int:
-    """Sender ranks of layout ``src``'s TP size that write a receiver rank of layout ``dst`` (1
-    when unknown)."""
+def _routes_into(src: Any, dst: Any) -> list[Any] | None:
+    """The head routes from sender ranks of layout ``src``'s TP size into the receiver rank of
+    layout ``dst`` (None when unknown: no sender layout, or TP sizes that do not split the heads)."""
     if src is None:
-        return 1
+        return None
     try:
         routes = plan_heads(src.total_kv_heads, src.tp_size, dst.tp_size)
     except KVServiceError:
-        return 1
-    return sum(1 for r in routes if r.dst_rank == dst.tp_rank)
-
-
-def _writes(src: Any, dst: Any) -> bool:
-    """Whether the sender rank of layout ``src`` writes the receiver rank of layout ``dst``: a head
-    route of its plan goes there (replicas: one sender rank a receiver rank); True when unknown."""
-    if src is None:
-        return True
-    try:
-        routes = plan_heads(src.total_kv_heads, src.tp_size, dst.tp_size)
-    except KVServiceError:
-        return heads_overlap(src, dst)
-    return any(r.src_rank == src.tp_rank and r.dst_rank == dst.tp_rank for r in routes)
+        return None
+    return [r for r in routes if r.dst_rank == dst.tp_rank]
 
 
 class NoLane:
@@ -308,11 +296,15 @@ class LaneBook(NoLane):
         transfer); when the rank has several senders, this one waits until the lane's copies
         there are booked, then takes the rank over gRPC (the rank's END then comes that way)."""
         for inc in self.e.receiver.of(transfer_id):
-            if not _writes(src_layout, inc.bs.layout):
-                continue
+            into = _routes_into(src_layout, inc.bs.layout)
+            if into is None:  # unknown routes: where the heads overlap (every rank without a layout)
+                if src_layout is not None and not heads_overlap(src_layout, inc.bs.layout):
+                    continue
+            elif not any(r.src_rank == src_layout.tp_rank for r in into):
+                continue  # this sender's routes do not reach that rank (replicas: another sender's)
             key = (transfer_id, inc.bs.layout.tp_rank)
             while self.n.disarm(*key) == 2:
-                if booking(*key) or _senders_into(src_layout, inc.bs.layout) <= 1:
+                if booking(*key) or (len(into) if into is not None else 1) <= 1:
                     raise FailedPrecondition(
                         f"transfer_id: {transfer_id!r} is being sent by another engine on this node's lane"
                     )

@@ -115,6 +115,20 @@ class Ranks:
             other = np.setdiff1d(np.arange(PAGES), DST)
             assert np.array_equal(reg[other], self.before[r][i][other]), f"rank {r}: a page outside DST moved"
 
+    def check_receivers_rank0_on_the_lane(self, tid: str) -> None:
+        """Two receiver ranks DONE, rank 0 by the lane and rank 1 not, each byte exact."""
+        (r0,) = self.rx[0][0].wait(tid, timeout=10)
+        (r1,) = self.rx[1][0].wait(tid, timeout=10)
+        assert r0.state == r1.state == "DONE", (r0, r1)
+        assert r0.route_note == "lane" and r1.route_note != "lane", (r0, r1)
+        for r in (0, 1):
+            self.check_rank(r)
+
+    def check_senders_done(self, tid: str) -> None:
+        for kv, _, _ in self.tx:
+            (st,) = kv.wait(tid, timeout=10)
+            assert st.state == "DONE", st
+
     def close(self) -> None:
         for kv, pool, _ in self.tx + self.rx:
             kv.close()
@@ -242,18 +256,11 @@ def test_a_sender_over_grpc_leaves_the_other_ranks_on_the_lane(server: Any) -> N
         kv, _, bs = t.tx[2]
         kv.send_delta("mix", bs, src_page_indices=SRC, peer_address=t.peer, path="packed")
         t.send("mix", [3])
-        (r0,) = t.rx[0][0].wait("mix", timeout=10)
-        (r1,) = t.rx[1][0].wait("mix", timeout=10)
-        assert r0.state == r1.state == "DONE", (r0, r1)
-        assert r0.route_note == "lane" and r1.route_note != "lane", (r0, r1)
-        for r in (0, 1):
-            t.check_rank(r)
+        t.check_receivers_rank0_on_the_lane("mix")
         # sender 3 took the lane when it came before sender 2's gate (then sender 2 waited for
         # its booking and went over gRPC), else gRPC: either way receiver 1 ends DONE
         assert [kv.lane_sent for kv, _, _ in t.tx][:3] == [1, 1, 0]
-        for kv, _, _ in t.tx:
-            (st,) = kv.wait("mix", timeout=10)
-            assert st.state == "DONE", st
+        t.check_senders_done("mix")
     finally:
         t.close()
 
@@ -275,15 +282,8 @@ def test_a_replica_over_grpc_leaves_the_rank_another_replica_sends_on_the_lane(
         kv.send_delta("rep", bs, src_page_indices=SRC, peer_address=t.peer, path="packed")
         if not lane_first:
             t.send("rep", [0])
-        (r0,) = t.rx[0][0].wait("rep", timeout=10)
-        (r1,) = t.rx[1][0].wait("rep", timeout=10)
-        assert r0.state == r1.state == "DONE", (r0, r1)
-        assert r0.route_note == "lane" and r1.route_note != "lane", (r0, r1)
-        for r in (0, 1):
-            t.check_rank(r)
-        for kv, _, _ in t.tx:
-            (st,) = kv.wait("rep", timeout=10)
-            assert st.state == "DONE", st
+        t.check_receivers_rank0_on_the_lane("rep")
+        t.check_senders_done("rep")
     finally:
         t.close()
 

@@ -231,9 +231,7 @@ class KVServiceManager(BaseKVManager):
             await self.bg.kv.reopen_session(reregister=False)  # a new session at the next call
             reg = self._registration
             bs = await self.bg.kv.register_buffers(reg.layout, reg.k_regions, reg.v_regions, reg.aux)
-            self._layer_sets = None
-            if self.pp_size > 1:
-                self._layer_sets = await register_layers(self.bg, reg, self.layer_ids)
+            self._layer_sets = None  # registered again by the next call that needs them
             self.buffer_set_id, self._lost = bs.buffer_set_id, False
             log.warning("kvservice: %s session reopened; pools registered as %s", self.mode, bs.buffer_set_id)
 
