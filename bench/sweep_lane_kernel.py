@@ -28,6 +28,7 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
+from lane_copy_runs2d import lane_copy_runs2d
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,22 +182,24 @@ def _nvrtc_source() -> str:
     return m.group(1)
 
 
-def _lane_default() -> tuple[int, int, int]:
-    """The lane's block sizes (wide, narrow: aot.THREADS) and the service's default chunk."""
+def _lane_default() -> tuple[int, int, int, int]:
+    """The lane's block sizes (wide, narrow, small: aot.THREADS) and the service's default chunk."""
     from kvservice.config import Config
     from kvservice.kernels.aot import THREADS
 
-    return THREADS[1], THREADS[0], Config().tuning.lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
+    small, narrow, wide = THREADS
+    return wide, narrow, small, Config().tuning.lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
 
 
-def _triton_kernel(cc: int, threads: int, words: int | None = None):  # type: ignore[no-untyped-def]
+def _triton_kernel(cc: int, threads: int, words: int | None = None, kernel=None):  # type: ignore[no-untyped-def]
     """The lane's Triton kernel (16-byte words) for ``threads`` a block, loaded through CuPy as the
-    lane loads it (a cubin, its scratch parameters passed as null): (kernel, extra parameters)."""
+    lane loads it (a cubin, its scratch parameters passed as null): (kernel, extra parameters);
+    ``kernel``: another Triton function of its signature (bench/lane_copy_runs2d.py)."""
     import tempfile
 
     from kvservice.kernels import aot
 
-    im = aot.compile_image(cc, 1, threads, *(() if words is None else (words,)))
+    im = aot.compile_image(cc, 1, threads, 4 if words is None else words, kernel)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(im.cubin)
     return cp.RawModule(path=f.name).get_function(im.name), im.params - 5
@@ -270,8 +273,8 @@ def main() -> None:
         cc = int(cp.cuda.Device(launch_dev).compute_capability)  # "90" on an H100/H200
         # the lane's two variants as Lane::launch picks them: this row's whole 32 KiB pages take
         # the wide block, head slices the narrow one
-        wt, lt, lc = _lane_default()
-        wide, lane = _triton_kernel(cc, wt), _triton_kernel(cc, lt)
+        wt, lt, st, lc = _lane_default()
+        wide, lane, small = _triton_kernel(cc, wt), _triton_kernel(cc, lt), _triton_kernel(cc, st)
 
         def lane_run(k, threads: int, chunk: int, nbytes: int = page, tab=table, prs=pairs):  # type: ignore[no-untyped-def]
             """A launch of a lane kernel as Lane::launch makes it: grid (pairs, regions, chunks of
@@ -376,9 +379,19 @@ def main() -> None:
             def scopy(n=snb) -> None:  # type: ignore[no-untyped-def]
                 flat_d.data.copy_from_device_async(flat_s.data, n)
 
-            variants[f"copy_slice_{p_}to{p_ // 2}"] = scopy
-            variants[f"lane_slice_{p_}to{p_ // 2}"] = lane_run(lane, lt, lc, nbytes=sl, tab=stab)
-            variants[f"nvrtc_slice_{p_}to{p_ // 2}"] = nvrtc_run(nv_lane, lt, lc, nbytes=sl, tab=stab)
+            tag = f"{p_}to{p_ // 2}"
+            variants[f"copy_slice_{tag}"] = scopy
+            # the lane's pick (copy.cpp Copier::launch): the small block where a block moves <= 8 KiB
+            pick, pt = (small, st) if min(lc, sl) <= 8192 else (lane, lt)
+            variants[f"lane_slice_{tag}"] = lane_run(pick, pt, lc, nbytes=sl, tab=stab)
+            variants[f"nvrtc_slice_{tag}"] = nvrtc_run(nv_lane, lt, lc, nbytes=sl, tab=stab)
+            # other block shapes of the same kernel, and the division-free tile of runs (experiment)
+            for threads, words in ((256, 4), (256, 2), (128, 2), (64, 4)):
+                k_ = _triton_kernel(cc, threads, words)
+                variants[f"tslice_{tag}_t{threads}_u{words}"] = lane_run(k_, threads, lc, nbytes=sl, tab=stab)
+            for threads, words in ((128, 4), (256, 4), (256, 2)):
+                k_ = _triton_kernel(cc, threads, words, lane_copy_runs2d)
+                variants[f"r2d_slice_{tag}_t{threads}_u{words}"] = lane_run(k_, threads, lc, nbytes=sl, tab=stab)
 
     def check() -> bool:
         for s, d in zip(src[:2], dst[:2], strict=True):
@@ -393,7 +406,7 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            unchecked = vname.startswith(("lane_slice", "nvrtc_slice", "copy_slice", "diag_"))
+            unchecked = vname.startswith(("lane_slice", "nvrtc_slice", "copy_slice", "tslice_", "r2d_", "diag_"))
             if vname not in ok and not unchecked:  # byte for byte, once
                 for d in dst:
                     d.fill(0)
@@ -413,10 +426,12 @@ def main() -> None:
         for v, t in results.items()
     }
     for p_ in (4, 2):  # a slice against the device copy of its own bytes
-        c = f"copy_slice_{p_}to{p_ // 2}"
-        for k in (f"lane_slice_{p_}to{p_ // 2}", f"nvrtc_slice_{p_}to{p_ // 2}"):
-            rows[k]["share_of_copy"] = rows[c]["p50_ms"] / rows[k]["p50_ms"]
-            rows[k]["exact"] = None  # not checked here: tests/lane/test_lane_mixed_tp.py (CPU), GPU tests
+        tag = f"{p_}to{p_ // 2}"
+        c = f"copy_slice_{tag}"
+        for k in rows:
+            if k != c and f"slice_{tag}" in k:
+                rows[k]["share_of_copy"] = rows[c]["p50_ms"] / rows[k]["p50_ms"]
+                rows[k]["exact"] = None  # not checked here: tests/lane/test_lane_mixed_tp.py (CPU), GPU tests
         rows[c]["share_of_copy"] = 1.0
     for v, r in rows.items():
         print(f"{v:48s} {r['p50_ms']:.3f} ms  {r['share_of_copy']:.1%}  exact={r['exact']}")

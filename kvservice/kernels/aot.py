@@ -1,8 +1,8 @@
 """The data plane's copy kernel (``lane_copy``) compiled ahead of time, for the native lane.
 
-For each compute capability of the devices present the lane needs four variants: 16-byte words
-or bytes (``VEC``), times a narrow block (256 threads) or a wide one (512; whole pages of at
-least 32 KiB a block). Triton compiles each to a cubin for that capability (no GPU needed to
+For each compute capability of the devices present the lane needs six variants: 16-byte words
+or bytes (``VEC``), times a small block (128 threads; a block that moves at most 8 KiB), a narrow
+one (256) or a wide one (512; whole pages of at least 32 KiB a block). Triton compiles each to a cubin for that capability (no GPU needed to
 compile: ``python -m kvservice.kernels.aot 90`` prepares an image's cache); the cubins are
 cached outside the package::
 
@@ -26,12 +26,13 @@ import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["THREADS", "KernelImage", "compile_image", "images"]
 
 log = logging.getLogger(__name__)
 
-THREADS = (256, 512)  # the narrow and wide blocks (copier.h NARROW_THREADS, WIDE_THREADS)
+THREADS = (128, 256, 512)  # the small, narrow and wide blocks (copier.h SMALL_/NARROW_/WIDE_THREADS)
 _WORDS_PER_THREAD = 4  # 16-byte words (or bytes) a thread moves per step: four loads in flight
 _SIGNATURE = {
     "segs_ptr": "*u64",
@@ -69,9 +70,12 @@ def _key(cc: int) -> str:
     return hashlib.sha256(f"{src}\0{triton.__version__}\0{cc}".encode()).hexdigest()[:16]
 
 
-def compile_image(cc: int, vec: int, threads: int, words: int = _WORDS_PER_THREAD) -> KernelImage:
+def compile_image(
+    cc: int, vec: int, threads: int, words: int = _WORDS_PER_THREAD, kernel: Any = None
+) -> KernelImage:
     """Compile one variant for capability ``cc`` (Triton, ~1 s; no GPU needed); ``words``: words
-    a thread moves per step (the lane's is fixed; bench/sweep_lane_kernel.py tries others)."""
+    a thread moves per step (the lane's is fixed), ``kernel``: another function of lane_copy's
+    signature (bench/sweep_lane_kernel.py tries both)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -79,9 +83,10 @@ def compile_image(cc: int, vec: int, threads: int, words: int = _WORDS_PER_THREA
 
     from .lane_copy import lane_copy
 
+    kernel = lane_copy if kernel is None else kernel
     # NOTE: under TRITON_INTERPRET=1 (CPU tests) the decorated kernel is the interpreter's: compile
     # the same function as a JIT one
-    fn = lane_copy if isinstance(lane_copy, JITFunction) else JITFunction(lane_copy.fn)
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
     block = threads * words
     # NOTE: the segments start the lane's descriptor buffer (cuMemAlloc: 256-byte aligned); the
     # pairs follow 72 bytes a segment after it, so only 8-byte aligned: no hint for them

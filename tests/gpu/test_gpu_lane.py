@@ -34,12 +34,14 @@ def _engines(address: str, layout: dict | None = None) -> tuple[Engine, Engine]:
     return src, dst
 
 
-# The lane's two block sizes (kernels/aot.py THREADS): whole pages of >= 32 KiB a block take the wide
-# one (LAYOUT's 32 KiB regions one block each, 64 KiB regions two), smaller pages the narrow one.
+# The lane's three block sizes (kernels/aot.py THREADS): whole pages of >= 32 KiB a block take the
+# wide one (LAYOUT's 32 KiB regions one block each, 64 KiB regions two), pages of at most 8 KiB the
+# small one, the others the narrow one.
 PAGES = {
     "wide-32k": LAYOUT,
     "wide-64k": dict(LAYOUT, page_size=32),
-    "narrow-8k": dict(LAYOUT, total_kv_heads=2),
+    "narrow-16k": dict(LAYOUT, total_kv_heads=4),
+    "small-8k": dict(LAYOUT, total_kv_heads=2),
 }
 
 

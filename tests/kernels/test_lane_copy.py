@@ -71,9 +71,9 @@ def test_cubins_compile_without_a_gpu_and_take_the_scratch_parameters() -> None:
 
 
 def test_images_are_cached_by_source_triton_and_capability(tmp_path: Path, monkeypatch) -> None:
-    """A second start loads the four variants from the cache; a torn cache entry is compiled again."""
+    """A second start loads the six variants from the cache; a torn cache entry is compiled again."""
     first = aot.images([90], tmp_path)
-    assert sorted((im.vec, im.threads) for im in first) == [(0, 256), (0, 512), (1, 256), (1, 512)]
+    assert sorted((im.vec, im.threads) for im in first) == [(v, t) for v in (0, 1) for t in (128, 256, 512)]
     calls: list[tuple[int, int, int]] = []
     real = aot.compile_image
     monkeypatch.setattr(aot, "compile_image", lambda cc, v, t: calls.append((cc, v, t)) or real(cc, v, t))

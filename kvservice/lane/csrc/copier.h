@@ -85,11 +85,12 @@ class Copier {
   // Copies launched and not yet waited for, per device: each holds a slot of descriptor buffers,
   // so a later launch never overwrites the table an earlier kernel still reads.
   static constexpr size_t RING = 8;
-  // Block sizes of the two variants Lane::launch picks from (bench/sweep_lane_kernel.py measured):
-  // the wide one for whole pages of at least WIDE_BYTES a block, the narrow one for the rest (head
-  // slices, small pages). kernel.h says the same for its text.
-  static constexpr unsigned NARROW_THREADS = kLaneThreads, WIDE_THREADS = kWideThreads;
-  static constexpr unsigned long long WIDE_BYTES = kWideBytes;
+  // Block sizes of the three variants Lane::launch picks from (bench/sweep_lane_kernel.py measured):
+  // the wide one for whole pages of at least WIDE_BYTES a block, the small one where a block moves
+  // at most SMALL_BYTES (a 4 -> 2 head slice's 8 KiB: each thread four words, none masked off), the
+  // narrow one for the rest. kernel.h's text has no small block: its narrow one stands in.
+  static constexpr unsigned SMALL_THREADS = 128, NARROW_THREADS = kLaneThreads, WIDE_THREADS = kWideThreads;
+  static constexpr unsigned long long SMALL_BYTES = 8192, WIDE_BYTES = kWideBytes;
   void load_triton(DeviceLane& d, int cc, int dev);  // mu_ held
   void load_nvrtc(DeviceLane& d, int cc);            // mu_ held
 

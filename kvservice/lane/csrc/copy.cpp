@@ -114,17 +114,20 @@ DeviceLane& Copier::device(int dev) {  // mu_ held
   return devs_.emplace(dev, d).first->second;
 }
 
-// Triton's cubins for capability ``cc``: the four variants (16-byte words or bytes, narrow or wide).
+// Triton's cubins for capability ``cc``: the six variants (16-byte words or bytes; small, narrow or wide).
 void Copier::load_triton(DeviceLane& d, int cc, int dev) {
   CUresult r;
   int found = 0;
   for (const KernelImage& im : images_) {
     if (im.cc != cc) continue;
-    const int wide = im.threads == WIDE_THREADS ? 1 : im.threads == NARROW_THREADS ? 0 : -1;
-    if (wide < 0 || (im.vec != 0 && im.vec != 1) || im.shared > 48 * 1024 || im.params < 5 || im.params > 16)
+    const int block = im.threads == WIDE_THREADS     ? 2
+                      : im.threads == NARROW_THREADS ? 1
+                      : im.threads == SMALL_THREADS  ? 0
+                                                     : -1;
+    if (block < 0 || (im.vec != 0 && im.vec != 1) || im.shared > 48 * 1024 || im.params < 5 || im.params > 16)
       throw std::runtime_error("lane: kernel image " + im.name + ": unexpected threads, words, shared or params");
     CUmodule mod;
-    Kernel& k = d.kernel[im.vec][wide];
+    Kernel& k = d.kernel[im.vec][block];
     if ((r = cuda_.cuModuleLoadData(&mod, im.cubin.data())) ||
         (r = cuda_.cuModuleGetFunction(&k.fn, mod, im.name.c_str())))
       throw std::runtime_error("lane: kernel " + im.name + " for sm_" + std::to_string(cc) + ": " + cu_err(r));
@@ -135,7 +138,7 @@ void Copier::load_triton(DeviceLane& d, int cc, int dev) {
     for (auto& k : row)
       if (!k.fn)
         throw std::runtime_error("lane: no copy kernel compiled for sm_" + std::to_string(cc) + " (of device " +
-                                 std::to_string(dev) + "; " + std::to_string(found) + " of 4 variants)");
+                                 std::to_string(dev) + "; " + std::to_string(found) + " of 6 variants)");
 }
 
 // kernel.h's text compiled by NVRTC for capability ``cc``: one function a block size (vec16 an argument).
@@ -165,8 +168,8 @@ void Copier::load_nvrtc(DeviceLane& d, int cc) {
       (r = cuda_.cuModuleGetFunction(&fn_wide, mod, "lane_copy_wide")))
     throw std::runtime_error("lane: kernel load: " + cu_err(r));
   for (auto& row : d.kernel) {
-    row[0] = Kernel{fn, kLaneThreads, 0, 6, true};
-    row[1] = Kernel{fn_wide, kWideThreads, 0, 6, true};
+    row[0] = row[1] = Kernel{fn, kLaneThreads, 0, 6, true};
+    row[2] = Kernel{fn_wide, kWideThreads, 0, 6, true};
   }
 }
 
@@ -210,10 +213,11 @@ std::string Copier::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std
   CUresult r;
   if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
   CUdeviceptr regs = dev, prs = dev + rbytes;
-  // whole pages of WIDE_BYTES a block or more: the wide block (sweep_lane_kernel: 512 threads at 32
-  // KiB 92.7% of a device copy, 256 at 16 KiB 90.8%; head slices of 8 KiB lose 16 points at 512)
-  const bool wide = whole && std::min<uint64_t>(chunk, maxb) >= WIDE_BYTES;
-  const Kernel& k = d.kernel[vec][wide ? 1 : 0];
+  // the block by the bytes a block moves (sweep_lane_kernel: 512 threads for whole pages at 32 KiB
+  // 92.7% of a device copy, 256 at 16 KiB 90.8%; 8 KiB head slices lose 16 points at 512)
+  const uint64_t per_block = std::min<uint64_t>(chunk, maxb);
+  const int block = whole && per_block >= WIDE_BYTES ? 2 : per_block <= SMALL_BYTES ? 0 : 1;
+  const Kernel& k = d.kernel[vec][block];
   CUdeviceptr none = 0;  // the scratch pointers Triton appends (none needed by this kernel)
   void* args[16] = {&regs, &prs, &chunk, &per, &mv};
   void* nv_args[] = {&regs, &prs, &vec, &chunk, &per, &mv};

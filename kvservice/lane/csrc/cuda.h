@@ -84,7 +84,7 @@ struct Slot {  // descriptor buffers of one launch in flight (pinned host, devic
 struct DeviceLane {  // per CUDA device: context, stream, kernels, descriptor buffers
   CUcontext ctx = nullptr;
   CUstream stream = nullptr;
-  Kernel kernel[2][2];  // [vec][wide]: 16-byte words or bytes; the narrow block or the wide one
+  Kernel kernel[2][3];  // [vec][block]: 16-byte words or bytes; the small, narrow or wide block
   char* host = nullptr;          // pinned
   CUdeviceptr dev = 0;
   size_t cap = 0;
