@@ -2,9 +2,9 @@
 
 For each compute capability of the devices present the lane needs six variants: 16-byte words
 or bytes (``VEC``), times a small block (128 threads; a block that moves at most 8 KiB), a narrow
-one (256) or a wide one (512; whole pages of at least 32 KiB a block). Triton compiles each to a cubin for that capability (no GPU needed to
-compile: ``python -m kvservice.kernels.aot 90`` prepares an image's cache); the cubins are
-cached outside the package::
+one (256) or a wide one (512; whole pages of at least 32 KiB a block). Triton compiles each to a
+cubin for that capability (no GPU needed to compile: ``python -m kvservice.kernels.aot 90``
+prepares an image's cache); the cubins are cached outside the package::
 
     <cache root>/kernels/<key>/lane_copy-v<VEC>-t<threads>.cubin   + .json (name, shared, params)
     key = sha256(kernel source, Triton version, capability)[:16]
