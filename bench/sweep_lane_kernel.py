@@ -14,7 +14,9 @@ interleaved over rounds::
 
 Rows ``lane_slice_*``: the lane kernel's head-slice path (mixed TP 4 -> 2 and 2 -> 1, H = 8:
 each sender page's 16 tokens x 2 (4) heads into 512 (1,024)-byte runs of the receiver's tokens)
-against a device copy of the same bytes (``copy_slice_*``).
+with the block the lane picks (the small one where a block moves at most 8 KiB), against a device
+copy of the same bytes (``copy_slice_*``); ``tslice_*``: the same kernel with other blocks (threads,
+words a thread); ``r2d_slice_*``: the division-free tile of runs (bench/lane_copy_runs2d.py).
 """
 
 from __future__ import annotations
