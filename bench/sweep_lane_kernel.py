@@ -1,10 +1,9 @@
 """The native lane's copy kernel and variants of it against a device copy of the same bytes (GPU).
 
 The lane launches the Triton kernel of kvservice/kernels/lane_copy.py, compiled ahead of time to
-cubins (kvservice/kernels/aot.py; ``lane_*`` rows), or kernel.h's CUDA text through NVRTC
-(``nvrtc_*``; ``tuning.lane_kernel``); here the same cubins and text, Triton variants of other launch
-shapes and CUDA experiments (persistent blocks, Hopper's bulk copy) load through CuPy and copy the
-same-node 2 GiB row's pages (32 layers x K/V, 1,024 scattered 32 KiB pages of pools of 2,048) with
+cubins (kvservice/kernels/aot.py; ``lane_*`` rows); here the same cubins, Triton variants of other
+launch shapes and CUDA experiments (persistent blocks, Hopper's bulk copy) load through CuPy and copy
+the same-node 2 GiB row's pages (32 layers x K/V, 1,024 scattered 32 KiB pages of pools of 2,048) with
 the lane's argument layout: a table of regions (src, dst, strides, bytes) and (src page, dst page)
 pairs. Each variant is checked byte for byte and timed with CUDA events against ``copy_`` of 2 GiB,
 interleaved over rounds::
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -31,8 +29,6 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 from lane_copy_runs2d import lane_copy_runs2d
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Variants: name -> (source, how to size the launch). "grid3": the lane's (pairs, regions,
 # chunks) grid; "persistent": blocks = SMs x per_sm, each looping over (pair, region, chunk) items.
@@ -176,14 +172,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) lane_copy_p(
 """
 
 
-def _nvrtc_source() -> str:
-    """kernel.h's CUDA text (the lane's kernel under ``tuning.lane_kernel: nvrtc``)."""
-    text = (ROOT / "kvservice/lane/csrc/kernel.h").read_text()
-    m = re.search(r'const char\* KERNEL_SRC = R"\((.*?)\)";', text, re.S)
-    assert m, "KERNEL_SRC not found in kernel.h"
-    return m.group(1)
-
-
 def _lane_default() -> tuple[int, int, int, int]:
     """The lane's block sizes (wide, narrow, small: aot.THREADS) and the service's default chunk."""
     from kvservice.config import Config
@@ -273,8 +261,8 @@ def main() -> None:
     with cp.cuda.Device(launch_dev):
         opts = ("-default-device",)
         cc = int(cp.cuda.Device(launch_dev).compute_capability)  # "90" on an H100/H200
-        # the lane's two variants as Lane::launch picks them: this row's whole 32 KiB pages take
-        # the wide block, head slices the narrow one
+        # the lane's three variants as Lane::launch picks them: this row's whole 32 KiB pages take
+        # the wide block, head slices the small or the narrow one
         wt, lt, st, lc = _lane_default()
         wide, lane, small = _triton_kernel(cc, wt), _triton_kernel(cc, lt), _triton_kernel(cc, st)
 
@@ -287,16 +275,6 @@ def main() -> None:
             return lambda: fn(grid, (threads,), (tab, prs, *tail))
 
         variants["lane_default"] = lane_run(wide, wt, lc)
-        # the same launches of kernel.h's text (NVRTC through CuPy): its arguments carry vec16
-        nv_wide = cp.RawKernel(_nvrtc_source(), "lane_copy_wide", options=opts)
-        nv_lane = cp.RawKernel(_nvrtc_source(), "lane_copy", options=opts)
-
-        def nvrtc_run(k, threads: int, chunk: int, nbytes: int = page, tab=table):  # type: ignore[no-untyped-def]
-            grid = (args.pages, nreg, (nbytes + chunk - 1) // chunk)
-            tail = (np.int32(1), np.uint32(chunk), np.uint32(nreg), np.uint32(args.pages))
-            return lambda: k(grid, (threads,), (tab, pairs, *tail))
-
-        variants["nvrtc_default"] = nvrtc_run(nv_wide, wt, lc)
         # the lane kernel's launch shapes: threads a block, words in flight a thread, chunk bytes
         for threads, unroll, chunk in (
             (256, 4, 16384),
@@ -386,7 +364,6 @@ def main() -> None:
             # the lane's pick (copy.cpp Copier::launch): the small block where a block moves <= 8 KiB
             pick, pt = (small, st) if min(lc, sl) <= 8192 else (lane, lt)
             variants[f"lane_slice_{tag}"] = lane_run(pick, pt, lc, nbytes=sl, tab=stab)
-            variants[f"nvrtc_slice_{tag}"] = nvrtc_run(nv_lane, lt, lc, nbytes=sl, tab=stab)
             # other block shapes of the same kernel, and the division-free tile of runs (experiment)
             for threads, words in ((256, 4), (256, 2), (128, 2), (64, 4)):
                 k_ = _triton_kernel(cc, threads, words)
@@ -409,7 +386,7 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            slices = ("lane_slice", "nvrtc_slice", "copy_slice", "tslice_", "r2d_")
+            slices = ("lane_slice", "copy_slice", "tslice_", "r2d_")
             unchecked = vname.startswith((*slices, "diag_"))
             if vname not in ok and not unchecked:  # byte for byte, once
                 for d in dst:

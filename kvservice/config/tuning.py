@@ -34,15 +34,9 @@ class Tuning:
         32,
         "KiB of one page region each CUDA block of the lane's copy kernel moves (a page region is "
         "split into such chunks). Whole pages of 32 KiB a block or more take the 512-thread kernel, "
-        "the rest (head slices, smaller pages) the 256-thread one (docs/decisions/0019: on an H200, "
+        "blocks of at most 8 KiB (a 4 -> 2 head slice) the 128-thread one, the rest (other head "
+        "slices, smaller pages) the 256-thread one (docs/decisions/0019: on an H200, "
         "32 KiB blocks move the same-node 2 GiB row 2 points closer to a device copy than 16 KiB).",
-    )
-    lane_kernel: str = opt(
-        "nvrtc",
-        "The lane's GPU copy kernel: 'nvrtc' (lane/csrc/kernel.h's CUDA text, compiled by NVRTC at "
-        "start; measured on H100/H200) or 'triton' (kernels/lane_copy.py, compiled ahead of time "
-        "to cubins for the devices present and cached; the one kernel source the data plane moves "
-        "to once it is measured on a GPU: docs/decisions/0026). Host pools copy with memcpy either way.",
     )
     lane_spin_us: int = opt(
         -1,
@@ -89,7 +83,6 @@ class Tuning:
         check_range("gil_switch_us", self.gil_switch_us, 0, 100_000, "0 (Python's default) .. 100000 µs")
         check_choice("two_gpu_copy", self.two_gpu_copy, ("auto", "push", "pull", "staged"))
         check_range("lane_cuda_chunk_kb", self.lane_cuda_chunk_kb, 1, 65536, "1..65536 (KiB)")
-        check_choice("lane_kernel", self.lane_kernel, ("nvrtc", "triton"))
         check_range("lane_spin_us", self.lane_spin_us, -1, 1_000_000, "-1 (auto) or 0..1000000 (µs)")
         check_range(
             "lane_wait_spin_us", self.lane_wait_spin_us, -1, 1_000_000, "-1 (auto) or 0..1000000 (µs)"

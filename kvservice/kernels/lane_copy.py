@@ -70,7 +70,7 @@ def lane_copy(
             s_page = (src + sp * src_stride).to(tl.pointer_type(tl.uint8))
             d_page = (dst + dp * dst_stride).to(tl.pointer_type(tl.uint8))
         # NOTE: word numbers within a page's segment in 32 bits (a segment is < 64 GiB): a run's
-        # division is then a 32-bit one, not the GPU's slow 64-bit emulation (kernel.h's too)
+        # division is then a 32-bit one, not the GPU's slow 64-bit emulation (docs/decisions/0026)
         w0 = (start // WB).to(tl.uint32)  # first word of this program
         nw = (n // WB).to(tl.uint32)
         j = tl.arange(0, BLOCK).to(tl.uint32)

@@ -72,7 +72,7 @@ async def start(
     lane.set_chunk(cfg.tuning.lane_cuda_chunk_kb * 1024)
     lane.set_pull(cfg.tuning.two_gpu_copy == "pull")  # the lane copies in one kernel: push or pull
     lane.set_note_after(not cfg.tuning.lane_note_with_write)
-    cuda = await asyncio.to_thread(_init_cuda, lane, cfg.tuning.lane_kernel)
+    cuda = await asyncio.to_thread(_init_cuda, lane)
     lane.set_spin_us(auto_spin_us(cfg.tuning.lane_spin_us, cuda))
     book = LaneBook(engine, lane, cuda)
     if cfg.data_plane.lane_cross_mb > 0:  # before any handshake: peers learn its agent from it
@@ -147,9 +147,10 @@ def _cuda_devices() -> int:
     return int(torch.cuda.device_count())
 
 
-def _init_cuda(lane: Any, kernel: str) -> bool:
-    """CUDA for the lane's copies; ``kernel``: "triton" (the AOT cubins of kernels/lane_copy.py for
-    each capability present, cached: a start after the first loads them in ms) or "nvrtc"."""
+def _init_cuda(lane: Any) -> bool:
+    """CUDA for the lane's copies: the AOT cubins of kernels/lane_copy.py for each capability
+    present (cached: a start after the first loads them in ms). No cubins, no CUDA: GPU pools
+    then use gRPC only."""
     try:
         import torch
 
@@ -157,20 +158,17 @@ def _init_cuda(lane: Any, kernel: str) -> bool:
             return False
     except ImportError:
         return False
-    from .native import cuda_libraries
+    from ..kernels import aot
+    from .native import LIBCUDA
 
-    kernels: list[Any] = []
-    if kernel == "triton":
-        from ..kernels import aot
-
-        caps = (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
-        try:
-            kernels = [im.as_tuple() for im in aot.images({10 * a + b for a, b in caps})]
-        except Exception as exc:  # a Triton that cannot compile for this device: host pools only
-            why = f"{type(exc).__name__}: {exc}"
-            log.warning("native lane: copy kernel not compiled (%s); GPU pools use gRPC only", why)
-            return False
-    if lane.init_cuda(*cuda_libraries(), kernels):
+    caps = (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    try:
+        kernels = [im.as_tuple() for im in aot.images({10 * a + b for a, b in caps})]
+    except Exception as exc:  # a Triton that cannot compile for this device: host pools only
+        why = f"{type(exc).__name__}: {exc}"
+        log.warning("native lane: copy kernel not compiled (%s); GPU pools use gRPC only", why)
+        return False
+    if lane.init_cuda(LIBCUDA, kernels):
         return True
     log.warning("native lane: no CUDA (%s); GPU pools use gRPC only", lane.cuda_why())
     return False

@@ -1,8 +1,9 @@
 """Build and load the lane's native module (``csrc/``) with torch's extension builder.
 
 ``csrc/lane.h`` declares the one object and says which file holds which route; ``module.cpp``
-is the Python binding. The module is C++17 without nvcc: the CUDA driver and NVRTC are opened at
-run time, so any host with a C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
+is the Python binding. The module is C++17 without nvcc: the CUDA driver is opened at run time and
+the copy kernel comes as cubins compiled by Triton (``kvservice/kernels/aot.py``), so any host with a
+C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
 
 1. ``$KVSERVICE_NATIVE_DIR/<tag>/`` (the ``native_dir`` option) holding a built module: the image
    builds it there at image build time; read-only at run time is fine: a built module is
@@ -16,8 +17,6 @@ run time, so any host with a C++ compiler builds it (CI, CPU hosts, the image). 
 
 from __future__ import annotations
 
-import ctypes.util
-import glob
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -29,11 +28,12 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["LaneUnavailable", "cuda_libraries", "load", "nixl_capi_path"]
+__all__ = ["LIBCUDA", "LaneUnavailable", "load", "nixl_capi_path"]
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _NAME = "kvservice_lane"
+LIBCUDA = "libcuda.so.1"  # the driver, by soname, for the module's ``init_cuda``
 _lock = threading.Lock()
 _mod: ModuleType | None = None
 
@@ -120,19 +120,6 @@ def load() -> ModuleType:
         except Exception as exc:  # no compiler, no ninja, a compile error, no dir: say which
             raise LaneUnavailable(f"building the native lane failed: {type(exc).__name__}: {exc}") from exc
         return _mod
-
-
-def cuda_libraries() -> tuple[str, str]:
-    """(libcuda, libnvrtc) for the module's ``init_cuda``: the driver by soname, NVRTC from the
-    CUDA wheels torch brought (``nvidia/*/lib``), ``CUDA_HOME`` or the loader's path."""
-    found: list[str] = []
-    for entry in sys.path:
-        found += sorted(glob.glob(os.path.join(entry, "nvidia", "**", "libnvrtc.so*"), recursive=True))
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
-    found = [f for f in found if "builtins" not in os.path.basename(f) and "alt" not in os.path.basename(f)]
-    nvrtc = found[0] if found else (ctypes.util.find_library("nvrtc") or "libnvrtc.so")
-    return "libcuda.so.1", nvrtc
 
 
 def nixl_capi_path() -> str | None:

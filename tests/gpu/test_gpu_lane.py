@@ -14,11 +14,11 @@ from tests.support.gpu import LAYOUT, Engine, kvservice_procs, wait_lanes
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=["nvrtc", "triton"])
-def service(tmp_path: Path, request: pytest.FixtureRequest):
-    # both copy kernels (tuning.lane_kernel): a kernel that cannot load leaves GPU pools off the lane,
-    # which every test here fails on (route_note "lane")
-    procs, socks = kvservice_procs(tmp_path, ("a",), KVSERVICE_LANE_KERNEL=request.param)
+@pytest.fixture
+def service(tmp_path: Path):
+    # a copy kernel that cannot load leaves GPU pools off the lane, which every test here fails on
+    # (route_note "lane")
+    procs, socks = kvservice_procs(tmp_path, ("a",))
     wait_lanes(socks[:1])
     yield socks[0]
     for p in procs:

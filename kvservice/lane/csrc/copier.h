@@ -1,6 +1,5 @@
 // The lane's copies, behind one object (copy.cpp): the CUDA driver opened at run time, per device a
-// context, a stream and the copy kernel (Triton's cubins, or kernel.h's through NVRTC: cuda.h),
-// descriptor buffers, and a ring of
+// context, a stream and the copy kernel (Triton's cubins: cuda.h), descriptor buffers, and a ring of
 // launch slots for copies that are launched now and waited for later; host pools copied with
 // memcpy. The routes (same_node.cpp, cross_send.cpp, cross_recv.cpp) say what to copy as
 // segments and page pairs; this object knows how.
@@ -23,7 +22,6 @@
 #include <vector>
 
 #include "cuda.h"
-#include "kernel.h"
 #include "state.h"
 #include "wire.h"
 
@@ -32,9 +30,9 @@ namespace kvlane {
 class Copier {
  public:
   // CUDA: load the driver (path chosen by Python) and keep the Triton kernel images (compiled by
-  // Python for the devices present), or with none NVRTC (``libnvrtc``) for kernel.h's text; false
-  // + why() when unavailable.
-  bool init(const std::string& libcuda, const std::string& libnvrtc, const std::vector<KernelImage>& kernels);
+  // Python for the devices present); false + why() when unavailable, or when there are no images
+  // (no kernel to copy with: GPU pools stay off the lane).
+  bool init(const std::string& libcuda, const std::vector<KernelImage>& kernels);
   std::string why() const { return cuda_.why; }
   // Context, stream and kernels of device ``dev`` (Python calls it before the first arm there).
   void prepare(int dev);
@@ -88,16 +86,14 @@ class Copier {
   // Block sizes of the three variants Lane::launch picks from (bench/sweep_lane_kernel.py measured):
   // the wide one for whole pages of at least WIDE_BYTES a block, the small one where a block moves
   // at most SMALL_BYTES (a 4 -> 2 head slice's 8 KiB: each thread four words, none masked off), the
-  // narrow one for the rest. kernel.h's text has no small block: its narrow one stands in.
-  static constexpr unsigned SMALL_THREADS = 128, NARROW_THREADS = kLaneThreads, WIDE_THREADS = kWideThreads;
-  static constexpr unsigned long long SMALL_BYTES = 8192, WIDE_BYTES = kWideBytes;
+  // narrow one for the rest.
+  static constexpr unsigned SMALL_THREADS = 128, NARROW_THREADS = 256, WIDE_THREADS = 512;
+  static constexpr unsigned long long SMALL_BYTES = 8192, WIDE_BYTES = 32768;
   void load_triton(DeviceLane& d, int cc, int dev);  // mu_ held
-  void load_nvrtc(DeviceLane& d, int cc);            // mu_ held
 
   std::mutex mu_;
   Cuda cuda_;
-  std::vector<KernelImage> images_;  // Triton's cubins; empty: kernel.h through NVRTC
-  NvRtc nvrtc_;
+  std::vector<KernelImage> images_;  // Triton's cubins (aot.py), every variant for each capability present
   std::unordered_map<int, DeviceLane> devs_;
   std::atomic<unsigned> chunk_{32768};
   std::atomic<bool> pull_{false};

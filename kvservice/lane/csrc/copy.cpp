@@ -1,6 +1,6 @@
 // The Copier (copier.h): the CUDA driver opened at run time, the copy kernel loaded per device
-// (Triton's cubins, or kernel.h's text through NVRTC), descriptor buffers, launches and the ring of
-// launch slots; host pools copied with memcpy (non-temporal on x86).
+// (Triton's cubins, compiled ahead of time by kvservice/kernels/aot.py), descriptor buffers, launches
+// and the ring of launch slots; host pools copied with memcpy (non-temporal on x86).
 
 #include <dlfcn.h>
 
@@ -19,11 +19,12 @@
 
 namespace kvlane {
 
-// CUDA: load the driver (path chosen by Python) and keep the Triton kernel images, or with none
-// open NVRTC for kernel.h's text; false + why() when unavailable.
-bool Copier::init(const std::string& libcuda, const std::string& libnvrtc, const std::vector<KernelImage>& kernels) {
+// CUDA: load the driver (path chosen by Python) and keep the Triton kernel images; false + why()
+// when unavailable or when no image came (no kernel: GPU pools stay off the lane).
+bool Copier::init(const std::string& libcuda, const std::vector<KernelImage>& kernels) {
   std::lock_guard<std::mutex> g(mu_);
   if (cuda_.ok) return true;
+  if (kernels.empty()) return fail("no copy kernel images (kvservice/kernels/aot.py compiled none)");
   images_ = kernels;
   void* h = dlopen(libcuda.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (!h) return fail(std::string("dlopen ") + libcuda + ": " + dlerror());
@@ -52,23 +53,6 @@ bool Copier::init(const std::string& libcuda, const std::string& libnvrtc, const
   SYM(cuEventRecord, "cuEventRecord");
   SYM(cuEventSynchronize, "cuEventSynchronize");
 #undef SYM
-  if (images_.empty()) {
-    void* n = dlopen(libnvrtc.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!n) return fail(std::string("dlopen ") + libnvrtc + ": " + dlerror());
-#define NSYM(name, sym)                                                  \
-  do {                                                                   \
-    *(void**)(&nvrtc_.name) = dlsym(n, sym);                             \
-    if (!nvrtc_.name) return fail(std::string("libnvrtc lacks ") + sym); \
-  } while (0)
-    NSYM(create, "nvrtcCreateProgram");
-    NSYM(compile, "nvrtcCompileProgram");
-    NSYM(ptx_size, "nvrtcGetPTXSize");
-    NSYM(ptx, "nvrtcGetPTX");
-    NSYM(log_size, "nvrtcGetProgramLogSize");
-    NSYM(log, "nvrtcGetProgramLog");
-    NSYM(destroy, "nvrtcDestroyProgram");
-#undef NSYM
-  }
   if (cuda_.cuInit(0) != 0) return fail("cuInit failed");
   cuda_.ok = true;
   return true;
@@ -104,10 +88,7 @@ DeviceLane& Copier::device(int dev) {  // mu_ held
   cuda_.cuDeviceGetAttribute(&major, 75, cd);  // COMPUTE_CAPABILITY_MAJOR
   cuda_.cuDeviceGetAttribute(&minor, 76, cd);
   const int cc = major * 10 + minor;
-  if (images_.empty())
-    load_nvrtc(d, cc);
-  else
-    load_triton(d, cc, dev);
+  load_triton(d, cc, dev);
   if ((r = cuda_.cuStreamCreate(&d.stream, 1 /* CU_STREAM_NON_BLOCKING */)))
     throw std::runtime_error("lane: stream: " + cu_err(r));
   grow(d.host, d.dev, d.cap, 1 << 16);
@@ -139,38 +120,6 @@ void Copier::load_triton(DeviceLane& d, int cc, int dev) {
       if (!k.fn)
         throw std::runtime_error("lane: no copy kernel compiled for sm_" + std::to_string(cc) + " (of device " +
                                  std::to_string(dev) + "; " + std::to_string(found) + " of 6 variants)");
-}
-
-// kernel.h's text compiled by NVRTC for capability ``cc``: one function a block size (vec16 an argument).
-void Copier::load_nvrtc(DeviceLane& d, int cc) {
-  std::string arch = "--gpu-architecture=compute_" + std::to_string(cc);
-  const char* opts[] = {arch.c_str(), "-default-device"};
-  void* prog = nullptr;
-  if (nvrtc_.create(&prog, KERNEL_SRC, "lane_copy.cu", 0, nullptr, nullptr) != 0)
-    throw std::runtime_error("lane: nvrtcCreateProgram failed");
-  if (nvrtc_.compile(prog, 2, opts) != 0) {
-    size_t n = 0;
-    nvrtc_.log_size(prog, &n);
-    std::string log(n, '\0');
-    nvrtc_.log(prog, &log[0]);
-    nvrtc_.destroy(&prog);
-    throw std::runtime_error("lane: NVRTC: " + log);
-  }
-  size_t n = 0;
-  nvrtc_.ptx_size(prog, &n);
-  std::string ptx(n, '\0');
-  nvrtc_.ptx(prog, &ptx[0]);
-  nvrtc_.destroy(&prog);
-  CUmodule mod;
-  CUfunction fn = nullptr, fn_wide = nullptr;
-  CUresult r;
-  if ((r = cuda_.cuModuleLoadData(&mod, ptx.c_str())) || (r = cuda_.cuModuleGetFunction(&fn, mod, "lane_copy")) ||
-      (r = cuda_.cuModuleGetFunction(&fn_wide, mod, "lane_copy_wide")))
-    throw std::runtime_error("lane: kernel load: " + cu_err(r));
-  for (auto& row : d.kernel) {
-    row[0] = row[1] = Kernel{fn, kLaneThreads, 0, 6, true};
-    row[2] = Kernel{fn_wide, kWideThreads, 0, 6, true};
-  }
 }
 
 // Descriptor buffers (pinned host, device) of at least ``need`` bytes.
@@ -213,17 +162,17 @@ std::string Copier::launch(DeviceLane& d, char* host, CUdeviceptr dev, const std
   CUresult r;
   if ((r = cuda_.cuMemcpyHtoDAsync(dev, host, need, d.stream))) return cu_err(r);
   CUdeviceptr regs = dev, prs = dev + rbytes;
-  // the block by the bytes a block moves (sweep_lane_kernel: 512 threads for whole pages at 32 KiB
-  // 92.7% of a device copy, 256 at 16 KiB 90.8%; 8 KiB head slices lose 16 points at 512)
+  // the block by the bytes a block moves (sweep_lane_kernel, docs/decisions/0019: 512 threads for
+  // whole pages at 32 KiB 92.7% of a device copy, 256 at 16 KiB 90.8%; 8 KiB head slices lose 16
+  // points at 512; the small block for those: docs/decisions/0026)
   const uint64_t per_block = std::min<uint64_t>(chunk, maxb);
   const int block = whole && per_block >= WIDE_BYTES ? 2 : per_block <= SMALL_BYTES ? 0 : 1;
   const Kernel& k = d.kernel[vec][block];
   CUdeviceptr none = 0;  // the scratch pointers Triton appends (none needed by this kernel)
   void* args[16] = {&regs, &prs, &chunk, &per, &mv};
-  void* nv_args[] = {&regs, &prs, &vec, &chunk, &per, &mv};
-  for (int i = 5; i < k.params && !k.nvrtc; ++i) args[i] = &none;
-  if ((r = cuda_.cuLaunchKernel(k.fn, (unsigned)moved, (unsigned)nr, zc, k.threads, 1, 1, k.shared, d.stream,
-                                k.nvrtc ? nv_args : args, nullptr)))
+  for (int i = 5; i < k.params; ++i) args[i] = &none;
+  if ((r = cuda_.cuLaunchKernel(k.fn, (unsigned)moved, (unsigned)nr, zc, k.threads, 1, 1, k.shared, d.stream, args,
+                                nullptr)))
     return cu_err(r);
   return "";
 }

@@ -1,8 +1,7 @@
-// The CUDA driver API and NVRTC, opened at run time (dlopen; copy.cpp): a CPU host builds and runs
-// the lane without either. Only the entry points the lane calls are declared. The copy kernel is
-// either Triton's (kvservice/kernels/lane_copy.py: cubins compiled by kvservice/kernels/aot.py and
-// handed in by Python) or, until that one is measured on a GPU, kernel.h's text through NVRTC
-// (the ``tuning.lane_kernel`` option; docs/decisions/0026).
+// The CUDA driver API, opened at run time (dlopen; copy.cpp): a CPU host builds and runs the lane
+// without it. Only the entry points the lane calls are declared. The copy kernel is Triton's
+// (kvservice/kernels/lane_copy.py: cubins compiled ahead of time by kvservice/kernels/aot.py and
+// handed in by Python; docs/decisions/0026).
 #pragma once
 
 #include <cstddef>
@@ -11,7 +10,7 @@
 
 namespace kvlane {
 
-// ---- CUDA driver API and NVRTC, loaded at run time (a CPU host needs neither) ------------------
+// ---- CUDA driver API, loaded at run time (a CPU host needs none) --------------------------------
 using CUresult = int;
 using CUdevice = int;
 using CUcontext = void*;
@@ -46,16 +45,6 @@ struct Cuda {
   CUresult (*cuEventSynchronize)(CUevent) = nullptr;
 };
 
-struct NvRtc {
-  int (*create)(void**, const char*, const char*, int, const char* const*, const char* const*) = nullptr;
-  int (*compile)(void*, int, const char* const*) = nullptr;
-  int (*ptx_size)(void*, size_t*) = nullptr;
-  int (*ptx)(void*, char*) = nullptr;
-  int (*log_size)(void*, size_t*) = nullptr;
-  int (*log)(void*, char*) = nullptr;
-  int (*destroy)(void**) = nullptr;
-};
-
 // One compiled variant of the Triton copy kernel (aot.py): for compute capability ``cc`` (major*10+minor),
 // 16-byte words or bytes (``vec``), ``threads`` a block; ``params``: the kernel's parameter count
 // (its five arguments, then the scratch pointers Triton appends, passed as null).
@@ -69,8 +58,7 @@ struct KernelImage {
 struct Kernel {  // a copy kernel loaded on one device
   CUfunction fn = nullptr;
   unsigned threads = 0, shared = 0;
-  int params = 0;       // Triton's: its parameters as compiled
-  bool nvrtc = false;   // kernel.h's: (regions, pairs, vec16, chunk, per_target, moved)
+  int params = 0;  // its parameters as compiled
 };
 
 struct Slot {  // descriptor buffers of one launch in flight (pinned host, device), its event

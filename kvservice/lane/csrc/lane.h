@@ -2,8 +2,8 @@
 //
 // One thread per service reads engines' lane sockets (SOCK_SEQPACKET, authenticated by Python
 // before the fd is handed here), matches a SEND command to an armed transfer, copies the pages
-// (one copy kernel launched through the driver API: Triton's, compiled ahead of time to cubins, or
-// kernel.h's through NVRTC; memcpy for host pools), then writes END to both engines' lanes and queues a completion for Python's
+// (one copy kernel launched through the driver API: Triton's, compiled ahead of time to cubins;
+// memcpy for host pools), then writes END to both engines' lanes and queues a completion for Python's
 // bookkeeping (records, index, metrics), which runs after the engines have their answer.
 //
 // Python owns every decision that is not per-transfer: who may connect, which pools exist, which
@@ -94,8 +94,8 @@ class Lane {
   std::string lost(const Pool& p) const;
 
   // ---- CUDA (the Copier, copy.cpp) -----------------------------------------------------------
-  bool init_cuda(const std::string& libcuda, const std::string& libnvrtc, const std::vector<KernelImage>& kernels) {
-    return cu_.init(libcuda, libnvrtc, kernels);
+  bool init_cuda(const std::string& libcuda, const std::vector<KernelImage>& kernels) {
+    return cu_.init(libcuda, kernels);
   }
   std::string cuda_why() const { return cu_.why(); }
   void prepare_device(int dev) { cu_.prepare(dev); }

@@ -117,9 +117,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_pull", &Lane::set_pull)
       .def(
           "init_cuda",
-          [](Lane& l, const std::string& libcuda, const std::string& libnvrtc, const py::list& kernels) {
+          [](Lane& l, const std::string& libcuda, const py::list& kernels) {
             // kernels: (cc, vec, threads, shared, params, name, cubin bytes) (kernels/aot.py);
-            // none: kernel.h's text through NVRTC (``libnvrtc``)
+            // none: CUDA stays off (init_cuda returns false, cuda_why says why)
             std::vector<kvlane::KernelImage> images;
             for (const py::handle& h : kernels) {
               auto t = h.cast<py::tuple>();
@@ -131,9 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               images.push_back(std::move(im));
             }
             py::gil_scoped_release release;
-            return l.init_cuda(libcuda, libnvrtc, images);
+            return l.init_cuda(libcuda, images);
           },
-          py::arg("libcuda"), py::arg("libnvrtc"), py::arg("kernels"))
+          py::arg("libcuda"), py::arg("kernels"))
       .def("cuda_why", &Lane::cuda_why)
       .def("prepare_device", &Lane::prepare_device, Release())
       .def("add_conn", &Lane::add_conn)
