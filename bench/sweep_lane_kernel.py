@@ -15,7 +15,7 @@ Rows ``lane_slice_*``: the lane kernel's head-slice path (mixed TP 4 -> 2 and 2 
 each sender page's 16 tokens x 2 (4) heads into 512 (1,024)-byte runs of the receiver's tokens)
 with the block the lane picks (the small one where a block moves at most 8 KiB), against a device
 copy of the same bytes (``copy_slice_*``); ``tslice_*``: the same kernel with other blocks (threads,
-words a thread); ``r2d_slice_*``: the division-free tile of runs (bench/lane_copy_runs2d.py).
+words a thread).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
-from lane_copy_runs2d import lane_copy_runs2d
 
 # Variants: name -> (source, how to size the launch). "grid3": the lane's (pairs, regions,
 # chunks) grid; "persistent": blocks = SMs x per_sm, each looping over (pair, region, chunk) items.
@@ -181,15 +180,14 @@ def _lane_default() -> tuple[int, int, int, int]:
     return wide, narrow, small, Config().tuning.lane_cuda_chunk_kb * 1024  # type: ignore[union-attr]
 
 
-def _triton_kernel(cc: int, threads: int, words: int | None = None, kernel=None):  # type: ignore[no-untyped-def]
+def _triton_kernel(cc: int, threads: int, words: int | None = None):  # type: ignore[no-untyped-def]
     """The lane's Triton kernel (16-byte words) for ``threads`` a block, loaded through CuPy as the
-    lane loads it (a cubin, its scratch parameters passed as null): (kernel, extra parameters);
-    ``kernel``: another Triton function of its signature (bench/lane_copy_runs2d.py)."""
+    lane loads it (a cubin, its scratch parameters passed as null): (kernel, extra parameters)."""
     import tempfile
 
     from kvservice.kernels import aot
 
-    im = aot.compile_image(cc, 1, threads, 4 if words is None else words, kernel)
+    im = aot.compile_image(cc, 1, threads, *(() if words is None else (words,)))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(im.cubin)
     return cp.RawModule(path=f.name).get_function(im.name), im.params - 5
@@ -364,14 +362,10 @@ def main() -> None:
             # the lane's pick (copy.cpp Copier::launch): the small block where a block moves <= 8 KiB
             pick, pt = (small, st) if min(lc, sl) <= 8192 else (lane, lt)
             variants[f"lane_slice_{tag}"] = lane_run(pick, pt, lc, nbytes=sl, tab=stab)
-            # other block shapes of the same kernel, and the division-free tile of runs (experiment)
+            # other block shapes of the same kernel (threads, words a thread)
             for threads, words in ((256, 4), (256, 2), (128, 2), (64, 4)):
                 k_ = _triton_kernel(cc, threads, words)
                 variants[f"tslice_{tag}_t{threads}_u{words}"] = lane_run(k_, threads, lc, nbytes=sl, tab=stab)
-            for threads, words in ((128, 4), (256, 4), (256, 2)):
-                k_ = _triton_kernel(cc, threads, words, lane_copy_runs2d)
-                name_ = f"r2d_slice_{tag}_t{threads}_u{words}"
-                variants[name_] = lane_run(k_, threads, lc, nbytes=sl, tab=stab)
 
     def check() -> bool:
         for s, d in zip(src[:2], dst[:2], strict=True):
@@ -386,7 +380,7 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            slices = ("lane_slice", "copy_slice", "tslice_", "r2d_")
+            slices = ("lane_slice", "copy_slice", "tslice_")
             unchecked = vname.startswith((*slices, "diag_"))
             if vname not in ok and not unchecked:  # byte for byte, once
                 for d in dst:

@@ -26,7 +26,6 @@ import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 __all__ = ["THREADS", "KernelImage", "compile_image", "images"]
 
@@ -70,12 +69,9 @@ def _key(cc: int) -> str:
     return hashlib.sha256(f"{src}\0{triton.__version__}\0{cc}".encode()).hexdigest()[:16]
 
 
-def compile_image(
-    cc: int, vec: int, threads: int, words: int = _WORDS_PER_THREAD, kernel: Any = None
-) -> KernelImage:
+def compile_image(cc: int, vec: int, threads: int, words: int = _WORDS_PER_THREAD) -> KernelImage:
     """Compile one variant for capability ``cc`` (Triton, ~1 s; no GPU needed); ``words``: words
-    a thread moves per step (the lane's is fixed), ``kernel``: another function of lane_copy's
-    signature (bench/sweep_lane_kernel.py tries both)."""
+    a thread moves per step (the lane's is fixed; bench/sweep_lane_kernel.py tries others)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -83,10 +79,9 @@ def compile_image(
 
     from .lane_copy import lane_copy
 
-    kernel = lane_copy if kernel is None else kernel
     # NOTE: under TRITON_INTERPRET=1 (CPU tests) the decorated kernel is the interpreter's: compile
     # the same function as a JIT one
-    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
+    fn = lane_copy if isinstance(lane_copy, JITFunction) else JITFunction(lane_copy.fn)
     block = threads * words
     # NOTE: the segments start the lane's descriptor buffer (cuMemAlloc: 256-byte aligned); the
     # pairs follow 72 bytes a segment after it, so only 8-byte aligned: no hint for them
