@@ -28,7 +28,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kvservice_client import lane_wire
@@ -39,6 +39,19 @@ from ..kernels.heads import plan_heads
 from .finalize import Finalizer, booking
 from .geometry import head_geometry, heads_overlap, layout_signature
 
+if TYPE_CHECKING:
+    from kvservice_client import Layout
+
+    from ..buffers.registry import BufferSet
+    from ..kernels.heads import HeadRoute
+    from ..transfer.engine import TransferEngine
+    from ..transfer.peers import PeerClient
+    from ..transfer.receiver import Incoming
+    from ..transfer.records import Record
+    from ._native_api import NativeLane
+    from ._plan_api import LanePlan
+    from .cross import CrossBook
+
 __all__ = ["LaneBook", "NoLane"]
 
 log = logging.getLogger(__name__)
@@ -47,7 +60,7 @@ CallHandler = Callable[[int, str, str, bytes], Awaitable[bytes]]
 _RETIRED = 256  # unregistered buffer sets a finalize in flight may still name (its bookkeeping)
 
 
-def _routes_into(src: Any, dst: Any) -> list[Any] | None:
+def _routes_into(src: Layout | None, dst: Layout) -> list[HeadRoute] | None:
     """The head routes from sender ranks of layout ``src``'s TP size into the receiver rank of
     layout ``dst`` (None when unknown: no sender layout, or TP sizes that do not split the heads)."""
     if src is None:
@@ -64,19 +77,19 @@ class NoLane:
 
     active = False
 
-    def add_pool(self, bs: Any) -> None:
+    def add_pool(self, bs: BufferSet) -> None:
         pass
 
     def drop_pool(self, buffer_set_id: str) -> None:
         pass
 
-    def arm(self, inc: Any) -> bool:
+    def arm(self, inc: Incoming) -> bool:
         return False
 
-    async def settle(self, inc: Any, code: str = "", reason: str = "") -> None:
+    async def settle(self, inc: Incoming, code: str = "", reason: str = "") -> None:
         pass
 
-    async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
+    async def gate(self, transfer_id: str, src_layout: Layout | None = None) -> None:
         pass
 
     def drop_session(self, session_id: str) -> None:
@@ -89,10 +102,10 @@ class NoLane:
     def load_peer(self, service_id: str, md: bytes) -> str:
         return ""
 
-    def offer_slot(self, inc: Any, sender_id: str, identity: str, ticket: str, plan: Any) -> None:
+    def offer_slot(self, inc: Incoming, sender_id: str, identity: str, ticket: str, plan: LanePlan) -> None:
         pass
 
-    def offered(self, address: str, peer: Any, plan: Any) -> None:
+    def offered(self, address: str, peer: PeerClient, plan: LanePlan) -> None:
         pass
 
     def gate_out(self, transfer_id: str, rank: int) -> None:
@@ -104,7 +117,7 @@ class NoLane:
     def gate_in(self, transfer_id: str, buffer_set_id: str) -> None:
         pass
 
-    async def abort_sender(self, session_id: str, transfer_id: str, code: str, reason: str) -> list[Any]:
+    async def abort_sender(self, session_id: str, transfer_id: str, code: str, reason: str) -> list[Record]:
         """The sending engine's Abort of a transfer only the lane holds (a cross-node stream
         between its chunks): its records once ended (none without a cross-node lane)."""
         return []
@@ -113,14 +126,14 @@ class NoLane:
 class LaneBook(NoLane):
     active = True
 
-    def __init__(self, engine: Any, native: Any, cuda: bool) -> None:
+    def __init__(self, engine: TransferEngine, native: NativeLane, cuda: bool) -> None:
         self.e = engine
         self.n = native
         self.cuda = cuda
-        self.pools: dict[str, Any] = {}  # buffer set id -> BufferSet on the lane
-        self._retired: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self._held: list[Any] = []  # buffer sets a native copy still held at drop_pool
-        self.cross: Any = None  # cross.CrossBook when the cross-node lane runs
+        self.pools: dict[str, BufferSet] = {}  # buffer set id -> BufferSet on the lane
+        self._retired: collections.OrderedDict[str, BufferSet] = collections.OrderedDict()
+        self._held: list[BufferSet] = []  # buffer sets a native copy still held at drop_pool
+        self.cross: CrossBook | None = None  # when the cross-node lane runs
         self.fin = Finalizer(self)  # the completions' bookkeeping
         self._calls: CallHandler | None = None
         self._call_tasks: set[asyncio.Task[None]] = set()
@@ -163,13 +176,13 @@ class LaneBook(NoLane):
             code, msg = lane_wire.CALL_ERROR, b"INTERNAL\nlane call: internal error; see server log"
         self.n.answer(fd, session, seq, code, msg)  # (a connection gone since: nobody to tell)
 
-    def pool(self, buffer_set_id: str) -> Any:
+    def pool(self, buffer_set_id: str) -> BufferSet | None:
         """Buffer set ``buffer_set_id`` on the lane, or recently unregistered (a finalize in
         flight books it), or None."""
         return self.pools.get(buffer_set_id) or self._retired.get(buffer_set_id)
 
     # -- pools ---------------------------------------------------------------------------------
-    def add_pool(self, bs: Any) -> None:
+    def add_pool(self, bs: BufferSet) -> None:
         lay = bs.layout
         regions = bs.regions
         if not regions or lay.num_pages <= 0:
@@ -203,7 +216,7 @@ class LaneBook(NoLane):
         if device >= 0:
             self._map_across(bs, device)
 
-    def _map_across(self, bs: Any, device: int) -> None:
+    def _map_across(self, bs: BufferSet, device: int) -> None:
         """Two GPUs: the native copy runs on the sender's GPU, which reaches an imported pool of
         the other GPU only through that pool's mapping in its own context (docs/decisions/0017).
         Map this pool into each other GPU that holds lane pools and theirs into this one; a pair
@@ -213,7 +226,7 @@ class LaneBook(NoLane):
 
         from ..buffers.memory import alias_addresses
 
-        by_gpu: dict[int, list[Any]] = {}
+        by_gpu: dict[int, list[BufferSet]] = {}
         for p in self.pools.values():
             if p.memory == "cuda_ipc" and p is not bs:
                 by_gpu.setdefault(int(p.regions[0].device), []).append(p)
@@ -244,7 +257,7 @@ class LaneBook(NoLane):
             self._retired.popitem(last=False)
 
     # -- transfers -----------------------------------------------------------------------------
-    def eligible(self, inc: Any) -> bool:
+    def eligible(self, inc: Incoming) -> bool:
         """A declaration the lane may complete: whole pages, or head slices from several sender
         ranks of another TP size (mixed TP) when its pages allow them (``head_geometry``), sent
         in any number of chunks, with aux rows. (Integrity does not exclude it: like the Python
@@ -258,7 +271,7 @@ class LaneBook(NoLane):
             and inc.dst_pages.size > 0
         )
 
-    def arm(self, inc: Any) -> bool:
+    def arm(self, inc: Incoming) -> bool:
         if not self.eligible(inc):
             return False
         self.n.arm(
@@ -274,7 +287,7 @@ class LaneBook(NoLane):
         )
         return True
 
-    async def settle(self, inc: Any, code: str = "", reason: str = "") -> None:
+    async def settle(self, inc: Incoming, code: str = "", reason: str = "") -> None:
         """Before the receiver ends otherwise (``code``, ``reason``: how): disarm, or wait until
         the lane's copy is booked. A stream into it waiting for chunks ends, its sender's side
         with that reason."""
@@ -288,7 +301,7 @@ class LaneBook(NoLane):
         if self.n.disarm(*key, cancel=True) == 2 or crossing:
             await self.fin.booked_all(key)
 
-    async def gate(self, transfer_id: str, src_layout: Any = None) -> None:
+    async def gate(self, transfer_id: str, src_layout: Layout | None = None) -> None:
         """A sender other than the lane wants ``transfer_id``'s plan: disarm the ranks it writes
         to here (``src_layout``: its layout, when known; every rank otherwise). With mixed TP the
         other ranks stay armed: their senders may still take the lane. A rank the lane is moving
@@ -300,7 +313,7 @@ class LaneBook(NoLane):
             if into is None:  # unknown routes: where the heads overlap (every rank without a layout)
                 if src_layout is not None and not heads_overlap(src_layout, inc.bs.layout):
                     continue
-            elif not any(r.src_rank == src_layout.tp_rank for r in into):
+            elif src_layout is not None and not any(r.src_rank == src_layout.tp_rank for r in into):
                 continue  # this sender's routes do not reach that rank (replicas: another sender's)
             key = (transfer_id, inc.bs.layout.tp_rank)
             while self.n.disarm(*key) == 2:
@@ -320,11 +333,11 @@ class LaneBook(NoLane):
     def load_peer(self, service_id: str, md: bytes) -> str:
         return self.cross.load_peer(service_id, md) if self.cross is not None else ""
 
-    def offer_slot(self, inc: Any, sender_id: str, identity: str, ticket: str, plan: Any) -> None:
+    def offer_slot(self, inc: Incoming, sender_id: str, identity: str, ticket: str, plan: LanePlan) -> None:
         if self.cross is not None:
             self.cross.rx.offer_slot(inc, sender_id, identity, ticket, plan, self.pools)
 
-    def offered(self, address: str, peer: Any, plan: Any) -> None:
+    def offered(self, address: str, peer: PeerClient, plan: LanePlan) -> None:
         if self.cross is not None:
             self.cross.tx.offered(address, peer, plan)
 
@@ -348,7 +361,7 @@ class LaneBook(NoLane):
         if self.cross is not None:
             self.cross.tx.drop_out(transfer_id)
 
-    async def abort_sender(self, session_id: str, transfer_id: str, code: str, reason: str) -> list[Any]:
+    async def abort_sender(self, session_id: str, transfer_id: str, code: str, reason: str) -> list[Record]:
         if self.cross is None:
             return []
         return await self.cross.tx.abort(session_id, transfer_id, code, reason)

@@ -28,11 +28,15 @@ the sending side ``cross_out`` (``tx``), the staging's slots ``cross_slots``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .cross_in import CANCELLED, CrossIn
 from .cross_out import CrossOut
 from .cross_slots import Arena, Slots, geometry_signature, slot_bytes
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
+    from ._native_api import NativeLane
 
 __all__ = ["CANCELLED", "CrossBook", "Slots", "geometry_signature", "slot_bytes"]
 
@@ -46,7 +50,12 @@ class CrossBook:
     """Python's half of the cross-node lane of one service."""
 
     def __init__(
-        self, engine: Any, native: Any, agent_name: str, arenas: list[Arena], stream: str = "gpu"
+        self,
+        engine: TransferEngine,
+        native: NativeLane,
+        agent_name: str,
+        arenas: list[Arena],
+        stream: str = "gpu",
     ) -> None:
         self.n = native
         self.agent_name = agent_name
@@ -67,8 +76,8 @@ class CrossBook:
     @classmethod
     def start(
         cls,
-        engine: Any,
-        native: Any,
+        engine: TransferEngine,
+        native: NativeLane,
         staging_mb: int,
         cuda_devices: int,
         stream: str = "gpu",

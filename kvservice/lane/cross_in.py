@@ -10,12 +10,19 @@ import dataclasses
 import heapq
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import FailedPrecondition, KVServiceError
 from .cross_slots import Arena, geometry_signature, slot_bytes
+
+if TYPE_CHECKING:
+    from ..buffers.registry import BufferSet
+    from ..transfer.engine import TransferEngine
+    from ..transfer.receiver import Incoming
+    from ._native_api import NativeLane
+    from ._plan_api import LanePlan
 
 __all__ = ["CANCELLED", "CrossIn"]
 
@@ -42,8 +49,8 @@ class CrossIn:
 
     def __init__(
         self,
-        engine: Any,
-        native: Any,
+        engine: TransferEngine,
+        native: NativeLane,
         agent_name: str,
         arenas: dict[int, Arena],
         agents: dict[str, str],
@@ -60,7 +67,7 @@ class CrossIn:
         self.n_received = 0  # transfers booked
         self.n_failed = 0
 
-    def eligible(self, inc: Any, lane_pools: dict[str, Any]) -> bool:
+    def eligible(self, inc: Incoming, lane_pools: dict[str, BufferSet]) -> bool:
         return (
             inc.bs.buffer_set_id in lane_pools
             and inc.landing is None
@@ -70,7 +77,13 @@ class CrossIn:
         )
 
     def offer_slot(
-        self, inc: Any, sender_id: str, identity: str, ticket: str, plan: Any, pools: dict[str, Any]
+        self,
+        inc: Incoming,
+        sender_id: str,
+        identity: str,
+        ticket: str,
+        plan: LanePlan,
+        pools: dict[str, BufferSet],
     ) -> None:
         """``inc``'s offer to ``sender_id`` may carry a lane slot: take one and arm it."""
         agent = self._agents.get(sender_id)

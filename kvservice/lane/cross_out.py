@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 from kvservice_client import lane_wire
 
 from ..errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from ..transfer.engine import TransferEngine
+    from ..transfer.peers import PeerClient
+    from ..transfer.records import Record
+    from ._native_api import Completion, NativeLane
+    from ._plan_api import LanePlan
+    from .book import LaneBook
 
 __all__ = ["CrossOut"]
 
@@ -23,20 +32,20 @@ _ABORT_WAIT_S = 60.0
 class CrossOut:
     """Offers armed and sends booked on the sending side of one service's lane."""
 
-    def __init__(self, engine: Any, native: Any, agents: dict[str, str]) -> None:
+    def __init__(self, engine: TransferEngine, native: NativeLane, agents: dict[str, str]) -> None:
         self.e = engine
         self.n = native
         self._agents = agents  # the book's: peer service id -> its lane agent
         # (transfer, rank) offered to an engine here -> (receiver's address, its buffer set if it
         # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route, its prefix)
         self._out: dict[str, dict[int, tuple[str, str, int]]] = {}  # transfer -> rank -> that
-        self._recs: dict[tuple[str, str], Any] = {}  # (transfer, sender bs) -> a stream's record
+        self._recs: dict[tuple[str, str], Record] = {}  # (transfer, sender bs) -> a stream's record
         # (transfer, sender bs) the engine aborted -> (code, reason, resolved with the record)
-        self._aborting: dict[tuple[str, str], tuple[str, str, asyncio.Future[Any]]] = {}
+        self._aborting: dict[tuple[str, str], tuple[str, str, asyncio.Future[Record]]] = {}
         self.n_sent = 0  # transfers booked
         self.n_failed = 0
 
-    def offered(self, address: str, peer: Any, plan: Any) -> None:
+    def offered(self, address: str, peer: PeerClient, plan: LanePlan) -> None:
         """An offer with a lane slot arrived on our channel to ``address``: an engine here may
         SEND_TO it now."""
         s = plan.lane_slot
@@ -83,7 +92,7 @@ class CrossOut:
             if self.n.disarm_out(transfer_id, rank) != 2:
                 self._forget_out(transfer_id, rank)
 
-    def _record(self, tid: str, bs_id: str, session_id: str) -> Any:
+    def _record(self, tid: str, bs_id: str, session_id: str) -> Record:
         from ..transfer.records import Record
 
         rec = self._recs.pop((tid, bs_id), None)
@@ -93,7 +102,9 @@ class CrossOut:
             self.e.table.add(rec)
         return rec
 
-    def _count(self, rec: Any, tid: str, rank: int, src: Any, first: int, nbytes: int, us: int) -> None:
+    def _count(
+        self, rec: Record, tid: str, rank: int, src: npt.NDArray[np.int32], first: int, nbytes: int, us: int
+    ) -> None:
         """``src`` (from transfer page ``first``) on ``rec``: the prefix pages among them skipped."""
         prefix = self._out.get(tid, {}).get(rank, ("", "", 0))[2]
         skipped = min(max(0, prefix - first), len(src))
@@ -107,14 +118,14 @@ class CrossOut:
             path="PACKED",
         )
 
-    def chunk(self, c: tuple[Any, ...]) -> None:
+    def chunk(self, c: Completion) -> None:
         """A chunk of a stream written before its last: the sender's record shows it."""
         tid, rank, bs_id, session_id, src, _, _, nbytes, copy_us = c[:9]
         rec = self._record(tid, bs_id, session_id)
         self._recs[(tid, bs_id)] = rec
         self._count(rec, tid, rank, src, int(c[14]), nbytes, copy_us)
 
-    async def abort(self, session_id: str | None, transfer_id: str, code: str, reason: str) -> list[Any]:
+    async def abort(self, session_id: str | None, transfer_id: str, code: str, reason: str) -> list[Record]:
         """The sending engine's Abort of ``transfer_id``: its cross-node streams still taking
         chunks end (the receiving service hears it at once); their records once booked."""
         if session_id is None:
@@ -129,7 +140,7 @@ class CrossOut:
         done, _ = await asyncio.wait(waits, timeout=_ABORT_WAIT_S) if waits else (set(), set())
         return [f.result().snapshot() for f in waits if f in done]
 
-    async def sent(self, c: tuple[Any, ...]) -> None:
+    async def sent(self, c: Completion) -> None:
         """The native thread's END to a sending engine: book the sender's side (its record, for
         Poll and the Transfers stream; the engine read its END on the lane already)."""
         tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send = c[:12]
@@ -138,7 +149,7 @@ class CrossOut:
         address, publishes_into, prefix = self._forget_out(tid, rank)
         # NOTE: the offer is spent: a later SendDelta of this id (a retry after DONE) must not write
         # with its plan into pages the receiver may own again; it asks, and the receiver refuses
-        bs = e.lane.pool(bs_id)
+        bs = cast("LaneBook", e.lane).pool(bs_id)  # (the engine's lane is the book of this one)
         chan = e.dispatch.channels.get(address)
         if chan is not None:
             chan.offers.consume(tid, bs.layout.tp_rank if bs is not None else None)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..buffers.registry import BufferSet
 
 __all__ = ["ALIGN", "Arena", "Slots", "geometry_signature", "slot_bytes"]
 
@@ -65,7 +68,7 @@ class Arena:
     slots: Slots
 
 
-def geometry_signature(bs: Any) -> int:
+def geometry_signature(bs: BufferSet) -> int:
     """What a sender's pool and a receiver's pool must share for the lane's page-major packing:
     the layout (all but pool size and rank) and each region's page bytes."""
     import hashlib

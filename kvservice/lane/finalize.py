@@ -13,12 +13,21 @@ import asyncio
 import contextvars
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import Aborted, KVServiceError
 from .cross_in import CANCELLED
+
+if TYPE_CHECKING:
+    from ..buffers.registry import BufferSet
+    from ..transfer.receiver import Incoming
+    from ..transfer.sender import Outgoing
+    from ._native_api import Completion
+    from .book import LaneBook
 
 __all__ = ["Finalizer", "booking"]
 
@@ -40,14 +49,14 @@ def booking(transfer_id: str, rank: int) -> bool:
 class Finalizer:
     """The completions of one lane (``book``: its LaneBook, for pools and the cross-node book)."""
 
-    def __init__(self, book: Any) -> None:
+    def __init__(self, book: LaneBook) -> None:
         self.book = book
         self.e = book.e
         self.n = book.n
         self._waiters: dict[tuple[str, int], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._chains: dict[tuple[str, str], asyncio.Future[None]] = {}  # (tid, sender bs): its last booking
-        self._outs: dict[tuple[str, str], Any] = {}
+        self._outs: dict[tuple[str, str], Outgoing] = {}
         self._receiver_ends: dict[
             str, tuple[str, str]
         ] = {}  # tid -> how its receiver ended it  # a stream's sending side, booked chunk by chunk
@@ -76,7 +85,7 @@ class Finalizer:
         key: tuple[str, str],
         prev: asyncio.Future[None] | None,
         mine: asyncio.Future[None],
-        work: Any,
+        work: Awaitable[None],
     ) -> None:
         try:
             if prev is not None:
@@ -87,24 +96,26 @@ class Finalizer:
             if self._chains.get(key) is mine:
                 del self._chains[key]
 
-    async def _cross_done(self, kind: int, c: tuple[Any, ...]) -> None:
+    async def _cross_done(self, kind: int, c: Completion) -> None:
         """A cross-node completion (cross.py): 1 = sent (this side's engine had its END), 4 = a
         chunk of a stream sent before its last, 2 = received into a declaration here."""
+        cross = self.book.cross
+        assert cross is not None  # (these kinds come only from a lane whose cross-node book runs)
         tid, rank = c[0], c[1]
         try:
             if kind == 1:
-                await self.book.cross.tx.sent(c)
+                await cross.tx.sent(c)
             elif kind == 4:
-                self.book.cross.tx.chunk(c)
+                cross.tx.chunk(c)
             else:
                 _BOOKING.set((tid, (rank,)))  # this task's own context (create_task copied it)
-                await self.book.cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10], int(c[14]))
+                await cross.rx.received(tid, rank, c[5], c[6], c[7], c[8], c[10], int(c[14]))
         except Exception:
             log.exception("cross-node lane finalize failed", extra={"transfer_id": tid})
         finally:
             if kind == 2:
                 self.wake((tid, rank))
-            self.book.cross.log_trace()
+            cross.log_trace()
 
     async def _stream(
         self,
@@ -113,7 +124,7 @@ class Finalizer:
         rank: int,
         bs_id: str,
         session_id: str,
-        src: np.ndarray,
+        src: npt.NDArray[np.int32],
         ok: bool,
         error: str,
         nbytes: int,
@@ -197,9 +208,9 @@ class Finalizer:
         self,
         tid: str,
         ranks: list[int],
-        incs: list[Any],
-        bs: Any,
-        out: Any,
+        incs: list[Incoming],
+        bs: BufferSet | None,
+        out: Outgoing | None,
         error: str,
         session_id: str,
         bs_id: str,

@@ -6,18 +6,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvservice_client import Layout
 
 __all__ = ["head_geometry", "heads_overlap", "layout_signature"]
 
 
-def layout_signature(layout: Any) -> int:
+def layout_signature(layout: Layout) -> int:
     """What two pools must share for a page-for-page copy (all but the pool size and the rank)."""
     return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0))
 
 
 @functools.lru_cache(maxsize=1024)  # NOTE: a pure function of a frozen Layout, asked per declaration
-def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
+def head_geometry(layout: Layout) -> tuple[int, int, int, int, int]:
     """What the lane needs for head slices between TP sizes: (mode, signature of the layout but
     for its TP, first global head, local heads, page size). Mode 1: token-major pages ("nhd"),
     2: head-major ("hnd"), 0: none (K and V in one region, MLA, replicated heads: gRPC)."""
@@ -30,7 +33,7 @@ def head_geometry(layout: Any) -> tuple[int, int, int, int, int]:
     return mode, sig, layout.tp_rank * local, local, layout.page_size
 
 
-def heads_overlap(src: Any, dst: Any) -> bool:
+def heads_overlap(src: Layout, dst: Layout) -> bool:
     """Whether a sender of layout ``src`` may write a receiver rank of layout ``dst`` (True when
     the two cannot be told apart by heads: another page layout, replicated heads, MLA)."""
     a, b = head_geometry(src), head_geometry(dst)
@@ -39,5 +42,5 @@ def heads_overlap(src: Any, dst: Any) -> bool:
     return max(a[2], b[2]) < min(a[2] + a[3], b[2] + b[3])
 
 
-def _signature(layout: Any) -> int:
+def _signature(layout: Layout) -> int:
     return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little")

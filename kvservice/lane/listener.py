@@ -26,11 +26,15 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvservice_client import lane_wire
 
 from ..server.credentials import peer_identity
+
+if TYPE_CHECKING:
+    from ..sessions import SessionRegistry
+    from ._native_api import NativeLane
 
 __all__ = ["MAX_CONNS_PER_SESSION", "MAX_PENDING", "LaneListener"]
 
@@ -48,9 +52,9 @@ class LaneListener:
         self,
         path: str,
         mode: int,
-        sessions: Any,
+        sessions: SessionRegistry,
         allowed_uids: frozenset[int] | None,
-        native: Any,
+        native: NativeLane,
         self_addresses: list[str],
         cross: bool = False,
         wait_spin_us: int = 0,
@@ -83,7 +87,7 @@ class LaneListener:
     def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._accept)
 
-    def _log_limited(self, what: str, msg: str, *args: Any) -> None:
+    def _log_limited(self, what: str, msg: str, *args: object) -> None:
         """``msg`` at WARNING, at most once per ``_LOG_EVERY_S`` for each ``what``."""
         now = time.monotonic()
         if now - self._logged.get(what, -_LOG_EVERY_S) >= _LOG_EVERY_S:

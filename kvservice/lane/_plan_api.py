@@ -1,0 +1,58 @@
+"""A receive plan (peer.proto ``ReceivePlan``) as the cross-node lane reads and fills it: the
+receiving side puts its slot in an offered plan (``cross_in``), the sending side reads it
+(``cross_out``). The lane is domain code and imports no protobuf (tests/test_architecture.py),
+so it names the fields it uses; ``peer_pb2.ReceivePlan`` is one. Types only: nothing here runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from typing import Protocol
+
+__all__ = ["LanePlan", "LaneSlot"]
+
+
+class LaneSlot(Protocol):
+    """``ReceivePlan.lane_slot``: where in the receiver's lane staging the sender WRITEs."""
+
+    agent: str  # the receiving service's lane agent
+    address: int
+    size_bytes: int
+    mem_kind: str  # "DRAM" or "VRAM"
+    device_id: int
+    signature: int  # cross_slots.geometry_signature of the receiver's pool
+
+
+class _Rank(Protocol):
+    @property
+    def tp_rank(self) -> int: ...
+
+
+class LanePlan(Protocol):
+    """The fields of a ``ReceivePlan`` the cross-node lane reads (and its slot, which it fills)."""
+
+    @property
+    def transfer_id(self) -> str: ...
+
+    @property
+    def dst_layout(self) -> _Rank: ...
+
+    @property
+    def dst_buffer_set_id(self) -> str: ...
+
+    @property
+    def prefix_pages(self) -> int: ...
+
+    @property
+    def dst_page_indices(self) -> Sized: ...
+
+    @property
+    def remaining_ms(self) -> int: ...
+
+    @property
+    def publishes(self) -> bool: ...
+
+    @property
+    def lane_slot(self) -> LaneSlot: ...
+
+    def HasField(self, field_name: str, /) -> bool: ...  # (protobuf's name)
