@@ -344,6 +344,8 @@ def main() -> None:
             variants[f"persistent_t{threads}_u{unroll}_{load}_{store}_x{per_sm}_c{chunk // 1024}k"] = run
 
         # head slices: sender TP p (H/p heads a page) into receiver TP p/2 (2H/p heads), its first half
+        from kvservice.kernels.aot import SMALL_BYTES
+
         for p_ in (4, 2):
             sl = page // p_  # a sender page of one region
             run, dst_run = sl // 16, 2 * sl // 16  # one token's heads: sender, receiver
@@ -360,7 +362,7 @@ def main() -> None:
             tag = f"{p_}to{p_ // 2}"
             variants[f"copy_slice_{tag}"] = scopy
             # the lane's pick (copy.cpp Copier::launch): the small block where a block moves <= 8 KiB
-            pick, pt = (small, st) if min(lc, sl) <= 8192 else (lane, lt)
+            pick, pt = (small, st) if min(lc, sl) <= SMALL_BYTES else (lane, lt)
             variants[f"lane_slice_{tag}"] = lane_run(pick, pt, lc, nbytes=sl, tab=stab)
             # other block shapes of the same kernel (threads, words a thread)
             for threads, words in ((256, 4), (256, 2), (128, 2), (64, 4)):
@@ -380,8 +382,7 @@ def main() -> None:
     for _ in range(args.rounds):
         results["copy"].append(timed(lambda: flat_d.data.copy_from_device_async(flat_s.data, nbytes)))
         for vname, fn in variants.items():
-            slices = ("lane_slice", "copy_slice", "tslice_")
-            unchecked = vname.startswith((*slices, "diag_"))
+            unchecked = vname.startswith(("lane_slice", "copy_slice", "tslice_", "diag_"))
             if vname not in ok and not unchecked:  # byte for byte, once
                 for d in dst:
                     d.fill(0)

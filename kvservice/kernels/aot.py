@@ -32,6 +32,7 @@ __all__ = ["THREADS", "KernelImage", "compile_image", "images"]
 log = logging.getLogger(__name__)
 
 THREADS = (128, 256, 512)  # the small, narrow and wide blocks (copier.h SMALL_/NARROW_/WIDE_THREADS)
+SMALL_BYTES = 8192  # a block moving at most this takes the small block (copier.h SMALL_BYTES)
 _WORDS_PER_THREAD = 4  # 16-byte words (or bytes) a thread moves per step: four loads in flight
 _SIGNATURE = {
     "segs_ptr": "*u64",

@@ -24,35 +24,19 @@ class LaneSlot(Protocol):
 
 
 class _Rank(Protocol):
-    @property
-    def tp_rank(self) -> int: ...
+    tp_rank: int
 
 
 class LanePlan(Protocol):
     """The fields of a ``ReceivePlan`` the cross-node lane reads (and its slot, which it fills)."""
 
-    @property
-    def transfer_id(self) -> str: ...
-
-    @property
-    def dst_layout(self) -> _Rank: ...
-
-    @property
-    def dst_buffer_set_id(self) -> str: ...
-
-    @property
-    def prefix_pages(self) -> int: ...
-
-    @property
-    def dst_page_indices(self) -> Sized: ...
-
-    @property
-    def remaining_ms(self) -> int: ...
-
-    @property
-    def publishes(self) -> bool: ...
-
-    @property
-    def lane_slot(self) -> LaneSlot: ...
+    transfer_id: str
+    dst_layout: _Rank
+    dst_buffer_set_id: str
+    prefix_pages: int
+    dst_page_indices: Sized
+    remaining_ms: int
+    publishes: bool
+    lane_slot: LaneSlot
 
     def HasField(self, field_name: str, /) -> bool: ...  # (protobuf's name)
