@@ -7,7 +7,9 @@ shape of the same run (the reference: the lane's one-shot SEND).
 Shapes (``--shapes``, comma list): ``c<N>`` a transfer of N pages in N chunks; ``+aux`` an aux
 row in host memory on the last chunk (SGLang's metadata rows); ``s<N>`` N chunks with the
 sender "computing" ``--compute-us`` between them (layer-wise streaming: the figure is still the
-last chunk's SendDelta → DONE). Same node by default (one service); ``--cross`` runs two services
+last chunk's SendDelta → DONE); ``@p<M>`` a receiver of page size M (the sender's is 16, vLLM's
+block: ``@p1`` and ``@p64`` are SGLang's page sizes; the receiver declares the pages the tokens
+fill, its last one partly). Same node by default (one service); ``--cross`` runs two services
 (the cross-node routes). Each row says which route carried it (the END's ``route_note``).
 
 ``--profile DIR``: the services log at DEBUG into DIR, and each cross-node shape's row gets the
@@ -34,27 +36,33 @@ AUX_ROW = 64  # bytes of one aux row (SGLang's metadata row is of this order)
 AUX_ROWS = 256
 
 
-def _layout(pages: int) -> Layout:
+PAGE = 16  # the sender's page size (tokens)
+
+
+def _layout(pages: int, page_size: int = PAGE) -> Layout:
     # 2 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16 = 64 KiB a page over all its regions
     return Layout.mha(
-        num_layers=2, page_size=16, num_pages=pages, total_kv_heads=8, head_dim=64, dtype="float16"
+        num_layers=2, page_size=page_size, num_pages=pages, total_kv_heads=8, head_dim=64, dtype="float16"
     )
 
 
-def _parse(shape: str) -> tuple[int, bool, bool]:
-    """(chunks, aux, streamed) of a shape name."""
-    aux = shape.endswith("+aux")
-    base = shape.removesuffix("+aux")
+def _parse(shape: str) -> tuple[int, bool, bool, int]:
+    """(chunks, aux, streamed, the receiver's page size) of a shape name."""
+    base, _, page = shape.partition("@p")
+    if page and (not page.isdigit() or int(page) < 1):
+        raise SystemExit(f"--shapes: {shape!r}: @p<M> needs a page size M >= 1")
+    aux = base.endswith("+aux")
+    base = base.removesuffix("+aux")
     if base[:1] not in ("c", "s") or not base[1:].isdigit() or int(base[1:]) < 1:
-        raise SystemExit(f"--shapes: {shape!r} is not c<N>[+aux] or s<N>[+aux]")
-    return int(base[1:]), aux, base[0] == "s"
+        raise SystemExit(f"--shapes: {shape!r} is not c<N>[+aux][@p<M>] or s<N>[+aux][@p<M>]")
+    return int(base[1:]), aux, base[0] == "s", int(page or PAGE)
 
 
 def run_shape(
     ka: Client,
     kb: Client,
     sb: str,
-    rb: str,
+    rb: str,  # the receiver's buffer set of the shape's page size
     peer: str,
     sender: str,
     shape: str,
@@ -62,7 +70,9 @@ def run_shape(
     pool_pages: int,
     compute_s: float,
 ) -> dict[str, Any]:
-    chunks, aux, streamed = _parse(shape)
+    chunks, aux, streamed, page = _parse(shape)
+    n_dst = -(-chunks * PAGE // page)  # receiver pages the chunks' tokens fill
+    dst_pool = pool_pages * PAGE // page
     last_s: list[float] = []
     first_s: list[float] = []
     routes: set[str] = set()
@@ -70,7 +80,7 @@ def run_shape(
     for i in progress(range(iters + 3), shape):
         tid = f"{shape}-{i}"
         src = rng.choice(pool_pages, chunks, replace=False)
-        dst = rng.choice(pool_pages, chunks, replace=False)
+        dst = rng.choice(dst_pool, n_dst, replace=False)
         kb.expect_delta(
             tid,
             rb,
@@ -109,6 +119,7 @@ def run_shape(
         "chunks": chunks,
         "aux": aux,
         "streamed": streamed,
+        "receiver_page_size": page,
         "last_chunk_to_done": summarize(last_s),
         "first_chunk_to_done": summarize(first_s),
         "routes": sorted(routes),
@@ -169,7 +180,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.small:
-        args.shapes, args.iters = "c1,c2,c1+aux,s4+aux", 5
+        args.shapes, args.iters = "c1,c2,c1+aux,s4+aux,c2@p1,c2+aux@p64", 5
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:
         _parse(s)
@@ -187,14 +198,22 @@ def main() -> None:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
         sender = svc.peer_addresses[0] if args.cross else ""
-        sp, rp = KVPool(lay, dev, 1), KVPool(lay, dev, 2)
-        segs = [shared_memory.SharedMemory(create=True, size=AUX_ROW * AUX_ROWS) for _ in range(2)]
+        # the receiver: one pool of the same bytes per page size the shapes name
+        pages = sorted({_parse(s)[3] for s in shapes})
+        rlays = {p: _layout(args.pool_pages * PAGE // p, p) for p in pages}
+        sp = KVPool(lay, dev, 1)
+        rps = {p: KVPool(rl, dev, 2 + i) for i, (p, rl) in enumerate(rlays.items())}
+        segs = [shared_memory.SharedMemory(create=True, size=AUX_ROW * AUX_ROWS) for _ in range(1 + len(rps))]
         try:
             aux = [[AuxSpec("meta", shm_region(s.name, AUX_ROW * AUX_ROWS), AUX_ROW, AUX_ROWS)] for s in segs]
             with Client(a, client_name="shape-tx") as ka, Client(b, client_name="shape-rx") as kb:
                 sb = ka.register_buffers(lay, *sp.regions(), aux=aux[0]).buffer_set_id
-                rb = kb.register_buffers(lay, *rp.regions(), aux=aux[1]).buffer_set_id
+                rbs = {
+                    p: kb.register_buffers(rlays[p], *rp.regions(), aux=aux[1 + i]).buffer_set_id
+                    for i, (p, rp) in enumerate(rps.items())
+                }
                 for s in shapes:
+                    rb = rbs[_parse(s)[3]]
                     rows[s] = run_shape(
                         ka, kb, sb, rb, peer, sender, s, args.iters, args.pool_pages, args.compute_us * 1e-6
                     )
@@ -206,7 +225,8 @@ def main() -> None:
                     )
         finally:
             sp.close()
-            rp.close()
+            for rp in rps.values():
+                rp.close()
             for s in segs:
                 s.close()
                 s.unlink()

@@ -438,10 +438,18 @@ SUITES: dict[str, Suite] = {
         "shapes",
         "one GPU (H200: about three minutes)",
         (
-            Step("shapes_same_node", (*SHAPES, "--shapes", "c1,c2,c8,c32,c1+aux,c2+aux,c8+aux,s32,s32+aux")),
+            # @p1, @p64: a vLLM block of 16 into SGLang's page 1 and 64 (page-size conversions)
+            Step(
+                "shapes_same_node",
+                (
+                    *SHAPES,
+                    "--shapes",
+                    "c1,c2,c8,c32,c1+aux,c2+aux,c8+aux,s32,s32+aux,c1@p1,c2@p1,c2+aux@p64,c8@p64",
+                ),
+            ),
             Step(
                 "shapes_same_node_grpc",
-                (*SHAPES, "--shapes", "c1,c2,c2+aux", "--iters", "100"),
+                (*SHAPES, "--shapes", "c1,c2,c2+aux,c2@p1,c2+aux@p64", "--iters", "100"),
                 env=(("KVSERVICE_LANE", "false"),),
             ),
             # NOTE: one GPU stands in for two nodes' GPUs; without MPS the two services' copies

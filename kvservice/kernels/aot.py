@@ -22,6 +22,7 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterable
@@ -91,7 +92,14 @@ def compile_image(cc: int, vec: int, threads: int, words: int = _WORDS_PER_THREA
     src = ASTSource(fn=fn, signature=_SIGNATURE, constexprs=consts, attrs=attrs)
     target = GPUTarget("cuda", cc, 32)
     options = make_backend(target).parse_options({"num_warps": threads // 32})
-    k = triton.compile(src, target=target, options=options.__dict__)
+    # (Triton reads TRITON_INTERPRET at compile time too: a process that set it after importing
+    # the kernel, as the CPU tests do, still compiles the cubin, not the interpreter's function)
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        k = triton.compile(src, target=target, options=options.__dict__)
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
     md = k.metadata
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         if getattr(md, scratch, 0):

@@ -1,5 +1,6 @@
-"""What the lane compares between two pools: a layout's signature (equal layouts: whole pages)
-and its heads (head slices between TP sizes: docs/decisions/0014, "Mixed TP on the lane")."""
+"""What the lane compares between two pools: a layout's signature (equal layouts: whole pages),
+its heads (head slices between TP sizes: docs/decisions/0014, "Mixed TP on the lane") and its
+signature but for the page size (page-size conversions: docs/decisions/0027)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvservice_client import Layout
 
-__all__ = ["head_geometry", "heads_overlap", "layout_signature"]
+__all__ = ["head_geometry", "heads_overlap", "layout_signature", "unit_signature"]
+
+# page layouts whose region pages hold their tokens' rows in token order (a run of g tokens is
+# g rows): K and V regions apart (nhd, and MLA's latent) or K|V side by side in each row (nhc)
+_TOKEN_MAJOR = ("nhd", "nhc")
 
 
 def layout_signature(layout: Layout) -> int:
     """What two pools must share for a page-for-page copy (all but the pool size and the rank)."""
     return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0))
+
+
+def unit_signature(layout: Layout) -> int:
+    """What two pools of different page sizes must share for the lane to copy units of
+    gcd(page sizes) tokens between them (0: the layout cannot: head-major pages, or K and V
+    apart within a page)."""
+    if layout.page_layout not in _TOKEN_MAJOR:
+        return 0
+    return _signature(dataclasses.replace(layout, num_pages=0, tp_rank=0, page_size=0))
 
 
 @functools.lru_cache(maxsize=1024)  # NOTE: a pure function of a frozen Layout, asked per declaration

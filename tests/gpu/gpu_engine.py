@@ -77,6 +77,22 @@ def main() -> None:
                 hashlib.sha256(t.view(-1, pb)[cmd["pages"]].cpu().numpy().tobytes()).hexdigest()
                 for t in k + v
             ]
+        elif op == "tokens":  # sha256 of tokens [lo, hi) of the named pages' tokens in order, per region
+            lay = layout
+            torch.cuda.synchronize()
+            out["digests"] = [
+                hashlib.sha256(
+                    t.view(lay.num_pages, lay.page_size, -1)[cmd["pages"]]  # type: ignore[union-attr]
+                    .reshape(len(cmd["pages"]) * lay.page_size, -1)[
+                        # type: ignore[union-attr]
+                        cmd["lo"] : cmd["hi"]
+                    ]
+                    .cpu()
+                    .numpy()
+                    .tobytes()
+                ).hexdigest()
+                for t in k + v
+            ]
         elif op == "head_sums":  # [region][page][local head] byte sums
             lay = layout
             pages = cmd["pages"]

@@ -204,3 +204,49 @@ def test_lane_takes_chunked_transfers_with_aux_rows_on_the_gpu(service: str, cut
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+@pytest.mark.parametrize(
+    ("ps", "pd", "n_src", "prefix", "n_dst", "cuts"),
+    [(16, 1, 4, 8, 56, [1]), (16, 64, 7, 0, 2, [2, 5]), (1, 16, 40, 1, 2, [7, 20]), (64, 16, 2, 1, 7, [])],
+    ids=["vllm16-to-sglang1", "vllm16-to-sglang64-part-filled", "sglang1-to-vllm16", "sglang64-to-vllm16"],
+)
+def test_lane_converts_page_sizes_on_the_gpu(
+    service: str, ps: int, pd: int, n_src: int, prefix: int, n_dst: int, cuts: list[int]
+) -> None:
+    """Pools of two page sizes on the lane's kernel (units of gcd tokens): every chunk over the
+    lane, each token at its sequence position, no other page written."""
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(
+            op="register", address=service, layout=dict(LAYOUT, page_size=ps, num_pages=1024 // ps), fill=True
+        )
+        dst_eng(op="register", address=service, layout=dict(LAYOUT, page_size=pd, num_pages=1024 // pd))
+        rng = np.random.default_rng(ps * 100 + pd)
+        src = rng.permutation(1024 // ps)[:n_src].tolist()
+        dst = rng.permutation(1024 // pd)[:n_dst].tolist()
+        assert dst_eng(op="expect", tid="units", prefix=prefix, dst=dst)["ok"]
+        bounds = [0, *cuts, n_src]
+        lane = [
+            src_eng(
+                op="send",
+                tid="units",
+                src=src[bounds[i] : bounds[i + 1]],
+                offset=bounds[i],
+                last=i == len(bounds) - 2,
+                peer=service,
+            )["lane"]
+            for i in range(len(bounds) - 1)
+        ]
+        assert all(lane), f"not every chunk went over the lane: {lane}"
+        got_d, got_s = dst_eng(op="wait", tid="units"), src_eng(op="wait", tid="units")
+        assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+        assert got_d["route_note"] == "lane"
+        lo, hi = prefix * pd, min(n_src * ps, (prefix + n_dst) * pd)  # sequence tokens landed
+        want = src_eng(op="tokens", pages=src, lo=lo, hi=hi)["digests"]
+        assert dst_eng(op="tokens", pages=dst, lo=0, hi=hi - lo)["digests"] == want
+        untouched = sorted(set(range(1024 // pd)) - set(dst))
+        assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        src_eng.close()
+        dst_eng.close()

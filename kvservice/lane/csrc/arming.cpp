@@ -123,6 +123,13 @@ void Lane::set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, i
   q.hmode = hmode, q.msig = msig, q.hlo = hlo, q.hn = hn, q.ps = ps;
 }
 
+// Pool ``bs``'s page-size conversions (see Pool::usig).
+void Lane::set_units(const std::string& bs, uint64_t usig) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto p = pools_.find(bs);
+  if (p != pools_.end()) p->second.usig = usig;
+}
+
 void Lane::arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
                int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux) {
   Armed a;

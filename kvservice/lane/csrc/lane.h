@@ -110,6 +110,7 @@ class Lane {
   void set_alias(const std::string& bs, int device, std::vector<uint64_t> bases);
   bool drop_pool(const std::string& bs, double wait_s);
   void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps);
+  void set_units(const std::string& bs, uint64_t usig);
   void set_aux(const std::string& bs, std::vector<AuxDesc> aux);
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
            int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux);
@@ -170,7 +171,7 @@ class Lane {
   std::string next_chunk(Stream& s, const SendChunk& c, const std::vector<int32_t>& src, LocalCopy& job, bool& fatal);
   std::string targets(const std::string& tid, const Pool& sp, const SendChunk& c, const std::vector<int32_t>& src,
                       std::vector<Target>& tg, int64_t& prefix);
-  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n, int nh) const;
+  std::string check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n, const Target& t) const;
   std::string aux_ok(const Pool& sp, const std::vector<Target>& tg, const std::vector<AuxRows>& aux,
                      LocalCopy& job) const;
   void mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& aux);
@@ -194,6 +195,9 @@ class Lane {
   static void fill(Completion& c, const Stream& s, const LocalCopy* at, uint64_t nbytes, uint64_t us);
   void signal_done();
   std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const;
+  // A chunk's (source, destination) pairs into every target: pages, or units (copy_local); how many a target.
+  static size_t page_pairs(const LocalCopy& job, std::vector<int32_t>& pairs);
+  static size_t unit_pairs(const LocalCopy& job, std::vector<int32_t>& pairs);
   int launch_device(const Pool& sp, const Pool& dp) const { return cu_.launch_device(sp.device, dp.device); }
   // A larger same-node copy of host pools goes to the bulk thread: the lane thread keeps
   // answering (a 256 MiB host copy takes ~25 ms). GPU copies stay here (2 GiB is ~1.4 ms on one

@@ -145,6 +145,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drop_pool", &Lane::drop_pool, py::arg("bs"), py::arg("wait_s") = 10.0, Release())
       .def("set_guard", &Lane::set_guard)
       .def("set_heads", &Lane::set_heads)
+      .def("set_units", &Lane::set_units)
       .def("set_aux", &set_aux)
       .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"), py::arg("prefix"),
            py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1,

@@ -19,6 +19,11 @@ namespace kvlane {
 //   transfer pages   off ............ off + n          (the chunk)
 //   receiver's       0 ..... prefix ................... prefix + dst.size()
 //   copied           from lo = max(off, prefix):  src[lo - off + i] -> dst[lo - prefix + i]
+//
+// Pools of two page sizes (Target::ms, md) exchange units of g = gcd tokens instead: sender unit
+// k of page src[i] is the transfer's unit (off + i) * ms + k, which lands in receiver unit
+// dst[r / md] * md + r % md, r = its unit past the prefix's prefix * md (units past the delta:
+// the rest of the sender's last page, not copied).
 void Lane::copy_local(LocalCopy& job) {
   const Pool& sp = job.sp;
   uint64_t aux_bytes = 0;
@@ -26,18 +31,9 @@ void Lane::copy_local(LocalCopy& job) {
     std::memcpy((void*)a.dst, (const void*)a.src, a.n);
     aux_bytes += a.n;
   }
-  const int64_t n = (int64_t)job.src.size(), lo = std::max(job.off, job.prefix);
-  const size_t moved = (size_t)std::max<int64_t>(0, job.off + n - lo), nt = job.tg.size();
-  const size_t s0 = (size_t)(lo - job.off), d0 = (size_t)(lo - job.prefix);
-  std::vector<int32_t> pairs(2 * moved * nt);
-  for (size_t t = 0; t < nt; ++t) {
-    const std::vector<int32_t>& dst = job.tg[t].dst;
-    int32_t* pr = pairs.data() + 2 * moved * t;
-    for (size_t i = 0; i < moved; ++i) {
-      pr[2 * i] = job.src[s0 + i];
-      pr[2 * i + 1] = dst[d0 + i];
-    }
-  }
+  std::vector<int32_t> pairs;
+  const bool units = !job.tg.empty() && (job.tg[0].ms != 1 || job.tg[0].md != 1);
+  const size_t moved = units ? unit_pairs(job, pairs) : page_pairs(job, pairs);
   std::vector<Seg> segs;
   std::string err;
   try {
@@ -61,6 +57,40 @@ void Lane::copy_local(LocalCopy& job) {
   if (!job.at_launch) job.at_launch = t0;
   job.at_done = now_s();
   end_local(job, err, (uint64_t)((now_s() - t0) * 1e6), nbytes, moved);
+}
+
+size_t Lane::page_pairs(const LocalCopy& job, std::vector<int32_t>& pairs) {
+  const int64_t n = (int64_t)job.src.size(), lo = std::max(job.off, job.prefix);
+  const size_t moved = (size_t)std::max<int64_t>(0, job.off + n - lo), nt = job.tg.size();
+  const size_t s0 = (size_t)(lo - job.off), d0 = (size_t)(lo - job.prefix);
+  pairs.resize(2 * moved * nt);
+  for (size_t t = 0; t < nt; ++t) {
+    const std::vector<int32_t>& dst = job.tg[t].dst;
+    int32_t* pr = pairs.data() + 2 * moved * t;
+    for (size_t i = 0; i < moved; ++i) {
+      pr[2 * i] = job.src[s0 + i];
+      pr[2 * i + 1] = dst[d0 + i];
+    }
+  }
+  return moved;
+}
+
+// (one target: a page-size conversion is between the sender's rank and the same receiver rank)
+size_t Lane::unit_pairs(const LocalCopy& job, std::vector<int32_t>& pairs) {
+  const Target& t = job.tg[0];
+  const int64_t ms = t.ms, md = t.md, lo = job.prefix * md, room = lo + (int64_t)t.dst.size() * md;
+  pairs.clear();
+  pairs.reserve(2 * job.src.size() * (size_t)ms);
+  for (size_t i = 0; i < job.src.size(); ++i) {
+    for (int64_t k = 0; k < ms; ++k) {
+      const int64_t pos = (job.off + (int64_t)i) * ms + k;
+      if (pos < lo || pos >= room) continue;
+      const int64_t r = pos - lo;
+      pairs.push_back((int32_t)(job.src[i] * ms + k));
+      pairs.push_back((int32_t)(t.dst[(size_t)(r / md)] * md + r % md));
+    }
+  }
+  return pairs.size() / 2;
 }
 
 std::string Lane::launch_local(LocalCopy& job, const std::vector<Seg>& segs, const std::vector<int32_t>& pairs,
@@ -161,8 +191,10 @@ void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, cons
   const std::string& err = s.error;
   const bool ok = err.empty();
   const size_t nt = s.tg.size();
-  const uint64_t each = nt ? s.nbytes / nt : 0, moved = nt ? s.moved : 0;
-  const uint64_t skipped = (uint64_t)std::max<int64_t>(0, s.prefix - s.first);
+  // (pages: of the receiver, moved; of the sender, wholly in the prefix)
+  const int64_t ms = nt ? s.tg[0].ms : 1, md = nt ? s.tg[0].md : 1;
+  const uint64_t each = nt ? s.nbytes / nt : 0, moved = nt ? (s.moved + (uint64_t)md - 1) / (uint64_t)md : 0;
+  const uint64_t skipped = (uint64_t)std::max<int64_t>(0, s.prefix * md / ms - s.first);
   Completion done;
   fill(done, s, at, nbytes, us);
   done.ranks.clear();
@@ -232,7 +264,10 @@ std::vector<Seg> Lane::segments(const Pool& sp, const std::vector<Target>& tg, s
       const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
       Seg g{sa ? (*sa)[r] : s.base, da ? (*da)[r] : d.base, s.stride, d.stride, s.nbytes, s.nbytes, 0, 0,
             (uint64_t)(t * moved)};
-      if (x.nh) {
+      if (x.ms != 1 || x.md != 1) {  // units of g tokens, pages back to back (Lane::check): one run each
+        g.src_stride = s.nbytes / (uint64_t)x.ms, g.dst_stride = d.nbytes / (uint64_t)x.md;
+        g.nbytes = g.run = g.src_stride;
+      } else if (x.nh) {
         const uint64_t hb = s.nbytes / ((uint64_t)sp.ps * sp.hn), ps = (uint64_t)sp.ps;
         if (sp.hmode == 1) {  // token-major
           g.src += x.hs * hb, g.dst += x.hd * hb;

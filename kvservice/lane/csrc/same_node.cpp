@@ -13,6 +13,7 @@
 
 #include <cstring>
 #include <exception>
+#include <numeric>
 #include <stdexcept>
 
 #include "lane.h"
@@ -46,6 +47,15 @@ bool Lane::read_chunk(const char* q, size_t n, SendChunk& c) {
 }
 
 namespace {
+
+// Whether a chunk ending at unit ``end`` fits a delta ending at unit ``room`` (units of
+// gcd(page sizes) tokens; ``ms``, ``md``: units a sender / receiver page): never past it, but
+// for the rest of the sender's last page (past the sequence's last token); a last chunk leaves
+// at most a tail of the receiver's last page unwritten (as over gRPC: plan.map_chunk).
+bool fits(int64_t end, int64_t room, int64_t ms, int64_t md, bool last) {
+  if (end > room && !(last && room > end - ms)) return false;
+  return !(last && end < room && room - end >= md);
+}
 
 const AuxDesc* aux_of(const Pool& p, const std::string& name) {
   for (const AuxDesc& a : p.aux)
@@ -190,16 +200,17 @@ std::string Lane::next_chunk(Stream& s, const SendChunk& c, const std::vector<in
     return "chunk_offset: " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
            std::to_string(s.next);
   const int64_t end = c.offset + (int64_t)src.size(), want = s.prefix + (int64_t)s.tg[0].dst.size();
-  if (end > want)
+  const int64_t ms = s.tg[0].ms, md = s.tg[0].md, end_u = end * ms, room = want * md;
+  if (end_u > room && !fits(end_u, room, ms, md, c.last))
     return "src_page_indices: the chunk ends at page " + std::to_string(end) + " of a transfer of " +
-           std::to_string(want) + " (prefix + delta)";
+           std::to_string(want) + (ms == md ? "" : " receiver") + " pages (prefix + delta)";
   std::string why = pages_ok(s.sp, src);
   if (why.empty()) why = aux_ok(s.sp, s.tg, c.aux, job);
   if (!why.empty()) return why;
-  if (c.last && end != want) {  // the sender says it is done with pages unsent: the receiver fails
+  if (!fits(end_u, room, ms, md, c.last)) {  // the sender says it is done with pages unsent: the receiver fails
     fatal = true;
-    return "sender finished with " + std::to_string(want - end) + " of " + std::to_string(s.tg[0].dst.size()) +
-           " delta pages unsent (prefix + delta)";
+    return "sender finished with " + std::to_string((room - end_u + md - 1) / md) + " of " +
+           std::to_string(s.tg[0].dst.size()) + " delta pages unsent (prefix + delta)";
   }
   mark_aux(s.tg, c.aux);
   s.next = end;
@@ -312,6 +323,12 @@ std::string Lane::targets(const std::string& tid, const Pool& sp, const SendChun
     if (dp.sig == sp.sig) {
       if (rank != sp.rank) continue;
       whole = true;
+    } else if (sp.usig && sp.usig == dp.usig && sp.ps > 0 && dp.ps > 0) {  // page sizes differ
+      if (rank != sp.rank) continue;
+      const int g = std::gcd(sp.ps, dp.ps);
+      t.ms = sp.ps / g, t.md = dp.ps / g;
+      if (sp.num_pages * t.ms > INT32_MAX || dp.num_pages * t.md > INT32_MAX) return "too many units for the lane";
+      whole = true;
     } else if (sp.hmode && sp.hmode == dp.hmode && sp.msig == dp.msig) {
       const int lo = std::max(sp.hlo, dp.hlo), hi = std::min(sp.hlo + sp.hn, dp.hlo + dp.hn);
       if (lo >= hi) continue;
@@ -327,7 +344,7 @@ std::string Lane::targets(const std::string& tid, const Pool& sp, const SendChun
     if (now > a.deadline) return "transfer deadline passed";
     if (a.ranks & (1ull << (sp.rank & 63))) return "this sender rank sent it already";
     if (a.senders && a.senders != t.senders) return "expected_senders differs from the layouts";
-    std::string why = check(sp, dp, a, c, src.size(), t.nh);
+    std::string why = check(sp, dp, a, c, src.size(), t);
     if (!why.empty()) return why;
     if (!tg.empty() && (a.prefix != prefix || dp.device != tg[0].dp.device))
       return "receiver ranks differ in prefix or device";
@@ -343,10 +360,15 @@ std::string Lane::targets(const std::string& tid, const Pool& sp, const SendChun
   return pages_ok(sp, src);
 }
 
-// One target's geometry against the sender's (nh 0: equal layouts, whole pages), and where the
-// first chunk ``c`` of ``n`` pages lies: from the transfer's page 0, or from inside the
-// receiver's prefix (a sender that knows it); never past the delta.
-std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n, int nh) const {
+
+// One target's geometry against the sender's (t.nh 0: equal layouts, whole pages or, with
+// t.ms / t.md, units of both page sizes' gcd), and where the first chunk ``c`` of ``n`` pages
+// lies: from the transfer's page 0, or from inside the receiver's prefix (a sender that knows
+// it); never past the delta.
+std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const SendChunk& c, size_t n,
+                        const Target& t) const {
+  const int nh = t.nh;
+  const bool units = t.ms != 1 || t.md != 1;
   if (sp.regions.size() != dp.regions.size()) return "layouts differ";  // (nh 0: targets() saw equal signatures)
   // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
   // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
@@ -358,14 +380,20 @@ std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const Se
   }
   for (size_t i = 0; i < sp.regions.size(); ++i) {
     const uint64_t a_ = sp.regions[i].nbytes, b_ = dp.regions[i].nbytes;
-    if (nh == 0 ? a_ != b_
+    // units: a token's rows of equal length on both sides, pages back to back (a unit's address
+    // is then unit * its bytes)
+    if (units) {
+      if (a_ % (uint64_t)sp.ps || b_ % (uint64_t)dp.ps || a_ / sp.ps != b_ / dp.ps || sp.regions[i].stride != a_ ||
+          dp.regions[i].stride != b_)
+        return "region geometry differs";
+    } else if (nh == 0 ? a_ != b_
                 : (a_ % ((uint64_t)sp.ps * sp.hn) || b_ % ((uint64_t)dp.ps * dp.hn) ||
                    a_ / ((uint64_t)sp.ps * sp.hn) != b_ / ((uint64_t)dp.ps * dp.hn)))
       return "region geometry differs";
   }
-  const int64_t end = c.offset + (int64_t)n, want = a.prefix + (int64_t)a.dst.size();
-  if (c.offset > a.prefix) return "the first chunk starts past the receiver's prefix";
-  if (end > want || (c.last && end != want)) return "page count is not prefix + delta";
+  const int64_t end = (c.offset + (int64_t)n) * t.ms, room = (a.prefix + (int64_t)a.dst.size()) * t.md;
+  if (c.offset * t.ms > a.prefix * t.md) return "the first chunk starts past the receiver's prefix";
+  if (!fits(end, room, t.ms, t.md, c.last)) return "page count is not prefix + delta";
   return "";
 }
 

@@ -62,6 +62,10 @@ struct Pool {
   // its TP; global heads [hlo, hlo + hn) of ``ps`` tokens a page.
   int hmode = 0, hlo = 0, hn = 0, ps = 0;
   uint64_t msig = 0;
+  // page-size conversions (set_units): the layout but for its page size, when every region's
+  // page is its tokens' rows in order (token-major, K and V apart or side by side in a row), so
+  // that a unit of g tokens is a run of g rows; 0: page for page only
+  uint64_t usig = 0;
   // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
   // only in the context that opened it: a kernel on another GPU needs its own opening)
   std::unordered_map<int, std::vector<uint64_t>> alias;
@@ -102,6 +106,7 @@ struct Target {  // a receiver rank a same-node SEND copies into: all of it, or 
   Pool dp;
   std::vector<int32_t> dst;
   int hs = 0, hd = 0, nh = 0;  // nh 0: the whole page (equal layouts)
+  int ms = 1, md = 1;          // units of gcd(page sizes) tokens a sender / receiver page (1, 1: pages)
   int senders = 1;             // sender ranks this receiver rank has, by the layouts
 };
 
