@@ -139,3 +139,15 @@ def test_a_flat_name_still_reads_with_a_deprecation_warning() -> None:
         assert cfg.uds_path == cfg.listen.uds_path  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
         cfg.nope  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_removed_lane_kernel_variable_warns_for_triton_and_refuses_nvrtc(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """KVSERVICE_LANE_KERNEL (decision 0026): ``triton``, the only kernel now, is ignored with a
+    warning; any other value is refused, naming the variable and why."""
+    with caplog.at_level("WARNING"):
+        assert load_config({}, environ={"KVSERVICE_LANE_KERNEL": "triton"}) == load_config({}, environ={})
+    assert "KVSERVICE_LANE_KERNEL is ignored" in caplog.text
+    with pytest.raises(ConfigError, match="KVSERVICE_LANE_KERNEL: 'nvrtc' is no longer supported: .*Triton"):
+        load_config({}, environ={"KVSERVICE_LANE_KERNEL": "nvrtc"})

@@ -32,6 +32,10 @@ OPTIONS: dict[str, tuple[str, dataclasses.Field[Any]]] = {
 
 # an old environment variable -> the option it sets now (read with a warning)
 DEPRECATED_ENV: dict[str, str] = {"KVLANE_NOTE_WITH_WRITE": "lane_note_with_write"}
+# removed options: the one value that is now the behaviour (ignored with a warning), and why
+REMOVED_ENV: dict[str, tuple[str, str]] = {
+    "KVSERVICE_LANE_KERNEL": ("triton", "the lane's copy kernel is the Triton one only (docs/decisions/0026)"),
+}
 
 
 def with_options(config: Config, **options: Any) -> Config:
@@ -130,6 +134,12 @@ def load_config(
             )
             values[name] = _coerce(name, environ[key])
     for key, raw in environ.items():
+        if key in REMOVED_ENV:
+            now, why = REMOVED_ENV[key]
+            if raw.strip().lower() != now:
+                raise ConfigError(f"{key}: {raw!r} is no longer supported: {why}")
+            log.warning("%s is ignored and will be refused in a later release: %s", key, why)
+            continue
         if key.startswith("KVSERVICE_") and key != "KVSERVICE_CONFIG":
             name = key[len("KVSERVICE_") :].lower()
             if name not in OPTIONS:
