@@ -482,7 +482,8 @@ SUITES: dict[str, Suite] = {
         (
             Goal(
                 SN,
-                "every shape (1-32 chunks, + aux row), 64 KiB a chunk: last chunk -> DONE <= 0.15 ms p50",
+                "every shape (1-32 chunks, + aux row, page 16 -> 1 and 64), 64 KiB a chunk: "
+                "last chunk -> DONE <= 0.15 ms p50",
                 ("shapes_same_node",),
                 shapes_within(0.15, streamed=False),
                 ("shapes_same_node_grpc",),
