@@ -34,7 +34,10 @@ OPTIONS: dict[str, tuple[str, dataclasses.Field[Any]]] = {
 DEPRECATED_ENV: dict[str, str] = {"KVLANE_NOTE_WITH_WRITE": "lane_note_with_write"}
 # removed options: the one value that is now the behaviour (ignored with a warning), and why
 REMOVED_ENV: dict[str, tuple[str, str]] = {
-    "KVSERVICE_LANE_KERNEL": ("triton", "the lane's copy kernel is the Triton one only (docs/decisions/0026)"),
+    "KVSERVICE_LANE_KERNEL": (
+        "triton",
+        "the lane's copy kernel is the Triton one only (docs/decisions/0026)",
+    ),
 }
 
 

@@ -18,10 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import KVServiceError
+from ._native_api import NativeLane
 from .book import CallHandler, LaneBook, NoLane
+
+if TYPE_CHECKING:
+    from ..node import Node
+    from ..transfer.engine import TransferEngine
+    from .listener import LaneListener
 
 __all__ = ["LaneBook", "NoLane", "RunningLane", "start"]
 
@@ -29,12 +35,12 @@ log = logging.getLogger(__name__)
 
 
 class RunningLane:
-    def __init__(self, native: Any, listener: Any, book: LaneBook) -> None:
+    def __init__(self, native: NativeLane, listener: LaneListener, book: LaneBook) -> None:
         self.native = native
         self.listener = listener
         self.book = book
 
-    def close(self, engine: Any) -> None:
+    def close(self, engine: TransferEngine) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.native.completion_fd())
         self.listener.close()
@@ -47,7 +53,7 @@ class RunningLane:
 
 
 async def start(
-    node: Any, uds_path: str, self_addresses: list[str], calls: CallHandler | None = None
+    node: Node, uds_path: str, self_addresses: list[str], calls: CallHandler | None = None
 ) -> RunningLane | None:
     """Build/load the native module (in a thread), listen on ``<uds_path>.lane`` and put the
     book on the transfer engine; None (logged) when the lane cannot run here. ``calls``: the
@@ -147,7 +153,7 @@ def _cuda_devices() -> int:
     return int(torch.cuda.device_count())
 
 
-def _init_cuda(lane: Any) -> bool:
+def _init_cuda(lane: NativeLane) -> bool:
     """CUDA for the lane's copies: the AOT cubins of kernels/lane_copy.py for each capability
     present (cached: a start after the first loads them in ms). No cubins, no CUDA: GPU pools
     then use gRPC only."""
