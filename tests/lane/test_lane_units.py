@@ -222,3 +222,20 @@ def test_head_major_pools_of_two_page_sizes_convert_over_grpc(server: Any, pairs
         a = region_a[src].reshape(len(src), heads, ps, -1).transpose(0, 2, 1, 3).reshape(len(src) * ps, -1)
         b = region_b[dst].reshape(len(dst), heads, pd, -1).transpose(0, 2, 1, 3).reshape(len(dst) * pd, -1)
         np.testing.assert_array_equal(a, b)
+
+
+def test_mla_pools_of_two_page_sizes_exchange_tokens_on_the_lane(server: Any, pairs: list[Pair]) -> None:
+    """MLA's latent (one region a layer, token-major): page 64 into page 1, in two chunks."""
+    lay = {"num_layers": 2, "latent_dim": 72, "dtype": "bfloat16"}
+    p = Pair(
+        server, Layout.mla(page_size=64, num_pages=4, **lay), Layout.mla(page_size=1, num_pages=256, **lay)
+    )
+    pairs.append(p)
+    src, dst = [2, 0], list(range(255, 255 - 100, -1))  # 128 tokens; the receiver holds 28 already
+    before = p.snapshot()
+    p.kb.expect_delta("t-mla", p.b, prefix_pages=28, dst_page_indices=dst)
+    _send(p, "t-mla", src, [1])
+    (r,) = p.kb.wait("t-mla", timeout=10)
+    assert r.state == "DONE" and r.route_note == "lane", r
+    assert p.ka.lane_sent == 2
+    _check_landed(p, src, 0, 28, dst, before)
