@@ -16,7 +16,8 @@ ends FAILED with a reason; :meth:`claim` then says so.
 Aux rows land too: the declaration counts them per aux region (``aux={"meta": 1}``), the senders
 name theirs as usual, and the claim names the destination rows (``aux={"meta": [row]}``).
 
-Mixed into :class:`~kvservice_client.Client` and (async) :class:`~kvservice_client.AsyncClient`.
+Written once as steps (``_steps``), mixed into both faces: :class:`~kvservice_client.Client` and
+(awaited) :class:`~kvservice_client.AsyncClient`.
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import numpy as np
 
 from . import _requests as rq
-from ._errors import DeadlineExceeded, Unavailable
+from ._calls import Calls
+from ._errors import Unavailable
 from ._proto import kvservice_pb2 as pb
+from ._steps import Steps, op, relay
 from ._types import TransferStatus
 
-__all__ = ["AsyncLandingCalls", "Claimed", "LandingCalls"]
+__all__ = ["Claimed", "LandingCalls"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +100,10 @@ def _settled(latest: dict[str, TransferStatus]) -> bool:
     return bool(latest) and all(s.state == "LANDED" or s.terminal for s in latest.values())
 
 
-class LandingCalls:
-    """Landing calls of the blocking :class:`~kvservice_client.Client`."""
+class LandingCalls(Calls):
+    """Landing calls of both clients."""
 
-    timeout: float
-    owned: Any
-    _tx_book: Any
-
+    @op
     def expect_landing(
         self,
         transfer_id: str,
@@ -120,7 +119,7 @@ class LandingCalls:
         allowed_senders: Iterable[str] = (),
         sender_address: str = "",
         aux: Mapping[str, int] | None = None,
-    ) -> TransferStatus:
+    ) -> Steps[TransferStatus]:
         """Declare ``transfer_id`` as a landing into this node's landing pool, for buffer set
         ``buffer_set_id`` (its layout; only it may claim): ``pages`` delta pages past
         ``prefix_pages`` (0: every page of ``publish_tokens`` past the prefix), kept ``ttl_ms``
@@ -130,40 +129,30 @@ class LandingCalls:
         claim publishes them into the index. ``aux`` (aux region name -> row count) lands that many
         aux rows too: the senders name as many rows, the claim names their destination rows."""
         req = landing_request(
-            transfer_id,
-            buffer_set_id,
-            prefix_pages,
-            pages,
-            ttl_ms,
-            expected_senders,
-            deadline_ms,
-            publish_tokens,
-            prefix_page_indices,
-            allowed_senders,
-            sender_address,
-            aux,
-        )
-        status = TransferStatus.from_proto(self._transfer_call("expect_delta", "ExpectDelta", req).status)  # type: ignore[attr-defined]
-        self.owned.add_transfer(transfer_id)
-        self._tx_book.made(transfer_id, status.role, status.buffer_set_id)
-        return status
+            transfer_id, buffer_set_id, prefix_pages, pages, ttl_ms, expected_senders, deadline_ms,
+            publish_tokens, prefix_page_indices, allowed_senders, sender_address, aux,
+        )  # fmt: skip
+        resp = yield from self._transfer("expect_delta", "ExpectDelta", req)
+        return self._made(transfer_id, TransferStatus.from_proto(resp.status))
 
-    def wait_landed(self, transfer_id: str, timeout: float | None = None) -> list[TransferStatus]:
+    @op
+    def wait_landed(self, transfer_id: str, timeout: float | None = None) -> Steps[list[TransferStatus]]:
         """Block until every receiver side of ``transfer_id`` here is LANDED (or ended); return them.
         Raises DeadlineExceeded when ``timeout`` (default: the client's) passes first."""
         deadline = time.monotonic() + (timeout or self.timeout)
         latest: dict[str, TransferStatus] = {}
-        statuses = self._statuses([transfer_id], True, deadline)  # type: ignore[attr-defined]
-        try:
-            for st in statuses:
-                if st.role == "RECEIVER":
-                    latest[st.buffer_set_id] = st
-                if _settled(latest):
-                    return list(latest.values())
-        finally:
-            statuses.close()
-        raise Unavailable("status stream ended before the transfer landed")
 
+        def take(st: TransferStatus) -> list[TransferStatus] | None:
+            if st.role == "RECEIVER":
+                latest[st.buffer_set_id] = st
+            return list(latest.values()) if _settled(latest) else None
+
+        landed = yield from relay(self._statuses([transfer_id], True, deadline), take)
+        if landed is None:
+            raise Unavailable("status stream ended before the transfer landed")
+        return landed
+
+    @op
     def claim(
         self,
         transfer_id: str,
@@ -172,7 +161,7 @@ class LandingCalls:
         dst_page_indices: Iterable[int] | np.ndarray,
         wait_ms: int = 0,
         aux: Mapping[str, Iterable[int]] | None = None,
-    ) -> Claimed:
+    ) -> Steps[Claimed]:
         """Copy landed ``transfer_id`` into ``dst_page_indices`` of ``buffer_set_id`` (one per landed
         page, in sequence order), and its landed aux rows into rows ``aux`` (aux region name ->
         rows, one entry per landed aux region, as many rows as landed); DONE on return. A transfer
@@ -181,85 +170,7 @@ class LandingCalls:
         evicted, aborted); InvalidArgument names a bad field and leaves the landing claimable."""
         wait_ms = wait_ms or int(self.timeout * 1000)
         req = claim_request(transfer_id, buffer_set_id, dst_page_indices, wait_ms, aux)
-        r = self._transfer_call("claim", "Claim", req)  # type: ignore[attr-defined]
-        status = TransferStatus.from_proto(r.status)
-        self.owned.observe((status,))
-        return Claimed(status, int(r.claim_us))
-
-
-class AsyncLandingCalls:
-    """Landing calls of :class:`~kvservice_client.AsyncClient` (see :class:`LandingCalls`)."""
-
-    timeout: float
-    owned: Any
-
-    async def expect_landing(
-        self,
-        transfer_id: str,
-        buffer_set_id: str,
-        *,
-        prefix_pages: int = 0,
-        pages: int = 0,
-        ttl_ms: int = 0,
-        expected_senders: int = 0,
-        deadline_ms: int = 0,
-        publish_tokens: rq.TokensLike | None = None,
-        prefix_page_indices: Iterable[int] | np.ndarray = (),
-        allowed_senders: Iterable[str] = (),
-        sender_address: str = "",
-        aux: Mapping[str, int] | None = None,
-    ) -> TransferStatus:
-        """See :meth:`LandingCalls.expect_landing`."""
-        req = landing_request(
-            transfer_id,
-            buffer_set_id,
-            prefix_pages,
-            pages,
-            ttl_ms,
-            expected_senders,
-            deadline_ms,
-            publish_tokens,
-            prefix_page_indices,
-            allowed_senders,
-            sender_address,
-            aux,
-        )
-        status = TransferStatus.from_proto((await self._call("ExpectDelta", req)).status)  # type: ignore[attr-defined]
-        self.owned.add_transfer(transfer_id)
-        return status
-
-    async def wait_landed(self, transfer_id: str, timeout: float | None = None) -> list[TransferStatus]:
-        """See :meth:`LandingCalls.wait_landed`."""
-        import asyncio
-
-        async def watch() -> list[TransferStatus]:
-            latest: dict[str, TransferStatus] = {}
-            async for st in self.watch([transfer_id]):  # type: ignore[attr-defined]
-                if st.role == "RECEIVER":
-                    latest[st.buffer_set_id] = st
-                if _settled(latest):
-                    return list(latest.values())
-            raise Unavailable("status stream ended before the transfer landed")
-
-        try:
-            return await asyncio.wait_for(watch(), timeout or self.timeout)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded("the transfer did not land before the wait's timeout") from None
-
-    async def claim(
-        self,
-        transfer_id: str,
-        buffer_set_id: str,
-        *,
-        dst_page_indices: Iterable[int] | np.ndarray,
-        wait_ms: int = 0,
-        aux: Mapping[str, Iterable[int]] | None = None,
-    ) -> Claimed:
-        """See :meth:`LandingCalls.claim`."""
-        req = claim_request(
-            transfer_id, buffer_set_id, dst_page_indices, wait_ms or int(self.timeout * 1000), aux
-        )
-        r = await self._call("Claim", req)  # type: ignore[attr-defined]
+        r = yield from self._transfer("claim", "Claim", req)
         status = TransferStatus.from_proto(r.status)
         self.owned.observe((status,))
         return Claimed(status, int(r.claim_us))

@@ -29,6 +29,7 @@ import grpc
 from ._errors import KVClientError, NotFound, SessionLost, Unavailable, map_rpc_error
 from ._local_identity import CREDENTIAL_METADATA_KEY
 from ._proto import kvservice_pb2 as pb
+from ._requests import SESSION_METADATA_KEY
 
 __all__ = [
     "CREDENTIAL_METADATA_KEY",
@@ -151,7 +152,12 @@ class Owned:
 
 
 class SessionKeeper:
-    """Holds the session stream on a daemon thread (sync client)."""
+    """Holds the session stream on a daemon thread, for both clients (``stub``: a blocking
+    KVService stub; the asyncio client keeps a small blocking channel for it).
+
+    Why a thread for the asyncio client too: the stream is long-lived, its resume backs off and
+    its first read has a deadline; one implementation of those rules is worth a thread and a
+    connection per client. Calls never wait on it once the session is open (``ready_id``)."""
 
     def __init__(
         self,
@@ -219,8 +225,8 @@ class SessionKeeper:
             self._cancel()
             self._state, self._error, self.session_id = "idle", None, ""
 
-    def close(self, close_rpc: Callable[[str], None]) -> None:
-        """End the session on the service (``close_rpc(session_id)``) and stop the thread."""
+    def close(self, timeout: float) -> None:
+        """End the session on the service (CloseSession, at most ``timeout``) and stop the thread."""
         with self._cond:
             ready, sid = self._state == "ready", self.session_id
             self._state = "closed"
@@ -228,8 +234,9 @@ class SessionKeeper:
             self._cond.notify_all()
         if ready:
             try:
-                close_rpc(sid)
-            except KVClientError:
+                md = ((SESSION_METADATA_KEY, sid),)
+                self._stub.CloseSession(pb.CloseSessionRequest(), timeout=timeout, metadata=md)
+            except grpc.RpcError:
                 pass  # the stream's end releases it after the grace period anyway
         with self._cond:
             self._cancel()
