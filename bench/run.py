@@ -1,4 +1,4 @@
-"""Run a benchmark suite: ``python bench/run.py cpu|gpu|gpu2|engines [--small] [--results DIR]``.
+"""Run a benchmark suite: ``python bench/run.py SUITE [--small] [--steps A,B] [--results DIR]``.
 
 Each step of the suite (bench/suites.py) runs an existing benchmark script with its same-run
 baselines; each goal is read from those runs. The result is the latest file of this suite on
@@ -114,6 +114,29 @@ def goal_rows(suite: Suite, runs: dict[str, dict[str, Any]]) -> list[dict[str, A
     return rows
 
 
+def _merge(
+    before: dict[str, Any],
+    suite: Suite,
+    runs: dict[str, dict[str, Any]],
+    rows: list[dict[str, Any]],
+    date: str,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """A run of some steps over the suite's previous result: the steps that ran now replace their
+    runs and the goal rows that read them (dated ``date``); the rest stay as they were, each row
+    keeping its date (in the suite's goal order)."""
+    fresh = {r["goal"]: {**r, "date": date} for r in rows}
+    kept = {
+        g["goal"]: {**g, "date": g.get("date", before.get("date"))}
+        for g in before.get("goals", [])
+        if g["goal"] not in fresh and not set(g["steps"]) & set(runs)
+    }
+    order = [g.goal for g in suite.goals]
+    merged = {**kept, **fresh}
+    return {**{k: v for k, v in before.get("runs", {}).items() if k not in runs}, **runs}, [
+        merged[g] for g in order if g in merged
+    ]
+
+
 def plot(path: Path, title: str, rows: list[dict[str, Any]]) -> None:
     """kvservice beside its same-run baseline (ms), one pair of bars per goal that has both."""
     pairs = [r for r in rows if r.get("value_ms") and r.get("baseline_ms")]
@@ -143,18 +166,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("suite", choices=sorted(SUITES))
     ap.add_argument("--small", action="store_true", help="CI sizes (the figures then mean nothing)")
     ap.add_argument("--results", type=Path, default=RESULTS, help="where <kind>/<suite>.json goes")
+    ap.add_argument(
+        "--steps",
+        default="",
+        help="only these steps (comma-separated): the other steps' runs and goal rows stay as the "
+        "current <kind>/<suite>.json has them, each row with its own date",
+    )
     ns = ap.parse_args(argv)
     suite = SUITES[ns.suite]
+    chosen = [n for n in ns.steps.split(",") if n]
+    unknown = set(chosen) - {s.name for s in suite.steps}
+    if unknown:
+        ap.error(f"--steps: {sorted(unknown)} not in suite {suite.name} ({[s.name for s in suite.steps]})")
     kind, words = hardware()
+    out = ns.results / kind
     started, load = time.time(), os.getloadavg()[0]  # other work on the machine skews its figures
+    todo = suite._replace(steps=tuple(s for s in suite.steps if s.name in chosen)) if chosen else suite
     with tempfile.TemporaryDirectory(prefix=f"bench-{suite.name}-") as work:
-        runs = run_steps(suite, ns.small, Path(work))
+        runs = run_steps(todo, ns.small, Path(work))
     rows = goal_rows(suite, runs)
+    date = time.strftime("%Y-%m-%d", time.gmtime(started))
+    if chosen and (out / f"{suite.name}.json").exists():
+        runs, rows = _merge(json.loads((out / f"{suite.name}.json").read_text()), suite, runs, rows, date)
     report = {
         "suite": suite.name,
         "kind": kind,
         "hardware": words,
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "date": date,
         "commit": _commit(),
         "command": f"python bench/run.py {suite.name}" + (" --small" if ns.small else ""),
         "wall_s": round(time.time() - started, 1),
@@ -162,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "goals": rows,
         "runs": runs,
     }
-    out = ns.results / kind
+    if chosen:
+        report["steps_run"] = [s.name for s in todo.steps]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{suite.name}.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(out / f"{suite.name}.png", f"{suite.name} on {words} ({report['date']}, {report['commit']})", rows)

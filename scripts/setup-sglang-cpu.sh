@@ -25,6 +25,9 @@ t0=$(date +%s)
 "$VENV/bin/python" -m pip install -q "torch==2.14.1" torchvision -r tools/sglang-cpu-requirements.txt
 "$VENV/bin/python" -m pip install -q --no-deps "sglang==0.5.23"
 "$VENV/bin/python" -m pip install -q -e . -e ./clients/python -e ./clients/sglang "pytest>=8,<10"
+# SGLang's own mooncake backend, beside ours in bench/bench_adapter_sglang_e2e.py (its nixl backend
+# takes the nixl that kvservice pins); the wheel loads libibverbs.so.1 (Debian: libibverbs1)
+"$VENV/bin/python" -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 printf '%s\nimport sglang_cpu_patches\n' "$PWD/tools/sglang-cpu-site" >"$site/kvservice-sglang-cpu.pth"
 # the CPU engine's imports (HTTP server, scheduler, our backend) and the stand-in's two ops

@@ -14,10 +14,12 @@ in flight, and once it is back the servers serve again through it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -220,3 +222,18 @@ def test_a_killed_prefill_service_fails_that_request_and_the_pair_serves_once_it
     want = single.generate(_greedy(again, 6))["output_ids"]
     assert pd_generate(p, d, _greedy(again, 6))["output_ids"] == want
     assert os.path.exists(svc_p.sock)
+
+
+def test_the_sglang_bench_measures_the_pair_against_one_server(servers, monkeypatch) -> None:
+    """bench_adapter_sglang_e2e's phase on these servers (two conversations of two turns at once):
+    every request answered, tokens equal to the single server's, and each one's time and the time
+    the pair added recorded (the bench's figures, at CI size, against real servers)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    bench = importlib.import_module("bench_adapter_sglang_e2e")
+
+    p, d, single = servers["p"], servers["d"], servers["single"]
+    prompts = bench.reference_prompts(single, 2, 2, 4)
+    assert prompts[0][1][: len(prompts[0][0])] == prompts[0][0]  # turn 2 extends turn 1's history
+    s = bench.summary(bench.phase(single, p, d, prompts, 4, 2))
+    assert s["failures"] == [] and s["mismatches"] == [] and s["all_equal_to_single"], s
+    assert s["pair"]["n"] == s["added"]["n"] == 4 and s["pair"]["p50_ms"] > 0, s

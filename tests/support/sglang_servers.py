@@ -72,7 +72,8 @@ def _free_port() -> int:
 
 class SglangServer:
     """One ``sglang`` server process tree (``mode``: "null", "prefill" or "decode"); with a
-    ``kvservice`` address, its transfer backend is kvservice on that service."""
+    ``kvservice`` address, its transfer backend is kvservice on that service; ``backend`` names
+    another of SGLang's (``mooncake``, ``nixl``: bench/bench_adapter_sglang_e2e.py)."""
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class SglangServer:
         kvservice: str = "",
         *extra: str,
         env: dict[str, str] | None = None,
+        backend: str = "kvservice",
     ) -> None:
         self.port = _free_port()
         self.bootstrap_port = _free_port() if mode == "prefill" else 0
@@ -89,7 +91,7 @@ class SglangServer:
         argv = [str(SGLANG_PY), "-m", "kvservice_sglang.launch_server", "--model-path", str(model)]
         argv += [*_CPU_FLAGS, "--host", "127.0.0.1", "--port", str(self.port)]
         if mode != "null":
-            argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "kvservice"]
+            argv += ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend]
         if mode == "prefill":
             argv += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         if mode == "decode":  # its retraction backup on CPU (the default needs CUDA)

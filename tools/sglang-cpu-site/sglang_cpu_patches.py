@@ -28,18 +28,28 @@ def _mooncake(module: ModuleType) -> None:
     module.MooncakeKVSender.supports_host_tensor_indices = False
 
 
-def _host_memory(method: Callable[..., Any]) -> Callable[..., Any]:
+def _host_memory(method: Callable[..., Any], at: int) -> Callable[..., Any]:
+    """``method`` with its memory type (positional argument ``at``, or ``mem_type=``) "DRAM"
+    where SGLang says "VRAM"."""
+
     @functools.wraps(method)
-    def call(self: Any, descs: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        return method(self, descs, "DRAM" if mem_type == "VRAM" else mem_type, *args, **kwargs)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > at and args[at] == "VRAM":
+            args = (*args[:at], "DRAM", *args[at + 1 :])
+        if kwargs.get("mem_type") == "VRAM":
+            kwargs["mem_type"] = "DRAM"
+        return method(self, *args, **kwargs)
 
     return call
 
 
 def _nixl(module: ModuleType) -> None:
     agent = sys.modules["nixl._api"].nixl_agent  # nixl/__init__ puts its CUDA build's _api there
-    for name in ("register_memory", "get_xfer_descs", "get_reg_descs"):
-        setattr(agent, name, _host_memory(getattr(agent, name)))
+    # (descs, mem_type) for the first three; prep_xfer_dlist(agent_name, xfer_list, mem_type), which
+    # SGLang calls on both sides with the kind it registered (its strided descriptors)
+    where = {"register_memory": 1, "get_xfer_descs": 1, "get_reg_descs": 1, "prep_xfer_dlist": 2}
+    for name, at in where.items():
+        setattr(agent, name, _host_memory(getattr(agent, name), at))
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
