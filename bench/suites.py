@@ -487,7 +487,14 @@ SUITES: dict[str, Suite] = {
             # which no two nodes do, so the goal rows run under MPS and the time-sliced run is shown
             Step(
                 "shapes_cross_node",
-                (*SHAPES, "--cross", "--shapes", "c1,c2,c8,c1+aux,c2+aux,s32", "--iters", "100"),
+                (
+                    *SHAPES,
+                    "--cross",
+                    "--shapes",
+                    "c1,c2,c8,c1+aux,c2+aux,s32,c1@p1,c2@p1,c2+aux@p64",
+                    "--iters",
+                    "100",
+                ),
                 mps=True,
             ),
             Step(
@@ -498,7 +505,7 @@ SUITES: dict[str, Suite] = {
                     "--peer-auth",
                     "token",
                     "--shapes",
-                    "c1,c2,c8,c1+aux,s32",
+                    "c1,c2,c8,c1+aux,s32,c2+aux@p1",
                     "--iters",
                     "100",
                 ),
@@ -526,8 +533,8 @@ SUITES: dict[str, Suite] = {
             ),
             Goal(
                 XN,
-                "every shape (1-8 chunks, + aux row), 64 KiB a chunk: last chunk -> DONE <= 0.6 ms p50 "
-                "(both services under CUDA MPS)",
+                "every shape (1-8 chunks, + aux row, page 16 -> 1 and 64), 64 KiB a chunk: last chunk -> "
+                "DONE <= 0.6 ms p50 (both services under CUDA MPS)",
                 ("shapes_cross_node",),
                 shapes_within(0.6, streamed=False, base_is=TIME_SLICED),
                 ("shapes_cross_node_time_sliced",),

@@ -103,7 +103,7 @@ class NativeLane(Protocol):
 
     def set_heads(self, bs: str, hmode: int, msig: int, hlo: int, hn: int, ps: int, /) -> None: ...
 
-    def set_units(self, bs: str, usig: int, /) -> None: ...
+    def set_units(self, bs: str, usig: int, xusig: int, /) -> None: ...
 
     def set_aux(self, bs: str, aux: list[tuple[str, int, int, int]], /) -> None: ...
 
@@ -164,6 +164,8 @@ class NativeLane(Protocol):
         prefix: int,
         ndst: int,
         deadline: float,
+        xusig: int,
+        rps: int,
         /,
     ) -> None: ...
 

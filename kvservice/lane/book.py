@@ -194,7 +194,7 @@ class LaneBook(NoLane):
         table = np.stack([np.array([r.address for r in regions], dtype=np.uint64), stride, stride], axis=1)
         if device >= 0:
             self.n.prepare_device(device)
-        from .cross_slots import geometry_signature
+        from .cross_slots import geometry_signature, unit_geometry_signature
 
         self.n.add_pool(
             bs.buffer_set_id,
@@ -207,7 +207,7 @@ class LaneBook(NoLane):
             geometry_signature(bs),
         )
         self.n.set_heads(bs.buffer_set_id, *head_geometry(lay))
-        self.n.set_units(bs.buffer_set_id, unit_signature(lay))
+        self.n.set_units(bs.buffer_set_id, unit_signature(lay), unit_geometry_signature(bs))
         # aux regions live in host memory (RegisterBuffers refuses them in VRAM)
         self.n.set_aux(
             bs.buffer_set_id,

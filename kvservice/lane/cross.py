@@ -43,7 +43,7 @@ __all__ = ["CANCELLED", "CrossBook", "Slots", "geometry_signature", "slot_bytes"
 log = logging.getLogger(__name__)
 # The lanes' note format (csrc/wire.h XMAGIC): peers whose metadata carries another never pair
 # (a rolling upgrade: their transfers take gRPC instead of timing out on unread notes).
-WIRE = b"KVX3"
+WIRE = b"KVX4"
 
 
 class CrossBook:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import FailedPrecondition, KVServiceError
-from .cross_slots import Arena, geometry_signature, slot_bytes
+from .cross_slots import Arena, geometry_signature, slot_bytes, unit_geometry_signature
 
 if TYPE_CHECKING:
     from ..buffers.registry import BufferSet
@@ -121,6 +121,7 @@ class CrossIn:
         s.agent, s.address, s.size_bytes = self.agent_name, arena.base + off, nbytes
         s.mem_kind, s.device_id = ("VRAM", device) if device >= 0 else ("DRAM", 0)
         s.signature = geometry_signature(bs)
+        s.unit_signature = unit_geometry_signature(bs)
 
     def gate_in(self, transfer_id: str, rank: int) -> None:
         """A gRPC commit or slot request for ``transfer_id``: the lane gives it up, or refuses

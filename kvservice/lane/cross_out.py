@@ -27,6 +27,20 @@ if TYPE_CHECKING:
 __all__ = ["CrossOut"]
 
 _ABORT_WAIT_S = 60.0
+# an offer armed here: (receiver's address, its buffer set if it publishes, prefix pages, page size)
+_Offer = tuple[str, str, int, int]
+_NONE: _Offer = ("", "", 0, 0)
+
+
+def _skipped(offer: _Offer, rec: Record, e: TransferEngine, first: int, n: int) -> int:
+    """Of ``n`` sender pages from transfer page ``first``, those inside the receiver's prefix
+    (counted in the sender's pages: the page sizes may differ)."""
+    prefix, page = offer[2], offer[3]
+    bs = cast("LaneBook", e.lane).pool(rec.buffer_set_id)
+    mine = bs.layout.page_size if bs is not None else page
+    if page and mine and page != mine:
+        prefix = prefix * page // mine
+    return min(max(0, prefix - first), n)
 
 
 class CrossOut:
@@ -37,8 +51,9 @@ class CrossOut:
         self.n = native
         self._agents = agents  # the book's: peer service id -> its lane agent
         # (transfer, rank) offered to an engine here -> (receiver's address, its buffer set if it
-        # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route, its prefix)
-        self._out: dict[str, dict[int, tuple[str, str, int]]] = {}  # transfer -> rank -> that
+        # publishes the pages: the duplicate mark a DONE sets, as on the gRPC route, its prefix
+        # and page size: a page-size conversion counts the sender's pages of that prefix)
+        self._out: dict[str, dict[int, _Offer]] = {}  # transfer -> rank -> that
         self._recs: dict[tuple[str, str], Record] = {}  # (transfer, sender bs) -> a stream's record
         # (transfer, sender bs) the engine aborted -> (code, reason, resolved with the record)
         self._aborting: dict[tuple[str, str], tuple[str, str, asyncio.Future[Record]]] = {}
@@ -56,7 +71,8 @@ class CrossOut:
         deadline = time.monotonic() + plan.remaining_ms / 1000
         rank = plan.dst_layout.tp_rank
         into = plan.dst_buffer_set_id if plan.publishes else ""
-        self._out.setdefault(plan.transfer_id, {})[rank] = (address, into, int(plan.prefix_pages))
+        page = int(plan.dst_layout.page_size)
+        self._out.setdefault(plan.transfer_id, {})[rank] = (address, into, int(plan.prefix_pages), page)
         self.n.arm_out(
             plan.transfer_id,
             plan.dst_layout.tp_rank,
@@ -70,6 +86,8 @@ class CrossOut:
             plan.prefix_pages,
             len(plan.dst_page_indices),
             deadline,
+            s.unit_signature,  # (page sizes that differ: units of their gcd, decision 0027)
+            page,
         )
 
     def gate_out(self, transfer_id: str, rank: int) -> None:
@@ -78,9 +96,9 @@ class CrossOut:
             raise FailedPrecondition(f"transfer_id: {transfer_id!r} is being sent on the cross-node lane")
         self._forget_out(transfer_id, rank)
 
-    def _forget_out(self, transfer_id: str, rank: int) -> tuple[str, str, int]:
+    def _forget_out(self, transfer_id: str, rank: int) -> _Offer:
         ranks = self._out.get(transfer_id, {})
-        got = ranks.pop(rank, ("", "", 0))
+        got = ranks.pop(rank, _NONE)
         if not ranks:
             self._out.pop(transfer_id, None)
         return got
@@ -106,8 +124,7 @@ class CrossOut:
         self, rec: Record, tid: str, rank: int, src: npt.NDArray[np.int32], first: int, nbytes: int, us: int
     ) -> None:
         """``src`` (from transfer page ``first``) on ``rec``: the prefix pages among them skipped."""
-        prefix = self._out.get(tid, {}).get(rank, ("", "", 0))[2]
-        skipped = min(max(0, prefix - first), len(src))
+        skipped = _skipped(self._out.get(tid, {}).get(rank, _NONE), rec, self.e, first, len(src))
         self.e.table.update(
             rec,
             state="TRANSFERRING",
@@ -146,7 +163,8 @@ class CrossOut:
         tid, rank, bs_id, session_id, src, ok, error, nbytes, copy_us, flags, _, told_send = c[:12]
         e = self.e
         self.n.forget_out(tid, rank)
-        address, publishes_into, prefix = self._forget_out(tid, rank)
+        offer = self._forget_out(tid, rank)
+        address, publishes_into = offer[0], offer[1]
         # NOTE: the offer is spent: a later SendDelta of this id (a retry after DONE) must not write
         # with its plan into pages the receiver may own again; it asks, and the receiver refuses
         bs = cast("LaneBook", e.lane).pool(bs_id)  # (the engine's lane is the book of this one)
@@ -169,7 +187,7 @@ class CrossOut:
             aborting[2].set_result(rec)
         # what the chunk bookings did not count yet (the END's figures are the whole stream's)
         first = int(c[14])  # the transfer page of src[0] (a stream may start inside the prefix)
-        skipped = min(max(0, prefix - first), len(src))
+        skipped = _skipped(offer, rec, e, first, len(src))
         e.table.update(
             rec,
             state="TRANSFERRING",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..buffers.registry import BufferSet
 
-__all__ = ["ALIGN", "Arena", "Slots", "geometry_signature", "slot_bytes"]
+__all__ = ["ALIGN", "Arena", "Slots", "geometry_signature", "slot_bytes", "unit_geometry_signature"]
 
 ALIGN = 4096
 
@@ -78,4 +78,22 @@ def geometry_signature(bs: BufferSet) -> int:
     lay = bs.layout
     per_page = [r.size // lay.num_pages for r in bs.regions]
     key = f"{layout_signature(lay)}/{per_page}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") or 1
+
+
+def unit_geometry_signature(bs: BufferSet) -> int:
+    """What a sender's pool and a receiver's pool of another page size must share for the lane
+    to exchange units of gcd(page sizes) tokens across services (decision 0027): the layout but
+    for its page size (``unit_signature``) and each region's bytes a token; 0 when the layout
+    cannot (head-major pages, K and V apart within a page) or a region's page is not whole rows."""
+    import hashlib
+
+    from .geometry import unit_signature
+
+    lay = bs.layout
+    usig = unit_signature(lay)
+    per_page = [r.size // lay.num_pages for r in bs.regions]
+    if not usig or lay.page_size <= 0 or any(b % lay.page_size for b in per_page):
+        return 0
+    key = f"{usig}/{[b // lay.page_size for b in per_page]}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") or 1

@@ -98,3 +98,54 @@ def test_cross_node_lane_takes_chunks_with_aux_rows_byte_for_byte(services: list
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+@pytest.mark.parametrize(
+    "ps,pd,n_src,prefix,n_dst,cuts",
+    [
+        pytest.param(16, 1, 4, 8, 56, [], id="vllm-16-to-sglang-1"),
+        pytest.param(16, 64, 3, 0, 1, [1], id="16-to-64-2-chunks-last-page-part-filled"),
+        pytest.param(1, 16, 40, 0, 3, [16, 33], id="sglang-1-to-16-3-chunks"),
+        pytest.param(64, 16, 2, 1, 7, [], id="64-to-16"),
+    ],
+)
+def test_cross_node_lane_converts_page_sizes_on_the_gpu(
+    services: list[str], ps: int, pd: int, n_src: int, prefix: int, n_dst: int, cuts: list[int]
+) -> None:
+    """Pools of two page sizes on two services (units of gcd tokens through the lanes' VRAM
+    staging, one WRITE or streamed): every chunk over the cross-node lane, each token at its
+    sequence position, no other page written."""
+    a, b = services
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=a, layout=dict(LAYOUT, page_size=ps, num_pages=1024 // ps), fill=True)
+        dst_eng(op="register", address=b, layout=dict(LAYOUT, page_size=pd, num_pages=1024 // pd))
+        rng = np.random.default_rng(ps * 100 + pd)
+        src = rng.permutation(1024 // ps)[:n_src].tolist()
+        dst = rng.permutation(1024 // pd)[:n_dst].tolist()
+        bounds = [0, *cuts, n_src]
+        lanes = []
+        for turn in range(3):  # the first opens the prefill service's channel (gRPC); offers follow
+            tid = f"xu-{turn}"
+            assert dst_eng(op="expect", tid=tid, prefix=prefix, dst=dst, sender=a)["state"] != "FAILED"
+            time.sleep(0.05)  # the prefill's compute: the offer reaches the sender's lane
+            sent = [
+                src_eng(
+                    op="send", tid=tid, src=src[bounds[i] : bounds[i + 1]], offset=bounds[i],
+                    last=i == len(bounds) - 2, peer=b,
+                )["lane"]
+                for i in range(len(bounds) - 1)
+            ]  # fmt: skip
+            lanes.append(all(sent))
+            got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
+            assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+            lo, hi = prefix * pd, min(n_src * ps, (prefix + n_dst) * pd)  # sequence tokens landed
+            want = src_eng(op="tokens", pages=src, lo=lo, hi=hi)["digests"]
+            assert dst_eng(op="tokens", pages=dst, lo=0, hi=hi - lo)["digests"] == want
+        assert lanes[1:] == [True, True], lanes
+        assert got_d["route_note"] == "cross-node lane", got_d
+        untouched = sorted(set(range(1024 // pd)) - set(dst))
+        assert all(s == 0 for region in dst_eng(op="pages", pages=untouched)["sums"] for s in region)
+    finally:
+        src_eng.close()
+        dst_eng.close()

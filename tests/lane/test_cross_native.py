@@ -71,7 +71,9 @@ class Pair:
                 tid, 0, "sB", "bsB", self.tx_agent, prefix, d, self.slot + slot_at, slot, -1, deadline
             )
         addr = self.slot + slot_at if raddr is None else raddr
-        self.tx.arm_out(tid, 0, "peerB", self.rx_agent, addr, slot, 0, 0, 99, prefix, len(dst), deadline)
+        self.tx.arm_out(
+            tid, 0, "peerB", self.rx_agent, addr, slot, 0, 0, 99, prefix, len(dst), deadline, 0, 0
+        )
         return nbytes
 
     def send(self, tid: str, src: list[int]) -> Any:

@@ -17,6 +17,7 @@ from kvservice_client._errors import FailedPrecondition, InvalidArgument
 
 from tests.support.lane import lane_of
 from tests.support.poll import eventually
+from tests.support.tokens import check_landed
 
 
 def _layout(page_size: int, page_layout: str = "nhd", num_pages: int = 64) -> Layout:
@@ -52,11 +53,6 @@ class Pair:
     def _regions(pool: ShmKVPool) -> list[np.ndarray]:
         lay = pool.layout
         return [pool.k(i) for i in range(lay.num_layers)] + [pool.v(i) for i in range(lay.num_v_regions)]
-
-    def tokens(self, pool: ShmKVPool, pages: list[int]) -> list[np.ndarray]:
-        """Per region, the token rows of ``pages`` in order: ``[len(pages) * page_size, row]``."""
-        ps = pool.layout.page_size
-        return [r[pages].reshape(len(pages) * ps, -1) for r in self._regions(pool)]
 
     def snapshot(self) -> list[np.ndarray]:
         return [r.copy() for r in self._regions(self.pb)]
@@ -97,27 +93,16 @@ def _send(p: Pair, tid: str, src: list[int], cuts: list[int], start: int = 0) ->
 def _check_landed(
     p: Pair, src: list[int], start: int, prefix: int, dst: list[int], before: list[np.ndarray]
 ) -> None:
-    """Every receiver token of the delta that the sender sent holds the sender's token of the
-    same sequence position; every other byte of the receiver's pool is as it was."""
-    ps, pd = p.src.page_size, p.dst.page_size
-    sent = p.tokens(p.pa, src)  # sequence tokens start * ps ...
-    got = p.tokens(p.pb, dst)  # sequence tokens prefix * pd ...
-    lo, hi = max(start * ps, prefix * pd), min((start + len(src)) * ps, (prefix + len(dst)) * pd)
-    assert hi > lo
-    for s, d in zip(sent, got, strict=True):
-        np.testing.assert_array_equal(
-            d[lo - prefix * pd : hi - prefix * pd], s[lo - start * ps : hi - start * ps]
-        )
-    # nothing else changed: the rest of the named pages (an unsent tail) and every other page
-    for old, now in zip(before, p._regions(p.pb), strict=True):
-        tok_old = old.reshape(old.shape[0] * pd, -1)
-        tok_now = now.reshape(now.shape[0] * pd, -1)
-        written = np.zeros(tok_old.shape[0], dtype=bool)
-        for j, page in enumerate(dst):
-            for t in range(pd):
-                if lo <= (prefix + j) * pd + t < hi:
-                    written[page * pd + t] = True
-        np.testing.assert_array_equal(tok_now[~written], tok_old[~written])
+    check_landed(
+        p._regions(p.pa),
+        p._regions(p.pb),
+        before,
+        (p.src.page_size, p.dst.page_size),
+        src,
+        start,
+        prefix,
+        dst,
+    )
 
 
 CASES = [

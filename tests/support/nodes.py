@@ -94,7 +94,8 @@ class Node:
 class Nodes:
     """A prefill service (A) and a decode service (B) on NIXL that do not map each other's
     pools. Peers by ``auth``: "mtls" (each proves its certificate's name), "token" (a shared
-    peer token: membership, no identity) or "insecure" (nothing)."""
+    peer token: membership, no identity) or "insecure" (nothing). ``layouts``: the prefill
+    engine's and the decode engines' (both LAYOUT by default); ``server``: more service options."""
 
     def __init__(
         self,
@@ -103,8 +104,15 @@ class Nodes:
         cross_lane: bool,
         auth: str = "mtls",
         aux: dict[str, tuple[int, int]] | None = None,
+        layouts: tuple[Layout, Layout] = (LAYOUT, LAYOUT),
+        **server: Any,
     ) -> None:
-        kw: dict[str, Any] = {"transport": "nixl", "same_host_route": "off", "transfer_integrity": False}
+        kw: dict[str, Any] = {
+            "transport": "nixl",
+            "same_host_route": "off",
+            "transfer_integrity": False,
+            **server,
+        }
         if not cross_lane:
             kw["lane_cross_mb"] = 0
         peer = {"tcp_address": "", "peer_tcp_address": "127.0.0.1:0"}
@@ -122,9 +130,9 @@ class Nodes:
             auths = [{**peer, "insecure": True}] * 2
         self.sa, self.sb = (make_server(**kw, **a) for a in auths)
         lane_of(self.sa), lane_of(self.sb)
-        self.a = Engine(self.sa.address, "prefill", 1, aux=aux)
-        self.b = Engine(self.sb.address, "decode", 2, aux=aux)
-        self.c = Engine(self.sb.address, "bystander", 3, aux=aux)
+        self.a = Engine(self.sa.address, "prefill", 1, layouts[0], aux=aux)
+        self.b = Engine(self.sb.address, "decode", 2, layouts[1], aux=aux)
+        self.c = Engine(self.sb.address, "bystander", 3, layouts[1], aux=aux)
         self.peer = self.sb.app.peer_address
 
     def move(self, tid: str, src: list[int], dst: list[int], into: Engine | None = None) -> tuple[Any, Any]:

@@ -1478,8 +1478,13 @@ type LaneSlot struct {
 	// "VRAM" or "DRAM", and the device of VRAM.
 	MemKind  string `protobuf:"bytes,4,opt,name=mem_kind,json=memKind,proto3" json:"mem_kind,omitempty"`
 	DeviceId uint32 `protobuf:"varint,5,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
-	// The receiver pool's layout and region geometry; the sender's pool must match it.
-	Signature     uint64 `protobuf:"varint,6,opt,name=signature,proto3" json:"signature,omitempty"`
+	// The receiver pool's layout and region geometry; the sender's pool must match it, or
+	// unit_signature: then the pools differ only in page size (the receiver's is dst_layout's) and
+	// the lane moves units of gcd(page sizes) tokens.
+	Signature uint64 `protobuf:"varint,6,opt,name=signature,proto3" json:"signature,omitempty"`
+	// The receiver pool's layout but for its page size, and each region's bytes a token; 0 when
+	// its pages are not its tokens' rows in order (head-major pages): page for page only.
+	UnitSignature uint64 `protobuf:"varint,7,opt,name=unit_signature,json=unitSignature,proto3" json:"unit_signature,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1552,6 +1557,13 @@ func (x *LaneSlot) GetDeviceId() uint32 {
 func (x *LaneSlot) GetSignature() uint64 {
 	if x != nil {
 		return x.Signature
+	}
+	return 0
+}
+
+func (x *LaneSlot) GetUnitSignature() uint64 {
+	if x != nil {
+		return x.UnitSignature
 	}
 	return 0
 }
@@ -2217,7 +2229,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\tpublishes\x18\x11 \x01(\bR\tpublishes\x12#\n" +
 	"\rsender_ticket\x18\x12 \x01(\tR\fsenderTicket\x12\x1c\n" +
 	"\tintegrity\x18\x13 \x01(\bR\tintegrity\x123\n" +
-	"\tlane_slot\x18\x14 \x01(\v2\x16.kvservice.v1.LaneSlotR\blaneSlot\"\xaf\x01\n" +
+	"\tlane_slot\x18\x14 \x01(\v2\x16.kvservice.v1.LaneSlotR\blaneSlot\"\xd6\x01\n" +
 	"\bLaneSlot\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\x04R\aaddress\x12\x1d\n" +
@@ -2225,7 +2237,8 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"size_bytes\x18\x03 \x01(\x04R\tsizeBytes\x12\x19\n" +
 	"\bmem_kind\x18\x04 \x01(\tR\amemKind\x12\x1b\n" +
 	"\tdevice_id\x18\x05 \x01(\rR\bdeviceId\x12\x1c\n" +
-	"\tsignature\x18\x06 \x01(\x04R\tsignature\"\xaf\x06\n" +
+	"\tsignature\x18\x06 \x01(\x04R\tsignature\x12%\n" +
+	"\x0eunit_signature\x18\a \x01(\x04R\runitSignature\"\xaf\x06\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +

@@ -123,11 +123,11 @@ void Lane::set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, i
   q.hmode = hmode, q.msig = msig, q.hlo = hlo, q.hn = hn, q.ps = ps;
 }
 
-// Pool ``bs``'s page-size conversions (see Pool::usig).
-void Lane::set_units(const std::string& bs, uint64_t usig) {
+// Pool ``bs``'s page-size conversions (see Pool::usig, xusig).
+void Lane::set_units(const std::string& bs, uint64_t usig, uint64_t xusig) {
   std::lock_guard<std::mutex> g(mu_);
   auto p = pools_.find(bs);
-  if (p != pools_.end()) p->second.usig = usig;
+  if (p != pools_.end()) p->second.usig = usig, p->second.xusig = xusig;
 }
 
 void Lane::arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,

@@ -73,7 +73,8 @@ void Lane::on_note(const std::string& agent, const std::string& m) {
   stat(h.kind == XNOTE_WRITTEN ? S_NOTE : S_ACK, h.at);
   if (h.kind == XNOTE_WRITTEN && !h.ok) return on_failed(agent, tid, (int)h.rank, msg);
   if (h.kind == XNOTE_WRITTEN)
-    return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off, h.flags, msg, h.src_first);
+    return on_written(agent, tid, (int)h.rank, h.nbytes, h.npages, h.first, h.off, h.flags, msg, h.src_first,
+                      h.per_page);
   if (h.kind == XNOTE_ACK || h.kind == XNOTE_CREDIT) {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -129,22 +130,33 @@ void Lane::finish_received(const XIn& xi, const std::string& tid, int rank, cons
 
 // A chunk of the sender's pages is in our slot: unpack it into the declared pages; after the
 // last, END to the receiving engine, then ack to the sender (it reports DONE only after that);
-// after another, a credit (its half of the slot is free).
+// after another, a credit (its half of the slot is free). A page-size conversion's notes count
+// units (``per_page`` a receiver page, of gcd(page sizes) tokens): unit r of the delta lands in
+// unit r % per_page of declared page r / per_page, and a last chunk may leave a tail of the
+// last page unwritten (the sequence ends there).
 void Lane::on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
-                      uint64_t first, uint64_t off, uint32_t flags, const std::string& aux, uint32_t src_first) {
+                      uint64_t first, uint64_t off, uint32_t flags, const std::string& aux, uint32_t src_first,
+                      uint32_t per_page) {
   const std::string k = key(tid, rank);
   const double t_note = now_s();
   std::string why;
   XIn xi;  // the declaration's fields but its pages
   Pool dp;
   std::vector<int32_t> pairs;
-  uint64_t page = 0, total = 0;
+  const uint64_t per = std::max<uint32_t>(per_page, 1);
+  uint64_t page = 0, total = 0, ndst = 0;  // a unit's bytes; the delta's units, pages
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = xin_.find(k);
     auto pd = it == xin_.end() ? pools_.end() : pools_.find(it->second.recv_bs);
-    if (pd != pools_.end())
-      for (auto& r : pd->second.regions) page += r.nbytes;
+    bool units_ok = true;  // (units: pools whose pages are their tokens' rows, pages back to back)
+    if (pd != pools_.end()) {
+      const Pool& q = pd->second;
+      if (per > 1) units_ok = q.xusig && q.ps > 0 && q.ps % per == 0 && q.num_pages * (int64_t)per <= INT32_MAX;
+      for (auto& r : q.regions) units_ok &= per == 1 || (r.stride == r.nbytes && r.nbytes % per == 0);
+      for (auto& r : q.regions) page += r.nbytes / per;
+    }
+    if (it != xin_.end()) ndst = it->second.dst.size(), total = ndst * per;
     if (it == xin_.end() || it->second.state != ARMED) {
       why = "transfer not armed on the receiving service's lane";
     } else if (it->second.sender_agent != agent) {
@@ -153,13 +165,16 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
       why = "transfer deadline passed";
     } else if (pd == pools_.end()) {
       why = "receiver buffer set gone";
+    } else if (!units_ok || (it->second.md && it->second.md != per)) {
+      why = "the sender's units do not divide the receiver's pages";
     } else if (first != it->second.got) {
       why = "chunk out of order";
-    } else if ((npages == 0 && !flags) || first + npages > it->second.dst.size() || nbytes != npages * page ||
+    } else if ((npages == 0 && !flags) || first + npages > total || nbytes != npages * page ||
                off + nbytes > it->second.bytes) {
       why = "chunk outside the offer";
     } else {
-      dp = pd->second;
+      dp = unit_view(pd->second, (int)per);
+      it->second.md = (uint32_t)per;
       xi.aux = it->second.aux;
       it->second.state = RUNNING;
       XIn& x = it->second;
@@ -168,11 +183,11 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
       xi.prefix = x.prefix;
       xi.slot = x.slot;
       xi.device = x.device;
-      total = x.dst.size();
       pairs.resize(2 * npages);
       for (uint64_t i = 0; i < npages; ++i) {
+        const uint64_t r = first + i;
         pairs[2 * i] = (int32_t)i;
-        pairs[2 * i + 1] = x.dst[first + i];
+        pairs[2 * i + 1] = (int32_t)(x.dst[r / per] * (int64_t)per + (int64_t)(r % per));
       }
     }
   }
@@ -198,10 +213,11 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
     x.aux_done |= (flags & XF_AUX) != 0;
     x.aux_bytes += aux_bytes;
     x.src_first = src_first;
-    // the sender's last note ends it (a one-shot's last part says so too)
-    last = x.got == total && (flags & XF_LAST);
-    if (err.empty() && (flags & XF_LAST) && x.got != total)
-      err = "sender finished with " + std::to_string(total - x.got) + " of " + std::to_string(total) +
+    // the sender's last note ends it (a one-shot's last part says so too), all of the delta
+    // written but for a tail of its last page (units: where the sequence ends)
+    last = (flags & XF_LAST) && total - x.got < per;
+    if (err.empty() && (flags & XF_LAST) && !last)
+      err = "sender finished with " + std::to_string((total - x.got + per - 1) / per) + " of " + std::to_string(ndst) +
             " delta pages unsent";
     if (err.empty() && last && !x.aux.empty() && !x.aux_done)
       err = "every sender finished but no sender delivered the declared aux rows";
@@ -213,13 +229,13 @@ void Lane::on_written(const std::string& agent, const std::string& tid, int rank
       st_[S_RECEIVED]++;
       if (cancelled) err = CANCELLED;
       const uint64_t skipped = (uint64_t)std::max<int64_t>(0, xi.prefix - x.src_first);
-      finish_received(xi, tid, rank, err, total * page + x.aux_bytes, total, skipped, x.us, !cancelled, x.src_first);
+      finish_received(xi, tid, rank, err, x.got * page + x.aux_bytes, ndst, skipped, x.us, !cancelled, x.src_first);
     }
   }
   if (!last && err.empty())
     send_note(agent, note(XNOTE_CREDIT, rank, true, nbytes, npages, first, off, tid, ""));
   else
-    send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, total, 0, 0, tid, err));
+    send_note(agent, note(XNOTE_ACK, rank, err.empty(), total * page, ndst, 0, 0, tid, err));
   if (trace_on_) trace(ChunkTrace{tid, 1, first, npages, nbytes, {t_note, t0, t_unpacked, now_s(), 0}});
 }
 

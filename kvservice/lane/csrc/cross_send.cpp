@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <thread>
 
 #include "lane.h"
@@ -24,7 +25,24 @@ Pool Lane::packed(uint64_t base, const Pool& like, int device) {
   return p;
 }
 
-// Pool to pool, whole pages (a pack here, an unpack in cross_recv.cpp), waited for.
+// How sender pool ``sp`` writes offer ``x``: whole pages (equal geometry), or units of g =
+// gcd(page sizes) tokens between pools whose pages differ only in size (decision 0027: the
+// receiver's unit signature and page size come with its offer); x.ms, x.md: units a sender /
+// receiver page. The transfer's pages and the receiver's prefix and delta are counted in units
+// from here on, and both sides copy unit views of their pools (Lane::unit_view).
+std::string Lane::x_units(const Pool& sp, XOut& x) {
+  x.ms = x.md = 1;
+  if (sp.xsig && sp.xsig == x.xsig) return "";
+  if (!sp.xusig || sp.xusig != x.xusig || sp.ps <= 0 || x.rps <= 0) return "layouts differ";
+  const int g = std::gcd(sp.ps, x.rps), ms = sp.ps / g, md = x.rps / g;
+  for (const RegionDesc& r : sp.regions)
+    if (r.stride != r.nbytes || r.nbytes % (uint64_t)ms) return "layouts differ";
+  if (sp.num_pages * ms > INT32_MAX || (x.prefix + x.ndst) * md > INT32_MAX) return "too many units for the lane";
+  x.ms = ms, x.md = md;
+  return "";
+}
+
+// Pool to pool, whole pages or units (a pack here, an unpack in cross_recv.cpp), waited for.
 std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
   Target t;
   t.dp = dp;
@@ -97,7 +115,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
                    : "src_page_indices: a page outside i32";
       code = fatal ? REPLY_REFUSED : REPLY_INVALID;
       if (why.empty()) {
-        sp = ps->second;
+        sp = unit_view(ps->second, xi->second.ms);
         xo = xi->second;
       } else if (fatal) {
         ended = fail_xstream(xk, why);
@@ -119,42 +137,47 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
       why = "transfer deadline passed";
     } else if (xi->second.address != addr) {
       why = "offered by another receiving service than the one named";
-    } else if (!ps->second.xsig || ps->second.xsig != xi->second.xsig) {
-      why = "layouts differ";
-    } else if (c.offset > xi->second.prefix) {
+    } else if (!(why = x_units(ps->second, xi->second)).empty()) {
+      // (another layout, or page sizes the lane cannot convert: gRPC)
+    } else if (c.offset * xi->second.ms > xi->second.prefix * xi->second.md) {
       why = "the first chunk starts past the receiver's prefix";
-    } else if (c.offset + (int64_t)src.size() > xi->second.prefix + xi->second.ndst ||
-               (c.last && c.offset + (int64_t)src.size() != xi->second.prefix + xi->second.ndst)) {
+    } else if (!fits((c.offset + (int64_t)src.size()) * xi->second.ms, (xi->second.prefix + xi->second.ndst) * xi->second.md,
+                     xi->second.ms, xi->second.md, c.last)) {
       why = "page count is not prefix + delta";
     } else if (arenas_.find(ps->second.device) == arenas_.end()) {
       why = "no lane staging on the sender's device";
     } else {
-      sp = ps->second;
-      xo = xi->second;
+      why = pages_ok(ps->second, src);
+      XOut& x = xi->second;
+      sp = unit_view(ps->second, x.ms);  // whole pages, or units of gcd(page sizes) tokens
+      // the delta's units (one a page when the page sizes agree); a one-shot send writes those
+      // before its data ends (the tail of the receiver's last page may stay unwritten), an
+      // engine's chunks each their own (x_write_chunk)
+      const int64_t lo = x.prefix * x.md, room = (x.prefix + x.ndst) * x.md;
+      x.units = (uint64_t)((chunked ? room : std::min((c.offset + (int64_t)src.size()) * x.ms, room)) - lo);
+      xo = x;
       ar = arenas_[sp.device];
       for (auto& r : sp.regions) page += r.nbytes;
-      nbytes = page * (uint64_t)xo.ndst;
-      why = pages_ok(sp, src);
+      nbytes = page * (uint64_t)(room - lo);
       // A delta that fits the scratch's first part (XSMALL) whole is packed and written on
       // this thread (microseconds to a millisecond on a GPU); one that streams goes to the bulk
       // thread through the rest, so that it does not hold up the sends behind it (head of line)
       // while it takes milliseconds to seconds.
       const uint64_t scr = ar.size - ar.scratch, small = scr / XSMALL / 4096 * 4096;
-      bulk = !(nbytes == xo.rbytes && nbytes <= small);
+      bulk = !(nbytes == xo.rbytes && nbytes <= small);  // (the whole delta's bytes: the slot's)
       scratch = ar.base + ar.scratch + (bulk ? small : 0);
       // one WRITE when slot and scratch area hold the delta, else chunks through parts of both
       const uint64_t cap = std::min(xo.rbytes, bulk ? scr - small : small);
       // (parts_ parts, fewer when the staging holds fewer pages; two at least)
       const uint64_t fit = cap / std::max<uint64_t>(page, 1);
       parts = std::max<uint64_t>(2, std::min<uint64_t>(parts_, fit));
-      chunk = nbytes == xo.rbytes && nbytes <= cap ? (uint64_t)xo.ndst : fit / parts;
+      chunk = nbytes == xo.rbytes && nbytes <= cap ? xo.units : fit / parts;
       if (why.empty() && xo.rbytes > nbytes) why = "the offered slot does not match the delta";
       if (why.empty() && chunk == 0) why = "the lane's staging holds less than two pages";
       // an engine's chunks: each written where its pages go in the slot (the delta fits it)
       if (why.empty() && chunked && bulk) why = "a chunked delta larger than the lane's slot goes over gRPC";
       if (why.empty() && chunked) why = aux_note(sp, c.aux, aux, aux_bytes);
       if (why.empty()) {
-        XOut& x = xi->second;
         x.state = RUNNING;
         if (chunked) {
           x.streaming = true, x.last = c.last, x.fd = fd, x.session = session, x.bs = bs;
@@ -180,9 +203,9 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
   pend.session = session;
   pend.bs = bs;
   pend.remote_agent = xo.remote_agent;
-  pend.nbytes = nbytes;
+  pend.nbytes = chunked ? nbytes : page * xo.units;
   pend.npages = moved;
-  pend.prefix = (uint64_t)xo.prefix;
+  pend.prefix = (uint64_t)(xo.prefix * xo.md / xo.ms);  // the sender's pages skipped (its END)
   pend.flags = h.flags;
   pend.deadline = xo.deadline;
   pend.first = c.offset;
@@ -238,7 +261,8 @@ void Lane::send_out(XSend& job) {
 std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
                              const std::vector<int32_t>& src, uint64_t scratch, uint64_t page, uint64_t chunk,
                              uint64_t parts) {
-  const uint64_t n = (uint64_t)xo.ndst, chunks = (n + chunk - 1) / chunk;
+  const uint64_t n = xo.units, chunks = (n + chunk - 1) / chunk;
+  const int64_t lo = xo.prefix * xo.md;  // the delta's first unit in the transfer
   std::vector<Posted> out(parts);  // per part: its WRITE in flight, and the note that follows it
   std::string err;
   std::vector<int32_t> pairs;
@@ -248,15 +272,17 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
     if (k >= parts) err = await_credits(xk, k - parts + 1, xo.deadline, sp);  // chunk k - P left part h
     if (!err.empty()) break;
     pairs.resize(2 * cnt);
-    for (uint64_t i = 0; i < cnt; ++i) {
-      pairs[2 * i] = src[(size_t)(xo.prefix + first + i)];
+    for (uint64_t i = 0; i < cnt; ++i) {  // transfer unit t: unit t % ms of the sender's page t / ms
+      const int64_t t = lo + (int64_t)(first + i);
+      pairs[2 * i] = (int32_t)(src[(size_t)(t / xo.ms)] * xo.ms + t % xo.ms);
       pairs[2 * i + 1] = (int32_t)i;
     }
     const double t0 = now_s();
     err = copy(sp, packed(scratch + off, sp, sp.device), pairs, cnt);
     stat(S_PACK, t0);
     if (!err.empty()) break;
-    out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "", first + cnt == n ? XF_LAST : 0);
+    out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "", first + cnt == n ? XF_LAST : 0,
+                      0, (uint32_t)xo.md);
     if (trace_on_) out[h].tr = ChunkTrace{tid, 0, first, cnt, cnt * page, {t0, now_s(), 0, 0, 0}};
     err = nx_post(scratch + off, cnt * page, sp.device, xo, off, out[h]);
     if (!out[h].tr.tid.empty()) out[h].tr.t[2] = now_s();
@@ -322,7 +348,8 @@ void Lane::unpark() {
 }
 
 std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first, uint64_t off,
-                       const std::string& tid, const std::string& msg, uint32_t flags, uint32_t src_first) {
+                       const std::string& tid, const std::string& msg, uint32_t flags, uint32_t src_first,
+                       uint32_t per_page) {
   XNote h{};
   std::memcpy(h.magic, XMAGIC, 4);
   h.kind = kind;
@@ -337,6 +364,7 @@ std::string Lane::note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64
   h.msg_len = (uint32_t)msg.size();
   h.flags = flags;
   h.src_first = src_first;
+  h.per_page = per_page;
   return std::string((const char*)&h, sizeof h) + tid + msg;
 }
 

@@ -100,8 +100,10 @@ void Lane::refuse_out(const std::string& tid, int rank) {
 
 void Lane::arm_out(const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
                    uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
-                   double deadline) {
+                   double deadline, uint64_t xusig, int rps) {
   XOut x;
+  x.xusig = xusig;
+  x.rps = rps;
   x.rank = rank;
   x.address = address;
   x.remote_agent = remote_agent;

@@ -29,10 +29,12 @@ std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& 
   if (c.offset != x.next)
     return "chunk_offset: " + std::to_string(c.offset) + ": chunks must be contiguous and in order: expected " +
            std::to_string(x.next);
+  // (in units: one a page, or gcd(page sizes) tokens between two page sizes: x.ms, x.md)
   const int64_t end = c.offset + (int64_t)src.size(), want = x.prefix + x.ndst;
-  if (end > want)
+  const int64_t end_u = end * x.ms, room = want * x.md;
+  if (end_u > room && !fits(end_u, room, x.ms, x.md, c.last))
     return "src_page_indices: the chunk ends at page " + std::to_string(end) + " of a transfer of " +
-           std::to_string(want) + " (prefix + delta)";
+           std::to_string(want) + (x.ms == x.md ? "" : " receiver") + " pages (prefix + delta)";
   auto ps = pools_.find(x.bs);
   if (ps == pools_.end()) {
     fatal = true;
@@ -41,10 +43,10 @@ std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& 
   std::string why = pages_ok(ps->second, src);
   if (why.empty()) why = aux_note(ps->second, c.aux, aux, aux_bytes);
   if (!why.empty()) return why;
-  if (c.last && end != want) {
+  if (!fits(end_u, room, x.ms, x.md, c.last)) {
     fatal = true;
-    return "sender finished with " + std::to_string(want - end) + " of " + std::to_string(x.ndst) +
-           " delta pages unsent (prefix + delta)";
+    return "sender finished with " + std::to_string((room - end_u + x.md - 1) / x.md) + " of " +
+           std::to_string(x.ndst) + " delta pages unsent (prefix + delta)";
   }
   x.next = end;
   x.last = c.last;
@@ -59,8 +61,11 @@ std::string Lane::x_next_chunk(XOut& x, const std::string& xk, const SendChunk& 
 void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
                          const SendChunk& c, const std::vector<int32_t>& src, const std::string& aux,
                          uint64_t aux_bytes) {
-  const int64_t lo = std::max(c.offset, xo.prefix), end = c.offset + (int64_t)src.size();
-  const uint64_t d0 = (uint64_t)(lo - xo.prefix), m = (uint64_t)std::max<int64_t>(0, end - lo);
+  // in units (xo.ms a sender page, xo.md a receiver page; 1, 1: pages): the chunk's past the
+  // prefix and within the delta (a sender's last page may hold more than the receiver's last)
+  const int64_t ms = xo.ms, md = xo.md, lo_d = xo.prefix * md, room = (xo.prefix + xo.ndst) * md;
+  const int64_t lo = std::max(c.offset * ms, lo_d), end = std::min((c.offset + (int64_t)src.size()) * ms, room);
+  const uint64_t d0 = (uint64_t)(lo - lo_d), m = (uint64_t)std::max<int64_t>(0, end - lo);
   const uint32_t flags = (c.last ? XF_LAST : 0) | (c.aux.empty() ? 0 : XF_AUX);
   const uint64_t off = d0 * xo.page;
   XWrite w;
@@ -74,12 +79,14 @@ void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, 
   w.page = xo.page;
   w.offset = c.offset;
   w.t0 = now_s();
-  w.o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags, (uint32_t)xo.first);
+  w.o.msg = note(XNOTE_WRITTEN, xo.rank, true, m * xo.page, m, d0, off, tid, aux, flags,
+                 (uint32_t)(xo.first * ms / md), (uint32_t)md);
   w.note_only = !m && flags;
   if (m) {
     std::vector<int32_t> pairs(2 * m);
-    for (uint64_t i = 0; i < m; ++i) {
-      pairs[2 * i] = src[(size_t)(lo - c.offset) + i];
+    for (uint64_t i = 0; i < m; ++i) {  // transfer unit t: unit t % ms of the sender's page t / ms
+      const int64_t t = lo + (int64_t)i;
+      pairs[2 * i] = (int32_t)(src[(size_t)(t / ms - c.offset)] * ms + t % ms);
       pairs[2 * i + 1] = (int32_t)i;
     }
     w.err = copy(sp, packed(xo.scratch + off, sp, sp.device), pairs, m);

@@ -110,7 +110,7 @@ class Lane {
   void set_alias(const std::string& bs, int device, std::vector<uint64_t> bases);
   bool drop_pool(const std::string& bs, double wait_s);
   void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps);
-  void set_units(const std::string& bs, uint64_t usig);
+  void set_units(const std::string& bs, uint64_t usig, uint64_t xusig);
   void set_aux(const std::string& bs, std::vector<AuxDesc> aux);
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
            int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux);
@@ -134,7 +134,7 @@ class Lane {
   void refuse_out(const std::string& tid, int rank);
   void arm_out(const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
                uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
-               double deadline);
+               double deadline, uint64_t xusig, int rps);
   // 0 none, 1 was armed (now gone), 2 taken: an engine's stream of it waiting for chunks ends
   int disarm_out(const std::string& tid, int rank);
   void forget_out(const std::string& tid, int rank);
@@ -176,6 +176,11 @@ class Lane {
                      LocalCopy& job) const;
   void mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& aux);
   static std::string pages_ok(const Pool& sp, const std::vector<int32_t>& src);
+  // Whether a chunk ending at unit ``end`` fits a delta ending at unit ``room`` (units of
+  // gcd(page sizes) tokens; ``ms``, ``md``: units a sender / receiver page; 1, 1: pages).
+  static bool fits(int64_t end, int64_t room, int64_t ms, int64_t md, bool last);
+  // Pool ``p`` in units of 1/``per`` of its page (its pages back to back in every region).
+  static Pool unit_view(const Pool& p, int per);
   static bool read_chunk(const char* q, size_t n, SendChunk& c);
   // mu_ held; true: a completion was queued (signal_done once mu_ is released)
   bool fail_stream(std::unordered_map<std::string, Stream>::iterator it, const std::string& why);
@@ -237,6 +242,7 @@ class Lane {
 
   // ---- cross_send.cpp ------------------------------------------------------------------------
   static Pool packed(uint64_t base, const Pool& like, int device);
+  static std::string x_units(const Pool& sp, XOut& x);  // mu_ held: pages or units (x.ms, x.md)
   void handle_x(int fd, const char* p, size_t n);
   void send_out(XSend& job);
   std::string stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,
@@ -247,7 +253,7 @@ class Lane {
   void unpark();
   static std::string note(uint32_t kind, int rank, bool ok, uint64_t nbytes, uint64_t npages, uint64_t first,
                           uint64_t off, const std::string& tid, const std::string& msg, uint32_t flags = 0,
-                          uint32_t src_first = 0);
+                          uint32_t src_first = 0, uint32_t per_page = 1);
   // an engine's chunks of one transfer (FLAG_CHUNK SEND_TOs), its delta within the slot
   std::string aux_note(const Pool& sp, const std::vector<AuxRows>& aux, std::string& out, uint64_t& nbytes) const;
   std::string x_next_chunk(XOut& x, const std::string& xk, const SendChunk& c, const std::vector<int32_t>& src,
@@ -276,7 +282,8 @@ class Lane {
   void finish_received(const XIn& xi, const std::string& tid, int rank, const std::string& err, uint64_t nbytes,
                        uint64_t npages, uint64_t prefix, uint64_t us, bool tell, int64_t src_first = 0);
   void on_written(const std::string& agent, const std::string& tid, int rank, uint64_t nbytes, uint64_t npages,
-                  uint64_t first, uint64_t off, uint32_t flags, const std::string& aux, uint32_t src_first);
+                  uint64_t first, uint64_t off, uint32_t flags, const std::string& aux, uint32_t src_first,
+                  uint32_t per_page);
   std::string land_aux(const XIn& x, const Pool& dp, const std::string& aux, uint64_t& nbytes) const;
 
   // ---- state ---------------------------------------------------------------------------------

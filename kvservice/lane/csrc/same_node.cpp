@@ -48,15 +48,6 @@ bool Lane::read_chunk(const char* q, size_t n, SendChunk& c) {
 
 namespace {
 
-// Whether a chunk ending at unit ``end`` fits a delta ending at unit ``room`` (units of
-// gcd(page sizes) tokens; ``ms``, ``md``: units a sender / receiver page): never past it, but
-// for the rest of the sender's last page (past the sequence's last token); a last chunk leaves
-// at most a tail of the receiver's last page unwritten (as over gRPC: plan.map_chunk).
-bool fits(int64_t end, int64_t room, int64_t ms, int64_t md, bool last) {
-  if (end > room && !(last && room > end - ms)) return false;
-  return !(last && end < room && room - end >= md);
-}
-
 const AuxDesc* aux_of(const Pool& p, const std::string& name) {
   for (const AuxDesc& a : p.aux)
     if (a.name == name) return &a;
@@ -431,6 +422,22 @@ std::string Lane::aux_ok(const Pool& sp, const std::vector<Target>& tg, const st
 void Lane::mark_aux(const std::vector<Target>& tg, const std::vector<AuxRows>& aux) {
   if (aux.empty()) return;
   for (const Target& t : tg) armed_.at(t.akey).aux_done = true;
+}
+
+// Never past the delta, but for the rest of the sender's last page (past the sequence's last
+// token); a last chunk leaves at most a tail of the receiver's last page unwritten (as over
+// gRPC: plan.map_chunk).
+bool Lane::fits(int64_t end, int64_t room, int64_t ms, int64_t md, bool last) {
+  if (end > room && !(last && room > end - ms)) return false;
+  return !(last && end < room && room - end >= md);
+}
+
+Pool Lane::unit_view(const Pool& p, int per) {
+  if (per == 1) return p;
+  Pool v = p;
+  v.num_pages = p.num_pages * per;
+  for (RegionDesc& r : v.regions) r.stride /= (uint64_t)per, r.nbytes /= (uint64_t)per;
+  return v;
 }
 
 std::string Lane::pages_ok(const Pool& sp, const std::vector<int32_t>& src) {

@@ -66,6 +66,9 @@ struct Pool {
   // page is its tokens' rows in order (token-major, K and V apart or side by side in a row), so
   // that a unit of g tokens is a run of g rows; 0: page for page only
   uint64_t usig = 0;
+  // ... across services (cross_slots.unit_geometry_signature): usig and each region's bytes a
+  // token, which the receiver's offer carries (0: page for page only)
+  uint64_t xusig = 0;
   // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
   // only in the context that opened it: a kernel on another GPU needs its own opening)
   std::unordered_map<int, std::vector<uint64_t>> alias;
@@ -127,7 +130,13 @@ struct XOut {  // a transfer the receiving service offered: its slot there
   std::string address, remote_agent;
   uint64_t raddr = 0, rbytes = 0, xsig = 0;
   int rdev = 0, rmem = 0;
-  int64_t prefix = 0, ndst = 0;
+  int64_t prefix = 0, ndst = 0;  // receiver pages
+  // page-size conversions: the receiver's unit signature and page size (XOut::xusig, rps); the
+  // sender writes units of gcd(page sizes) tokens, ms a sender page and md a receiver page (1, 1:
+  // whole pages), ``units`` of them for a one-shot send (Lane::x_units)
+  uint64_t xusig = 0;
+  int rps = 0, ms = 1, md = 1;
+  uint64_t units = 0;
   double deadline = 0;
   // an engine's chunks of it (FLAG_CHUNK SEND_TOs, the delta within the slot): who sends them,
   // the next one's offset, whether the last came; packed at the same place in the scratch as in
@@ -136,7 +145,7 @@ struct XOut {  // a transfer the receiving service offered: its slot there
   int fd = -1;
   std::string session, bs;
   int64_t next = 0, first = 0;  // ... and the first one's
-  uint64_t scratch = 0, page = 0;
+  uint64_t scratch = 0, page = 0;  // page: a unit's bytes (a page's when ms == md == 1)
 };
 
 struct XIn {  // a transfer this service declared and offered with a slot
@@ -145,7 +154,8 @@ struct XIn {  // a transfer this service declared and offered with a slot
   int64_t prefix = 0;
   std::vector<int32_t> dst;
   uint64_t slot = 0, bytes = 0;  // the slot: its address and size (a larger delta streams through it)
-  uint64_t got = 0, us = 0;      // pages unpacked so far, and the µs it took
+  uint64_t got = 0, us = 0;      // units unpacked so far, and the µs it took
+  uint32_t md = 0;               // units a page (the sender's notes say; 0: no note yet)
   bool cancel = false;           // ended by the receiver while a chunk was being unpacked
   int device = -1;
   double deadline = 0;

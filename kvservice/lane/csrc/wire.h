@@ -59,9 +59,13 @@ struct XNote {
   double at;            // CLOCK_MONOTONIC s when sent (one clock per host: the lane's timings, stats())
   uint32_t tid_len, msg_len;
   uint32_t flags;       // W: XF_*
-  uint32_t src_first;   // W: the transfer page the sender's first sent page is (below the prefix: skipped)
+  uint32_t src_first;   // W: the receiver page the sender's first sent page is in (below the prefix: skipped)
+  // W: units a receiver page (1: whole pages; more: a page-size conversion, units of gcd(page
+  // sizes) tokens): npages, first and nbytes count units then
+  uint32_t per_page;
+  uint32_t reserved;
 };
-inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '3'};
+inline constexpr char XMAGIC[4] = {'K', 'V', 'X', '4'};
 enum : uint32_t { XF_LAST = 1, XF_AUX = 2 };
 constexpr size_t MAX_AUX_NOTE = 64 * 1024;  // aux rows a W note carries (more: over gRPC)
 // The scratch's first 1/XSMALL is where the lane thread packs the cross-node sends that fit it
