@@ -21,7 +21,7 @@ import numpy as np
 
 from . import lane_wire
 from ._errors import FailedPrecondition, InvalidArgument
-from ._lane import LaneOpener
+from ._lane import Lane, LaneOpener
 from ._types import TransferStatus
 
 __all__ = ["LaneSend"]
@@ -71,9 +71,10 @@ class LaneSend:
             raise InvalidArgument(f"peer_address: differs from the transfer's {to!r}")
         if route is not False and path.lower() in ("auto", "fused"):
             chunk = None if whole else (chunk_offset, last_chunk, _aux_arrays(aux))
+            lane = self.opener.get(session_id)
             try:
                 sent = self._send(
-                    session_id, transfer_id, buffer_set_id, src, peer_address, no_duplicate_mark, path, chunk
+                    lane, transfer_id, buffer_set_id, src, peer_address, no_duplicate_mark, path, chunk
                 )
             except InvalidArgument:
                 if route is True:  # a bad chunk changed nothing: the transfer goes on where it was
@@ -109,7 +110,7 @@ class LaneSend:
 
     def _send(
         self,
-        session_id: str,
+        lane: Lane | None,
         transfer_id: str,
         buffer_set_id: str,
         src: Any,
@@ -121,7 +122,6 @@ class LaneSend:
         """A chunk (``chunk``: offset, last, aux; None: the whole transfer) over the lane when its
         receiver is this node's service, or another service whose cross-node lane offered it,
         and the service takes it; None: make the gRPC call (see kvservice_client.lane_wire)."""
-        lane = self.opener.get(session_id)
         if lane is None:
             return None
         to = "" if peer_address in lane.self_addresses else peer_address

@@ -77,10 +77,19 @@ class _Stepper:
 
 
 def _run(face: Any, steps: Steps[R]) -> R:
-    for effect in (stepper := _Stepper(steps)):
-        with stepper:
-            stepper.value = effect.sync(face)
-    return stepper.result  # type: ignore[no-any-return]
+    # NOTE: the blocking path, kept free of the stepper's method calls (a one-page transfer's
+    # calls are latency-critical); the same rules as _Stepper.
+    value: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            effect = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            value, error = effect.sync(face), None
+        except Exception as exc:
+            value, error = None, exc
 
 
 async def _arun(face: Any, steps: Steps[R]) -> R:
