@@ -29,10 +29,10 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from . import _requests as rq
-from ._calls import Calls
 from ._errors import Unavailable
 from ._proto import kvservice_pb2 as pb
 from ._steps import Steps, op, relay
+from ._transfer_calls import TransferCalls
 from ._types import TransferStatus
 
 __all__ = ["Claimed", "LandingCalls"]
@@ -100,7 +100,7 @@ def _settled(latest: dict[str, TransferStatus]) -> bool:
     return bool(latest) and all(s.state == "LANDED" or s.terminal for s in latest.values())
 
 
-class LandingCalls(Calls):
+class LandingCalls(TransferCalls):
     """Landing calls of both clients."""
 
     @op
