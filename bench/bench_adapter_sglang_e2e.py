@@ -14,11 +14,13 @@ turn. A pair's request is what sglang-router sends: the same ``/generate`` to th
 decode at once; its time is the decode's answer, end to end.
 
 Per backend: the pair's and the single server's end-to-end time per request (p50/mean), the time
-the pair adds per request over the single server (same prompt, same phase), and whether its greedy
+the pair adds per request over the single server (same prompt, same phase), when the prefill half
+answered and how long the decode took after it (``after_prefill_half``), and whether its greedy
 tokens equal the single server's, token for token (every mismatch listed). A backend that does not
 start or fails requests says why in ``results[<backend>]["error"]`` / ``["failures"]``.
 ``--decode-radix`` runs every pair's decode with SGLang's decode radix cache (later turns then
-move only the pages past the decode's hit). Goal (reported, not asserted): kvservice adds no
+move only the pages past the decode's hit); every server runs with ``--sleep-on-idle`` (below;
+``--busy-idle``: without). Goal (reported, not asserted): kvservice adds no
 more than the mooncake and nixl pairs, tokens equal.
 """
 
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,13 @@ from tests.support.sglang_servers import SGLANG_PY, SglangServer, build_model, p
 
 BACKENDS = ("kvservice", "mooncake", "nixl")
 RADIX = "--disaggregation-decode-enable-radix-cache"
+# NOTE: an SGLang scheduler polls its sockets in a busy loop unless told to sleep when idle: three
+# servers on two cores then keep both busy with no request running, and every figure measures that
+# contention (a first run here: the single server 114-470 ms a request depending on the pair beside
+# it). With it, an idle server waits on its sockets (zmq poll) and wakes on a request; a server with
+# a transfer pending still polls, as in production. Every server here gets the same flags.
+SLEEP_ON_IDLE = "--sleep-on-idle"
+PAIR_TIMEOUT_S = 60.0  # a half not answered by then fails its request
 # SGLang's mooncake backend on a host without RDMA: the transfer engine's TCP transport
 MOONCAKE_TCP = {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
 # what each backend's transfer engine needs to import in .venv-sglang
@@ -112,7 +122,7 @@ class Pair:
     """A prefill and a decode server on one transfer backend: "kvservice" (a kvservice process
     beside each), "mooncake" (TCP) or "nixl"."""
 
-    def __init__(self, backend: str, model: Path, logs: Path, radix: bool) -> None:
+    def __init__(self, backend: str, model: Path, logs: Path, flags: tuple[str, ...], radix: bool) -> None:
         self.backend = backend
         self.services: list[MeteredService] = []
         addr_p = addr_d = ""
@@ -126,9 +136,9 @@ class Pair:
             for s in self.services:
                 s.wait_ready()
             addr_p, addr_d = self.services[0].address, self.services[1].address
-        extra = (RADIX,) if radix else ()
+        extra = (*flags, RADIX) if radix else flags
         self.p = SglangServer(
-            model, logs / f"{backend}-prefill.log", "prefill", addr_p, env=env, backend=backend
+            model, logs / f"{backend}-prefill.log", "prefill", addr_p, *flags, env=env, backend=backend
         )
         self.d = SglangServer(
             model, logs / f"{backend}-decode.log", "decode", addr_d, *extra, env=env, backend=backend
@@ -143,6 +153,25 @@ class Pair:
             list(pool.map(SglangServer.stop, (self.p, self.d)))
         for s in self.services:
             s.stop()
+
+
+def _pd_timed(p: SglangServer, d: SglangServer, body: dict[str, Any]) -> dict[str, Any]:
+    """pd_generate's request (both halves at once, one room), each half's answer timed from the
+    send: the decode's answer, ``wall_s`` its time, its prefill half's under ``"prefill"``."""
+    room = random.getrandbits(62)
+    pd = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port, "bootstrap_room": room}
+    t0 = time.monotonic()
+
+    def half(server: SglangServer) -> dict[str, Any]:
+        out = server.generate(pd, PAIR_TIMEOUT_S)
+        out["wall_s"] = time.monotonic() - t0
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        pre, dec = pool.submit(half, p), pool.submit(half, d)
+        out = dec.result()
+        out["prefill"] = pre.result()
+    return out
 
 
 def _timed(send: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -190,9 +219,7 @@ def phase(
                 if who == "single":
                     got[who] = list(pool.map(lambda b: _timed(single.generate, b), bodies))
                 else:
-                    got[who] = list(
-                        pool.map(lambda b: _timed(lambda x: pd_generate(p, d, x, timeout=60), b), bodies)
-                    )
+                    got[who] = list(pool.map(lambda b: _pd_timed(p, d, b), bodies))
             for i, (ref, out) in enumerate(zip(got["single"], got["pair"], strict=True)):
                 failed = _failed(out) or (_failed(out["prefill"]) and f"prefill: {_failed(out['prefill'])}")
                 want, have = ref.get("output_ids", []), out.get("output_ids", [])
@@ -203,6 +230,7 @@ def phase(
                         "prompt_tokens": len(prompts[i][t]),
                         "single_s": ref["wall_s"],
                         "pair_s": out["wall_s"],
+                        "prefill_half_s": out["prefill"]["wall_s"],
                         "added_s": out["wall_s"] - ref["wall_s"],
                         "failed": failed or _failed(ref) and f"single: {_failed(ref)}",
                         "equal_to_single": not failed and have == want,
@@ -243,6 +271,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "single": _ms([r["single_s"] for r in ok]),
         "pair": _ms([r["pair_s"] for r in ok]),
         "added": _ms([r["added_s"] for r in ok]),
+        "prefill_half": _ms([r["prefill_half_s"] for r in ok]),
+        "after_prefill_half": _ms([r["pair_s"] - r["prefill_half_s"] for r in ok]),
         "added_first_turn": _ms([r["added_s"] for r in ok if r["turn"] == 0]),
         "added_later_turns": _ms([r["added_s"] for r in ok if r["turn"] > 0]),
     }
@@ -252,7 +282,8 @@ def run(a: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
     """The prompts from the single server, then one phase per backend, each pair beside it alone."""
     results: dict[str, Any] = {"notes": []}
     requests: dict[str, list[dict[str, Any]]] = {}
-    single = SglangServer(model, logs / "single.log")
+    flags = () if a.busy_idle else (SLEEP_ON_IDLE,)
+    single = SglangServer(model, logs / "single.log", "null", "", *flags)
     try:
         single.ready()
         single.generate(_greedy([(i * 13) % 997 + 3 for i in range(100)], a.max_new_tokens))  # warm
@@ -266,7 +297,7 @@ def run(a: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
                 continue
             _flush(single)
             t0 = time.monotonic()
-            pair = Pair(backend, model, logs, a.decode_radix)
+            pair = Pair(backend, model, logs, flags, a.decode_radix)
             try:
                 pair.ready()
                 warm = pd_generate(pair.p, pair.d, _greedy([(i * 29) % 991 + 3 for i in range(90)], 2))
@@ -294,6 +325,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--decode-radix", action="store_true", help=f"every decode server with {RADIX}")
+    ap.add_argument("--busy-idle", action="store_true", help=f"servers without {SLEEP_ON_IDLE}")
     ap.add_argument("--small", action="store_true", help="CI size: 2 conversations x 2 turns, 4 tokens")
     ap.add_argument("--logs", default="", help="keep the servers' logs in this folder")
     ap.add_argument("--out", default="", help="a JSON file, or a folder to write adapter_sglang_e2e.json in")
@@ -317,6 +349,7 @@ def main() -> None:
         "concurrency": a.concurrency,
         "max_new_tokens": a.max_new_tokens,
         "decode_radix_cache": a.decode_radix,
+        "sleep_on_idle": not a.busy_idle,
         **body,
         "logs": a.logs or None,
         "meta": {

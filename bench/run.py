@@ -123,10 +123,14 @@ def _merge(
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """A run of some steps over the suite's previous result: the steps that ran now replace their
     runs and the goal rows that read them (dated ``date``); the rest stay as they were, each row
-    keeping its date (in the suite's goal order)."""
+    keeping its date and the load its run started under (in the suite's goal order)."""
     fresh = {r["goal"]: {**r, "date": date} for r in rows}
     kept = {
-        g["goal"]: {**g, "date": g.get("date", before.get("date"))}
+        g["goal"]: {
+            **g,
+            "date": g.get("date", before.get("date")),
+            "load_at_start": g.get("load_at_start", before.get("load_at_start")),
+        }
         for g in before.get("goals", [])
         if g["goal"] not in fresh and not set(g["steps"]) & set(runs)
     }

