@@ -298,17 +298,18 @@ class Services:
 class KVPool:
     """An engine's KV pool: POSIX shm (``device='cpu'``) or one CUDA allocation (``device=int``).
 
-    Regions are uint8 ``[num_pages, page_bytes]`` views: ``k(l)``, ``v(l)``; ``regions()`` gives
-    what ``Client.register_buffers`` takes.
+    Regions are uint8 ``[num_pages, page_bytes]`` views: ``k(l)``, ``v(l)`` (none with K and V in
+    one region a layer, e.g. ``nhc``); ``regions()`` gives what ``Client.register_buffers`` takes.
     """
 
     def __init__(self, layout: Layout, device: str | int = "cpu", fill_seed: int | None = None) -> None:
         self.layout, self.device = layout, device
-        L, pb, n = layout.num_layers, layout.page_bytes_k, layout.num_pages
+        L, n, nv = layout.num_layers, layout.num_pages, layout.num_v_regions
+        pb = layout.region_bytes_k // n  # a K region's page (with K and V in one region: both)
         if device == "cpu":
             self.shm: ShmKVPool | None = ShmKVPool.create(layout)
             self._k = [self.shm.k(i) for i in range(L)]
-            self._v = [self.shm.v(i) for i in range(L)]
+            self._v = [self.shm.v(i) for i in range(nv)]
             if fill_seed is not None:
                 rng = np.random.default_rng(fill_seed)
                 for t in self._k + self._v:
@@ -317,10 +318,10 @@ class KVPool:
             import torch
 
             self.shm = None
-            self.block = torch.zeros((2 * L, n, pb), dtype=torch.uint8, device=f"cuda:{device}")
+            self.block = torch.zeros((L + nv, n, pb), dtype=torch.uint8, device=f"cuda:{device}")
             if fill_seed is not None:
                 g = torch.Generator(device=f"cuda:{device}").manual_seed(fill_seed)
-                for r in range(2 * L):
+                for r in range(L + nv):
                     self.block[r].copy_(
                         torch.randint(
                             0, 256, (n, pb), generator=g, device=f"cuda:{device}", dtype=torch.uint8
@@ -328,7 +329,7 @@ class KVPool:
                     )
                 torch.cuda.synchronize(device)
             self._k = [self.block[i] for i in range(L)]
-            self._v = [self.block[L + i] for i in range(L)]
+            self._v = [self.block[L + i] for i in range(nv)]
 
     def k(self, layer: int) -> Any:
         return self._k[layer]
@@ -351,7 +352,7 @@ class KVPool:
         """Per region (K then V of the given layers) the sum of the named pages' bytes."""
         layers = range(self.layout.num_layers) if layers is None else layers
         out = []
-        for t in [self._k[i] for i in layers] + [self._v[i] for i in layers]:
+        for t in [self._k[i] for i in layers] + [self._v[i] for i in layers if i < len(self._v)]:
             if self.shm is not None:
                 out.append(int(t[list(pages)].astype(np.int64).sum()))
             else:

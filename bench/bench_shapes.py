@@ -9,7 +9,9 @@ row in host memory on the last chunk (SGLang's metadata rows); ``s<N>`` N chunks
 sender "computing" ``--compute-us`` between them (layer-wise streaming: the figure is still the
 last chunk's SendDelta → DONE); ``@p<M>`` a receiver of page size M (the sender's is 16, vLLM's
 block: ``@p1`` and ``@p64`` are SGLang's page sizes; the receiver declares the pages the tokens
-fill, its last one partly). Same node by default (one service); ``--cross`` runs two services
+fill, its last one partly); ``@<layout>`` a receiver of another page layout (the sender's is
+``nhd``, SGLang's and vLLM FlashAttention < 0.32's: ``@nhc`` is vLLM >= 0.32's default, ``@hnd``,
+``@kv_nhd`` FlashInfer's). Same node by default (one service); ``--cross`` runs two services
 (the cross-node routes). Each row says which route carried it (the END's ``route_note``).
 
 ``--profile DIR``: the services log at DEBUG into DIR, and each cross-node shape's row gets the
@@ -37,25 +39,39 @@ AUX_ROWS = 256
 
 
 PAGE = 16  # the sender's page size (tokens)
+PAGE_LAYOUT = "nhd"  # the sender's page layout (a shape's @<layout> another for the receiver)
+PAGE_LAYOUTS = ("nhd", "hnd", "nhc", "hnc", "kv_nhd", "kv_hnd", "hnd_kv")
 
 
-def _layout(pages: int, page_size: int = PAGE) -> Layout:
+def _layout(pages: int, page_size: int = PAGE, page_layout: str = PAGE_LAYOUT) -> Layout:
     # 2 layers x K,V x 16 tokens x 8 heads x 64 dims x fp16 = 64 KiB a page over all its regions
     return Layout.mha(
-        num_layers=2, page_size=page_size, num_pages=pages, total_kv_heads=8, head_dim=64, dtype="float16"
+        num_layers=2,
+        page_size=page_size,
+        num_pages=pages,
+        total_kv_heads=8,
+        head_dim=64,
+        dtype="float16",
+        page_layout=page_layout,  # type: ignore[arg-type]
     )
 
 
-def _parse(shape: str) -> tuple[int, bool, bool, int]:
-    """(chunks, aux, streamed, the receiver's page size) of a shape name."""
-    base, _, page = shape.partition("@p")
-    if page and (not page.isdigit() or int(page) < 1):
-        raise SystemExit(f"--shapes: {shape!r}: @p<M> needs a page size M >= 1")
+def _parse(shape: str) -> tuple[int, bool, bool, int, str]:
+    """(chunks, aux, streamed, the receiver's page size and page layout) of a shape name."""
+    base, *mods = shape.split("@")
+    page, page_layout = PAGE, PAGE_LAYOUT
+    for m in mods:
+        if m in PAGE_LAYOUTS:
+            page_layout = m
+        elif m[:1] == "p" and m[1:].isdigit() and int(m[1:]) >= 1:
+            page = int(m[1:])
+        else:
+            raise SystemExit(f"--shapes: {shape!r}: @{m} is neither @p<M> (M >= 1) nor a page layout")
     aux = base.endswith("+aux")
     base = base.removesuffix("+aux")
     if base[:1] not in ("c", "s") or not base[1:].isdigit() or int(base[1:]) < 1:
-        raise SystemExit(f"--shapes: {shape!r} is not c<N>[+aux][@p<M>] or s<N>[+aux][@p<M>]")
-    return int(base[1:]), aux, base[0] == "s", int(page or PAGE)
+        raise SystemExit(f"--shapes: {shape!r} is not c<N>[+aux][@p<M>][@<layout>] or s<N>[...]")
+    return int(base[1:]), aux, base[0] == "s", page, page_layout
 
 
 def run_shape(
@@ -70,7 +86,7 @@ def run_shape(
     pool_pages: int,
     compute_s: float,
 ) -> dict[str, Any]:
-    chunks, aux, streamed, page = _parse(shape)
+    chunks, aux, streamed, page, page_layout = _parse(shape)
     n_dst = -(-chunks * PAGE // page)  # receiver pages the chunks' tokens fill
     dst_pool = pool_pages * PAGE // page
     last_s: list[float] = []
@@ -120,6 +136,7 @@ def run_shape(
         "aux": aux,
         "streamed": streamed,
         "receiver_page_size": page,
+        "receiver_page_layout": page_layout,
         "last_chunk_to_done": summarize(last_s),
         "first_chunk_to_done": summarize(first_s),
         "routes": sorted(routes),
@@ -198,9 +215,9 @@ def main() -> None:
         a, b = svc.addresses[0], svc.addresses[-1]
         peer = svc.peer_addresses[-1]
         sender = svc.peer_addresses[0] if args.cross else ""
-        # the receiver: one pool of the same bytes per page size the shapes name
-        pages = sorted({_parse(s)[3] for s in shapes})
-        rlays = {p: _layout(args.pool_pages * PAGE // p, p) for p in pages}
+        # the receiver: one pool of the same bytes per page size and page layout the shapes name
+        kinds = sorted({_parse(s)[3:] for s in shapes})
+        rlays = {k: _layout(args.pool_pages * PAGE // k[0], *k) for k in kinds}
         sp = KVPool(lay, dev, 1)
         rps = {p: KVPool(rl, dev, 2 + i) for i, (p, rl) in enumerate(rlays.items())}
         segs = [shared_memory.SharedMemory(create=True, size=AUX_ROW * AUX_ROWS) for _ in range(1 + len(rps))]
@@ -213,7 +230,7 @@ def main() -> None:
                     for i, (p, rp) in enumerate(rps.items())
                 }
                 for s in shapes:
-                    rb = rbs[_parse(s)[3]]
+                    rb = rbs[_parse(s)[3:]]
                     rows[s] = run_shape(
                         ka, kb, sb, rb, peer, sender, s, args.iters, args.pool_pages, args.compute_us * 1e-6
                     )

@@ -20,9 +20,9 @@ __all__ = ["add_connect_flags", "client_of", "default_address"]
 def default_address() -> str:
     """``KVSERVICE_ADDRESS``, else the service's default socket (``KVSERVICE_UDS_PATH`` or
     /tmp/kvservice-<uid>.sock)."""
-    from ..config import Config
+    from ..config import Listen
 
-    uds = os.environ.get("KVSERVICE_UDS_PATH") or Config.__dataclass_fields__["uds_path"].default
+    uds = os.environ.get("KVSERVICE_UDS_PATH") or Listen().uds_path
     return os.environ.get("KVSERVICE_ADDRESS") or f"unix:{uds}"
 
 

@@ -21,10 +21,12 @@ class LaneSlot(Protocol):
     mem_kind: str  # "DRAM" or "VRAM"
     device_id: int
     signature: int  # cross_slots.geometry_signature of the receiver's pool
+    unit_signature: int  # cross_slots.unit_geometry_signature (page-size conversions)
 
 
 class _Rank(Protocol):
     tp_rank: int
+    page_size: int
 
 
 class LanePlan(Protocol):

@@ -37,7 +37,7 @@ from ..errors import FailedPrecondition, KVServiceError
 from ..identity import LOCAL_PEER
 from ..kernels.heads import plan_heads
 from .finalize import Finalizer, booking
-from .geometry import head_geometry, heads_overlap, layout_signature, unit_signature
+from .geometry import head_geometry, heads_overlap, layout_signature, row_table, unit_signature
 
 if TYPE_CHECKING:
     from kvservice_client import Layout
@@ -208,6 +208,7 @@ class LaneBook(NoLane):
         )
         self.n.set_heads(bs.buffer_set_id, *head_geometry(lay))
         self.n.set_units(bs.buffer_set_id, unit_signature(lay), unit_geometry_signature(bs))
+        self.n.set_rows(bs.buffer_set_id, *row_table(lay))  # (page-layout conversions)
         # aux regions live in host memory (RegisterBuffers refuses them in VRAM)
         self.n.set_aux(
             bs.buffer_set_id,

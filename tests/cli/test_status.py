@@ -50,3 +50,20 @@ def test_status_of_an_unreachable_service_exits_1_and_says_why() -> None:
     out = _cli("status", "--address", "unix:/nonexistent/kv.sock", "--timeout", "1")
     assert out.returncode == 1 and out.stdout == ""
     assert "kvservice status:" in out.stderr
+
+
+def test_status_without_an_address_asks_the_default_socket(tmp_path) -> None:
+    """No --address: the service's default socket ($KVSERVICE_UDS_PATH here), named in the
+    reason when nobody listens there (not a crash reading the config)."""
+    sock = str(tmp_path / "none.sock")
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVICE_ADDRESS"}
+    env |= {
+        "KVSERVICE_UDS_PATH": sock,
+        "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "clients", "python")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "kvservice", "status", "--timeout", "1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 1 and out.stdout == "", out
+    assert f"unix:{sock}" in out.stderr and "Traceback" not in out.stderr, out.stderr

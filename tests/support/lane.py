@@ -26,20 +26,23 @@ def lane_of(server: Any) -> Any:
 
 class Engines:
     """A prefill and a decode engine on one service, each with a random-filled shm pool (and aux
-    regions ``aux``: name -> (row_bytes, rows), random-filled too)."""
+    regions ``aux``: name -> (row_bytes, rows), random-filled too); the decode's pool of
+    ``dst_layout`` when given (a conversion), else of ``layout`` too."""
 
     def __init__(
         self,
         server: Any,
         layout: Layout = LAYOUT,
         aux: dict[str, tuple[int, int]] | None = None,
+        dst_layout: Layout | None = None,
         **client_kw: Any,
     ) -> None:
         self.server = server
         self.layout = layout
+        self.dst_layout = dst_layout or layout
         self.lane = lane_of(server)
         self.aux_names = list(aux or {})
-        self.pa, self.pb = ShmKVPool.create(layout, aux), ShmKVPool.create(layout, aux)
+        self.pa, self.pb = ShmKVPool.create(layout, aux), ShmKVPool.create(self.dst_layout, aux)
         rng = np.random.default_rng(3)
         for pool in (self.pa, self.pb):
             for r in self.regions(pool) + [pool.aux(n) for n in self.aux_names]:
@@ -50,15 +53,15 @@ class Engines:
             layout, self.pa.k_regions, self.pa.v_regions, aux=self.pa.aux_specs
         ).buffer_set_id
         self.b = self.kb.register_buffers(
-            layout, self.pb.k_regions, self.pb.v_regions, aux=self.pb.aux_specs
+            self.dst_layout, self.pb.k_regions, self.pb.v_regions, aux=self.pb.aux_specs
         ).buffer_set_id
         self.peer = server.app.peer_address
 
-    def regions(self, pool: ShmKVPool) -> list[np.ndarray]:
+    @staticmethod
+    def regions(pool: ShmKVPool) -> list[np.ndarray]:
         """Every KV region as ``[num_pages, page_bytes]`` uint8 (K layers, then V layers)."""
-        return [pool.k(i) for i in range(self.layout.num_layers)] + [
-            pool.v(i) for i in range(self.layout.num_v_regions)
-        ]
+        lay = pool.layout
+        return [pool.k(i) for i in range(lay.num_layers)] + [pool.v(i) for i in range(lay.num_v_regions)]
 
     def pages(self, pool: ShmKVPool, pages: list[int]) -> list[bytes]:
         return [r[p].tobytes() for r in self.regions(pool) for p in pages]

@@ -130,6 +130,22 @@ void Lane::set_units(const std::string& bs, uint64_t usig, uint64_t xusig) {
   if (p != pools_.end()) p->second.usig = usig, p->second.xusig = xusig;
 }
 
+// Pool ``bs``'s page-layout conversions (see Pool::lsig): each row inside its region's page.
+bool Lane::set_rows(const std::string& bs, uint64_t lsig, std::vector<RowDesc> rows) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto p = pools_.find(bs);
+  if (p == pools_.end()) return false;
+  Pool& q = p->second;
+  q.lsig = 0, q.rows.clear();
+  if (q.ps <= 0) return false;
+  for (const RowDesc& r : rows)
+    if (r.region >= q.regions.size() || !r.run ||
+        r.off + (uint64_t)(q.ps - 1) * r.tok + r.run > q.regions[r.region].nbytes)
+      return false;
+  q.lsig = lsig, q.rows = std::move(rows);
+  return true;
+}
+
 void Lane::arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
                int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux) {
   Armed a;

@@ -111,6 +111,8 @@ class Lane {
   bool drop_pool(const std::string& bs, double wait_s);
   void set_heads(const std::string& bs, int hmode, uint64_t msig, int hlo, int hn, int ps);
   void set_units(const std::string& bs, uint64_t usig, uint64_t xusig);
+  // false: a row outside its region's page (the pool keeps no page-layout conversions)
+  bool set_rows(const std::string& bs, uint64_t lsig, std::vector<RowDesc> rows);
   void set_aux(const std::string& bs, std::vector<AuxDesc> aux);
   void arm(const std::string& tid, int rank, const std::string& recv_session, const std::string& recv_bs,
            int64_t prefix, std::vector<int32_t> dst, double deadline, int senders, std::vector<AuxRows> aux);
@@ -200,6 +202,8 @@ class Lane {
   static void fill(Completion& c, const Stream& s, const LocalCopy* at, uint64_t nbytes, uint64_t us);
   void signal_done();
   std::vector<Seg> segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const;
+  static void row_segments(const Pool& sp, const Pool& dp, const std::vector<uint64_t>* sa,
+                           const std::vector<uint64_t>* da, uint64_t pairs, std::vector<Seg>& out);
   // A chunk's (source, destination) pairs into every target: pages, or units (copy_local); how many a target.
   static size_t page_pairs(const LocalCopy& job, std::vector<int32_t>& pairs);
   static size_t unit_pairs(const LocalCopy& job, std::vector<int32_t>& pairs);

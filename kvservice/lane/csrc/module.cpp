@@ -30,6 +30,15 @@ void add_pool(Lane& lane, const std::string& bs, const std::string& owner, int d
   lane.add_pool(bs, owner, device, num_pages, sig, rank, std::move(rs), xsig);
 }
 
+// ``rows``: [n, 4] (region, offset, token stride, row bytes), geometry.row_table
+bool set_rows(Lane& lane, const std::string& bs, uint64_t lsig, const U64Array& rows) {
+  if (rows.ndim() != 2 || rows.shape(1) != 4) throw std::invalid_argument("rows: want [n, 4]");
+  std::vector<kvlane::RowDesc> rs;
+  auto r = rows.unchecked<2>();
+  for (py::ssize_t i = 0; i < r.shape(0); ++i) rs.push_back({r(i, 0), r(i, 1), r(i, 2), r(i, 3)});
+  return lane.set_rows(bs, lsig, std::move(rs));
+}
+
 void set_alias(Lane& lane, const std::string& bs, int device, const U64Array& bases) {
   lane.set_alias(bs, device, std::vector<uint64_t>(bases.data(), bases.data() + bases.size()));
 }
@@ -146,6 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_guard", &Lane::set_guard)
       .def("set_heads", &Lane::set_heads)
       .def("set_units", &Lane::set_units)
+      .def("set_rows", &set_rows)
       .def("set_aux", &set_aux)
       .def("arm", &arm, py::arg("tid"), py::arg("rank"), py::arg("recv_session"), py::arg("recv_bs"), py::arg("prefix"),
            py::arg("dst"), py::arg("deadline"), py::arg("senders") = 1,

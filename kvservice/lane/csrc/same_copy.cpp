@@ -242,6 +242,31 @@ void Lane::end_stream(std::unordered_map<std::string, Stream>::iterator it, cons
   streams_.erase(it);
 }
 
+// One target's segments between two page layouts: the pools' rows paired in order (Pool::rows),
+// consecutive rows contiguous on both sides in one segment, a whole page's bytes in one run.
+void Lane::row_segments(const Pool& sp, const Pool& dp, const std::vector<uint64_t>* sa,
+                        const std::vector<uint64_t>* da, uint64_t pairs, std::vector<Seg>& out) {
+  const uint64_t ps = (uint64_t)sp.ps;
+  for (size_t i = 0; i < sp.rows.size();) {
+    const RowDesc &s = sp.rows[i], &d = dp.rows[i];
+    uint64_t run = s.run;
+    size_t j = i + 1;
+    for (; j < sp.rows.size(); ++j) {  // the next head's rows follow on both sides
+      const RowDesc &s2 = sp.rows[j], &d2 = dp.rows[j];
+      if (s2.region != s.region || d2.region != d.region || s2.tok != s.tok || d2.tok != d.tok ||
+          s2.off != s.off + run || d2.off != d.off + run)
+        break;
+      run += s2.run;
+    }
+    const RegionDesc &sr = sp.regions[s.region], &dr = dp.regions[d.region];
+    Seg g{(sa ? (*sa)[s.region] : sr.base) + s.off, (da ? (*da)[d.region] : dr.base) + d.off, sr.stride, dr.stride,
+          run * ps, run, s.tok, d.tok, pairs};
+    if (s.tok == run && d.tok == run) g.run = g.nbytes;  // the tokens' rows back to back on both sides
+    out.push_back(g);
+    i = j;
+  }
+}
+
 void Lane::signal_done() {
   uint64_t one = 1;
   (void)!write(done_, &one, 8);
@@ -252,6 +277,12 @@ void Lane::signal_done() {
 //
 //   NHD page [ps][hn][hb]:  token k's run at hs*hb + k*hn*hb (sender), hd*hb + k*hn'*hb (receiver)
 //   HND page [hn][ps][hb]:  one run of nh*ps*hb at hs*ps*hb (sender), hd*ps*hb (receiver)
+//
+// Pools of two page layouts (Target::rows): a segment per head's K or V rows, a run a token
+// (rows next to each other on both sides merge into one segment):
+//
+//   NHC page [ps][hn][dk|dv] -> NHD K page [ps][hn][dk]:  head h's K of token k at
+//       h*(dk+dv) + k*hn*(dk+dv) (sender), h*dk + k*hn*dk (receiver): runs of dk
 std::vector<Seg> Lane::segments(const Pool& sp, const std::vector<Target>& tg, size_t moved) const {
   const int on = tg.empty() ? sp.device : launch_device(sp, tg[0].dp);
   const std::vector<uint64_t>* sa = sp.device == on || sp.device < 0 ? nullptr : &sp.alias.at(on);
@@ -260,6 +291,10 @@ std::vector<Seg> Lane::segments(const Pool& sp, const std::vector<Target>& tg, s
     const Target& x = tg[t];
     const Pool& dp = x.dp;
     const std::vector<uint64_t>* da = dp.device == on || dp.device < 0 ? nullptr : &dp.alias.at(on);
+    if (x.rows) {
+      row_segments(sp, dp, sa, da, (uint64_t)(t * moved), out);
+      continue;
+    }
     for (size_t r = 0; r < sp.regions.size(); ++r) {
       const RegionDesc &s = sp.regions[r], &d = dp.regions[r];
       Seg g{sa ? (*sa)[r] : s.base, da ? (*da)[r] : d.base, s.stride, d.stride, s.nbytes, s.nbytes, 0, 0,

@@ -320,6 +320,10 @@ std::string Lane::targets(const std::string& tid, const Pool& sp, const SendChun
       t.ms = sp.ps / g, t.md = dp.ps / g;
       if (sp.num_pages * t.ms > INT32_MAX || dp.num_pages * t.md > INT32_MAX) return "too many units for the lane";
       whole = true;
+    } else if (sp.lsig && sp.lsig == dp.lsig && sp.rows.size() == dp.rows.size()) {  // page layouts differ
+      if (rank != sp.rank) continue;
+      t.rows = true;
+      whole = true;
     } else if (sp.hmode && sp.hmode == dp.hmode && sp.msig == dp.msig) {
       const int lo = std::max(sp.hlo, dp.hlo), hi = std::min(sp.hlo + sp.hn, dp.hlo + dp.hn);
       if (lo >= hi) continue;
@@ -360,7 +364,8 @@ std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const Se
                         const Target& t) const {
   const int nh = t.nh;
   const bool units = t.ms != 1 || t.md != 1;
-  if (sp.regions.size() != dp.regions.size()) return "layouts differ";  // (nh 0: targets() saw equal signatures)
+  // (page layouts that differ: rows of equal bytes, each inside its page: Lane::set_rows)
+  if (!t.rows && sp.regions.size() != dp.regions.size()) return "layouts differ";  // (nh 0: equal signatures)
   // One device (or host memory) on both sides, or two GPUs where the receiver's pool is mapped
   // in the sender GPU's context (set_alias): the kernel runs on the sender's GPU (push).
   if (sp.device != dp.device) {
@@ -369,7 +374,9 @@ std::string Lane::check(const Pool& sp, const Pool& dp, const Armed& a, const Se
     if (far.alias.find(launch_device(sp, dp)) == far.alias.end())
       return "pools on two GPUs, not mapped in the launching GPU's context";
   }
-  for (size_t i = 0; i < sp.regions.size(); ++i) {
+  for (size_t i = 0; t.rows && i < sp.rows.size(); ++i)
+    if (sp.rows[i].run != dp.rows[i].run) return "layouts differ";
+  for (size_t i = 0; i < sp.regions.size() && !t.rows; ++i) {
     const uint64_t a_ = sp.regions[i].nbytes, b_ = dp.regions[i].nbytes;
     // units: a token's rows of equal length on both sides, pages back to back (a unit's address
     // is then unit * its bytes)

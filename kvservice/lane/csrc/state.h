@@ -16,6 +16,12 @@ struct RegionDesc {
   uint64_t base, stride, nbytes;
 };
 
+// Where one head's K (or V) rows lie in a page of a pool (geometry.row_table): its region, the
+// byte offset of its first token in the page, bytes from one token to the next, a row's bytes.
+struct RowDesc {
+  uint64_t region, off, tok, run;
+};
+
 // An aux region of a pool (SGLang's metadata rows and the like): ``rows`` rows of ``row_bytes``
 // at ``base``, in host memory (RegisterBuffers refuses aux rows in VRAM).
 struct AuxDesc {
@@ -69,6 +75,10 @@ struct Pool {
   // ... across services (cross_slots.unit_geometry_signature): usig and each region's bytes a
   // token, which the receiver's offer carries (0: page for page only)
   uint64_t xusig = 0;
+  // page-layout conversions (set_rows): the layout but for its page layout, and where each
+  // (layer, K/V, head)'s rows lie in a page, in that order on every layout; 0: none (MLA)
+  uint64_t lsig = 0;
+  std::vector<RowDesc> rows;
   // another GPU -> each region's base as mapped in that GPU's context (an imported pool is mapped
   // only in the context that opened it: a kernel on another GPU needs its own opening)
   std::unordered_map<int, std::vector<uint64_t>> alias;
@@ -110,6 +120,7 @@ struct Target {  // a receiver rank a same-node SEND copies into: all of it, or 
   std::vector<int32_t> dst;
   int hs = 0, hd = 0, nh = 0;  // nh 0: the whole page (equal layouts)
   int ms = 1, md = 1;          // units of gcd(page sizes) tokens a sender / receiver page (1, 1: pages)
+  bool rows = false;           // another page layout: each head's rows moved (Pool::rows)
   int senders = 1;             // sender ranks this receiver rank has, by the layouts
 };
 
