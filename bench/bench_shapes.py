@@ -197,7 +197,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.small:
-        args.shapes, args.iters = "c1,c2,c1+aux,s4+aux,c2@p1,c2+aux@p64", 5
+        args.shapes, args.iters = "c1,c2,c1+aux,s4+aux,c2@p1,c2+aux@p64,c2+aux@nhc", 5
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:
         _parse(s)

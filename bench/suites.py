@@ -468,18 +468,20 @@ SUITES: dict[str, Suite] = {
         "shapes",
         "one GPU (H200: about three minutes)",
         (
-            # @p1, @p64: a vLLM block of 16 into SGLang's page 1 and 64 (page-size conversions)
+            # @p1, @p64: a vLLM block of 16 into SGLang's page 1 and 64 (page-size conversions);
+            # @nhc: SGLang's nhd pages into vLLM >= 0.32's nhc (page-layout conversions)
             Step(
                 "shapes_same_node",
                 (
                     *SHAPES,
                     "--shapes",
-                    "c1,c2,c8,c32,c1+aux,c2+aux,c8+aux,s32,s32+aux,c1@p1,c2@p1,c2+aux@p64,c8@p64",
+                    "c1,c2,c8,c32,c1+aux,c2+aux,c8+aux,s32,s32+aux,c1@p1,c2@p1,c2+aux@p64,c8@p64,"
+                    "c2@nhc,c2+aux@nhc",
                 ),
             ),
             Step(
                 "shapes_same_node_grpc",
-                (*SHAPES, "--shapes", "c1,c2,c2+aux,c2@p1,c2+aux@p64", "--iters", "100"),
+                (*SHAPES, "--shapes", "c1,c2,c2+aux,c2@p1,c2+aux@p64,c2@nhc", "--iters", "100"),
                 env=(("KVSERVICE_LANE", "false"),),
             ),
             # NOTE: one GPU stands in for two nodes' GPUs; without MPS the two services' copies
@@ -491,7 +493,7 @@ SUITES: dict[str, Suite] = {
                     *SHAPES,
                     "--cross",
                     "--shapes",
-                    "c1,c2,c8,c1+aux,c2+aux,s32,c1@p1,c2@p1,c2+aux@p64",
+                    "c1,c2,c8,c1+aux,c2+aux,s32,c1@p1,c2@p1,c2+aux@p64,c2@nhc,c2+aux@nhc",
                     "--iters",
                     "100",
                 ),
@@ -519,7 +521,7 @@ SUITES: dict[str, Suite] = {
         (
             Goal(
                 SN,
-                "every shape (1-32 chunks, + aux row, page 16 -> 1 and 64), 64 KiB a chunk: "
+                "every shape (1-32 chunks, + aux row, page 16 -> 1 and 64, nhd -> nhc), 64 KiB a chunk: "
                 "last chunk -> DONE <= 0.15 ms p50",
                 ("shapes_same_node",),
                 shapes_within(0.15, streamed=False),
@@ -533,8 +535,8 @@ SUITES: dict[str, Suite] = {
             ),
             Goal(
                 XN,
-                "every shape (1-8 chunks, + aux row, page 16 -> 1 and 64), 64 KiB a chunk: last chunk -> "
-                "DONE <= 0.6 ms p50 (both services under CUDA MPS)",
+                "every shape (1-8 chunks, + aux row, page 16 -> 1 and 64, nhd -> nhc), 64 KiB a chunk: "
+                "last chunk -> DONE <= 0.6 ms p50 (both services under CUDA MPS)",
                 ("shapes_cross_node",),
                 shapes_within(0.6, streamed=False, base_is=TIME_SLICED),
                 ("shapes_cross_node_time_sliced",),

@@ -168,6 +168,9 @@ class NativeLane(Protocol):
         deadline: float,
         xusig: int,
         rps: int,
+        rlsig: int,
+        rrows: npt.NDArray[np.uint64],
+        rpages: npt.NDArray[np.uint64],
         /,
     ) -> None: ...
 

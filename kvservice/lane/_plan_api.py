@@ -22,6 +22,7 @@ class LaneSlot(Protocol):
     device_id: int
     signature: int  # cross_slots.geometry_signature of the receiver's pool
     unit_signature: int  # cross_slots.unit_geometry_signature (page-size conversions)
+    row_signature: int  # geometry.row_table's (page-layout conversions)
 
 
 class _Rank(Protocol):

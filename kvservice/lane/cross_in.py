@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import FailedPrecondition, KVServiceError
 from .cross_slots import Arena, geometry_signature, slot_bytes, unit_geometry_signature
+from .geometry import row_table
 
 if TYPE_CHECKING:
     from ..buffers.registry import BufferSet
@@ -122,6 +123,7 @@ class CrossIn:
         s.mem_kind, s.device_id = ("VRAM", device) if device >= 0 else ("DRAM", 0)
         s.signature = geometry_signature(bs)
         s.unit_signature = unit_geometry_signature(bs)
+        s.row_signature = row_table(bs.layout)[0]
 
     def gate_in(self, transfer_id: str, rank: int) -> None:
         """A gRPC commit or slot request for ``transfer_id``: the lane gives it up, or refuses

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
-from kvservice_client import lane_wire
+from kvservice_client import Layout, lane_wire
 
 from ..errors import FailedPrecondition
+from .geometry import row_table
 
 if TYPE_CHECKING:
     from ..transfer.engine import TransferEngine
@@ -30,6 +31,8 @@ _ABORT_WAIT_S = 60.0
 # an offer armed here: (receiver's address, its buffer set if it publishes, prefix pages, page size)
 _Offer = tuple[str, str, int, int]
 _NONE: _Offer = ("", "", 0, 0)
+_NO_ROWS = np.zeros((0, 4), dtype=np.uint64)
+_NO_PAGES = np.zeros(0, dtype=np.uint64)
 
 
 def _skipped(offer: _Offer, rec: Record, e: TransferEngine, first: int, n: int) -> int:
@@ -57,6 +60,7 @@ class CrossOut:
         self._recs: dict[tuple[str, str], Record] = {}  # (transfer, sender bs) -> a stream's record
         # (transfer, sender bs) the engine aborted -> (code, reason, resolved with the record)
         self._aborting: dict[tuple[str, str], tuple[str, str, asyncio.Future[Record]]] = {}
+        self._rows: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = {}  # by row signature
         self.n_sent = 0  # transfers booked
         self.n_failed = 0
 
@@ -73,6 +77,7 @@ class CrossOut:
         into = plan.dst_buffer_set_id if plan.publishes else ""
         page = int(plan.dst_layout.page_size)
         self._out.setdefault(plan.transfer_id, {})[rank] = (address, into, int(plan.prefix_pages), page)
+        rows, pages = self._receiver_rows(plan) if s.row_signature else (_NO_ROWS, _NO_PAGES)
         self.n.arm_out(
             plan.transfer_id,
             plan.dst_layout.tp_rank,
@@ -88,7 +93,25 @@ class CrossOut:
             deadline,
             s.unit_signature,  # (page sizes that differ: units of their gcd, decision 0027)
             page,
+            s.row_signature,  # (page layouts that differ: packed in the receiver's, decision 0029)
+            rows,
+            pages,
         )
+
+    def _receiver_rows(self, plan: LanePlan) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+        """The receiver pool's head rows and each region's page bytes, from its layout (per row
+        signature: one layout each)."""
+        sig = plan.lane_slot.row_signature
+        got = self._rows.get(sig)
+        if got is None:
+            lay = Layout.from_proto(plan.dst_layout)  # type: ignore[arg-type]  # (a peer_pb2 Layout)
+            one = lay.num_v_regions == 0  # K and V in one region a layer
+            k = lay.page_bytes_k + (lay.page_bytes_v if one and lay.kind == "mha" else 0)
+            pages = np.array([k] * lay.num_layers + [lay.page_bytes_v] * lay.num_v_regions, dtype=np.uint64)
+            got = self._rows[sig] = (row_table(lay)[1], pages)
+            while len(self._rows) > 64:
+                self._rows.pop(next(iter(self._rows)))
+        return got
 
     def gate_out(self, transfer_id: str, rank: int) -> None:
         """A SendDelta of sender rank ``rank`` over gRPC: the lane gives it up, or refuses."""

@@ -38,7 +38,7 @@ def main() -> None:
             block = torch.zeros(size * layout.num_layers + 4096, dtype=torch.uint8, device="cuda")
             # K regions: views at offsets 4096, 4096 + size, ... inside one allocation
             k = [block[4096 + i * size : 4096 + (i + 1) * size] for i in range(layout.num_layers)]
-            v = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(layout.num_layers)]
+            v = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(layout.num_v_regions)]
             gen = torch.Generator(device="cuda").manual_seed(cmd.get("seed", 0))
             if cmd.get("fill"):
                 for t in k + v:
@@ -93,6 +93,14 @@ def main() -> None:
                 ).hexdigest()
                 for t in k + v
             ]
+        elif op == "heads":  # sha256 of each layer's K and V rows of the named pages, by token and head
+            from tests.support.page_layouts import heads_kv
+
+            torch.cuda.synchronize()
+            pages = cmd["pages"]
+            regs = [t.view(layout.num_pages, -1).cpu().numpy() for t in k + v]  # type: ignore[union-attr]
+            ks, vs = heads_kv(regs, pages, layout)  # type: ignore[arg-type]
+            out["digests"] = [hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for a in ks + vs]
         elif op == "head_sums":  # [region][page][local head] byte sums
             lay = layout
             pages = cmd["pages"]

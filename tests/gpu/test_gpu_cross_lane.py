@@ -149,3 +149,39 @@ def test_cross_node_lane_converts_page_sizes_on_the_gpu(
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+@pytest.mark.parametrize(("src_pl", "dst_pl", "cuts"), [("nhc", "nhd", []), ("nhd", "nhc", [1, 2])])
+def test_cross_node_lane_converts_page_layouts_on_the_gpu(
+    services: list[str], src_pl: str, dst_pl: str, cuts: list[int]
+) -> None:
+    """vLLM's nhc and SGLang's nhd on two services: the sender packs each head's rows into the
+    receiver's page layout (one WRITE or streamed), every chunk over the cross-node lane."""
+    a, b = services
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=a, layout=dict(LAYOUT, page_layout=src_pl), fill=True, seed=5)
+        dst_eng(op="register", address=b, layout=dict(LAYOUT, page_layout=dst_pl))
+        src, dst = [9, 3, 40, 17, 22], [5, 60, 7, 33]
+        bounds = [0, *cuts, len(src)]
+        lanes = []
+        for turn in range(3):  # the first opens the prefill service's channel (gRPC); offers follow
+            tid = f"xl-{turn}"
+            assert dst_eng(op="expect", tid=tid, prefix=1, dst=dst, sender=a)["state"] != "FAILED"
+            time.sleep(0.05)
+            sent = [
+                src_eng(
+                    op="send", tid=tid, src=src[bounds[i] : bounds[i + 1]], offset=bounds[i],
+                    last=i == len(bounds) - 2, peer=b,
+                )["lane"]
+                for i in range(len(bounds) - 1)
+            ]  # fmt: skip
+            lanes.append(all(sent))
+            got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
+            assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+            assert dst_eng(op="heads", pages=dst)["digests"] == src_eng(op="heads", pages=src[1:])["digests"]
+        assert lanes[1:] == [True, True], lanes
+        assert got_d["route_note"] == "cross-node lane", got_d
+    finally:
+        src_eng.close()
+        dst_eng.close()

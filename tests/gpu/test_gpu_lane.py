@@ -250,3 +250,37 @@ def test_lane_converts_page_sizes_on_the_gpu(
     finally:
         src_eng.close()
         dst_eng.close()
+
+
+@pytest.mark.parametrize(
+    ("src_pl", "dst_pl", "cuts"),
+    [("nhc", "nhd", []), ("nhd", "nhc", [1, 2]), ("kv_nhd", "hnd", [2])],
+    ids=["vllm-nhc-to-sglang-nhd", "sglang-nhd-to-vllm-nhc-3-chunks", "flashinfer-kv-nhd-to-hnd"],
+)
+def test_lane_converts_page_layouts_on_the_gpu(
+    service: str, src_pl: str, dst_pl: str, cuts: list[int]
+) -> None:
+    """Pools of two page layouts on the lane's kernel (each head's rows a strided segment):
+    every chunk over the lane, each head's K and V rows at their token."""
+    src_eng, dst_eng = Engine(), Engine()
+    try:
+        src_eng(op="register", address=service, layout=dict(LAYOUT, page_layout=src_pl), fill=True, seed=3)
+        dst_eng(op="register", address=service, layout=dict(LAYOUT, page_layout=dst_pl))
+        src, dst = [9, 3, 40, 17, 22], [5, 60, 7, 33]
+        assert dst_eng(op="expect", tid="layouts", prefix=1, dst=dst)["ok"]
+        bounds = [0, *cuts, len(src)]
+        lane = [
+            src_eng(
+                op="send", tid="layouts", src=src[bounds[i] : bounds[i + 1]], offset=bounds[i],
+                last=i == len(bounds) - 2, peer=service,
+            )["lane"]
+            for i in range(len(bounds) - 1)
+        ]  # fmt: skip
+        assert all(lane), f"not every chunk went over the lane: {lane}"
+        got_d, got_s = dst_eng(op="wait", tid="layouts"), src_eng(op="wait", tid="layouts")
+        assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
+        assert got_d["route_note"] == "lane"
+        assert dst_eng(op="heads", pages=dst)["digests"] == src_eng(op="heads", pages=src[1:])["digests"]
+    finally:
+        src_eng.close()
+        dst_eng.close()

@@ -18,6 +18,7 @@ from tests.support.poll import eventually
 
 pytest.importorskip("nixl")
 R, P, PB = 4, 16, 1024  # regions, pages, bytes of a page region
+NO_ROWS, NO_PAGES = np.zeros((0, 4), dtype=np.uint64), np.zeros(0, dtype=np.uint64)  # (no layout conversion)
 
 
 class Pair:
@@ -72,8 +73,9 @@ class Pair:
             )
         addr = self.slot + slot_at if raddr is None else raddr
         self.tx.arm_out(
-            tid, 0, "peerB", self.rx_agent, addr, slot, 0, 0, 99, prefix, len(dst), deadline, 0, 0
-        )
+            tid, 0, "peerB", self.rx_agent, addr, slot, 0, 0, 99, prefix, len(dst), deadline, 0, 0, 0,
+            NO_ROWS, NO_PAGES,
+        )  # fmt: skip
         return nbytes
 
     def send(self, tid: str, src: list[int]) -> Any:

@@ -1485,6 +1485,9 @@ type LaneSlot struct {
 	// The receiver pool's layout but for its page size, and each region's bytes a token; 0 when
 	// its pages are not its tokens' rows in order (head-major pages): page for page only.
 	UnitSignature uint64 `protobuf:"varint,7,opt,name=unit_signature,json=unitSignature,proto3" json:"unit_signature,omitempty"`
+	// The receiver pool's layout but for its page layout (geometry.row_table); equal, the sender
+	// packs each head's rows into the receiver's page layout (dst_layout's). 0: MLA.
+	RowSignature  uint64 `protobuf:"varint,8,opt,name=row_signature,json=rowSignature,proto3" json:"row_signature,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1564,6 +1567,13 @@ func (x *LaneSlot) GetSignature() uint64 {
 func (x *LaneSlot) GetUnitSignature() uint64 {
 	if x != nil {
 		return x.UnitSignature
+	}
+	return 0
+}
+
+func (x *LaneSlot) GetRowSignature() uint64 {
+	if x != nil {
+		return x.RowSignature
 	}
 	return 0
 }
@@ -2229,7 +2239,7 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\tpublishes\x18\x11 \x01(\bR\tpublishes\x12#\n" +
 	"\rsender_ticket\x18\x12 \x01(\tR\fsenderTicket\x12\x1c\n" +
 	"\tintegrity\x18\x13 \x01(\bR\tintegrity\x123\n" +
-	"\tlane_slot\x18\x14 \x01(\v2\x16.kvservice.v1.LaneSlotR\blaneSlot\"\xd6\x01\n" +
+	"\tlane_slot\x18\x14 \x01(\v2\x16.kvservice.v1.LaneSlotR\blaneSlot\"\xfb\x01\n" +
 	"\bLaneSlot\x12\x14\n" +
 	"\x05agent\x18\x01 \x01(\tR\x05agent\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\x04R\aaddress\x12\x1d\n" +
@@ -2238,7 +2248,8 @@ const file_kvservice_v1_peer_proto_rawDesc = "" +
 	"\bmem_kind\x18\x04 \x01(\tR\amemKind\x12\x1b\n" +
 	"\tdevice_id\x18\x05 \x01(\rR\bdeviceId\x12\x1c\n" +
 	"\tsignature\x18\x06 \x01(\x04R\tsignature\x12%\n" +
-	"\x0eunit_signature\x18\a \x01(\x04R\runitSignature\"\xaf\x06\n" +
+	"\x0eunit_signature\x18\a \x01(\x04R\runitSignature\x12#\n" +
+	"\rrow_signature\x18\b \x01(\x04R\frowSignature\"\xaf\x06\n" +
 	"\x12CommitChunkRequest\x12\x1f\n" +
 	"\vtransfer_id\x18\x01 \x01(\tR\n" +
 	"transferId\x12*\n" +

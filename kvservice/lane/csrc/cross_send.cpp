@@ -16,6 +16,7 @@ namespace kvlane {
 // Pages packed page-major: page i's regions back to back (the layout both lanes derive).
 Pool Lane::packed(uint64_t base, const Pool& like, int device) {
   Pool p{like.owner, "", device, INT32_MAX, like.sig, like.rank, {}};  // staging: its own life, never guarded
+  p.ps = like.ps, p.lsig = like.lsig, p.rows = like.rows;  // (a pack into another page layout: its rows)
   uint64_t page = 0, off = 0;
   for (auto& r : like.regions) page += r.nbytes;
   for (auto& r : like.regions) {
@@ -30,9 +31,20 @@ Pool Lane::packed(uint64_t base, const Pool& like, int device) {
 // receiver's unit signature and page size come with its offer); x.ms, x.md: units a sender /
 // receiver page. The transfer's pages and the receiver's prefix and delta are counted in units
 // from here on, and both sides copy unit views of their pools (Lane::unit_view).
+//
+// Pools of one page size whose page layouts differ (their row signatures agree: geometry.row_table)
+// take x.rows: the sender packs each head's rows into the receiver's page layout (Lane::pack_like,
+// from the receiver's layout), and the receiver unpacks whole pages of its own.
 std::string Lane::x_units(const Pool& sp, XOut& x) {
   x.ms = x.md = 1;
+  x.rows = false;
   if (sp.xsig && sp.xsig == x.xsig) return "";
+  if (x.rlike && sp.lsig && sp.lsig == x.rlike->lsig && sp.ps == x.rps && sp.rows.size() == x.rlike->rows.size()) {
+    for (size_t i = 0; i < sp.rows.size(); ++i)
+      if (sp.rows[i].run != x.rlike->rows[i].run) return "layouts differ";
+    x.rows = true;
+    return "";
+  }
   if (!sp.xusig || sp.xusig != x.xusig || sp.ps <= 0 || x.rps <= 0) return "layouts differ";
   const int g = std::gcd(sp.ps, x.rps), ms = sp.ps / g, md = x.rps / g;
   for (const RegionDesc& r : sp.regions)
@@ -43,9 +55,10 @@ std::string Lane::x_units(const Pool& sp, XOut& x) {
 }
 
 // Pool to pool, whole pages or units (a pack here, an unpack in cross_recv.cpp), waited for.
-std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved) {
+std::string Lane::copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved, bool rows) {
   Target t;
   t.dp = dp;
+  t.rows = rows;
   std::string err = cu_.copy(sp.device, dp.device, segments(sp, {t}, moved), pairs, moved);
   if (err.empty()) err = lost(sp);  // an engine's pool shrank under the copy (the other is staging)
   if (err.empty()) err = lost(dp);
@@ -157,7 +170,7 @@ void Lane::handle_x(int fd, const char* p, size_t n) {
       x.units = (uint64_t)((chunked ? room : std::min((c.offset + (int64_t)src.size()) * x.ms, room)) - lo);
       xo = x;
       ar = arenas_[sp.device];
-      for (auto& r : sp.regions) page += r.nbytes;
+      for (auto& r : pack_like(sp, x).regions) page += r.nbytes;  // a packed page's (or unit's) bytes
       nbytes = page * (uint64_t)(room - lo);
       // A delta that fits the scratch's first part (XSMALL) whole is packed and written on
       // this thread (microseconds to a millisecond on a GPU); one that streams goes to the bulk
@@ -278,7 +291,7 @@ std::string Lane::stream_out(const Pool& sp, const XOut& xo, const std::string& 
       pairs[2 * i + 1] = (int32_t)i;
     }
     const double t0 = now_s();
-    err = copy(sp, packed(scratch + off, sp, sp.device), pairs, cnt);
+    err = copy(sp, packed(scratch + off, pack_like(sp, xo), sp.device), pairs, cnt, xo.rows);
     stat(S_PACK, t0);
     if (!err.empty()) break;
     out[h].msg = note(XNOTE_WRITTEN, xo.rank, true, cnt * page, cnt, first, off, tid, "", first + cnt == n ? XF_LAST : 0,

@@ -100,10 +100,17 @@ void Lane::refuse_out(const std::string& tid, int rank) {
 
 void Lane::arm_out(const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
                    uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
-                   double deadline, uint64_t xusig, int rps) {
+                   double deadline, uint64_t xusig, int rps, uint64_t rlsig, std::vector<RowDesc> rrows,
+                   std::vector<uint64_t> rpages) {
   XOut x;
   x.xusig = xusig;
   x.rps = rps;
+  if (rlsig && !rrows.empty() && !rpages.empty()) {  // the receiver's page geometry (another page layout)
+    auto like = std::make_shared<Pool>();
+    like->lsig = rlsig, like->ps = rps, like->rows = std::move(rrows);
+    for (uint64_t b : rpages) like->regions.push_back({0, b, b});
+    x.rlike = std::move(like);
+  }
   x.rank = rank;
   x.address = address;
   x.remote_agent = remote_agent;

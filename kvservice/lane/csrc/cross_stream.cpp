@@ -89,7 +89,7 @@ void Lane::x_write_chunk(const Pool& sp, const XOut& xo, const std::string& xk, 
       pairs[2 * i] = (int32_t)(src[(size_t)(t / ms - c.offset)] * ms + t % ms);
       pairs[2 * i + 1] = (int32_t)i;
     }
-    w.err = copy(sp, packed(xo.scratch + off, sp, sp.device), pairs, m);
+    w.err = copy(sp, packed(xo.scratch + off, pack_like(sp, xo), sp.device), pairs, m, xo.rows);
     stat(S_PACK, w.t0);
     if (trace_on_) w.o.tr = ChunkTrace{tid, 0, d0, m, m * xo.page, {w.t0, now_s(), 0, 0, 0}};
     if (w.err.empty()) w.err = nx_post(xo.scratch + off, m * xo.page, sp.device, xo, off, w.o);

@@ -136,7 +136,8 @@ class Lane {
   void refuse_out(const std::string& tid, int rank);
   void arm_out(const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
                uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
-               double deadline, uint64_t xusig, int rps);
+               double deadline, uint64_t xusig, int rps, uint64_t rlsig, std::vector<RowDesc> rrows,
+               std::vector<uint64_t> rpages);
   // 0 none, 1 was armed (now gone), 2 taken: an engine's stream of it waiting for chunks ends
   int disarm_out(const std::string& tid, int rank);
   void forget_out(const std::string& tid, int rank);
@@ -224,7 +225,11 @@ class Lane {
   };
 
   // ---- cross_send.cpp: pool to pool, whole pages (a pack or an unpack), waited for ---------
-  std::string copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved);
+  // (``rows``: another page layout, each head's rows: Target::rows)
+  std::string copy(const Pool& sp, const Pool& dp, const std::vector<int32_t>& pairs, size_t moved,
+                   bool rows = false);
+  // where sender pool ``sp`` packs for offer ``xo``: its own pages (or units), or the receiver's
+  static const Pool& pack_like(const Pool& sp, const XOut& xo) { return xo.rows ? *xo.rlike : sp; }
 
   // ---- cross_setup.cpp -----------------------------------------------------------------------
   // 0 none, 1 was armed (now gone), 2 moving/moved (``moving`` sees it, under the lock)
@@ -246,7 +251,7 @@ class Lane {
 
   // ---- cross_send.cpp ------------------------------------------------------------------------
   static Pool packed(uint64_t base, const Pool& like, int device);
-  static std::string x_units(const Pool& sp, XOut& x);  // mu_ held: pages or units (x.ms, x.md)
+  static std::string x_units(const Pool& sp, XOut& x);  // mu_ held: pages, units or rows (x.ms, x.md, x.rows)
   void handle_x(int fd, const char* p, size_t n);
   void send_out(XSend& job);
   std::string stream_out(const Pool& sp, const XOut& xo, const std::string& xk, const std::string& tid,

@@ -39,6 +39,19 @@ bool set_rows(Lane& lane, const std::string& bs, uint64_t lsig, const U64Array& 
   return lane.set_rows(bs, lsig, std::move(rs));
 }
 
+// The receiver's page geometry for page-layout conversions (``rrows``: [n, 4] as set_rows;
+// ``rpages``: each region's page bytes; empty: none)
+void arm_out(Lane& lane, const std::string& tid, int rank, const std::string& address, const std::string& remote_agent,
+             uint64_t raddr, uint64_t rbytes, int rdev, int rmem, uint64_t xsig, int64_t prefix, int64_t ndst,
+             double deadline, uint64_t xusig, int rps, uint64_t rlsig, const U64Array& rrows, const U64Array& rpages) {
+  if (rrows.ndim() != 2 || rrows.shape(1) != 4) throw std::invalid_argument("rrows: want [n, 4]");
+  std::vector<kvlane::RowDesc> rs;
+  auto r = rrows.unchecked<2>();
+  for (py::ssize_t i = 0; i < r.shape(0); ++i) rs.push_back({r(i, 0), r(i, 1), r(i, 2), r(i, 3)});
+  lane.arm_out(tid, rank, address, remote_agent, raddr, rbytes, rdev, rmem, xsig, prefix, ndst, deadline, xusig, rps,
+               rlsig, std::move(rs), std::vector<uint64_t>(rpages.data(), rpages.data() + rpages.size()));
+}
+
 void set_alias(Lane& lane, const std::string& bs, int device, const U64Array& bases) {
   lane.set_alias(bs, device, std::vector<uint64_t>(bases.data(), bases.data() + bases.size()));
 }
@@ -181,7 +194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_arena", &Lane::add_arena, Release())
       .def("local_md", &local_md)
       .def("load_md", &Lane::load_md, Release())
-      .def("arm_out", &Lane::arm_out)
+      .def("arm_out", &arm_out)
       .def("refuse_out", &Lane::refuse_out)
       .def("disarm_out", &Lane::disarm_out)
       .def("forget_out", &Lane::forget_out)

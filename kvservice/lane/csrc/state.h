@@ -148,6 +148,11 @@ struct XOut {  // a transfer the receiving service offered: its slot there
   uint64_t xusig = 0;
   int rps = 0, ms = 1, md = 1;
   uint64_t units = 0;
+  // page-layout conversions: the receiver pool's geometry (its regions' page bytes and head rows,
+  // from its layout; its row signature from the offer); ``rows``: the sender packs pages in the
+  // receiver's page layout (Lane::x_units), which the receiver unpacks as its own pages
+  std::shared_ptr<const Pool> rlike;
+  bool rows = false;
   double deadline = 0;
   // an engine's chunks of it (FLAG_CHUNK SEND_TOs, the delta within the slot): who sends them,
   // the next one's offset, whether the last came; packed at the same place in the scratch as in

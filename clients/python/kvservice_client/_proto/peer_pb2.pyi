@@ -242,7 +242,7 @@ class ReceivePlan(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., prefix_pages: _Optional[int] = ..., dst_page_indices: _Optional[_Iterable[int]] = ..., aux: _Optional[_Iterable[_Union[_common_pb2.AuxRows, _Mapping]]] = ..., expected_senders: _Optional[int] = ..., remaining_ms: _Optional[int] = ..., kv_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., aux_row_bytes: _Optional[_Iterable[int]] = ..., aux_names: _Optional[_Iterable[str]] = ..., dst_buffer_set_id: _Optional[str] = ..., route: _Optional[_Union[HeadRoute, _Mapping]] = ..., direct_ok: bool = ..., kv_handles: _Optional[_Iterable[_Union[_common_pb2.Region, _Mapping]]] = ..., same_host_refusal: _Optional[str] = ..., publishes: bool = ..., sender_ticket: _Optional[str] = ..., integrity: bool = ..., lane_slot: _Optional[_Union[LaneSlot, _Mapping]] = ...) -> None: ...
 
 class LaneSlot(_message.Message):
-    __slots__ = ("agent", "address", "size_bytes", "mem_kind", "device_id", "signature", "unit_signature")
+    __slots__ = ("agent", "address", "size_bytes", "mem_kind", "device_id", "signature", "unit_signature", "row_signature")
     AGENT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class LaneSlot(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     UNIT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ROW_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     agent: str
     address: int
     size_bytes: int
@@ -257,7 +258,8 @@ class LaneSlot(_message.Message):
     device_id: int
     signature: int
     unit_signature: int
-    def __init__(self, agent: _Optional[str] = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., signature: _Optional[int] = ..., unit_signature: _Optional[int] = ...) -> None: ...
+    row_signature: int
+    def __init__(self, agent: _Optional[str] = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., mem_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., signature: _Optional[int] = ..., unit_signature: _Optional[int] = ..., row_signature: _Optional[int] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
     __slots__ = ("transfer_id", "sender_service_id", "src_tp_rank", "chunk_seq", "last_chunk", "path", "staging_slot", "positions", "bytes", "pages_skipped", "descriptors", "pack_us", "wire_us", "dst_buffer_set_id", "dst_head_start", "num_heads", "aux_delivered", "release_only", "credit_slot", "sender_ticket", "checksum", "checksum_kind", "src_layout")
