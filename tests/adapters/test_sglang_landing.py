@@ -12,6 +12,8 @@ POSIX shared memory, registered through the backend's own code.
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,5 +245,22 @@ def test_a_room_is_read_by_every_attention_tp_rank_then_goes(conn) -> None:
         assert conn._http("GET", url + "?rank=1&ranks=2")[0] == 404
         assert conn._http("PUT", url, post)[0] == 200
         assert conn._http("GET", url)[0] == 200 and conn._http("GET", url)[0] == 404
+    finally:
+        server.close()
+
+
+def test_a_held_get_is_answered_when_the_room_is_posted(conn) -> None:
+    """GET ?wait_ms= waits for the decode's post (a PUT wakes it) and is 404 once the wait ends."""
+    server = conn.KVServiceBootstrapServer("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}/room/8"
+    post = {"peer": "p", "decode_prefix_len": 0}
+    try:
+        t0 = time.monotonic()
+        assert conn._http("GET", url + "?wait_ms=200")[0] == 404
+        assert time.monotonic() - t0 >= 0.2
+        threading.Timer(0.1, conn._http, ("PUT", url, post)).start()
+        t0 = time.monotonic()
+        assert conn._http("GET", url + "?wait_ms=1500") == (200, post)
+        assert time.monotonic() - t0 < 1.0  # woken by the PUT, not at the end of its wait
     finally:
         server.close()

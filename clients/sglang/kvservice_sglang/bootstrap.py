@@ -2,9 +2,13 @@
 decode instances post where a room's pages go, and the prefill's senders read it::
 
     PUT /room/<room> {peer, decode_prefix_len[, landing][, layers]}  decode -> prefill (its kvservice, prefix)
-    GET /room/<room>[?rank=r&ranks=n][&layers=a,b,..]       each prefill rank reads it once
+    GET /room/<room>[?rank=r&ranks=n][&layers=a,b,..][&wait_ms=w]  each prefill rank reads it once
     PUT /room/<room>/pages {pages}                          prefill -> decode (landing option)
     GET /service                                            {peer[, pp_size]}: the decode's sender
+
+A GET naming ``wait_ms`` is held until the entry is there (a PUT wakes it) or ``wait_ms`` passed
+(then 404), so a sender learns of the decode's post at once, not at its next poll, and the server
+sees one connection a request instead of one every poll.
 
 An entry is read by every rank (attention TP x PP) of the other instance (each runs a sender or a
 receiver of the room) and goes once all ``n`` read it, or at its TTL. ``GET /service`` names the
@@ -42,12 +46,14 @@ from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
 from .settings import service_address as local_service
 
-__all__ = ["KVServiceBootstrapServer", "http_json"]
+__all__ = ["HOLD_MS", "KVServiceBootstrapServer", "held", "http_json"]
 
 log = logging.getLogger(__name__)
 _ROOM_TTL_S = 600.0
 _PUT_USAGE = "PUT /room/<int> {peer, decode_prefix_len[, landing][, layers]} or /room/<int>/pages {pages}"
 _SERVICE_LOOKUP_TIMEOUT_S = 3.0  # the bootstrap server asking its kvservice (within a GET's 5 s)
+_MAX_WAIT_MS = 2000  # the longest a GET is held (within http_json's 5 s timeout)
+HOLD_MS = 1000  # how long a reader asks the server to hold its GET (``held``)
 
 
 class _PrefillService:
@@ -103,7 +109,7 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
         # an entry is read by every attention TP rank of the other instance (each runs a sender or
         # a receiver of the room): the ranks that read it so far, per (book, room)
         readers: dict[tuple[int, int], set[int]] = {}
-        lock = threading.Lock()
+        posted = threading.Condition()  # the books' lock; a PUT wakes the GETs held for an entry
 
         class Handler(BaseHTTPRequestHandler):
             def _target(self) -> tuple[int | None, dict[int, tuple[float, dict[str, Any]]]]:
@@ -134,13 +140,14 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                 if room is None or entry is None:
                     return self._reply(400, {"error": _PUT_USAGE})
                 now = time.monotonic()
-                with lock:
+                with posted:
                     for d in (rooms, sizes):
                         for r in [r for r, (t, _) in d.items() if now - t > _ROOM_TTL_S]:
                             del d[r]
                             readers.pop((id(d), r), None)
                     old = book.get(room)
                     book[room] = (now, _merge(old[1] if old and book is rooms else None, entry))
+                    posted.notify_all()
                 self._reply(200, {})
 
             def do_GET(self) -> None:  # noqa: N802
@@ -151,10 +158,16 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
                 room, book = self._target()
                 rank, ranks = _reader(self.path)
                 wanted = _layers(self.path)
-                with lock:
-                    found = book.get(room) if room is not None else None
-                    if found is not None and wanted and not _holds(found[1], wanted):
-                        found = None  # not every stage holding this rank's layers posted yet
+                end = time.monotonic() + _wait_ms(self.path) / 1000
+                with posted:
+                    while True:
+                        found = book.get(room) if room is not None else None
+                        if found is not None and wanted and not _holds(found[1], wanted):
+                            found = None  # not every stage holding this rank's layers posted yet
+                        left = end - time.monotonic()
+                        if found is not None or left <= 0:
+                            break
+                        posted.wait(left)
                     if found is not None and room is not None:  # gone once every rank read it
                         seen = readers.setdefault((id(book), room), set())
                         seen.add(rank)
@@ -176,6 +189,15 @@ class KVServiceBootstrapServer(BaseKVBootstrapServer):
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _wait_ms(path: str) -> int:
+    """A GET's ``?wait_ms=<w>``: how long to hold it for its entry (0: answer at once; at most 2 s)."""
+    raw = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query).get("wait_ms", ["0"])[0]
+    try:
+        return min(max(0, int(raw)), _MAX_WAIT_MS)
+    except ValueError:
+        return 0
 
 
 def _reader(path: str) -> tuple[int, int]:
@@ -252,6 +274,11 @@ def _room_entry(body: dict[str, Any]) -> dict[str, Any] | None:
             return None
         entry["layers"] = sorted(set(layers))
     return entry
+
+
+def held(url: str, wait_ms: int = HOLD_MS) -> str:
+    """``url`` (a GET of a room entry) asking the server to hold it up to ``wait_ms`` for the entry."""
+    return f"{url}{'&' if '?' in url else '?'}wait_ms={wait_ms}"
 
 
 def http_json(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:

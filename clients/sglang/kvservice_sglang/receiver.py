@@ -31,7 +31,7 @@ import numpy as np
 from kvservice_client import KVClientError, TransferStatus
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
-from .bootstrap import http_json
+from .bootstrap import HOLD_MS, held, http_json
 from .layer_room import declare_layers
 from .layers import abort_all, layer_tid
 from .manager import KVServiceManager, PrefillService
@@ -95,16 +95,17 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
     async def _prefill_pages(self) -> int | None:
         """The prefill's page count once it posted it; None if the allocation or a failure came first."""
         end = time.monotonic() + self.mgr.bootstrap_timeout_s
+        url = held(self.mgr.reader_url(f"{self.url}/pages"))  # answered once the prefill posts
         while not (self._allocated or self.failed) and time.monotonic() < end:
+            asked = time.monotonic()
             try:
-                code, body = await asyncio.to_thread(
-                    http_json, "GET", self.mgr.reader_url(f"{self.url}/pages")
-                )
+                code, body = await asyncio.to_thread(http_json, "GET", url)
             except OSError:
                 code, body = 0, {}
             if code == 200:
                 return int(body["pages"])
-            await asyncio.sleep(_LOOKUP_EVERY_S)
+            if time.monotonic() - asked < HOLD_MS / 2000:  # a server that does not hold GETs: poll
+                await asyncio.sleep(_LOOKUP_EVERY_S)
         return None
 
     def poll(self) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from kvservice_client import TransferStatus
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll
 
-from .bootstrap import http_json
+from .bootstrap import HOLD_MS, held, http_json
 from .layer_room import LayerSend
 from .manager import KVServiceManager
 from .room import KVServiceTransferError, RoomTransfer, put_quietly
@@ -57,15 +57,17 @@ class KVServiceSender(RoomTransfer, BaseKVSender):
         """Wait for the decode instance to post this room (its peer and prefix; per layer: until
         the decode stages that posted hold every layer of this stage)."""
         end = time.monotonic() + self.mgr.bootstrap_timeout_s
-        url = self.mgr.reader_url(self.url, layers=True)
+        url = held(self.mgr.reader_url(self.url, layers=True))  # answered once the decode posts
         while not self.failed:
+            asked = time.monotonic()
             code, body = await asyncio.to_thread(http_json, "GET", url)
             if code == 200:
                 return body
             if time.monotonic() > end:
                 wait = self.mgr.bootstrap_timeout_s
                 raise TimeoutError(f"no decode instance claimed bootstrap_room {self.room} within {wait}s")
-            await asyncio.sleep(_LOOKUP_EVERY_S)
+            if time.monotonic() - asked < HOLD_MS / 2000:  # a server that does not hold GETs: poll
+                await asyncio.sleep(_LOOKUP_EVERY_S)
         raise KVServiceTransferError(self.room, self.failed)
 
     def poll(self) -> int:
