@@ -264,3 +264,22 @@ def test_a_held_get_is_answered_when_the_room_is_posted(conn) -> None:
         assert time.monotonic() - t0 < 1.0  # woken by the PUT, not at the end of its wait
     finally:
         server.close()
+
+
+def test_a_sender_asks_again_when_its_get_times_out(node, monkeypatch) -> None:
+    """A GET of the room that times out (a busy bootstrap server) is asked again, not a failure."""
+    sender_module = sys.modules[node["conn"].KVServiceSender.__module__]
+    real, calls = sender_module.http_json, []
+
+    def flaky(method: str, url: str, body: Any = None) -> Any:
+        calls.append(url)
+        if len(calls) == 1:
+            raise TimeoutError("timed out")
+        return real(method, url, body)
+
+    monkeypatch.setattr(sender_module, "http_json", flaky)
+    send = node["conn"].KVServiceSender(node["mp"], node["addr"], 21)
+    post = {"peer": "p", "decode_prefix_len": 0}
+    assert node["conn"]._http("PUT", f"http://{node['addr']}/room/21", post)[0] == 200
+    eventually(lambda: send.poll() == node["conn"].KVPoll.WaitingForInput)
+    assert len(calls) >= 2

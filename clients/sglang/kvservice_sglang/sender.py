@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from typing import Any
 
@@ -31,6 +32,8 @@ from .manager import KVServiceManager
 from .room import KVServiceTransferError, RoomTransfer, put_quietly
 
 __all__ = ["KVServiceSender"]
+
+log = logging.getLogger(__name__)
 
 _LOOKUP_EVERY_S = 0.01
 
@@ -60,7 +63,11 @@ class KVServiceSender(RoomTransfer, BaseKVSender):
         url = held(self.mgr.reader_url(self.url, layers=True))  # answered once the decode posts
         while not self.failed:
             asked = time.monotonic()
-            code, body = await asyncio.to_thread(http_json, "GET", url)
+            try:
+                code, body = await asyncio.to_thread(http_json, "GET", url)
+            except OSError as exc:  # a timeout or a refused connection: the bootstrap server is busy
+                log.debug("kvservice: GET %s: %s", url, exc)
+                code, body = 0, {}
             if code == 200:
                 return body
             if time.monotonic() > end:
