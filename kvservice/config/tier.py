@@ -22,7 +22,7 @@ def _free_ram_bytes() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Tier:
-    """Host tier (issue 49): size, layouts, fill budget."""
+    """Host tier: size, layouts, fill budget."""
 
     host_tier_gb: float = opt(
         -1.0,

@@ -324,7 +324,7 @@ async def serve(config: Config) -> None:
     await app.start()
     # NOTE: the start-up's objects (torch, NIXL, numba's caches: ~350k) never become garbage, yet
     # each full collection walked them all: pauses of 0.1-0.3 s in the middle of transfers on the
-    # 2-core VM (bench/results/NOTES.md). Frozen, the cyclic GC scans only what came after.
+    # 2-core VM. Frozen, the cyclic GC scans only what came after.
     gc.freeze()
     asyncio.get_running_loop().run_in_executor(None, _freeze_after, app.warmed)
     stop = asyncio.Event()

@@ -1,4 +1,4 @@
-"""The node's host KV tier (issue 49): whole pages by hash per layout, LRU with leases, filled
+"""The node's host KV tier: whole pages by hash per layout, LRU with leases, filled
 write-behind from what the engines publish, served back by LoadPages. See ``base`` for the
 contract."""
 

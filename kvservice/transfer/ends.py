@@ -40,7 +40,7 @@ __all__ = ["STATE_GRACE_S", "Ends"]
 # NOTE: an ended side's working state (its Outgoing / Incoming with their task, plans and page
 # arrays: ~25 objects the cyclic GC tracks) goes this long after its end; its record (what Poll
 # and WatchTransfers answer) stays ``transfer_retain_s``. Kept as long as the records, at 2,000
-# transfers/s it was ~15M tracked objects and full collections of seconds (bench/results/NOTES.md).
+# transfers/s it was ~15M tracked objects and full collections of seconds.
 STATE_GRACE_S = 5.0
 
 

@@ -91,7 +91,7 @@ class TransferTable:
         self._live: dict[tuple[str, str, str], Record] = {}
         self._live_by_bs: dict[str, dict[tuple[str, str, str], Record]] = {}
         # NOTE: tuples, not sets: a tuple of strings leaves the cyclic GC's scans, and a
-        # transfer has one or two keys (GC pauses grew with retained records; NOTES.md)
+        # transfer has one or two keys (GC pauses grew with retained records)
         self._by_tid: dict[str, tuple[tuple[str, str, str], ...]] = {}
         self._ended: collections.deque[tuple[float, tuple[str, str, str]]] = collections.deque()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, _Queue, Callable[[Record], bool]]] = []

@@ -10,7 +10,7 @@ Whoever waits reads the socket itself: a caller that finds nobody reading takes 
 and receives on its own thread until its REPLY (or, in ``wait``, any message: the book decides)
 arrives, dispatching every message it reads (REPLYs to their callers' slots, ENDs to the book).
 The reader thread reads only while no caller does, for ENDs nobody waits for yet. One thread
-hand-off fewer each way, ~50-70 µs each on the GPU host (bench/results/NOTES.md).
+hand-off fewer each way, ~50-70 µs each on the GPU host.
 
 Opened lazily by the client over a Unix socket target, at most once a second while the service
 has none (it builds its native module in the background at start); any failure leaves the

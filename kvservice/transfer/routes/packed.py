@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # NOTE: as many batches of one chunk in flight as a peer channel holds credits (WINDOW): with 3,
 # the fourth credit sat idle while the first batch waited for its write (H200 timeline, 2 GiB
-# cross-node on one GPU, bench/results/NOTES.md).
+# cross-node on one GPU).
 PIPELINE = WINDOW
 
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = 2 << 20
 
 # NOTE: Config.tuning.two_gpu_copy "auto" on this route (2×H200, bench_transfer --src-gpu 0 --dst-gpu 1
-# --same-node --no-lane, bench/results/NOTES.md): for 2 GiB the staged copy's link copies run at
+# --same-node --no-lane): for 2 GiB the staged copy's link copies run at
 # the copy engines' rate and beat one Triton kernel across the link (copy phase 6.46 ms staged,
 # 6.89 pull, 7.03 push); one 64 KiB page is one launch across the link instead of three launches
 # and a copy (0.65 ms push, 0.72 pull, 0.88 staged).
