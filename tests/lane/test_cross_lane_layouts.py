@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from kvservice_client import Layout
 
-from tests.support.nodes import Nodes, regions
+from tests.support.nodes import Converting, Nodes, expect_offered, regions, send_chunks
 from tests.support.page_layouts import heads_kv
 from tests.support.poll import eventually
 
@@ -28,48 +28,17 @@ def _layout(page_layout: str, page_size: int = 4, **kw: Any) -> Layout:
 
 
 @pytest.fixture
-def made() -> Iterator[list[Nodes]]:
-    got: list[Nodes] = []
-    yield got
-    for n in got:
-        n.close()
-
-
-def _nodes(made: list[Nodes], make_server: Any, tmp: Any, src: Layout, dst: Layout, **kw: Any) -> Nodes:
-    n = Nodes(make_server, str(tmp), cross_lane=True, layouts=(src, dst), aux=AUX, **kw)
-    made.append(n)
-    n.b.kv.expect_delta(  # a first transfer over gRPC opens A's channel to B: offers travel on it
-        "warm", n.b.bs, prefix_pages=0, dst_page_indices=[0], sender_address=n.sa.app.peer_address
-    )
-    n.a.kv.send_delta("warm", n.a.bs, src_page_indices=[0], peer_address=n.peer)
-    assert n.b.kv.wait("warm", timeout=30)[0].state == "DONE"
-    return n
+def nodes(make_server: Any, tmp_path: Any) -> Iterator[Converting]:
+    made = Converting(make_server, str(tmp_path), AUX)
+    yield made
+    made.close()
 
 
 def _move(
     n: Nodes, tid: str, src: list[int], prefix: int, dst: list[int], cuts: list[int], aux: bool
 ) -> None:
-    n.b.kv.expect_delta(
-        tid,
-        n.b.bs,
-        prefix_pages=prefix,
-        dst_page_indices=dst,
-        sender_address=n.sa.app.peer_address,
-        aux={"meta": [5]} if aux else None,
-    )
-    eventually(lambda: n.sa.app.lane.result().native.cross_count() > 0, 10, f"offer of {tid}")
-    bounds = [0, *cuts, len(src)]
-    for i in range(len(bounds) - 1):
-        last = i == len(bounds) - 2
-        n.a.kv.send_delta(
-            tid,
-            n.a.bs,
-            src_page_indices=src[bounds[i] : bounds[i + 1]],
-            chunk_offset=bounds[i],
-            last_chunk=last,
-            aux={"meta": [9]} if aux and last else None,
-            peer_address=n.peer,
-        )
+    expect_offered(n, tid, dst, prefix, aux={"meta": [5]} if aux else None)
+    send_chunks(n, tid, src, cuts, aux={"meta": [9]} if aux else None)
 
 
 def _check(n: Nodes, src: list[int], dst: list[int], before: list[np.ndarray]) -> None:
@@ -91,16 +60,14 @@ CASES = [
 
 @pytest.mark.parametrize("src_pl,dst_pl,cuts,aux,auth", CASES)
 def test_pools_of_two_page_layouts_exchange_heads_on_the_cross_node_lane(
-    made: list[Nodes],
-    make_server: Any,
-    tmp_path: Any,
+    nodes: Converting,
     src_pl: str,
     dst_pl: str,
     cuts: list[int],
     aux: bool,
     auth: str,
 ) -> None:
-    n = _nodes(made, make_server, tmp_path, _layout(src_pl), _layout(dst_pl), auth=auth)
+    n = nodes(_layout(src_pl), _layout(dst_pl), auth=auth)
     src, dst, prefix = [7, 3, 20, 11, 30, 2], [9, 1, 14, 25], 2
     before = n.b.snapshot()
     lane_before = n.a.kv.lane_sent
@@ -117,17 +84,13 @@ def test_pools_of_two_page_layouts_exchange_heads_on_the_cross_node_lane(
         eventually(lambda s_=s_: s_.app.lane.result().native.cross_count() == 0, 10, "nothing on the lane")
 
 
-def test_a_delta_above_half_the_staging_streams_converted_pages(
-    made: list[Nodes], make_server: Any, tmp_path: Any
-) -> None:
+def test_a_delta_above_half_the_staging_streams_converted_pages(nodes: Converting) -> None:
     """lane_cross_stream=all, lane_cross_mb=1 (a 256 KiB slot): 64 KiB pages, nhc into nhd, a 640
     KiB delta streamed through the slot in the receiver's page layout."""
     big = {"total_kv_heads": 8, "head_dim": 64, "page_size": 16}
     src_l, dst_l = _layout("nhc", **big), _layout("nhd", **big)
     assert src_l.page_bytes_all_layers == 64 << 10
-    n = _nodes(
-        made, make_server, tmp_path, src_l, dst_l, auth="insecure", lane_cross_mb=1, lane_cross_stream="all"
-    )
+    n = nodes(src_l, dst_l, auth="insecure", lane_cross_mb=1, lane_cross_stream="all")
     src, dst = list(range(3, 13)), list(range(30, 20, -1))
     before = n.b.snapshot()
     _move(n, "x-big", src, 0, dst, [], False)
@@ -136,11 +99,9 @@ def test_a_delta_above_half_the_staging_streams_converted_pages(
     _check(n, src, dst, before)
 
 
-def test_two_page_layouts_and_two_page_sizes_convert_over_grpc(
-    made: list[Nodes], make_server: Any, tmp_path: Any
-) -> None:
+def test_two_page_layouts_and_two_page_sizes_convert_over_grpc(nodes: Converting) -> None:
     """Both the page layout and the page size differ: not the lane's (yet); gRPC converts it."""
-    n = _nodes(made, make_server, tmp_path, _layout("nhc", page_size=8), _layout("nhd"), auth="insecure")
+    n = nodes(_layout("nhc", page_size=8), _layout("nhd"), auth="insecure")
     src, dst = [3, 8], [1, 5, 9, 11]
     lane_before = n.a.kv.lane_sent
     _move(n, "x-g", src, 0, dst, [], False)

@@ -17,7 +17,7 @@ from kvservice_client._errors import FailedPrecondition, InvalidArgument
 
 from tests.support.lane import lane_of
 from tests.support.poll import eventually
-from tests.support.tokens import check_landed
+from tests.support.tokens import UNIT_CASES, check_landed
 
 
 def _layout(page_size: int, page_layout: str = "nhd", num_pages: int = 64) -> Layout:
@@ -105,33 +105,13 @@ def _check_landed(
     )
 
 
-CASES = [
-    # (sender page, receiver page, layout, sender pages, chunk cuts, start, receiver prefix, receiver pages)
-    pytest.param(16, 4, "nhd", 3, [], 0, 2, 10, id="16-to-4"),
-    pytest.param(4, 16, "nhd", 12, [5], 0, 0, 3, id="4-to-16-2-chunks"),
-    pytest.param(1, 4, "nhd", 24, [7, 8, 19], 0, 1, 5, id="sglang-page-1-to-4-4-chunks"),
-    pytest.param(4, 1, "nhd", 6, [2], 0, 3, 21, id="4-to-sglang-page-1"),
-    pytest.param(6, 4, "nhd", 4, [1, 3], 0, 1, 5, id="6-to-4-gcd-2"),
-    pytest.param(16, 4, "nhd", 3, [], 0, 1, 10, id="16-to-4-sender-last-page-part-filled"),
-    pytest.param(4, 16, "nhd", 11, [4], 0, 0, 3, id="4-to-16-receiver-last-page-part-filled"),
-    pytest.param(16, 4, "nhd", 2, [], 1, 4, 8, id="16-to-4-first-chunk-inside-the-prefix"),
-    pytest.param(16, 1, "nhc", 2, [1], 0, 5, 27, id="nhc-16-to-1"),
-]
-
-
-@pytest.mark.parametrize("ps,pd,page_layout,n_src,cuts,start,prefix,n_dst", CASES)
+@pytest.mark.parametrize("case", UNIT_CASES)
 def test_pools_of_two_page_sizes_exchange_tokens_on_the_lane(
     server: Any,
     pairs: list[Pair],
-    ps: int,
-    pd: int,
-    page_layout: str,
-    n_src: int,
-    cuts: list[int],
-    start: int,
-    prefix: int,
-    n_dst: int,
+    case: tuple[int, int, str, int, list[int], int, int, int],
 ) -> None:
+    ps, pd, page_layout, n_src, cuts, start, prefix, n_dst = case
     p = Pair(server, _layout(ps, page_layout), _layout(pd, page_layout))
     pairs.append(p)
     rng = np.random.default_rng(n_src * 31 + n_dst)

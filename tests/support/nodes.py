@@ -150,4 +150,64 @@ class Nodes:
             e.close()
 
 
-__all__ = ["LAYOUT", "Engine", "Node", "Nodes", "eventually", "lane_of", "regions"]
+class Converting:
+    """The Nodes of one test whose two services' pools differ in layout (conversions across
+    services), each made with A's channel to B open (a first transfer over gRPC: offers travel on
+    it); closed with it."""
+
+    def __init__(self, make_server: Any, tmp: str, aux: dict[str, tuple[int, int]] | None = None) -> None:
+        self.make_server, self.tmp, self.aux = make_server, tmp, aux
+        self.made: list[Nodes] = []
+
+    def __call__(self, src: Layout, dst: Layout, **kw: Any) -> Nodes:
+        n = Nodes(self.make_server, self.tmp, cross_lane=True, aux=self.aux, layouts=(src, dst), **kw)
+        self.made.append(n)
+        n.b.kv.expect_delta(
+            "warm", n.b.bs, prefix_pages=0, dst_page_indices=[0], sender_address=n.sa.app.peer_address
+        )
+        n.a.kv.send_delta("warm", n.a.bs, src_page_indices=[0], peer_address=n.peer)
+        assert n.b.kv.wait("warm", timeout=30)[0].state == "DONE"
+        return n
+
+    def close(self) -> None:
+        for n in self.made:
+            n.close()
+
+
+def expect_offered(n: Nodes, tid: str, dst: list[int], prefix: int, **kw: Any) -> None:
+    """The decode engine declares ``tid`` from A; until A's lane holds the offer."""
+    n.b.kv.expect_delta(
+        tid, n.b.bs, prefix_pages=prefix, dst_page_indices=dst, sender_address=n.sa.app.peer_address, **kw
+    )
+    eventually(lambda: n.sa.app.lane.result().native.cross_count() > 0, 10, f"offer of {tid}")
+
+
+def send_chunks(n: Nodes, tid: str, src: list[int], cuts: list[int], start: int = 0, aux: Any = None) -> None:
+    """The prefill engine sends ``src`` (from transfer page ``start``) cut at ``cuts``, ``aux``
+    rows on the last chunk."""
+    bounds = [0, *cuts, len(src)]
+    for i in range(len(bounds) - 1):
+        last = i == len(bounds) - 2
+        n.a.kv.send_delta(
+            tid,
+            n.a.bs,
+            src_page_indices=src[bounds[i] : bounds[i + 1]],
+            chunk_offset=start + bounds[i],
+            last_chunk=last,
+            aux=aux if last else None,
+            peer_address=n.peer,
+        )
+
+
+__all__ = [
+    "LAYOUT",
+    "Converting",
+    "Engine",
+    "Node",
+    "Nodes",
+    "eventually",
+    "expect_offered",
+    "lane_of",
+    "regions",
+    "send_chunks",
+]

@@ -4,8 +4,9 @@ another page size hold the same sequence's token rows (token-major pages: ``nhd`
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-__all__ = ["check_landed", "token_rows"]
+__all__ = ["UNIT_CASES", "check_landed", "token_rows"]
 
 
 def token_rows(regions: list[np.ndarray], pages: list[int], page_size: int) -> list[np.ndarray]:
@@ -44,3 +45,18 @@ def check_landed(
         tok_old = old.reshape(old.shape[0] * pd, -1)
         tok_now = now.reshape(now.shape[0] * pd, -1)
         np.testing.assert_array_equal(tok_now[~written], tok_old[~written])
+
+
+# Page-size conversions both lanes take, one service and across services: (sender page, receiver
+# page, page layout, sender pages, chunk cuts, start, receiver prefix, receiver pages)
+UNIT_CASES = [
+    pytest.param((16, 4, "nhd", 3, [], 0, 2, 10), id="16-to-4"),
+    pytest.param((4, 16, "nhd", 12, [5], 0, 0, 3), id="4-to-16-2-chunks"),
+    pytest.param((1, 4, "nhd", 24, [7, 8, 19], 0, 1, 5), id="sglang-page-1-to-4-4-chunks"),
+    pytest.param((4, 1, "nhd", 6, [2], 0, 3, 21), id="4-to-sglang-page-1"),
+    pytest.param((6, 4, "nhd", 4, [1, 3], 0, 1, 5), id="6-to-4-gcd-2"),
+    pytest.param((16, 4, "nhd", 3, [], 0, 1, 10), id="16-to-4-sender-last-page-part-filled"),
+    pytest.param((4, 16, "nhd", 11, [4], 0, 0, 3), id="4-to-16-receiver-last-page-part-filled"),
+    pytest.param((16, 4, "nhd", 2, [], 1, 4, 8), id="16-to-4-first-chunk-inside-the-prefix"),
+    pytest.param((16, 1, "nhc", 2, [1], 0, 5, 27), id="nhc-16-to-1"),
+]
