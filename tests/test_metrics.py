@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-import time
 import urllib.request
 
 import grpc
@@ -15,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kvservice.metrics import Metrics, TransferMetrics, metrics_host
 from kvservice.node import build_node
+from tests.support.poll import eventually
 from tests.support.services import ServerThread, make_config
 
 
@@ -132,12 +132,12 @@ def test_metrics_endpoint_serves_and_frees_its_port() -> None:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
         # NOTE: the server accounts a call after the client got its status: scrape until it shows
         want = 'kvservice_rpc_duration_seconds_count{method="Check",service="Health"} 2.0'
-        end = time.monotonic() + 5
-        while True:
+
+        def scraped() -> str | None:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            if want in text or time.monotonic() > end:
-                break
-            time.sleep(0.05)
+            return text if want in text else None
+
+        text = eventually(scraped, timeout=5, what=want, interval=0.05)
     finally:
         s.stop()
     assert 'kvservice_rpc_handled_total{code="OK",method="Check",service="Health"} 1.0' in text

@@ -93,15 +93,20 @@ def prometheus(services: tuple[Any, Any], tmp_path_factory: Any) -> Iterator[str
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
+
+        def not_started() -> str:
+            return f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}"
+
+        def ready() -> bool:
             try:
                 _get(f"{url}/-/ready", 1)
-                break
+                return True
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
-                time.sleep(0.2)
+                if proc.poll() is not None:
+                    pytest.fail(not_started())
+                return False
+
+        eventually(ready, timeout=20, what=not_started, interval=0.2)
         yield url
     finally:
         proc.terminate()

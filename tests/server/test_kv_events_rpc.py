@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
+from typing import Any
 
 import numpy as np
 from kvservice_client import Client  # noqa: E402
 
 from tests.support.engine_schemas import stored, vllm_structs
 from tests.support.kv_events import Publisher
+from tests.support.poll import eventually
 
 
 def test_router_sees_prefix_published_by_vllm_events(make_server) -> None:
@@ -34,13 +35,13 @@ def test_router_sees_prefix_published_by_vllm_events(make_server) -> None:
             )
         )
         with Client(server.address) as router:
-            end = time.monotonic() + 10
-            while True:
-                m = router.match_prefix(tokens=tokens, page_size=4, scores_only=True)
-                if m.best and m.best.matched_pages == 3:
-                    break
-                assert time.monotonic() < end, m
-                time.sleep(0.02)
+            seen: list[Any] = [None]
+
+            def three_pages() -> Any:
+                seen[0] = m = router.match_prefix(tokens=tokens, page_size=4, scores_only=True)
+                return m if m.best and m.best.matched_pages == 3 else None
+
+            m = eventually(three_pages, timeout=10, what=lambda: repr(seen[0]), interval=0.02)
             assert m.best.engine_id == "vllm-0" and m.query_pages == 6 and m.best.page_indices == ()
     finally:
         pub.close()

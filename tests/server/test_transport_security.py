@@ -18,6 +18,7 @@ from kvservice_client._proto import kvservice_pb2_grpc, peer_pb2, peer_pb2_grpc
 from kvservice.cli import main as cli_main
 from kvservice.config import ConfigError, load_config
 from tests.support.pki import CA
+from tests.support.poll import eventually
 
 RESTAT_WAIT_S = 1.2  # the token file is re-stat'ed at most once a second
 
@@ -97,11 +98,11 @@ def test_bearer_tokens_over_tcp_and_their_rotation(make_server: Any, tmp_path: A
         assert local.get_stats().service_id
     with pytest.raises(Unauthenticated, match="authorization"):
         Client(target, timeout=5).get_stats()
+
     # NOTE: the server accounts a call just after the client got its status: wait for the last one.
     # The SDK's get_stats opens its session first, so its refusal is counted on OpenSession.
-    end = time.monotonic() + 5
-    while True:
-        refused = sum(
+    def refused() -> float:
+        return sum(
             s.app.metrics.registry.get_sample_value(
                 "kvservice_rpc_handled_total",
                 {"service": "KVService", "method": method, "code": "UNAUTHENTICATED"},
@@ -109,10 +110,13 @@ def test_bearer_tokens_over_tcp_and_their_rotation(make_server: Any, tmp_path: A
             or 0
             for method in ("GetStats", "OpenSession")
         )
-        if refused >= 6 or time.monotonic() > end:
-            break
-        time.sleep(0.05)
-    assert refused and refused >= 6
+
+    eventually(
+        lambda: refused() >= 6,
+        timeout=5,
+        what=lambda: f"{refused()} refusals counted, 6 wanted",
+        interval=0.05,
+    )
 
 
 def test_mutual_tls_requires_a_client_certificate_of_the_ca_and_follows_rotation(

@@ -64,14 +64,13 @@ def _settled(svc: ServiceProc) -> bool:
 
 
 def _terminal(eng: EngineProc, tid: str, timeout: float) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        sts = eng.call("poll", [tid])
-        if sts and all(s.terminal for s in sts):
-            return sts[0]
-        if time.monotonic() > end:
-            raise AssertionError(f"{tid} not terminal within {timeout}s: {sts}")
-        time.sleep(0.02)
+    seen: list[Any] = [None]
+
+    def terminal() -> Any:
+        seen[0] = sts = eng.call("poll", [tid])
+        return sts if sts and all(s.terminal for s in sts) else None
+
+    return eventually(terminal, timeout, what=lambda: f"{tid} not terminal: {seen[0]}", interval=0.02)[0]
 
 
 class Pair:
