@@ -113,6 +113,10 @@ class CrossOut:
                 self._rows.pop(next(iter(self._rows)))
         return got
 
+    def holds_offer(self, transfer_id: str) -> bool:
+        """Whether an offer of ``transfer_id`` is armed here (an engine here may SEND_TO it)."""
+        return transfer_id in self._out
+
     def gate_out(self, transfer_id: str, rank: int) -> None:
         """A SendDelta of sender rank ``rank`` over gRPC: the lane gives it up, or refuses."""
         if self.n.disarm_out(transfer_id, rank) == 2:

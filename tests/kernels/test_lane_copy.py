@@ -4,16 +4,19 @@ several targets); and its ahead-of-time cubins (kernels/aot.py), compiled withou
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kvservice.kernels import aot
 from kvservice.kernels.lane_copy import SEG_FIELDS, lane_copy, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _program(vec: bool, runs: bool, targets: int, moved: int, per: int, rng: np.random.Generator):
@@ -63,23 +66,51 @@ def test_the_reference_refuses_an_address_outside_its_buffers() -> None:
         reference(segs, np.array([[0, 0]], np.int32), 1, {})
 
 
+def _fresh(code: str, *args: str) -> None:
+    """``code`` in a fresh Python without TRITON_INTERPRET, as a service compiles its cubins: in
+    the whole suite an interpreted kernel run earlier in this process (Triton 3.9) can leave the
+    interpreter's patches on ``triton.language``, and a real compile here then fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "clients" / "python"), env.get("PYTHONPATH", "")]
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
 def test_cubins_compile_without_a_gpu_and_take_the_scratch_parameters() -> None:
     """sm_90's narrow variant: a cubin, its symbol, no shared memory, five arguments + scratch."""
-    im = aot.compile_image(90, 1, 256)
-    assert im.cubin[:4] == b"\x7fELF" and im.name == "lane_copy" and im.shared == 0
-    assert 5 <= im.params <= 8, im.params
+    _fresh(
+        "from kvservice.kernels import aot\n"
+        "im = aot.compile_image(90, 1, 256)\n"
+        "assert im.cubin[:4] == b'\\x7fELF' and im.name == 'lane_copy' and im.shared == 0, im\n"
+        "assert 5 <= im.params <= 8, im.params\n"
+    )
 
 
-def test_images_are_cached_by_source_triton_and_capability(tmp_path: Path, monkeypatch) -> None:
+def test_images_are_cached_by_source_triton_and_capability(tmp_path: Path) -> None:
     """A second start loads the six variants from the cache; a torn cache entry is compiled again."""
-    first = aot.images([90], tmp_path)
-    assert sorted((im.vec, im.threads) for im in first) == [(v, t) for v in (0, 1) for t in (128, 256, 512)]
-    calls: list[tuple[int, int, int]] = []
-    real = aot.compile_image
-    monkeypatch.setattr(aot, "compile_image", lambda cc, v, t: calls.append((cc, v, t)) or real(cc, v, t))
-    again = aot.images([90], tmp_path)
-    assert calls == [] and [im.cubin for im in again] == [im.cubin for im in first]
-    (torn,) = tmp_path.glob("kernels/*/lane_copy-v1-t512.cubin")
-    torn.write_bytes(torn.read_bytes()[:100])
-    aot.images([90], tmp_path)
-    assert calls == [(90, 1, 512)]
+    _fresh(
+        """
+import sys
+from pathlib import Path
+
+from kvservice.kernels import aot
+
+tmp = Path(sys.argv[1])
+first = aot.images([90], tmp)
+assert sorted((im.vec, im.threads) for im in first) == [(v, t) for v in (0, 1) for t in (128, 256, 512)]
+calls = []
+real = aot.compile_image
+aot.compile_image = lambda cc, v, t: calls.append((cc, v, t)) or real(cc, v, t)
+again = aot.images([90], tmp)
+assert calls == [] and [im.cubin for im in again] == [im.cubin for im in first], calls
+(torn,) = tmp.glob("kernels/*/lane_copy-v1-t512.cubin")
+torn.write_bytes(torn.read_bytes()[:100])
+aot.images([90], tmp)
+assert calls == [(90, 1, 512)], calls
+""",
+        str(tmp_path),
+    )

@@ -73,7 +73,7 @@ class Nodes:
 
     def offered(self, tid: str) -> None:
         """Until service A's lane holds B's offer of ``tid`` (it travels on A's open channel)."""
-        eventually(lambda: self.lanes[0].native.cross_count() > 0, 10, f"offer of {tid}")
+        eventually(lambda: self.lanes[0].book.cross.tx.holds_offer(tid), 10, f"offer of {tid}")
 
     def offered_plain(self, tid: str) -> None:
         """Until A's channel holds B's offer of ``tid`` (one without a lane slot)."""

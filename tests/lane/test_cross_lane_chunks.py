@@ -35,8 +35,9 @@ def _expect(n: Nodes, tid: str, dst: list[int], prefix: int = 0, **kw: Any) -> N
     n.b.kv.expect_delta(
         tid, n.b.bs, prefix_pages=prefix, dst_page_indices=dst, sender_address=n.sa.app.peer_address, **kw
     )
-    # the offer travels on the sender's channel: until service A's lane holds it
-    eventually(lambda: n.sa.app.lane.result().native.cross_count() > 0, 10, f"offer of {tid}")
+    # the offer travels on the sender's channel: until service A's lane holds it (this one: an
+    # earlier transfer's may still be on the lane)
+    eventually(lambda: n.sa.app.lane.result().book.cross.tx.holds_offer(tid), 10, f"offer of {tid}")
 
 
 def _send(n: Nodes, tid: str, src: list[int], offset: int, last: bool, aux: Any = None) -> None:

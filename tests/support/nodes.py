@@ -179,7 +179,7 @@ def expect_offered(n: Nodes, tid: str, dst: list[int], prefix: int, **kw: Any) -
     n.b.kv.expect_delta(
         tid, n.b.bs, prefix_pages=prefix, dst_page_indices=dst, sender_address=n.sa.app.peer_address, **kw
     )
-    eventually(lambda: n.sa.app.lane.result().native.cross_count() > 0, 10, f"offer of {tid}")
+    eventually(lambda: n.sa.app.lane.result().book.cross.tx.holds_offer(tid), 10, f"offer of {tid}")
 
 
 def send_chunks(n: Nodes, tid: str, src: list[int], cuts: list[int], start: int = 0, aux: Any = None) -> None:
