@@ -60,7 +60,7 @@ class CrossOut:
         self._recs: dict[tuple[str, str], Record] = {}  # (transfer, sender bs) -> a stream's record
         # (transfer, sender bs) the engine aborted -> (code, reason, resolved with the record)
         self._aborting: dict[tuple[str, str], tuple[str, str, asyncio.Future[Record]]] = {}
-        self._rows: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = {}  # by row signature
+        self._rows_sent: set[int] = set()  # receiver geometry signatures the native lane holds rows of
         self.n_sent = 0  # transfers booked
         self.n_failed = 0
 
@@ -77,7 +77,7 @@ class CrossOut:
         into = plan.dst_buffer_set_id if plan.publishes else ""
         page = int(plan.dst_layout.page_size)
         self._out.setdefault(plan.transfer_id, {})[rank] = (address, into, int(plan.prefix_pages), page)
-        rows, pages = self._receiver_rows(plan) if s.row_signature else (_NO_ROWS, _NO_PAGES)
+        rows, pages = self._receiver_rows(plan)
         self.n.arm_out(
             plan.transfer_id,
             plan.dst_layout.tp_rank,
@@ -99,19 +99,18 @@ class CrossOut:
         )
 
     def _receiver_rows(self, plan: LanePlan) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-        """The receiver pool's head rows and each region's page bytes, from its layout (per row
-        signature: one layout each)."""
-        sig = plan.lane_slot.row_signature
-        got = self._rows.get(sig)
-        if got is None:
-            lay = Layout.from_proto(plan.dst_layout)  # type: ignore[arg-type]  # (a peer_pb2 Layout)
-            one = lay.num_v_regions == 0  # K and V in one region a layer
-            k = lay.page_bytes_k + (lay.page_bytes_v if one and lay.kind == "mha" else 0)
-            pages = np.array([k] * lay.num_layers + [lay.page_bytes_v] * lay.num_v_regions, dtype=np.uint64)
-            got = self._rows[sig] = (row_table(lay)[1], pages)
-            while len(self._rows) > 64:
-                self._rows.pop(next(iter(self._rows)))
-        return got
+        """The receiver pool's head rows and each region's page bytes, from its layout, for the
+        native lane's first offer of that receiver geometry (it keeps them by the offer's geometry
+        signature: later offers send none)."""
+        s = plan.lane_slot
+        if not s.row_signature or s.signature in self._rows_sent:
+            return _NO_ROWS, _NO_PAGES
+        self._rows_sent.add(s.signature)
+        lay = Layout.from_proto(plan.dst_layout)  # type: ignore[arg-type]  # (a peer_pb2 Layout)
+        one = lay.num_v_regions == 0  # K and V in one region a layer
+        k = lay.page_bytes_k + (lay.page_bytes_v if one and lay.kind == "mha" else 0)
+        pages = np.array([k] * lay.num_layers + [lay.page_bytes_v] * lay.num_v_regions, dtype=np.uint64)
+        return row_table(lay)[1], pages
 
     def holds_offer(self, transfer_id: str) -> bool:
         """Whether an offer of ``transfer_id`` is armed here (an engine here may SEND_TO it)."""

@@ -100,6 +100,19 @@ def test_cross_node_lane_takes_chunks_with_aux_rows_byte_for_byte(services: list
         dst_eng.close()
 
 
+def _send_chunks(eng: Engine, tid: str, src: list[int], cuts: list[int], peer: str) -> bool:
+    """``src`` sent in chunks cut at ``cuts``; whether every chunk went over the lane."""
+    bounds = [0, *cuts, len(src)]
+    sent = [  # every chunk is sent, whatever route an earlier one took
+        eng(
+            op="send", tid=tid, src=src[bounds[i] : bounds[i + 1]], offset=bounds[i],
+            last=i == len(bounds) - 2, peer=peer,
+        )["lane"]
+        for i in range(len(bounds) - 1)
+    ]  # fmt: skip
+    return all(sent)
+
+
 @pytest.mark.parametrize(
     "ps,pd,n_src,prefix,n_dst,cuts",
     [
@@ -123,20 +136,12 @@ def test_cross_node_lane_converts_page_sizes_on_the_gpu(
         rng = np.random.default_rng(ps * 100 + pd)
         src = rng.permutation(1024 // ps)[:n_src].tolist()
         dst = rng.permutation(1024 // pd)[:n_dst].tolist()
-        bounds = [0, *cuts, n_src]
         lanes = []
         for turn in range(3):  # the first opens the prefill service's channel (gRPC); offers follow
             tid = f"xu-{turn}"
             assert dst_eng(op="expect", tid=tid, prefix=prefix, dst=dst, sender=a)["state"] != "FAILED"
             time.sleep(0.05)  # the prefill's compute: the offer reaches the sender's lane
-            sent = [
-                src_eng(
-                    op="send", tid=tid, src=src[bounds[i] : bounds[i + 1]], offset=bounds[i],
-                    last=i == len(bounds) - 2, peer=b,
-                )["lane"]
-                for i in range(len(bounds) - 1)
-            ]  # fmt: skip
-            lanes.append(all(sent))
+            lanes.append(_send_chunks(src_eng, tid, src, cuts, b))
             got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
             assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
             lo, hi = prefix * pd, min(n_src * ps, (prefix + n_dst) * pd)  # sequence tokens landed
@@ -163,20 +168,12 @@ def test_cross_node_lane_converts_page_layouts_on_the_gpu(
         src_eng(op="register", address=a, layout=dict(LAYOUT, page_layout=src_pl), fill=True, seed=5)
         dst_eng(op="register", address=b, layout=dict(LAYOUT, page_layout=dst_pl))
         src, dst = [9, 3, 40, 17, 22], [5, 60, 7, 33]
-        bounds = [0, *cuts, len(src)]
         lanes = []
         for turn in range(3):  # the first opens the prefill service's channel (gRPC); offers follow
             tid = f"xl-{turn}"
             assert dst_eng(op="expect", tid=tid, prefix=1, dst=dst, sender=a)["state"] != "FAILED"
             time.sleep(0.05)
-            sent = [
-                src_eng(
-                    op="send", tid=tid, src=src[bounds[i] : bounds[i + 1]], offset=bounds[i],
-                    last=i == len(bounds) - 2, peer=b,
-                )["lane"]
-                for i in range(len(bounds) - 1)
-            ]  # fmt: skip
-            lanes.append(all(sent))
+            lanes.append(_send_chunks(src_eng, tid, src, cuts, b))
             got_d, got_s = dst_eng(op="wait", tid=tid), src_eng(op="wait", tid=tid)
             assert got_d["state"] == got_s["state"] == "DONE", (got_d, got_s)
             assert dst_eng(op="heads", pages=dst)["digests"] == src_eng(op="heads", pages=src[1:])["digests"]

@@ -112,3 +112,15 @@ def test_two_page_layouts_and_two_page_sizes_convert_over_grpc(nodes: Converting
     kd, vd = heads_kv(regions(n.b.pool, n.b.layout), dst, n.b.layout)
     for a, b in zip(ks + vs, kd + vd, strict=True):  # by token: 2 pages of 8 = 4 pages of 4
         np.testing.assert_array_equal(b.reshape(-1, *b.shape[2:]), a.reshape(-1, *a.shape[2:]))
+
+
+def test_later_offers_of_one_receiver_geometry_convert_too(nodes: Converting) -> None:
+    """The sender's lane keeps a receiver's page geometry from its first offer: the next
+    transfers into it (no geometry sent again) still pack into the receiver's page layout."""
+    n = nodes(_layout("nhc"), _layout("nhd"), auth="insecure")
+    for turn, (src, dst) in enumerate([([7, 3], [9, 1]), ([20, 11, 30], [14, 25, 2]), ([4], [6])]):
+        before = n.b.snapshot()
+        _move(n, f"x-again-{turn}", src, 0, dst, [], False)
+        (r,) = n.b.kv.wait(f"x-again-{turn}", timeout=30)
+        assert r.state == "DONE" and r.route_note == "cross-node lane", r
+        _check(n, src, dst, before)

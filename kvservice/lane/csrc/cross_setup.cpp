@@ -105,11 +105,11 @@ void Lane::arm_out(const std::string& tid, int rank, const std::string& address,
   XOut x;
   x.xusig = xusig;
   x.rps = rps;
-  if (rlsig && !rrows.empty() && !rpages.empty()) {  // the receiver's page geometry (another page layout)
-    auto like = std::make_shared<Pool>();
+  std::shared_ptr<Pool> like;  // the receiver's page geometry (page-layout conversions), when sent
+  if (rlsig && !rrows.empty() && !rpages.empty()) {
+    like = std::make_shared<Pool>();
     like->lsig = rlsig, like->ps = rps, like->rows = std::move(rrows);
     for (uint64_t b : rpages) like->regions.push_back({0, b, b});
-    x.rlike = std::move(like);
   }
   x.rank = rank;
   x.address = address;
@@ -124,6 +124,13 @@ void Lane::arm_out(const std::string& tid, int rank, const std::string& address,
   x.deadline = deadline;
   {
     std::lock_guard<std::mutex> g(mu_);
+    if (like) {
+      rlikes_[xsig] = like;
+      x.rlike = std::move(like);
+    } else if (rlsig) {  // sent with an earlier offer of that receiver geometry
+      auto it = rlikes_.find(xsig);
+      if (it != rlikes_.end()) x.rlike = it->second;
+    }
     lane_peers_.insert(address);
     const std::string k = key(tid, rank);  // the sender's rank is the receiver's (one layout)
     xout_[k] = std::move(x);

@@ -331,6 +331,9 @@ class Lane {
   std::mutex nx_mu_;                              // one NIXL call at a time (never taken inside mu_)
   std::unordered_map<int, Arena> arenas_;         // device (-1: host) -> staging
   std::unordered_map<std::string, XOut> xout_;    // key(tid, rank) -> an offer an engine here may SEND_TO
+  // receivers' page geometries by their geometry signature (XOut::xsig: one page layout each;
+  // arm_out: Python sends each one once)
+  std::unordered_map<uint64_t, std::shared_ptr<const Pool>> rlikes_;
   std::unordered_map<std::string, XIn> xin_;      // key(tid, rank) -> a declaration with a slot
   std::unordered_map<std::string, XPend> xpend_;  // key(tid, rank) -> written, waiting for the ack
   std::vector<std::pair<std::string, std::string>> pending_notes_;  // (agent, note) to send outside mu_
