@@ -382,7 +382,7 @@ def run(args: argparse.Namespace, idx_layout: Layout, xl: Layout, page_job: Job)
         "rpc": stats,
         "raw_nixl_one_page": raw_s,
         "overhead_per_transfer_p50_ms": overhead,
-        "e2e_over_unary_rpc_p50": e2e_vs_unary,  # issue 28's CPU goal: <= 2
+        "e2e_over_unary_rpc_p50": e2e_vs_unary,  # goal on CPU: <= 2
         "sustained_s": args.sustain_s,
         "sustained_by_senders": sustained,  # threads of this one process (its GIL included)
         "sustained_by_engine_pairs": by_engines,  # senders spread over --sustain-procs processes

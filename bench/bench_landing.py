@@ -10,7 +10,7 @@ destination pages. Reported, per iteration: the service's claim time once landed
 (``ClaimResponse.claim_us``: checks, the copy, DONE, freeing), the SDK's claim round trip, and
 the time from the send until LANDED. The same-run baseline is ``copy_pages`` of the same number
 of pages between two pools of this process, with no service: the copy the claim is made of.
-Every claim is checked (page digests). Goal (issue 31, on the GPU): for 64 MiB, claim_us is at
+Every claim is checked (page digests). Goal (on the GPU): for 64 MiB, claim_us is at
 most the copy + 0.3 ms.
 """
 

@@ -1,5 +1,5 @@
 """Where a one-page same-node transfer's microseconds go on the GPU, piece by piece, in one process
-(no service, no RPC): the floor the per-transfer path stands on, for the native decision (issue 28).
+(no service, no RPC): the floor the per-transfer path stands on (docs/decisions/0014 made it native).
 
     python bench/bench_launch.py --out /tmp/kvservice-bench        # on the GPU machine
 

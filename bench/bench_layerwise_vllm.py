@@ -19,7 +19,7 @@ last layer computed (its last ``save_kv_layer``); ``ttft_ms`` = the decode's ans
 requests; ``prefill_ms`` = the prefill request alone on the prefill instance (the engine's time).
 ``after_last_layer_ms`` = ttft - the prefill's last layer (the part streaming can shorten; the
 prefill's own time, which the shared VM's load moves by hundreds of ms, left out).
-Goals (issue 48, reported, not asserted): streaming's tail <= the whole transfer's time / layers +
+Goals (reported, not asserted): streaming's tail <= the whole transfer's time / layers +
 1 ms; TTFT with streaming <= TTFT without - 80% of the time streaming hides (tail without - tail
 with). ``uptime`` load is recorded before and after (the VM is shared).
 """

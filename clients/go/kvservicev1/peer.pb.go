@@ -1283,14 +1283,14 @@ type ReceivePlan struct {
 	// The receiver indexes the pages on DONE (ExpectDelta with publish): the sender may then mark
 	// them in its own index as also held there (the P/D duplicate) and check the mark with HeldPages.
 	Publishes bool `protobuf:"varint,17,opt,name=publishes,proto3" json:"publishes,omitempty"`
-	// A secret binding this sender to this receiver rank's transfer (issue 33): its commits,
-	// staging reservations and aborts carry it, and the receiver's aborts to it carry it back.
+	// A secret binding this sender to this receiver rank's transfer: its commits, staging
+	// reservations and aborts carry it, and the receiver's aborts to it carry it back.
 	// Nobody who did not get this plan can act on the transfer, whatever its peer credentials.
 	SenderTicket string `protobuf:"bytes,18,opt,name=sender_ticket,json=senderTicket,proto3" json:"sender_ticket,omitempty"`
 	// The receiver verifies each commit's checksum (CommitChunkRequest.checksum): the sender
 	// hashes every packed batch, or the pages of a direct or fused chunk as packed for this rank.
 	Integrity bool `protobuf:"varint,19,opt,name=integrity,proto3" json:"integrity,omitempty"`
-	// The receiving service's cross-node lane took this transfer (docs/design-notes.md §20): an
+	// The receiving service's cross-node lane took this transfer (docs/design/data-plane.md): an
 	// engine of the sending service may hand it to that service's lane, which writes the packed
 	// delta into this slot with one NIXL WRITE; unset otherwise.
 	LaneSlot      *LaneSlot `protobuf:"bytes,20,opt,name=lane_slot,json=laneSlot,proto3" json:"lane_slot,omitempty"`
