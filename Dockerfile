@@ -45,7 +45,7 @@ COPY kvservice kvservice
 # on both CUDA flavours; without CUDA it loads nixl_cu13, so nixl-cu12 is removed, and so is the
 # expert-parallel library nixl_ep_cu13 (92 MB) that nothing here loads. Debian's torch metadata pins
 # an older sympy, which pip duplicates into the venv; torch runs with Debian's, so it goes too.
-# The native lane (kvservice/lane) is built here, into /opt/kvservice/native: the runtime image has
+# The native lane (kvservice/transfer/lane) is built here, into /opt/kvservice/native: the runtime image has
 # no compiler and imports the built module (KVSERVICE_NATIVE_DIR), read-only, as any uid. Its
 # build needs g++ and the headers of Python and pybind11: Debian's python3-torch ships no pybind11,
 # and its torch/include links point into libtorch-dev, which is not needed (the module includes
@@ -58,7 +58,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv --system-site-packages /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python . \
- && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
+ && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.transfer.lane.native \
  && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -c 'import kvservice.buffers.guard as g; g.main()' \
  && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' ! -name 'kvservice_guard*.so' -delete \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 sympy pip \
@@ -109,7 +109,7 @@ COPY kvservice kvservice
 RUN apt-get update && apt-get install -y --no-install-recommends g++ python3-dev && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/kvservice \
  && /opt/kvservice/bin/pip install --no-cache-dir ./clients/python ".[gpu]" \
- && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.lane.native \
+ && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -m kvservice.transfer.lane.native \
  && KVSERVICE_NATIVE_DIR=/opt/kvservice/native /opt/kvservice/bin/python -c 'import kvservice.buffers.guard as g; g.main()' \
  && find /opt/kvservice/native -type f ! -name 'kvservice_lane*.so' ! -name 'kvservice_guard*.so' -delete \
  && /opt/kvservice/bin/pip uninstall -y nixl-cu12 pip \

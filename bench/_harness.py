@@ -401,7 +401,7 @@ def base_args(ap: Any, netns: bool = False) -> None:
     ap.add_argument(
         "--no-lane",
         action="store_true",
-        help="services without their native lane (kvservice.lane): same-node transfers over gRPC, "
+        help="services without their native lane (kvservice.transfer.lane): same-node transfers over gRPC, "
         "the baseline the lane is measured against",
     )
     if not netns:
@@ -456,7 +456,7 @@ def run_tag(args: Any) -> str:
 
 
 def lane_stats(logs: Path) -> dict[str, str]:
-    """Each service's closing "cross-node lane: ..." line (kvservice/lane/cross.py log_stats:
+    """Each service's closing "cross-node lane: ..." line (kvservice/transfer/lane/cross.py log_stats:
     where its cross-node lane's sends and receives spent their time, µs each)."""
     got = {}
     for f in sorted(logs.glob("svc*.log")):

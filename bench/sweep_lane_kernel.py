@@ -407,7 +407,8 @@ def main() -> None:
         for k in rows:
             if k != c and f"slice_{tag}" in k:
                 rows[k]["share_of_copy"] = rows[c]["p50_ms"] / rows[k]["p50_ms"]
-                rows[k]["exact"] = None  # not checked here: tests/lane/test_lane_mixed_tp.py (CPU), GPU tests
+                # not checked here: tests/transfer/lane/test_lane_mixed_tp.py (CPU), GPU tests
+                rows[k]["exact"] = None
         rows[c]["share_of_copy"] = 1.0
     for v, r in rows.items():
         print(f"{v:48s} {r['p50_ms']:.3f} ms  {r['share_of_copy']:.1%}  exact={r['exact']}")

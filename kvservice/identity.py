@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -19,6 +21,7 @@ __all__ = [
     "Identity",
     "certificate_identity",
     "peer_identity",
+    "socket_identity",
 ]
 
 CREDENTIAL_TTL_S = 30.0
@@ -71,6 +74,12 @@ def certificate_identity(context: Any) -> str:
         if values:
             return bytes(values[0]).decode(errors="replace")
     return ""
+
+
+def socket_identity(sock: socket.socket) -> Identity:
+    """The kernel's (uid, gid, pid) of the process on the other end of a Unix socket."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return Identity(uid, gid, pid)
 
 
 def peer_identity(context: Any) -> str:

@@ -17,7 +17,7 @@ n=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 kind=$(echo "$gpu" | sed -E 's/.*(H100|H200|B200|A100|L40S).*/\1/' | tr 'A-Z' 'a-z')
 [ "$n" -gt 1 ] && kind="${kind}x$n"
 ccs=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | tr -d . | sort -u | tr '\n' ' ')
-python3 -m kvservice.lane.native >"$out/native_build.log" 2>&1 || echo "native lane build failed (see native_build.log)"
+python3 -m kvservice.transfer.lane.native >"$out/native_build.log" 2>&1 || echo "native lane build failed (see native_build.log)"
 # shellcheck disable=SC2086
 python3 -m kvservice.kernels.aot $ccs >"$out/aot.log" 2>&1 || echo "Triton AOT compile failed (see aot.log)"
 [ $# -gt 0 ] || set -- tests/gpu

@@ -18,4 +18,4 @@ fi
 # The native modules (cached by source hash: instant once built): the fault guard every service
 # loads before it serves, and the lane (a service builds it in the background otherwise)
 .venv/bin/python -c 'import kvservice.buffers.guard as g; g.main()' >/dev/null
-.venv/bin/python -m kvservice.lane.native >/dev/null || echo "warning: the native lane did not build; services use gRPC only"
+.venv/bin/python -m kvservice.transfer.lane.native >/dev/null || echo "warning: the native lane did not build; services use gRPC only"

@@ -1,4 +1,8 @@
-"""The service's import boundaries (issue 28 item 6, docs/decisions/0015), read from the source:
+"""The service's import boundaries (docs/decisions/0015, 0030), read from the source:
+
+* no import cycle between the service's packages (``kvservice/<package>/`` and the top-level
+  modules): each import counts, ``TYPE_CHECKING`` and function-level ones too, so the packages
+  stack in layers a reader can take one at a time;
 
 * the service imports the SDK's public modules only (``kvservice_client``, ``.contract``,
   ``.proto``, ``.lane_wire``, ...), never a private one (``kvservice_client._*``);
@@ -84,6 +88,82 @@ def _foreign_test_imports(tests: Path) -> list[str]:
     ]
 
 
+def _package_edges(service: Path) -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the imports behind it (``file:line module``), across
+    units only. A unit is a package under ``service`` or a top-level module (``transfer/lane/
+    book.py`` is in ``transfer``); relative imports resolve against the importing module's package."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for p in sorted(service.rglob("*.py")):
+        rel = p.relative_to(service).with_suffix("").parts
+        package = rel[:-1]  # the package a module's relative imports start from
+        for line, mod in _imports(p):
+            if mod.startswith("."):
+                dots = len(mod) - len(mod.lstrip("."))
+                base = package[: len(package) - (dots - 1)] if dots - 1 <= len(package) else None
+                if base is None:
+                    continue
+                parts = (*base, *[x for x in mod.lstrip(".").split(".") if x])
+            elif mod.split(".")[0] == service.name:
+                parts = tuple(mod.split(".")[1:])
+            else:
+                continue
+            if not parts or parts[0] == "__init__":
+                continue
+            src, dst = rel[0], parts[0]
+            if src == dst or "__init__" in (src, dst):
+                continue
+            if (service / dst).is_dir() or (service / f"{dst}.py").exists():
+                edges.setdefault((src, dst), []).append(f"{p.relative_to(service.parent)}:{line} {mod}")
+    return edges
+
+
+def _cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one unit (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def _cycle_report(service: Path) -> str:
+    edges = _package_edges(service)
+    lines = []
+    for group in _cycles(edges):
+        lines.append("cycle: " + " <-> ".join(group))
+        for (a, b), where in sorted(edges.items()):
+            if a in group and b in group:
+                lines += [f"  {a} -> {b}: {w}" for w in where]
+    return "\n".join(lines)
+
+
 def _service_files() -> list[Path]:
     files = sorted(SERVICE.rglob("*.py"))
     assert len(files) > 100, "the service's sources were not found"
@@ -98,6 +178,51 @@ def test_the_service_imports_no_private_module_of_the_sdk() -> None:
         if _private(mod)
     ]
     assert not bad, "private SDK modules imported by the service:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle_between_the_services_packages() -> None:
+    assert len(_package_edges(SERVICE)) > 20, "the service's imports were not found"
+    report = _cycle_report(SERVICE)
+    assert not report, "import cycles between the service's packages:\n" + report
+
+
+@pytest.mark.parametrize(
+    "files, cycle",
+    [
+        (
+            {"a/__init__.py": "", "a/m.py": "from ..b import x\n", "b/__init__.py": "from ..a.m import y\n"},
+            True,
+        ),
+        (
+            {
+                "a/__init__.py": "",
+                "a/m.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import z\n",
+                "b.py": "def f():\n    from .a import m\n",
+                "c/__init__.py": "",
+                "c/deep/n.py": "from ... import b\n",
+            },
+            True,
+        ),
+        (
+            {"a/__init__.py": "", "a/m.py": "from svc.b import x\n", "b.py": "from . import c\n", "c.py": ""},
+            False,
+        ),
+        (
+            {
+                "a/__init__.py": "from .m import y\n",
+                "a/m.py": "from .. import a\nfrom ..b import x\n",
+                "b.py": "",
+            },
+            False,
+        ),
+    ],
+)
+def test_the_cycle_check_sees_a_cycle(tmp_path: Path, files: dict[str, str], cycle: bool) -> None:
+    service = tmp_path / "svc"
+    for name, text in files.items():
+        (service / name).parent.mkdir(parents=True, exist_ok=True)
+        (service / name).write_text(text)
+    assert bool(_cycle_report(service)) is cycle
 
 
 def test_protobuf_only_at_the_wire() -> None:

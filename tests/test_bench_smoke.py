@@ -35,7 +35,7 @@ pytestmark = [
 
 def _env() -> dict[str, str]:
     """The benchmarks' environment: their service processes inherit it, so end-to-end integrity
-    is on here as in every test (issue 33); run by hand they keep the service's default (off)."""
+    is on here as in every test; run by hand they keep the service's default (off)."""
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")]),

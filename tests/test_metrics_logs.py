@@ -1,4 +1,4 @@
-"""Structured logs: every line about a transfer carries ``transfer_id`` (issue 6)."""
+"""Structured logs: every line about a transfer carries ``transfer_id``."""
 
 from __future__ import annotations
 

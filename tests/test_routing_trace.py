@@ -35,7 +35,7 @@ def test_shapes_match_the_notes() -> None:
     small = profile(generate("small-append", 0), 16)
     assert (small["requests"], small["sessions"], small["later_turns"]) == (81, 28, 53)
     assert small["append_tokens_later"]["mean"] < micro["append_tokens_later"]["mean"]
-    long = profile(generate("long-prompt", 0), 16)  # issue 31: decode pre-allocation is the bottleneck
+    long = profile(generate("long-prompt", 0), 16)  # decode pre-allocation is the bottleneck
     assert (long["requests"], long["sessions"]) == (96, 24)
     assert long["prompt_tokens"]["mean"] > micro["prompt_tokens"]["mean"] > small["prompt_tokens"]["mean"]
 

@@ -24,7 +24,7 @@ def test_short_soak_loses_and_corrupts_nothing(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "clients/python")]),
-        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # its services inherit it: on in tests (issue 33)
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # its services inherit it: on in tests
     }
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), "--total", "1500", "--inflight", "150",

@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.data_plane.cache_dir
     ):  # before anything JIT-compiled is imported (see kvservice_client.jit_cache)
         os.environ["KVSERVICE_CACHE_DIR"] = config.data_plane.cache_dir
-    if config.data_plane.native_dir:  # read by kvservice.lane.native
+    if config.data_plane.native_dir:  # read by kvservice.transfer.lane.native
         os.environ["KVSERVICE_NATIVE_DIR"] = config.data_plane.native_dir
     from kvservice_client import jit_cache
 

@@ -32,7 +32,7 @@ class DataPlane:
     native_dir: str = opt(
         "",
         "Directory of prebuilt native lane modules (<native_dir>/<tag>/, made by "
-        "`KVSERVICE_NATIVE_DIR=... python -m kvservice.lane.native`; the image has one): a module "
+        "`KVSERVICE_NATIVE_DIR=... python -m kvservice.transfer.lane.native`; the image has one): a module "
         "built for this source, Python and torch is imported from there, read-only, and no compiler "
         "is needed. Default: built on first use into the cache dir.",
     )

@@ -11,7 +11,7 @@ prepares an image's cache); the cubins are cached outside the package::
 
 (``kvservice_client.jit_cache.cache_root``: ``$KVSERVICE_CACHE_DIR``, else the XDG cache, else
 tmp). The lane loads them with ``cuModuleLoadData`` and launches them with ``cuLaunchKernel``
-(``lane/csrc/copy.cpp``): no Python on a copy's path. ``params`` counts the kernel's parameters
+(``transfer/lane/csrc/copy.cpp``): no Python on a copy's path. ``params`` counts the kernel's parameters
 as compiled (its five arguments, then the scratch pointers this Triton version appends).
 """
 

@@ -1,6 +1,6 @@
 """The data plane's copy kernel, in Triton: one launch moves the page pairs of every segment.
 
-The native lane (``lane/csrc/copy.cpp``) launches the cubins ``aot`` compiles from this one source
+The native lane (``transfer/lane/csrc/copy.cpp``) launches the cubins ``aot`` compiles from this one source
 through the CUDA driver; the same function runs under ``TRITON_INTERPRET=1`` on CPU (tests) and
 ``reference`` below is the numpy program it must equal byte for byte. A launch's program::
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from ..landing import LandingBook
+    from ..transfer.landing import LandingBook
 
 __all__ = ["landing_metrics"]
 

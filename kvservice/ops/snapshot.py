@@ -66,7 +66,7 @@ def phase_of(rec: Record) -> tuple[str, str]:
     """
     role = str(rec.role).lower()
     if role == "receiver":
-        if rec.state == "LANDED":  # in the landing pool, waiting for a claim (kvservice.landing)
+        if rec.state == "LANDED":  # in the landing pool, waiting for a claim (kvservice.transfer.landing)
             return role, "landed"
         return role, "receiving" if rec.bytes_sent or rec.state == "TRANSFERRING" else "declared"
     timings = getattr(rec, "timings_us", {}) or {}

@@ -42,7 +42,7 @@ from .servicer import KVServiceServicer
 from .tls import server_credentials
 
 if TYPE_CHECKING:
-    from ..lane import RunningLane
+    from ..transfer.lane import RunningLane
 
 __all__ = ["App", "build_server", "serve"]
 
@@ -67,7 +67,7 @@ class App:
     # -- what start() brings up ------------------------------------------------------------
     metrics_port: int = 0  # bound /metrics port once started (0: off)
     credential_server: asyncio.AbstractServer | None = None  # serving <uds_path>.cred (local identity)
-    lane: asyncio.Task[RunningLane | None] | None = None  # starting kvservice.lane
+    lane: asyncio.Task[RunningLane | None] | None = None  # starting kvservice.transfer.lane
     warmed: threading.Event = dataclasses.field(default_factory=threading.Event)  # warm-up ended
 
     @property
@@ -123,18 +123,19 @@ class App:
         if self.credential_socket is not None:
             self.credential_server = await serve_credentials(self.credential_socket, self.node.credentials)
         if self.uds_path and self.node.config.data_plane.lane:  # in the background: a first build takes ~20 s
-            from .. import lane
+            from ..transfer import lane
 
             self.lane = asyncio.get_running_loop().create_task(
                 lane.start(
-                    self.node,
+                    self.node.transfers,
+                    self.node.sessions,
                     self.uds_path,
                     sorted({self.peer_address, self.address}),
                     self.servicer.lane_call,
                 ),
                 name="lane",
             )
-            self.node.transfers.peers.me.lane_starting = self.lane  # handshakes wait for it
+            self.node.transfers.expect_lane(self.lane)
         _log_exposure(self.node.config)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -13,9 +13,9 @@ from kvservice_client.proto import common_pb2, kvservice_pb2
 from ..buffers import BufferSet
 from ..errors import InvalidArgument
 from ..index import IndexStats, Match
-from ..landing import LandedMatch, LandingStats
 from ..staging import StagingStats
 from ..tier import TierStats
+from ..transfer.landing import LandedMatch, LandingStats
 from ..transfer.load import Load
 from ..transfer.records import Record
 

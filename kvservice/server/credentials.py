@@ -18,19 +18,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import struct
 
 from kvservice_client.contract import CREDENTIAL_METADATA_KEY
 
-from ..identity import CredentialBook, Identity
+from ..identity import CredentialBook, socket_identity
 
-__all__ = ["CREDENTIAL_METADATA_KEY", "bind_credentials", "peer_identity", "serve_credentials"]
-
-
-def peer_identity(sock: socket.socket) -> Identity:
-    """The kernel's (uid, gid, pid) of the process on the other end of a Unix socket."""
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return Identity(uid, gid, pid)
+__all__ = ["CREDENTIAL_METADATA_KEY", "bind_credentials", "serve_credentials"]
 
 
 def bind_credentials(path: str, mode: int) -> socket.socket:
@@ -51,7 +44,7 @@ async def serve_credentials(sock: socket.socket, book: CredentialBook) -> asynci
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            writer.write(book.issue(peer_identity(writer.get_extra_info("socket"))).encode() + b"\n")
+            writer.write(book.issue(socket_identity(writer.get_extra_info("socket"))).encode() + b"\n")
             await writer.drain()
         except OSError:
             pass

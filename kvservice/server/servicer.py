@@ -16,11 +16,11 @@ from kvservice_client.proto import kvservice_pb2_grpc
 
 from ..errors import InvalidArgument
 from ..identity import certificate_identity
-from ..landing import claim
 from ..node import Node
 from ..ops import AdminPolicy, PeerRtts, RecentTransfers
 from ..sessions import Session
 from ..transfer import trace
+from ..transfer.landing import claim
 from ..transfer.requests import build_chunk, build_incoming
 from . import convert
 from .credentials import CREDENTIAL_METADATA_KEY

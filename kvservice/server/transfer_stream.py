@@ -110,7 +110,7 @@ class TransferStream:
     def _ended(self, rec: Record) -> None:
         """A side of this session reached a terminal state (any thread): one status event."""
         if rec.lane_told and rec.state == "DONE":
-            return  # its engine read this end on the lane already (kvservice.lane)
+            return  # its engine read this end on the lane already (kvservice.transfer.lane)
         event = pb.TransferEvent(status=convert.transfer_status(rec))
         trace.mark(rec.transfer_id, f"{rec.role}_event")
         try:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument, KVServiceError, NotFound
 from ..index import PrefixIndex
-from ..lane.book import NoLane
 from .dispatch import Dispatch
+from .lane.book import NoLane
 from .parties import may_abort_in, may_abort_out
 from .peer_serving import tell_sender
 from .receiver import Incoming, Receiver
@@ -33,7 +33,7 @@ from .records import Record, TransferTable
 from .sender import Outgoing, Sender
 
 if TYPE_CHECKING:
-    from ..landing import LandingBook
+    from .landing import LandingBook
 
 __all__ = ["STATE_GRACE_S", "Ends"]
 
@@ -62,7 +62,7 @@ class Ends:
         self.receiver = receiver
         self.dispatch = dispatch
         self.peers = dispatch.peers
-        self._lane = lane  # NOTE: looked up per use: kvservice.lane.start replaces the engine's lane
+        self._lane = lane  # NOTE: looked up per use: kvservice.transfer.lane.start replaces the engine's lane
         self._landing = landing
         self._index = index
         self._reaper: asyncio.Task[None] | None = None

@@ -19,12 +19,12 @@ from ..config import Config
 from ..errors import NotFound, ResourceExhausted
 from ..index import PrefixIndex
 from ..kernels import completions
-from ..lane.book import NoLane
 from ..notices import SessionNotices
 from .dispatch import Dispatch
 from .duplicates import DuplicateBook
 from .ends import Ends
 from .inbound import Inbound
+from .lane.book import LaneBook, NoLane
 from .load import Budget, LoadBook
 from .memory import TransportMemory
 from .peer_channel import CreditBroker, OfferChannels
@@ -113,7 +113,7 @@ class TransferEngine:
             self.table, self.dispatch, cfg.transfer.workers_per_peer, cfg.transfer.peer_inflight_mb
         )
         self.duplicates = DuplicateBook(self)
-        from ..landing import LandingBook  # NOTE: the landing pool's receivers use this engine
+        from .landing import LandingBook  # NOTE: the landing pool's receivers use this engine
 
         self.landing = LandingBook(self)
         self.peer_names = PeerNames(cfg, address)
@@ -135,12 +135,33 @@ class TransferEngine:
         self.abort_buffer_set = self.ends.abort_buffer_set
         self.release_session = self.ends.release_session
         self.abort_all = self.ends.abort_all
-        self.lane: NoLane = NoLane()  # kvservice.lane.start replaces it when the lane runs
+        self.lane: NoLane = NoLane()  # attach_lane replaces it when the lane runs
         buffers.add_hooks(self._on_register, self._on_unregister)
 
     def start(self) -> None:
         self.ends.start()
         self.duplicates.start()
+
+    # -- the native lane: it comes up after the engine (a first build takes ~20 s) -------------
+    def expect_lane(self, starting: asyncio.Future[Any]) -> None:
+        """The lane is starting: handshakes wait (a bounded time) for it to carry its agent."""
+        self.peers.me.lane_starting = starting
+
+    def attach_lane(self, book: LaneBook) -> None:
+        """Same-node copies (and, with its cross-node half, handshakes' agent) go through ``book``."""
+        for bs in self.buffers.all():
+            book.add_pool(bs)
+        self.lane = book
+        if book.cross is not None:
+            self.peers.me.lane = book
+            # handshakes made before this point carried no lane metadata either way: our peers see a
+            # new epoch in our plans and handshake again; our own clients do at their next use
+            self.metadata_epoch += 1
+            self.peers.stale()
+
+    def detach_lane(self) -> None:
+        self.lane = NoLane()
+        self.peers.me.lane = None
 
     # -- memory --------------------------------------------------------------------------------
     def _epoch_moved(self) -> None:
@@ -223,7 +244,7 @@ class TransferEngine:
         )
 
     def regions_of(self, inc: Incoming) -> kernels.KVRegions:
-        """The KV regions ``inc``'s pages live in: the engine's, or a landing's (kvservice.landing)."""
+        """The KV regions ``inc``'s pages live in: the engine's, or a landing pool's."""
         return inc.regions if inc.regions is not None else self.kv_regions[inc.bs.buffer_set_id]
 
     def in_flight(self) -> int:

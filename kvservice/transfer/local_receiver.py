@@ -38,7 +38,7 @@ class LocalReceiver:
         self._address: str = engine.address
         self._receiver = engine.receiver
         self._inbound = engine.inbound
-        # NOTE: kvservice.lane.start replaces engine.lane
+        # NOTE: kvservice.transfer.lane.start replaces engine.lane
         self._lane = lambda tid, lay: engine.lane.gate(tid, lay)
         self._regions_of = engine.regions_of
         self._no_direct: set[str] = engine.no_direct
@@ -52,7 +52,7 @@ class LocalReceiver:
 
     async def targets(self, out: Outgoing) -> list[Target]:
         lay, tid = out.bs.layout, out.rec.transfer_id
-        if not out.via_lane:  # the native lane may hold it (kvservice.lane): disarm, or refuse
+        if not out.via_lane:  # the native lane may hold it (kvservice.transfer.lane): disarm, or refuse
             await self._lane(tid, lay)
         left = out.rec.deadline - time.monotonic()
         if out.via_lane:  # booking the lane's copy: its declaration is here, late or not; no wait

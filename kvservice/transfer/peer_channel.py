@@ -392,7 +392,7 @@ class OfferBook:
 
     def __init__(self, on_lane_slot: Callable[[peer_pb2.ReceivePlan], None] | None = None) -> None:
         self._by_tid: dict[str, Offered] = {}
-        self._on_lane_slot = on_lane_slot  # each offer, for the cross-node lane (kvservice.lane)
+        self._on_lane_slot = on_lane_slot  # each offer, for the cross-node lane (kvservice.transfer.lane)
 
     def add(self, offer: peer_pb2.ReceivePlanSet) -> None:
         now = time.monotonic()

@@ -32,8 +32,8 @@ from .. import errors, host
 from .transport import Transport
 
 if TYPE_CHECKING:
-    from ..lane import RunningLane
-    from ..lane.book import NoLane
+    from .lane import RunningLane
+    from .lane.book import NoLane
 
 # NOTE: the lane's start is a module load (tens of ms) once built, a first build ~20 s: a handshake
 # waits this long at most, then goes on without the lane's metadata; when the lane comes up later,
@@ -138,7 +138,7 @@ class Self:
         self.address = address
         self.transport = transport
         self.epoch = epoch  # our metadata epoch
-        self.lane: NoLane | None = None  # the lane book (kvservice.lane): its cross-node agent's metadata
+        self.lane: NoLane | None = None  # the lane book: its cross-node agent's metadata
         self.lane_starting: asyncio.Future[RunningLane | None] | None = (
             None  # the lane's start, while it runs
         )

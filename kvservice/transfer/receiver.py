@@ -41,7 +41,7 @@ from .sender_binding import Offer, SenderBinding, check_compatible, ticket_match
 from .values import Plan, Region
 
 if TYPE_CHECKING:
-    from ..landing import Entry
+    from .landing import Entry
 
 __all__ = ["Incoming", "Offer", "Receiver", "check_compatible", "plan_of", "routes_for", "ticket_matches"]
 
@@ -73,7 +73,7 @@ class Incoming:
     aux_done: bool = False
     busy: int = 0  # copies and unpacks writing its pages now (enter / leave; an abort awaits quiet)
     _idle: asyncio.Event | None = dataclasses.field(default=None, repr=False)
-    # A landing declaration (kvservice.landing): ``bs`` is then a view of the landing pool under the
+    # A landing declaration (kvservice.transfer.landing): ``bs`` is then a view of the landing pool under the
     # engine's buffer set id, ``regions`` its KV regions, and completion is LANDED, not DONE.
     landing: Entry | None = None
     regions: KVRegions | None = None

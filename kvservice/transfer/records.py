@@ -7,7 +7,7 @@ rank's outgoing transfer. State machine (terminal states are final; ``finish`` i
        │             │      └──▶ FAILED  (error_code + error)
        └─────────────┴─────────▶ ABORTED (error_code + error)
 
-A landing receiver (``kvservice.landing``) passes LANDED (live, not terminal) between
+A landing receiver (``kvservice.transfer.landing``) passes LANDED (live, not terminal) between
 TRANSFERRING and DONE: its bytes are in the landing pool until a Claim copies them out.
 """
 
@@ -45,7 +45,7 @@ class Record:
     state: str = "PENDING"
     bytes_sent: int = 0
     expected_bytes: int = 0  # receiver: KV and aux bytes the declaration waits for
-    lane_told: bool = False  # the native lane gave this side's engine its END (kvservice.lane)
+    lane_told: bool = False  # the native lane gave this side's engine its END (kvservice.transfer.lane)
     pages_sent: int = 0
     pages_skipped: int = 0
     descriptors: int = 0

@@ -88,7 +88,7 @@ def build_incoming(
 ) -> Incoming:
     """A receiver declaration; with ``landing_pages`` (not None) a landing one, whose delta pages
     are pages ``0..n-1`` of a landing view and whose aux rows (``landing_aux``: a count per name)
-    are rows ``0..count-1`` of its aux regions (``kvservice.landing.declare`` fills it in)."""
+    are rows ``0..count-1`` of its aux regions (``kvservice.transfer.landing.declare`` fills it in)."""
     tid = _transfer_id(transfer_id)
     if len(allowed_senders) > MAX_ALLOWED_SENDERS:
         raise InvalidArgument("allowed_senders", f"at most {MAX_ALLOWED_SENDERS} identities")
@@ -104,7 +104,7 @@ def build_incoming(
     if landing_pages is None:
         dst = src_pages_array(dst_page_indices, bs.layout.num_pages, "dst_page_indices")
     else:
-        from ..landing.declare import landing_aux_rows, landing_dst
+        from .landing.declare import landing_aux_rows, landing_dst
 
         dst = landing_dst(bs, landing_pages, dst_page_indices, aux, publish_tokens, prefix_pages)
         aux = landing_aux_rows(bs, landing_aux or {})

@@ -65,7 +65,7 @@ class Outgoing:
     planning: asyncio.Task[Any] | None = None  # the receive-plan wait, cancelled by stop()
     sent_src: list[np.ndarray] = dataclasses.field(default_factory=list)  # every chunk's source pages
     no_duplicate_mark: bool = False  # SendDelta's hint (first chunk): never a P/D duplicate mark
-    via_lane: bool = False  # booked after the native lane moved it (kvservice.lane)
+    via_lane: bool = False  # booked after the native lane moved it (kvservice.transfer.lane)
     # a stream of the native lane, booked chunk by chunk: ends it there (with the reason)
     lane_abort: Callable[[str], None] | None = None
 
@@ -226,7 +226,7 @@ class Sender:
         """Stop ``out``'s worker (``stopped`` waits for it). The lane's booking is not stopped:
         its copy is made, both engines heard DONE, and its worker waits on nothing but this
         service's own bookkeeping; an end that meets it waits for it (``stopped``), as a
-        receiver's settle does (kvservice.lane.book). Stopped, it would tell the receiver, whose
+        receiver's settle does (kvservice.transfer.lane.book). Stopped, it would tell the receiver, whose
         settle waits for the booking, which waits for this worker: none of them would end."""
         if out.via_lane:
             if out.lane_abort is not None and not out.stop:  # a lane stream: it ends there first

@@ -1,5 +1,5 @@
-"""The adapters name the prefill's kvservice in the decode's ExpectDelta (``sender_address``, issue 33
-item 2), so its service fills ``allowed_senders`` and a third party cannot fetch the plan first.
+"""The adapters name the prefill's kvservice in the decode's ExpectDelta (``sender_address``),
+so its service fills ``allowed_senders`` and a third party cannot fetch the plan first.
 A prefill configured with no peer address names what its service says it is (``SessionEvent.
 peer_address``, the SDK's ``service_peer_address``); a configured one wins.
 

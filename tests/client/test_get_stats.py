@@ -1,4 +1,4 @@
-"""The SDK's get_stats is in the session from the first call (issue 29): a fresh client's first
+"""The SDK's get_stats is in the session from the first call: a fresh client's first
 call sees what its identity may see, whatever else it did before."""
 
 from __future__ import annotations

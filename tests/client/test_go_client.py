@@ -23,7 +23,7 @@ def test_go_client_matches_leases_watches_against_a_live_service() -> None:
     env = {
         **os.environ,
         "KVCLIENT_TEST_SERVICE": str(Path(sys.executable).with_name("kvservice")),
-        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # the services it starts inherit it: on in tests (issue 33)
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # the services it starts inherit it: on in tests
     }
     r = subprocess.run(
         [go, "test", "-count=1", "-v", "./..."],

@@ -1,5 +1,5 @@
-"""The service tells each session the address other kvservices reach it at (SessionEvent.peer_address,
-issue 33 item 2); the SDK exposes it as ``service_peer_address``, so an engine can name its own
+"""The service tells each session the address other kvservices reach it at
+(SessionEvent.peer_address); the SDK exposes it as ``service_peer_address``, so an engine can name its own
 service as the sender of its transfers without being configured with it."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_the_sdk_sees_the_services_peer_address(make_server: Any) -> None:
 
 
 def test_an_older_service_that_sends_none_gives_an_empty_address(make_server: Any) -> None:
-    """A service that does not fill the field (older than issue 33): "" rather than a guess."""
+    """A service that does not fill the field (an older service): "" rather than a guess."""
     server = make_server(tcp_address="")
     assert server.app.servicer is not None
     server.app.servicer.peer_address = ""  # what an older service sends: no field

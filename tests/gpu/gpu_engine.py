@@ -164,7 +164,7 @@ def main() -> None:
                 descriptors=st.descriptors,
                 route_note=st.route_note,
             )
-        elif op == "expect_landing":  # issue 31: no destination pages
+        elif op == "expect_landing":  # no destination pages
             st = kv.expect_landing(  # type: ignore[union-attr]
                 cmd["tid"],
                 bs,

@@ -1,4 +1,4 @@
-"""GPU: the cross-node lane (kvservice/lane/cross.py) between two services that do not map each
+"""GPU: the cross-node lane (kvservice/transfer/lane/cross.py) between two services that do not map each
 other's pools: engines in their own processes with CUDA IPC pools; the sender's lane packs into
 its VRAM staging, one NIXL WRITE lands in the receiver's lane staging, the receiver's lane
 unpacks, with no service's Python on the path."""

@@ -1,4 +1,4 @@
-"""GPU: end-to-end integrity (issue 33) between two kvservice processes over NIXL, VRAM pools from
+"""GPU: end-to-end integrity between two kvservice processes over NIXL, VRAM pools from
 engine processes (CUDA IPC), VRAM staging and the device checksum (wsum64) gating the receiver's
 unpack. A packed staging batch corrupted after the sender's checksum (tests/support/faulty_service.py)
 FAILS the transfer naming the checksum and changes no destination page; with the fault gone, the

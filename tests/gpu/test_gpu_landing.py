@@ -1,4 +1,4 @@
-"""GPU: landing transfers into a VRAM landing pool, claimed byte for byte (issue 31).
+"""GPU: landing transfers into a VRAM landing pool, claimed byte for byte.
 
 Engines are processes with VRAM pools registered through CUDA IPC; services are real
 ``python -m kvservice`` processes (NIXL). Run on a CUDA machine:

@@ -1,4 +1,4 @@
-"""GPU: the native lane on one service (kvservice.lane): engines in their own processes with
+"""GPU: the native lane on one service (kvservice.transfer.lane): engines in their own processes with
 CUDA IPC pools; the copy is the lane's Triton kernel (AOT cubins), launched without Python."""
 
 from __future__ import annotations

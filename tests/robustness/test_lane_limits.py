@@ -14,7 +14,7 @@ from typing import Any
 
 from kvservice_client import lane_wire
 
-from kvservice.lane.listener import MAX_CONNS_PER_SESSION, MAX_PENDING
+from kvservice.transfer.lane.listener import MAX_CONNS_PER_SESSION, MAX_PENDING
 from tests.support.nodes import Node, eventually
 
 
@@ -80,7 +80,7 @@ def test_out_of_fds_backs_off_logs_once_and_recovers(make_server: Any, caplog: A
     listener = n.server.app.lane.result().listener
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     held: list[socket.socket] = []
-    caplog.set_level(logging.INFO, logger="kvservice.lane.listener")
+    caplog.set_level(logging.INFO, logger="kvservice.transfer.lane.listener")
     try:
         used = len(os.listdir("/proc/self/fd"))
         resource.setrlimit(resource.RLIMIT_NOFILE, (used + 40, hard))
@@ -89,7 +89,7 @@ def test_out_of_fds_backs_off_logs_once_and_recovers(make_server: Any, caplog: A
                 held.append(_connect(path))
         time.sleep(1.0)
         assert listener.backoffs >= 1, "accept never ran out of fds"
-        lines = [r for r in caplog.records if r.name == "kvservice.lane.listener"]
+        lines = [r for r in caplog.records if r.name == "kvservice.transfer.lane.listener"]
         assert not [r for r in lines if r.exc_info], "a traceback was logged"
         said = [r.getMessage() for r in lines]
         assert len([m for m in said if "lane accept" in m]) == 1, said

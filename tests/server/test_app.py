@@ -94,7 +94,7 @@ def test_sigterm_drains_and_exits(tmp_path: Path) -> None:
         **os.environ,
         "KVSERVICE_LOG_FORMAT": "text",
         "KVSERVICE_GRACE_PERIOD_S": "2",
-        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # on in tests (issue 33)
+        "KVSERVICE_TRANSFER_INTEGRITY": "1",  # on in tests
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvservice", "--uds-path", str(sock)],

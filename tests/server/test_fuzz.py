@@ -224,7 +224,7 @@ def _call(
 
 
 def _peer_credential(rig: Rig) -> list[tuple[str, str]]:
-    """KVPeer on the socket is for a co-located kvservice (issue 33): the service's own uid."""
+    """KVPeer on the socket is for a co-located kvservice: the service's own uid."""
     me = Identity(os.getuid(), os.getgid(), os.getpid())
     return [("kvservice-credential", rig.server.node.credentials.issue(me))]
 

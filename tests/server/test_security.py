@@ -1,4 +1,4 @@
-"""Caller identity and memory ownership (issue 15, first part): the attack found by hand — a TCP
+"""Caller identity and memory ownership: the attack found by hand — a TCP
 caller registering another engine's shm pool and listing every engine's buffer sets — is refused,
 and SendDelta aims only at allowlisted peers."""
 

@@ -1,4 +1,4 @@
-"""The engine socket serves engines (issue 33): KVPeer there only for a co-located kvservice of
+"""The engine socket serves engines: KVPeer there only for a co-located kvservice of
 this service's uid or of ``peer_uids``; every call there, sessionless ones included, obeys
 ``allowed_uids``. Each attack leaves the victim's transfer to complete byte for byte."""
 

@@ -1,4 +1,4 @@
-"""GetStats as the operator view (issue 29): admin identity is enough without a session (a
+"""GetStats as the operator view: admin identity is enough without a session (a
 credential on the call, an admin certificate, an admin token), scoped callers are told so, and
 the response carries activity per route, transfers in flight, peers and sessions."""
 

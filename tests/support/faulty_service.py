@@ -43,7 +43,7 @@ def _corrupt_packed(trigger: str) -> None:
 
 
 def _slow_lane_unpack(us: int) -> None:
-    from kvservice.lane.cross import CrossBook
+    from kvservice.transfer.lane.cross import CrossBook
 
     real = CrossBook.start.__func__  # type: ignore[attr-defined]
 
@@ -57,7 +57,7 @@ def _slow_lane_unpack(us: int) -> None:
 def _slow_lane_start(seconds: float) -> None:
     import time
 
-    from kvservice.lane import native
+    from kvservice.transfer.lane import native
 
     real = native.load
 

@@ -59,7 +59,7 @@ def kvservice_procs(
     tmp: Path, names: tuple[str, ...], *, launcher: Sequence[str] = ("-m", "kvservice"), **env: str
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     """Start one kvservice process per name on a Unix socket under ``tmp`` (``env`` adds or
-    overrides settings; end-to-end integrity is on, as in every test (issue 33), unless ``env``
+    overrides settings; end-to-end integrity is on, as in every test, unless ``env``
     says ``KVSERVICE_TRANSFER_INTEGRITY="0"``; ``launcher``: the interpreter's arguments in
     place of ``-m kvservice``, e.g. a fault-injecting script); return them and their addresses
     once every socket exists."""

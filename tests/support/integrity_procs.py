@@ -1,4 +1,4 @@
-"""End-to-end integrity (issue 33) between two kvservice processes over NIXL, for any engine pool:
+"""End-to-end integrity between two kvservice processes over NIXL, for any engine pool:
 a byte flipped in a packed staging batch after the sender's checksum (tests/support/faulty_service.py)
 FAILS the transfer naming the checksum and changes no destination page; with the fault gone, the
 retry is DONE and byte-exact. Run on shm pools by test_integrity_procs.py and on VRAM pools by

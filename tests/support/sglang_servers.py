@@ -30,7 +30,7 @@ BUILD_MODEL = ROOT / "clients" / "vllm" / "e2e" / "vllm_instance.py"  # its "bui
 
 __all__ = ["SGLANG_PY", "SglangServer", "build_model", "pd_generate", "require_sglang"]
 
-# SGLang's CPU engine without GPU kernels (issue 48): torch-native attention and sampling, no
+# SGLang's CPU engine without GPU kernels: torch-native attention and sampling, no
 # overlap scheduler, no CUDA graphs; one float32 model, a small pool
 _CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",

@@ -19,7 +19,7 @@ LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=48, total_kv_heads=2, h
 
 def fused_pair(pair: tuple[Any, Any]) -> bool:
     """Whether transfers between the pair's services take the fused route (see conftest.pair)."""
-    return pair[0] is pair[1] or pair[0].app.node.config.same_host_route == "auto"
+    return pair[0] is pair[1] or pair[0].app.node.config.transfer.same_host_route == "auto"
 
 
 def wait_all(client: Client, tid: str, n: int = 1, timeout: float = 10.0) -> list[TransferStatus]:

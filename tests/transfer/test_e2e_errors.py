@@ -194,7 +194,7 @@ def test_a_refused_expect_names_none_of_another_clients_objects(
     pair, make_pool, make_client, landing
 ) -> None:
     """ExpectDelta (or a landing) reusing a transfer id another engine declared: FAILED_PRECONDITION
-    that names the id only, never the other engine's buffer set or session (issue 33 item 4); the
+    that names the id only, never the other engine's buffer set or session; the
     other engine's transfer then completes byte-exact."""
     ln = link(pair, make_pool, make_client)
     intruder, pool = make_client(pair[1]), make_pool(LAYOUT)

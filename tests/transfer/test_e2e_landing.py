@@ -33,8 +33,8 @@ def landing_used(server) -> int:
 
 def footprint(server, bs_id: str, pages: int) -> int:
     """Landing-pool bytes a landing of ``pages`` pages takes (regions aligned)."""
-    from kvservice.landing._arena import Arena
-    from kvservice.landing.declare import region_sizes
+    from kvservice.transfer.landing._arena import Arena
+    from kvservice.transfer.landing.declare import region_sizes
 
     return Arena.footprint(region_sizes(server.app.node.buffers.get(bs_id), pages))
 

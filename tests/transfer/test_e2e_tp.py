@@ -203,7 +203,7 @@ def test_sender_ranks_writing_one_receiver_rank_do_not_clobber_each_other(
 
 @pytest.mark.parametrize("heads,p,d", [(4, 2, 1), (4, 1, 2), (2, 4, 2)])
 def test_mixed_tp_landing_then_claim(pair, make_pool, make_client, heads, p, d) -> None:
-    """Issue 31 across TP sizes: every receiver rank lands its head slices (LANDED), then claims
+    """Landing across TP sizes: every receiver rank lands its head slices (LANDED), then claims
     them into its pages; each rank holds exactly its heads of the delta pages."""
     sa, sb = pair
     tid = f"land-tp-{heads}-{p}-{d}"

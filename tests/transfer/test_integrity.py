@@ -1,4 +1,4 @@
-"""End-to-end integrity (transfer/integrity.py, issue 33): the sender's checksum rides behind its
+"""End-to-end integrity (transfer/integrity.py): the sender's checksum rides behind its
 pack; the receiver's verdict gates its unpack, so a corrupted batch changes no page and fails the
 transfer naming the batch, and a clean one lands byte-exact. ``backend="triton"`` is the GPU's
 path (the checksum launched, the unpack kernel reading the verdict on the device), run here by

@@ -1,4 +1,4 @@
-"""End-to-end integrity across service processes on CPU (issue 33): two ``kvservice`` processes
+"""End-to-end integrity across service processes on CPU: two ``kvservice`` processes
 over NIXL (UCX on DRAM, the cross-node route), shm pools in engine processes; a packed batch
 corrupted after the sender's xxh3 (tests/support/faulty_service.py) fails the transfer and changes no
 page, the retry lands byte-exact. tests/gpu/test_gpu_integrity.py runs the same on VRAM pools."""

@@ -1,4 +1,4 @@
-"""Only a transfer's parties act on it (issue 33), as attacks: a peer-token holder that is not
+"""Only a transfer's parties act on it, as attacks: a peer-token holder that is not
 the sender, a forged commit of pages no data reached, a corrupted staging batch with integrity
 on. After each, the victim's transfer completes byte for byte."""
 

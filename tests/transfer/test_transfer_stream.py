@@ -18,7 +18,7 @@ LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=16, total_kv_heads=2, h
 @pytest.fixture
 def node(make_server, make_pool, make_client):  # type: ignore[no-untyped-def]
     """One service, a sender and a receiver engine with random pools (no native lane: these
-    tests are about the gRPC Transfers stream; tests/lane covers the lane)."""
+    tests are about the gRPC Transfers stream; tests/transfer/lane covers the lane)."""
     server = make_server(transport="loopback", lane=False)
     pa, pb_ = make_pool(LAYOUT), make_pool(LAYOUT)
     fill_random(pa, 1)

@@ -32,7 +32,7 @@ PP sizes (PP-m prefill -> PP-n decode, TP x PP: each stage's TP ranks slice head
 What the service lacks for one transfer per request: a chunk naming a layer range
 (``SendDelta.layer_begin/layer_end``: a 2-D chunk, pages x layers) and a stream that ends when
 every (page run, layer range) of the delta arrived. That change is in the data plane
-(``kvservice/transfer``, ``kvservice/lane/csrc``); see clients/vllm/README.md, "Layer-wise".
+(``kvservice/transfer``, ``kvservice/transfer/lane/csrc``); see clients/vllm/README.md, "Layer-wise".
 """
 
 from __future__ import annotations

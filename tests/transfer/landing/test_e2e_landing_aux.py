@@ -29,8 +29,8 @@ def landing_used(server) -> int:
 
 def footprint(server, bs_id: str, pages: int, aux: dict[str, int] | None = None) -> int:
     """Landing-pool bytes a landing of ``pages`` pages and ``aux`` rows takes (regions aligned)."""
-    from kvservice.landing._arena import Arena
-    from kvservice.landing.declare import aux_sizes, region_sizes
+    from kvservice.transfer.landing._arena import Arena
+    from kvservice.transfer.landing.declare import aux_sizes, region_sizes
 
     bs = server.app.node.buffers.get(bs_id)
     rows = {n: np.arange(k) for n, k in (aux or {}).items()}

@@ -9,7 +9,7 @@ C++ compiler builds it (CI, CPU hosts, the image). Where it goes, first match:
    builds it there at image build time; read-only at run time is fine: a built module is
    imported, never rebuilt, and no compiler is needed;
 2. the JIT cache (``kvservice_client.jit_cache.cache_root()/native/<tag>``), built on first use
-   (~20 s on a 2-core VM; ``python -m kvservice.lane.native`` builds it ahead, as setup does),
+   (~20 s on a 2-core VM; ``python -m kvservice.transfer.lane.native`` builds it ahead, as setup does),
    unless ``$KVSERVICE_NATIVE_DIR`` is set and writable: then it is built there.
 
 ``<tag>`` hashes the source, the Python ABI and torch's version, so a change rebuilds.
@@ -101,14 +101,14 @@ def load() -> ModuleType:
         if pre and (path := _built(Path(pre) / tag)) is not None:
             _mod = _import(path)
             return _mod
-        # The prebuilt dir is also where `python -m kvservice.lane.native` builds (the image's build
+        # The prebuilt dir is also where `python -m kvservice.transfer.lane.native` builds (the image's build
         # step); one that this uid cannot write (the image at run time, a read-only root) is not.
         out = Path(pre) / tag if pre and _writable(Path(pre)) else _build_dir()
         if (path := _built(out)) is not None:
             _mod = _import(path)
             return _mod
         try:
-            from ..native_build import compile_extension
+            from ...native_build import compile_extension
 
             _mod = compile_extension(
                 _NAME,
@@ -136,7 +136,7 @@ def nixl_capi_path() -> str | None:
     return None
 
 
-if __name__ == "__main__":  # python -m kvservice.lane.native: build ahead of the first service start
+if __name__ == "__main__":  # python -m kvservice.transfer.lane.native: build ahead of the first service start
     logging.basicConfig(level=logging.INFO)
     try:
         print(f"native lane: {load().__file__}")

@@ -19,8 +19,8 @@ import copy
 
 import torch
 
-from ..errors import ResourceExhausted
-from ..staging import RangeAllocator
+from ...errors import ResourceExhausted
+from ...staging import RangeAllocator
 
 __all__ = ["ALIGN", "Arena"]
 

@@ -35,7 +35,7 @@ from .cross_out import CrossOut
 from .cross_slots import Arena, Slots, geometry_signature, slot_bytes
 
 if TYPE_CHECKING:
-    from ..transfer.engine import TransferEngine
+    from ..engine import TransferEngine
     from ._native_api import NativeLane
 
 __all__ = ["CANCELLED", "CrossBook", "Slots", "geometry_signature", "slot_bytes"]

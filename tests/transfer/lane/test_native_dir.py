@@ -10,14 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvservice.lane import native
+from kvservice.transfer.lane import native
 
 # Runs in a fresh interpreter (a pybind11 module loads once per process): the prebuilt dir is
 # read-only as in the image, and building anywhere but `may_build` fails the test.
 _PROBE = """
 import sys
 from pathlib import Path
-from kvservice.lane import native
+from kvservice.transfer.lane import native
 may_build = sys.argv[1]
 native._writable = lambda d: False
 def no_build():

@@ -33,21 +33,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 from kvservice_client import lane_wire
 
-from ..errors import FailedPrecondition, KVServiceError
-from ..identity import LOCAL_PEER
-from ..kernels.heads import plan_heads
+from ...errors import FailedPrecondition, KVServiceError
+from ...identity import LOCAL_PEER
+from ...kernels.heads import plan_heads
 from .finalize import Finalizer, booking
 from .geometry import head_geometry, heads_overlap, layout_signature, row_table, unit_signature
 
 if TYPE_CHECKING:
     from kvservice_client import Layout
 
-    from ..buffers.registry import BufferSet
-    from ..kernels.heads import HeadRoute
-    from ..transfer.engine import TransferEngine
-    from ..transfer.peers import PeerClient
-    from ..transfer.receiver import Incoming
-    from ..transfer.records import Record
+    from ...buffers.registry import BufferSet
+    from ...kernels.heads import HeadRoute
+    from ..engine import TransferEngine
+    from ..peers import PeerClient
+    from ..receiver import Incoming
+    from ..records import Record
     from ._native_api import NativeLane
     from ._plan_api import LanePlan
     from .cross import CrossBook
@@ -226,7 +226,7 @@ class LaneBook(NoLane):
         engine's send falls back to the gRPC route)."""
         from kvservice_client import cuda_ipc
 
-        from ..buffers.memory import alias_addresses
+        from ...buffers.memory import alias_addresses
 
         by_gpu: dict[int, list[BufferSet]] = {}
         for p in self.pools.values():

@@ -262,7 +262,7 @@ def test_a_delta_above_half_the_staging_streams_through_the_lane(make_server: An
 
 
 def test_slot_bytes_one_write_or_half_the_staging() -> None:
-    from kvservice.lane.cross import slot_bytes
+    from kvservice.transfer.lane.cross import slot_bytes
 
     assert slot_bytes(4, 1000, 10_000) == 4000  # fits in half: the delta, one WRITE
     assert slot_bytes(6, 1000, 10_000) == 5000  # streams through half the staging
@@ -271,7 +271,7 @@ def test_slot_bytes_one_write_or_half_the_staging() -> None:
 
 
 def test_slots_first_fit_and_coalescing() -> None:
-    from kvservice.lane.cross import Slots
+    from kvservice.transfer.lane.cross import Slots
 
     s = Slots(16 * 4096)
     a, b, c = s.take(4096), s.take(5000), s.take(4096)
@@ -341,7 +341,7 @@ def test_tp2_to_tp2_each_rank_lands_in_its_own_rank(make_server: Any, tmp_path: 
 def test_a_peer_lane_of_another_wire_version_is_not_paired(nodes: Nodes) -> None:
     """A rolling upgrade: metadata without this lane's version tag pairs with nothing (the
     peer's transfers take gRPC), and the proper one pairs again."""
-    from kvservice.lane.cross import WIRE
+    from kvservice.transfer.lane.cross import WIRE
 
     cb = nodes.cross(1)
     md = nodes.cross(0).metadata()

@@ -1,6 +1,6 @@
 // The lane's wire format: engine <-> service (SEND, SEND_TO, REPLY, END) and the cross-node lane's
 // NIXL notifications between two services. Python's side: kvservice_client's lane_wire.py and
-// kvservice/lane/cross.py (the note format).
+// kvservice/transfer/lane/cross.py (the note format).
 #pragma once
 
 #include <time.h>
@@ -10,7 +10,7 @@
 
 namespace kvlane {
 
-// ---- wire format (little endian; documented in kvservice/lane/wire.py) -------------------------
+// ---- wire format (little endian; documented in clients/python/kvservice_client/lane_wire.py) -------------------------
 enum : uint32_t { MSG_SEND = 1, MSG_REPLY = 2, MSG_END = 3, MSG_SEND_TO = 4, MSG_CALL = 5 };
 // FALLBACK: make the call over gRPC. A later chunk of a transfer the lane has: INVALID, the chunk
 // is refused and nothing changed (the transfer goes on: INVALID_ARGUMENT); REFUSED, the transfer

@@ -20,13 +20,14 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from ..errors import KVServiceError
+from ...errors import KVServiceError
+from ...peers_allow import check_peer_address
 from ._native_api import NativeLane
 from .book import CallHandler, LaneBook, NoLane
 
 if TYPE_CHECKING:
-    from ..node import Node
-    from ..transfer.engine import TransferEngine
+    from ...sessions import SessionRegistry
+    from ..engine import TransferEngine
     from .listener import LaneListener
 
 __all__ = ["LaneBook", "NoLane", "RunningLane", "start"]
@@ -44,8 +45,7 @@ class RunningLane:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.native.completion_fd())
         self.listener.close()
-        engine.lane = NoLane()
-        engine.peers.me.lane = None
+        engine.detach_lane()
         self.native.stop()
         if self.book.cross is not None:
             self.book.cross.log_trace()  # what the stopped threads timed last
@@ -53,25 +53,28 @@ class RunningLane:
 
 
 async def start(
-    node: Node, uds_path: str, self_addresses: list[str], calls: CallHandler | None = None
+    engine: TransferEngine,
+    sessions: SessionRegistry,
+    uds_path: str,
+    self_addresses: list[str],
+    calls: CallHandler | None = None,
 ) -> RunningLane | None:
-    """Build/load the native module (in a thread), listen on ``<uds_path>.lane`` and put the
-    book on the transfer engine; None (logged) when the lane cannot run here. ``calls``: the
+    """Build/load the native module (in a thread), listen on ``<uds_path>.lane`` and attach the
+    book to the transfer engine; None (logged) when the lane cannot run here. ``calls``: the
     handler of the engines' CALLs (ExpectDelta on the lane; none: they go over gRPC)."""
     from kvservice_client.lane_wire import lane_path
 
     from . import native
     from .listener import LaneListener
 
-    engine = node.transfers
     try:
         mod = await asyncio.to_thread(native.load)
     except native.LaneUnavailable as exc:
         log.warning("native lane off: %s; same-node transfers use gRPC only", exc)
         return None
-    cfg = node.config
+    cfg = engine.config
     lane = mod.Lane()
-    from ..buffers import guard
+    from ...buffers import guard
 
     if (g := guard.get()) is not None:  # the lane's copies fail a pool whose memory shrank
         lane.set_guard(*g.addresses())
@@ -95,28 +98,21 @@ async def start(
             cfg.tuning.lane_cross_stream,
             cfg.tuning.lane_cross_gpu_mb,
         )
-        engine.peers.me.lane = book
-        # handshakes made before this point carried no lane metadata either way: our peers see a
-        # new epoch in our plans and handshake again; our own clients do at their next use
-        engine.metadata_epoch += 1
-        engine.peers.stale()
-    for bs in node.buffers.all():
-        book.add_pool(bs)
-    engine.lane = book
-    node.sessions.on_close(book.drop_session)
+    engine.attach_lane(book)
+    sessions.on_close(book.drop_session)
     if calls is not None:
         book.serve_calls(calls)
     allowed = []  # the lane aims only at this service: listed when peer_allowlist lets SendDelta aim here
     for address in self_addresses:
         try:
-            node.check_peer_address(address)
+            check_peer_address(address, cfg.security.peer_allowlist_entries)
             allowed.append(address)
         except KVServiceError:
             pass
     listener = LaneListener(
         lane_path(uds_path),
         cfg.listen.uds_mode_int,
-        node.sessions,
+        sessions,
         cfg.security.allowed_uid_set,
         lane,
         allowed,
@@ -132,7 +128,7 @@ async def start(
 
 # NOTE: on the GPU host a thread asleep in poll/epoll woke ~50-80 µs after its packet: the
 # lane's thread for a SEND, an engine's waiter for its END, 4-7% of a 2 GiB copy each
-# (bench/results/NOTES.md, 2026-11-28 fifth and 2026-11-29 second sessions). The lane's thread
+# (measured on an H200: bench/run.py gpu). The lane's thread
 # keeps polling 5 ms after a message (a quiet service costs nothing; a busy one a core), and so
 # do its bulk thread after an offer and an engine's waiter (a 2 GiB cross-node transfer on one
 # GPU takes ~4 ms).
@@ -164,7 +160,7 @@ def _init_cuda(lane: NativeLane) -> bool:
             return False
     except ImportError:
         return False
-    from ..kernels import aot
+    from ...kernels import aot
     from .native import LIBCUDA
 
     caps = (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))

@@ -10,10 +10,10 @@ import torch
 from kvservice_client import Layout
 
 from kvservice.buffers import AuxBuffer, BufferSet, MappedRegion
-from kvservice.landing import LandingPool
-from kvservice.landing._arena import ALIGN, Arena
-from kvservice.landing.declare import region_sizes
-from kvservice.landing.pool import Landing, Part
+from kvservice.transfer.landing import LandingPool
+from kvservice.transfer.landing._arena import ALIGN, Arena
+from kvservice.transfer.landing.declare import region_sizes
+from kvservice.transfer.landing.pool import Landing, Part
 
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=16, total_kv_heads=2, head_dim=8, dtype="float16")
 

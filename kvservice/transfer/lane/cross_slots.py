@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..buffers.registry import BufferSet
+    from ...buffers.registry import BufferSet
 
 __all__ = ["ALIGN", "Arena", "Slots", "geometry_signature", "slot_bytes", "unit_geometry_signature"]
 

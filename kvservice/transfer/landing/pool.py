@@ -25,9 +25,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .. import kernels
-from ..buffers import BufferSet
-from ..staging import RangeAllocator
+from ... import kernels
+from ...buffers import BufferSet
+from ...staging import RangeAllocator
 from ._arena import Arena
 from .declare import aux_sizes, landing_view, region_sizes
 

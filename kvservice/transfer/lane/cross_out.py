@@ -14,13 +14,13 @@ import numpy as np
 import numpy.typing as npt
 from kvservice_client import Layout, lane_wire
 
-from ..errors import FailedPrecondition
+from ...errors import FailedPrecondition
 from .geometry import row_table
 
 if TYPE_CHECKING:
-    from ..transfer.engine import TransferEngine
-    from ..transfer.peers import PeerClient
-    from ..transfer.records import Record
+    from ..engine import TransferEngine
+    from ..peers import PeerClient
+    from ..records import Record
     from ._native_api import Completion, NativeLane
     from ._plan_api import LanePlan
     from .book import LaneBook
@@ -137,7 +137,7 @@ class CrossOut:
                 self._forget_out(transfer_id, rank)
 
     def _record(self, tid: str, bs_id: str, session_id: str) -> Record:
-        from ..transfer.records import Record
+        from ..records import Record
 
         rec = self._recs.pop((tid, bs_id), None)
         if rec is None:

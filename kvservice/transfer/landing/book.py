@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import (
+from ...errors import (
     AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
@@ -33,12 +33,12 @@ from ..errors import (
     NotFound,
     ResourceExhausted,
 )
-from ..transfer.receiver import Incoming
-from ..transfer.records import Record
+from ..receiver import Incoming
+from ..records import Record
 from .pool import Landing, LandingPool, LandingStats
 
 if TYPE_CHECKING:
-    from ..transfer.engine import TransferEngine
+    from ..engine import TransferEngine
 
 __all__ = ["Entry", "LandingBook", "LandedMatch"]
 

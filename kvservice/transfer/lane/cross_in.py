@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import FailedPrecondition, KVServiceError
+from ...errors import FailedPrecondition, KVServiceError
 from .cross_slots import Arena, geometry_signature, slot_bytes, unit_geometry_signature
 from .geometry import row_table
 
 if TYPE_CHECKING:
-    from ..buffers.registry import BufferSet
-    from ..transfer.engine import TransferEngine
-    from ..transfer.receiver import Incoming
+    from ...buffers.registry import BufferSet
+    from ..engine import TransferEngine
+    from ..receiver import Incoming
     from ._native_api import NativeLane
     from ._plan_api import LanePlan
 
@@ -178,7 +178,7 @@ class CrossIn:
             self.n_failed += 1
             await e.fail_incoming(inc, KVServiceError(f"cross-node lane: {error}"))
             return
-        from ..transfer.values import Commit
+        from ..values import Commit
 
         lay = inc.bs.layout
         n = int(inc.dst_pages.size)

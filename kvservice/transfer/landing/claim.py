@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..buffers import BufferSet
-from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, KVServiceError
-from ..kernels import KVRegions, _fused_cpu
-from ..kernels.fused import copy_pages, fused_nbytes
-from ..kernels.streams import run_on_device
-from ..transfer.plan import src_pages_array
-from ..transfer.receiver import Incoming
-from ..transfer.records import Record
-from ..transfer.requests import check_aux
+from ...buffers import BufferSet
+from ...errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, KVServiceError
+from ...kernels import KVRegions, _fused_cpu
+from ...kernels.fused import copy_pages, fused_nbytes
+from ...kernels.streams import run_on_device
+from ..plan import src_pages_array
+from ..receiver import Incoming
+from ..records import Record
+from ..requests import check_aux
 from .book import Entry, LandingBook
 
 if TYPE_CHECKING:
-    from ..transfer.engine import TransferEngine
+    from ..engine import TransferEngine
 
 __all__ = ["claim"]
 

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 from kvservice_client import lane_wire
 
-from ..server.credentials import peer_identity
+from ...identity import socket_identity
 
 if TYPE_CHECKING:
-    from ..sessions import SessionRegistry
+    from ...sessions import SessionRegistry
     from ._native_api import NativeLane
 
 __all__ = ["MAX_CONNS_PER_SESSION", "MAX_PENDING", "LaneListener"]
@@ -133,7 +133,7 @@ class LaneListener:
 
     def refusal(self, conn: socket.socket, session_id: str) -> str:
         """Why this connection may not carry ``session_id``'s transfers, or ''."""
-        who = peer_identity(conn)
+        who = socket_identity(conn)
         if self.allowed_uids is not None and who.uid not in self.allowed_uids:
             return f"uid {who.uid} is not in allowed_uids"
         session = self.sessions.find(session_id)

@@ -24,8 +24,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..buffers import AuxBuffer, BufferSet, MappedRegion
-from ..errors import InvalidArgument
+from ...buffers import AuxBuffer, BufferSet, MappedRegion
+from ...errors import InvalidArgument
 
 __all__ = ["aux_sizes", "landing_aux_rows", "landing_dst", "landing_view", "region_sizes"]
 

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import Aborted, KVServiceError
+from ...errors import Aborted, KVServiceError
 from .cross_in import CANCELLED
 
 if TYPE_CHECKING:
-    from ..buffers.registry import BufferSet
-    from ..transfer.receiver import Incoming
-    from ..transfer.sender import Outgoing
+    from ...buffers.registry import BufferSet
+    from ..receiver import Incoming
+    from ..sender import Outgoing
     from ._native_api import Completion
     from .book import LaneBook
 
@@ -142,8 +142,8 @@ class Finalizer:
         same-node send of a copy already made (records, commit, DONE, index, metrics); with
         ``final`` its last chunk, or its failure (``told``: which ranks heard their END with it:
         their last sender)."""
-        from ..transfer.records import Record
-        from ..transfer.sender import Chunk, Outgoing
+        from ..records import Record
+        from ..sender import Chunk, Outgoing
 
         e = self.e
         key = (tid, bs_id)
@@ -216,7 +216,7 @@ class Finalizer:
         bs_id: str,
     ) -> None:
         """A stream that failed (``out``: its sending side, when chunks of it were booked)."""
-        from ..transfer.records import Record
+        from ..records import Record
 
         e = self.e
         if error == CANCELLED:  # the receiver ended it mid-stream: its own end is being booked

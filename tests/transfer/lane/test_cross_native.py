@@ -23,7 +23,7 @@ NO_ROWS, NO_PAGES = np.zeros((0, 4), dtype=np.uint64), np.zeros(0, dtype=np.uint
 
 class Pair:
     def __init__(self, pages: int = P) -> None:
-        from kvservice.lane import native
+        from kvservice.transfer.lane import native
 
         m = native.load()
         cap = native.nixl_capi_path()
@@ -305,7 +305,7 @@ def test_a_small_send_is_not_held_up_behind_a_streaming_one(pair: Pair) -> None:
 def test_the_chunks_timeline_is_logged_at_debug_only(caplog: pytest.LogCaptureFixture) -> None:
     """CrossBook.log_trace: one "lane chunk" DEBUG line per timed chunk (what bench_transfer
     --timeline reads); nothing is taken from the lane when DEBUG is off."""
-    from kvservice.lane.cross import CrossBook
+    from kvservice.transfer.lane.cross import CrossBook
 
     class Native:
         def __init__(self) -> None:
@@ -320,10 +320,10 @@ def test_the_chunks_timeline_is_logged_at_debug_only(caplog: pytest.LogCaptureFi
 
     book = CrossBook.__new__(CrossBook)
     book.n = Native()
-    with caplog.at_level(logging.INFO, logger="kvservice.lane.cross"):
+    with caplog.at_level(logging.INFO, logger="kvservice.transfer.lane.cross"):
         book.log_trace()
     assert not caplog.records and len(book.n.rows) == 2
-    with caplog.at_level(logging.DEBUG, logger="kvservice.lane.cross"):
+    with caplog.at_level(logging.DEBUG, logger="kvservice.transfer.lane.cross"):
         book.log_trace()
     got = [(r.side, r.first, r.bytes, r.t) for r in caplog.records if r.getMessage() == "lane chunk"]
     assert got == [("send", 0, 2048, [1.0, 2.0, 3.0, 4.0, 5.0]), ("recv", 0, 2048, [4.5, 5, 6, 7])]

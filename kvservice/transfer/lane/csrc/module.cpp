@@ -1,4 +1,4 @@
-// The Python module (kvservice/lane/native.py builds it): the Lane's methods, numpy arrays in and
+// The Python module (kvservice/transfer/lane/native.py builds it): the Lane's methods, numpy arrays in and
 // out. The only file that includes pybind11; calls that may block on a lock the lane's threads hold
 // release the GIL.
 #include <pybind11/numpy.h>
@@ -96,7 +96,7 @@ py::bytes local_md(Lane& lane) {
   return py::bytes(md);
 }
 
-// Each completion as the tuple kvservice/lane/book.py reads.
+// Each completion as the tuple kvservice/transfer/lane/book.py reads.
 py::list drain(Lane& lane) {
   py::list out;
   for (auto& c : lane.drain()) {
@@ -129,7 +129,7 @@ py::list take_trace(Lane& lane) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvservice native lane: per-transfer path without the GIL (kvservice/lane)";
+  m.doc() = "kvservice native lane: per-transfer path without the GIL (kvservice/transfer/lane)";
   py::class_<Lane>(m, "Lane")
       .def(py::init<>())
       .def("stop", &Lane::stop, Release())
