@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["LIBCUDA", "LaneUnavailable", "load", "nixl_capi_path"]
+__all__ = ["LIBCUDA", "LaneUnavailable", "load", "main", "nixl_capi_path"]
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
@@ -136,10 +136,16 @@ def nixl_capi_path() -> str | None:
     return None
 
 
-if __name__ == "__main__":  # python -m kvservice.transfer.lane.native: build ahead of the first service start
+def main() -> int:
+    """``python -m kvservice.transfer.lane.native``: build ahead of the first service start."""
     logging.basicConfig(level=logging.INFO)
     try:
         print(f"native lane: {load().__file__}")
     except LaneUnavailable as exc:
         print(f"native lane unavailable: {exc}", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
