@@ -14,7 +14,7 @@ from kvservice_client.contract import BEARER_METADATA_KEY
 from kvservice_client.proto import kvservice_pb2 as pb
 from kvservice_client.proto import kvservice_pb2_grpc
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, KVServiceError
 from ..identity import certificate_identity
 from ..node import Node
 from ..ops import AdminPolicy, PeerRtts, RecentTransfers
@@ -222,33 +222,39 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
         engine = self.node.transfers
         which = request.WhichOneof("publish")
         landing = request.landing if request.HasField("landing") else None
-        inc = build_incoming(
-            engine,
-            session_id,
-            transfer_id=request.transfer_id,
-            buffer_set_id=request.buffer_set_id,
-            prefix_pages=request.prefix_pages,
-            dst_page_indices=request.dst_page_indices,
-            aux=convert.aux_rows(request.aux),
-            expected_senders=request.expected_senders,
-            deadline_ms=request.deadline_ms,
-            publish_tokens=convert.token_ids(request.publish_tokens, "publish_tokens")
-            if which == "publish_tokens"
-            else None,
-            publish_hashes=np.asarray(request.publish_hashes.hashes, dtype=np.uint64)
-            if which == "publish_hashes"
-            else None,
-            prefix_page_indices=request.prefix_page_indices,
-            allowed_senders=request.allowed_senders,
-            landing_pages=landing.pages if landing is not None else None,
-            landing_aux=convert.landing_aux(landing.aux) if landing is not None else None,
-        )
-        if request.from_tier:
-            await self.node.tier.source_from_tier(inc)
-        if landing is not None:
-            rec = await engine.landing.expect(inc, landing.ttl_ms, request.sender_address)
-        else:
-            rec = await engine.expect(inc, request.sender_address)
+        try:
+            inc = build_incoming(
+                engine,
+                session_id,
+                transfer_id=request.transfer_id,
+                buffer_set_id=request.buffer_set_id,
+                prefix_pages=request.prefix_pages,
+                dst_page_indices=request.dst_page_indices,
+                aux=convert.aux_rows(request.aux),
+                expected_senders=request.expected_senders,
+                deadline_ms=request.deadline_ms,
+                publish_tokens=convert.token_ids(request.publish_tokens, "publish_tokens")
+                if which == "publish_tokens"
+                else None,
+                publish_hashes=np.asarray(request.publish_hashes.hashes, dtype=np.uint64)
+                if which == "publish_hashes"
+                else None,
+                prefix_page_indices=request.prefix_page_indices,
+                allowed_senders=request.allowed_senders,
+                landing_pages=landing.pages if landing is not None else None,
+                landing_aux=convert.landing_aux(landing.aux) if landing is not None else None,
+            )
+            if request.from_tier:
+                await self.node.tier.source_from_tier(inc)
+            if landing is not None:
+                rec = await engine.landing.expect(inc, landing.ttl_ms, request.sender_address)
+            else:
+                rec = await engine.expect(inc, request.sender_address)
+        except KVServiceError as exc:
+            # a sender that came first (the engine posted its room beside the declaration)
+            # learns why now, not at its deadline
+            engine.receiver.refuse(request.transfer_id, request.sender_address, exc.message)
+            raise
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 
     async def lane_call(self, kind: int, session_id: str, request_id: str, body: bytes) -> bytes:

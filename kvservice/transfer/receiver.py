@@ -14,6 +14,7 @@ sender may bind to a declaration, and prove it at each commit, is ``sender_bindi
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import secrets
 import time
@@ -140,6 +141,10 @@ def routes_for(src: Layout, dst_tp: int) -> list[HeadRoute]:
     return [r for r in plan_heads(src.total_kv_heads, src.tp_size, dst_tp) if r.src_rank == src.tp_rank]
 
 
+REFUSED_KEEP_S = 60.0  # how long a refused declaration answers its sender's plan request
+REFUSED_MAX = 4096
+
+
 class Receiver:
     """All declarations of this service; every method runs on the event loop."""
 
@@ -152,6 +157,8 @@ class Receiver:
         # every pending plan woke all of them at each ExpectDelta (a herd under many senders).
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self.senders = SenderBinding(table)  # who may send each declaration (offer, bind, check)
+        # refused declarations: transfer_id -> (the sender they named, why, until when)
+        self._refused: collections.OrderedDict[str, tuple[str, str, float]] = collections.OrderedDict()
 
     # -- ExpectDelta -------------------------------------------------------------------------
     async def expect(self, inc: Incoming) -> None:
@@ -170,12 +177,40 @@ class Receiver:
                     f"transfer_id: {key[0]!r} is already declared by TP rank {other.bs.layout.tp_rank}/"
                     f"{other.bs.layout.tp_size} (buffer set {other.bs.buffer_set_id})"
                 )
+        self._refused.pop(key[0], None)  # declared after all (a retry): its senders may bind
         self.incoming[key] = inc
         self._by_tid.setdefault(key[0], {})[key[1]] = inc
         self.table.add(inc.rec)
         for fut in self._waiters.pop(key[0], ()):
             if not fut.done():
                 fut.set_result(None)
+
+    def refuse(self, transfer_id: str, sender_address: str, why: str) -> None:
+        """An ExpectDelta of ``transfer_id`` naming ``sender_address`` ("": none, so any sender
+        could have fetched its plan) was refused (``why``) and no rank declared it: that sender's
+        plan request, which may be waiting already (an engine may post its room before the
+        declaration), fails now with the reason instead of at its deadline (``plans``). Kept
+        ``REFUSED_KEEP_S`` (at most ``REFUSED_MAX`` of them); a later declaration clears it."""
+        if not transfer_id or self.of(transfer_id):
+            return
+        self._refused[transfer_id] = (sender_address, why, time.monotonic() + REFUSED_KEEP_S)
+        self._refused.move_to_end(transfer_id)
+        while len(self._refused) > REFUSED_MAX:
+            self._refused.popitem(last=False)
+        for fut in self._waiters.pop(transfer_id, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def _refusal(self, transfer_id: str, sender_address: str) -> str | None:
+        """Why ``transfer_id``'s declaration was refused, if it named ``sender_address`` or no
+        sender (None: not refused, another sender named, or forgotten)."""
+        hit = self._refused.get(transfer_id)
+        if hit is None:
+            return None
+        if hit[2] < time.monotonic():
+            del self._refused[transfer_id]
+            return None
+        return hit[1] if hit[0] in ("", sender_address) else None
 
     def of(self, transfer_id: str) -> list[Incoming]:
         """The declarations of ``transfer_id`` (every rank), in O(their number)."""
@@ -213,6 +248,11 @@ class Receiver:
             return [(by_rank[r.dst_rank], r) for r in wanted]
 
         while (found := ready()) is None:
+            why = None if self.of(transfer_id) else self._refusal(transfer_id, sender_address)
+            if why is not None:
+                raise FailedPrecondition(
+                    f"transfer_id: the receiver refused the declaration of {transfer_id!r}: {why}"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NotFound(f"transfer_id: receiver never declared {transfer_id!r} (waited {wait_s:.3f}s)")

@@ -4,6 +4,7 @@
               ├─ ExpectDelta(dst = kv_indices: the pages past decode_prefix_len, aux row,
               │              sender_address = the prefill's kvservice, GET /service)
               └─ PUT /room/<room> {peer: its kvservice, decode_prefix_len}: the prefill may send
+                 (beside the ExpectDelta: the prefill computes while the decode declares)
 
 Landing option (``SGLANG_KVSERVICE_LANDING_TTL_MS`` > 0), so the prefill need not wait for the
 decode's allocation (seed 002's pre-allocation queue)::
@@ -147,20 +148,33 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
             prefill: PrefillService = await asyncio.wrap_future(sender)  # only it may fetch the plan
             if mgr.layerwise(prefill):
                 return await self._declare_layers(pages, prefix_len, aux, prefill.peer)
-            st = await mgr.on_session(
-                lambda bs: kv.expect_delta(
-                    tid,
-                    bs,
-                    prefix_pages=prefix_len // mgr.page_size,  # the prefill sends from there on
-                    dst_page_indices=pages,
-                    aux=aux,
-                    deadline_ms=mgr.deadline_ms,
-                    sender_address=prefill.peer,
+            # NOTE: the room is posted beside the declaration, not after it: the prefill computes
+            # while this service declares (and offers the plan). Its SendDelta waits for the plan;
+            # a refused declaration fails it at once with the reason (the service answers its
+            # plan request), a post the prefill refused aborts the declaration below.
+            posting = None  # landing option: the room is posted already (the prefill sends from 0)
+            if not self._posted:
+                body = {"peer": mgr.peer_address, "decode_prefix_len": prefix_len}
+                posting = asyncio.ensure_future(self._put_room(body))
+            try:
+                st = await mgr.on_session(
+                    lambda bs: kv.expect_delta(
+                        tid,
+                        bs,
+                        prefix_pages=prefix_len // mgr.page_size,  # the prefill sends from there on
+                        dst_page_indices=pages,
+                        aux=aux,
+                        deadline_ms=mgr.deadline_ms,
+                        sender_address=prefill.peer,
+                    )
                 )
-            )
-            if self._posted:  # landing option: the room is posted already (the prefill sends from 0)
-                return st  # type: ignore[no-any-return]
-            await self._post({"peer": mgr.peer_address, "decode_prefix_len": prefix_len}, [tid])
+            except BaseException:
+                if posting is not None:
+                    await asyncio.wait([posting])
+                raise
+            refused = await posting if posting is not None else ""
+            if refused:
+                await abort_all(self.mgr.bg, [tid], refused)
             return st  # type: ignore[no-any-return]
 
         self.fut = mgr.bg.transfer(tid, declare, mgr.deadline_ms)
@@ -183,14 +197,20 @@ class KVServiceReceiver(RoomTransfer, BaseKVReceiver):
     async def _post(self, body: dict[str, Any], tids: list[str]) -> None:
         """PUT the room at the prefill's bootstrap server (now the prefill may send); refused or
         unreachable: the declared transfers are aborted with the reason."""
+        refused = await self._put_room(body)
+        if refused:
+            await abort_all(self.mgr.bg, tids, refused)
+
+    async def _put_room(self, body: dict[str, Any]) -> str:
+        """PUT the room at the prefill's bootstrap server: "" once it took it, else why not."""
         try:
             code, _ = await asyncio.to_thread(http_json, "PUT", self.url, body)
             why = f"it answered {code}"
         except OSError as exc:
             code, why = 0, str(exc)
-        if code != 200:
-            reason = f"the prefill's bootstrap server {self.url} did not take room {self.room}: {why}"
-            await abort_all(self.mgr.bg, tids, reason)
+        if code == 200:
+            return ""
+        return f"the prefill's bootstrap server {self.url} did not take room {self.room}: {why}"
 
     def clear(self) -> None:
         if self._landing is not None and not self._allocated and not self.failed:

@@ -238,6 +238,28 @@ def test_prefill_abort_fails_the_decode_side_too(node) -> None:
         recv.failure_exception()
 
 
+def test_a_refused_declaration_fails_the_prefill_at_once_with_the_reason(node) -> None:
+    """The room goes to the prefill beside the ExpectDelta: when the decode's service refuses
+    the declaration, the prefill (sending already) fails with its reason, not at its deadline."""
+    room = 12
+    recv = KVServiceReceiver(node["md"], node["addr"], room)
+    send = KVServiceSender(node["mp"], node["addr"], room)
+    recv.init(0)
+    before = node["d"].snapshot()
+    recv.send_metadata(np.array([1, PAGES + 3]), aux_index=0, decode_prefix_len=0)  # a page past the pool
+    _until(lambda: send.poll() == KVPoll.WaitingForInput)
+    t0 = time.monotonic()
+    send.init(2, aux_index=0)
+    send.send(np.array([3, 4]))
+    _until(lambda: recv.poll() == KVPoll.Failed)
+    assert "dst_page_indices" in recv.failed, recv.failed
+    _until(lambda: send.poll() == KVPoll.Failed, 10)
+    assert time.monotonic() - t0 < 10  # its deadline: 30 s (SGLANG_KVSERVICE_DEADLINE_MS unset)
+    assert "refused the declaration" in send.failed and "dst_page_indices" in send.failed, send.failed
+    for a, b in zip(node["d"].snapshot(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_dead_decode_peer_fails_the_sender_with_the_reason(node, monkeypatch) -> None:
     room = 10
     monkeypatch.setenv("SGLANG_KVSERVICE_PEER_ADDRESS", "127.0.0.1:1")  # nobody listens there
