@@ -421,9 +421,9 @@ SUITES: dict[str, Suite] = {
             ),
             Goal(
                 SN,
-                "one-page transfers/s, 64 senders >= 2,000",
+                "one-page transfers/s, 64 senders >= 5,000",
                 ("control_same_node",),
-                sustained(2000),
+                sustained(5000),
                 ("control_same_node_grpc",),
             ),
             Goal(
@@ -460,7 +460,7 @@ SUITES: dict[str, Suite] = {
                 ("cross_node_2g_timeline",),
                 stages,
             ),
-            Goal(XN, "one-page transfers/s, 64 senders >= 1,000", ("control_cross_node",), sustained(1000)),
+            Goal(XN, "one-page transfers/s, 64 senders >= 2,500", ("control_cross_node",), sustained(2500)),
         ),
     ),
     "shapes": Suite(
