@@ -14,7 +14,7 @@ from kvservice_client.contract import BEARER_METADATA_KEY
 from kvservice_client.proto import kvservice_pb2 as pb
 from kvservice_client.proto import kvservice_pb2_grpc
 
-from ..errors import InvalidArgument, KVServiceError
+from ..errors import DeadlineExceeded, InvalidArgument, KVServiceError, ResourceExhausted, Unavailable
 from ..identity import certificate_identity
 from ..node import Node
 from ..ops import AdminPolicy, PeerRtts, RecentTransfers
@@ -33,6 +33,8 @@ from .transfer_stream import TransferStream
 __all__ = ["KVServiceServicer"]
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
+
+RETRYABLE = (ResourceExhausted, Unavailable, DeadlineExceeded)  # refusals an engine may try again
 
 
 class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
@@ -252,8 +254,11 @@ class KVServiceServicer(kvservice_pb2_grpc.KVServiceServicer):
                 rec = await engine.expect(inc, request.sender_address)
         except KVServiceError as exc:
             # a sender that came first (the engine posted its room beside the declaration)
-            # learns why now, not at its deadline
-            engine.receiver.refuse(request.transfer_id, request.sender_address, exc.message)
+            # learns why now, not at its deadline; NOTE: not for a landing (a refused one is
+            # received directly: the allocation declares the id next) nor for a refusal the
+            # engine may retry (a full pool, a busy service)
+            if landing is None and not isinstance(exc, RETRYABLE):
+                engine.receiver.refuse(request.transfer_id, request.sender_address, exc.message)
             raise
         return pb.ExpectDeltaResponse(status=convert.transfer_status(rec))
 

@@ -131,3 +131,24 @@ def test_a_refusal_naming_no_sender_answers_any_sender() -> None:
     receiver = _receiver()
     receiver.refuse("x", "", "no")
     assert receiver._refusal("x", "prefill:1") == receiver._refusal("x", "other:2") == "no"
+
+
+def test_a_refusal_the_engine_may_retry_leaves_the_sender_waiting(make_server, make_pool, make_client) -> None:
+    """ResourceExhausted (here the per-session cap): the engine may declare again, so the waiting
+    sender is not failed; the declaration that follows is sent to, DONE."""
+    sa = make_server(transport="loopback", same_host_route="off")
+    sb = make_server(transport="loopback", same_host_route="off", max_transfers_per_session=1)
+    pa, pb = make_pool(LAYOUT), make_pool(LAYOUT)
+    fill_random(pa, 1)
+    ka, kb = make_client(sa), make_client(sb)
+    a = ka.register_buffers(LAYOUT, pa.k_regions, pa.v_regions).buffer_set_id
+    b = kb.register_buffers(LAYOUT, pb.k_regions, pb.v_regions).buffer_set_id
+    sender, peer = sa.app.peer_address, sb.app.peer_address
+    kb.expect_delta("busy", b, prefix_pages=0, dst_page_indices=[0], sender_address=sender)
+    ka.send_delta("r", a, src_page_indices=[1], peer_address=peer, deadline_ms=30_000)
+    with pytest.raises(KVClientError, match="max_transfers_per_session"):
+        kb.expect_delta("r", b, prefix_pages=0, dst_page_indices=[5], sender_address=sender)
+    assert sb.app.node.transfers.receiver._refusal("r", sender) is None
+    kb.abort("busy", "make room")
+    kb.expect_delta("r", b, prefix_pages=0, dst_page_indices=[5], sender_address=sender)
+    assert one(kb, "r").state == one(ka, "r").state == "DONE"
