@@ -181,9 +181,7 @@ class Receiver:
         self.incoming[key] = inc
         self._by_tid.setdefault(key[0], {})[key[1]] = inc
         self.table.add(inc.rec)
-        for fut in self._waiters.pop(key[0], ()):
-            if not fut.done():
-                fut.set_result(None)
+        self._wake(key[0])
 
     def refuse(self, transfer_id: str, sender_address: str, why: str) -> None:
         """An ExpectDelta of ``transfer_id`` naming ``sender_address`` ("": none, so any sender
@@ -191,12 +189,16 @@ class Receiver:
         plan request, which may be waiting already (an engine may post its room before the
         declaration), fails now with the reason instead of at its deadline (``plans``). Kept
         ``REFUSED_KEEP_S`` (at most ``REFUSED_MAX`` of them); a later declaration clears it."""
-        if not transfer_id or self.of(transfer_id):
+        if not transfer_id or transfer_id in self._by_tid:
             return
         self._refused[transfer_id] = (sender_address, why, time.monotonic() + REFUSED_KEEP_S)
         self._refused.move_to_end(transfer_id)
         while len(self._refused) > REFUSED_MAX:
             self._refused.popitem(last=False)
+        self._wake(transfer_id)
+
+    def _wake(self, transfer_id: str) -> None:
+        """Every plan request waiting for ``transfer_id`` looks again (``plans``)."""
         for fut in self._waiters.pop(transfer_id, ()):
             if not fut.done():
                 fut.set_result(None)
@@ -248,7 +250,7 @@ class Receiver:
             return [(by_rank[r.dst_rank], r) for r in wanted]
 
         while (found := ready()) is None:
-            why = None if self.of(transfer_id) else self._refusal(transfer_id, sender_address)
+            why = None if transfer_id in self._by_tid else self._refusal(transfer_id, sender_address)
             if why is not None:
                 raise FailedPrecondition(
                     f"transfer_id: the receiver refused the declaration of {transfer_id!r}: {why}"

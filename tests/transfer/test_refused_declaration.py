@@ -22,8 +22,8 @@ from kvservice.errors import FailedPrecondition, NotFound
 from kvservice.staging import StagingPool
 from kvservice.transfer.receiver import Incoming, Receiver
 from kvservice.transfer.records import Record, TransferTable
-from tests.support.pools import assert_unchanged, fill_random, snapshot
-from tests.support.transfers import one
+from tests.support.pools import assert_unchanged, snapshot
+from tests.support.transfers import link, one
 
 PAGES = 16
 LAYOUT = Layout.mha(num_layers=2, page_size=4, num_pages=PAGES, total_kv_heads=2, head_dim=8, dtype="float16")
@@ -33,13 +33,8 @@ def test_a_sender_waiting_for_a_refused_declaration_fails_at_once_with_the_reaso
     make_server, make_pool, make_client
 ) -> None:
     sa, sb = (make_server(transport="loopback", same_host_route="off") for _ in range(2))
-    pa, pb = make_pool(LAYOUT), make_pool(LAYOUT)
-    fill_random(pa, 1)
-    fill_random(pb, 2)
-    ka, kb = make_client(sa), make_client(sb)
-    a = ka.register_buffers(LAYOUT, pa.k_regions, pa.v_regions).buffer_set_id
-    b = kb.register_buffers(LAYOUT, pb.k_regions, pb.v_regions).buffer_set_id
-    sender, peer = sa.app.peer_address, sb.app.peer_address
+    lk = link((sa, sb), make_pool, make_client, LAYOUT)
+    ka, kb, pb, a, b, peer, sender = lk.ka, lk.kb, lk.pb, lk.a, lk.b, lk.peer, sa.app.peer_address
     before = snapshot(pb)
     t0 = time.monotonic()
     # the prefill first (the room was posted beside the declaration), a 30 s deadline
@@ -133,17 +128,15 @@ def test_a_refusal_naming_no_sender_answers_any_sender() -> None:
     assert receiver._refusal("x", "prefill:1") == receiver._refusal("x", "other:2") == "no"
 
 
-def test_a_refusal_the_engine_may_retry_leaves_the_sender_waiting(make_server, make_pool, make_client) -> None:
+def test_a_refusal_the_engine_may_retry_leaves_the_sender_waiting(
+    make_server, make_pool, make_client
+) -> None:
     """ResourceExhausted (here the per-session cap): the engine may declare again, so the waiting
     sender is not failed; the declaration that follows is sent to, DONE."""
     sa = make_server(transport="loopback", same_host_route="off")
     sb = make_server(transport="loopback", same_host_route="off", max_transfers_per_session=1)
-    pa, pb = make_pool(LAYOUT), make_pool(LAYOUT)
-    fill_random(pa, 1)
-    ka, kb = make_client(sa), make_client(sb)
-    a = ka.register_buffers(LAYOUT, pa.k_regions, pa.v_regions).buffer_set_id
-    b = kb.register_buffers(LAYOUT, pb.k_regions, pb.v_regions).buffer_set_id
-    sender, peer = sa.app.peer_address, sb.app.peer_address
+    lk = link((sa, sb), make_pool, make_client, LAYOUT)
+    ka, kb, a, b, peer, sender = lk.ka, lk.kb, lk.a, lk.b, lk.peer, sa.app.peer_address
     kb.expect_delta("busy", b, prefix_pages=0, dst_page_indices=[0], sender_address=sender)
     ka.send_delta("r", a, src_page_indices=[1], peer_address=peer, deadline_ms=30_000)
     with pytest.raises(KVClientError, match="max_transfers_per_session"):
